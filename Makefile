@@ -1,0 +1,39 @@
+# Both quickstart commands create (or reuse) a local virtualenv and install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Type-check through the import names (the folder `operator/` would shadow the standard library).
+TYPECHECK := build/typecheck
+
+.PHONY: demo test lint typecheck pytest venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[engine,operator,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ember demo
+
+test: $(STAMP)
+	$(MAKE) lint typecheck pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	mkdir -p $(TYPECHECK)
+	ln -sfn ../../engine $(TYPECHECK)/ember_engine
+	ln -sfn ../../operator $(TYPECHECK)/ember_operator
+	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p ember_engine -p ember_operator
+
+pytest: $(STAMP)
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,60 @@
+"""The `ember` command. Subcommands import their heavy dependencies only when they run, so the
+operator image (no torch) can run `ember operator` from the same entry point."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from ember_engine import __version__
+
+
+def _make_test_model(args: argparse.Namespace) -> int:
+    from ember_engine.testmodel import make_test_model
+
+    try:
+        out = make_test_model(args.dir, size=args.size, seed=args.seed, force=args.force)
+    except FileExistsError as exc:
+        print(f"ember make-test-model: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote a {args.size} test checkpoint to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ember", description="ember: LLM serving engine and Kubernetes operator"
+    )
+    parser.add_argument("--version", action="version", version=f"ember {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("make-test-model", help="write a random-weight Llama checkpoint with a real tokenizer")
+    p.add_argument("dir", help="output directory")
+    p.add_argument(
+        "--size", default="tiny", choices=["tiny", "small"], help="tiny (~1.6M params) or small (~57M)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
+    p.set_defaults(func=_make_test_model)
+
+    for register in _SUBCOMMANDS:
+        register(sub)
+    return parser
+
+
+# Later parts of ember add their subcommands here: each takes the subparsers object.
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

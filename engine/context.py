@@ -1,0 +1,35 @@
+"""The batch layout of the forward pass in flight, read by every attention layer.
+
+One global instead of metadata threaded through every module's forward (nano-vllm's choice): the model
+code stays the plain math of the architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    slot_mapping: torch.Tensor  # [N] int64: cache slot of each new token; -1 skips the row
+    query_start_loc: torch.Tensor  # [B+1] int32: sequence i owns rows [q[i], q[i+1])
+    seq_lens: torch.Tensor  # [B] int32: keys per sequence, this step's tokens included
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+_context: ForwardContext | None = None
+
+
+def set_context(context: ForwardContext | None) -> None:
+    global _context
+    _context = context
+
+
+def get_context() -> ForwardContext:
+    if _context is None:
+        raise RuntimeError("no forward context: the model runs only inside ModelRunner")
+    return _context

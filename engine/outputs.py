@@ -1,0 +1,52 @@
+"""What the engine hands back: one RequestOutput per request, one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""  # everything so far
+    token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""  # what this update added
+    delta_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[Logprob] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set when the request was refused
+
+    # The common n == 1 case reads like the sample itself.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.outputs else "error"
+
+    @property
+    def logprobs(self) -> list[Logprob] | None:
+        return self.outputs[0].logprobs if self.outputs else None

@@ -1,0 +1,62 @@
+"""Shared fixtures: test checkpoints built once per session into a cache directory."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET as each @triton.jit decorator runs, so it is set before any test module
+# can import a kernel: without a GPU, Triton kernels run only in its CPU interpreter.
+os.environ["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+import ember_engine.testmodel as testmodel
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("EMBER_TEST_CACHE") or Path.home() / ".cache" / "ember-tests"
+    # Keyed by the generator's source, so a change to it rebuilds the checkpoints.
+    key = hashlib.sha256(Path(testmodel.__file__).read_bytes()).hexdigest()[:12]
+    return Path(root) / key
+
+
+def _checkpoint(size: str) -> Path:
+    path = _cache_root() / size
+    if not (path / "model.safetensors").exists():
+        tmp = path.with_name(f"{size}.tmp{os.getpid()}")
+        testmodel.make_test_model(tmp, size=size, force=True)
+        if path.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            tmp.replace(path)
+    return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _neutral_working_directory(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Run from outside the repository: a `python -m ...` child started in the repository root would find
+    # the folder `operator/` before the standard library's `operator` module.
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return _checkpoint("tiny")
+
+
+@pytest.fixture(scope="session")
+def small_model() -> Path:
+    return _checkpoint("small")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

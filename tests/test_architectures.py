@@ -1,0 +1,92 @@
+"""Each supported architecture, written by transformers itself, decodes exactly as transformers does."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from ember_engine import LLM, SamplingParams
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+COMMON = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+CONFIGS = {
+    "llama3-rope-scaling": lambda: LlamaConfig(**COMMON, rope_scaling=LLAMA3_ROPE),
+    "llama-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    "qwen2-qkv-bias": lambda: Qwen2Config(**COMMON, tie_word_embeddings=False),
+    "qwen3-qk-norm": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),
+}
+
+
+def _save(config, tiny_model: Path, out: Path, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():  # spread the logits so greedy choices are not near-ties
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    # A small shard size forces the sharded layout (model.safetensors.index.json).
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="300KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_model / name, out / name)
+    return model
+
+
+PROMPTS = [[5, 17, 300, 12, 9], list(range(40, 140)), [2000]]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_matches_transformers(name: str, tiny_model: Path, tmp_path: Path) -> None:
+    model = _save(CONFIGS[name](), tiny_model, tmp_path / name)
+    assert (tmp_path / name / "model.safetensors.index.json").exists()
+    expected = []
+    with torch.inference_mode():
+        for p in PROMPTS:
+            out = model.generate(
+                torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            expected.append(out[0, len(p) :].tolist())
+    llm = LLM(str(tmp_path / name), max_num_batched_tokens=48)
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [g.token_ids for g in got] == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_as_accurate_as_transformers(
+    dtype: torch.dtype, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Half precision cannot match exactly; ember's error against float32 arithmetic on the same weights
+    must be no larger than transformers' own half-precision error (with some slack)."""
+    model = _save(CONFIGS["llama-tied"](), tiny_model, tmp_path / "half", dtype=dtype)
+    prompt = PROMPTS[1]
+    with torch.inference_mode():
+        half = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+        truth = torch.log_softmax(model.float()(torch.tensor([prompt])).logits[0, -1], dim=-1)
+    name = str(dtype).removeprefix("torch.")
+    llm = LLM(str(tmp_path / "half"), dtype=name)
+    assert llm.engine.runner.kv_cache.dtype == dtype
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    lp = out.logprobs[0]  # type: ignore[index]
+    assert lp.token_id == int(truth.argmax())
+    tokens = [t for t, _ in lp.top]
+    ours = torch.tensor([v for _, v in lp.top])
+    our_err = (ours - truth[tokens]).abs().max().item()
+    their_err = (half[tokens] - truth[tokens]).abs().max().item()
+    assert our_err <= 2 * their_err + 0.02, (our_err, their_err)

@@ -1,0 +1,49 @@
+"""The `ember` command: version, usage errors, make-test-model's refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ember_engine.cli import main
+
+EMBER = [sys.executable, "-c", "import sys; from ember_engine.cli import main; sys.exit(main())"]
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*EMBER, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == "ember 0.1.0"
+
+
+def test_unknown_arguments_print_usage_and_exit_2() -> None:
+    result = run("--no-such-flag")
+    assert result.returncode == 2
+    assert "usage: ember" in result.stderr
+
+
+def test_unknown_size_names_the_valid_ones(tmp_path: Path) -> None:
+    result = run("make-test-model", str(tmp_path / "m"), "--size", "huge")
+    assert result.returncode == 2
+    assert "tiny" in result.stderr and "small" in result.stderr
+
+
+def test_make_test_model_refuses_non_empty_dir_unless_forced(tmp_path: Path) -> None:
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / "keep.txt").write_text("precious")
+    result = run("make-test-model", str(target))
+    assert result.returncode == 1
+    assert "not empty" in result.stderr and "--force" in result.stderr
+    assert (target / "keep.txt").read_text() == "precious"
+    forced = run("make-test-model", str(target), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert not (target / "keep.txt").exists()
+    assert (target / "model.safetensors").exists()

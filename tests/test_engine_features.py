@@ -1,0 +1,174 @@
+"""Sampling, stopping, logprobs, n > 1 and refusals, through the offline API on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from ember_engine import LLM, SamplingParams
+from ember_engine.loader import CheckpointError
+from ember_engine.model_config import UnsupportedModelError
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Queue:\n    def __init__(self):", "x = 1"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Path) -> LLM:
+    return LLM(str(tiny_model))
+
+
+def greedy(max_tokens: int = 24, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].token_ids
+    others = [SamplingParams(temperature=1.2, max_tokens=n, ignore_eos=True) for n in (5, 30, 11)]
+    mixed = llm.generate(
+        [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[3]],
+        [others[0], others[1], seeded, others[2]],
+        use_tqdm=False,
+    )
+    assert mixed[2].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=8, max_tokens=20, ignore_eos=True)
+    assert llm.generate(PROMPTS[0], other_seed, use_tqdm=False)[0].token_ids != alone
+
+
+def test_n_samples_are_distinct_and_share_the_prompt(tiny_model: Path) -> None:
+    llm = LLM(str(tiny_model))
+    prompt = list(range(100, 180))  # five full blocks
+    out = llm.generate(
+        prompt, SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0]
+    samples = [tuple(o.token_ids) for o in out.outputs]
+    assert len(samples) == 4 and len(set(samples)) == 4
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    # Siblings found the first sample's full prompt blocks in the cache.
+    assert llm.engine.stats().prefix_cache_hits == 3 * 64
+
+
+def test_stop_string_split_across_tokens(llm: LLM) -> None:
+    base = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0]
+    tok = llm.tokenizer
+    pieces = [tok.decode(base.token_ids[: i + 1]) for i in range(len(base.token_ids))]
+    # A stop string that starts inside one token and ends inside a later one.
+    i = next(
+        k
+        for k in range(3, 20)
+        if len(pieces[k]) - len(pieces[k - 1]) >= 2 and len(pieces[k + 1]) - len(pieces[k]) >= 2
+    )
+    start, end = len(pieces[i]) - 1, len(pieces[i]) + 1
+    stop = base.text[start:end]
+    assert base.text.find(stop) == start, "the chosen stop string must first occur there"
+    out = llm.generate(PROMPTS[0], greedy(stop=[stop, "never-appears"]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.text == base.text[:start]
+    kept = llm.generate(PROMPTS[0], greedy(stop=stop, include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.text == base.text[:end]
+
+
+def test_streamed_text_never_passes_the_stop(llm: LLM) -> None:
+    base = llm.generate(PROMPTS[1], greedy(), use_tqdm=False)[0]
+    stop = base.text[10:14]
+    engine = llm.engine
+    engine.add_request("s1", PROMPTS[1], greedy(stop=[stop]))
+    streamed = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += out.outputs[0].delta_text
+            assert stop not in streamed
+    assert streamed == base.text[: base.text.find(stop)]
+
+
+def test_stop_token_ids_max_tokens_and_min_tokens(llm: LLM) -> None:
+    base = llm.generate(PROMPTS[2], greedy(), use_tqdm=False)[0]
+    stop_id = base.token_ids[4]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate(PROMPTS[2], greedy(stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+    assert llm.generate(PROMPTS[2], greedy(max_tokens=3), use_tqdm=False)[0].token_ids == base.token_ids[:3]
+    # min_tokens keeps the stop id from being sampled before 6 tokens, and from ending the request.
+    first_id = base.token_ids[0]
+    held = llm.generate(PROMPTS[2], greedy(stop_token_ids=[first_id], min_tokens=6), use_tqdm=False)[0]
+    assert len(held.token_ids) >= 6 and first_id not in held.token_ids[:6]
+
+
+def test_eos_stops_unless_ignored(llm: LLM) -> None:
+    eos = llm.engine.model_config.eos_token_ids
+    base = llm.generate(PROMPTS[3], greedy(), use_tqdm=False)[0]
+    # Make the third greedy token an EOS by declaring it one, then see both behaviours.
+    object.__setattr__(llm.engine.model_config, "eos_token_ids", (*eos, base.token_ids[2]))
+    try:
+        stopped = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+        ignored = llm.generate(PROMPTS[3], greedy(), use_tqdm=False)[0]
+    finally:
+        object.__setattr__(llm.engine.model_config, "eos_token_ids", eos)
+    assert stopped.token_ids == base.token_ids[:3] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == base.token_ids
+
+
+def test_logprobs_match_transformers(llm: LLM, tiny_model: Path) -> None:
+    out = llm.generate(PROMPTS[0], greedy(max_tokens=6, logprobs=3), use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids = torch.tensor([llm.tokenizer.encode(PROMPTS[0]) + out.token_ids])
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    start = ids.shape[1] - len(out.token_ids) - 1
+    assert out.logprobs is not None and len(out.logprobs) == 6
+    for k, lp in enumerate(out.logprobs):
+        row = logp[start + k]
+        assert lp.token_id == out.token_ids[k]
+        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
+        top = torch.topk(row, 3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_over_long_and_empty_prompts_are_refused_alone(tiny_model: Path) -> None:
+    llm = LLM(str(tiny_model), max_model_len=128)
+    outs = llm.generate(
+        [PROMPTS[0], list(range(10, 140)), "", PROMPTS[1]], greedy(max_tokens=8), use_tqdm=False
+    )
+    assert outs[1].error is not None and "max_model_len" in outs[1].error and outs[1].outputs == []
+    assert outs[2].error is not None and "empty" in outs[2].error
+    assert len(outs[0].token_ids) == 8 and len(outs[3].token_ids) == 8
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.engine.add_request("r", list(range(100)), greedy(max_tokens=64))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unsupported_architecture_is_named(tiny_model: Path, tmp_path: Path) -> None:
+    model = _copy(tiny_model, tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["GPTNeoXForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="GPTNeoXForCausalLM") as exc:
+        LLM(str(model))
+    assert "LlamaForCausalLM" in str(exc.value) and "Qwen2ForCausalLM" in str(exc.value)
+
+
+@pytest.mark.parametrize("damage", ["missing", "misshaped"])
+def test_bad_tensor_is_named(tiny_model: Path, tmp_path: Path, damage: str) -> None:
+    model = _copy(tiny_model, tmp_path / "m")
+    tensors = load_file(model / "model.safetensors")
+    name = "model.layers.1.self_attn.k_proj.weight"
+    if damage == "missing":
+        del tensors[name]
+    else:
+        tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, model / "model.safetensors")
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        LLM(str(model))
