@@ -8,6 +8,7 @@ a client that goes away frees its KV blocks within one step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -134,34 +135,50 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._stats = engine.stats()
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            # Hooks first: delivering can abort a request whose listener left, and its final output
+            # must reach the hooks after this step's.
             for hook in self._step_hooks:
                 hook(engine, outputs)
+            for out in outputs:
+                self._deliver(out.request_id, out)
 
     def _handle(self, item: _Add | _Abort) -> None:
         if isinstance(item, _Abort):
-            self.engine.abort_request(item.request_id)
-            self._stats = self.engine.stats()
+            self._abort(item.request_id)
             return
         try:
             self.engine.add_request(item.request_id, item.prompt, item.params, item.priority, item.cache_salt)
         except ValueError as exc:
             self._deliver(item.request_id, exc)
 
+    def _abort(self, request_id: str, reason: BaseException | None = None) -> None:
+        """Abort in the engine; the final output still reaches the step hooks (metrics) and, if someone
+        is listening, the stream (or `reason`, an error, instead)."""
+        final = self.engine.abort_request(request_id)
+        if final is None:
+            return
+        self._stats = self.engine.stats()
+        for hook in self._step_hooks:
+            hook(self.engine, [final])
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            with contextlib.suppress(RuntimeError):  # the listener's loop is closed
+                loop.call_soon_threadsafe(q.put_nowait, reason or final)
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is None:
-            self.engine.abort_request(request_id)  # nobody is listening any more
+            self._abort(request_id)  # nobody is listening any more
             return
         loop, q = stream
         try:
             loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:  # the client's loop is closed
-            self.engine.abort_request(request_id)
+            self._abort(request_id)
 
     def _fail_all(self, exc: Exception) -> None:
         for rid in list(self.engine.groups):
-            self.engine.abort_request(rid)
-            self._deliver(rid, RuntimeError(f"engine step failed: {exc}"))
+            self._abort(rid, RuntimeError(f"engine step failed: {exc}"))

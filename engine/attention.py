@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import itertools
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ember_engine.context import ForwardContext
 
 
 def _use_triton(t: Tensor) -> bool:
@@ -61,6 +64,39 @@ def paged_attention(
     )
 
 
+def context_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext, scale: float
+) -> Tensor:
+    """`paged_attention` over the step's forward context. On the reference path the gather plan is
+    built by the first layer and reused by the others (it depends only on the batch layout)."""
+    if not _use_triton(q) and ctx.gather_plan is None:
+        ctx.gather_plan = plan_gather(ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, k_cache.shape[1])
+    if _use_triton(q):
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            ctx.block_tables,
+            ctx.seq_lens,
+            ctx.query_start_loc,
+            ctx.max_query_len,
+            ctx.max_seq_len,
+            scale,
+        )
+    return paged_attention_reference(
+        q,
+        k_cache,
+        v_cache,
+        ctx.block_tables,
+        ctx.seq_lens,
+        ctx.query_start_loc,
+        ctx.max_query_len,
+        ctx.max_seq_len,
+        scale,
+        plan=ctx.gather_plan,
+    )
+
+
 def store_kv_reference(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
@@ -73,16 +109,57 @@ def store_kv_reference(
     v_cache[blocks, offsets] = value[rows].to(v_cache.dtype)
 
 
-def _gather_kv(cache: Tensor, block_tables: Tensor, seq_lens: Tensor, max_len: int) -> Tensor:
-    """Keys of each sequence as `[B, max_len, num_kv_heads, head_dim]` float32, zeros past its length."""
-    block_size = cache.shape[1]
-    positions = torch.arange(max_len, device=cache.device)
-    valid = positions[None, :] < seq_lens[:, None]
-    table_cols = (positions // block_size).expand(seq_lens.shape[0], -1)
-    # Table entries past a sequence's used blocks may hold anything, so never index the cache with them.
-    blocks = torch.where(valid, block_tables.gather(1, table_cols), 0)
-    kv = cache[blocks.long(), (positions % block_size)[None, :]].float()
-    return kv.masked_fill_(~valid[:, :, None, None], 0.0)
+@dataclass(slots=True)
+class GatherPlan:
+    """Where each sequence's keys sit in the cache (flat slot numbers), for one batch layout."""
+
+    decode_rows: Tensor | None  # [Bd] query rows of the single-token sequences
+    decode_slots: Tensor | None  # [Bd, L] slot of each key position; past its length, its first slot
+    decode_mask: Tensor | None  # [Bd, 1, 1, L] True where a key is attended
+    # per multi-token sequence: (first query row, end row, slots [seq_len], causal mask [q_len, seq_len]
+    # or None when the chunk is the whole sequence and plain causal attention applies)
+    prefills: list[tuple[int, int, Tensor, Tensor | None]]
+
+
+def plan_gather(
+    block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, block_size: int
+) -> GatherPlan:
+    """Reads the lengths on the host, so it syncs when given CUDA tensors."""
+    dev = block_tables.device
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [end - start for start, end in itertools.pairwise(starts)]
+    decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
+    rows = slots = mask = None
+    if decodes:
+        idx = torch.tensor(decodes, device=dev)
+        positions = torch.arange(max(lens[i] for i in decodes), device=dev)
+        pad = positions[None, :] >= seq_lens[idx][:, None]
+        # Table entries past a sequence's used blocks may hold anything: never follow them.
+        blocks = block_tables[idx].gather(1, (positions // block_size).expand(len(decodes), -1)).long()
+        slots = blocks * block_size + positions % block_size
+        # Padding reads the sequence's own first key (masked out): never another request's slots, so a
+        # bad value elsewhere in the cache cannot leak in through a zero weight.
+        slots = torch.where(pad, slots[:, :1], slots)
+        mask = ~pad[:, None, None, :]
+        rows = query_start_loc[idx].long()
+    prefills = []
+    for i, q_len in enumerate(q_lens):
+        if q_len == 1:
+            continue
+        positions = torch.arange(lens[i], device=dev)
+        seq_slots = block_tables[i, positions // block_size].long() * block_size + positions % block_size
+        causal = None
+        if q_len < lens[i]:  # a chunk after a cached prefix or earlier chunks: causal from its offset
+            causal = positions[None, :] <= torch.arange(lens[i] - q_len, lens[i], device=dev)[:, None]
+        prefills.append((starts[i], starts[i + 1], seq_slots, causal))
+    return GatherPlan(rows, slots, mask, prefills)
+
+
+def _gather(cache: Tensor, slots: Tensor) -> Tensor:
+    """Cache rows at `slots` (any shape) as float32 `[*slots.shape, num_kv_heads, head_dim]`."""
+    flat = cache.flatten(0, 1)
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:]).float()
 
 
 def paged_attention_reference(
@@ -95,43 +172,26 @@ def paged_attention_reference(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    plan: GatherPlan | None = None,
 ) -> Tensor:
-    """Float32 math in torch; reads the lengths on the host, so it syncs when given CUDA tensors."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    """Float32 math in torch: the CPU path and the kernels' oracle."""
+    if plan is None:
+        plan = plan_gather(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [end - start for start, end in itertools.pairwise(starts)]
-
-    decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
-    if decodes:
+    if plan.decode_rows is not None and plan.decode_slots is not None:
         # One padded batch for all single-token rows: per-sequence kernels would dominate decode steps.
-        idx = torch.tensor(decodes, device=q.device)
-        dec_lens = seq_lens[idx]
-        longest = max(lens[i] for i in decodes)
-        k = _gather_kv(k_cache, block_tables[idx], dec_lens, longest)
-        v = _gather_kv(v_cache, block_tables[idx], dec_lens, longest)
-        rows = query_start_loc[idx].long()
-        qd = q[rows].float().view(len(decodes), num_kv_heads, group, head_dim)
-        scores = torch.einsum("bkgd,blkd->bkgl", qd, k) * scale
-        padding = torch.arange(longest, device=q.device)[None, :] >= dec_lens[:, None]
-        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out[rows] = torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(-1, num_heads, head_dim).to(q.dtype)
-
-    for i, q_len in enumerate(q_lens):
-        if q_len == 1:
-            continue
-        seq_len = lens[i]
-        k = _gather_kv(k_cache, block_tables[i : i + 1], seq_lens[i : i + 1], seq_len)[0]
-        v = _gather_kv(v_cache, block_tables[i : i + 1], seq_lens[i : i + 1], seq_len)[0]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        qs = q[starts[i] : starts[i + 1]].float().transpose(0, 1)
+        rows = plan.decode_rows
+        k = _gather(k_cache, plan.decode_slots).transpose(1, 2)
+        v = _gather(v_cache, plan.decode_slots).transpose(1, 2)
+        qd = q[rows].float().unsqueeze(2)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
+        out[rows] = o.squeeze(2).to(q.dtype)
+    for start, end, slots, causal in plan.prefills:
+        k = _gather(k_cache, slots).transpose(0, 1)
+        v = _gather(v_cache, slots).transpose(0, 1)
+        qs = q[start:end].float().transpose(0, 1)
         o = F.scaled_dot_product_attention(
-            qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=causal, scale=scale, enable_gqa=True
+            qs, k, v, attn_mask=causal, is_causal=causal is None, scale=scale, enable_gqa=True
         )
-        out[starts[i] : starts[i + 1]] = o.transpose(0, 1).to(q.dtype)
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ember_engine import __version__
 
@@ -20,6 +20,12 @@ def _make_test_model(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote a {args.size} test checkpoint to {out}")
     return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ember_engine import demo
+
+    return demo.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,13 +44,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     p.set_defaults(func=_make_test_model)
 
-    for register in _SUBCOMMANDS:
-        register(sub)
+    from ember_engine import serve  # argparse only at import time
+
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.main)
+
+    bench = sub.add_parser("bench", help="benchmarks (ratios measured side by side in one run)")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    from ember_engine import bench_throughput  # argparse only at import time
+
+    p = bench_sub.add_parser("throughput", help="offline output tokens/s, ember vs transformers")
+    bench_throughput.add_arguments(p)
+    p.set_defaults(func=bench_throughput.main)
+
+    from ember_engine import bench_serve
+
+    p = bench_sub.add_parser("serve", help="serving latency and throughput against a running server")
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=bench_serve.main)
+
+    p = sub.add_parser("demo", help="generate from a test checkpoint built on the spot")
+    p.add_argument("--dir", help="checkpoint directory (default: a per-user cache)")
+    p.set_defaults(func=_demo)
     return parser
-
-
-# Later parts of ember add their subcommands here: each takes the subparsers object.
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,12 +1,15 @@
 """The batch layout of the forward pass in flight, read by every attention layer.
 
-One global instead of metadata threaded through every module's forward (nano-vllm's choice): the model
-code stays the plain math of the architecture.
+One per thread instead of metadata threaded through every module's forward (nano-vllm's choice): the
+model code stays the plain math of the architecture, and engines stepping in different threads of one
+process do not see each other's batches.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,17 +22,18 @@ class ForwardContext:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int
     max_seq_len: int
+    gather_plan: Any = None  # the CPU attention path's per-step plan, built by the first layer
 
 
-_context: ForwardContext | None = None
+_local = threading.local()
 
 
 def set_context(context: ForwardContext | None) -> None:
-    global _context
-    _context = context
+    _local.context = context
 
 
 def get_context() -> ForwardContext:
-    if _context is None:
+    context: ForwardContext | None = getattr(_local, "context", None)
+    if context is None:
         raise RuntimeError("no forward context: the model runs only inside ModelRunner")
-    return _context
+    return context

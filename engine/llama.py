@@ -10,10 +10,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-from ember_engine.attention import paged_attention, store_kv
+from torch import nn
+
+from ember_engine.attention import context_attention, store_kv
 from ember_engine.context import get_context
 from ember_engine.model_config import ModelConfig
-from torch import nn
 
 
 class RMSNorm(nn.Module):
@@ -103,17 +104,7 @@ class Attention(nn.Module):
         q, k = rotary(positions, q, k)
         ctx = get_context()
         store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        out = paged_attention(
-            q.contiguous(),
-            self.k_cache,
-            self.v_cache,
-            ctx.block_tables,
-            ctx.seq_lens,
-            ctx.query_start_loc,
-            ctx.max_query_len,
-            ctx.max_seq_len,
-            self.scale,
-        )
+        out = context_attention(q.contiguous(), self.k_cache, self.v_cache, ctx, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
 

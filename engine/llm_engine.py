@@ -6,12 +6,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ember_engine.block_manager import BlockManager
+from ember_engine.block_manager import BlockManager, PrefixCacheStats
 from ember_engine.config import EngineConfig
 from ember_engine.detokenizer import Detokenizer
 from ember_engine.model_config import ModelConfig
 from ember_engine.model_runner import ModelRunner
-from ember_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from ember_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ember_engine.request import Request
 from ember_engine.sampler import SamplingRow, make_generator
 from ember_engine.sampling_params import SamplingParams
@@ -55,6 +55,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    last_step_seconds: float  # wall time of the latest step
+    last_batch_size: int  # requests in it
+    last_batch_tokens: int  # tokens in it
+    num_steps: int  # steps run so far
 
 
 class LLMEngine:
@@ -84,6 +88,8 @@ class LLMEngine:
         self._group_of: dict[Request, _Group] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self._last_step = (0.0, 0, 0)
+        self.num_steps = 0
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -103,7 +109,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self._check_prompt(token_ids, params)
+        max_tokens = self.check_prompt(token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples = []
         for i in range(params.n):
@@ -139,7 +145,9 @@ class LLMEngine:
             for req in rest:
                 self.scheduler.add(req)
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
+        """The request's effective max_tokens; ValueError naming the field if it can never be served.
+        Reads only configuration, so any thread may call it."""
         if not token_ids:
             raise ValueError("prompt: must not be empty")
         vocab = self.model_config.vocab_size
@@ -158,16 +166,17 @@ class LLMEngine:
             )
         return params.max_tokens
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; False if it is unknown or already done."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (finish_reason "abort" for
+        samples still running), or None if it is unknown or already done."""
         group = self.groups.pop(request_id, None)
         if group is None:
-            return False
+            return None
         group.pending.clear()
         for s in group.samples:
             self.scheduler.abort(s.request)
             self._group_of.pop(s.request, None)
-        return True
+        return self._make_output(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -176,6 +185,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns an update for every request that produced text or finished."""
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -207,6 +217,8 @@ class LLMEngine:
                         self.scheduler.add(sibling, front=True)
                     group.pending = []
         outputs = [self._make_output(g) for g in touched.values()]
+        self._last_step = (time.perf_counter() - start, len(batch), batch.total_tokens)
+        self.num_steps += 1
         for g in touched.values():
             if g.finished:
                 self.groups.pop(g.request_id, None)
@@ -265,6 +277,16 @@ class LLMEngine:
                 )
             )
         first = group.samples[0].request
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            last_token_time=first.last_token_time,
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_generation_tokens=sum(s.request.num_output_tokens for s in group.samples),
+            num_cached_tokens=first.num_prompt_cached_tokens,
+            num_preemptions=sum(s.request.num_preemptions for s in group.samples),
+        )
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -272,7 +294,15 @@ class LLMEngine:
             outputs=outs,
             finished=group.finished,
             num_cached_tokens=first.num_prompt_cached_tokens,
+            metrics=metrics,
         )
+
+    def reset_counters(self) -> None:
+        """Forget warm-up traffic: counters to zero, prefix cache emptied."""
+        self.prompt_tokens = self.generation_tokens = 0
+        self.scheduler.num_preemptions = 0
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.stats = PrefixCacheStats()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -286,6 +316,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            last_step_seconds=self._last_step[0],
+            last_batch_size=self._last_step[1],
+            last_batch_tokens=self._last_step[2],
+            num_steps=self.num_steps,
         )
 
 

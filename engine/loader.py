@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from ember_engine.llama import LlamaForCausalLM
 from safetensors import safe_open
+
+from ember_engine.llama import LlamaForCausalLM
 
 # checkpoint projection -> (merged parameter, which shard of it)
 _MERGED = {

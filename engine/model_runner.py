@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from ember_engine.config import EngineConfig
 from ember_engine.context import ForwardContext, set_context
 from ember_engine.llama import LlamaForCausalLM

@@ -13,6 +13,20 @@ class Logprob:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (time.monotonic seconds) and counts of one request, first sample."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int  # all samples together
+    num_cached_tokens: int
+    num_preemptions: int
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str = ""  # everything so far
@@ -33,6 +47,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when the request was refused
+    metrics: RequestMetrics | None = None
 
     # The common n == 1 case reads like the sample itself.
     @property

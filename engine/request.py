@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from ember_engine.sampling_params import SamplingParams
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from ember_engine import LLM, SamplingParams
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from ember_engine import LLM, SamplingParams
 
 COMMON = dict(
     vocab_size=4096,

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from ember_engine import SamplingParams
 from ember_engine.async_engine import AsyncEngine
 from ember_engine.config import EngineConfig

@@ -9,6 +9,8 @@ from itertools import accumulate
 
 import pytest
 import torch
+from torch import Tensor
+
 from ember_engine import attention, triton_attention
 from ember_engine.attention import (
     paged_attention,
@@ -17,7 +19,6 @@ from ember_engine.attention import (
     store_kv_reference,
 )
 from ember_engine.triton_attention import MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_num_splits
-from torch import Tensor
 
 # (cached prefix, new tokens) per sequence: decodes, chunks after a cached prefix, whole prompts.
 MIXED = [(0, 7), (12, 1), (20, 5), (0, 1), (33, 1), (9, 17), (0, 3), (5, 1)]

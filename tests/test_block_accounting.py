@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from ember_engine.block_manager import BlockManager
 from ember_engine.request import Request, RequestStatus
 from ember_engine.sampling_params import SamplingParams
 from ember_engine.scheduler import Scheduler
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 BLOCK = 4
 NUM_BLOCKS = 24

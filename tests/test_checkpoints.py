@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from ember_engine.testmodel import checkpoint_digest, make_test_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ember_engine.testmodel import checkpoint_digest, make_test_model
 
 TEXT = 'def greet(name: str) -> str:\n    return f"héllo, {name} ✓"\n'
 FILES = {

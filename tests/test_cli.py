@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from ember_engine.cli import main
 
 EMBER = [sys.executable, "-c", "import sys; from ember_engine.cli import main; sys.exit(main())"]

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
 from ember_engine import LLM, SamplingParams
 from ember_engine.loader import CheckpointError
 from ember_engine.model_config import UnsupportedModelError
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Queue:\n    def __init__(self):", "x = 1"]
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from ember_engine import LLM, SamplingParams
 from transformers import AutoModelForCausalLM
+
+from ember_engine import LLM, SamplingParams
 
 MAX_NEW = 16
 LENGTHS = [1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 129, 200, 257, 380, 500]

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from ember_engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from ember_engine.sampling_params import SamplingParams
 

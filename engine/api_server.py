@@ -1,0 +1,421 @@
+"""The OpenAI-compatible HTTP API of one engine: admission and shedding, fallback, deadlines,
+cancellation on disconnect, graceful drain, and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ember_engine.admission import Admit, QueueState, QueueWaitEstimator, Shed, decide
+from ember_engine.async_engine import AsyncEngine
+from ember_engine.chat import ChatTemplateError, render_chat
+from ember_engine.fallback import Fallback, FallbackFailed
+from ember_engine.metrics import EngineMetrics
+from ember_engine.openai_format import Formatter, Usage, sse
+from ember_engine.outputs import RequestOutput
+from ember_engine.policy import PolicyError, PolicyWatcher
+from ember_engine.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("ember.server")
+
+
+@dataclass
+class ServerState:
+    model_name: str
+    policy: PolicyWatcher
+    metrics: EngineMetrics
+    fallback: Fallback
+    engine: AsyncEngine | None = None  # set once the model is loaded and warmed up
+    draining: bool = False
+    in_flight: int = 0  # HTTP requests being served (drain waits for these)
+    queued: Counter[int] = field(default_factory=Counter)  # admitted, not yet started, by priority
+    started_total: int = 0
+    client_in_flight: Counter[str] = field(default_factory=Counter)
+    estimator: QueueWaitEstimator = field(default_factory=QueueWaitEstimator)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and not self.draining
+
+    def queue_state(self) -> QueueState:
+        waiting = sum(self.queued.values())
+        return QueueState(
+            num_waiting=waiting,
+            num_waiting_by_priority=dict(self.queued),
+            estimated_wait_s=self.estimator.estimate(waiting),
+            draining=self.draining,
+            ready=self.ready,
+        )
+
+
+class _Ticket:
+    """One admitted HTTP request's share of the server's counters, released exactly once."""
+
+    def __init__(self, state: ServerState, priority: int, client: str | None, num_requests: int) -> None:
+        self.state, self.priority, self.client = state, priority, client
+        self.unstarted = num_requests
+        state.in_flight += 1
+        state.queued[priority] += num_requests
+        if client:
+            state.client_in_flight[client] += 1
+        self.released = False
+
+    def started(self) -> None:
+        s = self.state
+        self.unstarted -= 1
+        s.queued[self.priority] -= 1
+        s.started_total += 1
+        s.estimator.observe(time.monotonic(), sum(s.queued.values()), s.started_total)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        s = self.state
+        s.queued[self.priority] -= self.unstarted
+        s.in_flight -= 1
+        if self.client:
+            s.client_in_flight[self.client] -= 1
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="ember", version="0.1.0")
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(APIError(400, f"body: malformed JSON ({first.get('msg')})"))
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return _error_response(
+            APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
+        )
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if state.ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "draining" if state.draining else "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.engine is not None:  # gauges as of now, also when no step has run since an abort
+            state.metrics.record_stats(state.engine.stats())
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        max_len = state.engine.engine.max_model_len if state.engine else None
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ember",
+            "max_model_len": max_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await _serve(state, request, body, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await _serve(state, request, body, chat=True)
+
+    return app
+
+
+async def _serve(
+    state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
+) -> Response:
+    if body.model != state.model_name:
+        raise APIError(
+            400,
+            f"model: {body.model!r} is not served here; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    params = body.to_sampling_params()
+    policy = state.policy.policy
+    class_name, priority = _priority(state, request, body.priority)
+    client = request.headers.get("x-ember-client") or request.headers.get("authorization")
+    verdict = decide(policy, state.queue_state(), priority, state.client_in_flight[client] if client else 0)
+    if isinstance(verdict, Shed):
+        return await _shed(state, request, verdict, class_name)
+    assert isinstance(verdict, Admit)
+    engine = state.engine
+    assert engine is not None  # decide() sheds while not ready
+    prompts = _prompt_token_ids(engine, body)
+    for ids in prompts:  # a bad prompt is a 400 before anything is queued
+        try:
+            engine.engine.check_prompt(ids, params)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
+    deadline = _deadline(request, body, policy.request_timeout_seconds)
+    fmt = Formatter(state.model_name, engine.tokenizer, chat)
+    ticket = _Ticket(state, priority, client, len(prompts))
+
+    def generators() -> list[AsyncIterator[RequestOutput]]:
+        return [
+            _tracked(engine.generate(ids, params, f"{fmt.id}-{i}", priority, body.cache_salt), ticket)
+            for i, ids in enumerate(prompts)
+        ]
+
+    if body.stream:
+        stream = _stream(state, fmt, _merge(generators()), params.n, body.include_usage, deadline, ticket)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    try:
+        return await _complete(state, request, fmt, _merge(generators()), params.n, deadline)
+    finally:
+        ticket.release()
+
+
+def _priority(state: ServerState, request: Request, value: str | int | None) -> tuple[str, int]:
+    header = request.headers.get("x-ember-priority")
+    chosen: str | int | None = header if header is not None else value
+    if isinstance(chosen, int) or (isinstance(chosen, str) and chosen.lstrip("-").isdigit()):
+        classes = state.policy.policy.load_shedding.priority_classes
+        match = next((c for c in classes if c.priority == int(chosen)), None)
+        if match is None:
+            raise APIError(400, f"priority: no priority class has number {chosen}", param="priority")
+        chosen = match.name
+    try:
+        return state.policy.priority_of(chosen)
+    except PolicyError as exc:
+        raise APIError(400, f"priority: {exc}", param="priority") from exc
+
+
+def _prompt_token_ids(
+    engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest
+) -> list[list[int]]:
+    tok = engine.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        try:
+            text = render_chat(tok, body.template_messages(), body.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise APIError(400, f"messages: {exc}", param="messages") from exc
+        # The template writes the special tokens itself.
+        return [tok.encode(text, add_special_tokens=False)]
+    return [tok.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+
+
+def _deadline(
+    request: Request, body: CompletionRequest | ChatCompletionRequest, default: float
+) -> float | None:
+    header = request.headers.get("x-ember-timeout")
+    if header is not None:
+        try:
+            value = float(header)
+        except ValueError:
+            raise APIError(
+                400, f"x-ember-timeout: not a number of seconds: {header!r}", param="x-ember-timeout"
+            ) from None
+        if value <= 0:
+            raise APIError(400, "x-ember-timeout: must be > 0", param="x-ember-timeout")
+        return value
+    return body.timeout or default or None
+
+
+async def _shed(state: ServerState, request: Request, verdict: Shed, class_name: str) -> Response:
+    fb = state.policy.policy.fallback
+    if verdict.fallback_eligible and fb.url:
+        try:
+            body = json.loads(await request.body())
+            resp = await state.fallback.forward(fb.url, fb.model, request.url.path, body, fb.timeout_seconds)
+            state.metrics.record_fallback("served")
+            return resp
+        except FallbackFailed as exc:
+            log.warning("%s; answering with the shed error", exc)
+            state.metrics.record_fallback("failed")
+    state.metrics.record_shed(verdict.reason, class_name)
+    headers = {"Retry-After": str(verdict.retry_after_s)}
+    err = APIError(verdict.status, verdict.message, type="overloaded", code=verdict.reason, headers=headers)
+    return _error_response(err)
+
+
+async def _tracked(gen: AsyncIterator[RequestOutput], ticket: _Ticket) -> AsyncIterator[RequestOutput]:
+    first = True
+    async with contextlib.aclosing(gen):  # type: ignore[type-var]
+        async for out in gen:
+            if first:
+                first = False
+                ticket.started()
+            yield out
+
+
+async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' updates as they come; closing this closes (aborts) them all."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]):  # type: ignore[type-var]
+            async for out in gens[0]:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                async for out in gen:
+                    await queue.put((i, out))
+        except Exception as exc:
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _timeout_error(deadline: float) -> APIError:
+    return APIError(
+        504,
+        f"the request did not finish within its deadline of {deadline:g} s and was aborted",
+        type="timeout",
+        code="deadline_exceeded",
+    )
+
+
+async def _complete(
+    state: ServerState,
+    request: Request,
+    fmt: Formatter,
+    merged: AsyncIterator[tuple[int, RequestOutput]],
+    n: int,
+    deadline: float | None,
+) -> Response:
+    finals: dict[int, RequestOutput] = {}
+
+    async def collect() -> None:
+        async with contextlib.aclosing(merged):  # type: ignore[type-var]
+            async for i, out in merged:
+                if out.finished:
+                    finals[i] = out
+
+    work = asyncio.create_task(collect())
+    gone = asyncio.create_task(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()  # the client left or the deadline passed: abort its requests
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work not in done:
+        if gone in done:
+            return Response(status_code=499)  # nobody is listening
+        state.metrics.record_deadline_abort()
+        raise _timeout_error(deadline or 0)
+    try:
+        work.result()
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
+    usage = Usage()
+    outputs = []
+    for i, out in finals.items():
+        usage.prompt_tokens += len(out.prompt_token_ids)
+        usage.cached_tokens += out.num_cached_tokens
+        for o in out.outputs:
+            usage.completion_tokens += len(o.token_ids)
+            outputs.append((i * n + o.index, o))
+    return JSONResponse(fmt.response(outputs, usage))
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _stream(
+    state: ServerState,
+    fmt: Formatter,
+    merged: AsyncIterator[tuple[int, RequestOutput]],
+    n: int,
+    include_usage: bool,
+    deadline: float | None,
+    ticket: _Ticket,
+) -> AsyncIterator[str]:
+    loop = asyncio.get_running_loop()
+    ends_at = None if deadline is None else loop.time() + deadline
+    sent_logprobs: Counter[int] = Counter()
+    started: set[int] = set()
+    usage = Usage()
+    try:
+        while True:
+            timeout = None if ends_at is None else max(0.0, ends_at - loop.time())
+            try:
+                # The deadline covers waiting for the engine, never a yield to the client.
+                async with asyncio.timeout(timeout):
+                    i, out = await anext(merged)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                state.metrics.record_deadline_abort()
+                yield sse(_timeout_error(deadline or 0).body())
+                yield sse("[DONE]")
+                return
+            except ValueError as exc:
+                yield sse(APIError(400, str(exc)).body())
+                yield sse("[DONE]")
+                return
+            for o in out.outputs:
+                index = i * n + o.index
+                if not (o.delta_text or o.finish_reason or index not in started):
+                    continue
+                new_lps = None
+                if o.logprobs is not None:
+                    new_lps = o.logprobs[sent_logprobs[index] :]
+                    sent_logprobs[index] = len(o.logprobs)
+                yield sse(fmt.chunk(index, o, new_lps, first=index not in started))
+                started.add(index)
+            if out.finished:
+                usage.prompt_tokens += len(out.prompt_token_ids)
+                usage.cached_tokens += out.num_cached_tokens
+                usage.completion_tokens += sum(len(o.token_ids) for o in out.outputs)
+        if include_usage:
+            yield sse(fmt.usage_chunk(usage))
+        yield sse("[DONE]")
+    finally:
+        with contextlib.suppress(RuntimeError):  # already closed by a cancellation
+            await merged.aclose()  # type: ignore[attr-defined]
+        ticket.release()

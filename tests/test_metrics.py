@@ -1,0 +1,279 @@
+"""Prometheus metrics: a real engine's traffic in the exposition, checked against the engine's own counts."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ember_engine import SamplingParams
+from ember_engine.async_engine import AsyncEngine
+from ember_engine.config import EngineConfig
+from ember_engine.llm_engine import EngineStats, LLMEngine
+from ember_engine.metrics import EngineMetrics
+from ember_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+MODEL = "tiny-test"
+
+
+def samples(metrics: EngineMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
+
+
+def value(metrics: EngineMetrics, name: str, **labels: str) -> float:
+    return samples(metrics)[(name, frozenset({"model_name": MODEL, **labels}.items()))]
+
+
+@dataclass
+class Traffic:
+    engine: AsyncEngine
+    metrics: EngineMetrics
+    steps: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    prompt_lengths: list[int] = field(default_factory=list)
+    finished_tokens: list[int] = field(default_factory=list)  # generated tokens of each finished request
+
+
+def _idle(engine: AsyncEngine) -> bool:
+    s = engine.stats()
+    return s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0.0
+
+
+async def _generate(traffic: Traffic, prompt: list[int], params: SamplingParams) -> RequestOutput:
+    last = None
+    async for out in traffic.engine.generate(prompt, params):
+        last = out
+    assert last is not None and last.finished
+    traffic.prompt_lengths.append(len(prompt))
+    traffic.finished_tokens.append(len(last.token_ids))
+    return last
+
+
+async def _run(traffic: Traffic) -> None:
+    # Aborted first: closing the stream aborts it, and its final output (finish_reason "abort") still
+    # reaches the step hooks.
+    stream = traffic.engine.generate(
+        list(range(10, 60)), SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    )
+    async for out in stream:
+        assert not out.finished
+        break
+    await stream.aclose()  # type: ignore[attr-defined]
+
+    prompt = list(range(20, 45))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = await _generate(traffic, prompt, greedy)
+    assert base.finish_reason == "length"
+    stop_id = base.token_ids[5]
+    stopped = await _generate(
+        traffic,
+        prompt,
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id]),
+    )
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == base.token_ids.index(stop_id) + 1
+
+
+@pytest.fixture(scope="module")
+def traffic(tiny_model: Path) -> Iterator[Traffic]:
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model)))
+    t = Traffic(engine, EngineMetrics(MODEL))
+
+    def hook(eng: LLMEngine, outputs: list[RequestOutput]) -> None:
+        stats = eng.stats()
+        t.metrics.record_step(stats, outputs)
+        if stats.num_steps > t.steps:  # an abort's output arrives without a step
+            t.steps = stats.num_steps
+            t.batch_sizes.append(stats.last_batch_size)
+
+    engine.add_step_hook(hook)
+    try:
+        asyncio.run(_run(t))
+        deadline = time.monotonic() + 10
+        while not _idle(engine) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t.metrics.record_stats(engine.stats())
+        yield t
+    finally:
+        engine.shutdown()
+
+
+def test_counters_equal_the_engine_totals(traffic: Traffic) -> None:
+    stats, m = traffic.engine.stats(), traffic.metrics
+    assert stats.prompt_tokens > 0 and stats.generation_tokens > 0 and stats.prefix_cache_hits > 0
+    for name, expected in [
+        ("vllm:prompt_tokens_total", stats.prompt_tokens),
+        ("vllm:generation_tokens_total", stats.generation_tokens),
+        ("vllm:prefix_cache_queries_total", stats.prefix_cache_queries),
+        ("vllm:prefix_cache_hits_total", stats.prefix_cache_hits),
+        ("vllm:num_preemptions_total", stats.num_preemptions),
+    ]:
+        assert value(m, name) == expected, name
+
+
+def test_request_success_by_reason(traffic: Traffic) -> None:
+    m = traffic.metrics
+    counts = {
+        r: value(m, "vllm:request_success_total", finished_reason=r) for r in ("stop", "length", "abort")
+    }
+    assert counts == {"stop": 1, "length": 1, "abort": 1}
+
+
+def test_histogram_counts(traffic: Traffic) -> None:
+    m, stats = traffic.metrics, traffic.engine.stats()
+    count = {
+        name: value(m, f"{name}_count")
+        for name in (
+            "vllm:time_to_first_token_seconds",
+            "vllm:inter_token_latency_seconds",
+            "vllm:request_time_per_output_token_seconds",
+            "vllm:e2e_request_latency_seconds",
+            "vllm:request_queue_time_seconds",
+            "vllm:request_prompt_tokens",
+            "vllm:request_generation_tokens",
+            "ember:step_seconds",
+            "ember:batch_size",
+            "ember:batch_tokens",
+        )
+    }
+    assert count["vllm:time_to_first_token_seconds"] == 3  # the aborted request had its first token
+    # One token per update (n == 1), so every token after a request's first is one inter-token gap.
+    assert count["vllm:inter_token_latency_seconds"] == stats.generation_tokens - 3
+    for name in (
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+    ):
+        assert count[name] == 3, name  # every request ends with an output, the aborted one too
+    aborted_tokens = stats.generation_tokens - sum(traffic.finished_tokens)
+    assert aborted_tokens >= 1
+    # Time per output token needs two tokens; the aborted request may have stopped after one.
+    assert count["vllm:request_time_per_output_token_seconds"] == 2 + (aborted_tokens > 1)
+    assert value(m, "vllm:request_prompt_tokens_sum") == sum(traffic.prompt_lengths) + 50
+    assert value(m, "vllm:request_generation_tokens_sum") == stats.generation_tokens
+    for name in ("ember:step_seconds", "ember:batch_size", "ember:batch_tokens"):
+        assert count[name] == traffic.steps, name
+    assert value(m, "ember:batch_size_sum") == sum(traffic.batch_sizes)
+    assert value(m, "vllm:time_to_first_token_seconds_sum") > 0
+    assert value(m, "vllm:e2e_request_latency_seconds_bucket", le="+Inf") == 3
+
+
+def test_every_series_is_labelled_and_gauges_read_idle(traffic: Traffic) -> None:
+    m = traffic.metrics
+    found = samples(m)
+    names = {name for name, _ in found}
+    assert {"vllm:num_requests_running", "ember:draining", "ember:deadline_aborts_total"} <= names
+    assert all(dict(labels).get("model_name") == MODEL for _, labels in found)
+    assert value(m, "vllm:num_requests_running") == 0
+    assert value(m, "vllm:num_requests_waiting") == 0
+    assert value(m, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_log_line_after_traffic_then_none_while_idle(traffic: Traffic) -> None:
+    line = traffic.metrics.log_line()
+    assert line is not None and line.startswith("running: 0 reqs, waiting: 0 reqs, KV cache: 0.0%")
+    assert traffic.metrics.log_line() is None
+
+
+def test_server_side_counters_and_draining() -> None:
+    m = EngineMetrics(MODEL)
+    m.record_shed("queue_full", "low")
+    m.record_shed("queue_full", "low")
+    m.record_shed("deadline_unmeetable", "high")
+    m.record_fallback("served")
+    m.record_fallback("failed")
+    m.record_fallback("failed")
+    m.record_deadline_abort()
+    assert value(m, "ember:draining") == 0
+    m.set_draining(True)
+    assert value(m, "ember:requests_shed_total", reason="queue_full", priority="low") == 2
+    assert value(m, "ember:requests_shed_total", reason="deadline_unmeetable", priority="high") == 1
+    assert value(m, "ember:fallback_requests_total", outcome="served") == 1
+    assert value(m, "ember:fallback_requests_total", outcome="failed") == 2
+    assert value(m, "ember:deadline_aborts_total") == 1
+    assert value(m, "ember:draining") == 1
+    m.set_draining(False)
+    assert value(m, "ember:draining") == 0
+
+
+def _stats(**changes: float) -> EngineStats:
+    base = dict.fromkeys(EngineStats.__dataclass_fields__, 0)
+    return EngineStats(**{**base, "num_kv_blocks": 64, **changes})  # type: ignore[arg-type]
+
+
+def _output(rid: str, t: float, tokens: list[int], reason: str | None = None) -> RequestOutput:
+    metrics = RequestMetrics(100.0, 100.5, 101.0, t, 7, len(tokens), 0, 0)
+    sample = CompletionOutput(0, token_ids=tokens, delta_token_ids=tokens[-1:], finish_reason=reason)
+    return RequestOutput(rid, None, [1] * 7, [sample], finished=reason is not None, metrics=metrics)
+
+
+def test_timings_from_request_metrics_and_an_abort_output() -> None:
+    m = EngineMetrics(MODEL)
+    busy = _stats(num_running=1, prompt_tokens=7, generation_tokens=1)
+    m.record_step(busy, [_output("a", 101.0, [5])])
+    m.record_step(busy, [_output("a", 101.25, [5, 6])])
+    m.record_step(busy, [_output("a", 101.75, [5, 6, 7], reason="abort")])
+    m.record_step(_stats(prompt_tokens=7, generation_tokens=3), [])  # idle: nothing left to count
+    assert value(m, "vllm:time_to_first_token_seconds_sum") == 1.0
+    assert value(m, "vllm:inter_token_latency_seconds_count") == 2
+    assert value(m, "vllm:inter_token_latency_seconds_sum") == 0.75
+    assert value(m, "vllm:request_time_per_output_token_seconds_sum") == 0.375
+    assert value(m, "vllm:request_queue_time_seconds_sum") == 0.5
+    assert value(m, "vllm:request_success_total", finished_reason="abort") == 1
+    assert value(m, "vllm:generation_tokens_total") == 3
+
+
+def test_stale_stats_do_not_count_twice_and_log_line_rates() -> None:
+    m = EngineMetrics(MODEL)
+    assert m.log_line() is None
+    m.record_step(_stats(num_running=2, kv_cache_usage=0.125, prefix_cache_queries=100, num_steps=1), [])
+    m.record_stats(_stats(prefix_cache_queries=60))  # older snapshot from another thread
+    m.record_step(
+        _stats(num_running=3, num_waiting=1, kv_cache_usage=0.125, prefix_cache_queries=200, num_steps=2), []
+    )
+    m.record_stats(_stats(num_running=3, num_waiting=1, kv_cache_usage=0.125, prefix_cache_queries=200))
+    assert value(m, "vllm:prefix_cache_queries_total") == 200
+    m.record_step(
+        _stats(
+            num_running=3,
+            num_waiting=1,
+            kv_cache_usage=0.125,
+            prompt_tokens=850,
+            generation_tokens=120,
+            prefix_cache_queries=300,
+            prefix_cache_hits=63,
+            num_steps=3,
+        ),
+        [],
+    )
+    line = m.log_line()
+    assert line is not None
+    match = re.fullmatch(
+        r"running: 3 reqs, waiting: 1 reqs, KV cache: 12\.5%, prompt: ([\d.]+) tok/s, "
+        r"generation: ([\d.]+) tok/s, prefix cache hit rate: 21\.0%",
+        line,
+    )
+    assert match is not None, line
+    assert float(match[1]) > float(match[2]) > 0
+    assert m.log_line() is None
+
+
+def test_two_engines_in_one_process_keep_separate_registries() -> None:
+    first, second = EngineMetrics("model-a"), EngineMetrics("model-b")
+    first.record_deadline_abort()
+    a, b = first.render()[0].decode(), second.render()[0].decode()
+    assert 'ember:deadline_aborts_total{model_name="model-a"} 1.0' in a
+    assert 'ember:deadline_aborts_total{model_name="model-b"} 0.0' in b
+    assert "model-b" not in a and "model-a" not in b

@@ -1,0 +1,275 @@
+"""What the server does under pressure: disconnects, deadlines, shedding, fallback, policy changes, drain."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_util import InProcessServer, running_server, server_process
+
+MODEL = "tiny"
+LONG = {"model": MODEL, "prompt": "def main():", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+
+
+def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return out
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+def engine_idle(server: InProcessServer) -> bool:
+    assert server.state.engine is not None
+    s = server.state.engine.stats()
+    return s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0.0
+
+
+def write_policy(path: Path, policy: dict) -> Path:
+    path.write_text(json.dumps(policy))  # JSON is YAML
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    with running_server(tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "1") as s:
+        yield s
+
+
+def aborted(url: str) -> float:
+    return metrics(url)[("vllm:request_success_total", (("finished_reason", "abort"),))]
+
+
+def test_streaming_disconnect_aborts_and_frees_blocks(server: InProcessServer) -> None:
+    before = aborted(server.url)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up
+    wait_for(lambda: engine_idle(server))
+    m = metrics(server.url)
+    assert m[("vllm:num_requests_running", ())] == 0 and m[("vllm:kv_cache_usage_perc", ())] == 0.0
+    assert aborted(server.url) == before + 1
+
+
+def test_non_streaming_disconnect_aborts(server: InProcessServer) -> None:
+    before = aborted(server.url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=0.5)
+    wait_for(lambda: engine_idle(server))
+    assert aborted(server.url) == before + 1
+
+
+def test_deadline_non_streaming_and_streaming(server: InProcessServer) -> None:
+    before = metrics(server.url)[("ember:deadline_aborts_total", ())]
+    r = httpx.post(f"{server.url}/v1/completions", json={**LONG, "timeout": 0.3}, timeout=30)
+    assert r.status_code == 504
+    assert r.json()["error"]["type"] == "timeout" and "deadline" in r.json()["error"]["message"]
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json={**LONG, "stream": True},
+        headers={"x-ember-timeout": "0.3"},
+        timeout=30,
+    ) as s:
+        lines = [line for line in s.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: ") :])["error"]["type"] == "timeout"
+    assert any('"text"' in line for line in lines[:-2])  # it had been streaming before the deadline
+    wait_for(lambda: engine_idle(server))
+    assert metrics(server.url)[("ember:deadline_aborts_total", ())] == before + 2
+
+
+def _hold(
+    url: str, body: dict, started: threading.Event | None = None, headers: dict | None = None
+) -> threading.Thread:
+    """Stream a request in the background until it ends."""
+
+    def run() -> None:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers or {}, timeout=60
+        ) as r:
+            for _ in r.iter_lines():
+                if started is not None:
+                    started.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_shedding_by_queue_depth_and_priority(tiny_model: Path, tmp_path: Path) -> None:
+    policy = write_policy(
+        tmp_path / "policy.yaml",
+        {
+            "loadShedding": {
+                "maxQueueDepth": 3,
+                "retryAfterSeconds": 7,
+                "priorityClasses": [
+                    {"name": "critical", "priority": 0},
+                    {"name": "standard", "priority": 1},
+                    {"name": "batch", "priority": 2},
+                ],
+                "defaultPriorityClass": "standard",
+            }
+        },
+    )
+    with running_server(
+        tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "1", "--policy", str(policy)
+    ) as s:
+        running = threading.Event()
+        body = {**LONG, "max_tokens": 300}
+        threads = [_hold(s.url, body, running)]
+        running.wait(30)
+        threads.append(_hold(s.url, body))  # one standard request waiting behind it
+        wait_for(lambda: s.state.queue_state().num_waiting == 1)
+        small = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        shed = httpx.post(f"{s.url}/v1/completions", json={**small, "priority": "batch"})
+        assert shed.status_code == 503 and shed.headers["retry-after"] == "7"
+        err = shed.json()["error"]
+        assert err["type"] == "overloaded" and err["code"] in ("queue_full", "queue_wait")
+        threads.append(_hold(s.url, body, headers={"x-ember-priority": "critical"}))
+        wait_for(lambda: s.state.queue_state().num_waiting == 2)
+        threads.append(_hold(s.url, body, headers={"x-ember-priority": "critical"}))
+        wait_for(lambda: s.state.queue_state().num_waiting == 3)
+        standard = httpx.post(f"{s.url}/v1/completions", json=small)
+        assert standard.status_code == 503  # standard's share is full, critical still had room
+        m = metrics(s.url)
+        assert m[("ember:requests_shed_total", (("priority", "batch"), ("reason", err["code"])))] == 1
+        for t in threads:
+            t.join(60)
+
+
+def test_per_client_limit_is_429(tiny_model: Path, tmp_path: Path) -> None:
+    policy = write_policy(tmp_path / "policy.yaml", {"loadShedding": {"maxConcurrentPerClient": 1}})
+    with running_server(tiny_model, "--served-model-name", MODEL, "--policy", str(policy)) as s:
+        started = threading.Event()
+        t = _hold(s.url, {**LONG, "max_tokens": 200}, started, headers={"x-ember-client": "alice"})
+        started.wait(30)
+        r = httpx.post(
+            f"{s.url}/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+            headers={"x-ember-client": "alice"},
+        )
+        assert (
+            r.status_code == 429
+            and "retry-after" in r.headers
+            and r.json()["error"]["code"] == "client_limit"
+        )
+        other = httpx.post(
+            f"{s.url}/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+            headers={"x-ember-client": "bob"},
+        )
+        assert other.status_code == 200
+        t.join(60)
+
+
+def test_overflow_goes_to_the_fallback(tiny_model: Path, tmp_path: Path) -> None:
+    with running_server(tiny_model, "--served-model-name", "small-fallback") as fb:
+        policy = write_policy(
+            tmp_path / "policy.yaml",
+            {
+                "loadShedding": {"maxQueueDepth": 1},
+                "fallback": {"url": fb.url, "when": ["Overloaded", "Unavailable"]},
+            },
+        )
+        with running_server(
+            tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "1", "--policy", str(policy)
+        ) as s:
+            started = threading.Event()
+            threads = [_hold(s.url, {**LONG, "max_tokens": 300}, started)]
+            started.wait(30)
+            threads.append(_hold(s.url, {**LONG, "max_tokens": 300}))
+            wait_for(lambda: s.state.queue_state().num_waiting == 1)
+            small = {"model": MODEL, "prompt": "def", "max_tokens": 5, "temperature": 0}
+            r = httpx.post(f"{s.url}/v1/completions", json=small)
+            assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
+            assert r.json()["model"] == "small-fallback"
+            with httpx.stream("POST", f"{s.url}/v1/completions", json={**small, "stream": True}) as st:
+                assert st.headers["x-ember-served-by"] == "fallback"
+                lines = [line for line in st.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+            assert metrics(s.url)[("ember:fallback_requests_total", (("outcome", "served"),))] == 2
+            for t in threads:
+                t.join(60)
+
+
+def test_failed_fallback_gives_the_shed_error(tiny_model: Path, tmp_path: Path) -> None:
+    from server_util import free_port
+
+    policy = write_policy(
+        tmp_path / "policy.yaml",
+        {"loadShedding": {"maxQueueDepth": 1}, "fallback": {"url": f"http://127.0.0.1:{free_port()}"}},
+    )
+    with running_server(
+        tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "1", "--policy", str(policy)
+    ) as s:
+        started = threading.Event()
+        threads = [_hold(s.url, {**LONG, "max_tokens": 300}, started)]
+        started.wait(30)
+        threads.append(_hold(s.url, {**LONG, "max_tokens": 300}))
+        wait_for(lambda: s.state.queue_state().num_waiting == 1)
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded"
+        assert metrics(s.url)[("ember:fallback_requests_total", (("outcome", "failed"),))] == 1
+        for t in threads:
+            t.join(60)
+
+
+def test_policy_reloads_without_restart(tiny_model: Path, tmp_path: Path) -> None:
+    path = write_policy(tmp_path / "policy.yaml", {"requestTimeoutSeconds": 0})
+    with running_server(tiny_model, "--served-model-name", MODEL, "--policy", str(path)) as s:
+        body = {**LONG, "max_tokens": 60}
+        assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
+        write_policy(path, {"requestTimeoutSeconds": 0.05})
+        wait_for(lambda: s.state.policy.policy.request_timeout_seconds == 0.05, timeout=10)
+        assert httpx.post(f"{s.url}/v1/completions", json=LONG, timeout=60).status_code == 504
+        path.write_text("requestTimeoutSeconds: [not a number")  # invalid: the last good policy stays
+        time.sleep(1.5)
+        assert s.state.policy.policy.request_timeout_seconds == 0.05
+        assert httpx.post(f"{s.url}/v1/completions", json=LONG, timeout=60).status_code == 504
+
+
+def test_sigterm_drains_then_exits_zero(tiny_model: Path) -> None:
+    with server_process(tiny_model, "--served-model-name", MODEL, "--drain-timeout", "60") as (url, proc):
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json={**LONG, "max_tokens": 400, "stream": True}, timeout=60
+            ) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 503, timeout=10)
+        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        t.join(60)
+        assert proc.wait(timeout=60) == 0
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]" if lines[-1] else [x for x in lines if x][-1] == "data: [DONE]"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the in-flight request finished whole
