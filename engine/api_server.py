@@ -70,6 +70,8 @@ class _Ticket:
         if client:
             state.client_in_flight[client] += 1
         self.released = False
+        # Arrivals are observations too: a queue that grows while nothing starts must raise the estimate.
+        state.estimator.observe(time.monotonic(), sum(state.queued.values()), state.started_total)
 
     def started(self) -> None:
         s = self.state

@@ -1,17 +1,32 @@
-"""`ember demo`: build a test checkpoint, stream a chat reply token by token, then run a batch.
+"""`ember demo`: build a test checkpoint, start `ember serve` on it, stream a chat reply token by token,
+send a burst of concurrent requests, show the server's own metrics, then drain it with SIGTERM.
 
-The checkpoint has random weights, so the words are noise; what the demo shows is the engine at work:
-streaming, continuous batching, prefix caching, and the numbers behind them.
+The checkpoint has random weights, so the words are noise; what the demo shows is the system at work:
+streaming over the OpenAI API, continuous batching, prefix caching, and the numbers behind them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+SHOWN_METRICS = (
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:time_to_first_token_seconds_sum",
+)
 
 
 def default_dir() -> Path:
@@ -19,61 +34,127 @@ def default_dir() -> Path:
     return Path(cache) / "ember" / "demo-tiny"
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def main(args: argparse.Namespace) -> int:
-    from ember_engine import SamplingParams
-    from ember_engine.async_engine import AsyncEngine
-    from ember_engine.chat import render_chat
     from ember_engine.testmodel import make_test_model
 
     model_dir = Path(args.dir) if args.dir else default_dir()
     if not (model_dir / "model.safetensors").exists():
         print(f"building a tiny test checkpoint in {model_dir} ...")
         make_test_model(model_dir, size="tiny", force=True)
-    engine = AsyncEngine(model=str(model_dir))
-    system = "You are a terse assistant who answers in Python. " * 4  # a shared prefix: 3+ cache blocks
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Write a function."}]
-    prompt = render_chat(engine.tokenizer, messages)
-
-    async def stream() -> None:
-        print(f"\nprompt:\n{prompt}\nstreaming reply:")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    ember = Path(sys.executable).with_name("ember")
+    cmd = [
+        str(ember),
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "demo",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    print(f"$ {' '.join(cmd)}")
+    server = subprocess.Popen(cmd)
+    try:
         start = time.perf_counter()
-        first: float | None = None
-        async for out in engine.generate(
-            prompt, SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=48)
-        ):
-            first = first or time.perf_counter()
-            sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
-        assert first is not None
-        print(f"\n[{len(out.token_ids)} tokens, first after {1000 * (first - start):.0f} ms]")
+        while not _ready(url):
+            if server.poll() is not None:
+                print("ember serve exited before it was ready", file=sys.stderr)
+                return 1
+            time.sleep(0.1)
+        print(f"ready after {time.perf_counter() - start:.1f} s (model loaded and warmed up)\n")
+        _stream_chat(url)
+        asyncio.run(_burst(url))
+        _show_metrics(url)
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            code = server.wait(timeout=60)
+            print(f"\nSIGTERM: the server drained and exited with status {code}")
+    return 0
 
-    async def batch() -> None:
-        questions = [f"Question {i}: what is {i} squared?" for i in range(16)]
-        params = SamplingParams(temperature=0.7, max_tokens=64, ignore_eos=True)
 
-        async def one(q: str) -> int:
-            p = render_chat(
-                engine.tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": q}]
-            )
-            n = 0
-            async for out in engine.generate(p, params):
-                n = len(out.token_ids)
-            return n
-
-        start = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(q) for q in questions)))
-        elapsed = time.perf_counter() - start
-        s = engine.stats()
-        print(
-            f"\nbatch: 16 chat requests, {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.0f} output tok/s"
-        )
-        print(
-            f"prefix cache: {s.prefix_cache_hits} of {s.prefix_cache_queries} prompt tokens served from cache"
-        )
+def _ready(url: str) -> bool:
+    import httpx
 
     try:
-        asyncio.run(stream())
-        asyncio.run(batch())
-    finally:
-        engine.shutdown()
-    return 0
+        return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:  # not listening yet
+        return False
+
+
+SYSTEM = "You are a terse assistant who answers in Python. " * 4  # a shared prefix: several cache blocks
+
+
+def _stream_chat(url: str) -> None:
+    import httpx
+
+    body = {
+        "model": "demo",
+        "stream": True,
+        "max_tokens": 48,
+        "temperature": 0.8,
+        "seed": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Write a function."}],
+    }
+    print("POST /v1/chat/completions (stream): ", end="", flush=True)
+    sent, first, pieces = time.perf_counter(), None, 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            text = chunk["choices"][0]["delta"].get("content", "") if chunk["choices"] else ""
+            if text:
+                first = first or time.perf_counter()
+                pieces += 1
+                print(text, end="", flush=True)
+    ttft = 1000 * ((first or sent) - sent)
+    print(f"\n[{pieces} chunks; first token after {ttft:.0f} ms, all in {time.perf_counter() - sent:.2f} s]")
+
+
+async def _burst(url: str) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def one(i: int) -> int:
+            body = {
+                "model": "demo",
+                "max_tokens": 64,
+                "ignore_eos": True,
+                "temperature": 0.7,
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Question {i}: what is {i} squared?"},
+                ],
+            }
+            r = await client.post(f"{url}/v1/chat/completions", json=body)
+            return int(r.json()["usage"]["completion_tokens"])
+
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(i) for i in range(16))))
+        elapsed = time.perf_counter() - start
+    print(
+        f"\nburst: 16 concurrent chat requests, {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.0f} tok/s"
+    )
+
+
+def _show_metrics(url: str) -> None:
+    import httpx
+
+    print("\nGET /metrics (excerpt):")
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(SHOWN_METRICS):
+            print(f"  {line}")
