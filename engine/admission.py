@@ -36,7 +36,10 @@ _CONDITION = {
 class QueueState:
     num_waiting: int
     num_waiting_by_priority: Mapping[int, int]  # must cover every waiting request
-    estimated_wait_s: float  # for the whole queue, from QueueWaitEstimator
+    # How long a request joining the back of the queue would wait (num_waiting + 1 positions: with every
+    # slot busy it starts only after all those ahead of it and one more have left), from
+    # QueueWaitEstimator.estimate(num_waiting + 1).
+    estimated_wait_s: float
     draining: bool
     ready: bool
 
@@ -108,7 +111,8 @@ def decide(policy: Policy, state: QueueState, priority: int, client_in_flight: i
             )
     if shedding.max_queue_wait_seconds:
         wait_limit = shedding.max_queue_wait_seconds * share
-        wait = state.estimated_wait_s * ahead / state.num_waiting if state.num_waiting else 0.0
+        # This request's position counts only those at least as important ahead of it.
+        wait = state.estimated_wait_s * (ahead + 1) / (state.num_waiting + 1)
         if wait >= wait_limit:
             return _shed(
                 policy,

@@ -40,7 +40,10 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0  # HTTP requests being served (drain waits for these)
     queued: Counter[int] = field(default_factory=Counter)  # admitted, not yet started, by priority
-    started_total: int = 0
+    # Requests that ended (finished or aborted). While requests queue, every slot is busy and one can
+    # start only when another ends, so endings, not starts, measure how fast the queue drains: counting
+    # starts would read the burst that fills idle slots at the onset of overload as a high drain rate.
+    ended_total: int = 0
     client_in_flight: Counter[str] = field(default_factory=Counter)
     estimator: QueueWaitEstimator = field(default_factory=QueueWaitEstimator)
 
@@ -48,12 +51,15 @@ class ServerState:
     def ready(self) -> bool:
         return self.engine is not None and not self.draining
 
+    def observe_queue(self) -> None:
+        self.estimator.observe(time.monotonic(), sum(self.queued.values()), self.ended_total)
+
     def queue_state(self) -> QueueState:
         waiting = sum(self.queued.values())
         return QueueState(
             num_waiting=waiting,
             num_waiting_by_priority=dict(self.queued),
-            estimated_wait_s=self.estimator.estimate(waiting),
+            estimated_wait_s=self.estimator.estimate(waiting + 1),
             draining=self.draining,
             ready=self.ready,
         )
@@ -64,21 +70,20 @@ class _Ticket:
 
     def __init__(self, state: ServerState, priority: int, client: str | None, num_requests: int) -> None:
         self.state, self.priority, self.client = state, priority, client
-        self.unstarted = num_requests
+        self.num_requests = self.unstarted = num_requests
         state.in_flight += 1
         state.queued[priority] += num_requests
         if client:
             state.client_in_flight[client] += 1
         self.released = False
-        # Arrivals are observations too: a queue that grows while nothing starts must raise the estimate.
-        state.estimator.observe(time.monotonic(), sum(state.queued.values()), state.started_total)
+        # Arrivals are observations too: a queue that grows while nothing drains must raise the estimate.
+        state.observe_queue()
 
     def started(self) -> None:
         s = self.state
         self.unstarted -= 1
         s.queued[self.priority] -= 1
-        s.started_total += 1
-        s.estimator.observe(time.monotonic(), sum(s.queued.values()), s.started_total)
+        s.observe_queue()
 
     def release(self) -> None:
         if self.released:
@@ -87,6 +92,8 @@ class _Ticket:
         s = self.state
         s.queued[self.priority] -= self.unstarted
         s.in_flight -= 1
+        s.ended_total += self.num_requests  # in engine requests, as the queue is counted
+        s.observe_queue()
         if self.client:
             s.client_in_flight[self.client] -= 1
 

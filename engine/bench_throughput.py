@@ -137,6 +137,17 @@ def run_hf_continuous(args: argparse.Namespace, work: Workload) -> dict[str, Any
 BASELINES = {"transformers-padded": run_hf_padded, "transformers-continuous": run_hf_continuous}
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 

@@ -170,3 +170,15 @@ def test_estimator_rejects_bad_parameters() -> None:
         QueueWaitEstimator(window_s=0)
     with pytest.raises(ValueError, match="alpha"):
         QueueWaitEstimator(alpha=1.5)
+
+
+def test_a_newcomer_to_an_empty_queue_still_waits_for_a_free_slot() -> None:
+    # With every slot busy, even the first in line waits for one request to end: the estimate is for the
+    # newcomer's own position, so an empty queue with a slow drain can already exceed the limit.
+    one_class = [{"name": "only", "priority": 0}]
+    policy = make_policy(maxQueueWaitSeconds=3, priorityClasses=one_class, defaultPriorityClass="only")
+    assert isinstance(decide(policy, make_state({}, wait=2.0), 0), Admit)
+    assert shed(decide(policy, make_state({}, wait=3.5), 0)).reason == "queue_wait"
+    # Behind four others the newcomer is fifth: the estimate for the back of the queue applies in full.
+    assert shed(decide(policy, make_state({0: 4}, wait=3.5), 0)).reason == "queue_wait"
+    assert isinstance(decide(policy, make_state({0: 4}, wait=2.9), 0), Admit)

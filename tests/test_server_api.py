@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types import Completion
 from server_util import InProcessServer, running_server
 
 MODEL = "tiny"
@@ -74,40 +75,24 @@ def test_raw_sse_ends_with_done(server: InProcessServer) -> None:
 
 
 def test_n_stop_seed_and_extensions(client: openai.OpenAI) -> None:
-    r = client.completions.create(
-        model=MODEL,
-        prompt="x = ",
-        max_tokens=12,
-        n=3,
-        temperature=1.0,
-        seed=5,
-        extra_body={
-            "top_k": 40,
-            "min_p": 0.01,
-            "repetition_penalty": 1.1,
-            "ignore_eos": True,
-            "min_tokens": 12,
-            "priority": "standard",
-        },
-    )
+    extensions = {"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 12}
+
+    def sample(**extra: object) -> Completion:
+        return client.completions.create(
+            model=MODEL,
+            prompt="x = ",
+            max_tokens=12,
+            n=3,
+            temperature=1.0,
+            seed=5,
+            extra_body={**extensions, **extra},
+        )
+
+    r = sample(priority="standard")
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert len({c.text for c in r.choices}) == 3
     assert r.usage is not None and r.usage.completion_tokens == 36
-    again = client.completions.create(
-        model=MODEL,
-        prompt="x = ",
-        max_tokens=12,
-        n=3,
-        temperature=1.0,
-        seed=5,
-        extra_body={
-            "top_k": 40,
-            "min_p": 0.01,
-            "repetition_penalty": 1.1,
-            "ignore_eos": True,
-            "min_tokens": 12,
-        },
-    )
+    again = sample()
     assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == [
         c.text for c in sorted(r.choices, key=lambda c: c.index)
     ]

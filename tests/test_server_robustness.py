@@ -115,6 +115,16 @@ def _hold(
     return t
 
 
+def _one_running_one_waiting(s: InProcessServer) -> list[threading.Thread]:
+    """With --max-num-seqs 1: one request decoding and one queued behind it."""
+    started = threading.Event()
+    threads = [_hold(s.url, {**LONG, "max_tokens": 300}, started)]
+    started.wait(30)
+    threads.append(_hold(s.url, {**LONG, "max_tokens": 300}))
+    wait_for(lambda: s.state.queue_state().num_waiting == 1)
+    return threads
+
+
 def test_shedding_by_queue_depth_and_priority(tiny_model: Path, tmp_path: Path) -> None:
     policy = write_policy(
         tmp_path / "policy.yaml",
@@ -134,12 +144,8 @@ def test_shedding_by_queue_depth_and_priority(tiny_model: Path, tmp_path: Path) 
     with running_server(
         tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "1", "--policy", str(policy)
     ) as s:
-        running = threading.Event()
+        threads = _one_running_one_waiting(s)  # the waiting one is of the default class, standard
         body = {**LONG, "max_tokens": 300}
-        threads = [_hold(s.url, body, running)]
-        running.wait(30)
-        threads.append(_hold(s.url, body))  # one standard request waiting behind it
-        wait_for(lambda: s.state.queue_state().num_waiting == 1)
         small = {"model": MODEL, "prompt": "x", "max_tokens": 2}
         shed = httpx.post(f"{s.url}/v1/completions", json={**small, "priority": "batch"})
         assert shed.status_code == 503 and shed.headers["retry-after"] == "7"
@@ -194,11 +200,7 @@ def test_overflow_goes_to_the_fallback(tiny_model: Path, tmp_path: Path) -> None
         with running_server(
             tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "1", "--policy", str(policy)
         ) as s:
-            started = threading.Event()
-            threads = [_hold(s.url, {**LONG, "max_tokens": 300}, started)]
-            started.wait(30)
-            threads.append(_hold(s.url, {**LONG, "max_tokens": 300}))
-            wait_for(lambda: s.state.queue_state().num_waiting == 1)
+            threads = _one_running_one_waiting(s)
             small = {"model": MODEL, "prompt": "def", "max_tokens": 5, "temperature": 0}
             r = httpx.post(f"{s.url}/v1/completions", json=small)
             assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
@@ -222,11 +224,7 @@ def test_failed_fallback_gives_the_shed_error(tiny_model: Path, tmp_path: Path) 
     with running_server(
         tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "1", "--policy", str(policy)
     ) as s:
-        started = threading.Event()
-        threads = [_hold(s.url, {**LONG, "max_tokens": 300}, started)]
-        started.wait(30)
-        threads.append(_hold(s.url, {**LONG, "max_tokens": 300}))
-        wait_for(lambda: s.state.queue_state().num_waiting == 1)
+        threads = _one_running_one_waiting(s)
         r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded"
         assert metrics(s.url)[("ember:fallback_requests_total", (("outcome", "failed"),))] == 1
