@@ -1,4 +1,6 @@
 # Both quickstart commands create (or reuse) a local virtualenv and install what they need.
+# `-P` keeps the working directory off sys.path: the folder `operator/` here must never be imported in
+# place of the standard library's `operator` module.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,9 +13,9 @@ TYPECHECK := build/typecheck
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[engine,operator,dev]'
+	test -x $(BIN)/python || $(PYTHON) -P -m venv $(VENV)
+	$(BIN)/python -P -m pip install -q --upgrade pip
+	$(BIN)/python -P -m pip install -q -e '.[engine,operator,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

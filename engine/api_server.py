@@ -96,6 +96,8 @@ class _Ticket:
         s.observe_queue()
         if self.client:
             s.client_in_flight[self.client] -= 1
+            if s.client_in_flight[self.client] <= 0:  # one key per client ever seen would only grow
+                del s.client_in_flight[self.client]
 
 
 def _error_response(err: APIError) -> JSONResponse:

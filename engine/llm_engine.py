@@ -190,13 +190,12 @@ class LLMEngine:
         if not batch:
             return []
         now = time.monotonic()
-        rows, row_reqs = [], []
+        rows = []  # in batch order, for the requests the runner will sample (it applies the same test)
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             if req.num_computed_tokens + n == req.num_tokens:
                 rows.append(self._sampling_row(req))
-                row_reqs.append(req)
         result = self.runner.execute(batch, rows)
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             req.num_computed_tokens += n

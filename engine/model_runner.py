@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +16,6 @@ from ember_engine.model_config import ModelConfig, resolve_dtype
 from ember_engine.request import Request
 from ember_engine.sampler import Sampler, SamplerOutput, SamplingRow
 from ember_engine.scheduler import SchedulerOutput
-
-log = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
