@@ -51,8 +51,10 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    plan: GatherPlan | None = None,
 ) -> Tensor:
-    """Causal attention of q `[N, num_heads, head_dim]` over each sequence's cached keys; same shape and dtype."""
+    """Causal attention of q `[N, num_heads, head_dim]` over each sequence's cached keys; same shape and dtype.
+    `plan` (the reference path's gather plan for this batch layout) saves rebuilding it per layer."""
     if _use_triton(q):
         from ember_engine import triton_attention
 
@@ -60,7 +62,7 @@ def paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale
         )
     return paged_attention_reference(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale, plan
     )
 
 
@@ -71,19 +73,7 @@ def context_attention(
     built by the first layer and reused by the others (it depends only on the batch layout)."""
     if not _use_triton(q) and ctx.gather_plan is None:
         ctx.gather_plan = plan_gather(ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, k_cache.shape[1])
-    if _use_triton(q):
-        return paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            ctx.block_tables,
-            ctx.seq_lens,
-            ctx.query_start_loc,
-            ctx.max_query_len,
-            ctx.max_seq_len,
-            scale,
-        )
-    return paged_attention_reference(
+    return paged_attention(
         q,
         k_cache,
         v_cache,
