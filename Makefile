@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Type-check through the import names (the folder `operator/` would shadow the standard library).
 TYPECHECK := build/typecheck
 
-.PHONY: demo test lint typecheck pytest venv clean
+.PHONY: demo test lint typecheck pytest venv clean crds
 
 venv: $(STAMP)
 
@@ -36,6 +36,9 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q
+
+crds: $(STAMP)
+	$(BIN)/python -P -m ember_operator.crd > crds/inferenceservice.yaml
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache
