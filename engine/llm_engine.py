@@ -13,7 +13,7 @@ from ember_engine.model_config import ModelConfig
 from ember_engine.model_runner import ModelRunner
 from ember_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ember_engine.request import Request
-from ember_engine.sampler import SamplingRow, make_generator
+from ember_engine.sampler import Sampler, SamplingRow, make_generator
 from ember_engine.sampling_params import SamplingParams
 from ember_engine.scheduler import Scheduler
 from ember_engine.tokenizer import Tokenizer
@@ -72,6 +72,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit}")
         self.max_model_len = config.max_model_len or limit
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.sampler = Sampler()
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
             log.warning(
@@ -190,20 +191,19 @@ class LLMEngine:
         if not batch:
             return []
         now = time.monotonic()
-        rows = []  # in batch order, for the requests the runner will sample (it applies the same test)
-        for req, n in zip(batch.requests, batch.num_tokens, strict=True):
+        for req in batch.requests:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            if req.num_computed_tokens + n == req.num_tokens:
-                rows.append(self._sampling_row(req))
-        result = self.runner.execute(batch, rows)
+        result = self.runner.execute(batch)
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
         touched: dict[str, _Group] = {}
         now = time.monotonic()
-        if result.output is not None:
-            out = result.output
+        if result.logits is not None:
+            # The rows read each request's output so far (penalties, min_tokens): this step's token is
+            # appended only after sampling.
+            out = self.sampler(result.logits, [self._sampling_row(r) for r in result.sampled])
             for k, req in enumerate(result.sampled):
                 group = self._group_of[req]
                 sample = group.samples[req.index]

@@ -14,7 +14,6 @@ from ember_engine.llama import LlamaForCausalLM
 from ember_engine.loader import load_weights
 from ember_engine.model_config import ModelConfig, resolve_dtype
 from ember_engine.request import Request
-from ember_engine.sampler import Sampler, SamplerOutput, SamplingRow
 from ember_engine.scheduler import SchedulerOutput
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
@@ -22,8 +21,8 @@ _CPU_DEFAULT_KV_BYTES = 2 << 30
 
 @dataclass(slots=True)
 class StepResult:
-    sampled: list[Request]  # requests that reached the end of their known tokens and got a new one
-    output: SamplerOutput | None
+    sampled: list[Request]  # requests whose chunk reached their last known token, in batch order
+    logits: torch.Tensor | None  # [len(sampled), vocab] float32; None when nothing is sampled
 
 
 class ModelRunner:
@@ -46,7 +45,6 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         load_weights(self.model, Path(config.model))
         self.model.eval()
-        self.sampler = Sampler()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
 
@@ -103,9 +101,8 @@ class ModelRunner:
     # -- a step ---------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, rows: list[SamplingRow]) -> StepResult:
-        """`rows` describes, in batch order, the requests whose scheduled chunk reaches their last known
-        token; only those get logits and a sample."""
+    def execute(self, batch: SchedulerOutput) -> StepResult:
+        """Run the batch's forward; logits only for the requests that reach their last known token."""
         bs = self.block_size
         ids, pos, slots, q_loc, seq_lens, logit_rows = [], [], [], [0], [], []
         sampled: list[Request] = []
@@ -143,8 +140,7 @@ class ModelRunner:
             set_context(None)
         if not sampled:
             return StepResult([], None)
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
-        return StepResult(sampled, self.sampler(logits, rows))
+        return StepResult(sampled, self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)]))
 
     @torch.inference_mode()
     def execute_dummy(self, num_tokens: int) -> None:

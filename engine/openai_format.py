@@ -90,9 +90,9 @@ class Formatter:
     ) -> dict:
         finish = _finish(out.finish_reason)
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": out.delta_text} if first else {}
-            if not first or out.delta_text:
-                delta["content"] = out.delta_text
+            delta: dict[str, Any] = {"content": out.delta_text}
+            if first:
+                delta["role"] = "assistant"
             choice = {
                 "index": index,
                 "delta": delta,
