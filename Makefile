@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -P -m venv $(VENV)
 	$(BIN)/python -P -m pip install -q --upgrade pip
-	$(BIN)/python -P -m pip install -q -e '.[engine,operator,dev]'
+	$(BIN)/python -P -m pip install -q -e '.[engine,operator,local,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -32,7 +32,8 @@ typecheck: $(STAMP)
 	mkdir -p $(TYPECHECK)
 	ln -sfn ../../engine $(TYPECHECK)/ember_engine
 	ln -sfn ../../operator $(TYPECHECK)/ember_operator
-	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p ember_engine -p ember_operator
+	ln -sfn ../../e2e $(TYPECHECK)/ember_e2e
+	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p ember_engine -p ember_operator -p ember_e2e
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q

@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(p)
     p.set_defaults(func=bench_serve.main)
 
+    from ember_operator import main as operator_main  # argparse only at import time: no kopf yet
+
+    p = sub.add_parser("operator", help="run the Kubernetes operator for InferenceServices (kopf)")
+    operator_main.add_arguments(p)
+    p.set_defaults(func=operator_main.main)
+
     p = sub.add_parser("demo", help="generate from a test checkpoint built on the spot")
     p.add_argument("--dir", help="checkpoint directory (default: a per-user cache)")
     p.set_defaults(func=_demo)

@@ -52,6 +52,12 @@ class Model(_Object):
     name: str = Field(min_length=1, description="The model name that clients send in requests.")
     source: str = Field(min_length=1, description="Path of a Hugging Face checkpoint directory in the pod.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    volume_claim: str | None = Field(
+        default=None,
+        max_length=253,
+        description="A PersistentVolumeClaim holding the checkpoints, mounted read-only at /models "
+        "(so source is then a path under /models). Without one, source must exist in the image.",
+    )
 
 
 class Speculative(_Object):
@@ -251,6 +257,7 @@ class ScalingDecision(_Object):
     time: datetime
     desired: int
     reason: str
+    inputs: AutoscalerInputs | None = None
 
 
 class AutoscalerStatus(_Object):

@@ -1,0 +1,1 @@
+"""The local control plane: an in-process Kubernetes API server, a process kubelet, a service proxy."""

@@ -1,0 +1,163 @@
+"""What the server checks and fills in before an object is stored: the body, the name, kind rules.
+
+* The body must be an object whose apiVersion/kind (when given) match the URL.
+* Names must be RFC 1123 subdomains (labels for namespaces and services); `generateName` gets five
+  random lowercase alphanumerics, as in Kubernetes.
+* Custom resources are pruned, defaulted and validated against their CRD's schema (`schema.py`).
+* CRDs are checked enough to be registered and get `Established`/`NamesAccepted` conditions.
+* New Pods start `Pending` and new Namespaces `Active`, since no controller here would set that.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import secrets
+import string
+from typing import Any
+
+from . import schema
+from .errors import Cause, bad_request, invalid
+from .resources import ResourceType, crd_causes
+
+CRD_STORAGE = ("apiextensions.k8s.io", "customresourcedefinitions")
+NAMESPACES = ("", "namespaces")
+PODS = ("", "pods")
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_NAME_CHARS = string.ascii_lowercase + string.digits
+_OWNER_FIELDS = ("apiVersion", "kind", "name", "uid")
+
+
+def checked_body(rtype: ResourceType, body: Any) -> dict[str, Any]:
+    """A private copy of a request body, with apiVersion and kind filled in."""
+    if not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict):
+        raise bad_request(f"the body of the request is not a valid {rtype.kind} object")
+    for key, expected in (("apiVersion", rtype.api_version), ("kind", rtype.kind)):
+        if body.get(key) not in (None, "", expected):
+            raise bad_request(
+                f"the {key} in the data ({body[key]}) does not match the expected {key} ({expected})"
+            )
+    if not rtype.custom:
+        for key in ("spec", "status"):
+            if body.get(key) is not None and not isinstance(body[key], dict):
+                raise bad_request(
+                    f"cannot unmarshal {type(body[key]).__name__} into Go struct field {rtype.kind}.{key}"
+                )
+    obj = copy.deepcopy(body)
+    obj["apiVersion"], obj["kind"] = rtype.api_version, rtype.kind
+    obj.setdefault("metadata", {})
+    return obj
+
+
+def generated_name(prefix: str) -> str:
+    return prefix + "".join(secrets.choice(_NAME_CHARS) for _ in range(5))
+
+
+def check_name(rtype: ResourceType, name: Any) -> None:
+    if not name:
+        cause = Cause(
+            "metadata.name", "FieldValueRequired", "Required value: name or generateName is required"
+        )
+        raise invalid(rtype.kind, rtype.group, "", [cause])
+    label_only = rtype.storage in (NAMESPACES, ("", "services"))
+    pattern, limit = (_DNS_LABEL, 63) if label_only else (_DNS_SUBDOMAIN, 253)
+    if not isinstance(name, str) or len(name) > limit or not pattern.match(name):
+        what = "RFC 1123 label" if label_only else "RFC 1123 subdomain"
+        message = (
+            f"Invalid value: {name!r}: a lowercase {what} must consist of lower case alphanumeric characters, "
+            "'-' or '.', and must start and end with an alphanumeric character"
+        )
+        raise invalid(
+            rtype.kind, rtype.group, str(name), [Cause("metadata.name", "FieldValueInvalid", message)]
+        )
+
+
+def admit(
+    rtype: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None, *, strict: bool = False
+) -> dict[str, Any]:
+    """The object as it would be stored; `strict` (fieldValidation=Strict) refuses unknown fields."""
+    name = obj["metadata"]["name"]
+    causes = _metadata_causes(obj["metadata"])
+    if causes:
+        raise invalid(rtype.kind, rtype.group, name, causes)
+    if rtype.custom and rtype.schema is not None:
+        normalized, pruned = schema.normalize(obj, rtype.schema)
+        if strict and pruned:
+            raise bad_request(", ".join(f'strict decoding error: unknown field "{path}"' for path in pruned))
+        causes = schema.validate(normalized, old, rtype.schema)
+        if causes:
+            raise invalid(rtype.kind, rtype.group, name, causes)
+        return normalized
+    if rtype.storage == CRD_STORAGE:
+        causes = crd_causes(obj)
+        if causes:
+            raise invalid(rtype.kind, rtype.group, name, causes)
+        obj["status"] = _crd_status(obj)
+    elif old is None and rtype.storage == PODS:
+        obj["status"] = {"phase": "Pending"}
+    elif old is None and rtype.storage == NAMESPACES:
+        obj["status"] = {"phase": "Active"}
+    return obj
+
+
+def _metadata_causes(meta: dict[str, Any]) -> list[Cause]:
+    """The shapes the rest of the server relies on (selectors, finalizers, garbage collection)."""
+    causes = []
+    for key in ("labels", "annotations"):
+        value = meta.get(key)
+        if value is not None and not (
+            isinstance(value, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+        ):
+            causes.append(
+                Cause(
+                    f"metadata.{key}",
+                    "FieldValueInvalid",
+                    "Invalid value: must be a map of strings to strings",
+                )
+            )
+    finalizers = meta.get("finalizers")
+    if finalizers is not None and not (
+        isinstance(finalizers, list) and all(isinstance(f, str) for f in finalizers)
+    ):
+        causes.append(
+            Cause("metadata.finalizers", "FieldValueInvalid", "Invalid value: must be a list of strings")
+        )
+    references = meta.get("ownerReferences")
+    if references is not None and not (
+        isinstance(references, list)
+        and all(
+            isinstance(ref, dict) and all(isinstance(ref.get(k), str) for k in _OWNER_FIELDS)
+            for ref in references
+        )
+    ):
+        needed = ", ".join(_OWNER_FIELDS)
+        causes.append(
+            Cause(
+                "metadata.ownerReferences",
+                "FieldValueInvalid",
+                f"Invalid value: each reference needs {needed}",
+            )
+        )
+    return causes
+
+
+def _crd_status(crd: dict[str, Any]) -> dict[str, Any]:
+    spec = crd["spec"]
+    conditions = [
+        {
+            "type": kind,
+            "status": "True",
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": crd["metadata"]["creationTimestamp"],
+        }
+        for kind, reason, message in (
+            ("NamesAccepted", "NoConflicts", "no conflicts found"),
+            ("Established", "InitialNamesAccepted", "the initial names have been accepted"),
+        )
+    ]
+    stored = [v["name"] for v in spec["versions"] if v.get("storage")]
+    return {"conditions": conditions, "acceptedNames": spec["names"], "storedVersions": stored}

@@ -1,0 +1,59 @@
+"""The built-in resource types the local control plane needs.
+
+Enough for kopf (namespaces, events and CRDs are its discovery "backbone"; leases for leader
+election elsewhere), for the operator's children (pods, services, configmaps, secrets, deployments)
+and for kubectl's everyday commands. Built-ins are stored without schema validation: the server
+keeps whatever the client sends, as a real server would keep every field it knows.
+"""
+
+from __future__ import annotations
+
+from .resources import ResourceType, ScalePaths
+
+BUILTIN_TYPES: tuple[ResourceType, ...] = (
+    ResourceType("", "v1", "Namespace", "namespaces", namespaced=False, short_names=("ns",), has_status=True),
+    ResourceType(
+        "", "v1", "Pod", "pods", namespaced=True, short_names=("po",), categories=("all",), has_status=True
+    ),
+    ResourceType(
+        "",
+        "v1",
+        "Service",
+        "services",
+        namespaced=True,
+        short_names=("svc",),
+        categories=("all",),
+        has_status=True,
+    ),
+    ResourceType("", "v1", "ConfigMap", "configmaps", namespaced=True, short_names=("cm",)),
+    ResourceType("", "v1", "Secret", "secrets", namespaced=True),
+    ResourceType("", "v1", "Event", "events", namespaced=True, short_names=("ev",)),
+    ResourceType("", "v1", "Endpoints", "endpoints", namespaced=True, short_names=("ep",)),
+    ResourceType("", "v1", "ServiceAccount", "serviceaccounts", namespaced=True, short_names=("sa",)),
+    ResourceType(
+        "apps",
+        "v1",
+        "Deployment",
+        "deployments",
+        namespaced=True,
+        short_names=("deploy",),
+        categories=("all",),
+        has_status=True,
+        # A Deployment's selector is a LabelSelector object; /scale renders it as a string.
+        scale=ScalePaths(".spec.replicas", ".status.replicas", ".spec.selector"),
+    ),
+    ResourceType("coordination.k8s.io", "v1", "Lease", "leases", namespaced=True),
+    ResourceType(
+        "apiextensions.k8s.io",
+        "v1",
+        "CustomResourceDefinition",
+        "customresourcedefinitions",
+        namespaced=False,
+        short_names=("crd", "crds"),
+        has_status=True,
+    ),
+    # Stored apart from v1 events (a real server shares one storage); kopf and kubectl use v1.
+    ResourceType("events.k8s.io", "v1", "Event", "events", namespaced=True, short_names=("ev",)),
+)
+
+INITIAL_NAMESPACES = ("default", "kube-system")

@@ -1,0 +1,183 @@
+"""DELETE and what follows it: finalizers, graceful Pod deletion, garbage collection.
+
+* An object with finalizers gets `deletionTimestamp` (now) and `deletionGracePeriodSeconds: 0` and
+  stays; the write that later leaves it without finalizers deletes it (see `Store.write`). A second
+  DELETE changes nothing.
+* A Pod is deleted gracefully, as Kubernetes does it: `deletionTimestamp` is set to now plus the grace
+  period (DeleteOptions `gracePeriodSeconds`, else `spec.terminationGracePeriodSeconds`, else 30) and
+  the Pod stays until a kubelet deletes it with `gracePeriodSeconds=0` or the period runs out (then the
+  server deletes it itself). Pods in phase Succeeded or Failed, and every Pod when the server runs
+  with `pod_graceful_deletion=False`, go at once. Unlike Kubernetes, a Pod not yet bound to a node is
+  graceful too: here a process kubelet may run Pods without binding them.
+* Garbage collection runs right after each real delete, synchronously (Kubernetes runs it in the
+  background): every object whose ownerReferences name no live owner is deleted through this same
+  path, so its own finalizers hold. `propagationPolicy=Orphan` strips the owner's references from its
+  dependents instead; `Foreground` is treated as `Background`.
+* Deleting a namespace first deletes everything in it (skipping the `Terminating` phase); deleting a
+  CRD drops its types and all their objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .admission import CRD_STORAGE, NAMESPACES, PODS
+from .errors import conflict
+from .resources import ResourceType
+from .selectors import FieldSelector, LabelSelector
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+@dataclass(slots=True)
+class DeleteOptions:
+    grace_period_seconds: int | None = None
+    propagation_policy: str | None = None
+    preconditions: dict[str, Any] = field(default_factory=dict)
+
+
+def delete(
+    store: Store,
+    rtype: ResourceType,
+    namespace: str | None,
+    name: str,
+    options: DeleteOptions,
+    *,
+    dry_run: bool = False,
+) -> dict[str, Any]:
+    """The object after the DELETE: its last state when gone, else marked for deletion."""
+    current = store.get(rtype, namespace, name)
+    meta = current["metadata"]
+    for key in ("uid", "resourceVersion"):
+        wanted = options.preconditions.get(key)
+        if wanted is not None and wanted != meta.get(key):
+            raise conflict(rtype.plural, rtype.group, name)
+    if dry_run:
+        return current
+    if options.propagation_policy == "Orphan":
+        _orphan_dependents(store, meta["uid"])
+    if rtype.storage == NAMESPACES:
+        _empty_namespace(store, name)
+    grace = _pod_grace(store, current, options) if rtype.storage == PODS else 0
+    if grace > 0:
+        if meta.get("deletionTimestamp"):
+            return current
+        _expire_grace_later(store, rtype, current, grace)
+        return _mark_deleting(store, rtype, current, grace)
+    if meta.get("finalizers"):
+        return current if meta.get("deletionTimestamp") else _mark_deleting(store, rtype, current, 0)
+    return remove(store, rtype.storage, current, options)
+
+
+def delete_collection(
+    store: Store,
+    rtype: ResourceType,
+    namespace: str | None,
+    labels: LabelSelector,
+    fields: FieldSelector,
+    options: DeleteOptions,
+) -> list[dict[str, Any]]:
+    deleted = []
+    for obj in store.list(rtype, namespace, labels, fields):
+        meta = obj["metadata"]
+        # An earlier delete's garbage collection may have taken this one already.
+        if store.contains(rtype.storage, meta.get("namespace"), meta["name"]):
+            deleted.append(delete(store, rtype, meta.get("namespace"), meta["name"], options))
+    return deleted
+
+
+def remove(
+    store: Store, storage: tuple[str, str], obj: dict[str, Any], options: DeleteOptions
+) -> dict[str, Any]:
+    """Really delete: a DELETED event with a new resourceVersion, then garbage collection."""
+    obj = copy.deepcopy(obj)
+    store.commit(storage, obj, "DELETED", None)
+    if storage == CRD_STORAGE:
+        _drop_type(store, (obj["spec"]["group"], obj["spec"]["names"]["plural"]))
+    if options.propagation_policy != "Orphan":
+        _collect_garbage(store)
+    return obj
+
+
+def _pod_grace(store: Store, pod: dict[str, Any], options: DeleteOptions) -> int:
+    if not store.pod_graceful_deletion or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return 0
+    if options.grace_period_seconds is not None:
+        return max(0, options.grace_period_seconds)
+    grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
+    return grace if isinstance(grace, int) else 30
+
+
+def _expire_grace_later(store: Store, rtype: ResourceType, pod: dict[str, Any], grace: int) -> None:
+    namespace, name, uid = pod["metadata"].get("namespace"), pod["metadata"]["name"], pod["metadata"]["uid"]
+
+    def expire() -> None:
+        # The server stands in for a kubelet that never confirmed the kill.
+        if store.uid_of(rtype.storage, namespace, name) == uid:
+            delete(store, rtype, namespace, name, DeleteOptions(grace_period_seconds=0))
+
+    asyncio.get_running_loop().call_later(grace, expire)
+
+
+def _mark_deleting(store: Store, rtype: ResourceType, current: dict[str, Any], grace: int) -> dict[str, Any]:
+    obj = copy.deepcopy(current)
+    meta = obj["metadata"]
+    meta["deletionTimestamp"] = store.timestamp(grace)
+    meta["deletionGracePeriodSeconds"] = grace
+    meta["generation"] = meta.get("generation", 0) + 1
+    store.commit(rtype.storage, obj, "MODIFIED", current)
+    return obj
+
+
+def _drop_type(store: Store, storage: tuple[str, str]) -> None:
+    for obj in list(store.objects[storage].values()):
+        store.commit(storage, copy.deepcopy(obj), "DELETED", None)
+    store.objects.pop(storage, None)
+    store.registry.unregister(storage)
+
+
+def _empty_namespace(store: Store, namespace: str) -> None:
+    for storage, objects in list(store.objects.items()):
+        rtype = store.registry.by_storage(storage)
+        if rtype is None or not rtype.namespaced:
+            continue
+        for ns, name in [key for key in objects if key[0] == namespace]:
+            if store.contains(storage, ns, name):
+                delete(store, rtype, ns, name, DeleteOptions(grace_period_seconds=0))
+
+
+def _collect_garbage(store: Store) -> None:
+    """Delete every dependent none of whose owners is alive any more, until nothing changes."""
+    while True:
+        live = {obj["metadata"]["uid"] for objects in store.objects.values() for obj in objects.values()}
+        orphans = [
+            (storage, obj["metadata"].get("namespace"), obj["metadata"]["name"])
+            for storage, objects in store.objects.items()
+            for obj in objects.values()
+            if (refs := obj["metadata"].get("ownerReferences"))
+            and not obj["metadata"].get("deletionTimestamp")
+            and not any(ref.get("uid") in live for ref in refs)
+        ]
+        progressed = False
+        for storage, namespace, name in orphans:
+            rtype = store.registry.by_storage(storage)
+            if rtype is not None and store.contains(storage, namespace, name):
+                delete(store, rtype, namespace, name, DeleteOptions())
+                progressed = True
+        if not progressed:
+            return
+
+
+def _orphan_dependents(store: Store, owner_uid: str) -> None:
+    for storage, objects in list(store.objects.items()):
+        rtype = store.registry.by_storage(storage)
+        for obj in list(objects.values()):
+            refs = obj["metadata"].get("ownerReferences") or []
+            if rtype is not None and any(ref.get("uid") == owner_uid for ref in refs):
+                new = copy.deepcopy(obj)
+                new["metadata"]["ownerReferences"] = [ref for ref in refs if ref.get("uid") != owner_uid]
+                store.write(rtype, obj, new)

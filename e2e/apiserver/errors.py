@@ -1,0 +1,132 @@
+"""Kubernetes `Status` error bodies, raised as one exception type.
+
+Every failure the server reports is a `meta/v1 Status` with `reason`, `code` and, where Kubernetes
+gives them, `details` (name, group, kind, causes). kopf and the official client parse exactly these
+fields: kopf reads `code` to decide whether to retry, the client raises `ApiException(status=code)`.
+The messages follow the real API server's wording, so tests may match on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Cause:
+    """One field error of a 422 `Invalid` response (`details.causes[]`)."""
+
+    field: str
+    reason: str
+    message: str
+
+    def render(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+@dataclass
+class APIError(Exception):
+    code: int
+    reason: str
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.reason}: {self.message}"
+
+    def status(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        }
+        if self.details:
+            body["details"] = self.details
+        return body
+
+
+def _qualified(kind_plural: str, group: str) -> str:
+    return f"{kind_plural}.{group}" if group else kind_plural
+
+
+def not_found(plural: str, group: str, name: str) -> APIError:
+    return APIError(
+        404,
+        "NotFound",
+        f'{_qualified(plural, group)} "{name}" not found',
+        {"name": name, "group": group, "kind": plural},
+    )
+
+
+def already_exists(plural: str, group: str, name: str) -> APIError:
+    return APIError(
+        409,
+        "AlreadyExists",
+        f'{_qualified(plural, group)} "{name}" already exists',
+        {"name": name, "group": group, "kind": plural},
+    )
+
+
+def conflict(plural: str, group: str, name: str) -> APIError:
+    return APIError(
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {_qualified(plural, group)} "{name}": the object has been '
+        "modified; please apply your changes to the latest version and try again",
+        {"name": name, "group": group, "kind": plural},
+    )
+
+
+def invalid(kind: str, group: str, name: str, causes: list[Cause]) -> APIError:
+    rendered = [cause.render() for cause in causes]
+    summary = rendered[0] if len(rendered) == 1 else "[" + ", ".join(rendered) + "]"
+    return APIError(
+        422,
+        "Invalid",
+        f'{_qualified(kind, group)} "{name}" is invalid: {summary}',
+        {
+            "name": name,
+            "group": group,
+            "kind": kind,
+            "causes": [{"reason": c.reason, "message": c.message, "field": c.field} for c in causes],
+        },
+    )
+
+
+def bad_request(message: str) -> APIError:
+    return APIError(400, "BadRequest", message)
+
+
+def method_not_allowed(method: str) -> APIError:
+    return APIError(
+        405, "MethodNotAllowed", f"the server does not allow this method on the requested resource ({method})"
+    )
+
+
+def unsupported_media_type() -> APIError:
+    return APIError(
+        415,
+        "UnsupportedMediaType",
+        "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml",
+    )
+
+
+def unreadable_body(content_type: str) -> APIError:
+    message = f"the media type {content_type!r} is not supported: this server reads JSON and YAML only"
+    if "protobuf" in content_type:
+        message += (
+            " (kubectl's typed `create <kind>` commands send protobuf: use `kubectl create -f` or `apply -f`)"
+        )
+    return APIError(415, "UnsupportedMediaType", message)
+
+
+def expired(requested: int, oldest: int) -> APIError:
+    return APIError(410, "Expired", f"too old resource version: {requested} ({oldest})")
+
+
+def page_not_found(path: str) -> APIError:
+    return APIError(404, "NotFound", f"the server could not find the requested resource ({path})", {})

@@ -1,0 +1,300 @@
+"""The aiohttp application: Kubernetes REST paths onto the store, Status bodies for every failure.
+
+Paths: `/api/v1/...` and `/apis/G/V/...` as `[namespaces/NS/]plural[/name[/status|scale]]` (with care
+for `/api/v1/namespaces/NAME[/status]`), plus discovery, `/version` and the OpenAPI skeleton.
+Collections take GET (a list, or a watch with `?watch=true|1`), POST and DELETE; objects GET, PUT,
+PATCH and DELETE; `/status` and `/scale` GET, PUT and PATCH. Lists honour label and field selectors
+and `limit`/`continue` (a `continue` token resumes after the last name it saw). `dryRun` validates
+without storing; `fieldValidation=Strict` refuses unknown fields of custom resources.
+
+Client mistakes are 4xx `Status` bodies (400 for undecodable bodies, 404 for unknown paths, 405 for
+unsupported methods, 415 for unknown media types); a 500 means a bug here and is logged.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from . import deletion, discovery, openapi, patching, scale
+from .deletion import DeleteOptions
+from .errors import APIError, bad_request, method_not_allowed, page_not_found, unreadable_body
+from .resources import ResourceType
+from .selectors import FieldSelector, LabelSelector, parse_field_selector, parse_label_selector
+from .store import Store
+from .streaming import serve_watch
+from .tables import to_table, wants_table
+from .watch import Watcher
+
+log = logging.getLogger("ember.apiserver")
+
+
+@dataclass(slots=True)
+class Target:
+    rtype: ResourceType
+    namespace: str | None
+    name: str | None
+    subresource: str | None
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json")
+
+
+def _int_param(query: Any, key: str) -> int | None:
+    if not query.get(key):
+        return None
+    try:
+        return int(query[key])
+    except ValueError:
+        raise bad_request(f"invalid {key}: {query[key]!r}") from None
+
+
+async def _read_body(request: web.Request, *, required: bool = True) -> Any:
+    raw = await request.read()
+    if not raw:
+        if required:
+            raise bad_request("the request body is empty")
+        return None
+    content_type = request.content_type.lower()
+    if "yaml" not in content_type and content_type not in ("application/json", "application/octet-stream"):
+        raise unreadable_body(content_type)
+    return patching.decode(raw, as_yaml="yaml" in content_type)
+
+
+def _delete_options(body: Any, query: Any) -> DeleteOptions:
+    body = body if isinstance(body, dict) else {}
+    grace = _int_param(query, "gracePeriodSeconds")
+    if grace is None and isinstance(body.get("gracePeriodSeconds"), int):
+        grace = body["gracePeriodSeconds"]
+    policy = query.get("propagationPolicy") or body.get("propagationPolicy")
+    if policy is None and (query.get("orphanDependents") == "true" or body.get("orphanDependents") is True):
+        policy = "Orphan"
+    if policy not in (None, "Orphan", "Background", "Foreground"):
+        raise bad_request(f"propagationPolicy: Unsupported value: {policy!r}")
+    preconditions = body.get("preconditions")
+    return DeleteOptions(grace, policy, preconditions if isinstance(preconditions, dict) else {})
+
+
+def _continue_after(token: str) -> tuple[str, str]:
+    try:
+        namespace, name = json.loads(base64.urlsafe_b64decode(token))["after"]
+        return (namespace, name)
+    except (ValueError, KeyError, TypeError):
+        raise APIError(410, "Expired", "the provided continue parameter is too old or malformed") from None
+
+
+class Handler:
+    def __init__(self, store: Store, *, bookmark_interval: float) -> None:
+        self.store = store
+        self.bookmark_interval = bookmark_interval
+
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        log.debug("%s %s", request.method, request.path_qs)
+        try:
+            return await self._dispatch(request)
+        except APIError as error:
+            log.debug("%s %s -> %s", request.method, request.path_qs, error)
+            return _json(error.status(), error.code)
+        except Exception:
+            log.exception("internal error serving %s %s", request.method, request.path_qs)
+            failure = APIError(
+                500, "InternalError", "an error on the server has prevented the request from succeeding"
+            )
+            return _json(failure.status(), 500)
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        parts = [part for part in request.path.split("/") if part]
+        registry = self.store.registry
+        if parts[:1] == ["api"] and len(parts) > 2:
+            return await self._resource(request, self._target("", parts[1], parts[2:], request.path))
+        if parts[:1] == ["apis"] and len(parts) > 3:
+            return await self._resource(request, self._target(parts[1], parts[2], parts[3:], request.path))
+        if request.method != "GET":
+            raise method_not_allowed(request.method)
+        if parts == ["version"]:
+            return _json(discovery.SERVER_VERSION)
+        if parts in (["healthz"], ["livez"], ["readyz"]):
+            return web.Response(text="ok")
+        document = None
+        if parts[:2] == ["openapi", "v3"]:
+            document = openapi.document(registry, parts[2:])
+        elif parts == ["api"]:
+            document = discovery.api_versions(request.host)
+        elif parts == ["apis"]:
+            document = discovery.api_group_list(registry)
+        elif len(parts) == 2 and parts[0] == "apis":
+            document = discovery.api_group(registry, parts[1])
+        elif len(parts) == 2 and parts[0] == "api":
+            document = discovery.api_resource_list(registry, "", parts[1])
+        elif len(parts) == 3 and parts[0] == "apis":
+            document = discovery.api_resource_list(registry, parts[1], parts[2])
+        if document is None:
+            raise page_not_found(request.path)
+        return _json(document)
+
+    def _target(self, group: str, version: str, rest: list[str], path: str) -> Target:
+        namespace = None
+        is_namespace_object = len(rest) == 3 and rest[0] == "namespaces" and rest[2] in ("status", "finalize")
+        if rest[0] == "namespaces" and len(rest) >= 3 and not is_namespace_object:
+            namespace, rest = rest[1], rest[2:]
+        rtype = self.store.registry.lookup(group, version, rest[0])
+        if len(rest) > 3 or rtype is None or (namespace is not None and not rtype.namespaced):
+            raise page_not_found(path)
+        name = rest[1] if len(rest) > 1 else None
+        subresource = rest[2] if len(rest) > 2 else None
+        if subresource not in (None, "status", "scale") or (
+            (subresource == "status" and not rtype.has_status)
+            or (subresource == "scale" and rtype.scale is None)
+        ):
+            raise page_not_found(path)
+        if name is not None and rtype.namespaced and namespace is None:
+            raise page_not_found(path)
+        return Target(rtype, namespace, name, subresource)
+
+    async def _resource(self, request: web.Request, target: Target) -> web.StreamResponse:
+        if target.name is None:
+            return await self._collection(request, target)
+        if target.subresource == "scale":
+            return await self._scale(request, target)
+        return await self._object(request, target)
+
+    def _render(
+        self, request: web.Request, rtype: ResourceType, obj: dict[str, Any], status: int = 200
+    ) -> web.Response:
+        table = wants_table(request.headers.get("Accept", ""))
+        if table is None:
+            return _json(obj, status)
+        meta = {"resourceVersion": obj["metadata"].get("resourceVersion", "")}
+        return _json(
+            to_table(rtype, [obj], table, request.query.get("includeObject", "Metadata"), meta), status
+        )
+
+    async def _collection(self, request: web.Request, target: Target) -> web.StreamResponse:
+        rtype, query = target.rtype, request.query
+        labels = parse_label_selector(query.get("labelSelector"))
+        fields = parse_field_selector(query.get("fieldSelector"))
+        if request.method == "GET" and query.get("watch") in ("true", "1"):
+            watcher = Watcher(rtype, target.namespace, labels, fields)
+            return await serve_watch(
+                request, self.store, watcher, _int_param(query, "timeoutSeconds"), self.bookmark_interval
+            )
+        if request.method == "GET":
+            return self._list(request, target, labels, fields)
+        if request.method == "POST" and (target.namespace is not None or not rtype.namespaced):
+            body = await _read_body(request)
+            strict = query.get("fieldValidation") == "Strict"
+            created = self.store.create(
+                rtype, target.namespace, body, dry_run="dryRun" in query, strict=strict
+            )
+            return self._render(request, rtype, created, 201)
+        if request.method == "DELETE":
+            options = _delete_options(await _read_body(request, required=False), query)
+            deleted = deletion.delete_collection(self.store, rtype, target.namespace, labels, fields, options)
+            return _json(self._list_body(rtype, deleted, ""))
+        raise method_not_allowed(request.method)
+
+    def _list_body(self, rtype: ResourceType, items: list[dict[str, Any]], token: str) -> dict[str, Any]:
+        return {
+            "kind": rtype.list_kind,
+            "apiVersion": rtype.api_version,
+            "metadata": {"resourceVersion": str(self.store.rv), "continue": token},
+            "items": items,
+        }
+
+    def _list(
+        self, request: web.Request, target: Target, labels: LabelSelector, fields: FieldSelector
+    ) -> web.Response:
+        query = request.query
+        items = self.store.list(target.rtype, target.namespace, labels, fields)
+        if query.get("continue"):
+            after = _continue_after(query["continue"])
+            items = [
+                obj
+                for obj in items
+                if (obj["metadata"].get("namespace") or "", obj["metadata"]["name"]) > after
+            ]
+        limit, token = _int_param(query, "limit"), ""
+        if limit and len(items) > limit:
+            items = items[:limit]
+            last = items[-1]["metadata"]
+            token = base64.urlsafe_b64encode(
+                json.dumps({"after": [last.get("namespace") or "", last["name"]]}).encode()
+            ).decode()
+        body = self._list_body(target.rtype, items, token)
+        table = wants_table(request.headers.get("Accept", ""))
+        if table is None:
+            return _json(body)
+        return _json(
+            to_table(target.rtype, items, table, query.get("includeObject", "Metadata"), body["metadata"])
+        )
+
+    async def _object(self, request: web.Request, target: Target) -> web.StreamResponse:
+        rtype, namespace, name, sub = target.rtype, target.namespace, target.name, target.subresource
+        assert name is not None
+        store, query, method = self.store, request.query, request.method
+        dry_run, strict = "dryRun" in query, query.get("fieldValidation") == "Strict"
+        if method == "GET":
+            return self._render(request, rtype, store.get(rtype, namespace, name))
+        if method == "PUT":
+            body = await _read_body(request)
+            updated = store.update(
+                rtype, namespace, name, body, subresource=sub, dry_run=dry_run, strict=strict
+            )
+            return self._render(request, rtype, updated)
+        if method == "PATCH":
+            patched, created = store.patch(
+                rtype,
+                namespace,
+                name,
+                request.headers.get("Content-Type", ""),
+                await request.read(),
+                subresource=sub,
+                field_manager=query.get("fieldManager"),
+                dry_run=dry_run,
+                strict=strict,
+            )
+            return self._render(request, rtype, patched, 201 if created else 200)
+        if method == "DELETE" and sub is None:
+            options = _delete_options(await _read_body(request, required=False), query)
+            return self._render(
+                request, rtype, deletion.delete(store, rtype, namespace, name, options, dry_run=dry_run)
+            )
+        raise method_not_allowed(method)
+
+    async def _scale(self, request: web.Request, target: Target) -> web.StreamResponse:
+        rtype, namespace, name = target.rtype, target.namespace, target.name
+        assert name is not None
+        dry_run = "dryRun" in request.query
+        if request.method == "GET":
+            return _json(scale.get_scale(self.store, rtype, namespace, name))
+        if request.method == "PUT":
+            body = await _read_body(request)
+            return _json(scale.write_scale(self.store, rtype, namespace, name, None, body, dry_run=dry_run))
+        if request.method == "PATCH":
+            content_type = request.headers.get("Content-Type", "")
+            raw, manager = await request.read(), request.query.get("fieldManager")
+            scaled, _ = self.store.patch(
+                rtype,
+                namespace,
+                name,
+                content_type,
+                raw,
+                subresource="scale",
+                field_manager=manager,
+                dry_run=dry_run,
+            )
+            return _json(scaled)
+        raise method_not_allowed(request.method)
+
+
+def build_app(store: Store, *, bookmark_interval: float) -> web.Application:
+    handler = Handler(store, bookmark_interval=bookmark_interval)
+    app = web.Application(client_max_size=32 * 1024 * 1024)
+    app.router.add_route("*", "/{tail:.*}", handler.dispatch)
+    return app

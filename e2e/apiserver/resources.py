@@ -1,0 +1,176 @@
+"""Resource types: what the server can store, and how a CustomResourceDefinition becomes one.
+
+A `ResourceType` is one served (group, version, plural). Objects live per (group, plural), so all
+served versions of a CRD share one storage and an object reads back under whichever version the
+request names; there is no conversion between versions (the project serves only one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import Cause
+
+VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
+
+
+@dataclass(slots=True, frozen=True)
+class ScalePaths:
+    """Where `/scale` reads and writes: CRD `subresources.scale`, as dotted paths like `.spec.replicas`."""
+
+    spec_replicas: str
+    status_replicas: str
+    label_selector: str | None = None
+
+
+@dataclass(slots=True)
+class ResourceType:
+    group: str
+    version: str
+    kind: str
+    plural: str
+    namespaced: bool
+    short_names: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
+    has_status: bool = False
+    scale: ScalePaths | None = None
+    # Custom resources only: the version's openAPIV3Schema and additionalPrinterColumns.
+    schema: dict[str, Any] | None = None
+    printer_columns: tuple[dict[str, Any], ...] = ()
+    custom: bool = False
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    @property
+    def storage(self) -> tuple[str, str]:
+        return (self.group, self.plural)
+
+    @property
+    def singular(self) -> str:
+        return self.kind.lower()
+
+    @property
+    def list_kind(self) -> str:
+        return f"{self.kind}List"
+
+
+def _required(path: str) -> Cause:
+    return Cause(path, "FieldValueRequired", "Required value")
+
+
+def _wrong(path: str, detail: str) -> Cause:
+    return Cause(path, "FieldValueInvalid", f"Invalid value: {detail}")
+
+
+def _schema_causes(node: Any, path: str) -> list[Cause]:
+    """A schema must be a tree of objects wherever the validator walks it."""
+    if not isinstance(node, dict):
+        return [_wrong(path, "must be an object")]
+    causes = []
+    properties = node.get("properties", {})
+    if not isinstance(properties, dict):
+        causes.append(_wrong(f"{path}.properties", "must be an object"))
+    else:
+        for key, child in properties.items():
+            causes += _schema_causes(child, f"{path}.properties[{key}]")
+    for key in ("items", "additionalProperties"):
+        if key in node and not (key == "additionalProperties" and isinstance(node[key], bool)):
+            causes += _schema_causes(node[key], f"{path}.{key}")
+    rules = node.get("x-kubernetes-validations", [])
+    if not (
+        isinstance(rules, list) and all(isinstance(r, dict) and isinstance(r.get("rule"), str) for r in rules)
+    ):
+        causes.append(_wrong(f"{path}.x-kubernetes-validations", "each rule needs a string `rule`"))
+    return causes
+
+
+def _version_causes(version: Any, path: str) -> list[Cause]:
+    if not isinstance(version, dict) or not isinstance(version.get("name"), str) or not version["name"]:
+        return [_required(f"{path}.name")]
+    causes = []
+    schema = version.get("schema", {})
+    root = schema.get("openAPIV3Schema", {}) if isinstance(schema, dict) else schema
+    causes += _schema_causes(root, f"{path}.schema.openAPIV3Schema")
+    subresources = version.get("subresources") or {}
+    if not isinstance(subresources, dict):
+        causes.append(_wrong(f"{path}.subresources", "must be an object"))
+    elif (scale := subresources.get("scale")) is not None and not (
+        isinstance(scale, dict)
+        and all(isinstance(scale.get(k), str) for k in ("specReplicasPath", "statusReplicasPath"))
+    ):
+        causes.append(_required(f"{path}.subresources.scale.specReplicasPath"))
+    columns = version.get("additionalPrinterColumns") or []
+    if not (
+        isinstance(columns, list)
+        and all(isinstance(c, dict) and "name" in c and "jsonPath" in c for c in columns)
+    ):
+        causes.append(_wrong(f"{path}.additionalPrinterColumns", "each column needs a name and a jsonPath"))
+    return causes
+
+
+def crd_causes(crd: dict[str, Any]) -> list[Cause]:
+    """The checks of the real server that registration and validation here rely on."""
+    spec = crd.get("spec")
+    if not isinstance(spec, dict):
+        return [_required("spec")]
+    names: dict[str, Any] = spec["names"] if isinstance(spec.get("names"), dict) else {}
+    causes = [
+        _required(path)
+        for path, value in (
+            ("spec.group", spec.get("group")),
+            ("spec.names.plural", names.get("plural")),
+            ("spec.names.kind", names.get("kind")),
+        )
+        if not isinstance(value, str) or not value
+    ]
+    if spec.get("scope") not in ("Namespaced", "Cluster"):
+        message = 'Unsupported value: supported values: "Cluster", "Namespaced"'
+        causes.append(Cause("spec.scope", "FieldValueNotSupported", message))
+    versions = spec.get("versions")
+    if not isinstance(versions, list) or not versions:
+        return [*causes, _required("spec.versions")]
+    for index, version in enumerate(versions):
+        causes += _version_causes(version, f"spec.versions[{index}]")
+    if not causes and sum(1 for v in versions if v.get("storage")) != 1:
+        causes.append(_wrong("spec.versions", "must have exactly one version marked as storage version"))
+    name = crd["metadata"].get("name")
+    if not causes and name != f"{names['plural']}.{spec['group']}":
+        causes.append(_wrong("metadata.name", f'"{name}": must be spec.names.plural+"."+spec.group'))
+    return causes
+
+
+def crd_resource_types(crd: dict[str, Any]) -> list[ResourceType]:
+    """One `ResourceType` per served version of a (validated) CRD."""
+    spec = crd["spec"]
+    names = spec["names"]
+    types = []
+    for version in spec["versions"]:
+        if not version.get("served", True):
+            continue
+        subresources = version.get("subresources") or {}
+        scale = subresources.get("scale")
+        types.append(
+            ResourceType(
+                group=spec["group"],
+                version=version["name"],
+                kind=names["kind"],
+                plural=names["plural"],
+                namespaced=spec["scope"] == "Namespaced",
+                short_names=tuple(names.get("shortNames") or ()),
+                categories=tuple(names.get("categories") or ()),
+                has_status="status" in subresources,
+                scale=ScalePaths(
+                    scale["specReplicasPath"], scale["statusReplicasPath"], scale.get("labelSelectorPath")
+                )
+                if scale
+                else None,
+                schema=(version.get("schema") or {}).get("openAPIV3Schema")
+                or {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                printer_columns=tuple(version.get("additionalPrinterColumns") or ()),
+                custom=True,
+            )
+        )
+    return types

@@ -1,0 +1,257 @@
+"""Server-side printing: `meta.k8s.io/v1 Table` responses for `kubectl get`.
+
+kubectl asks for `Accept: application/json;as=Table;v=v1;g=meta.k8s.io` and prints whatever columns the
+server sends. Custom resources get Name plus their CRD's `additionalPrinterColumns` (or Name and Age when
+there are none), each evaluated with the simple JSONPath the CRD API allows: `.a.b`, `.a[0]`, `.a[*].b`
+and `.a[?(@.k=="v")].b`. Built-ins get Name, Age and the obvious few columns (`kubectl get pods` shows
+Ready, Status, Restarts; `-o wide` adds IP and Node). Rows carry the object's metadata (or the whole
+object with `includeObject=Object`), which kubectl needs for `--show-labels` and `-A`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from .resources import ResourceType
+
+_TOKEN = re.compile(
+    r"""\.(?P<field>[A-Za-z0-9_\-]+)|\[(?P<index>\d+|\*)\]|\[\?\(@\.(?P<key>[A-Za-z0-9_.\-]+)\s*==\s*["'](?P<value>[^"']*)["']\)\]"""
+)
+
+_NAME = {
+    "name": "Name",
+    "type": "string",
+    "format": "name",
+    "description": "Name must be unique within a namespace.",
+    "priority": 0,
+}
+_AGE = {"name": "Age", "type": "string", "format": "", "description": "Time since creation.", "priority": 0}
+
+
+def wants_table(accept: str) -> str | None:
+    """The Table apiVersion the Accept header asks for, if it asks for one."""
+    for option in accept.split(","):
+        params = {
+            p.split("=", 1)[0].strip(): p.split("=", 1)[1].strip() for p in option.split(";")[1:] if "=" in p
+        }
+        if params.get("as") == "Table" and params.get("g") == "meta.k8s.io":
+            return f"meta.k8s.io/{params.get('v', 'v1')}"
+    return None
+
+
+def jsonpath(obj: Any, path: str) -> list[Any]:
+    nodes = [obj]
+    path = path.strip().removeprefix("{").removesuffix("}")
+    position = 0
+    while position < len(path):
+        m = _TOKEN.match(path, position)
+        if m is None:
+            return []
+        position = m.end()
+        found: list[Any] = []
+        for node in nodes:
+            if m.group("field") is not None:
+                if isinstance(node, dict) and m.group("field") in node:
+                    found.append(node[m.group("field")])
+            elif m.group("index") is not None:
+                if isinstance(node, list):
+                    index = m.group("index")
+                    found.extend(node if index == "*" else node[int(index) : int(index) + 1])
+            elif isinstance(node, list):
+                found.extend(item for item in node if _match_filter(item, m.group("key"), m.group("value")))
+        nodes = found
+    return nodes
+
+
+def _match_filter(item: Any, key: str, value: str) -> bool:
+    results = jsonpath(item, "." + key)
+    return bool(results) and str(results[0]) == value
+
+
+def age(created: str | None) -> str:
+    """Kubernetes' `HumanDuration` of the time since `created` (an RFC 3339 timestamp)."""
+    if not created:
+        return "<unknown>"
+    try:
+        then = datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        return created
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=UTC)
+    seconds = int((datetime.now(UTC) - then).total_seconds())
+    seconds = max(seconds, 0)
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if seconds < 120:
+        return f"{seconds}s"
+    if minutes < 10:
+        return f"{minutes}m{seconds % 60}s" if seconds % 60 else f"{minutes}m"
+    if hours < 3:
+        return f"{minutes}m"
+    if hours < 8:
+        return f"{hours}h{minutes % 60}m" if minutes % 60 else f"{hours}h"
+    if hours < 48:
+        return f"{hours}h"
+    if days < 8:
+        return f"{days}d{hours % 24}h" if hours % 24 else f"{days}d"
+    return f"{days}d"
+
+
+def _column(name: str, kind: str = "string", priority: int = 0) -> dict[str, Any]:
+    return {"name": name, "type": kind, "format": "", "description": name, "priority": priority}
+
+
+def _age_of(obj: dict[str, Any]) -> str:
+    return age(obj["metadata"].get("creationTimestamp"))
+
+
+def _pod_cells(pod: dict[str, Any]) -> list[Any]:
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    statuses = status.get("containerStatuses") or []
+    ready = f"{sum(1 for s in statuses if s.get('ready'))}/{len(spec.get('containers') or [])}"
+    phase = "Terminating" if pod["metadata"].get("deletionTimestamp") else status.get("phase", "Pending")
+    restarts = sum(int(s.get("restartCount", 0)) for s in statuses)
+    return [
+        ready,
+        phase,
+        restarts,
+        _age_of(pod),
+        status.get("podIP") or "<none>",
+        spec.get("nodeName") or "<none>",
+    ]
+
+
+def _service_cells(svc: dict[str, Any]) -> list[Any]:
+    spec = svc.get("spec") or {}
+    ports = (
+        ",".join(f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in spec.get("ports") or ()) or "<none>"
+    )
+    return [spec.get("type", "ClusterIP"), spec.get("clusterIP") or "<none>", ports, _age_of(svc)]
+
+
+def _deployment_cells(deploy: dict[str, Any]) -> list[Any]:
+    spec, status = deploy.get("spec") or {}, deploy.get("status") or {}
+    ready = f"{status.get('readyReplicas', 0)}/{spec.get('replicas', 1)}"
+    return [ready, status.get("updatedReplicas", 0), status.get("availableReplicas", 0), _age_of(deploy)]
+
+
+def _event_cells(event: dict[str, Any]) -> list[Any]:
+    involved = event.get("involvedObject") or event.get("regarding") or {}
+    target = f"{(involved.get('kind') or '').lower()}/{involved.get('name', '')}"
+    return [
+        event.get("type", ""),
+        event.get("reason", ""),
+        target,
+        event.get("message") or event.get("note", ""),
+        _age_of(event),
+    ]
+
+
+# Kind → (columns after Name, a function giving their cells); other kinds show Name and Age.
+_BUILTIN_COLUMNS: dict[str, tuple[list[dict[str, Any]], Callable[[dict[str, Any]], list[Any]]]] = {
+    "Pod": (
+        [
+            _column("Ready"),
+            _column("Status"),
+            _column("Restarts", "integer"),
+            _AGE,
+            _column("IP", priority=1),
+            _column("Node", priority=1),
+        ],
+        _pod_cells,
+    ),
+    "Service": ([_column("Type"), _column("Cluster-IP"), _column("Port(s)"), _AGE], _service_cells),
+    "Deployment": (
+        [_column("Ready"), _column("Up-to-date", "integer"), _column("Available", "integer"), _AGE],
+        _deployment_cells,
+    ),
+    "ConfigMap": (
+        [_column("Data", "integer"), _AGE],
+        lambda cm: [len(cm.get("data") or {}) + len(cm.get("binaryData") or {}), _age_of(cm)],
+    ),
+    "Secret": (
+        [_column("Type"), _column("Data", "integer"), _AGE],
+        lambda s: [s.get("type", "Opaque"), len(s.get("data") or {}), _age_of(s)],
+    ),
+    "Namespace": (
+        [_column("Status"), _AGE],
+        lambda ns: [(ns.get("status") or {}).get("phase", "Active"), _age_of(ns)],
+    ),
+    "Event": (
+        [_column("Type"), _column("Reason"), _column("Object"), _column("Message"), _AGE],
+        _event_cells,
+    ),
+}
+
+
+def _custom_cell(obj: dict[str, Any], column: dict[str, Any]) -> Any:
+    values = jsonpath(obj, column.get("jsonPath", ""))
+    if not values:
+        return None
+    if column.get("type") == "date":
+        return age(str(values[0]))
+    if len(values) > 1 or column.get("type") == "string":
+        return ",".join(str(v) for v in values)
+    return values[0]
+
+
+Columns = tuple[list[dict[str, Any]], Callable[[dict[str, Any]], list[Any]]]
+
+
+def _custom_columns(rtype: ResourceType) -> Columns:
+    printer = list(rtype.printer_columns) or [
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+    ]
+    columns = [
+        {
+            "name": c["name"],
+            # Dates are rendered here as ages, so kubectl gets them as strings.
+            "type": "string" if c.get("type") == "date" else c.get("type", "string"),
+            "format": c.get("format", ""),
+            "description": c.get("description", ""),
+            "priority": c.get("priority", 0),
+        }
+        for c in printer
+    ]
+    return [_NAME, *columns], lambda obj: [_custom_cell(obj, c) for c in printer]
+
+
+def _builtin_columns(rtype: ResourceType) -> Columns:
+    extra, cells = _BUILTIN_COLUMNS.get(rtype.kind, ([_AGE], lambda obj: [_age_of(obj)]))
+    return [_NAME, *extra], cells
+
+
+def to_table(
+    rtype: ResourceType,
+    objects: list[dict[str, Any]],
+    api_version: str,
+    include_object: str,
+    list_meta: dict[str, Any],
+) -> dict[str, Any]:
+    columns, cells = _custom_columns(rtype) if rtype.custom else _builtin_columns(rtype)
+    rows = []
+    for obj in objects:
+        try:
+            values = cells(obj)
+        except (AttributeError, TypeError, ValueError):
+            # Built-ins are stored unvalidated; a malformed one still lists, with unknown cells.
+            values = ["<unknown>"] * (len(columns) - 1)
+        row: dict[str, Any] = {"cells": [obj["metadata"]["name"], *values]}
+        if include_object == "Object":
+            row["object"] = obj
+        elif include_object != "None":
+            row["object"] = {
+                "kind": "PartialObjectMetadata",
+                "apiVersion": "meta.k8s.io/v1",
+                "metadata": obj["metadata"],
+            }
+        rows.append(row)
+    return {
+        "kind": "Table",
+        "apiVersion": api_version,
+        "metadata": list_meta,
+        "columnDefinitions": columns,
+        "rows": rows,
+    }

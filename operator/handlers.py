@@ -1,0 +1,425 @@
+"""The kopf handlers: one level-triggered reconcile pass, run on create, update, resume and a timer tick.
+
+A pass reads the InferenceService and its pods, asks the pure parts what should be (`desired`, `rollout`,
+`autoscaler`, `status`), makes the children match, and writes status. Nothing is remembered that cannot be
+re-derived: the autoscaler's target and decisions are restored from status after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from ember_operator import metrics
+from ember_operator.autoscaler import Decision, History, Observation, clamp, decide
+from ember_operator.desired import (
+    ACTIVE,
+    ROLE_LABEL,
+    WARM,
+    Owner,
+    active_selector,
+    desired_pod,
+    desired_policy_configmap,
+    desired_service,
+    instance_labels,
+    selector_string,
+    service_endpoint,
+    template_hash,
+)
+from ember_operator.kube import Kube, new_api_client
+from ember_operator.pods import Trouble, cold_start_seconds, metrics_url, trouble, view
+from ember_operator.rollout import PodPlan, PodView, plan_pods
+from ember_operator.scrape import PodSample, scrape_pods
+from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
+from ember_operator.status import Assessment, Condition, render_conditions
+
+MAX_DECISIONS = 10
+
+
+@dataclass(slots=True)
+class Settings:
+    tick: float = 2.0  # seconds between reconcile passes of one InferenceService
+    cluster_domain: str = "cluster.local"
+    scrape_timeout: float = 2.0
+
+
+@dataclass(slots=True)
+class Memory:
+    """What the operator keeps per InferenceService between passes (kopf's per-object memo)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    desired: int | None = None
+    history: History = field(default_factory=History)
+    next_scrape: float = 0.0  # time.monotonic() of the next autoscaler evaluation
+    inputs: dict[str, Any] | None = None
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    metrics_ok: bool | None = None
+    metrics: Condition | None = None
+    fallback: Condition | None = None
+    fallback_counters: dict[str, float] = field(default_factory=dict)
+    cold_start: float | None = None
+    stalled: str | None = None  # the Stalled message last announced with an Event
+
+    @classmethod
+    def restored(cls, status: dict[str, Any]) -> Memory:
+        autoscaler = status.get("autoscaler") or {}
+        return cls(
+            desired=status.get("desiredReplicas"),
+            inputs=autoscaler.get("inputs"),
+            decisions=list(autoscaler.get("decisions") or []),
+            cold_start=status.get("coldStartSeconds"),
+        )
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _stamp(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Reconciler:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._kube: Kube | None = None
+
+    async def kube(self) -> Kube:
+        if self._kube is None:
+            self._kube = Kube(await asyncio.to_thread(new_api_client))
+        return self._kube
+
+    async def handle(
+        self,
+        body: kopf.Body,
+        spec: kopf.Spec,
+        meta: kopf.Meta,
+        status: kopf.Status,
+        patch: kopf.Patch,
+        memo: kopf.Memo,
+        logger: kopf.Logger,
+        **_: Any,
+    ) -> None:
+        name, namespace = meta["name"], meta["namespace"]
+        if "ember" not in memo:
+            memo["ember"] = Memory.restored(dict(status))
+        memory: Memory = memo["ember"]
+        async with memory.lock:  # the timer and the change handlers may overlap
+            try:
+                await self._pass(body, dict(spec), meta, dict(status), patch, memory)
+            except ApiException as e:
+                metrics.RECONCILES.labels(namespace, name, "error").inc()
+                raise kopf.TemporaryError(
+                    f"API error {e.status}: {e.reason}", delay=self.settings.tick
+                ) from e
+        metrics.RECONCILES.labels(namespace, name, "ok").inc()
+
+    async def _pass(
+        self,
+        body: kopf.Body,
+        raw_spec: dict[str, Any],
+        meta: kopf.Meta,
+        status: dict[str, Any],
+        patch: kopf.Patch,
+        memory: Memory,
+    ) -> None:
+        name, namespace = meta["name"], meta["namespace"]
+        generation = int(meta.get("generation") or 0)
+        now = _now()
+        try:
+            spec = InferenceServiceSpec.model_validate(raw_spec)
+        except ValidationError as e:  # only without the CRD's own validation (an old or edited CRD)
+            problem = Trouble("InvalidSpec", "; ".join(err["msg"] for err in e.errors()))
+            self._stalled_event(body, memory, [problem])
+            condition = Condition("Stalled", True, problem.reason, problem.message)
+            patch.status["observedGeneration"] = generation
+            patch.status["conditions"] = render_conditions(
+                [condition, Condition("Reconciling", False, "Stalled")],
+                status.get("conditions") or [],
+                generation,
+                now,
+            )
+            return
+
+        owner = Owner(name, namespace, meta["uid"])
+        kube = await self.kube()
+        troubles: list[Trouble] = []
+        fallback_url = await self._fallback_url(kube, spec, owner, troubles)
+        await asyncio.to_thread(kube.ensure, desired_policy_configmap(owner, spec, fallback_url), ("data",))
+        await asyncio.to_thread(kube.ensure, desired_service(owner), ("spec",))
+
+        listed = await asyncio.to_thread(kube.list_pods, namespace, selector_string(instance_labels(name)))
+        pods = [p for p in listed if _owned_by(p, owner.uid)]
+        views = [view(p) for p in pods]
+
+        await self._autoscale(body, spec, owner, pods, views, memory, now)
+        assert memory.desired is not None
+        pod_hash = template_hash(spec)
+        plan = plan_pods(views, pod_hash, memory.desired, spec.warm_pool.size)
+        troubles += await self._apply(body, kube, owner, spec, pod_hash, plan)
+        troubles += [
+            t for p, v in zip(pods, views, strict=True) if v.template_hash == pod_hash and (t := trouble(p))
+        ]
+        self._stalled_event(body, memory, troubles)
+
+        for p, v in sorted(zip(pods, views, strict=True), key=lambda pv: pv[1].created):
+            seconds = cold_start_seconds(p)
+            if seconds is not None and v.template_hash == pod_hash:
+                memory.cold_start = round(seconds, 3)
+
+        assessment = Assessment(
+            template_hash=pod_hash,
+            desired_active=memory.desired,
+            warm_size=spec.warm_pool.size,
+            min_replicas=spec.replicas.min,
+            pods=views,
+            plan=plan,
+            troubles=troubles,
+            metrics=memory.metrics,
+            fallback=memory.fallback,
+        )
+        patch.status.update(assessment.counts())
+        patch.status["observedGeneration"] = generation
+        patch.status["selector"] = selector_string(active_selector(name))
+        patch.status["endpoint"] = service_endpoint(name, namespace, self.settings.cluster_domain)
+        patch.status["coldStartSeconds"] = memory.cold_start
+        patch.status["autoscaler"] = {"inputs": memory.inputs, "decisions": memory.decisions}
+        patch.status["conditions"] = render_conditions(
+            assessment.conditions(), status.get("conditions") or [], generation, now
+        )
+        metrics.DESIRED.labels(namespace, name).set(memory.desired)
+
+    async def _fallback_url(
+        self, kube: Kube, spec: InferenceServiceSpec, owner: Owner, troubles: list[Trouble]
+    ) -> str | None:
+        f = spec.fallback
+        if f is None:
+            return None
+        if f.url is not None:
+            return f.url
+        assert f.service is not None
+        if f.service == owner.name:
+            troubles.append(Trouble("FallbackInvalid", "fallback.service names this InferenceService itself"))
+            return None
+        other = await asyncio.to_thread(kube.get_inference_service, owner.namespace, f.service)
+        if other is None:
+            troubles.append(
+                Trouble(
+                    "FallbackInvalid",
+                    f"fallback.service {f.service!r}: no InferenceService of that name in {owner.namespace}",
+                )
+            )
+            return None
+        endpoint = (other.get("status") or {}).get("endpoint")
+        return endpoint or service_endpoint(f.service, owner.namespace, self.settings.cluster_domain)
+
+    async def _autoscale(
+        self,
+        body: kopf.Body,
+        spec: InferenceServiceSpec,
+        owner: Owner,
+        pods: list[dict[str, Any]],
+        views: list[PodView],
+        memory: Memory,
+        now: datetime,
+    ) -> None:
+        """Update memory.desired: the External target, or (when due) the Builtin autoscaler's decision."""
+        replicas = spec.replicas
+        if memory.desired is None:  # first pass, or a restart without status: keep what is there
+            memory.desired = clamp(sum(v.role == ACTIVE and not v.deleting for v in views), replicas)
+        if spec.autoscaling.mode == "External":
+            target = replicas.desired if replicas.desired is not None else replicas.min
+            self._record(
+                body,
+                owner,
+                memory,
+                # A target from outside says nothing about metrics: keep their state as it is.
+                Decision(
+                    clamp(target, replicas),
+                    "spec.replicas.desired (External)",
+                    memory.metrics_ok is not False,
+                    "",
+                ),
+                now,
+            )
+        elif clamp(memory.desired, replicas) != memory.desired:
+            clamped = clamp(memory.desired, replicas)
+            self._record(
+                body,
+                owner,
+                memory,
+                Decision(
+                    clamped,
+                    f"clamped to replicas [{replicas.min}, {replicas.max}]",
+                    memory.metrics_ok is not False,
+                    "",
+                ),
+                now,
+            )
+
+        tick = time.monotonic()
+        if tick < memory.next_scrape:
+            return
+        memory.next_scrape = tick + spec.autoscaling.interval_seconds
+        targets = {
+            v.name: url
+            for p, v in zip(pods, views, strict=True)
+            if v.role == ACTIVE and v.ready and not v.deleting and (url := metrics_url(p))
+        }
+        results = await scrape_pods(targets, self.settings.scrape_timeout) if targets else {}
+        samples = {n: r for n, r in results.items() if isinstance(r, PodSample)}
+        failed = [f"{n}: {r}" for n, r in results.items() if isinstance(r, str)]
+        if failed:
+            metrics.SCRAPE_FAILURES.labels(owner.namespace, owner.name).inc(len(failed))
+        seen = Observation([s.load for s in samples.values()], failed)
+        memory.fallback = self._fallback_condition(spec, memory, samples, spec.autoscaling.interval_seconds)
+        inputs = {
+            "queueDepth": seen.queue_per_pod,
+            "kvCacheUtilization": seen.kv_cache,
+            "readyPods": len(samples),
+        }
+        # Nulls left out: the API server drops them inside lists, and kopf would see its patch half-applied.
+        memory.inputs = {k: v for k, v in inputs.items() if v is not None}
+        if spec.autoscaling.mode == "External":
+            ok = not failed and bool(samples)
+            why = (
+                "all Ready active pods scraped"
+                if ok
+                else ("; ".join(failed) or "no Ready active pod to scrape")
+            )
+            memory.metrics = Condition("MetricsAvailable", ok, "Scraped" if ok else "ScrapeFailed", why)
+            return
+        decision = decide(spec.autoscaling, replicas, memory.desired, seen, memory.history, tick)
+        memory.metrics = Condition(
+            "MetricsAvailable",
+            decision.metrics_ok,
+            "Scraped" if decision.metrics_ok else ("ScrapeFailed" if failed else "NoReadyPods"),
+            decision.metrics_reason,
+        )
+        self._record(body, owner, memory, decision, now)
+
+    def _record(
+        self, body: kopf.Body, owner: Owner, memory: Memory, decision: Decision, now: datetime
+    ) -> None:
+        """Keep a decision in status and as an Event when it changes the target or the metrics state."""
+        changed = decision.desired != memory.desired
+        flipped = memory.metrics_ok is not None and decision.metrics_ok != memory.metrics_ok
+        previous = memory.desired
+        memory.metrics_ok = decision.metrics_ok
+        memory.desired = decision.desired
+        if not (changed or flipped):
+            return
+        entry = {
+            "time": _stamp(now),
+            "desired": decision.desired,
+            "reason": decision.reason,
+            "inputs": memory.inputs,
+        }
+        memory.decisions = [*memory.decisions, entry][-MAX_DECISIONS:]
+        if changed:
+            direction = "up" if previous is None or decision.desired > previous else "down"
+            metrics.SCALING_DECISIONS.labels(owner.namespace, owner.name, direction).inc()
+            kopf.info(body, reason="Scaled", message=decision.reason)
+        elif decision.metrics_ok:
+            kopf.info(body, reason="MetricsAvailable", message=decision.reason)
+        else:
+            kopf.warn(body, reason="MetricsUnavailable", message=decision.reason)
+
+    @staticmethod
+    def _fallback_condition(
+        spec: InferenceServiceSpec, memory: Memory, samples: dict[str, PodSample], interval: float
+    ) -> Condition:
+        """FallbackActive from the engines' served-by-fallback counters since the last scrape."""
+        sent = 0.0
+        for pod, s in samples.items():
+            before = memory.fallback_counters.get(pod)
+            if before is not None:
+                sent += s.fallback_served - before if s.fallback_served >= before else s.fallback_served
+            memory.fallback_counters[pod] = s.fallback_served
+        memory.fallback_counters = {p: c for p, c in memory.fallback_counters.items() if p in samples}
+        if spec.fallback is None:
+            return Condition("FallbackActive", False, "NoFallback", "no fallback configured")
+        if sent > 0:
+            return Condition(
+                "FallbackActive",
+                True,
+                "Overflowing",
+                f"{sent:g} requests served by the fallback in the last {interval:g} s",
+            )
+        return Condition("FallbackActive", False, "Idle", "no requests sent to the fallback recently")
+
+    async def _apply(
+        self,
+        body: kopf.Body,
+        kube: Kube,
+        owner: Owner,
+        spec: InferenceServiceSpec,
+        pod_hash: str,
+        plan: PodPlan,
+    ) -> list[Trouble]:
+        """Carry out a pod plan: promotions first (capacity at once), then creations, then retirements."""
+        ns, name = owner.namespace, owner.name
+        for pod in plan.promote:
+            await asyncio.to_thread(kube.relabel_pod, ns, pod, {ROLE_LABEL: ACTIVE})
+            metrics.POD_CHANGES.labels(ns, name, "promoted").inc()
+            kopf.info(body, reason="Promoted", message=f"warm pod {pod} now serves traffic")
+        for pod in plan.demote:
+            await asyncio.to_thread(kube.relabel_pod, ns, pod, {ROLE_LABEL: WARM})
+            metrics.POD_CHANGES.labels(ns, name, "demoted").inc()
+            kopf.info(body, reason="Demoted", message=f"pod {pod} returned to the warm pool")
+        for _ in range(plan.create_warm):
+            try:
+                await asyncio.to_thread(kube.create_pod, desired_pod(owner, spec, WARM, pod_hash))
+            except ApiException as e:
+                if e.status in (400, 422):  # the API server refuses the pod: only a spec change helps
+                    return [Trouble("PodRejected", f"the API server refused an engine pod: {_message(e)}")]
+                raise
+            metrics.POD_CHANGES.labels(ns, name, "created").inc()
+        for pod in plan.delete:
+            await asyncio.to_thread(kube.delete_pod, ns, pod)
+            metrics.POD_CHANGES.labels(ns, name, "deleted").inc()
+        return []
+
+    def _stalled_event(self, body: kopf.Body, memory: Memory, troubles: list[Trouble]) -> None:
+        message = "; ".join(t.message for t in troubles) or None
+        if message == memory.stalled:
+            return
+        if message is not None:
+            kopf.warn(body, reason=troubles[0].reason, message=message)
+        elif memory.stalled is not None:
+            kopf.info(body, reason="Recovered", message="no longer stalled")
+        memory.stalled = message
+
+
+def _message(e: ApiException) -> str:
+    """The Kubernetes Status message of an API error, or its HTTP reason."""
+    try:
+        return str(json.loads(e.body or "")["message"])
+    except (TypeError, ValueError, KeyError):
+        return f"{e.status} {e.reason}"
+
+
+def _owned_by(pod: dict[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in pod["metadata"].get("ownerReferences") or [])
+
+
+def register(registry: kopf.OperatorRegistry, settings: Settings) -> Reconciler:
+    """Register the handlers for InferenceServices in `registry`."""
+    reconciler = Reconciler(settings)
+    backoff = settings.tick
+    resource = (GROUP, VERSION, PLURAL)
+    kopf.on.resume(*resource, id="reconcile-resume", backoff=backoff, registry=registry)(reconciler.handle)
+    kopf.on.create(*resource, id="reconcile-create", backoff=backoff, registry=registry)(reconciler.handle)
+    kopf.on.update(*resource, id="reconcile-update", backoff=backoff, registry=registry)(reconciler.handle)
+    kopf.timer(*resource, id="reconcile-tick", interval=settings.tick, backoff=backoff, registry=registry)(
+        reconciler.handle
+    )
+    return reconciler

@@ -1,0 +1,142 @@
+"""The operator's writes and reads through the official `kubernetes` client, as plain dicts.
+
+The client is synchronous; the handlers call these through `asyncio.to_thread`. Objects come back as the
+API server sent them (`_preload_content=False`), so the rest of the operator works with the same dicts that
+`kubectl get -o json` shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+from kubernetes.client import ApiClient, CoreV1Api, CustomObjectsApi
+from kubernetes.client.exceptions import ApiException
+
+from ember_operator.spec import GROUP, PLURAL, VERSION
+
+Obj = dict[str, Any]
+
+
+def new_api_client() -> ApiClient:
+    """In a pod: the service account; elsewhere: $KUBECONFIG or ~/.kube/config (read now, not at import)."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config = kubernetes.client.Configuration()
+        kubernetes.config.load_incluster_config(client_configuration=config)
+        return ApiClient(config)
+    path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or str(Path.home() / ".kube" / "config")
+    return kubernetes.config.new_client_from_config(config_file=path)
+
+
+def _json(response: Any) -> Obj:
+    return json.loads(response.data)
+
+
+def is_not_found(e: ApiException) -> bool:
+    return e.status == 404
+
+
+def covers(desired: Any, actual: Any) -> bool:
+    """True when every field set in `desired` has the same value in `actual` (server-added fields are fine)."""
+    if isinstance(desired, dict):
+        return isinstance(actual, dict) and all(covers(v, actual.get(k)) for k, v in desired.items())
+    if isinstance(desired, list):
+        return (
+            isinstance(actual, list)
+            and len(desired) == len(actual)
+            and all(covers(d, a) for d, a in zip(desired, actual, strict=True))
+        )
+    return bool(desired == actual)
+
+
+class Kube:
+    def __init__(self, api: ApiClient) -> None:
+        # Typed as Any: the operator passes and receives plain dicts, which the client's stubs do not describe.
+        self.core: Any = CoreV1Api(api)
+        self.custom: Any = CustomObjectsApi(api)
+
+    def list_pods(self, namespace: str, selector: str) -> list[Obj]:
+        listed = _json(
+            self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
+        )
+        return list(listed.get("items") or [])
+
+    def create_pod(self, pod: Obj) -> Obj:
+        return _json(
+            self.core.create_namespaced_pod(pod["metadata"]["namespace"], pod, _preload_content=False)
+        )
+
+    def relabel_pod(self, namespace: str, name: str, labels: dict[str, str]) -> None:
+        self.core.patch_namespaced_pod(
+            name, namespace, {"metadata": {"labels": labels}}, _preload_content=False
+        )
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        try:
+            self.core.delete_namespaced_pod(name, namespace, _preload_content=False)
+        except ApiException as e:
+            if not is_not_found(e):  # already gone is what was asked for
+                raise
+
+    def get_inference_service(self, namespace: str, name: str) -> Obj | None:
+        try:
+            return _json(
+                self.custom.get_namespaced_custom_object(
+                    GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+                )
+            )
+        except ApiException as e:
+            if is_not_found(e):
+                return None
+            raise
+
+    def ensure(self, desired: Obj, fields: tuple[str, ...]) -> str | None:
+        """Create `desired` (a Service or ConfigMap), or put back the `fields` of it that someone changed.
+
+        Replaces rather than patches: a patch would merge, keeping a selector key or a port someone added.
+        Returns what was done ("created", "repaired") or None when nothing needed doing.
+        """
+        kind, meta = desired["kind"], desired["metadata"]
+        apis: dict[str, tuple[Any, Any, Any]] = {
+            "Service": (
+                self.core.read_namespaced_service,
+                self.core.create_namespaced_service,
+                self.core.replace_namespaced_service,
+            ),
+            "ConfigMap": (
+                self.core.read_namespaced_config_map,
+                self.core.create_namespaced_config_map,
+                self.core.replace_namespaced_config_map,
+            ),
+        }
+        read, create, replace = apis[kind]
+        try:
+            actual = _json(read(meta["name"], meta["namespace"], _preload_content=False))
+        except ApiException as e:
+            if not is_not_found(e):
+                raise
+            create(meta["namespace"], desired, _preload_content=False)
+            return "created"
+        owned = covers(meta["labels"], actual["metadata"].get("labels") or {}) and covers(
+            meta["ownerReferences"], actual["metadata"].get("ownerReferences")
+        )
+        if owned and all(covers(desired[f], actual.get(f)) for f in fields):
+            return None
+        body = dict(actual)
+        body["metadata"] = {
+            **actual["metadata"],
+            "labels": {**(actual["metadata"].get("labels") or {}), **meta["labels"]},
+            "ownerReferences": meta["ownerReferences"],
+        }
+        for f in fields:
+            if isinstance(desired[f], dict) and isinstance(actual.get(f), dict) and f == "spec":
+                body[f] = {**actual[f], **desired[f]}  # keep what the server assigned (clusterIP, ...)
+            else:
+                body[f] = desired[f]
+        replace(
+            meta["name"], meta["namespace"], body, _preload_content=False
+        )  # carries resourceVersion: a race gives 409
+        return "repaired"

@@ -1,0 +1,108 @@
+"""Reading engine pods as the API server reports them: role, readiness, start-up time and trouble."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from ember_operator.desired import ENGINE_PORT, HASH_LABEL, ROLE_LABEL, WARM
+from ember_operator.rollout import PodView
+
+# A container restarted this often, or waiting for one of these reasons, will not come up on its own.
+CRASH_RESTARTS = 3
+_STUCK_WAITING = {
+    "CrashLoopBackOff": "PodsCrashLooping",
+    "ErrImagePull": "ImageUnavailable",
+    "ImagePullBackOff": "ImageUnavailable",
+    "InvalidImageName": "ImageUnavailable",
+    "CreateContainerConfigError": "PodsFailing",
+    "CreateContainerError": "PodsFailing",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Trouble:
+    """A problem that needs a change to the spec: a CamelCase reason and a message for people."""
+
+    reason: str
+    message: str
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _condition(pod: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == kind:
+            return c
+    return None
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    c = _condition(pod, "Ready")
+    return c is not None and c.get("status") == "True"
+
+
+def view(pod: dict[str, Any]) -> PodView:
+    meta = pod["metadata"]
+    labels = meta.get("labels") or {}
+    return PodView(
+        name=meta["name"],
+        role=labels.get(ROLE_LABEL, WARM),
+        template_hash=labels.get(HASH_LABEL, ""),
+        ready=is_ready(pod),
+        created=parse_time(meta.get("creationTimestamp")) or datetime.now(UTC),
+        phase=(pod.get("status") or {}).get("phase") or "Pending",
+        deleting=meta.get("deletionTimestamp") is not None,
+    )
+
+
+def metrics_url(pod: dict[str, Any]) -> str | None:
+    ip = (pod.get("status") or {}).get("podIP")
+    return f"http://{ip}:{ENGINE_PORT}/metrics" if ip else None
+
+
+def cold_start_seconds(pod: dict[str, Any]) -> float | None:
+    """Creation to first Ready, for a pod whose container never restarted (a restart resets the clock)."""
+    c = _condition(pod, "Ready")
+    if c is None or c.get("status") != "True":
+        return None
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    if any(s.get("restartCount", 0) for s in statuses):
+        return None
+    created = parse_time(pod["metadata"].get("creationTimestamp"))
+    ready_at = parse_time(c.get("lastTransitionTime"))
+    if created is None or ready_at is None:
+        return None
+    return max(0.0, (ready_at - created).total_seconds())
+
+
+def trouble(pod: dict[str, Any]) -> Trouble | None:
+    """Why this pod will not become Ready without a change to its spec, or None if nothing says so."""
+    name = pod["metadata"]["name"]
+    status = pod.get("status") or {}
+    scheduled = _condition(pod, "PodScheduled")
+    if scheduled is not None and scheduled.get("status") == "False" and scheduled.get("reason"):
+        message = f"pod {name}: {scheduled['reason']}: {scheduled.get('message', '')}".rstrip(": ")
+        return Trouble("PodsUnschedulable", message)
+    for s in status.get("containerStatuses") or []:
+        waiting = (s.get("state") or {}).get("waiting") or {}
+        last = (s.get("lastState") or {}).get("terminated") or {}
+        reason = waiting.get("reason")
+        if reason in _STUCK_WAITING or s.get("restartCount", 0) >= CRASH_RESTARTS:
+            kind = _STUCK_WAITING.get(reason or "", "PodsCrashLooping")
+            detail = (last.get("message") or waiting.get("message") or "").strip()
+            if detail:
+                detail = detail.splitlines()[-1][:300]  # the last line of the log says what failed
+            code = f" (exit code {last['exitCode']})" if "exitCode" in last else ""
+            why = reason or f"restarted {s.get('restartCount')} times"
+            return Trouble(kind, f"pod {name}: {why}{code}" + (f": {detail}" if detail else ""))
+    if status.get("phase") == "Pending" and status.get("reason"):
+        return Trouble(
+            "PodsFailing", f"pod {name}: {status['reason']}: {status.get('message', '')}".rstrip(": ")
+        )
+    return None

@@ -1,0 +1,187 @@
+"""A place for the real operator to run in tests: the in-process API server, the operator under kopf's
+`KopfRunner`, and a minimal pod runner standing in for a kubelet.
+
+The pod runner gives each engine pod a loopback IP, an HTTP server on port 8000 that serves a /metrics page
+whose gauges the test sets, and a Ready condition after a short start-up delay. Pods whose image is
+`broken:*` crash-loop instead. It models only what the operator reads from pods; the engines themselves are
+exercised end to end elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from ember_e2e.apiserver import APIServer
+
+REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = "default"
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], timeout: float = 20.0, what: str = "condition") -> T:
+    """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(AssertionError, KeyError, TypeError, IndexError):
+            last = check()
+            if last:
+                return last
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+
+
+def crd_manifest() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "crds" / "inferenceservice.yaml").read_text())
+
+
+@dataclass
+class EnginePage:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv: float = 0.0
+    fallback_served: float = 0.0
+    broken: bool = False  # answer 500
+
+    def text(self) -> str:
+        return (
+            f'vllm:num_requests_waiting{{model_name="m"}} {self.waiting}\n'
+            f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {self.kv}\n'
+            f'ember:fallback_requests_total{{model_name="m",outcome="served"}} {self.fallback_served}\n'
+        )
+
+
+def _metrics_server(ip: str, page: EnginePage) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if page.broken or self.path != "/metrics":
+                self.send_response(500 if page.broken else 404)
+                self.end_headers()
+                return
+            body = page.text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer((ip, 8000), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+# The fields a kubelet always reports for a container (the client's models require them).
+_CONTAINER = {"name": "engine", "image": "engine:test", "imageID": "engine@sha256:0"}
+
+
+def _stamp(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class PodRunner:
+    """Marks pods Running and Ready (or crash-looping) and serves their /metrics."""
+
+    api: APIServer
+    startup_seconds: float = 0.3
+    pages: dict[str, EnginePage] = field(default_factory=dict)  # by pod name
+    _servers: dict[str, ThreadingHTTPServer] = field(default_factory=dict)
+    _ips: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _subnet: int = field(default_factory=lambda: int(time.time() * 1000) % 200 + 20)
+
+    def start(self) -> PodRunner:
+        threading.Thread(target=self._loop, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for server in self._servers.values():
+            server.shutdown()
+            server.server_close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            pods = self.api.list("v1", "Pod", NAMESPACE)
+            names = {p["metadata"]["name"] for p in pods}
+            for gone in set(self._servers) - names:
+                server = self._servers.pop(gone)
+                server.shutdown()
+                server.server_close()
+            for pod in pods:
+                with contextlib.suppress(Exception):  # the pod may vanish between list and patch
+                    self._tend(pod)
+
+    def _tend(self, pod: dict[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        status = pod.get("status") or {}
+        if pod["metadata"].get("deletionTimestamp"):
+            return
+        image = pod["spec"]["containers"][0]["image"]
+        if image.startswith("broken:"):
+            if status.get("phase") != "Running":
+                self._patch_status(name, self._crashloop_status())
+            return
+        if "podIP" not in status:
+            n = next(self._ips)
+            ip = f"127.{self._subnet}.{n // 250}.{n % 250 + 1}"
+            page = self.pages.setdefault(name, EnginePage())
+            self._servers[name] = _metrics_server(ip, page)
+            self._patch_status(name, {"phase": "Running", "podIP": ip, "conditions": self._ready(False)})
+            return
+        created = datetime.fromisoformat(pod["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
+        if not ready and (datetime.now(UTC) - created).total_seconds() >= self.startup_seconds:
+            self._patch_status(
+                name,
+                {
+                    "conditions": self._ready(True),
+                    "containerStatuses": [{**_CONTAINER, "ready": True, "restartCount": 0}],
+                },
+            )
+
+    @staticmethod
+    def _ready(ready: bool) -> list[dict[str, Any]]:
+        now = _stamp(datetime.now(UTC))
+        return [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+            {"type": "Ready", "status": str(ready), "lastTransitionTime": now},
+        ]
+
+    @staticmethod
+    def _crashloop_status() -> dict[str, Any]:
+        return {
+            "phase": "Running",
+            "conditions": PodRunner._ready(False),
+            "containerStatuses": [
+                {
+                    **_CONTAINER,
+                    "ready": False,
+                    "restartCount": 5,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {
+                        "terminated": {
+                            "exitCode": 1,
+                            "message": "FileNotFoundError: /models/missing/config.json",
+                        }
+                    },
+                }
+            ],
+        }
+
+    def _patch_status(self, name: str, status: dict[str, Any]) -> None:
+        self.api.patch("v1", "Pod", NAMESPACE, name, {"status": status}, subresource="status")

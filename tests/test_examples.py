@@ -1,0 +1,61 @@
+"""The InferenceService examples stay valid against the operator's own spec model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ember_operator.spec import GROUP, KIND, VERSION, InferenceServiceSpec
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+FILES = sorted(EXAMPLES.glob("*.yaml"))
+
+
+def _documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def test_the_examples_exist() -> None:
+    assert [p.name for p in FILES] == ["fallback-pair.yaml", "inferenceservice.yaml"]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_example_is_a_valid_inference_service(path: Path) -> None:
+    docs = _documents(path)
+    assert docs
+    for doc in docs:
+        assert doc["apiVersion"] == f"{GROUP}/{VERSION}"
+        assert doc["kind"] == KIND
+        assert set(doc) == {"apiVersion", "kind", "metadata", "spec"}
+        assert "namespace" not in doc["metadata"]  # applied into the user's namespace
+        # By alias, the way the API server hands the object to the operator; extra="forbid" catches typos.
+        spec = InferenceServiceSpec.model_validate(doc["spec"])
+        assert spec.replicas.min <= spec.replicas.max
+
+
+def test_fallback_pair_points_at_its_partner() -> None:
+    chat, small = _documents(EXAMPLES / "fallback-pair.yaml")
+    chat_spec = InferenceServiceSpec.model_validate(chat["spec"])
+    small_spec = InferenceServiceSpec.model_validate(small["spec"])
+    assert chat_spec.fallback is not None
+    assert chat_spec.fallback.service == small["metadata"]["name"] == "chat-small"
+    assert sorted(chat_spec.fallback.when) == ["Overloaded", "Unavailable"]
+    assert chat_spec.fallback.model == small_spec.model.name
+    assert small_spec.fallback is None
+    assert small_spec.replicas.min >= 1  # a fallback must be up before it is needed
+
+
+def test_single_example_uses_the_documented_features() -> None:
+    (doc,) = _documents(EXAMPLES / "inferenceservice.yaml")
+    spec = InferenceServiceSpec.model_validate(doc["spec"])
+    assert spec.model.source.startswith("/models/")
+    assert spec.model.dtype == "bfloat16"
+    assert spec.resources.gpus == 1
+    assert (spec.replicas.min, spec.replicas.max, spec.warm_pool.size) == (1, 4, 1)
+    assert spec.autoscaling.mode == "Builtin"
+    assert "priorityClasses" not in doc["spec"]["loadShedding"]
+    assert [c.name for c in spec.load_shedding.priority_classes] == ["critical", "standard", "batch"]
+    assert spec.fallback is not None and spec.fallback.service == "chat-small"

@@ -1,0 +1,267 @@
+"""The install manifests, rendered by kubectl's own kustomize: what they create, run and grant."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ember_engine.cli import build_parser
+from ember_operator.main import peering_priority
+from ember_operator.spec import GROUP, KIND, PLURAL
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFESTS = REPO / "manifests"
+NAMESPACE = "ember-system"
+IMAGE = "ghcr.io/ember-dev/ember-operator:0.1.0"
+BASE_ARGS = ["--all-namespaces", "--standalone", "--health-port=8081", "--metrics-port=8080"]
+HA_ARGS = ["--all-namespaces", "--peering=ember-operator", "--health-port=8081", "--metrics-port=8080"]
+
+# (apiGroup, resource, verb): everything the operator is allowed, and nothing else.
+OPERATOR_GRANTS = {
+    *((GROUP, PLURAL, v) for v in ("get", "list", "watch", "patch")),
+    (GROUP, f"{PLURAL}/status", "patch"),
+    *(("", "pods", v) for v in ("create", "delete", "patch", "list", "watch")),
+    *(("", r, v) for r in ("services", "configmaps") for v in ("get", "create", "update")),
+    ("", "events", "create"),
+    ("", "events", "patch"),
+    ("events.k8s.io", "events", "create"),
+    ("events.k8s.io", "events", "patch"),
+    *(("", "namespaces", v) for v in ("get", "list", "watch")),
+    *(("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")),
+}
+PEERING_GRANTS = {
+    ("kopf.dev", r, v)
+    for r in ("kopfpeerings", "clusterkopfpeerings")
+    for v in ("get", "list", "watch", "patch")
+}
+
+
+def _kubectl() -> str:
+    found = shutil.which("kubectl") or ("/usr/bin/kubectl" if Path("/usr/bin/kubectl").exists() else None)
+    if found is None:
+        pytest.fail("kubectl is required to render manifests/ (kubectl kustomize); install kubectl >= 1.27")
+    return found
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run([_kubectl(), *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"kubectl {' '.join(args)} failed:\n{proc.stderr}"
+    return proc.stdout
+
+
+@cache
+def render(overlay: str) -> tuple[dict[str, Any], ...]:
+    docs = yaml.safe_load_all(_run("kustomize", str(MANIFESTS / overlay)))
+    return tuple(d for d in docs if d is not None)
+
+
+def _one(docs: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def _grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    out = set()
+    for rule in role["rules"]:
+        assert set(rule) <= {"apiGroups", "resources", "verbs"}, f"unexpected rule fields: {rule}"
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert "*" not in (group, resource, verb), f"wildcard in {rule}"
+                    out.add((group, resource, verb))
+    return out
+
+
+def _container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_the_root_is_the_base() -> None:
+    assert render(".") == render("base")
+
+
+def test_base_objects_and_namespace() -> None:
+    docs = render(".")
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
+        ("ClusterRole", "ember-operator"),
+        ("ClusterRoleBinding", "ember-operator"),
+        ("Deployment", "ember-operator"),
+        ("Namespace", NAMESPACE),
+        ("Service", "ember-operator-metrics"),
+        ("ServiceAccount", "ember-operator"),
+    ]
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/part-of"] == "ember"
+        if doc["kind"] in ("ServiceAccount", "Deployment", "Service"):
+            assert doc["metadata"]["namespace"] == NAMESPACE
+
+
+def test_two_step_install_has_the_crd_exactly_once() -> None:
+    # README: `kubectl apply -f crds/` then `kubectl apply -k manifests`.
+    crd_docs = [d for d in yaml.safe_load_all((REPO / "crds" / "inferenceservice.yaml").read_text()) if d]
+    install = [*crd_docs, *render(".")]
+    crds = [d for d in install if d["kind"] == "CustomResourceDefinition"]
+    assert [c["metadata"]["name"] for c in crds] == [f"{PLURAL}.{GROUP}"]
+    assert (crds[0]["spec"]["group"], crds[0]["spec"]["names"]["kind"]) == (GROUP, KIND)
+
+
+def test_deployment_runs_the_operator_hardened() -> None:
+    deployment = _one(render("."), "Deployment", "ember-operator")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    template = spec["template"]
+    # The labels transformer must leave the immutable selector alone while still matching the pods.
+    assert spec["selector"] == {"matchLabels": {"app.kubernetes.io/name": "ember-operator"}}
+    assert spec["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    pod = template["spec"]
+    assert pod["serviceAccountName"] == "ember-operator"
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    container = _container(deployment)
+    assert container["image"] == IMAGE
+    assert container["command"] == ["ember", "operator"]
+    assert container["args"] == BASE_ARGS
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": 8080, "health": 8081}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    resources = container["resources"]
+    assert set(resources) == {"requests", "limits"}
+    assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    (volume,) = pod["volumes"]
+    assert volume["name"] == "tmp" and "emptyDir" in volume
+
+
+def test_metrics_service_reaches_the_metrics_port() -> None:
+    docs = render(".")
+    service = _one(docs, "Service", "ember-operator-metrics")
+    pod_labels = _one(docs, "Deployment", "ember-operator")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = service["spec"]["ports"]
+    assert (port["name"], port["port"], port["targetPort"]) == ("metrics", 8080, "metrics")
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == "8080"
+
+
+def test_cluster_role_grants_exactly_what_the_operator_uses() -> None:
+    docs = render(".")
+    assert _grants(_one(docs, "ClusterRole", "ember-operator")) == OPERATOR_GRANTS
+    binding = _one(docs, "ClusterRoleBinding", "ember-operator")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "ember-operator",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ember-operator", "namespace": NAMESPACE}
+    ]
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+
+
+def test_base_command_line_parses_as_ember_operator() -> None:
+    container = _container(_one(render("."), "Deployment", "ember-operator"))
+    assert container["command"][0] == "ember"
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert (args.command, args.all_namespaces, args.namespace) == ("operator", True, [])
+    assert (args.standalone, args.peering) == (True, None)
+    assert (args.health_port, args.metrics_port) == (8081, 8080)
+
+
+def test_ha_command_line_parses_and_each_replica_draws_its_own_priority() -> None:
+    container = _container(_one(render("ha"), "Deployment", "ember-operator"))
+    assert container["command"][0] == "ember"
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert (args.command, args.all_namespaces, args.standalone, args.peering) == (
+        "operator",
+        True,
+        False,
+        "ember-operator",
+    )
+    assert (args.health_port, args.metrics_port, args.priority) == (8081, 8080, None)
+    # kopf pauses every replica while two share the highest priority: each start draws a fresh one.
+    draws = {peering_priority(args) for _ in range(3)}
+    assert len(draws) > 1 and all(d > 0 for d in draws)
+
+
+def test_ha_overlay_peers_two_replicas() -> None:
+    docs = render("ha")
+    deployment = _one(docs, "Deployment", "ember-operator")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    container = _container(deployment)
+    assert container["args"] == HA_ARGS
+    assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    pdb = _one(docs, "PodDisruptionBudget", "ember-operator")
+    assert pdb["metadata"]["namespace"] == NAMESPACE
+    assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+    # Everything else comes from the base unchanged.
+    base = {(d["kind"], d["metadata"]["name"]) for d in render(".")}
+    assert base <= {(d["kind"], d["metadata"]["name"]) for d in docs}
+
+
+def test_ha_overlay_ships_kopf_peering() -> None:
+    docs = render("ha")
+    crds = {d["metadata"]["name"]: d for d in docs if d["kind"] == "CustomResourceDefinition"}
+    assert set(crds) == {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
+    for name, scope, kind in (
+        ("clusterkopfpeerings.kopf.dev", "Cluster", "ClusterKopfPeering"),
+        ("kopfpeerings.kopf.dev", "Namespaced", "KopfPeering"),
+    ):
+        spec = crds[name]["spec"]
+        assert (spec["group"], spec["scope"], spec["names"]["kind"]) == ("kopf.dev", scope, kind)
+        (version,) = spec["versions"]
+        assert (version["name"], version["served"], version["storage"]) == ("v1", True, True)
+        status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+        assert status == {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    # --peering NAME with --all-namespaces waits for the cluster-scoped peering object of that name.
+    peering = _one(docs, "ClusterKopfPeering", "ember-operator")
+    assert peering["apiVersion"] == "kopf.dev/v1"
+    assert "namespace" not in peering["metadata"]
+    assert _grants(_one(docs, "ClusterRole", "ember-operator")) == OPERATOR_GRANTS
+    assert _grants(_one(docs, "ClusterRole", "ember-operator-peering")) == PEERING_GRANTS
+    binding = _one(docs, "ClusterRoleBinding", "ember-operator-peering")
+    assert binding["roleRef"]["name"] == "ember-operator-peering"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "ember-operator", "namespace": NAMESPACE}
+    ]
+
+
+def test_argocd_cm_patch_merges_into_an_existing_argocd_cm(tmp_path: Path) -> None:
+    existing = tmp_path / "argocd-cm.yaml"
+    existing.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "argocd-cm", "namespace": "argocd"},
+                "data": {"url": "https://argocd.example.com"},
+            }
+        )
+    )
+    patch = MANIFESTS / "argocd" / "argocd-cm-patch.yaml"
+    merged = yaml.safe_load(
+        _run("patch", "--local", "-f", str(existing), "--patch-file", str(patch), "-o", "yaml")
+    )
+    script = (MANIFESTS / "argocd" / "health.lua").read_text()
+    assert merged["data"] == {
+        "url": "https://argocd.example.com",
+        "resource.customizations.health.ember.dev_InferenceService": script,
+    }

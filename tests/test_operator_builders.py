@@ -1,0 +1,334 @@
+"""The operator's pure parts: children manifests, the template hash, pod reading, status, /metrics parsing.
+
+Where the engine is the other side of a contract (its command line, its policy file, its /metrics page),
+the engine's own code is the oracle.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from ember_engine import serve
+from ember_engine.cli import build_parser
+from ember_engine.llm_engine import EngineStats
+from ember_engine.metrics import EngineMetrics
+from ember_engine.policy import parse_policy
+from ember_operator.desired import (
+    ACTIVE,
+    HASH_LABEL,
+    ROLE_LABEL,
+    WARM,
+    Owner,
+    desired_pod,
+    desired_policy_configmap,
+    desired_service,
+    engine_args,
+    quantity_bytes,
+    template_hash,
+)
+from ember_operator.pods import cold_start_seconds, trouble, view
+from ember_operator.rollout import PodPlan, PodView
+from ember_operator.scrape import parse_sample
+from ember_operator.spec import InferenceServiceSpec
+from ember_operator.status import Assessment, Condition, render_conditions
+
+OWNER = Owner("chat", "prod", "uid-1")
+
+
+def make_spec(**changes: Any) -> InferenceServiceSpec:
+    doc: dict[str, Any] = {"model": {"name": "chat", "source": "/models/chat"}}
+    doc.update(changes)
+    return InferenceServiceSpec.model_validate(doc)
+
+
+def test_engine_args_parse_with_the_engines_own_command_line() -> None:
+    spec = make_spec(
+        engine={
+            "maxNumSeqs": 64,
+            "blockSize": 32,
+            "prefixCaching": False,
+            "maxModelLen": 4096,
+            "kvCacheMemory": "2Gi",
+        },
+        model={"name": "chat", "source": "/models/chat", "dtype": "bfloat16"},
+    )
+    pod = desired_pod(OWNER, spec, WARM, "abcdef0123")
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["ember", "serve"] and container["args"] == engine_args(spec)
+    parsed = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert parsed.func is serve.main
+    assert parsed.model == "/models/chat" and parsed.served_model_name == "chat"
+    assert parsed.dtype == "bfloat16" and parsed.port == 8000
+    assert parsed.max_num_seqs == 64 and parsed.block_size == 32 and parsed.max_model_len == 4096
+    assert parsed.enable_prefix_caching is False
+    assert parsed.kv_cache_memory == 2 * 2**30
+    assert parsed.policy == "/etc/ember/policy/policy.yaml"
+
+
+@pytest.mark.parametrize(
+    ("quantity", "expected"),
+    [("8Gi", 8 * 2**30), ("500M", 500_000_000), ("1.5Ki", 1536), ("2", 2), ("1k", 1000)],
+)
+def test_quantities(quantity: str, expected: int) -> None:
+    assert quantity_bytes(quantity) == expected
+
+
+def test_a_bad_quantity_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a Kubernetes quantity"):
+        quantity_bytes("8 GB")
+
+
+def test_the_pod_carries_the_contract_labels_owner_probes_and_policy_mount() -> None:
+    spec = make_spec(
+        resources={
+            "gpus": 2,
+            "cpu": "8",
+            "memory": "64Gi",
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+        }
+    )
+    pod = desired_pod(OWNER, spec, WARM, "abcdef0123")
+    meta = pod["metadata"]
+    assert meta["generateName"] == "chat-abcde-" and meta["namespace"] == "prod"
+    assert meta["labels"] == {
+        "app.kubernetes.io/name": "ember",
+        "app.kubernetes.io/instance": "chat",
+        "app.kubernetes.io/managed-by": "ember-operator",
+        ROLE_LABEL: WARM,
+        HASH_LABEL: "abcdef0123",
+    }
+    (ref,) = meta["ownerReferences"]
+    assert ref["uid"] == "uid-1" and ref["controller"] is True and ref["kind"] == "InferenceService"
+    (c,) = pod["spec"]["containers"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["resources"]["limits"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"}
+    assert c["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert pod["spec"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    # The grace period outlasts the preStop pause plus the engine's drain.
+    prestop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    drain = next(int(a.split("=")[1]) for a in c["args"] if a.startswith("--drain-timeout="))
+    assert pod["spec"]["terminationGracePeriodSeconds"] > prestop + drain
+    (mount,) = c["volumeMounts"]  # no model volume claim: the checkpoint is in the image
+    (volume,) = pod["spec"]["volumes"]
+    assert "subPath" not in mount  # a subPath mount would never see ConfigMap updates
+    assert volume["configMap"]["name"] == "chat-policy" and mount["name"] == volume["name"]
+
+
+def test_a_model_volume_claim_is_mounted_read_only_at_models() -> None:
+    spec = make_spec(model={"name": "chat", "source": "/models/chat", "volumeClaim": "weights"})
+    pod = desired_pod(OWNER, spec, WARM, "abcdef0123")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert template_hash(spec) != template_hash(make_spec())
+
+
+def test_the_service_selects_only_active_pods() -> None:
+    svc = desired_service(OWNER)
+    assert svc["spec"]["selector"][ROLE_LABEL] == ACTIVE
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_the_policy_configmap_is_a_policy_the_engine_accepts() -> None:
+    spec = make_spec(
+        loadShedding={"maxQueueDepth": 64, "maxQueueWaitSeconds": 2.5, "retryAfterSeconds": 3},
+        fallback={"service": "chat-small", "when": ["Overloaded"], "timeoutSeconds": 5},
+        requestTimeoutSeconds=90,
+    )
+    cm = desired_policy_configmap(OWNER, spec, "http://chat-small.prod.svc.cluster.local")
+    policy = parse_policy(cm["data"]["policy.yaml"])
+    assert policy.load_shedding.max_queue_depth == 64
+    assert policy.load_shedding.max_queue_wait_seconds == 2.5
+    assert policy.load_shedding.retry_after_seconds == 3
+    assert [c.name for c in policy.load_shedding.priority_classes] == ["critical", "standard", "batch"]
+    assert policy.fallback.url == "http://chat-small.prod.svc.cluster.local"
+    assert policy.fallback.when == ["Overloaded"] and policy.fallback.timeout_seconds == 5
+    assert policy.request_timeout_seconds == 90
+    unresolved = desired_policy_configmap(OWNER, spec, None)
+    assert parse_policy(unresolved["data"]["policy.yaml"]).fallback.url is None
+
+
+def test_only_engine_affecting_fields_change_the_template_hash() -> None:
+    base = template_hash(make_spec())
+    assert template_hash(make_spec()) == base
+    for unaffecting in (
+        {"replicas": {"min": 2, "max": 9}},
+        {"warmPool": {"size": 3}},
+        {"autoscaling": {"queueDepthPerReplica": 9}},
+        {"loadShedding": {"maxQueueDepth": 5}},
+        {"fallback": {"url": "http://x"}},
+        {"requestTimeoutSeconds": 5},
+    ):
+        assert template_hash(make_spec(**unaffecting)) == base, unaffecting
+    for affecting in (
+        {"engine": {"maxNumSeqs": 8}},
+        {"resources": {"image": "other:1"}},
+        {"model": {"name": "chat", "source": "/models/other"}},
+        {"speculative": {"method": "ngram"}},
+    ):
+        assert template_hash(make_spec(**affecting)) != base, affecting
+
+
+T0 = datetime(2026, 11, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def _stamp(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pod_dict(name: str = "chat-abcde-xyz12", **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "creationTimestamp": _stamp(T0),
+            "labels": {ROLE_LABEL: ACTIVE, HASH_LABEL: "h1"},
+        },
+        "status": status,
+    }
+
+
+def test_reading_a_ready_pod_and_its_cold_start() -> None:
+    pod = pod_dict(
+        phase="Running",
+        podIP="10.0.0.7",
+        conditions=[
+            {"type": "Ready", "status": "True", "lastTransitionTime": _stamp(T0 + timedelta(seconds=42))}
+        ],
+        containerStatuses=[{"name": "engine", "restartCount": 0, "ready": True}],
+    )
+    v = view(pod)
+    assert (v.role, v.template_hash, v.ready, v.phase) == (ACTIVE, "h1", True, "Running")
+    assert cold_start_seconds(pod) == 42.0
+    assert trouble(pod) is None
+    restarted = pod_dict(
+        conditions=pod["status"]["conditions"], containerStatuses=[{"name": "engine", "restartCount": 1}]
+    )
+    assert cold_start_seconds(restarted) is None  # a restart resets the Ready clock
+
+
+def test_a_crash_looping_pod_is_trouble_with_the_last_log_line() -> None:
+    pod = pod_dict(
+        phase="Running",
+        containerStatuses=[
+            {
+                "name": "engine",
+                "restartCount": 4,
+                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {
+                    "terminated": {
+                        "exitCode": 1,
+                        "message": "loading...\nFileNotFoundError: /models/chat/config.json",
+                    }
+                },
+            }
+        ],
+    )
+    t = trouble(pod)
+    assert t is not None and t.reason == "PodsCrashLooping"
+    assert "exit code 1" in t.message and "FileNotFoundError: /models/chat/config.json" in t.message
+    assert "loading" not in t.message
+
+
+def test_unschedulable_and_image_problems_are_trouble() -> None:
+    pending = pod_dict(
+        phase="Pending",
+        conditions=[
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"}
+        ],
+    )
+    t = trouble(pending)
+    assert t is not None and t.reason == "PodsUnschedulable" and "0/3 nodes" in t.message
+    pulling = pod_dict(containerStatuses=[{"state": {"waiting": {"reason": "ImagePullBackOff"}}}])
+    t = trouble(pulling)
+    assert t is not None and t.reason == "ImageUnavailable"
+
+
+def test_conditions_keep_their_transition_time_until_they_flip() -> None:
+    first = render_conditions([Condition("Ready", False, "Starting")], [], 1, T0)
+    later = T0 + timedelta(minutes=5)
+    same = render_conditions([Condition("Ready", False, "Starting", "still")], first, 2, later)
+    assert same[0]["lastTransitionTime"] == _stamp(T0) and same[0]["observedGeneration"] == 2
+    flipped = render_conditions([Condition("Ready", True, "MinimumReplicasReady")], same, 2, later)
+    assert flipped[0]["lastTransitionTime"] == _stamp(later) and flipped[0]["status"] == "True"
+
+
+def _pods(*specs: tuple[str, str, bool]) -> list[PodView]:
+    return [PodView(f"p{i}", role, h, ready, T0) for i, (role, h, ready) in enumerate(specs)]
+
+
+def _by_type(conditions: list[Condition]) -> dict[str, Condition]:
+    return {c.type: c for c in conditions}
+
+
+def test_status_when_converged() -> None:
+    a = Assessment(
+        "h1", 2, 1, 1, _pods((ACTIVE, "h1", True), (ACTIVE, "h1", True), (WARM, "h1", True)), PodPlan()
+    )
+    assert a.counts() == {"replicas": 2, "warmReplicas": 1, "readyReplicas": 2, "desiredReplicas": 2}
+    c = _by_type(a.conditions())
+    assert c["Ready"].status is True and c["Reconciling"].status is False and c["Stalled"].status is False
+    assert c["WarmPoolReady"].status is True
+
+
+def test_status_while_rolling_and_while_stalled() -> None:
+    rolling = Assessment("h2", 1, 0, 1, _pods((ACTIVE, "h1", True), (WARM, "h2", False)), PodPlan())
+    c = _by_type(rolling.conditions())
+    assert c["Ready"].status is True
+    assert c["Reconciling"].status is True and c["Reconciling"].reason == "RollingUpdate"
+    from ember_operator.pods import Trouble
+
+    stalled = Assessment(
+        "h2",
+        1,
+        0,
+        1,
+        _pods((WARM, "h2", False)),
+        PodPlan(),
+        troubles=[Trouble("PodsCrashLooping", "pod x: CrashLoopBackOff")],
+    )
+    c = _by_type(stalled.conditions())
+    assert c["Stalled"].status is True and c["Stalled"].reason == "PodsCrashLooping"
+    assert c["Reconciling"].status is False  # kstatus: Stalled wins only when Reconciling is not True
+    assert c["Ready"].status is False
+
+
+def test_parse_sample_reads_the_engines_own_metrics_page() -> None:
+    m = EngineMetrics("chat")
+    m.record_stats(
+        EngineStats(
+            num_running=5,
+            num_waiting=7,
+            kv_cache_usage=0.625,
+            num_kv_blocks=100,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=0,
+            prompt_tokens=0,
+            generation_tokens=0,
+            last_step_seconds=0.0,
+            last_batch_size=0,
+            last_batch_tokens=0,
+            num_steps=0,
+        )
+    )
+    m.record_fallback("served")
+    m.record_fallback("served")
+    m.record_fallback("failed")
+    sample = parse_sample(m.render()[0].decode())
+    assert (sample.load.waiting, sample.load.running, sample.load.kv_cache) == (7, 5, 0.625)
+    assert sample.fallback_served == 2
+
+
+def test_parse_sample_refuses_a_page_without_the_gauges() -> None:
+    with pytest.raises(ValueError, match="vllm:kv_cache_usage_perc"):
+        parse_sample("vllm:num_requests_waiting 1\nvllm:num_requests_running 2\n")

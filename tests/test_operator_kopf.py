@@ -1,0 +1,411 @@
+"""The operator through the real kopf loop, against the in-process API server, driven with the official
+`kubernetes` client: children, warm pool, autoscaling, rolls, drift, policy, stalls, External mode, GC."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+from kopf.testing import KopfRunner
+from operator_harness import NAMESPACE, PodRunner, crd_manifest, wait_for
+
+from ember_e2e.apiserver import APIServer
+from ember_operator import main as operator_main
+from ember_operator.desired import HASH_LABEL, ROLE_LABEL
+from ember_operator.spec import GROUP, PLURAL, VERSION
+
+API_VERSION = f"{GROUP}/{VERSION}"
+TICK = 0.25
+OPERATOR_FILE = f"""
+import kopf
+from ember_operator.handlers import Settings, register
+
+register(kopf.get_default_registry(), Settings(tick={TICK}, cluster_domain="cluster.local", scrape_timeout=1.0))
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[APIServer, PodRunner, Any]]:
+    tmp = tmp_path_factory.mktemp("operator")
+    mp = pytest.MonkeyPatch()
+    with APIServer(pod_graceful_deletion=False, bookmark_interval=1.0) as api:
+        kubeconfig = api.write_kubeconfig(tmp / "kubeconfig")
+        # kopf logs in through the kubernetes client, which fixed its default path when it was imported.
+        mp.setenv("KUBECONFIG", str(kubeconfig))
+        mp.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+        api.install_crd(crd_manifest())
+        runner = PodRunner(api).start()
+        script = tmp / "operator.py"
+        script.write_text(OPERATOR_FILE)
+        parser = argparse.ArgumentParser()
+        operator_main.add_arguments(parser)
+        args = parser.parse_args(["--tick", str(TICK)])
+        settings = operator_main.operator_settings(args)
+        settings.watching.server_timeout = 10
+        with KopfRunner(
+            ["run", "--standalone", "--namespace", NAMESPACE, str(script)], settings=settings, timeout=30
+        ) as kopf_runner:
+            custom = kubernetes.client.CustomObjectsApi(
+                kubernetes.config.new_client_from_config(str(kubeconfig))
+            )
+            try:
+                yield api, runner, custom
+            finally:
+                runner.stop()
+        mp.undo()
+    assert kopf_runner.exception is None, kopf_runner.output[-3000:]
+
+
+def service(name: str, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": {"name": name, "source": f"/models/{name}"}, "resources": {"gpus": 0}}
+    body.update(spec)
+    return {"apiVersion": API_VERSION, "kind": "InferenceService", "metadata": {"name": name}, "spec": body}
+
+
+def create(custom: Any, obj: dict[str, Any]) -> None:
+    custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, obj)
+
+
+def patch_spec(custom: Any, name: str, spec: dict[str, Any]) -> None:
+    custom.patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name, {"spec": spec})
+
+
+def get(api: APIServer, name: str) -> dict[str, Any]:
+    obj = api.get(API_VERSION, "InferenceService", NAMESPACE, name)
+    assert obj is not None
+    return obj
+
+
+def status(api: APIServer, name: str) -> dict[str, Any]:
+    return get(api, name).get("status") or {}
+
+
+def condition(api: APIServer, name: str, kind: str) -> dict[str, Any]:
+    for c in status(api, name).get("conditions") or []:
+        if c["type"] == kind:
+            return dict(c)
+    return {}
+
+
+def pods(api: APIServer, name: str, role: str | None = None) -> list[dict[str, Any]]:
+    selector = f"app.kubernetes.io/instance={name}" + (f",{ROLE_LABEL}={role}" if role else "")
+    return [
+        p
+        for p in api.list("v1", "Pod", NAMESPACE, label_selector=selector)
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
+def shape(api: APIServer, name: str) -> tuple[int, int]:
+    """(Ready active pods, Ready warm pods)."""
+    return (
+        sum(ready(p) for p in pods(api, name, "active")),
+        sum(ready(p) for p in pods(api, name, "warm")),
+    )
+
+
+def events(api: APIServer, name: str) -> list[dict[str, Any]]:
+    return [e for e in api.list("v1", "Event", NAMESPACE) if e["involvedObject"].get("name") == name]
+
+
+def converged(api: APIServer, name: str, active: int, warm: int) -> bool:
+    s = status(api, name)
+    return (
+        shape(api, name) == (active, warm)
+        and len(pods(api, name)) == active + warm
+        and s.get("observedGeneration") == get(api, name)["metadata"]["generation"]
+        and condition(api, name, "Ready").get("status") == "True"
+        and condition(api, name, "Reconciling").get("status") == "False"
+    )
+
+
+def test_an_inference_service_becomes_pods_a_service_and_a_policy(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(
+        custom,
+        service(
+            "basic", replicas={"min": 2, "max": 4}, warmPool={"size": 1}, loadShedding={"maxQueueDepth": 9}
+        ),
+    )
+    wait_for(lambda: converged(api, "basic", 2, 1), what="2 active + 1 warm Ready")
+
+    uid = get(api, "basic")["metadata"]["uid"]
+    for p in pods(api, "basic"):
+        assert p["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert p["metadata"]["labels"][HASH_LABEL]
+    svc = api.get("v1", "Service", NAMESPACE, "basic")
+    assert svc is not None and svc["spec"]["selector"][ROLE_LABEL] == "active"
+    cm = api.get("v1", "ConfigMap", NAMESPACE, "basic-policy")
+    assert cm is not None and "maxQueueDepth: 9" in cm["data"]["policy.yaml"]
+
+    s = status(api, "basic")
+    assert (s["replicas"], s["warmReplicas"], s["readyReplicas"], s["desiredReplicas"]) == (2, 1, 2, 2)
+    assert (
+        s["selector"] == f"app.kubernetes.io/instance=basic,app.kubernetes.io/name=ember,{ROLE_LABEL}=active"
+    )
+    assert s["endpoint"] == "http://basic.default.svc.cluster.local"
+    assert s["coldStartSeconds"] is not None and s["coldStartSeconds"] >= 0
+    assert condition(api, "basic", "WarmPoolReady")["status"] == "True"
+    assert condition(api, "basic", "Stalled")["status"] == "False"
+    wait_for(lambda: condition(api, "basic", "MetricsAvailable")["status"] == "True", what="metrics scraped")
+    # The scale subresource reports the active pods and the selector HPA needs.
+    scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, NAMESPACE, PLURAL, "basic")
+    assert scale["status"]["replicas"] == 2 and "instance=basic" in scale["status"]["selector"]
+
+
+def test_load_promotes_a_warm_pod_at_once_refills_the_pool_and_scales_back_down(cluster: Any) -> None:
+    api, runner, custom = cluster
+    spec = {
+        "replicas": {"min": 1, "max": 3},
+        "warmPool": {"size": 1},
+        "autoscaling": {"intervalSeconds": 1, "queueDepthPerReplica": 4, "scaleDownStabilizationSeconds": 3},
+    }
+    create(custom, service("spiky", **spec))
+    wait_for(lambda: converged(api, "spiky", 1, 1), what="1 active + 1 warm")
+    (active,) = pods(api, "spiky", "active")
+    (warm,) = pods(api, "spiky", "warm")
+    runner.pages[active["metadata"]["name"]].waiting = 10  # 10 waiting, 0 running: 3 pods' worth
+
+    wait_for(
+        lambda: warm["metadata"]["name"] in {p["metadata"]["name"] for p in pods(api, "spiky", "active")},
+        timeout=10,
+        what="the warm pod promoted",
+    )
+    wait_for(lambda: shape(api, "spiky") == (3, 1), timeout=20, what="3 active + a refilled pool")
+    s = status(api, "spiky")
+    last = s["autoscaler"]["decisions"][-1]
+    assert "scale up" in last["reason"] and last["inputs"]["queueDepth"] == 10
+    assert any(e["reason"] == "Scaled" for e in events(api, "spiky"))
+    assert any(e["reason"] == "Promoted" for e in events(api, "spiky"))
+
+    for page in runner.pages.values():
+        page.waiting = 0
+    wait_for(lambda: converged(api, "spiky", 1, 1), timeout=30, what="back to 1 active + 1 warm")
+    assert "scale down" in status(api, "spiky")["autoscaler"]["decisions"][-1]["reason"]
+
+
+def test_missing_metrics_hold_the_target_and_say_so(cluster: Any) -> None:
+    api, runner, custom = cluster
+    create(
+        custom,
+        service(
+            "blind",
+            replicas={"min": 1, "max": 3},
+            autoscaling={"intervalSeconds": 1, "scaleDownStabilizationSeconds": 0},
+        ),
+    )
+    wait_for(lambda: converged(api, "blind", 1, 0), what="1 active")
+    (pod,) = pods(api, "blind", "active")
+    runner.pages[pod["metadata"]["name"]].waiting = 20
+    wait_for(lambda: status(api, "blind")["desiredReplicas"] == 3, what="scale-up to 3")
+    wait_for(lambda: shape(api, "blind")[0] == 3, what="3 active Ready")
+    for p in pods(api, "blind"):
+        runner.pages[p["metadata"]["name"]].broken = True
+    wait_for(
+        lambda: condition(api, "blind", "MetricsAvailable").get("status") == "False",
+        what="MetricsAvailable=False",
+    )
+    assert "scrape failed" in condition(api, "blind", "MetricsAvailable")["message"]
+    assert status(api, "blind")["desiredReplicas"] == 3  # no scale-down without evidence
+    assert any(e["reason"] == "MetricsUnavailable" for e in events(api, "blind"))
+
+
+def test_drift_is_repaired(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("drift", replicas={"min": 2, "max": 2}))
+    wait_for(lambda: converged(api, "drift", 2, 0), what="2 active")
+    victim = pods(api, "drift")[0]["metadata"]["name"]
+    api.delete("v1", "Pod", NAMESPACE, victim)
+    svc = api.get("v1", "Service", NAMESPACE, "drift")
+    assert svc is not None
+    api.patch("v1", "Service", NAMESPACE, "drift", {"spec": {"selector": {ROLE_LABEL: "warm", "extra": "x"}}})
+    api.patch("v1", "ConfigMap", NAMESPACE, "drift-policy", {"data": {"policy.yaml": "edited: true\n"}})
+
+    def repaired() -> bool:
+        svc = api.get("v1", "Service", NAMESPACE, "drift")
+        cm = api.get("v1", "ConfigMap", NAMESPACE, "drift-policy")
+        names = {p["metadata"]["name"] for p in pods(api, "drift")}
+        return (
+            svc is not None
+            and svc["spec"]["selector"].get(ROLE_LABEL) == "active"
+            and "extra" not in svc["spec"]["selector"]
+            and cm is not None
+            and "loadShedding" in cm["data"]["policy.yaml"]
+            and victim not in names
+            and converged(api, "drift", 2, 0)
+        )
+
+    wait_for(repaired, what="pod, Service and ConfigMap repaired")
+
+
+def test_a_policy_change_touches_only_the_configmap(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("policy", replicas={"min": 1, "max": 1}, warmPool={"size": 1}))
+    wait_for(lambda: converged(api, "policy", 1, 1), what="1 active + 1 warm")
+    before = {p["metadata"]["name"] for p in pods(api, "policy")}
+    patch_spec(
+        custom,
+        "policy",
+        {"loadShedding": {"maxQueueDepth": 3, "retryAfterSeconds": 7}, "requestTimeoutSeconds": 12},
+    )
+
+    def applied() -> bool:
+        cm = api.get("v1", "ConfigMap", NAMESPACE, "policy-policy")
+        text = cm["data"]["policy.yaml"] if cm else ""
+        return (
+            "maxQueueDepth: 3" in text
+            and "retryAfterSeconds: 7" in text
+            and "requestTimeoutSeconds: 12" in text
+        )
+
+    wait_for(applied, what="the policy ConfigMap updated")
+    wait_for(lambda: converged(api, "policy", 1, 1), what="converged at the new generation")
+    assert {p["metadata"]["name"] for p in pods(api, "policy")} == before  # no engine restarted
+
+
+def test_an_engine_change_rolls_the_pods_without_dropping_capacity(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("roll", replicas={"min": 2, "max": 2}, warmPool={"size": 1}))
+    wait_for(lambda: converged(api, "roll", 2, 1), what="2 active + 1 warm")
+    old = {p["metadata"]["name"] for p in pods(api, "roll")}
+    old_hash = pods(api, "roll")[0]["metadata"]["labels"][HASH_LABEL]
+
+    lowest = [2]
+    stop = threading.Event()
+
+    def watch_capacity() -> None:
+        while not stop.wait(0.02):
+            lowest[0] = min(lowest[0], shape(api, "roll")[0])
+
+    watcher = threading.Thread(target=watch_capacity)
+    watcher.start()
+    try:
+        patch_spec(custom, "roll", {"engine": {"maxNumSeqs": 64}})
+        wait_for(
+            lambda: (
+                converged(api, "roll", 2, 1) and not old & {p["metadata"]["name"] for p in pods(api, "roll")}
+            ),
+            timeout=30,
+            what="all pods replaced",
+        )
+    finally:
+        stop.set()
+        watcher.join()
+    assert lowest[0] >= 2, "Ready active pods dropped below replicas.min during the roll"
+    assert {p["metadata"]["labels"][HASH_LABEL] for p in pods(api, "roll")} != {old_hash}
+    (new_pod,) = pods(api, "roll", "warm")
+    assert "--max-num-seqs=64" in new_pod["spec"]["containers"][0]["args"]
+
+
+def test_a_fallback_to_itself_stalls_and_a_fix_recovers(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("loop", fallback={"service": "loop"}))
+    wait_for(lambda: condition(api, "loop", "Stalled").get("status") == "True", what="Stalled=True")
+    stalled = condition(api, "loop", "Stalled")
+    assert stalled["reason"] == "FallbackInvalid" and "itself" in stalled["message"]
+    assert condition(api, "loop", "Reconciling")["status"] == "False"
+    assert any(e["reason"] == "FallbackInvalid" and e["type"] == "Warning" for e in events(api, "loop"))
+
+    patch_spec(custom, "loop", {"fallback": {"service": "nowhere"}})
+    wait_for(
+        lambda: "nowhere" in condition(api, "loop", "Stalled").get("message", ""), what="missing target named"
+    )
+
+    create(custom, service("loop-small"))
+    patch_spec(custom, "loop", {"fallback": {"service": "loop-small"}})
+    wait_for(lambda: condition(api, "loop", "Stalled").get("status") == "False", what="recovered")
+    cm = api.get("v1", "ConfigMap", NAMESPACE, "loop-policy")
+    assert cm is not None and "http://loop-small.default.svc.cluster.local" in cm["data"]["policy.yaml"]
+
+
+def test_pods_that_cannot_start_stall_with_the_reason_and_a_fix_recovers(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("crashy", resources={"gpus": 0, "image": "broken:1"}))
+    wait_for(
+        lambda: condition(api, "crashy", "Stalled").get("reason") == "PodsCrashLooping",
+        what="PodsCrashLooping",
+    )
+    assert "FileNotFoundError" in condition(api, "crashy", "Stalled")["message"]
+    assert condition(api, "crashy", "Ready")["status"] == "False"
+    patch_spec(custom, "crashy", {"resources": {"gpus": 0, "image": "ghcr.io/ember-dev/ember-engine:0.1.0"}})
+    wait_for(
+        lambda: converged(api, "crashy", 1, 0) and condition(api, "crashy", "Stalled")["status"] == "False",
+        what="recovered after the fix",
+    )
+    assert any(e["reason"] == "Recovered" for e in events(api, "crashy"))
+
+
+def test_external_mode_follows_the_scale_subresource(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("ext", replicas={"min": 1, "max": 4}, autoscaling={"mode": "External"}))
+    wait_for(lambda: converged(api, "ext", 1, 0), what="1 active")
+    custom.patch_namespaced_custom_object_scale(
+        GROUP, VERSION, NAMESPACE, PLURAL, "ext", {"spec": {"replicas": 3}}
+    )
+    wait_for(lambda: converged(api, "ext", 3, 0), what="3 active after kubectl-scale")
+    scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, NAMESPACE, PLURAL, "ext")
+    assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
+    custom.patch_namespaced_custom_object_scale(
+        GROUP, VERSION, NAMESPACE, PLURAL, "ext", {"spec": {"replicas": 9}}
+    )
+    wait_for(lambda: status(api, "ext")["desiredReplicas"] == 4, what="clamped to replicas.max")
+
+
+def test_fallback_traffic_shows_in_status(cluster: Any) -> None:
+    api, runner, custom = cluster
+    create(
+        custom,
+        service("spill", fallback={"url": "http://elsewhere:8000"}, autoscaling={"intervalSeconds": 1}),
+    )
+    wait_for(lambda: converged(api, "spill", 1, 0), what="1 active")
+    assert condition(api, "spill", "FallbackActive").get("status") == "False"
+    wait_for(
+        lambda: condition(api, "spill", "MetricsAvailable").get("status") == "True", what="a first scrape"
+    )
+    (pod,) = pods(api, "spill")
+    runner.pages[pod["metadata"]["name"]].fallback_served = 5
+    wait_for(lambda: condition(api, "spill", "FallbackActive").get("status") == "True", what="FallbackActive")
+    assert "5 requests" in condition(api, "spill", "FallbackActive")["message"]
+    wait_for(lambda: condition(api, "spill", "FallbackActive").get("status") == "False", what="idle again")
+
+
+def test_deleting_the_service_garbage_collects_every_child(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("gone", warmPool={"size": 1}))
+    wait_for(lambda: converged(api, "gone", 1, 1), what="1 active + 1 warm")
+    custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "gone")
+    wait_for(
+        lambda: api.get(API_VERSION, "InferenceService", NAMESPACE, "gone") is None, what="the resource gone"
+    )
+    wait_for(
+        lambda: (
+            not pods(api, "gone")
+            and api.get("v1", "Service", NAMESPACE, "gone") is None
+            and api.get("v1", "ConfigMap", NAMESPACE, "gone-policy") is None
+        ),
+        what="children garbage-collected",
+    )
+
+
+def test_the_operator_never_writes_the_spec(cluster: Any) -> None:
+    api, runner, custom = cluster
+    create(custom, service("hands-off", replicas={"min": 1, "max": 3}, autoscaling={"intervalSeconds": 1}))
+    wait_for(lambda: converged(api, "hands-off", 1, 0), what="1 active")
+    generation = get(api, "hands-off")["metadata"]["generation"]
+    (pod,) = pods(api, "hands-off")
+    runner.pages[pod["metadata"]["name"]].waiting = 30
+    wait_for(lambda: shape(api, "hands-off")[0] == 3, what="scaled to 3")
+    obj = get(api, "hands-off")
+    assert obj["metadata"]["generation"] == generation  # Argo CD sees no drift
+    assert "desired" not in obj["spec"]["replicas"]

@@ -1,0 +1,173 @@
+"""The pod plan, driven step by step against a simulated set of pods that take time to become Ready."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ember_operator.desired import ACTIVE, WARM
+from ember_operator.rollout import PodView, plan_pods
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@dataclass
+class SimPod:
+    name: str
+    role: str
+    template_hash: str
+    created: int
+    starts_in: int | None  # steps until Ready; None: never (a broken template)
+
+    def view(self) -> PodView:
+        ready = self.starts_in is not None and self.starts_in <= 0
+        return PodView(self.name, self.role, self.template_hash, ready, T0 + timedelta(seconds=self.created))
+
+
+class Cluster:
+    """Applies plans the way the operator does and advances start-up by one step per pass."""
+
+    def __init__(self, startup: int, broken: frozenset[str] = frozenset()) -> None:
+        self.pods: dict[str, SimPod] = {}
+        self.startup = startup
+        self.broken = broken
+        self.clock = 0
+        self.names = (f"pod-{i}" for i in itertools.count())
+
+    def add(self, role: str, template_hash: str, ready: bool) -> None:
+        name = next(self.names)
+        self.pods[name] = SimPod(name, role, template_hash, self.clock, 0 if ready else self.startup)
+
+    def views(self) -> list[PodView]:
+        return [p.view() for p in self.pods.values()]
+
+    def ready_active(self) -> int:
+        return sum(v.ready and v.role == ACTIVE for v in self.views())
+
+    def step(self, template_hash: str, active: int, warm: int):
+        plan = plan_pods(self.views(), template_hash, active, warm)
+        touched = plan.promote + plan.demote + plan.delete
+        assert len(touched) == len(set(touched)), f"a pod acted on twice: {plan}"
+        for name in plan.promote:
+            assert self.pods[name].role == WARM and self.pods[name].view().ready
+            self.pods[name].role = ACTIVE
+        for name in plan.demote:
+            self.pods[name].role = WARM
+        for name in plan.delete:
+            del self.pods[name]
+        for _ in range(plan.create_warm):
+            name = next(self.names)
+            starts = None if template_hash in self.broken else self.startup
+            self.pods[name] = SimPod(name, WARM, template_hash, self.clock, starts)
+        self.clock += 1
+        for p in self.pods.values():
+            if p.starts_in is not None:
+                p.starts_in -= 1
+        return plan
+
+    def settle(self, template_hash: str, active: int, warm: int, steps: int = 50) -> None:
+        for _ in range(steps):
+            settled = all(v.ready for v in self.views())  # as the plan saw them
+            if self.step(template_hash, active, warm).empty() and settled:
+                return
+        raise AssertionError(f"no convergence: {self.views()}")
+
+    def shape(self) -> tuple[int, int]:
+        views = self.views()
+        return sum(v.role == ACTIVE for v in views), sum(v.role == WARM for v in views)
+
+
+def test_from_nothing_pods_start_warm_and_are_promoted_when_ready() -> None:
+    c = Cluster(startup=3)
+    first = c.step("h1", active=2, warm=1)
+    assert first.create_warm == 3 and not first.promote
+    assert c.shape() == (0, 3)  # nothing cold is ever behind the Service
+    c.settle("h1", 2, 1)
+    assert c.shape() == (2, 1) and c.ready_active() == 2
+
+
+def test_scale_up_with_a_ready_pool_promotes_at_once_and_refills_in_the_background() -> None:
+    c = Cluster(startup=5)
+    c.settle("h1", 1, 2)
+    plan = c.step("h1", active=3, warm=2)
+    assert len(plan.promote) == 2 and plan.create_warm == 2
+    assert c.ready_active() == 3  # capacity added in the same pass, no cold start
+    c.settle("h1", 3, 2)
+    assert c.shape() == (3, 2)
+
+
+def test_scale_down_demotes_into_a_short_pool_and_deletes_the_rest() -> None:
+    c = Cluster(startup=1)
+    c.settle("h1", 4, 0)
+    plan = c.step("h1", active=1, warm=1)
+    assert len(plan.demote) == 1 and len(plan.delete) == 2
+    assert c.shape() == (1, 1)
+
+
+def test_not_ready_pods_are_retired_before_ready_ones() -> None:
+    views = [
+        PodView("ready-old", ACTIVE, "h1", True, T0),
+        PodView("ready-young", ACTIVE, "h1", True, T0 + timedelta(seconds=5)),
+        PodView("starting", ACTIVE, "h1", False, T0 + timedelta(seconds=1)),
+    ]
+    plan = plan_pods(views, "h1", active=1, warm=0)
+    assert plan.delete == ["starting", "ready-young"]
+
+
+def test_failed_pods_are_replaced_and_deleting_ones_ignored() -> None:
+    views = [
+        PodView("dead", ACTIVE, "h1", False, T0, phase="Failed"),
+        PodView("going", ACTIVE, "h1", True, T0, deleting=True),
+    ]
+    plan = plan_pods(views, "h1", active=1, warm=0)
+    assert plan.delete == ["dead"] and plan.create_warm == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    active=st.integers(1, 4),
+    warm=st.integers(0, 2),
+    startup=st.integers(1, 4),
+    old_warm=st.integers(0, 2),
+)
+def test_a_roll_never_lowers_ready_capacity_and_ends_on_the_new_template(
+    active: int, warm: int, startup: int, old_warm: int
+) -> None:
+    c = Cluster(startup=startup)
+    c.settle("old", active, old_warm)
+    for _ in range(60):
+        settled = all(v.ready for v in c.views())
+        plan = c.step("new", active, warm)
+        assert c.ready_active() >= active, f"capacity dipped to {c.ready_active()} < {active}"
+        if plan.empty() and settled:
+            break
+    assert {v.template_hash for v in c.views()} == {"new"}
+    assert c.shape() == (active, warm)
+
+
+def test_a_broken_template_never_replaces_working_pods_and_a_fix_rolls_on() -> None:
+    c = Cluster(startup=2, broken=frozenset({"bad"}))
+    c.settle("good", 2, 1)
+    for _ in range(20):
+        c.step("bad", 2, 1)
+        assert c.ready_active() == 2
+    assert sum(v.template_hash == "good" and v.role == ACTIVE for v in c.views()) == 2
+    c.settle("fixed", 2, 1)  # the not-Ready pods of the broken template are cleared away
+    assert {v.template_hash for v in c.views()} == {"fixed"} and c.shape() == (2, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(targets=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=6))
+def test_any_sequence_of_targets_converges_to_the_last(targets: list[tuple[int, int]]) -> None:
+    c = Cluster(startup=2)
+    for active, warm in targets:
+        for _ in range(3):  # targets change before the previous one is reached
+            c.step("h", active, warm)
+    active, warm = targets[-1]
+    c.settle("h", active, warm)
+    assert c.shape() == (active, warm)
+    assert all(v.ready for v in c.views())
