@@ -189,7 +189,12 @@ class Reconciler:
         patch.status.update(assessment.counts())
         patch.status["observedGeneration"] = generation
         patch.status["selector"] = selector_string(active_selector(name))
-        patch.status["endpoint"] = service_endpoint(name, namespace, self.settings.cluster_domain)
+        published = await asyncio.to_thread(kube.load_balancer_address, namespace, name)
+        patch.status["endpoint"] = (
+            f"http://{published}"
+            if published
+            else service_endpoint(name, namespace, self.settings.cluster_domain)
+        )
         patch.status["coldStartSeconds"] = memory.cold_start
         patch.status["autoscaler"] = {"inputs": memory.inputs, "decisions": memory.decisions}
         patch.status["conditions"] = render_conditions(

@@ -93,6 +93,23 @@ class Kube:
                 return None
             raise
 
+    def load_balancer_address(self, namespace: str, name: str) -> str | None:
+        """`host:port` from a Service's status.loadBalancer, when something outside the cluster published one."""
+        try:
+            svc = _json(self.core.read_namespaced_service(name, namespace, _preload_content=False))
+        except ApiException as e:
+            if is_not_found(e):
+                return None
+            raise
+        for ingress in ((svc.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []:
+            host = ingress.get("ip") or ingress.get("hostname")
+            ports = [p["port"] for p in ingress.get("ports") or [] if "port" in p]
+            service_ports = [p["port"] for p in (svc.get("spec") or {}).get("ports") or []]
+            port = ports[0] if ports else (service_ports[0] if service_ports else None)
+            if host and port:
+                return f"{host}:{port}"
+        return None
+
     def ensure(self, desired: Obj, fields: tuple[str, ...]) -> str | None:
         """Create `desired` (a Service or ConfigMap), or put back the `fields` of it that someone changed.
 

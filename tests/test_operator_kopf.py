@@ -328,6 +328,34 @@ def test_a_fallback_to_itself_stalls_and_a_fix_recovers(cluster: Any) -> None:
     cm = api.get("v1", "ConfigMap", NAMESPACE, "loop-policy")
     assert cm is not None and "http://loop-small.default.svc.cluster.local" in cm["data"]["policy.yaml"]
 
+    # An address published on the fallback's Service (a load balancer) becomes its endpoint, and the
+    # engines' fallback URL follows.
+    api.patch(
+        "v1",
+        "Service",
+        NAMESPACE,
+        "loop-small",
+        {
+            "status": {
+                "loadBalancer": {
+                    "ingress": [{"ip": "127.0.0.1", "ports": [{"port": 31234, "protocol": "TCP"}]}]
+                }
+            }
+        },
+        subresource="status",
+    )
+    wait_for(
+        lambda: status(api, "loop-small").get("endpoint") == "http://127.0.0.1:31234",
+        what="published endpoint",
+    )
+    wait_for(
+        lambda: (
+            "http://127.0.0.1:31234"
+            in api.get("v1", "ConfigMap", NAMESPACE, "loop-policy")["data"]["policy.yaml"]
+        ),
+        what="the fallback URL in the policy",
+    )
+
 
 def test_pods_that_cannot_start_stall_with_the_reason_and_a_fix_recovers(cluster: Any) -> None:
     api, _runner, custom = cluster
