@@ -64,11 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(p)
     p.set_defaults(func=bench_serve.main)
 
+    from ember_e2e import bench_scale
+
+    p = bench_sub.add_parser("scale", help="load spike to added capacity serving: warm pool vs cold start")
+    bench_scale.add_arguments(p)
+    p.set_defaults(func=bench_scale.main)
+
     from ember_operator import main as operator_main  # argparse only at import time: no kopf yet
 
     p = sub.add_parser("operator", help="run the Kubernetes operator for InferenceServices (kopf)")
     operator_main.add_arguments(p)
     p.set_defaults(func=operator_main.main)
+
+    from ember_e2e import devcluster  # argparse only at import time
+
+    p = sub.add_parser(
+        "dev", help="a local control plane: API server, process kubelet, service proxy, operator"
+    )
+    devcluster.add_arguments(p)
 
     p = sub.add_parser("demo", help="generate from a test checkpoint built on the spot")
     p.add_argument("--dir", help="checkpoint directory (default: a per-user cache)")

@@ -306,7 +306,7 @@ def test_owner_references_are_garbage_collected(core: CoreV1Api) -> None:
 
 
 def test_pod_graceful_deletion(tmp_path: Path) -> None:
-    with APIServer() as server, api_client(server, tmp_path / "kubeconfig") as client:
+    with APIServer(pod_kill_margin=0.5) as server, api_client(server, tmp_path / "kubeconfig") as client:
         core = CoreV1Api(client)
         for name, grace in (("slow", 30), ("quick", 1)):
             spec = {"containers": [{"name": "c", "image": "x"}], "terminationGracePeriodSeconds": grace}

@@ -19,7 +19,7 @@ def _documents(path: Path) -> list[dict[str, Any]]:
 
 
 def test_the_examples_exist() -> None:
-    assert [p.name for p in FILES] == ["fallback-pair.yaml", "inferenceservice.yaml"]
+    assert [p.name for p in FILES] == ["fallback-pair.yaml", "inferenceservice.yaml", "local.yaml"]
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,6 +25,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def operator_process(kubeconfig: Path, log: Path, *flags: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`ember operator FLAGS` against `kubeconfig`; on exit, SIGTERM and a check that it stopped cleanly."""
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [EMBER, "operator", "--tick", "0.3", *flags], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+        try:
+            yield proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=30)
+    assert code == 0, log.read_text()[-3000:]
 
 
 def test_ember_operator_help_lists_its_options() -> None:
@@ -44,26 +63,17 @@ def test_ember_operator_runs_reconciles_and_stops(tmp_path: Path) -> None:
     with APIServer(pod_graceful_deletion=False) as api:
         kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
         api.install_crd(crd_manifest())
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        log = (tmp_path / "operator.log").open("w")
-        proc = subprocess.Popen(
-            [
-                EMBER,
-                "operator",
+        with operator_process(
+            kubeconfig,
+            tmp_path / "operator.log",
+            *(
                 "--namespace",
                 NAMESPACE,
                 "--standalone",
-                "--tick",
-                "0.3",
                 f"--health-port={health}",
                 f"--metrics-port={metrics}",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
+            ),
+        ):
             api.create(
                 {
                     "apiVersion": f"{GROUP}/{VERSION}",
@@ -95,11 +105,6 @@ def test_ember_operator_runs_reconciles_and_stops(tmp_path: Path) -> None:
                 'ember:operator_pod_changes_total{change="created",name="cli",namespace="default"} 2.0'
                 in page
             )
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(timeout=30)
-            log.close()
-        assert code == 0, (tmp_path / "operator.log").read_text()[-3000:]
 
 
 def test_ember_operator_with_peering_keeps_alive_in_the_peering_object_and_reconciles(tmp_path: Path) -> None:
@@ -110,26 +115,11 @@ def test_ember_operator_with_peering_keeps_alive_in_the_peering_object_and_recon
         for crd in yaml.safe_load_all((repo / "manifests" / "peering" / "crds.yaml").read_text()):
             api.install_crd(crd)
         api.create(yaml.safe_load((repo / "manifests" / "ha" / "peering.yaml").read_text()))
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        log = (tmp_path / "operator.log").open("w")
-        proc = subprocess.Popen(
-            [
-                EMBER,
-                "operator",
-                "--all-namespaces",
-                "--peering",
-                "ember-operator",
-                "--tick",
-                "0.3",
-                "--health-port=0",
-                "--metrics-port=0",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
+        with operator_process(
+            kubeconfig,
+            tmp_path / "operator.log",
+            *("--all-namespaces", "--peering", "ember-operator", "--health-port=0", "--metrics-port=0"),
+        ):
 
             def peers() -> dict[str, object]:
                 obj = api.get("kopf.dev/v1", "ClusterKopfPeering", None, "ember-operator") or {}
@@ -150,8 +140,3 @@ def test_ember_operator_with_peering_keeps_alive_in_the_peering_object_and_recon
                 timeout=60,
                 what="the active peer reconciling",
             )
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(timeout=30)
-            log.close()
-        assert code == 0, (tmp_path / "operator.log").read_text()[-3000:]

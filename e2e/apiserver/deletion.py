@@ -116,11 +116,12 @@ def _expire_grace_later(store: Store, rtype: ResourceType, pod: dict[str, Any], 
     namespace, name, uid = pod["metadata"].get("namespace"), pod["metadata"]["name"], pod["metadata"]["uid"]
 
     def expire() -> None:
-        # The server stands in for a kubelet that never confirmed the kill.
+        # The server stands in for a kubelet that never confirmed the kill. Only after a margin past the
+        # deadline: a kubelet SIGKILLs at the deadline and still has its final status to write.
         if store.uid_of(rtype.storage, namespace, name) == uid:
             delete(store, rtype, namespace, name, DeleteOptions(grace_period_seconds=0))
 
-    asyncio.get_running_loop().call_later(grace, expire)
+    asyncio.get_running_loop().call_later(grace + store.pod_kill_margin, expire)
 
 
 def _mark_deleting(store: Store, rtype: ResourceType, current: dict[str, Any], grace: int) -> dict[str, Any]:

@@ -46,6 +46,8 @@ class APIServer:
     `compact`, `expire_watches` and `disconnect_watches` provoke what clients must survive.
     `store` is the state itself; touch it only through `call`.
 
+    `pod_kill_margin` is how long past a terminating Pod's grace period the server waits for a kubelet to
+    confirm the kill before removing the Pod itself.
     `pod_graceful_deletion=False` deletes Pods at once, for setups with no kubelet to confirm the
     kill; `bookmark_interval` is how often idle watches that asked for bookmarks get one;
     `history_limit` is how many changes a watch can be resumed across before it gets 410 Expired.
@@ -58,12 +60,17 @@ class APIServer:
         port: int = 0,
         *,
         pod_graceful_deletion: bool = True,
+        pod_kill_margin: float = 10.0,
         bookmark_interval: float = 10.0,
         history_limit: int = 10_000,
     ) -> None:
         self.host = host
         self.port = port
-        self.store = Store(pod_graceful_deletion=pod_graceful_deletion, history_limit=history_limit)
+        self.store = Store(
+            pod_graceful_deletion=pod_graceful_deletion,
+            history_limit=history_limit,
+            pod_kill_margin=pod_kill_margin,
+        )
         self._bookmark_interval = bookmark_interval
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

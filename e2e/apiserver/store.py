@@ -56,10 +56,17 @@ def _key(namespace: str | None, name: str) -> tuple[str, str]:
 
 
 class Store:
-    def __init__(self, *, pod_graceful_deletion: bool = True, history_limit: int = 10_000) -> None:
+    def __init__(
+        self,
+        *,
+        pod_graceful_deletion: bool = True,
+        history_limit: int = 10_000,
+        pod_kill_margin: float = 10.0,
+    ) -> None:
         self.registry = Registry()
         self.hub = WatchHub(history_limit)
         self.pod_graceful_deletion = pod_graceful_deletion
+        self.pod_kill_margin = pod_kill_margin
         self.rv = 0
         # storage (group, plural) → (namespace or "", name) → object
         self.objects: defaultdict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = defaultdict(dict)

@@ -1,0 +1,499 @@
+"""The process kubelet against the in-process API server, with real processes: the engine on the tiny model,
+crash loops, liveness restarts, images it cannot run, graceful deletion, and the engine behind the
+service proxy."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import yaml
+
+from ember_e2e.apiserver import APIServer
+from ember_e2e.kubelet import ENGINE_IMAGE, ProcessKubelet, write_atomically
+from ember_e2e.proxy import ServiceProxy
+
+T = TypeVar("T")
+
+PYTHON_IMAGE = "docker.io/library/python:3.11-slim"
+IMAGES = {ENGINE_IMAGE: ("ember", "serve"), "docker.io/library/python": ("python3",)}
+POLICY_DIR = "/etc/ember/policy"
+# Not the default 127.1.: a local control plane of an older checkout may be using that one.
+PREFIX = "127.3."
+
+
+@dataclass
+class Cluster:
+    api: APIServer
+    kubelet: ProcessKubelet
+    proxy: ServiceProxy
+    http: httpx.Client
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    with APIServer(pod_graceful_deletion=True, bookmark_interval=1) as api:
+        kubeconfig = api.write_kubeconfig(root / "kubeconfig")
+        kubelet = ProcessKubelet(
+            kubeconfig, root / "state", claims={"weights": tiny_model.parent}, images=IMAGES, ip_prefix=PREFIX
+        )
+        with kubelet, ServiceProxy(kubeconfig) as proxy, httpx.Client(trust_env=False, timeout=30) as http:
+            yield Cluster(api, kubelet, proxy, http)
+
+
+def wait_for(what: str, check: Callable[[], T | None], timeout: float = 30.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def get_pod(api: APIServer, name: str) -> dict[str, Any]:
+    pod = api.get("v1", "Pod", "default", name)
+    assert pod is not None, f"pod {name} is gone"
+    return pod
+
+
+def wait_for_pod(
+    api: APIServer, name: str, what: str, check: Callable[[dict[str, Any]], Any], timeout: float = 30.0
+) -> dict[str, Any]:
+    """The pod, once `check(pod)` holds."""
+
+    def probe() -> dict[str, Any] | None:
+        pod = get_pod(api, name)
+        return pod if check(pod) else None
+
+    return wait_for(f"{name}: {what}", probe, timeout)
+
+
+def container(pod: dict[str, Any]) -> dict[str, Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
+    return dict(statuses[0])
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def python_pod(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"test": name}},
+        "spec": {
+            "terminationGracePeriodSeconds": 2,
+            "containers": [{"name": "main", "image": PYTHON_IMAGE, "command": command}],
+            **spec,
+        },
+    }
+
+
+def delete_and_wait(api: APIServer, name: str) -> None:
+    api.delete("v1", "Pod", "default", name)
+    wait_for(f"pod {name} to go", lambda: api.get("v1", "Pod", "default", name) is None)
+
+
+# -- the engine -----------------------------------------------------------------------------------------
+
+POLICY = yaml.safe_dump({"loadShedding": {"maxQueueDepth": 3}})
+# The same limit plus a priority class "gold" that the first policy does not know.
+GOLD_POLICY = yaml.safe_dump(
+    {
+        "loadShedding": {
+            "maxQueueDepth": 3,
+            "priorityClasses": [{"name": "gold", "priority": 0}, {"name": "standard", "priority": 1}],
+        }
+    }
+)
+
+
+def engine_pod(name: str) -> dict[str, Any]:
+    """The shape of the operator's engine pod (operator/desired.py), on the tiny model and the CPU."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "engine"}},
+        "spec": {
+            "restartPolicy": "Always",
+            "terminationGracePeriodSeconds": 30,
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": f"{ENGINE_IMAGE}:0.1.0",
+                    "command": ["ember", "serve"],
+                    "args": [
+                        "--model=/models/tiny",
+                        "--host=0.0.0.0",
+                        "--port=8000",
+                        "--device=cpu",
+                        f"--policy={POLICY_DIR}/policy.yaml",
+                    ],
+                    "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
+                    "readinessProbe": {
+                        "httpGet": {"path": "/ready", "port": "http"},
+                        "periodSeconds": 1,
+                        "timeoutSeconds": 2,
+                        "failureThreshold": 1,
+                    },
+                    "livenessProbe": {
+                        "httpGet": {"path": "/health", "port": "http"},
+                        "periodSeconds": 10,
+                        "timeoutSeconds": 2,
+                        "failureThreshold": 3,
+                    },
+                    # The operator's hook is `sleep 5`; this one also leaves a mark to see it ran first.
+                    "lifecycle": {
+                        "preStop": {
+                            "exec": {"command": ["sh", "-c", 'touch "$1"; sleep 2', "sh", "/scratch/stop"]}
+                        }
+                    },
+                    "volumeMounts": [
+                        {"name": "policy", "mountPath": POLICY_DIR, "readOnly": True},
+                        {"name": "models", "mountPath": "/models", "readOnly": True},
+                        {"name": "scratch", "mountPath": "/scratch"},
+                    ],
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
+                }
+            ],
+            "volumes": [
+                {"name": "policy", "configMap": {"name": f"{name}-policy"}},
+                {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
+                {"name": "scratch", "emptyDir": {}},
+            ],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def engine(cluster: Cluster) -> dict[str, Any]:
+    """A Ready engine pod named `engine`; the last test of this module deletes it."""
+    api = cluster.api
+    api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "engine-policy"},
+            "data": {"policy.yaml": POLICY},
+        }
+    )
+    api.create(engine_pod("engine"))
+    return wait_for_pod(api, "engine", "Ready", is_ready, 90)
+
+
+def completion(http: httpx.Client, url: str, priority: str | None = None) -> httpx.Response:
+    headers = {"x-ember-priority": priority} if priority else {}
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+    return http.post(f"{url}/v1/completions", json=body, headers=headers)
+
+
+def test_engine_pod_runs_and_serves_on_its_pod_ip(cluster: Cluster, engine: dict[str, Any]) -> None:
+    status = engine["status"]
+    assert status["phase"] == "Running"
+    ip = status["podIP"]
+    assert ip.startswith(PREFIX) and status["podIPs"] == [{"ip": ip}]
+    assert status["hostIP"] == "127.0.0.1" and status["startTime"]
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions == {
+        "PodScheduled": "True",
+        "Initialized": "True",
+        "ContainersReady": "True",
+        "Ready": "True",
+    }
+    engine_status = container(engine)
+    assert engine_status["ready"] and engine_status["started"] and engine_status["restartCount"] == 0
+    assert "running" in engine_status["state"] and engine_status["image"] == f"{ENGINE_IMAGE}:0.1.0"
+    models = cluster.http.get(f"http://{ip}:8000/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    log = cluster.kubelet.log_path("default", "engine", "engine").read_text()
+    assert f"http://{ip}:8000" in log  # --host=0.0.0.0 became the pod's address
+
+
+def test_configmap_update_reaches_the_running_engine(cluster: Cluster, engine: dict[str, Any]) -> None:
+    url = f"http://{engine['status']['podIP']}:8000"
+    volume = cluster.kubelet.pod_dir("default", "engine") / "volumes" / "policy"
+    assert (volume / "policy.yaml").read_text() == POLICY
+    assert (volume / "..data").is_symlink()
+    refused = completion(cluster.http, url, "gold")
+    assert refused.status_code == 400 and "gold" in refused.json()["error"]["message"]
+
+    cluster.api.patch("v1", "ConfigMap", "default", "engine-policy", {"data": {"policy.yaml": GOLD_POLICY}})
+    wait_for("the new policy file", lambda: (volume / "policy.yaml").read_text() == GOLD_POLICY, 10)
+    # The engine re-reads the file about once a second; then the class exists.
+    wait_for(
+        "the engine to accept priority gold",
+        lambda: completion(cluster.http, url, "gold").status_code == 200,
+        15,
+    )
+    assert get_pod(cluster.api, "engine")["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def test_service_proxy_forwards_chat_completions_to_the_engine(
+    cluster: Cluster, engine: dict[str, Any]
+) -> None:
+    api = cluster.api
+    api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "chat"},
+            "spec": {
+                "selector": {"app": "engine"},
+                "ports": [{"name": "http", "port": 80, "targetPort": "http"}],
+            },
+        }
+    )
+
+    def published() -> int | None:
+        service = api.get("v1", "Service", "default", "chat") or {}
+        ingress = ((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+        return ingress[0]["ports"][0]["port"] if ingress else None
+
+    port = wait_for("the Service's published address", published, 10)
+    assert cluster.proxy.address("default", "chat") == ("127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    reply = cluster.http.post(url, json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+
+    with cluster.http.stream("POST", url, json={**body, "stream": True}) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in stream.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in events[:-1]]
+    assert chunks and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    api.delete("v1", "Service", "default", "chat")
+
+
+def test_deleting_the_engine_pod_runs_prestop_then_sigterm(cluster: Cluster, engine: dict[str, Any]) -> None:
+    api, kubelet = cluster.api, cluster.kubelet
+    url = f"http://{engine['status']['podIP']}:8000"
+    pid = int(container(get_pod(api, "engine"))["containerID"].removeprefix("process://"))
+    marker = kubelet.pod_dir("default", "engine") / "volumes" / "scratch" / "stop"
+    api.delete("v1", "Pod", "default", "engine")
+    assert get_pod(api, "engine")["metadata"]["deletionTimestamp"]  # graceful: the pod stays for now
+    wait_for("the preStop hook", marker.exists, 10)
+    # The hook runs before SIGTERM: the engine still answers while it sleeps.
+    assert cluster.http.get(f"{url}/health").status_code == 200
+    wait_for("the pod to be deleted", lambda: api.get("v1", "Pod", "default", "engine") is None, 30)
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for("the engine process to exit", gone, 5)
+    log = kubelet.log_path("default", "engine", "engine").read_text()
+    assert "Finished server process" in log  # a graceful shutdown, not a SIGKILL
+
+
+# -- restarts, images, mounts ---------------------------------------------------------------------------
+
+
+def test_crashing_container_backs_off_and_reports_its_last_log_lines(cluster: Cluster) -> None:
+    api = cluster.api
+    pod = engine_pod("crash")
+    pod["metadata"]["labels"] = {"app": "crash"}
+    engine_container = pod["spec"]["containers"][0]
+    engine_container["args"] = ["--model=/nonexistent", "--host=0.0.0.0", "--port=8000", "--device=cpu"]
+    for key in ("readinessProbe", "livenessProbe", "lifecycle"):
+        del engine_container[key]
+    engine_container["volumeMounts"] = []
+    pod["spec"]["volumes"] = []
+    api.create(pod)
+    seen_backoff = []
+
+    def restarted_twice() -> dict[str, Any] | None:
+        status = container(get_pod(api, "crash"))
+        if (status.get("state") or {}).get("waiting", {}).get("reason") == "CrashLoopBackOff":
+            seen_backoff.append(status)
+        return status if status.get("restartCount", 0) >= 2 else None
+
+    status = wait_for("two restarts", restarted_twice, 60)
+    assert seen_backoff, "never saw the container waiting in CrashLoopBackOff"
+    assert "back-off" in seen_backoff[-1]["state"]["waiting"]["message"]
+    terminated = status["lastState"]["terminated"]
+    assert terminated["exitCode"] == 1 and terminated["reason"] == "Error"
+    assert "/nonexistent/config.json not found" in terminated["message"]
+    assert len(terminated["message"]) <= 2048
+    # As in Kubernetes, a pod whose container keeps restarting is still Running.
+    assert get_pod(api, "crash")["status"]["phase"] == "Running"
+    delete_and_wait(api, "crash")
+
+
+def test_failing_liveness_probe_restarts_the_container(cluster: Cluster, tmp_path: Path) -> None:
+    api = cluster.api
+    (tmp_path / "healthz").write_text("ok")
+    command = ["python", "-P", "-m", "http.server", "--bind", "0.0.0.0", "--directory", "/srv", "8081"]
+    pod = python_pod("live", command, volumes=[{"name": "srv", "hostPath": {"path": str(tmp_path)}}])
+    pod["spec"]["containers"][0].update(
+        volumeMounts=[{"name": "srv", "mountPath": "/srv"}],
+        livenessProbe={
+            "httpGet": {"path": "/healthz", "port": 8081},
+            "periodSeconds": 1,
+            "failureThreshold": 2,
+        },
+    )
+    api.create(pod)
+    wait_for("the server to answer", lambda: container(get_pod(api, "live")).get("ready"))
+    (tmp_path / "healthz").unlink()
+    status = container(wait_for_pod(api, "live", "a restart", lambda p: container(p)["restartCount"]))
+    (tmp_path / "healthz").write_text("ok")
+    assert status["lastState"]["terminated"]["exitCode"] == 128 + 15  # stopped by SIGTERM
+    events = api.list("v1", "Event", "default", field_selector="involvedObject.name=live")
+    assert any(e["reason"] == "Killing" and "liveness" in e["message"] for e in events), events
+    assert any(e["reason"] == "Unhealthy" and "404" in e["message"] for e in events), events
+    delete_and_wait(api, "live")
+
+
+def test_startup_probe_gates_readiness(cluster: Cluster, tmp_path: Path) -> None:
+    api = cluster.api
+    command = ["python", "-P", "-m", "http.server", "--bind", "0.0.0.0", "--directory", "/srv", "8082"]
+    pod = python_pod("slow", command, volumes=[{"name": "srv", "hostPath": {"path": str(tmp_path)}}])
+    pod["spec"]["containers"][0].update(
+        volumeMounts=[{"name": "srv", "mountPath": "/srv"}],
+        startupProbe={
+            "httpGet": {"path": "/started", "port": 8082},
+            "periodSeconds": 1,
+            "failureThreshold": 60,
+        },
+        readinessProbe={"exec": {"command": ["test", "-f", "/srv/ready"]}, "periodSeconds": 1},
+        livenessProbe={"tcpSocket": {"port": 8082}, "periodSeconds": 1},
+    )
+    api.create(pod)
+
+    def startup_failed() -> bool:
+        events = api.list("v1", "Event", "default", field_selector="involvedObject.name=slow")
+        return any("Startup probe failed" in e["message"] for e in events)
+
+    wait_for("a failed startup probe", startup_failed)
+    status = container(get_pod(api, "slow"))
+    assert "running" in status["state"] and not status["started"] and not status["ready"]
+    (tmp_path / "started").write_text("")
+    status = container(wait_for_pod(api, "slow", "started", lambda p: container(p)["started"]))
+    assert not status["ready"]  # the exec readiness probe still fails
+    (tmp_path / "ready").write_text("")
+    pod = wait_for_pod(api, "slow", "Ready", is_ready)
+    assert container(pod)["restartCount"] == 0
+    delete_and_wait(api, "slow")
+
+
+def test_unknown_image_stays_pending_with_err_image_pull(cluster: Cluster) -> None:
+    api = cluster.api
+    # Also: the kubelet lists again after its watch expires, and still sees new pods.
+    api.compact()
+    api.expire_watches()
+    pod = python_pod("nginx", ["nginx"])
+    pod["spec"]["containers"][0]["image"] = "docker.io/library/nginx:1.27"
+    api.create(pod)
+    status = container(
+        wait_for_pod(api, "nginx", "waiting", lambda p: "waiting" in container(p).get("state", {}))
+    )
+    assert status["state"]["waiting"]["reason"] == "ErrImagePull"
+    message = status["state"]["waiting"]["message"]
+    assert "docker.io/library/nginx:1.27" in message and ENGINE_IMAGE in message
+    assert get_pod(api, "nginx")["status"]["phase"] == "Pending"
+    delete_and_wait(api, "nginx")
+
+
+def test_unknown_claim_fails_the_mount(cluster: Cluster) -> None:
+    api = cluster.api
+    pod = python_pod("noclaim", ["python", "-P", "-c", "pass"])
+    pod["spec"]["volumes"] = [{"name": "models", "persistentVolumeClaim": {"claimName": "missing"}}]
+    api.create(pod)
+
+    def failed_mount() -> list[dict[str, Any]]:
+        events = api.list("v1", "Event", "default", field_selector="involvedObject.name=noclaim")
+        return [e for e in events if e["reason"] == "FailedMount"]
+
+    event = wait_for("a FailedMount event", failed_mount)[0]
+    assert 'persistentvolumeclaim "missing" not found' in event["message"]
+    pod = get_pod(api, "noclaim")
+    assert pod["status"]["phase"] == "Pending"
+    assert container(pod)["state"]["waiting"]["reason"] == "ContainerCreating"
+    delete_and_wait(api, "noclaim")
+
+
+@pytest.mark.parametrize(
+    ("restart_policy", "code", "phase"),
+    [("Never", 0, "Succeeded"), ("Never", 3, "Failed"), ("OnFailure", 0, "Succeeded")],
+)
+def test_run_to_completion_phases(cluster: Cluster, restart_policy: str, code: int, phase: str) -> None:
+    api = cluster.api
+    name = f"exit-{restart_policy.lower()}-{code}"
+    api.create(
+        python_pod(name, ["python", "-P", "-c", f"raise SystemExit({code})"], restartPolicy=restart_policy)
+    )
+    pod = wait_for_pod(api, name, phase, lambda p: p["status"].get("phase") == phase)
+    terminated = container(pod)["state"]["terminated"]
+    assert terminated["exitCode"] == code
+    assert terminated["reason"] == ("Completed" if code == 0 else "Error")
+    assert container(pod)["restartCount"] == 0
+    delete_and_wait(api, name)
+
+
+def test_environment_arguments_and_paths_are_rewritten(cluster: Cluster) -> None:
+    api = cluster.api
+    script = "import os, sys; print(sys.argv[1:]); print(os.environ['GREETING'])"
+    pod = python_pod(
+        "echo",
+        ["python", "-P", "-c", script, "--bind=0.0.0.0", "/data/file", "$(GREETING)"],
+        restartPolicy="Never",
+        volumes=[{"name": "data", "emptyDir": {}}],
+    )
+    pod["spec"]["containers"][0].update(
+        volumeMounts=[{"name": "data", "mountPath": "/data"}],
+        env=[
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "GREETING", "value": "hello-$(POD_IP)"},
+        ],
+    )
+    api.create(pod)
+    done = wait_for_pod(api, "echo", "Succeeded", lambda p: p["status"].get("phase") == "Succeeded")
+    ip = done["status"]["podIP"]
+    data = cluster.kubelet.pod_dir("default", "echo") / "volumes" / "data"
+    argv_line, greeting = cluster.kubelet.log_path("default", "echo", "main").read_text().splitlines()
+    assert argv_line == str([f"--bind={ip}", f"{data}/file", f"hello-{ip}"])
+    assert greeting == f"hello-{ip}"
+    delete_and_wait(api, "echo")
+
+
+def test_stop_kills_every_process(tmp_path: Path) -> None:
+    with APIServer(pod_graceful_deletion=True) as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        kubelet = ProcessKubelet(kubeconfig, tmp_path / "state", images=IMAGES, ip_prefix="127.2.")
+        with kubelet:
+            api.create(python_pod("sleeper", ["sleep", "600"]))
+            status = container(wait_for_pod(api, "sleeper", "ready", lambda p: container(p).get("ready")))
+            assert get_pod(api, "sleeper")["status"]["podIP"] == "127.2.0.1"
+        pid = int(status["containerID"].removeprefix("process://"))
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_write_atomically_swaps_the_whole_directory(tmp_path: Path) -> None:
+    target = tmp_path / "volume"
+    assert write_atomically(target, {"a.yaml": b"1", "dir/b.yaml": b"2"})
+    first = os.readlink(target / "..data")
+    assert (target / "a.yaml").read_bytes() == b"1" and (target / "dir" / "b.yaml").read_bytes() == b"2"
+    assert not write_atomically(target, {"a.yaml": b"1", "dir/b.yaml": b"2"})  # unchanged: untouched
+    assert write_atomically(target, {"a.yaml": b"3"})
+    assert os.readlink(target / "..data") != first and not (target / first).exists()
+    assert (target / "a.yaml").read_bytes() == b"3" and not (target / "dir").exists()
+    with pytest.raises(ValueError):
+        write_atomically(target, {"../escape": b""})
