@@ -13,33 +13,21 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
+from waiting import wait_for
 
 from ember_e2e.apiserver import APIServer
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "default"
-T = TypeVar("T")
-
-
-def wait_for(check: Callable[[], T], timeout: float = 20.0, what: str = "condition") -> T:
-    """Poll `check` until it returns something truthy; fail with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        with contextlib.suppress(AssertionError, KeyError, TypeError, IndexError):
-            last = check()
-            if last:
-                return last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+__all__ = ["NAMESPACE", "EnginePage", "PodRunner", "crd_manifest", "wait_for"]
 
 
 def crd_manifest() -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,14 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from waiting import free_port
 
 from ember_engine import serve
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve_args(model: Path, *extra: str) -> argparse.Namespace:

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 from kubernetes.client import ApiClient, ApiException, CoreV1Api, CustomObjectsApi
+from waiting import wait_for
 
 from ember_e2e.apiserver import APIError, APIServer
 
@@ -31,18 +32,6 @@ GROUP, VERSION, PLURAL = "ember.dev", "v1alpha1", "inferenceservices"
 EIS = f"{GROUP}/{VERSION}"
 
 T = TypeVar("T")
-
-
-def wait_for(probe: Callable[[], T], what: str, timeout: float = 10.0) -> T:
-    """Poll `probe` until it returns something truthy; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def api_client(server: APIServer, path: Path) -> ApiClient:
@@ -321,7 +310,9 @@ def test_pod_graceful_deletion(tmp_path: Path) -> None:
 
         core.delete_namespaced_pod("quick", "default")
         assert server.get("v1", "Pod", "default", "quick") is not None
-        wait_for(lambda: server.get("v1", "Pod", "default", "quick") is None, "the grace period to run out")
+        wait_for(
+            lambda: server.get("v1", "Pod", "default", "quick") is None, what="the grace period to run out"
+        )
 
 
 # -- custom resources --------------------------------------------------------------------------------
@@ -578,31 +569,31 @@ def test_kopf_operator_lifecycle(
     args = ["run", "--standalone", "--verbose", "--namespace", "default", str(operator)]
     with KopfRunner(args, settings=settings, timeout=60) as runner:
         uid = server.create(eis("a"))["metadata"]["uid"]
-        wait_for(lambda: status("a").get("observedGeneration") == 1, "the create handler's status")
+        wait_for(lambda: status("a").get("observedGeneration") == 1, what="the create handler's status")
         assert "kopf.zalando.org/KopfFinalizerMarker" in get("a")["metadata"]["finalizers"]
         assert status("a")["conditions"][0]["type"] == "Ready"
         child = server.get("v1", "ConfigMap", "default", "a-policy")
         assert child is not None and child["metadata"]["ownerReferences"][0]["uid"] == uid
-        wait_for(lambda: status("a").get("desiredReplicas") == 1, "the timer's status")
+        wait_for(lambda: status("a").get("desiredReplicas") == 1, what="the timer's status")
 
         server.patch(EIS, "InferenceService", "default", "a", {"spec": {"replicas": {"max": 3}}})
         assert get("a")["metadata"]["generation"] == 2
-        wait_for(lambda: status("a").get("observedGeneration") == 2, "the update handler's status")
-        wait_for(lambda: status("a").get("desiredReplicas") == 3, "the timer to see the new spec")
+        wait_for(lambda: status("a").get("observedGeneration") == 2, what="the update handler's status")
+        wait_for(lambda: status("a").get("desiredReplicas") == 3, what="the timer to see the new spec")
 
         # A 410 in every stream: kopf must re-list, re-watch and keep handling new objects.
         server.expire_watches()
         server.create(eis("b"))
         wait_for(
             lambda: server.get("v1", "ConfigMap", "default", "b-policy"),
-            "kopf to handle an object after a 410",
+            what="kopf to handle an object after a 410",
         )
 
         server.delete(EIS, "InferenceService", "default", "a")
-        wait_for(lambda: not get("a"), "kopf to remove its finalizer")
+        wait_for(lambda: not get("a"), what="kopf to remove its finalizer")
         wait_for(
             lambda: server.get("v1", "ConfigMap", "default", "a-policy") is None,
-            "the child's garbage collection",
+            what="the child's garbage collection",
         )
     assert runner.exception is None and runner.exit_code == 0
     assert "Restarting the watch-stream" in runner.output
@@ -671,7 +662,7 @@ def test_cli_serves_until_terminated(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        wait_for(kubeconfig.exists, "the kubeconfig to be written", timeout=30)
+        wait_for(kubeconfig.exists, what="the kubeconfig to be written", timeout=30)
         url = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
         with urllib.request.urlopen(f"{url}/version", timeout=10) as response:
             assert json.loads(response.read())["major"] == "1"

@@ -5,23 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
-from operator_harness import wait_for
+from waiting import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 EMBER = str(Path(sys.executable).parent / "ember")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:

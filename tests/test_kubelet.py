@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import yaml
+from waiting import wait_for
 
 from ember_e2e.apiserver import APIServer
 from ember_e2e.kubelet import ENGINE_IMAGE, ProcessKubelet, write_atomically
@@ -49,17 +49,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
             yield Cluster(api, kubelet, proxy, http)
 
 
-def wait_for(what: str, check: Callable[[], T | None], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
-
-
 def get_pod(api: APIServer, name: str) -> dict[str, Any]:
     pod = api.get("v1", "Pod", "default", name)
     assert pod is not None, f"pod {name} is gone"
@@ -75,7 +64,7 @@ def wait_for_pod(
         pod = get_pod(api, name)
         return pod if check(pod) else None
 
-    return wait_for(f"{name}: {what}", probe, timeout)
+    return wait_for(probe, what=f"{name}: {what}", timeout=timeout)
 
 
 def container(pod: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +92,7 @@ def python_pod(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
 
 def delete_and_wait(api: APIServer, name: str) -> None:
     api.delete("v1", "Pod", "default", name)
-    wait_for(f"pod {name} to go", lambda: api.get("v1", "Pod", "default", name) is None)
+    wait_for(lambda: api.get("v1", "Pod", "default", name) is None, what=f"pod {name} to go")
 
 
 # -- the engine -----------------------------------------------------------------------------------------
@@ -230,12 +219,14 @@ def test_configmap_update_reaches_the_running_engine(cluster: Cluster, engine: d
     assert refused.status_code == 400 and "gold" in refused.json()["error"]["message"]
 
     cluster.api.patch("v1", "ConfigMap", "default", "engine-policy", {"data": {"policy.yaml": GOLD_POLICY}})
-    wait_for("the new policy file", lambda: (volume / "policy.yaml").read_text() == GOLD_POLICY, 10)
+    wait_for(
+        lambda: (volume / "policy.yaml").read_text() == GOLD_POLICY, what="the new policy file", timeout=10
+    )
     # The engine re-reads the file about once a second; then the class exists.
     wait_for(
-        "the engine to accept priority gold",
         lambda: completion(cluster.http, url, "gold").status_code == 200,
-        15,
+        what="the engine to accept priority gold",
+        timeout=15,
     )
     assert get_pod(cluster.api, "engine")["status"]["containerStatuses"][0]["restartCount"] == 0
 
@@ -261,7 +252,7 @@ def test_service_proxy_forwards_chat_completions_to_the_engine(
         ingress = ((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
         return ingress[0]["ports"][0]["port"] if ingress else None
 
-    port = wait_for("the Service's published address", published, 10)
+    port = wait_for(published, what="the Service's published address", timeout=10)
     assert cluster.proxy.address("default", "chat") == ("127.0.0.1", port)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -285,10 +276,12 @@ def test_deleting_the_engine_pod_runs_prestop_then_sigterm(cluster: Cluster, eng
     marker = kubelet.pod_dir("default", "engine") / "volumes" / "scratch" / "stop"
     api.delete("v1", "Pod", "default", "engine")
     assert get_pod(api, "engine")["metadata"]["deletionTimestamp"]  # graceful: the pod stays for now
-    wait_for("the preStop hook", marker.exists, 10)
+    wait_for(marker.exists, what="the preStop hook", timeout=10)
     # The hook runs before SIGTERM: the engine still answers while it sleeps.
     assert cluster.http.get(f"{url}/health").status_code == 200
-    wait_for("the pod to be deleted", lambda: api.get("v1", "Pod", "default", "engine") is None, 30)
+    wait_for(
+        lambda: api.get("v1", "Pod", "default", "engine") is None, what="the pod to be deleted", timeout=30
+    )
 
     def gone() -> bool:
         try:
@@ -297,7 +290,7 @@ def test_deleting_the_engine_pod_runs_prestop_then_sigterm(cluster: Cluster, eng
             return True
         return False
 
-    wait_for("the engine process to exit", gone, 5)
+    wait_for(gone, what="the engine process to exit", timeout=5)
     log = kubelet.log_path("default", "engine", "engine").read_text()
     assert "Finished server process" in log  # a graceful shutdown, not a SIGKILL
 
@@ -324,7 +317,7 @@ def test_crashing_container_backs_off_and_reports_its_last_log_lines(cluster: Cl
             seen_backoff.append(status)
         return status if status.get("restartCount", 0) >= 2 else None
 
-    status = wait_for("two restarts", restarted_twice, 60)
+    status = wait_for(restarted_twice, what="two restarts", timeout=60)
     assert seen_backoff, "never saw the container waiting in CrashLoopBackOff"
     assert "back-off" in seen_backoff[-1]["state"]["waiting"]["message"]
     terminated = status["lastState"]["terminated"]
@@ -350,7 +343,7 @@ def test_failing_liveness_probe_restarts_the_container(cluster: Cluster, tmp_pat
         },
     )
     api.create(pod)
-    wait_for("the server to answer", lambda: container(get_pod(api, "live")).get("ready"))
+    wait_for(lambda: container(get_pod(api, "live")).get("ready"), what="the server to answer")
     (tmp_path / "healthz").unlink()
     status = container(wait_for_pod(api, "live", "a restart", lambda p: container(p)["restartCount"]))
     (tmp_path / "healthz").write_text("ok")
@@ -381,7 +374,7 @@ def test_startup_probe_gates_readiness(cluster: Cluster, tmp_path: Path) -> None
         events = api.list("v1", "Event", "default", field_selector="involvedObject.name=slow")
         return any("Startup probe failed" in e["message"] for e in events)
 
-    wait_for("a failed startup probe", startup_failed)
+    wait_for(startup_failed, what="a failed startup probe")
     status = container(get_pod(api, "slow"))
     assert "running" in status["state"] and not status["started"] and not status["ready"]
     (tmp_path / "started").write_text("")
@@ -421,7 +414,7 @@ def test_unknown_claim_fails_the_mount(cluster: Cluster) -> None:
         events = api.list("v1", "Event", "default", field_selector="involvedObject.name=noclaim")
         return [e for e in events if e["reason"] == "FailedMount"]
 
-    event = wait_for("a FailedMount event", failed_mount)[0]
+    event = wait_for(failed_mount, what="a FailedMount event")[0]
     assert 'persistentvolumeclaim "missing" not found' in event["message"]
     pod = get_pod(api, "noclaim")
     assert pod["status"]["phase"] == "Pending"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,18 +12,13 @@ from pathlib import Path
 
 import httpx
 import yaml
-from operator_harness import NAMESPACE, crd_manifest, wait_for
+from operator_harness import NAMESPACE, crd_manifest
+from waiting import free_port, wait_for
 
 from ember_e2e.apiserver import APIServer
 from ember_operator.spec import GROUP, VERSION
 
 EMBER = str(Path(sys.executable).parent / "ember")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -215,7 +215,7 @@ def test_overflow_goes_to_the_fallback(tiny_model: Path, tmp_path: Path) -> None
 
 
 def test_failed_fallback_gives_the_shed_error(tiny_model: Path, tmp_path: Path) -> None:
-    from server_util import free_port
+    from waiting import free_port
 
     policy = write_policy(
         tmp_path / "policy.yaml",

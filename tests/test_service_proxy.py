@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import itertools
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import pytest
+from waiting import wait_for
 
 from ember_e2e.apiserver import APIServer
 from ember_e2e.kubelet import ProcessKubelet
@@ -41,17 +41,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         )
         with kubelet, ServiceProxy(kubeconfig) as proxy:
             yield Cluster(api, proxy, root)
-
-
-def wait_for(what: str, check: Callable[[], T | None], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def is_ready(api: APIServer, name: str) -> bool:
@@ -118,8 +107,8 @@ def round_robin(cluster: Cluster) -> int:
         api.create(web_pod(name, cluster.root, "rr"))
     api.create(service("rr", {"app": "rr"}))
     for name in ("rr-a", "rr-b"):
-        wait_for(f"{name} to be Ready", lambda name=name: is_ready(api, name))
-    return wait_for("the address of Service rr", lambda: published_port(api, "rr"))
+        wait_for(lambda name=name: is_ready(api, name), what=f"{name} to be Ready")
+    return wait_for(lambda: published_port(api, "rr"), what="the address of Service rr")
 
 
 def test_address_is_published_in_the_service_status(cluster: Cluster, round_robin: int) -> None:
@@ -138,17 +127,17 @@ def test_unready_pod_gets_no_connections(cluster: Cluster, round_robin: int) -> 
     api, probed = cluster.api, cluster.root / "rr-b" / "who.txt"
     probed.unlink()
     try:
-        wait_for("rr-b to turn unready", lambda: not is_ready(api, "rr-b"))
+        wait_for(lambda: not is_ready(api, "rr-b"), what="rr-b to turn unready")
         assert [who(round_robin) for _ in range(4)] == ["rr-a"] * 4
     finally:
         probed.write_text("rr-b")
-    wait_for("rr-b to be Ready again", lambda: is_ready(api, "rr-b"))
+    wait_for(lambda: is_ready(api, "rr-b"), what="rr-b to be Ready again")
     assert {who(round_robin) for _ in range(4)} == {"rr-a", "rr-b"}
 
 
 def test_service_without_ready_endpoints_closes_connections(cluster: Cluster) -> None:
     cluster.api.create(service("nobody", {"app": "nothing-matches"}))
-    port = wait_for("the address of Service nobody", lambda: published_port(cluster.api, "nobody"))
+    port = wait_for(lambda: published_port(cluster.api, "nobody"), what="the address of Service nobody")
     # Closed without a byte: to an HTTP client, the Service answered nothing.
     with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
         httpx.get(f"http://127.0.0.1:{port}/", trust_env=False, timeout=10)
@@ -157,10 +146,14 @@ def test_service_without_ready_endpoints_closes_connections(cluster: Cluster) ->
 def test_deleted_service_closes_its_listener(cluster: Cluster, round_robin: int) -> None:
     api = cluster.api
     api.create(service("short-lived", {"app": "rr"}))
-    port = wait_for("the address of Service short-lived", lambda: published_port(api, "short-lived"))
+    port = wait_for(lambda: published_port(api, "short-lived"), what="the address of Service short-lived")
     assert port != round_robin and who(port) in ("rr-a", "rr-b")
     api.delete("v1", "Service", "default", "short-lived")
-    wait_for("the listener to close", lambda: cluster.proxy.address("default", "short-lived") is None, 10)
+    wait_for(
+        lambda: cluster.proxy.address("default", "short-lived") is None,
+        what="the listener to close",
+        timeout=10,
+    )
 
     def refused() -> bool:
         try:
@@ -171,7 +164,7 @@ def test_deleted_service_closes_its_listener(cluster: Cluster, round_robin: int)
             pass
         return False
 
-    wait_for("connections to be refused", refused, 10)
+    wait_for(refused, what="connections to be refused", timeout=10)
 
 
 # Sends one line, then the second only once the file named by argv[3] exists.
@@ -202,8 +195,8 @@ def test_bytes_pass_through_as_they_arrive(cluster: Cluster) -> None:
     svc = service("two-part", {"app": "two-part"})
     svc["spec"]["ports"] = [{"port": 9000, "targetPort": "stream"}]
     api.create(svc)
-    wait_for("two-part to be Ready", lambda: is_ready(api, "two-part"))
-    port = wait_for("the address of Service two-part", lambda: published_port(api, "two-part"))
+    wait_for(lambda: is_ready(api, "two-part"), what="two-part to be Ready")
+    port = wait_for(lambda: published_port(api, "two-part"), what="the address of Service two-part")
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock, sock.makefile("rb") as stream:
         # The upstream is still holding back its second line: the first must already be here.
         assert stream.readline() == b"first\n"
