@@ -33,7 +33,6 @@ terminationMessagePath file, readiness gates, exec/attach/port-forward. Linux on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -43,17 +42,16 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kubernetes import client, config
 
 from ember_e2e.informer import API_TIMEOUT, Informer, _key
 from ember_e2e.node import ADDRESS_LOCKS, _Addresses, _signal_group
 from ember_e2e.podvolumes import write_atomically
 from ember_e2e.podworker import _PodWorker
+from ember_e2e.runtime import BackgroundRuntime
 
 __all__ = ["DEFAULT_IMAGES", "ENGINE_IMAGE", "Informer", "ProcessKubelet", "write_atomically"]
 
@@ -109,12 +107,7 @@ class ProcessKubelet:
         self._background: set[asyncio.Task[Any]] = set()
         self._groups: set[int] = set()
         self._groups_lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._api_client: Any = None
-        self.core: Any = None  # the official client's CoreV1Api, once started
-        self._informers: list[Informer] = []
+        self._runtime = BackgroundRuntime("kubelet", api_workers=4)
 
     # -- public ----------------------------------------------------------------------------------------
 
@@ -130,57 +123,37 @@ class ProcessKubelet:
     def log_path(self, namespace: str, name: str, container: str) -> Path:
         return self.pod_dir(namespace, name) / f"{container}.log"
 
+    @property
+    def core(self) -> Any:
+        """The official client's CoreV1Api while the kubelet runs, else None."""
+        return self._runtime.core
+
     def start(self) -> ProcessKubelet:
-        if self._thread is not None:
+        runtime = self._runtime
+        if runtime.running:
             raise RuntimeError("the kubelet is already running")
         (self.state_dir / "pods").mkdir(parents=True, exist_ok=True)
-        self._api_client = config.new_client_from_config(config_file=str(self.kubeconfig))
-        self.core = client.CoreV1Api(self._api_client)
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kubelet-api")
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(target=loop.run_forever, name="ember-kubelet", daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._open_session(), loop).result(timeout=10)
-        configmaps = Informer(
-            self.core.list_config_map_for_all_namespaces,
-            lambda kind, obj: loop.call_soon_threadsafe(self._on_configmap, kind, obj),
-            name="configmaps",
+        runtime.start(self.kubeconfig)
+        runtime.run(self._open_session(), timeout=10)
+        configmaps = runtime.informer(
+            runtime.core.list_config_map_for_all_namespaces, self._on_configmap, name="configmaps"
         )
-        pods = Informer(
-            self.core.list_pod_for_all_namespaces,
-            lambda kind, obj: loop.call_soon_threadsafe(self._on_pod, kind, obj),
-            name="pods",
-        )
-        self._informers = [configmaps, pods]
+        pods = runtime.informer(runtime.core.list_pod_for_all_namespaces, self._on_pod, name="pods")
         # ConfigMaps first, so that the first pods find theirs.
-        configmaps.start()
-        configmaps.synced.wait(timeout=10)
-        pods.start()
-        pods.synced.wait(timeout=10)
+        runtime.sync(configmaps)
+        runtime.sync(pods)
         return self
 
     def stop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
+        runtime = self._runtime
+        if not runtime.running:
             return
-        for informer in self._informers:
-            informer.stop()
+        runtime.stop_informers()
         self._kill_all()
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=15)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        if not thread.is_alive():
-            loop.close()
+        runtime.stop_loop(self._shutdown)
         self._kill_all()  # anything started while shutting down
         self.addresses.release_all()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-        if self._api_client is not None:
-            self._api_client.close()
-        self._loop = self._thread = self._executor = self._api_client = self.core = None
-        self._informers = []
+        runtime.close()
 
     # -- for the pod workers ---------------------------------------------------------------------------
 
@@ -206,7 +179,7 @@ class ProcessKubelet:
         """Call the official client off the loop; returns the decoded JSON body."""
         kwargs.setdefault("_request_timeout", API_TIMEOUT)
         call = functools.partial(method, *args, _preload_content=False, **kwargs)
-        response = await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        response = await asyncio.get_running_loop().run_in_executor(self._runtime.executor, call)
         return json.loads(response.data or b"null")
 
     def spawn(self, coroutine: Any) -> None:

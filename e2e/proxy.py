@@ -32,17 +32,15 @@ import asyncio
 import contextlib
 import functools
 import logging
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import urllib3
-from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from ember_e2e.informer import API_TIMEOUT, MERGE_PATCH, Informer
+from ember_e2e.informer import API_TIMEOUT, MERGE_PATCH
+from ember_e2e.runtime import BackgroundRuntime
 
 log = logging.getLogger("ember.proxy")
 
@@ -98,12 +96,7 @@ class ServiceProxy:
         self._addresses: dict[tuple[str, str], dict[int, int]] = {}
         self._reconciling: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._connections: set[asyncio.Task[None]] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._api_client: Any = None
-        self._core: Any = None
-        self._informers: list[Informer] = []
+        self._runtime = BackgroundRuntime("proxy", api_workers=2)
 
     # -- public ----------------------------------------------------------------------------------------
 
@@ -122,52 +115,21 @@ class ServiceProxy:
         return (self.host, local) if local is not None else None
 
     def start(self) -> ServiceProxy:
-        if self._thread is not None:
+        runtime = self._runtime
+        if runtime.running:
             raise RuntimeError("the service proxy is already running")
-        self._api_client = config.new_client_from_config(config_file=str(self.kubeconfig))
-        self._core = client.CoreV1Api(self._api_client)
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="proxy-api")
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(target=loop.run_forever, name="ember-proxy", daemon=True)
-        self._thread.start()
-        pods = Informer(
-            self._core.list_pod_for_all_namespaces,
-            lambda kind, obj: loop.call_soon_threadsafe(self._on_pod, kind, obj),
-            name="proxy-pods",
+        runtime.start(self.kubeconfig)
+        pods = runtime.informer(runtime.core.list_pod_for_all_namespaces, self._on_pod, name="proxy-pods")
+        services = runtime.informer(
+            runtime.core.list_service_for_all_namespaces, self._on_service, name="proxy-services"
         )
-        services = Informer(
-            self._core.list_service_for_all_namespaces,
-            lambda kind, obj: loop.call_soon_threadsafe(self._on_service, kind, obj),
-            name="proxy-services",
-        )
-        self._informers = [pods, services]
-        for informer in self._informers:
-            informer.start()
-        for informer in self._informers:
-            informer.synced.wait(timeout=10)
+        runtime.sync(pods, services)
         # Wait for the listeners of the Services listed so far.
-        asyncio.run_coroutine_threadsafe(self._settled(), loop).result(timeout=30)
+        runtime.run(self._settled(), timeout=30)
         return self
 
     def stop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        for informer in self._informers:
-            informer.stop()
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=15)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        if not thread.is_alive():
-            loop.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-        if self._api_client is not None:
-            self._api_client.close()
-        self._loop = self._thread = self._executor = self._api_client = self._core = None
-        self._informers = []
+        self._runtime.stop(self._shutdown)
 
     # -- state, on the proxy's loop --------------------------------------------------------------------
 
@@ -262,7 +224,7 @@ class ServiceProxy:
             return
         namespace, name = _key(service)
         call = functools.partial(
-            self._core.patch_namespaced_service_status,
+            self._runtime.core.patch_namespaced_service_status,
             name,
             namespace,
             {"status": {"loadBalancer": {"ingress": ingress}}},
@@ -271,7 +233,7 @@ class ServiceProxy:
             _request_timeout=API_TIMEOUT,
         )
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, call)
+            await asyncio.get_running_loop().run_in_executor(self._runtime.executor, call)
         except ApiException as error:
             if error.status != 404:  # 404: deleted meanwhile
                 log.warning("service %s/%s: publishing the address failed: %s", namespace, name, error)
