@@ -154,9 +154,14 @@ def _record_exit(worker: _PodWorker, c: _Container, exit_code: int, reason: str,
     kubelet = worker.kubelet
     if loop.time() - c.started_clock >= 2 * kubelet.backoff_max:
         c.backoff = 0.0  # it ran well for a while: start the back-off over, as the kubelet does
-    c.backoff = kubelet.backoff_initial if not c.backoff else min(2 * c.backoff, kubelet.backoff_max)
-    c.restart_at = loop.time() + c.backoff
     c.last_state = {"terminated": terminated}
+    if not c.backoff:  # a first exit restarts at once; back-off applies from the second
+        c.backoff = kubelet.backoff_initial
+        c.restart_at = loop.time()
+        c.state = {"waiting": {"reason": "ContainerCreating"}}
+        return
+    c.backoff = min(2 * c.backoff, kubelet.backoff_max)
+    c.restart_at = loop.time() + c.backoff
     wait = f"back-off {c.backoff:g}s restarting failed container={c.name} pod={worker.name}_{worker.namespace}({worker.uid})"
     c.state = {"waiting": {"reason": "CrashLoopBackOff", "message": wait}}
     _event(

@@ -203,6 +203,9 @@ class ServiceProxy:
             self._connections.add(task)
             try:
                 await self._forward(holder[0], reader, writer)
+            except asyncio.CancelledError:
+                # Cancelled by stop(): returning (not re-raising) keeps asyncio's stream callback quiet.
+                writer.transport.abort()
             finally:
                 self._connections.discard(task)
 

@@ -71,8 +71,13 @@ class Memory:
     @classmethod
     def restored(cls, status: dict[str, Any]) -> Memory:
         autoscaler = status.get("autoscaler") or {}
+        desired = status.get("desiredReplicas")
+        # After a restart the restored target counts as a fresh proposal, so that the scale-down window
+        # starts over instead of being skipped.
+        history = History([(time.monotonic(), desired)] if desired is not None else [])
         return cls(
-            desired=status.get("desiredReplicas"),
+            history=history,
+            desired=desired,
             inputs=autoscaler.get("inputs"),
             decisions=list(autoscaler.get("decisions") or []),
             cold_start=status.get("coldStartSeconds"),

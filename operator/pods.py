@@ -9,7 +9,8 @@ from typing import Any
 from ember_operator.desired import ENGINE_PORT, HASH_LABEL, ROLE_LABEL, WARM
 from ember_operator.rollout import PodView
 
-# A container restarted this often, or waiting for one of these reasons, will not come up on its own.
+# A container waiting for one of these reasons (a crash loop: after this many restarts) will not come up on
+# its own.
 CRASH_RESTARTS = 3
 _STUCK_WAITING = {
     "CrashLoopBackOff": "PodsCrashLooping",
@@ -93,13 +94,18 @@ def trouble(pod: dict[str, Any]) -> Trouble | None:
         waiting = (s.get("state") or {}).get("waiting") or {}
         last = (s.get("lastState") or {}).get("terminated") or {}
         reason = waiting.get("reason")
-        if reason in _STUCK_WAITING or s.get("restartCount", 0) >= CRASH_RESTARTS:
+        restarts = s.get("restartCount", 0)
+        # A crash loop is a problem once it has gone on for a few restarts (one crash is the kubelet's to
+        # handle), and only while the container is down: restarts of a running container are history.
+        if reason == "CrashLoopBackOff" and restarts < CRASH_RESTARTS:
+            continue
+        if reason in _STUCK_WAITING:
             kind = _STUCK_WAITING.get(reason or "", "PodsCrashLooping")
             detail = (last.get("message") or waiting.get("message") or "").strip()
             if detail:
                 detail = detail.splitlines()[-1][:300]  # the last line of the log says what failed
             code = f" (exit code {last['exitCode']})" if "exitCode" in last else ""
-            why = reason or f"restarted {s.get('restartCount')} times"
+            why = reason
             return Trouble(kind, f"pod {name}: {why}{code}" + (f": {detail}" if detail else ""))
     if status.get("phase") == "Pending" and status.get("reason"):
         return Trouble(

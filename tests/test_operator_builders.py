@@ -239,6 +239,15 @@ def test_a_crash_looping_pod_is_trouble_with_the_last_log_line() -> None:
     assert "loading" not in t.message
 
 
+def test_one_crash_or_old_restarts_are_not_trouble() -> None:
+    first_crash = pod_dict(
+        containerStatuses=[{"restartCount": 1, "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]
+    )
+    assert trouble(first_crash) is None  # the kubelet restarts it; a spec change is not needed yet
+    running_again = pod_dict(containerStatuses=[{"restartCount": 7, "state": {"running": {}}}])
+    assert trouble(running_again) is None  # restarts of a container that runs now are history
+
+
 def test_unschedulable_and_image_problems_are_trouble() -> None:
     pending = pod_dict(
         phase="Pending",

@@ -1,0 +1,517 @@
+"""End-to-end scenarios: the real operator, real `ember serve` processes run by the process kubelet, and
+traffic through each Service's published local address (the service proxy). No mocks.
+
+One control plane serves every scenario; each scenario uses InferenceServices of its own and deletes them
+at its end, so that no more than a few engine processes run at once. The operator-restart scenario runs
+last: it stops the operator and starts a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from e2e_harness import (
+    NAMESPACE,
+    ControlPlane,
+    Load,
+    alive,
+    burst,
+    container_pid,
+    container_status,
+    control_plane,
+    elapsed_since,
+    fresh_client,
+    pod_counter,
+    ready,
+    say,
+)
+from waiting import wait_for
+
+from ember_operator.desired import HASH_LABEL
+
+REPO = Path(__file__).resolve().parents[1]
+KUBECTL = "/usr/bin/kubectl"
+
+
+@pytest.fixture(scope="module")
+def cp(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[ControlPlane]:
+    with control_plane(tmp_path_factory.mktemp("e2e"), tiny_model) as plane:
+        yield plane
+
+
+def names(pods: list[dict[str, Any]]) -> set[str]:
+    return {p["metadata"]["name"] for p in pods}
+
+
+# -- 1 ----------------------------------------------------------------------------------------------------
+
+
+def test_apply_then_a_chat_completion_is_served_through_the_service(cp: ControlPlane) -> None:
+    cp.create("chat", replicas={"min": 1, "max": 1})
+    cp.wait_converged("chat", 1, 0)
+    base = cp.url("chat")
+    assert cp.status("chat")["endpoint"] == base, "status.endpoint should be the Service's published address"
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=30, max_retries=3)
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+    )
+    assert reply.choices[0].message.content is not None, "a chat completion with content"
+    assert reply.usage is not None and reply.usage.completion_tokens > 0, "completion tokens were generated"
+    (pod,) = cp.pods("chat", "active")
+    assert pod_counter(pod, "vllm:request_success_total") >= 1, "the active pod served the request"
+    cp.remove("chat")
+
+
+# -- 2 ----------------------------------------------------------------------------------------------------
+
+
+def test_a_load_spike_promotes_the_warm_pod_and_refills_the_pool(cp: ControlPlane) -> None:
+    cp.create(
+        "spike",
+        engine={"maxNumSeqs": 1},
+        replicas={"min": 1, "max": 2},
+        warmPool={"size": 1},
+        autoscaling={"intervalSeconds": 1, "queueDepthPerReplica": 1, "scaleDownStabilizationSeconds": 300},
+    )
+    cp.wait_converged("spike", 1, 1)
+    (first,) = cp.pods("spike", "active")
+    (warm,) = cp.pods("spike", "warm")
+    warm_name, warm_uid, warm_pid = warm["metadata"]["name"], warm["metadata"]["uid"], container_pid(warm)
+    assert warm_pid is not None and alive(warm_pid), "the warm pod's engine process runs"
+    assert pod_counter(warm, "vllm:request_success_total") == 0, "a warm pod gets no traffic"
+
+    t0 = time.monotonic()
+    with Load(cp.url("spike"), clients=4, max_tokens=64) as load:
+        wait_for(
+            lambda: warm_name in names(cp.pods("spike", "active")),
+            timeout=60,
+            what="the warm pod promoted to active under load",
+        )
+        promoted_after = elapsed_since(t0)
+        promoted = cp.pod(warm_name)
+        assert promoted is not None and promoted["metadata"]["uid"] == warm_uid, "the same pod, not a new one"
+        assert container_pid(promoted) == warm_pid and alive(warm_pid), "the same engine process"
+        assert container_status(promoted)["restartCount"] == 0, "the promoted engine was not restarted"
+
+        wait_for(
+            lambda: pod_counter(promoted, "vllm:request_success_total") > 0,
+            timeout=30,
+            what="the promoted pod serving requests (its vllm:request_success_total > 0)",
+        )
+        serving_after = elapsed_since(t0)
+        say(
+            f"\nspike -> warm pod promoted: {promoted_after} s; spike -> promoted pod serving: {serving_after} s"
+        )
+
+        new_warm = wait_for(
+            lambda: [
+                p
+                for p in cp.pods("spike", "warm")
+                if p["metadata"]["name"] not in {warm_name} | names([first])
+            ],
+            timeout=30,
+            what="a new warm pod created to refill the pool",
+        )
+        wait_for(
+            lambda: cp.shape("spike") == (2, 1) and cp.is_true("spike", "WarmPoolReady"),
+            timeout=90,
+            what=f"2 active + the refilled warm pod {new_warm[0]['metadata']['name']} Ready",
+        )
+        assert cp.status("spike")["desiredReplicas"] == 2
+        assert first["metadata"]["name"] in names(cp.pods("spike", "active")), "the first pod still active"
+    statuses = load.statuses()
+    assert statuses.get(200, 0) > 0 and set(statuses) == {200}, f"every request served, got {statuses}"
+    cp.remove("spike")
+
+
+# -- 3 ----------------------------------------------------------------------------------------------------
+
+
+def test_overload_sheds_with_retry_after_then_overflows_to_the_fallback(cp: ControlPlane) -> None:
+    shedding = {"maxQueueDepth": 1, "retryAfterSeconds": 2}
+    cp.create(
+        "busy",
+        engine={"maxNumSeqs": 1},
+        replicas={"min": 1, "max": 1},
+        loadShedding=shedding,
+        autoscaling={"intervalSeconds": 1},
+    )
+    cp.create("spare", engine={"maxNumSeqs": 4}, replicas={"min": 1, "max": 1})
+    cp.wait_converged("busy", 1, 0)
+    cp.wait_converged("spare", 1, 0)
+    base = cp.url("busy")
+
+    outcomes = burst(base, 6, max_tokens=128)
+    shed = [o for o in outcomes if o.status == 503]
+    assert shed, f"a 503 for requests beyond maxQueueDepth, got {[o.status for o in outcomes]}"
+    assert all(o.headers.get("retry-after") == "2" for o in shed), "each 503 carries Retry-After: 2"
+    assert all(json.loads(o.body)["error"]["code"] == "queue_full" for o in shed), "shed as queue_full"
+    assert any(o.status == 200 for o in outcomes), "requests within the limit are served"
+    assert not any(o.fallback for o in outcomes), "no fallback configured yet"
+
+    cp.patch_spec("busy", {"fallback": {"service": "spare"}})
+    spare_url = cp.url("spare")
+    wait_for(
+        lambda: spare_url in cp.api.get("v1", "ConfigMap", NAMESPACE, "busy-policy")["data"]["policy.yaml"],
+        what="the fallback's published address in busy's policy",
+    )
+
+    def overflow_served() -> list[Any]:
+        outcomes = burst(base, 6, max_tokens=128)
+        return (
+            outcomes if all(o.status == 200 for o in outcomes) and any(o.fallback for o in outcomes) else []
+        )
+
+    outcomes = wait_for(
+        overflow_served, timeout=30, what="a burst answered 200 throughout, overflow by the fallback"
+    )
+    served_by_fallback = sum(o.fallback for o in outcomes)
+    (spare_pod,) = cp.pods("spare", "active")
+    assert pod_counter(spare_pod, "vllm:request_success_total") >= served_by_fallback, "spare served them"
+
+    with Load(base, clients=4, max_tokens=128) as load:
+        wait_for(
+            lambda: len(load.outcomes) >= 8 and cp.is_true("busy", "FallbackActive"),
+            timeout=30,
+            what="busy's FallbackActive=True while it overflows",
+        )
+        assert "served by the fallback" in cp.condition("busy", "FallbackActive")["message"]
+    assert set(load.statuses()) == {200}, f"overflow served, not shed: {load.statuses()}"
+    assert cp.condition("spare", "FallbackActive").get("status") != "True", "spare has no fallback of its own"
+    cp.remove("busy", "spare")
+
+
+# -- 4 ----------------------------------------------------------------------------------------------------
+
+
+def test_a_killed_engine_is_restarted_and_a_request_in_flight_does_not_hang(cp: ControlPlane) -> None:
+    cp.create("crash", replicas={"min": 1, "max": 1})
+    cp.wait_converged("crash", 1, 0)
+    (pod,) = cp.pods("crash", "active")
+    pod_name, pid = pod["metadata"]["name"], container_pid(pod)
+    assert pid is not None and alive(pid), "the engine process runs"
+    base = cp.url("crash")
+
+    client_timeout = 30.0
+    first_chunk = threading.Event()
+    result: dict[str, Any] = {}
+
+    def in_flight() -> None:
+        t0 = time.monotonic()
+        try:
+            with (
+                fresh_client(client_timeout) as client,
+                client.stream(
+                    "POST",
+                    f"{base}/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": "hi",
+                        "max_tokens": 1800,
+                        "ignore_eos": True,
+                        "stream": True,
+                    },
+                ) as r,
+            ):
+                for _ in r.iter_lines():
+                    first_chunk.set()
+                result["outcome"] = f"completed with status {r.status_code}"
+        except httpx.HTTPError as e:
+            result["outcome"] = f"error {type(e).__name__}: {e}"
+        finally:
+            result["seconds"] = time.monotonic() - t0
+            first_chunk.set()
+
+    thread = threading.Thread(target=in_flight, daemon=True)
+    thread.start()
+    assert first_chunk.wait(client_timeout), "the streamed request started"
+    assert thread.is_alive(), f"the request is still in flight at the kill, got {result}"
+
+    stalled_seen: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def watch_stalled() -> None:
+        while not stop.wait(0.05):
+            c = cp.condition("crash", "Stalled")
+            if c.get("status") == "True":
+                stalled_seen.append(c)
+
+    watcher = threading.Thread(target=watch_stalled, daemon=True)
+    watcher.start()
+    try:
+        os.kill(pid, signal.SIGKILL)
+        thread.join(client_timeout + 5)
+        assert not thread.is_alive(), (
+            f"the in-flight request returned within its {client_timeout:g} s timeout"
+        )
+        say(f"\nin-flight request at the kill: {result['outcome']} after {result['seconds']:.1f} s")
+        assert result["seconds"] < client_timeout, f"it returned before the client timeout: {result}"
+
+        def recovered() -> bool:
+            pods = cp.pods("crash", "active")
+            if len(pods) != 1 or not ready(pods[0]):
+                return False
+            p = pods[0]
+            restarted = p["metadata"]["name"] == pod_name and container_status(p)["restartCount"] >= 1
+            replaced = p["metadata"]["name"] != pod_name
+            new_pid = container_pid(p)
+            return (restarted or replaced) and new_pid not in (None, pid) and cp.converged("crash", 1, 0)
+
+        wait_for(
+            recovered, timeout=90, what="the engine restarted (or the pod replaced) and Ready=True again"
+        )
+    finally:
+        stop.set()
+        watcher.join()
+    assert not alive(pid), "the killed process is gone"
+    with fresh_client(30) as client:
+        reply = wait_for(
+            lambda: client.post(
+                f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4}
+            ),
+            timeout=30,
+            what="a request served after the recovery",
+        )
+    assert reply.status_code == 200, reply.text
+    assert cp.condition("crash", "Stalled").get("status") == "False", "Stalled=False once recovered"
+    if stalled_seen:
+        say(f"Stalled=True was reported while the engine restarted: {stalled_seen[0]}")
+    cp.remove("crash")
+
+
+# -- 6 ----------------------------------------------------------------------------------------------------
+
+
+def test_a_policy_change_applies_live_and_an_engine_change_rolls_without_dropping_capacity(
+    cp: ControlPlane,
+) -> None:
+    cp.create(
+        "tune",
+        engine={"maxNumSeqs": 1},
+        replicas={"min": 1, "max": 1},
+        loadShedding={"maxQueueDepth": 50},
+    )
+    cp.wait_converged("tune", 1, 0)
+    (pod,) = cp.pods("tune", "active")
+    pod_name, pid = pod["metadata"]["name"], container_pid(pod)
+    base = cp.url("tune")
+    assert "maxQueueDepth: 50" in cp.policy_file(pod_name), "the kubelet materialised the policy file"
+    outcomes = burst(base, 5, max_tokens=128)
+    assert all(o.status == 200 for o in outcomes), (
+        f"no shedding below 50 queued: {[o.status for o in outcomes]}"
+    )
+
+    cp.patch_spec("tune", {"loadShedding": {"maxQueueDepth": 1}})
+    wait_for(
+        lambda: "maxQueueDepth: 1\n" in cp.policy_file(pod_name),
+        what="the new limit in the running pod's policy file",
+    )
+
+    def sheds() -> bool:
+        return any(o.status == 503 for o in burst(base, 5, max_tokens=128))
+
+    wait_for(sheds, timeout=30, what="the running engine shedding at the new maxQueueDepth 1")
+    assert "took effect" in cp.engine_log(pod_name), "the engine logged the policy reload"
+    (same,) = cp.pods("tune")
+    assert same["metadata"]["name"] == pod_name, "no new pod for a policy change"
+    assert container_pid(same) == pid and container_status(same)["restartCount"] == 0, "no engine restart"
+
+    old_hash = same["metadata"]["labels"][HASH_LABEL]
+    lowest = [1]
+    stop = threading.Event()
+
+    def watch_capacity() -> None:
+        while not stop.wait(0.02):
+            lowest[0] = min(lowest[0], cp.shape("tune")[0])
+
+    watcher = threading.Thread(target=watch_capacity, daemon=True)
+    watcher.start()
+    try:
+        with Load(base, clients=1, max_tokens=16) as load:
+            cp.patch_spec("tune", {"engine": {"maxNumSeqs": 2}})
+            wait_for(
+                lambda: cp.converged("tune", 1, 0) and pod_name not in names(cp.pods("tune", deleting=True)),
+                timeout=90,
+                what="the pod replaced by one with the new engine settings",
+            )
+    finally:
+        stop.set()
+        watcher.join()
+    assert lowest[0] >= 1, "Ready active pods stayed at replicas.min (1) or more throughout the roll"
+    (new,) = cp.pods("tune")
+    assert new["metadata"]["labels"][HASH_LABEL] != old_hash, "a new template hash"
+    assert "--max-num-seqs=2" in new["spec"]["containers"][0]["args"]
+    assert not alive(pid), "the old engine process is gone"
+    assert set(load.statuses()) == {200}, f"every request during the roll served, got {load.statuses()}"
+    cp.remove("tune")
+
+
+# -- 7 ----------------------------------------------------------------------------------------------------
+
+
+def test_delete_garbage_collects_every_child_and_stops_the_engines(cp: ControlPlane) -> None:
+    cp.create("gone", replicas={"min": 1, "max": 1}, warmPool={"size": 1})
+    cp.wait_converged("gone", 1, 1)
+    pids = cp.engine_pids("gone")
+    assert len(pids) == 2 and all(alive(p) for p in pids), "two engine processes run"
+    assert cp.api.get("v1", "ConfigMap", NAMESPACE, "gone-policy") is not None
+    assert cp.proxy.address(NAMESPACE, "gone") is not None
+
+    cp.delete("gone")
+    wait_for(lambda: cp.eis("gone") is None, timeout=30, what="the InferenceService gone")
+    wait_for(
+        lambda: (
+            not cp.pods("gone", deleting=True)
+            and cp.api.get("v1", "Service", NAMESPACE, "gone") is None
+            and cp.api.get("v1", "ConfigMap", NAMESPACE, "gone-policy") is None
+        ),
+        timeout=60,
+        what="pods, Service and ConfigMap garbage-collected",
+    )
+    wait_for(lambda: not any(alive(p) for p in pids), timeout=30, what=f"engine processes {pids} gone")
+    wait_for(lambda: cp.proxy.address(NAMESPACE, "gone") is None, what="the Service's listener closed")
+
+
+# -- 8 ----------------------------------------------------------------------------------------------------
+
+
+def test_kubectl_apply_get_describe_delete_the_local_example(cp: ControlPlane, tmp_path: Path) -> None:
+    if not (Path(KUBECTL).is_file() and os.access(KUBECTL, os.X_OK)):
+        pytest.fail(
+            f"kubectl is required at {KUBECTL} for this scenario (Debian: apt-get install kubernetes-client)"
+        )
+    example = REPO / "examples" / "local.yaml"
+
+    def kubectl(*args: str) -> str:
+        out = subprocess.run(
+            [KUBECTL, "--kubeconfig", str(cp.kubeconfig), "--cache-dir", str(tmp_path / "kc"), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, f"kubectl {' '.join(args)} should succeed: {out.stderr}"
+        return out.stdout
+
+    assert "created" in kubectl("apply", "-f", str(example))
+
+    def conditions() -> dict[str, str]:
+        obj = json.loads(kubectl("get", "eis", "tiny", "-o", "json"))
+        return {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions", [])}
+
+    wait_for(
+        lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
+        timeout=90,
+        what="kubectl get eis tiny: Ready=True and WarmPoolReady=True",
+    )
+    table = kubectl("get", "inferenceservices")
+    assert "tiny" in table and "READY" in table, f"the printer columns list tiny: {table}"
+    described = kubectl("describe", "eis", "tiny")
+    for text in ("Name:         tiny", "Ready", "WarmPoolReady", "Endpoint:"):
+        assert text in described, f"kubectl describe shows {text!r}: {described}"
+    assert "unchanged" in kubectl("apply", "-f", str(example)), "a second apply changes nothing"
+
+    endpoint = json.loads(kubectl("get", "eis", "tiny", "-o", "json"))["status"]["endpoint"]
+    with fresh_client(30) as client:
+        reply = client.post(
+            f"{endpoint}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4}
+        )
+    assert reply.status_code == 200, reply.text
+
+    pids = cp.engine_pids("tiny")
+    assert "deleted" in kubectl("delete", "-f", str(example))
+    wait_for(
+        lambda: (
+            not json.loads(kubectl("get", "pods", "-l", "app.kubernetes.io/instance=tiny", "-o", "json"))[
+                "items"
+            ]
+        ),
+        timeout=60,
+        what="kubectl get pods: the example's pods gone",
+    )
+    out = subprocess.run(
+        [
+            KUBECTL,
+            "--kubeconfig",
+            str(cp.kubeconfig),
+            "--cache-dir",
+            str(tmp_path / "kc"),
+            "get",
+            "eis",
+            "tiny",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "NotFound" in out.stderr, f"the InferenceService gone: {out.stderr}"
+    wait_for(lambda: not any(alive(p) for p in pids), timeout=30, what="the example's engine processes gone")
+
+
+# -- 5 (last: it restarts the operator) -------------------------------------------------------------------
+
+
+def test_an_operator_restarted_mid_scale_up_converges_to_the_same_state(cp: ControlPlane) -> None:
+    cp.create(
+        "restart",
+        engine={"maxNumSeqs": 1},
+        replicas={"min": 1, "max": 2},
+        autoscaling={"intervalSeconds": 1, "queueDepthPerReplica": 1, "scaleDownStabilizationSeconds": 300},
+    )
+    cp.wait_converged("restart", 1, 0)
+    (first,) = cp.pods("restart", "active")
+
+    most = [0]
+    stop = threading.Event()
+
+    def watch_pods() -> None:
+        while not stop.wait(0.02):
+            most[0] = max(most[0], len(cp.pods("restart", deleting=True)))
+
+    watcher = threading.Thread(target=watch_pods, daemon=True)
+    watcher.start()
+    try:
+        with Load(cp.url("restart"), clients=4, max_tokens=64):
+            wait_for(
+                lambda: cp.status("restart").get("desiredReplicas") == 2 and len(cp.pods("restart")) == 2,
+                timeout=60,
+                what="a scale-up to 2 decided and its pod created",
+            )
+            cp.operator.stop()
+        starting = [p for p in cp.pods("restart") if p["metadata"]["name"] != first["metadata"]["name"]]
+        say(
+            "\nthe operator was stopped while the new pod was "
+            + ("starting" if not all(ready(p) for p in starting) else "already Ready")
+        )
+        before = names(cp.pods("restart"))
+        cp.operator.start()
+
+        def settled() -> str:
+            # The load has stopped: only the restored target (and the 300 s scale-down window it was decided
+            # in) keeps 2 replicas. Stop waiting as soon as the new operator gives that up.
+            if cp.status("restart").get("desiredReplicas") != 2:
+                return "desiredReplicas changed"
+            return "converged" if cp.converged("restart", 2, 0) else ""
+
+        outcome = wait_for(settled, timeout=90, what="2 active pods Ready after the restart")
+        assert outcome == "converged", (
+            "the new operator keeps desiredReplicas 2 from status through the scale-down stabilisation "
+            f"window (300 s) and finishes the scale-up; now: {cp.describe('restart')}"
+        )
+        assert names(cp.pods("restart")) == before, "the same pods: none replaced, none added"
+        assert most[0] == 2, f"never more than 2 pods (no duplicates), saw {most[0]}"
+    finally:
+        stop.set()
+        watcher.join()
+    cp.remove("restart")
