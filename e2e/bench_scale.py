@@ -2,17 +2,18 @@
 
 Both runs use the local control plane (API server, process kubelet, service proxy, the operator) and real
 engine processes on one test checkpoint. Each run applies an InferenceService with one active pod (and,
-for the warm run, one warm pod), waits until it is settled, then starts a closed-loop load through the
-Service that keeps more requests waiting than one engine runs. The clock starts with the load and stops
-when a second engine pod serves: its own /metrics shows a request running or finished. The autoscaler's
-interval is part of both times, so the ratio compares what follows its decision: a relabel, or a process
-start, model load and warm-up.
+for the warm run, one warm pod), waits until it is settled, then starts an open-loop load through the
+Service: arrivals at a fixed rate, more than one engine serves, each on a new connection. The clock starts
+with the load and stops when a second engine pod serves: its own /metrics shows a request running or
+finished. The autoscaler's interval is part of both times, so the ratio compares what follows its
+decision: a relabel, or a process start, model load and warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -31,7 +32,7 @@ def _resource(name: str, warm: int, interval: int) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "model": {"name": name, "source": "/models/bench", "volumeClaim": "model-weights"},
-            # One running sequence per engine: a handful of clients is already a queue.
+            # One running sequence per engine: a modest arrival rate is already a queue.
             "engine": {"maxNumSeqs": 1, "maxNumBatchedTokens": 256},
             "resources": {"gpus": 0},
             "replicas": {"min": 1, "max": 2},
@@ -79,34 +80,36 @@ async def _served(client: Any, pod_ip: str) -> bool:
     )
 
 
-async def _load(base: str, model: str, stop: asyncio.Event, clients: int, max_tokens: int) -> list[int]:
-    """Closed-loop clients sending chat requests through the Service until `stop`; returns status codes."""
+async def _load(base: str, model: str, stop: asyncio.Event, rate: float, max_tokens: int) -> dict[str, int]:
+    """Open-loop arrivals through the Service, `rate` requests per second, until `stop`.
+
+    Each request is a new connection, as from independent clients: the Service balances connections, and
+    kept-alive ones would stay pinned to the first engine. Returns the statuses of the requests that ended
+    before `stop` ("0" for a transport error); the rest are cancelled then.
+    """
     import httpx
 
     codes: list[int] = []
-    # A connection per request, as from many independent clients: the Service balances connections, and
-    # kept-alive ones would stay pinned to the first engine.
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+    tasks: set[asyncio.Task[None]] = set()
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as client:
 
         async def one() -> None:
-            while not stop.is_set():
-                try:
-                    r = await client.post(
-                        f"{base}/v1/completions",
-                        json={
-                            "model": model,
-                            "prompt": "def f(x):",
-                            "max_tokens": max_tokens,
-                            "ignore_eos": True,
-                        },
-                    )
-                    codes.append(r.status_code)
-                except httpx.HTTPError:
-                    codes.append(0)
-                    await asyncio.sleep(0.05)
+            body = {"model": model, "prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True}
+            try:
+                codes.append((await client.post(f"{base}/v1/completions", json=body)).status_code)
+            except httpx.HTTPError:
+                codes.append(0)
 
-        await asyncio.gather(*(one() for _ in range(clients)))
-    return codes
+        while not stop.is_set():
+            task = asyncio.create_task(one())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0 / rate)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return {str(c): codes.count(c) for c in sorted(set(codes))}
 
 
 async def _run_one(cluster: Any, name: str, warm: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -145,7 +148,7 @@ async def _run_one(cluster: Any, name: str, warm: int, args: argparse.Namespace)
 
     stop = asyncio.Event()
     start = time.monotonic()
-    load = asyncio.create_task(_load(base, name, stop, args.clients, args.max_tokens))
+    load = asyncio.create_task(_load(base, name, stop, args.rate, args.max_tokens))
     promoted_at = decided_at = None
     async with httpx.AsyncClient() as client:
         while True:
@@ -168,7 +171,7 @@ async def _run_one(cluster: Any, name: str, warm: int, args: argparse.Namespace)
                 break
             await asyncio.sleep(0.02)
     stop.set()
-    codes = await load
+    statuses = await load
     obj = api.get(GROUP_VERSION, "InferenceService", "default", name) or {}
     api.delete(GROUP_VERSION, "InferenceService", "default", name)
     await _wait(
@@ -181,8 +184,8 @@ async def _run_one(cluster: Any, name: str, warm: int, args: argparse.Namespace)
         "spike_to_serving_seconds": round(seconds, 3),
         "spike_to_decision_seconds": None if decided_at is None else round(decided_at, 3),
         "spike_to_second_active_ready_seconds": None if promoted_at is None else round(promoted_at, 3),
-        "requests": len(codes),
-        "request_statuses": {str(c): codes.count(c) for c in sorted(set(codes))},
+        "requests_finished": sum(statuses.values()),
+        "request_statuses": statuses,
         "cold_start_seconds": (obj.get("status") or {}).get("coldStartSeconds"),
     }
 
@@ -206,7 +209,7 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         "checkpoint": args.size,
         "autoscaling_interval_seconds": args.interval,
         "operator_tick_seconds": args.tick,
-        "clients": args.clients,
+        "arrivals_per_second": args.rate,
         "warm_median_seconds": round(warm_s, 3),
         "cold_median_seconds": round(cold_s, 3),
         "cold_over_warm": round(cold_s / warm_s, 2),
@@ -227,7 +230,7 @@ def main(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", choices=["tiny", "small"], default="tiny", help="test checkpoint (default tiny)")
     p.add_argument("--repeats", type=int, default=3, help="warm and cold runs each (default 3)")
-    p.add_argument("--clients", type=int, default=6, help="concurrent clients in the spike (default 6)")
+    p.add_argument("--rate", type=float, default=20.0, help="arrivals per second in the spike (default 20)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--interval", type=int, default=1, help="autoscaling.intervalSeconds (default 1)")
     p.add_argument("--tick", type=float, default=0.25, help="operator reconcile tick (default 0.25 s)")
