@@ -34,7 +34,7 @@ from ember_operator.desired import (
     service_endpoint,
     template_hash,
 )
-from ember_operator.kube import Kube, new_api_client
+from ember_operator.kube import Kube, load_balancer_address, new_api_client
 from ember_operator.pods import Trouble, cold_start_seconds, metrics_url, trouble, view
 from ember_operator.rollout import PodPlan, PodView, plan_pods
 from ember_operator.scrape import PodSample, scrape_pods
@@ -159,7 +159,7 @@ class Reconciler:
         troubles: list[Trouble] = []
         fallback_url = await self._fallback_url(kube, spec, owner, troubles)
         await asyncio.to_thread(kube.ensure, desired_policy_configmap(owner, spec, fallback_url), ("data",))
-        await asyncio.to_thread(kube.ensure, desired_service(owner), ("spec",))
+        service = await asyncio.to_thread(kube.ensure, desired_service(owner), ("spec",))
 
         listed = await asyncio.to_thread(kube.list_pods, namespace, selector_string(instance_labels(name)))
         pods = [p for p in listed if _owned_by(p, owner.uid)]
@@ -194,7 +194,7 @@ class Reconciler:
         patch.status.update(assessment.counts())
         patch.status["observedGeneration"] = generation
         patch.status["selector"] = selector_string(active_selector(name))
-        published = await asyncio.to_thread(kube.load_balancer_address, namespace, name)
+        published = load_balancer_address(service)
         patch.status["endpoint"] = (
             f"http://{published}"
             if published

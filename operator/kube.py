@@ -35,6 +35,17 @@ def _json(response: Any) -> Obj:
     return json.loads(response.data)
 
 
+def load_balancer_address(service: Obj) -> str | None:
+    """`host:port` from a Service's status.loadBalancer, when something outside the cluster published one."""
+    service_ports = [p["port"] for p in (service.get("spec") or {}).get("ports") or []]
+    for ingress in ((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []:
+        host = ingress.get("ip") or ingress.get("hostname")
+        ports = [p["port"] for p in ingress.get("ports") or [] if "port" in p] or service_ports
+        if host and ports:
+            return f"{host}:{ports[0]}"
+    return None
+
+
 def is_not_found(e: ApiException) -> bool:
     return e.status == 404
 
@@ -93,28 +104,11 @@ class Kube:
                 return None
             raise
 
-    def load_balancer_address(self, namespace: str, name: str) -> str | None:
-        """`host:port` from a Service's status.loadBalancer, when something outside the cluster published one."""
-        try:
-            svc = _json(self.core.read_namespaced_service(name, namespace, _preload_content=False))
-        except ApiException as e:
-            if is_not_found(e):
-                return None
-            raise
-        for ingress in ((svc.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []:
-            host = ingress.get("ip") or ingress.get("hostname")
-            ports = [p["port"] for p in ingress.get("ports") or [] if "port" in p]
-            service_ports = [p["port"] for p in (svc.get("spec") or {}).get("ports") or []]
-            port = ports[0] if ports else (service_ports[0] if service_ports else None)
-            if host and port:
-                return f"{host}:{port}"
-        return None
-
-    def ensure(self, desired: Obj, fields: tuple[str, ...]) -> str | None:
-        """Create `desired` (a Service or ConfigMap), or put back the `fields` of it that someone changed.
+    def ensure(self, desired: Obj, fields: tuple[str, ...]) -> Obj:
+        """Create `desired` (a Service or ConfigMap), or put back the `fields` of it that someone changed;
+        returns the object as the API server holds it now.
 
         Replaces rather than patches: a patch would merge, keeping a selector key or a port someone added.
-        Returns what was done ("created", "repaired") or None when nothing needed doing.
         """
         kind, meta = desired["kind"], desired["metadata"]
         apis: dict[str, tuple[Any, Any, Any]] = {
@@ -135,13 +129,12 @@ class Kube:
         except ApiException as e:
             if not is_not_found(e):
                 raise
-            create(meta["namespace"], desired, _preload_content=False)
-            return "created"
+            return _json(create(meta["namespace"], desired, _preload_content=False))
         owned = covers(meta["labels"], actual["metadata"].get("labels") or {}) and covers(
             meta["ownerReferences"], actual["metadata"].get("ownerReferences")
         )
         if owned and all(covers(desired[f], actual.get(f)) for f in fields):
-            return None
+            return actual
         body = dict(actual)
         body["metadata"] = {
             **actual["metadata"],
@@ -153,7 +146,5 @@ class Kube:
                 body[f] = {**actual[f], **desired[f]}  # keep what the server assigned (clusterIP, ...)
             else:
                 body[f] = desired[f]
-        replace(
-            meta["name"], meta["namespace"], body, _preload_content=False
-        )  # carries resourceVersion: a race gives 409
-        return "repaired"
+        # The body carries the resourceVersion read above: a concurrent change gives 409 and a retry.
+        return _json(replace(meta["name"], meta["namespace"], body, _preload_content=False))
