@@ -75,6 +75,7 @@ class DevCluster:
     def _run_operator(self) -> None:
         import kopf
 
+        from ember_operator import main as operator_main
         from ember_operator.handlers import Settings, register
 
         registry = kopf.OperatorRegistry()
@@ -85,10 +86,11 @@ class DevCluster:
         def login(**_: object) -> kopf.ConnectionInfo:
             return kopf.ConnectionInfo(server=url, insecure=True, default_namespace="default")
 
-        settings = kopf.OperatorSettings()
-        settings.peering.standalone = True
-        settings.background.cancellation_polling = 0.5
-        settings.persistence.finalizer = "ember.dev/operator"
+        parser = argparse.ArgumentParser()
+        operator_main.add_arguments(parser)
+        settings = operator_main.operator_settings(
+            parser.parse_args(["--standalone", "--tick", str(self.tick)])
+        )
         try:
             asyncio.run(
                 kopf.operator(
