@@ -80,10 +80,6 @@ async def run(args: argparse.Namespace) -> None:
     # in-cluster or kubeconfig settings) has to be added explicitly.
     kopf.on.login(registry=registry)(kopf.login_via_client)
 
-    @kopf.on.probe(id="reconciler", registry=registry)
-    def alive(**_: object) -> str:
-        return "ok"
-
     settings = operator_settings(args)
     await kopf.operator(
         registry=registry,
