@@ -514,6 +514,8 @@ import kubernetes
 
 GROUP, VERSION, PLURAL = "ember.dev", "v1alpha1", "inferenceservices"
 
+kopf.on.login()(kopf.login_via_client)
+
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 def create_fn(body, name, namespace, patch, **_):
@@ -542,7 +544,11 @@ def delete_fn(name, logger, **_):
 
 @pytest.mark.parametrize("initial_streaming", [False, True], ids=["list-then-watch", "initial-streaming"])
 def test_kopf_operator_lifecycle(
-    server: APIServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, initial_streaming: bool
+    server: APIServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    initial_streaming: bool,
 ) -> None:
     server.install_crd(CRD)
     kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
@@ -567,7 +573,11 @@ def test_kopf_operator_lifecycle(
         return get(name).get("status") or {}
 
     args = ["run", "--standalone", "--verbose", "--namespace", "default", str(operator)]
-    with KopfRunner(args, settings=settings, timeout=60) as runner:
+    # A registry of the test's own: `kopf run` makes it the process-wide default and loads the script's
+    # handlers into it; left in kopf's shared one, they would run in every later test's operator.
+    previous = kopf.get_default_registry()
+    request.addfinalizer(lambda: kopf.set_default_registry(previous))
+    with KopfRunner(args, registry=kopf.OperatorRegistry(), settings=settings, timeout=60) as runner:
         uid = server.create(eis("a"))["metadata"]["uid"]
         wait_for(lambda: status("a").get("observedGeneration") == 1, what="the create handler's status")
         assert "kopf.zalando.org/KopfFinalizerMarker" in get("a")["metadata"]["finalizers"]

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import kopf
 import kubernetes
 import pytest
 from kopf.testing import KopfRunner
@@ -24,6 +25,7 @@ OPERATOR_FILE = f"""
 import kopf
 from ember_operator.handlers import Settings, register
 
+kopf.on.login()(kopf.login_via_client)
 register(kopf.get_default_registry(), Settings(tick={TICK}, cluster_domain="cluster.local", scrape_timeout=1.0))
 """
 
@@ -46,8 +48,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[APIServe
         args = parser.parse_args(["--tick", str(TICK)])
         settings = operator_main.operator_settings(args)
         settings.watching.server_timeout = 10
+        # A registry of its own (`kopf run` makes it the process-wide default while the script loads):
+        # handlers other tests' operators registered must not run here, nor these in theirs.
+        previous = kopf.get_default_registry()
         with KopfRunner(
-            ["run", "--standalone", "--namespace", NAMESPACE, str(script)], settings=settings, timeout=30
+            ["run", "--standalone", "--namespace", NAMESPACE, str(script)],
+            registry=kopf.OperatorRegistry(),
+            settings=settings,
+            timeout=30,
         ) as kopf_runner:
             custom = kubernetes.client.CustomObjectsApi(
                 kubernetes.config.new_client_from_config(str(kubeconfig))
@@ -56,6 +64,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[APIServe
                 yield api, runner, custom
             finally:
                 runner.stop()
+        kopf.set_default_registry(previous)
         mp.undo()
     assert kopf_runner.exception is None, kopf_runner.output[-3000:]
 
