@@ -99,14 +99,21 @@ def store_kv_reference(
     v_cache[blocks, offsets] = value[rows].to(v_cache.dtype)
 
 
+# Sequences with at most this many query rows (decodes, and decodes with speculative tokens) attend as one
+# padded batch; longer chunks (prefills) attend one sequence at a time.
+SHORT_QUERY = 17
+
+
 @dataclass(slots=True)
 class GatherPlan:
     """Where each sequence's keys sit in the cache (flat slot numbers), for one batch layout."""
 
-    decode_rows: Tensor | None  # [Bd] query rows of the single-token sequences
-    decode_slots: Tensor | None  # [Bd, L] slot of each key position; past its length, its first slot
-    decode_mask: Tensor | None  # [Bd, 1, 1, L] True where a key is attended
-    # per multi-token sequence: (first query row, end row, slots [seq_len], causal mask [q_len, seq_len]
+    # The short-query sequences, padded to Q query rows and L keys:
+    short_rows: Tensor | None  # [B, Q] query row of each (padded: the sequence's last real row)
+    short_valid: Tensor | None  # [B, Q] True for real query rows
+    short_slots: Tensor | None  # [B, L] slot of each key position; past its length, its first slot
+    short_mask: Tensor | None  # [B, 1, Q, L] True where a key is attended (causal within the sequence)
+    # per longer sequence: (first query row, end row, slots [seq_len], causal mask [q_len, seq_len]
     # or None when the chunk is the whole sequence and plain causal attention applies)
     prefills: list[tuple[int, int, Tensor, Tensor | None]]
 
@@ -119,31 +126,37 @@ def plan_gather(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [end - start for start, end in itertools.pairwise(starts)]
-    decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
-    rows = slots = mask = None
-    if decodes:
-        idx = torch.tensor(decodes, device=dev)
-        positions = torch.arange(max(lens[i] for i in decodes), device=dev)
-        pad = positions[None, :] >= seq_lens[idx][:, None]
+    short = [i for i, q_len in enumerate(q_lens) if q_len <= SHORT_QUERY]
+    rows = valid = slots = mask = None
+    if short:
+        idx = torch.tensor(short, device=dev)
+        q_len = torch.tensor([q_lens[i] for i in short], device=dev)
+        seq_len = seq_lens[idx].long()
+        queries = torch.arange(max(q_lens[i] for i in short), device=dev)
+        positions = torch.arange(max(lens[i] for i in short), device=dev)
+        rows = query_start_loc[idx].long()[:, None] + torch.minimum(queries[None, :], q_len[:, None] - 1)
+        valid = queries[None, :] < q_len[:, None]
+        query_pos = (seq_len - q_len)[:, None] + queries[None, :]  # [B, Q]
+        pad = positions[None, :] >= seq_len[:, None]
         # Table entries past a sequence's used blocks may hold anything: never follow them.
-        blocks = block_tables[idx].gather(1, (positions // block_size).expand(len(decodes), -1)).long()
+        blocks = block_tables[idx].gather(1, (positions // block_size).expand(len(short), -1)).long()
         slots = blocks * block_size + positions % block_size
         # Padding reads the sequence's own first key (masked out): never another request's slots, so a
         # bad value elsewhere in the cache cannot leak in through a zero weight.
         slots = torch.where(pad, slots[:, :1], slots)
-        mask = ~pad[:, None, None, :]
-        rows = query_start_loc[idx].long()
+        mask = (positions[None, None, :] <= query_pos[:, :, None]) & ~pad[:, None, :]
+        mask = mask[:, None]
     prefills = []
-    for i, q_len in enumerate(q_lens):
-        if q_len == 1:
+    for i, q_len_i in enumerate(q_lens):
+        if q_len_i <= SHORT_QUERY:
             continue
         positions = torch.arange(lens[i], device=dev)
         seq_slots = block_tables[i, positions // block_size].long() * block_size + positions % block_size
         causal = None
-        if q_len < lens[i]:  # a chunk after a cached prefix or earlier chunks: causal from its offset
-            causal = positions[None, :] <= torch.arange(lens[i] - q_len, lens[i], device=dev)[:, None]
+        if q_len_i < lens[i]:  # a chunk after a cached prefix or earlier chunks: causal from its offset
+            causal = positions[None, :] <= torch.arange(lens[i] - q_len_i, lens[i], device=dev)[:, None]
         prefills.append((starts[i], starts[i + 1], seq_slots, causal))
-    return GatherPlan(rows, slots, mask, prefills)
+    return GatherPlan(rows, valid, slots, mask, prefills)
 
 
 def _gather(cache: Tensor, slots: Tensor) -> Tensor:
@@ -168,14 +181,14 @@ def paged_attention_reference(
     if plan is None:
         plan = plan_gather(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
-    if plan.decode_rows is not None and plan.decode_slots is not None:
-        # One padded batch for all single-token rows: per-sequence kernels would dominate decode steps.
-        rows = plan.decode_rows
-        k = _gather(k_cache, plan.decode_slots).transpose(1, 2)
-        v = _gather(v_cache, plan.decode_slots).transpose(1, 2)
-        qd = q[rows].float().unsqueeze(2)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
-        out[rows] = o.squeeze(2).to(q.dtype)
+    if plan.short_rows is not None and plan.short_slots is not None and plan.short_valid is not None:
+        # One padded batch for all short queries: per-sequence kernels would dominate decode steps.
+        rows, valid = plan.short_rows, plan.short_valid
+        k = _gather(k_cache, plan.short_slots).transpose(1, 2)  # [B, Hk, L, D]
+        v = _gather(v_cache, plan.short_slots).transpose(1, 2)
+        qs = q[rows].float().transpose(1, 2)  # [B, H, Q, D]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=plan.short_mask, scale=scale, enable_gqa=True)
+        out[rows[valid]] = o.transpose(1, 2)[valid].to(q.dtype)
     for start, end, slots, causal in plan.prefills:
         k = _gather(k_cache, slots).transpose(0, 1)
         v = _gather(v_cache, slots).transpose(0, 1)

@@ -165,6 +165,18 @@ class BlockManager:
         request.block_ids.clear()
         request.num_cached_blocks = 0
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks beyond the first `num_tokens` positions: slots reserved for speculative
+        tokens that were rejected. Such blocks were never shared or registered, so they go to the front
+        of the free queue, to be reused before any block that still holds a cached prefix."""
+        keep = self.blocks_needed(num_tokens)
+        while len(request.block_ids) > keep:
+            block = self.blocks[request.block_ids.pop()]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None, "a lookahead block was shared"
+            self.free_queue[block.block_id] = None
+            self.free_queue.move_to_end(block.block_id, last=False)
+
     def reset_prefix_cache(self) -> None:
         for h, block in list(self.cached.items()):
             if block.ref_count == 0:

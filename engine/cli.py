@@ -22,6 +22,31 @@ def _make_test_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_spec_pair(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from ember_engine import spec_pair
+
+    out = Path(args.dir) if args.dir else spec_pair.PACKAGED_DIR
+    try:
+        target, draft = spec_pair.make_spec_pair(out, force=args.force, log=print)
+    except FileExistsError as exc:
+        print(f"ember make-spec-pair: {exc}", file=sys.stderr)
+        return 1
+    r = json.loads((out / "training.json").read_text())
+    for name, path in (("target", target), ("draft", draft)):
+        m = r[name]
+        print(
+            f"{name}: {path} ({m['size']['num_hidden_layers']} layers, {m['parameters']:,} parameters, "
+            f"{m['bytes'] / 1e6:.1f} MB) train loss {m['train_loss']:.3f}, held-out loss {m['held_out_loss']:.3f}"
+        )
+    print(f"held-out top-1 agreement (draft == target): {r['held_out_agreement']:.3f}")
+    total = (r["target"]["bytes"] + r["draft"]["bytes"]) / 1e6
+    print(f"total {total:.1f} MB on disk; trained in {r['wall_seconds']:.0f} s")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ember_engine import demo
 
@@ -44,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
     p.set_defaults(func=_make_test_model)
 
+    p = sub.add_parser(
+        "make-spec-pair", help="train a small target/draft Llama pair for speculative decoding"
+    )
+    p.add_argument("dir", nargs="?", help="output directory (default: the pair packaged with ember)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing pair")
+    p.set_defaults(func=_make_spec_pair)
+
     from ember_engine import serve  # argparse only at import time
 
     p = sub.add_parser("serve", help="serve a model over the OpenAI API")
@@ -64,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(p)
     p.set_defaults(func=bench_serve.main)
 
+    from ember_engine import bench_spec
+
+    p = bench_sub.add_parser("spec", help="speculative decoding (draft, n-gram) against plain decoding")
+    bench_spec.add_arguments(p)
+    p.set_defaults(func=bench_spec.main)
+
     from ember_e2e import bench_scale
 
     p = bench_sub.add_parser("scale", help="load spike to added capacity serving: warm pool vs cold start")
@@ -83,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     devcluster.add_arguments(p)
 
-    p = sub.add_parser("demo", help="generate from a test checkpoint built on the spot")
-    p.add_argument("--dir", help="checkpoint directory (default: a per-user cache)")
+    p = sub.add_parser(
+        "demo", help="serve the packaged model pair with speculative decoding and stream from it"
+    )
+    p.add_argument("--dir", help="serve this checkpoint instead (a tiny test model is built there if empty)")
     p.set_defaults(func=_demo)
     return parser
 

@@ -21,6 +21,20 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     enforce_eager: bool = False  # GPU: skip CUDA graphs
     seed: int = 0
+    # Speculative decoding: "draft" (a smaller model with the same tokenizer) or "ngram" (prompt lookup).
+    speculative_method: str | None = None  # default: "draft" when draft_model is given, else off
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4  # K, the most tokens proposed per request per step
+    ngram_min: int = 2  # n-gram lookup: the shortest and longest suffix matched
+    ngram_max: int = 4
+    speculative_adaptive: bool = True  # turn speculation off (or K down) where it does not pay
+
+    @property
+    def speculation(self) -> str | None:
+        """The proposer in use, or None when speculative decoding is off."""
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return "draft" if self.draft_model is not None else None
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -40,3 +54,13 @@ class EngineConfig:
             bad("kv_cache_memory", f"must be >= 1 byte, got {self.kv_cache_memory}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             bad("scheduling_policy", f"unknown {self.scheduling_policy!r}; choose fcfs or priority")
+        if self.speculative_method not in (None, "draft", "ngram"):
+            bad("speculative_method", f"unknown {self.speculative_method!r}; choose draft or ngram")
+        if self.speculation == "draft" and self.draft_model is None:
+            bad("draft_model", "is required when speculative_method is draft")
+        if self.speculation == "ngram" and self.draft_model is not None:
+            bad("draft_model", "is only used with speculative_method draft, not ngram")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            bad("ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")

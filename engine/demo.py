@@ -1,8 +1,11 @@
-"""`ember demo`: build a test checkpoint, start `ember serve` on it, stream a chat reply token by token,
-send a burst of concurrent requests, show the server's own metrics, then drain it with SIGTERM.
+"""`ember demo`: start `ember serve` on the packaged trained model pair (a small code model and its draft,
+with speculative decoding), stream a code completion token by token, send a burst of concurrent chat
+requests, show the server's own metrics, then drain it with SIGTERM.
 
-The checkpoint has random weights, so the words are noise; what the demo shows is the system at work:
-streaming over the OpenAI API, continuous batching, prefix caching, and the numbers behind them.
+The pair learned from the Python standard library's sources for a few minutes on a CPU, so its code reads
+like Python without meaning much; what the demo shows is the system at work: streaming over the OpenAI
+API, speculative decoding, continuous batching, prefix caching, and the numbers behind them. With
+`--dir` it serves that checkpoint instead (e.g. a random-weight test model, whose words are noise).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ SHOWN_METRICS = (
     "vllm:request_success_total",
     "vllm:time_to_first_token_seconds_count",
     "vllm:time_to_first_token_seconds_sum",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
 )
 
 
@@ -41,12 +47,17 @@ def _free_port() -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ember_engine.spec_pair import packaged_pair
     from ember_engine.testmodel import make_test_model
 
-    model_dir = Path(args.dir) if args.dir else default_dir()
-    if not (model_dir / "model.safetensors").exists():
-        print(f"building a tiny test checkpoint in {model_dir} ...")
-        make_test_model(model_dir, size="tiny", force=True)
+    draft: Path | None = None
+    if args.dir:
+        model_dir = Path(args.dir)
+        if not (model_dir / "model.safetensors").exists():
+            print(f"building a tiny test checkpoint in {model_dir} ...")
+            make_test_model(model_dir, size="tiny", force=True)
+    else:
+        model_dir, draft = packaged_pair()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     ember = Path(sys.executable).with_name("ember")
@@ -64,6 +75,8 @@ def main(args: argparse.Namespace) -> int:
         "--log-level",
         "warning",
     ]
+    if draft is not None:
+        cmd += ["--draft-model", str(draft), "--dtype", "float32"]
     print(f"$ {' '.join(cmd)}")
     server = subprocess.Popen(cmd)
     try:
@@ -74,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
                 return 1
             time.sleep(0.1)
         print(f"ready after {time.perf_counter() - start:.1f} s (model loaded and warmed up)\n")
-        _stream_chat(url)
+        _stream_completion(url)
         asyncio.run(_burst(url))
         _show_metrics(url)
     finally:
@@ -97,25 +110,21 @@ def _ready(url: str) -> bool:
 SYSTEM = "You are a terse assistant who answers in Python. " * 4  # a shared prefix: several cache blocks
 
 
-def _stream_chat(url: str) -> None:
+PROMPT = 'def read_config(path):\n    """Read the configuration file at path."""\n'
+
+
+def _stream_completion(url: str) -> None:
     import httpx
 
-    body = {
-        "model": "demo",
-        "stream": True,
-        "max_tokens": 48,
-        "temperature": 0.8,
-        "seed": 0,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Write a function."}],
-    }
-    print("POST /v1/chat/completions (stream): ", end="", flush=True)
+    body = {"model": "demo", "stream": True, "max_tokens": 96, "temperature": 0, "prompt": PROMPT}
+    print(f"POST /v1/completions (stream), greedy, prompt:\n{PROMPT}", end="", flush=True)
     sent, first, pieces = time.perf_counter(), None, 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            text = chunk["choices"][0]["delta"].get("content", "") if chunk["choices"] else ""
+            text = chunk["choices"][0].get("text", "") if chunk["choices"] else ""
             if text:
                 first = first or time.perf_counter()
                 pieces += 1

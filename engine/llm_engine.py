@@ -5,17 +5,23 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from ember_engine.block_manager import BlockManager, PrefixCacheStats
 from ember_engine.config import EngineConfig
 from ember_engine.detokenizer import Detokenizer
-from ember_engine.model_config import ModelConfig
-from ember_engine.model_runner import ModelRunner
+from ember_engine.model_config import ModelConfig, resolve_dtype
+from ember_engine.model_runner import ModelRunner, kv_block_bytes
 from ember_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ember_engine.proposers import DraftProposer, NgramProposer
+from ember_engine.rejection_sampler import rejection_sample
 from ember_engine.request import Request
-from ember_engine.sampler import Sampler, SamplingRow, make_generator
+from ember_engine.sampler import Sampler, SamplingRow, make_generator, sampling_probs
 from ember_engine.sampling_params import SamplingParams
-from ember_engine.scheduler import Scheduler
+from ember_engine.scheduler import Scheduler, SchedulerOutput
+from ember_engine.spec_control import SpecController, updated_acceptance
 from ember_engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -45,6 +51,25 @@ class _Group:
 
 
 @dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding totals (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # verifications of a request's proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # accepted at proposal position j
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verification yields on average: the accepted proposals and the one sampled after."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -59,6 +84,8 @@ class EngineStats:
     last_batch_size: int  # requests in it
     last_batch_tokens: int  # tokens in it
     num_steps: int  # steps run so far
+    spec: SpecStats | None = None  # a copy; None without speculative decoding
+    spec_enabled: bool = False  # the adaptive controller's latest decision
 
 
 class LLMEngine:
@@ -71,7 +98,20 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit}")
         self.max_model_len = config.max_model_len or limit
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        draft_config = self._draft_config() if config.speculation == "draft" else None
+        extra_block_bytes = reserved = 0
+        if draft_config is not None:
+            extra_block_bytes = kv_block_bytes(
+                draft_config, resolve_dtype(config.dtype, draft_config), config.block_size
+            )
+            reserved = sum(f.stat().st_size for f in Path(str(config.draft_model)).glob("*.safetensors"))
+        self.runner = ModelRunner(
+            config,
+            self.model_config,
+            self.max_model_len,
+            extra_block_bytes=extra_block_bytes,
+            reserved_bytes=reserved,
+        )
         self.sampler = Sampler()
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
@@ -79,6 +119,24 @@ class LLMEngine:
                 "KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len
             )
             self.max_model_len = capacity
+        self.proposer: DraftProposer | NgramProposer | None = None
+        if draft_config is not None:
+            draft_runner = ModelRunner(
+                config,
+                draft_config,
+                self.max_model_len,
+                config.draft_model,
+                num_blocks=self.runner.num_blocks,
+            )
+            self.proposer = DraftProposer(draft_runner)
+        elif config.speculation == "ngram":
+            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.spec_controller = (
+            SpecController(config.num_speculative_tokens, config.speculative_adaptive)
+            if self.proposer is not None
+            else None
+        )
+        self.spec_stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -91,6 +149,26 @@ class LLMEngine:
         self.generation_tokens = 0
         self._last_step = (0.0, 0, 0)
         self.num_steps = 0
+
+    def _draft_config(self) -> ModelConfig:
+        """The draft model's config, checked against the target's: same vocabulary and tokenizer, room for
+        every position the target may reach."""
+        directory = str(self.config.draft_model)
+        draft = ModelConfig.from_dir(directory)
+        if draft.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"draft_model: vocabulary size {draft.vocab_size} differs from the target's "
+                f"{self.model_config.vocab_size}; the draft must share the target's tokenizer"
+            )
+        ours, theirs = Path(self.config.model) / "tokenizer.json", Path(directory) / "tokenizer.json"
+        if ours.exists() and theirs.exists() and ours.read_bytes() != theirs.read_bytes():
+            raise ValueError("draft_model: its tokenizer.json differs from the target's")
+        if draft.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"draft_model: max_position_embeddings {draft.max_position_embeddings} is below "
+                f"max_model_len {self.max_model_len}; lower max_model_len"
+            )
+        return draft
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -187,43 +265,193 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns an update for every request that produced text or finished."""
         start = time.perf_counter()
+        speculate = self._plan_speculation()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         now = time.monotonic()
+        all_decoding = True
         for req in batch.requests:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+            all_decoding = all_decoding and req.num_tokens - req.num_computed_tokens == 1
+        proposed = self._propose(batch) if speculate else []
         result = self.runner.execute(batch)
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
-            req.num_computed_tokens += n
+            req.num_computed_tokens += n - len(req.spec_token_ids)
             self.block_manager.cache_full_blocks(req)
         touched: dict[str, _Group] = {}
         now = time.monotonic()
+        generated = self.generation_tokens
         if result.logits is not None:
-            # The rows read each request's output so far (penalties, min_tokens): this step's token is
-            # appended only after sampling.
-            out = self.sampler(result.logits, [self._sampling_row(r) for r in result.sampled])
-            for k, req in enumerate(result.sampled):
-                group = self._group_of[req]
-                sample = group.samples[req.index]
-                if sample.logprobs is not None and out.logprobs is not None and out.top_logprobs is not None:
-                    sample.logprobs.append(Logprob(out.token_ids[k], out.logprobs[k], out.top_logprobs[k]))
-                self._append_token(req, sample, out.token_ids[k], now)
-                touched[group.request_id] = group
-                if group.pending and req.index == 0:
-                    for sibling in group.pending:
-                        self.scheduler.add(sibling, front=True)
-                    group.pending = []
+            self._sample(result.logits, result.sampled, now, touched)
+        for req in proposed:
+            req.spec_token_ids, req.draft_probs = [], None
+            if not req.finished:
+                self.block_manager.trim(req, req.num_tokens)
         outputs = [self._make_output(g) for g in touched.values()]
-        self._last_step = (time.perf_counter() - start, len(batch), batch.total_tokens)
+        elapsed = time.perf_counter() - start
+        self._last_step = (elapsed, len(batch), batch.total_tokens)
         self.num_steps += 1
+        if self.spec_controller is not None and all_decoding:
+            self.spec_controller.record(len(batch), speculate, self.generation_tokens - generated, elapsed)
         for g in touched.values():
             if g.finished:
                 self.groups.pop(g.request_id, None)
                 for s in g.samples:
                     self._group_of.pop(s.request, None)
         return outputs
+
+    def _sample(
+        self, logits: torch.Tensor, sampled: list[Request], now: float, touched: dict[str, _Group]
+    ) -> None:
+        """Turn the step's logits into tokens: plain sampling for requests without proposals (one row each),
+        verification for the others (1 + proposals rows each)."""
+        plain_rows: list[int] = []
+        spec_rows: list[int] = []
+        plain: list[Request] = []
+        spec: list[Request] = []
+        row = 0
+        for req in sampled:
+            n = 1 + len(req.spec_token_ids)
+            if n == 1:
+                plain_rows.append(row)
+                plain.append(req)
+            else:
+                spec_rows.extend(range(row, row + n))
+                spec.append(req)
+            row += n
+        if plain:
+            rows = logits if not spec else logits[torch.tensor(plain_rows, device=logits.device)]
+            # The rows read each request's output so far (penalties, min_tokens): this step's token is
+            # appended only after sampling.
+            out = self.sampler(rows, [self._sampling_row(r) for r in plain])
+            for k, req in enumerate(plain):
+                sample = self._sample_of(req)
+                if sample.logprobs is not None and out.logprobs is not None and out.top_logprobs is not None:
+                    sample.logprobs.append(Logprob(out.token_ids[k], out.logprobs[k], out.top_logprobs[k]))
+                self._emit(req, [out.token_ids[k]], 0, now, touched)
+        if spec:
+            rows = logits if not plain else logits[torch.tensor(spec_rows, device=logits.device)]
+            for req, tokens in zip(spec, self._verify(rows, spec), strict=True):
+                self._record_acceptance(req, len(tokens) - 1)
+                self._emit(req, tokens, len(tokens) - 1, now, touched)
+
+    def _sample_of(self, req: Request) -> _Sample:
+        return self._group_of[req].samples[req.index]
+
+    def _emit(
+        self, req: Request, tokens: list[int], num_accepted: int, now: float, touched: dict[str, _Group]
+    ) -> None:
+        """Append a request's new tokens, the first `num_accepted` of them verified proposals whose KV the
+        step already wrote; stops early when one of them ends the request."""
+        group = self._group_of[req]
+        sample = group.samples[req.index]
+        for j, token in enumerate(tokens):
+            self._append_token(req, sample, token, now)
+            if req.finished:
+                break
+            if j < num_accepted:
+                req.num_computed_tokens += 1
+        if not req.finished:
+            if num_accepted:
+                self.block_manager.cache_full_blocks(req)
+            # The draft's KV past the accepted tokens belongs to rejected proposals.
+            req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
+        touched[group.request_id] = group
+        if group.pending and req.index == 0:
+            for sibling in group.pending:
+                self.scheduler.add(sibling, front=True)
+            group.pending = []
+
+    # -- speculative decoding -------------------------------------------------------------------------
+
+    def _plan_speculation(self) -> bool:
+        """Ask the scheduler for lookahead slots for this step's decodes; False when not speculating."""
+        if self.spec_controller is None:
+            return False
+        running = self.scheduler.running
+        decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        k = self.spec_controller.lookahead(decoding)
+        for req in running:
+            req.spec_lookahead = self._request_lookahead(req, k) if k else 0
+        return k > 0
+
+    def _request_lookahead(self, req: Request, k: int) -> int:
+        p = req.params
+        # Verification samples every position from the same distribution, so position-dependent sampling
+        # (penalties, min_tokens' suppression) and per-token logprobs stay on the plain path.
+        if p.logprobs is not None or req.num_output_tokens < p.min_tokens:
+            return 0
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            return 0
+        assert self.spec_controller is not None
+        k = self.spec_controller.request_lookahead(k, req.recent_acceptance, req.num_draft_tokens)
+        # Room for k proposals and the token after them, within max_tokens and the model length.
+        room = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
+        return max(0, min(k, room))
+
+    def _propose(self, batch: SchedulerOutput) -> list[Request]:
+        """Fill in proposals for the requests given lookahead slots; returns those requests."""
+        granted = [
+            (i, req, n - 1)
+            for i, (req, n) in enumerate(zip(batch.requests, batch.num_tokens, strict=True))
+            if req.num_tokens - req.num_computed_tokens == 1 and n > 1
+        ]
+        if not granted:
+            return []
+        assert self.proposer is not None
+        self.proposer.propose([(req, k) for _, req, k in granted])
+        for i, req, _ in granted:
+            batch.num_tokens[i] = 1 + len(req.spec_token_ids)
+        return [req for _, req, _ in granted]
+
+    def _verify(self, logits: torch.Tensor, requests: list[Request]) -> list[list[int]]:
+        """The exact rejection rule over each request's 1 + k rows of target logits."""
+        row_params = [r.params for r in requests for _ in range(1 + len(r.spec_token_ids))]
+        dev = logits.device
+        greedy_rows = [i for i, p in enumerate(row_params) if p.greedy]
+        random_rows = [i for i, p in enumerate(row_params) if not p.greedy]
+        if not random_rows:
+            target = logits  # greedy verification reads only the argmax
+        else:
+            target = torch.zeros_like(logits)
+            if greedy_rows:
+                index = torch.tensor(greedy_rows, device=dev)
+                target[index, logits[index].argmax(dim=-1)] = 1.0
+            index = torch.tensor(random_rows, device=dev)
+            target[index] = sampling_probs(logits[index], [row_params[i] for i in random_rows])
+        draft_probs = None
+        if any(r.draft_probs is not None for r in requests):
+            # A request without q (its proposals were certain) gets one-hot rows on its proposals.
+            vocab = logits.shape[1]
+            parts = []
+            for r in requests:
+                if r.draft_probs is not None:
+                    parts.append(r.draft_probs)
+                else:
+                    ids = torch.tensor(r.spec_token_ids, device=dev)
+                    parts.append(torch.nn.functional.one_hot(ids, vocab).to(logits.dtype))
+            draft_probs = torch.cat(parts)
+        return rejection_sample(
+            target,
+            [r.spec_token_ids for r in requests],
+            draft_probs,
+            [r.params.greedy for r in requests],
+            [r.generator for r in requests],
+        )
+
+    def _record_acceptance(self, req: Request, accepted: int) -> None:
+        drafted = len(req.spec_token_ids)
+        req.num_draft_tokens += drafted
+        req.num_accepted_tokens += accepted
+        req.recent_acceptance = updated_acceptance(req.recent_acceptance, drafted, accepted)
+        s = self.spec_stats
+        s.num_drafts += 1
+        s.num_draft_tokens += drafted
+        s.num_accepted_tokens += accepted
+        for j in range(accepted):
+            s.accepted_per_position[j] += 1
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         p = req.params
@@ -302,9 +530,12 @@ class LLMEngine:
         self.scheduler.num_preemptions = 0
         self.block_manager.reset_prefix_cache()
         self.block_manager.stats = PrefixCacheStats()
+        self.spec_stats = SpecStats(accepted_per_position=[0] * self.config.num_speculative_tokens)
+        if self.spec_controller is not None:
+            self.spec_controller.buckets.clear()  # warm-up steps carry first-call costs
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, s = self.block_manager, self.spec_stats
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -319,6 +550,12 @@ class LLMEngine:
             last_batch_size=self._last_step[1],
             last_batch_tokens=self._last_step[2],
             num_steps=self.num_steps,
+            spec=None
+            if self.spec_controller is None
+            else SpecStats(
+                s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position)
+            ),
+            spec_enabled=self.spec_controller is not None and self.spec_controller.enabled,
         )
 
 

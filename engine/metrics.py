@@ -44,6 +44,13 @@ _TOTALS = {
 }
 
 
+_SPEC_TOTALS = {
+    "num_drafts": ("vllm:spec_decode_num_drafts", "Verifications of a request's proposals."),
+    "num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified."),
+    "num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
+}
+
+
 class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -66,6 +73,18 @@ class EngineMetrics:
         self._totals = {field: counter(name, doc) for field, (name, doc) in _TOTALS.items()}
         self._seen = dict.fromkeys(_TOTALS, 0)
         self._deadline = counter("ember:deadline_aborts", "Requests aborted at their deadline.")
+        self._spec_totals = {field: counter(name, doc) for field, (name, doc) in _SPEC_TOTALS.items()}
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposals by their position in the proposal.",
+            [*ml, "position"],
+            registry=reg,
+        )
+        self._spec_seen = dict.fromkeys(_SPEC_TOTALS, 0)
+        self._spec_pos_seen: list[int] = []
+        self._spec_enabled = gauge(
+            "ember:spec_decode_enabled", "1 while the adaptive controller has speculative decoding on."
+        )
         self._success = Counter(
             "vllm:request_success", "Count of finished requests.", [*ml, "finished_reason"], registry=reg
         )
@@ -157,6 +176,25 @@ class EngineMetrics:
                 if value > self._seen[field]:
                     counter.inc(value - self._seen[field])
                     self._seen[field] = value
+            if stats.spec is not None:
+                self._record_spec(stats)
+
+    def _record_spec(self, stats: EngineStats) -> None:
+        # Called under the lock, like the other totals.
+        spec = stats.spec
+        assert spec is not None
+        self._spec_enabled.set(1 if stats.spec_enabled else 0)
+        for field, counter in self._spec_totals.items():
+            value = getattr(spec, field)
+            if value > self._spec_seen[field]:
+                counter.inc(value - self._spec_seen[field])
+                self._spec_seen[field] = value
+        seen = self._spec_pos_seen
+        seen.extend([0] * (len(spec.accepted_per_position) - len(seen)))
+        for pos, value in enumerate(spec.accepted_per_position):
+            if value > seen[pos]:
+                self._spec_per_pos.labels(self._model, str(pos)).inc(value - seen[pos])
+                seen[pos] = value
 
     def record_shed(self, reason: str, priority: str) -> None:
         self._shed.labels(self._model, reason, priority).inc()
@@ -185,10 +223,17 @@ class EngineMetrics:
         elapsed = max(now - since, 1e-9)
         queries = seen["prefix_cache_queries"] - before["prefix_cache_queries"]
         hits = seen["prefix_cache_hits"] - before["prefix_cache_hits"]
+        spec = ""
+        if stats.spec is not None:
+            rate = stats.spec.acceptance_rate
+            spec = (
+                f", speculation: {'on' if stats.spec_enabled else 'off'}, "
+                f"acceptance: {'-' if rate is None else f'{rate:.1%}'}"
+            )
         return (
             f"running: {stats.num_running} reqs, waiting: {stats.num_waiting} reqs, "
             f"KV cache: {stats.kv_cache_usage:.1%}, "
             f"prompt: {(seen['prompt_tokens'] - before['prompt_tokens']) / elapsed:.1f} tok/s, "
             f"generation: {(seen['generation_tokens'] - before['generation_tokens']) / elapsed:.1f} tok/s, "
-            f"prefix cache hit rate: {hits / queries if queries else 0.0:.1%}"
+            f"prefix cache hit rate: {hits / queries if queries else 0.0:.1%}{spec}"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +21,42 @@ _CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
 @dataclass(slots=True)
+class Chunk:
+    """A run of one sequence's tokens for a forward pass."""
+
+    block_ids: list[int]  # the sequence's block table
+    start: int  # position of the first token
+    token_ids: Sequence[int]
+    num_logits: int = 0  # logits wanted for the last this-many tokens
+
+
+@dataclass(slots=True)
 class StepResult:
     sampled: list[Request]  # requests whose chunk reached their last known token, in batch order
-    logits: torch.Tensor | None  # [len(sampled), vocab] float32; None when nothing is sampled
+    # [rows, vocab] float32: per sampled request 1 + len(spec_token_ids) rows; None when nothing is sampled
+    logits: torch.Tensor | None
+
+
+def kv_block_bytes(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    c = model_config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.itemsize * block_size
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        model_dir: str | None = None,
+        num_blocks: int | None = None,
+        extra_block_bytes: int = 0,
+        reserved_bytes: int = 0,
+    ) -> None:
+        """`model_dir` defaults to config.model. A draft model's runner is given the target's
+        `num_blocks`, so both caches share one block table; the target's runner is told what each block
+        costs the draft (`extra_block_bytes`) and what its weights take (`reserved_bytes`) when it sizes
+        the cache."""
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -35,6 +65,8 @@ class ModelRunner:
         )
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.block_size
+        self.extra_block_bytes = extra_block_bytes
+        self.reserved_bytes = reserved_bytes
         torch.manual_seed(config.seed)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -43,17 +75,16 @@ class ModelRunner:
                 self.model = LlamaForCausalLM(model_config)
         finally:
             torch.set_default_dtype(previous)
-        load_weights(self.model, Path(config.model))
+        load_weights(self.model, Path(model_dir or config.model))
         self.model.eval()
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = self._num_kv_blocks() if num_blocks is None else num_blocks
         self._allocate_kv_cache()
 
     # -- KV cache -------------------------------------------------------------------------------------
 
     def block_bytes(self) -> int:
-        c = self.model_config
-        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return per_token * self.block_size
+        """What one block costs: this model's K and V for block_size tokens, plus a draft model's."""
+        return kv_block_bytes(self.model_config, self.dtype, self.block_size) + self.extra_block_bytes
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -82,7 +113,9 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         torch.cuda.empty_cache()
         used_elsewhere = total - free - torch.cuda.memory_reserved()
-        budget = total * self.config.gpu_memory_utilization - peak - max(used_elsewhere, 0)
+        budget = (
+            total * self.config.gpu_memory_utilization - peak - max(used_elsewhere, 0) - self.reserved_bytes
+        )
         blocks = int(budget // self.block_bytes())
         if blocks < 1:
             raise RuntimeError(
@@ -102,25 +135,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> StepResult:
-        """Run the batch's forward; logits only for the requests that reach their last known token."""
+        """Run the batch's forward. Requests whose chunk reaches their last known token are sampled: they
+        get logits for that token and for each of their speculative tokens (which follow it)."""
+        chunks, sampled = [], []
+        for req, n in zip(batch.requests, batch.num_tokens, strict=True):
+            start, known = req.num_computed_tokens, req.num_tokens
+            tokens = req.all_token_ids[start : min(start + n, known)]
+            if start + n > known:
+                tokens = tokens + req.spec_token_ids[: start + n - known]
+            num_logits = 0
+            if start + n == known + len(req.spec_token_ids):
+                num_logits = 1 + len(req.spec_token_ids)
+                sampled.append(req)
+            chunks.append(Chunk(req.block_ids, start, tokens, num_logits))
+        logits = self.forward(chunks)
+        return StepResult(sampled, logits)
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor | None:
+        """One forward over the chunks, writing their K/V into the cache at their positions; returns the
+        logits [sum of num_logits, vocab] (float32) in chunk order, or None when no chunk wants any."""
         bs = self.block_size
-        ids, pos, slots, q_loc, seq_lens, logit_rows = [], [], [], [0], [], []
-        sampled: list[Request] = []
-        max_blocks = max(len(r.block_ids) for r in batch.requests)
-        tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
-        for i, (req, n) in enumerate(zip(batch.requests, batch.num_tokens, strict=True)):
-            start = req.num_computed_tokens
-            positions = np.arange(start, start + n)
-            block_ids = np.asarray(req.block_ids, dtype=np.int64)
+        ids, pos, slots, q_loc, seq_lens = [], [], [], [0], []
+        logit_rows: list[int] = []
+        max_blocks = max(len(c.block_ids) for c in chunks)
+        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            positions = np.arange(c.start, c.start + n)
+            block_ids = np.asarray(c.block_ids, dtype=np.int64)
             tables[i, : len(block_ids)] = block_ids
-            ids.append(np.asarray(req.all_token_ids[start : start + n], dtype=np.int64))
+            ids.append(np.asarray(c.token_ids, dtype=np.int64))
             pos.append(positions)
             slots.append(block_ids[positions // bs] * bs + positions % bs)
             q_loc.append(q_loc[-1] + n)
-            seq_lens.append(start + n)
-            if start + n == req.num_tokens:
-                logit_rows.append(q_loc[-1] - 1)
-                sampled.append(req)
+            seq_lens.append(c.start + n)
+            logit_rows.extend(range(q_loc[-1] - c.num_logits, q_loc[-1]))
         dev = self.device
         input_ids = torch.from_numpy(np.concatenate(ids)).to(dev, non_blocking=True)
         positions_t = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
@@ -130,7 +180,7 @@ class ModelRunner:
                 query_start_loc=torch.tensor(q_loc, dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
                 block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-                max_query_len=max(batch.num_tokens),
+                max_query_len=max(len(c.token_ids) for c in chunks),
                 max_seq_len=max(seq_lens),
             )
         )
@@ -138,9 +188,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions_t)
         finally:
             set_context(None)
-        if not sampled:
-            return StepResult([], None)
-        return StepResult(sampled, self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)]))
+        if not logit_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
 
     @torch.inference_mode()
     def execute_dummy(self, num_tokens: int) -> None:

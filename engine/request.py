@@ -42,6 +42,14 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # speculative decoding
+    spec_lookahead: int = 0  # draft slots the engine asks the scheduler for in the next step
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's proposals, after the known tokens
+    draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] q for sampled requests' drafts
+    num_draft_computed: int = 0  # leading tokens whose KV the draft model has written
+    num_draft_tokens: int = 0  # proposals verified so far
+    num_accepted_tokens: int = 0  # of those, accepted
+    recent_acceptance: float | None = None  # running mean of the per-step acceptance rate
     # timestamps (monotonic seconds)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -91,14 +91,16 @@ def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     return torch.empty_like(logits).scatter_(1, ids, values)
 
 
-def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each (non-greedy) row samples from: temperature, then top-k and top-p, then min-p.
+    Speculative decoding's draft (q) and target (p) distributions are both this."""
     dev, vocab = logits.device, logits.shape[1]
 
     def vector(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _upload(values, dtype, dev)
 
-    params = [r.params for r in rows]
-    x = logits / vector([p.temperature for p in params]).unsqueeze(1)
+    # A greedy row (temperature 0) keeps its logits: its distribution only needs the right argmax.
+    x = logits / vector([p.temperature if p.temperature > 0 else 1.0 for p in params]).unsqueeze(1)
 
     truncating = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
     if truncating:
@@ -112,19 +114,30 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     if any(p.min_p > 0.0 for p in params):
         floor = vector([p.min_p for p in params]).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
 
-    # Each seeded row gets exactly V draws from its own generator, so its sample sequence is the same
-    # whatever else shares the batch; the other rows share one draw from the default generator.
+
+def sample_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row drawn from `probs` (unnormalised is fine) by the exponential race,
+    argmax(p / E) with E ~ Exp(1). Each seeded row gets exactly V draws from its own generator, so its
+    sample sequence is the same whatever else shares the batch; the other rows share one draw from the
+    default generator."""
+    dev, vocab = probs.device, probs.shape[1]
     noise = torch.empty_like(probs)
-    shared = [i for i, r in enumerate(rows) if r.generator is None]
+    shared = [i for i, g in enumerate(generators) if g is None]
     if shared:
         draw = torch.empty(len(shared), vocab, device=dev).exponential_()
-        noise.index_copy_(0, vector(shared, torch.long), draw)
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            noise[i].exponential_(generator=r.generator)
+        noise.index_copy_(0, _upload(shared, torch.long, dev), draw)
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
     # exponential_ may return an exact 0; 0/0 would be NaN, which argmax prefers over everything.
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
+def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    probs = sampling_probs(logits, [r.params for r in rows])
+    return sample_probs(probs, [r.generator for r in rows])
 
 
 class Sampler:

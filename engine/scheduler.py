@@ -2,7 +2,8 @@
 
 There is no prefill or decode phase: each request has tokens computed and tokens known, and each step
 hands out one token budget — running requests first (decodes and unfinished prompt chunks), then
-waiting ones (after their prefix-cache hit), chunking what does not fit. When blocks run out the newest
+waiting ones (after their prefix-cache hit), chunking what does not fit. A decode may also take slots for
+speculative (lookahead) tokens, from budget and free blocks left over. When blocks run out the newest
 request (or, under the priority policy, the least important, then latest) is preempted by recompute:
 its blocks are freed and it goes back to the head of the queue, to be resumed only when its whole known
 sequence fits again, so a resumed request is not preempted again half-way through its prompt.
@@ -71,6 +72,15 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            # A decode may also reserve slots for speculative tokens, but only from spare budget and
+            # free blocks: lookahead never preempts anyone.
+            decoding = request.num_tokens - request.num_computed_tokens == 1
+            extra = min(request.spec_lookahead, budget - 1) if decoding else 0
+            if extra > 0 and self.block_manager.allocate(request, n + extra):
+                out.requests.append(request)
+                out.num_tokens.append(n + extra)
+                budget -= n + extra
+                continue
             while not self.block_manager.allocate(request, n):
                 victim = self._pick_victim()
                 if victim in out.requests:  # under the priority policy it may already be scheduled
@@ -124,7 +134,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_draft_computed = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.add(request, front=True)

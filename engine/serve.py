@@ -37,6 +37,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="priority (default) serves and keeps more important classes first; equal classes are FCFS",
     )
     p.add_argument("--seed", type=int, default=0)
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-method",
+        choices=["draft", "ngram"],
+        help="propose tokens with a draft model or by n-gram prompt lookup (default: draft if --draft-model)",
+    )
+    spec.add_argument("--draft-model", help="draft checkpoint directory (same tokenizer as --model)")
+    spec.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="the most tokens proposed per step (K)"
+    )
+    spec.add_argument("--ngram-min", type=int, default=2, help="n-gram lookup: shortest suffix matched")
+    spec.add_argument("--ngram-max", type=int, default=4, help="n-gram lookup: longest suffix matched")
+    spec.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="turn speculation off (per batch size) or K down (per request) where it does not pay",
+    )
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM"
     )
@@ -63,6 +81,12 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
         gpu_memory_utilization=args.gpu_memory_utilization,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
+        speculative_method=args.speculative_method,
+        draft_model=args.draft_model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        speculative_adaptive=args.speculative_adaptive,
     )
 
 

@@ -165,7 +165,17 @@ def test_reference_matches_naive(
     torch.testing.assert_close(out[: b.num_tokens].double(), naive_attention(b), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("specs", [[(0, 1), (40, 1), (127, 1)], [(0, 9)], [(130, 4), (3, 2)]])
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [(0, 1), (40, 1), (127, 1)],
+        [(0, 9)],
+        [(130, 4), (3, 2)],
+        # verification of speculative tokens (short queries after a long prefix) beside a decode, a short
+        # whole prompt and a chunk just past the padded batch's limit
+        [(50, 5), (7, 1), (0, 17), (33, 18), (200, 3)],
+    ],
+)
 def test_reference_single_kind_batches(specs: list[tuple[int, int]]) -> None:
     b = make_batch(specs, block_size=128, head_dim=48)
     store_kv_reference(b.key, b.value, b.k_cache, b.v_cache, b.slot_mapping)

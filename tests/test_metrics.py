@@ -210,6 +210,7 @@ def test_server_side_counters_and_draining() -> None:
 
 def _stats(**changes: float) -> EngineStats:
     base = dict.fromkeys(EngineStats.__dataclass_fields__, 0)
+    base.update(spec=None, spec_enabled=False)  # no speculative decoding here
     return EngineStats(**{**base, "num_kv_blocks": 64, **changes})  # type: ignore[arg-type]
 
 

@@ -69,6 +69,23 @@ def test_engine_args_parse_with_the_engines_own_command_line() -> None:
 
 
 @pytest.mark.parametrize(
+    ("speculative", "method", "draft", "k"),
+    [
+        ({"method": "draft", "draftSource": "/models/draft", "numTokens": 3}, "draft", "/models/draft", 3),
+        ({"method": "ngram", "numTokens": 6}, "ngram", None, 6),
+    ],
+)
+def test_speculative_fields_become_engine_options(
+    speculative: dict[str, Any], method: str, draft: str | None, k: int
+) -> None:
+    spec = make_spec(speculative=speculative)
+    parsed = build_parser().parse_args(["serve", *engine_args(spec)])
+    config = serve.engine_config(parsed)
+    config.validate()
+    assert (config.speculation, config.draft_model, config.num_speculative_tokens) == (method, draft, k)
+
+
+@pytest.mark.parametrize(
     ("quantity", "expected"),
     [("8Gi", 8 * 2**30), ("500M", 500_000_000), ("1.5Ki", 1536), ("2", 2), ("1k", 1000)],
 )

@@ -1,0 +1,187 @@
+"""Speculative decoding through the offline API: outputs equal to plain decoding, acceptance where it is
+known, rollback, preemption and prefix caching underneath, and the metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ember_engine import LLM, SamplingParams
+from ember_engine.llm_engine import LLMEngine, SpecStats
+from ember_engine.metrics import EngineMetrics
+
+K = 4
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\nimport os\nimport sys\n",
+    "class Queue:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items",
+    "x = 1\ny = 2\nx = 1\ny =",
+]
+
+
+def greedy(max_tokens: int = 1 + 6 * (K + 1)) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run(
+    model: Path, prompts: list[str], params: SamplingParams | list[SamplingParams], **options: object
+) -> tuple[list[list[int]], LLMEngine]:
+    llm = LLM(str(model), dtype="float32", **options)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    # Every block is back once the requests are done: no lookahead slot leaked.
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [list(o.token_ids) for o in outs], engine
+
+
+def spec_of(engine: LLMEngine) -> SpecStats:
+    spec = engine.stats().spec
+    assert spec is not None
+    return spec
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model: Path) -> list[list[int]]:
+    return run(tiny_model, PROMPTS, greedy())[0]
+
+
+def test_the_target_as_its_own_draft_accepts_everything(tiny_model: Path, plain: list[list[int]]) -> None:
+    # max_tokens = 1 + 6 (K + 1): after the prefill's token, six verifications of exactly K proposals each.
+    out, engine = run(
+        tiny_model,
+        PROMPTS,
+        greedy(),
+        draft_model=str(tiny_model),
+        num_speculative_tokens=K,
+        speculative_adaptive=False,
+    )
+    assert out == plain
+    spec = spec_of(engine)
+    assert spec.num_drafts == 6 * len(PROMPTS)
+    assert spec.acceptance_rate == 1.0
+    assert spec.mean_accepted_length == K + 1
+    assert spec.accepted_per_position == [spec.num_drafts] * K
+
+
+def test_ngram_proposals_leave_greedy_output_unchanged(tiny_model: Path, plain: list[list[int]]) -> None:
+    out, engine = run(tiny_model, PROMPTS, greedy(), speculative_method="ngram", speculative_adaptive=False)
+    assert out == plain
+    spec = spec_of(engine)
+    assert spec.num_drafts > 0 and spec.num_draft_tokens > 0  # the verification path ran
+
+
+def test_sampling_with_the_target_as_draft_accepts_nearly_everything(tiny_model: Path) -> None:
+    # p and q are the same model's distributions (up to float rounding between batch shapes), so the
+    # rule min(1, p/q) accepts almost surely; a wrong ratio or a mis-aligned row would not.
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, ignore_eos=True, seed=3)
+    out1, engine = run(tiny_model, PROMPTS, params, draft_model=str(tiny_model), speculative_adaptive=False)
+    spec = spec_of(engine)
+    assert spec.acceptance_rate is not None and spec.acceptance_rate > 0.97
+    out2, _ = run(tiny_model, PROMPTS, params, draft_model=str(tiny_model), speculative_adaptive=False)
+    assert out1 == out2  # seeded requests are reproducible with speculation too
+
+
+def test_requests_that_cannot_speculate_share_the_batch(tiny_model: Path) -> None:
+    # Penalties, logprobs and min_tokens keep a request on plain sampling; the others speculate alongside.
+    mixed = [
+        greedy(),
+        SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True, min_tokens=10),
+    ]
+    expected, _ = run(tiny_model, PROMPTS, mixed)
+    out, engine = run(tiny_model, PROMPTS, mixed, draft_model=str(tiny_model), speculative_adaptive=False)
+    assert out == expected
+    assert spec_of(engine).num_drafts > 0
+
+
+def test_speculation_survives_preemption(tiny_model: Path) -> None:
+    # 10 blocks of 16 cannot hold four sequences of ~70 tokens: requests are preempted and recomputed,
+    # proposals' slots included.
+    params = greedy(max_tokens=50)
+    expected, _ = run(tiny_model, PROMPTS, params)
+    out, engine = run(
+        tiny_model, PROMPTS, params, draft_model=str(tiny_model), speculative_adaptive=False, num_kv_blocks=10
+    )
+    assert out == expected
+    assert engine.stats().num_preemptions > 0
+    ngram, engine = run(
+        tiny_model, PROMPTS, params, speculative_method="ngram", speculative_adaptive=False, num_kv_blocks=10
+    )
+    assert ngram == expected and engine.stats().num_preemptions > 0
+
+
+def test_speculation_with_prefix_cache_hits(tiny_model: Path) -> None:
+    system = "# A module of small helpers.\n" * 6  # several full blocks shared by every prompt
+    prompts = [system + p for p in PROMPTS]
+    expected, _ = run(tiny_model, prompts, greedy(), enable_prefix_caching=False)
+    llm = LLM(str(tiny_model), dtype="float32", draft_model=str(tiny_model), speculative_adaptive=False)
+    first = [list(o.token_ids) for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    again = [list(o.token_ids) for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    assert first == expected and again == expected
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits > 0
+    # The draft recomputes its own KV for a cached prefix it may never have seen, and still agrees.
+    assert stats.spec is not None and stats.spec.acceptance_rate == 1.0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(
+    tiny_model: Path, small_model: Path, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_model, draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["vocab_size"] = 1000
+    (draft / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="draft_model: vocabulary size 1000"):
+        LLM(str(tiny_model), draft_model=str(draft))
+    with pytest.raises(ValueError, match="draft_model: is required"):
+        LLM(str(tiny_model), speculative_method="draft")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(str(tiny_model), speculative_method="ngram", num_speculative_tokens=0)
+
+
+def test_spec_metrics_are_exported(tiny_model: Path) -> None:
+    _, engine = run(
+        tiny_model, PROMPTS[:1], greedy(), draft_model=str(tiny_model), speculative_adaptive=False
+    )
+    metrics = EngineMetrics("tiny")
+    metrics.record_stats(engine.stats())
+    text = metrics.render()[0].decode()
+    spec = spec_of(engine)
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {float(spec.num_drafts)}' in text
+    assert (
+        f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(spec.num_draft_tokens)}' in text
+    )
+    assert (
+        f'vllm:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(spec.num_accepted_tokens)}'
+        in text
+    )
+    assert (
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="0"}} {float(spec.accepted_per_position[0])}'
+        in text
+    )
+    assert 'ember:spec_decode_enabled{model_name="tiny"} 1.0' in text
+    line = metrics.log_line()
+    assert line is None or "acceptance" in line
+
+
+def test_the_trained_draft_is_exact_and_accepted_often() -> None:
+    from ember_engine.bench_spec import code_prompts
+    from ember_engine.spec_pair import packaged_pair
+
+    target, draft = packaged_pair()
+    prompts = code_prompts(4)
+    params = greedy(max_tokens=32)
+    expected, _ = run(target, prompts, params)
+    out, engine = run(target, prompts, params, draft_model=str(draft), speculative_adaptive=False)
+    assert out == expected
+    spec = spec_of(engine)
+    # Real acceptance, not a model agreeing with itself: well above what unrelated models would reach.
+    assert spec.acceptance_rate is not None and spec.acceptance_rate > 0.5
+    ngram, engine = run(target, prompts, params, speculative_method="ngram", speculative_adaptive=False)
+    assert ngram == expected and spec_of(engine).num_drafts > 0
