@@ -294,7 +294,9 @@ class LLMEngine:
         self._last_step = (elapsed, len(batch), batch.total_tokens)
         self.num_steps += 1
         if self.spec_controller is not None and all_decoding:
-            self.spec_controller.record(len(batch), speculate, self.generation_tokens - generated, elapsed)
+            # A step in which nobody got proposals ran plainly, whatever the decision was.
+            spec_ran = bool(proposed)
+            self.spec_controller.record(len(batch), spec_ran, self.generation_tokens - generated, elapsed)
         for g in touched.values():
             if g.finished:
                 self.groups.pop(g.request_id, None)

@@ -66,17 +66,24 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        for request in list(self.running):
+        running = list(self.running)
+        for i, request in enumerate(running):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             # A decode may also reserve slots for speculative tokens, but only from spare budget and
-            # free blocks: lookahead never preempts anyone.
+            # from blocks no one else running could need this step (one each): lookahead never causes a
+            # preemption.
             decoding = request.num_tokens - request.num_computed_tokens == 1
             extra = min(request.spec_lookahead, budget - 1) if decoding else 0
-            if extra > 0 and self.block_manager.allocate(request, n + extra):
+            bm = self.block_manager
+            if (
+                extra > 0
+                and bm.num_new_blocks(request, n + extra) <= bm.num_free_blocks - (len(running) - i - 1)
+                and bm.allocate(request, n + extra)
+            ):
                 out.requests.append(request)
                 out.num_tokens.append(n + extra)
                 budget -= n + extra

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember_engine import testmodel
+from ember_engine.llama import RMSNorm, rotate_half
 
 # The committed pair, shipped as package data: `target/` and `draft/`, each a Hugging Face checkpoint.
 PACKAGED_DIR = Path(__file__).parent / "models" / "spec_pair"
@@ -99,24 +100,6 @@ def packaged_pair() -> tuple[Path, Path]:
 # --- the training model -------------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
@@ -136,8 +119,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         # Grouped-query attention: each KV head serves a run of consecutive query heads.
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=1)
