@@ -185,3 +185,28 @@ def test_the_trained_draft_is_exact_and_accepted_often() -> None:
     assert spec.acceptance_rate is not None and spec.acceptance_rate > 0.5
     ngram, engine = run(target, prompts, params, speculative_method="ngram", speculative_adaptive=False)
     assert ngram == expected and spec_of(engine).num_drafts > 0
+
+
+def test_lookahead_comes_only_from_spare_blocks_and_is_trimmed_back() -> None:
+    from ember_engine.block_manager import BlockManager
+    from ember_engine.request import Request
+    from ember_engine.scheduler import Scheduler
+
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = (Request(name, [1, 2, 3], SamplingParams(max_tokens=10)) for name in "ab")
+    for r in (a, b):
+        sched.add(r)
+    out = sched.schedule()  # both prompts, one block each
+    for r, n in zip(out.requests, out.num_tokens, strict=True):
+        r.num_computed_tokens += n
+        r.all_token_ids.append(7)  # decoding now: one known token to compute
+    a.spec_lookahead = b.spec_lookahead = 4
+    out = sched.schedule()
+    # One free block: `a` may not take it while `b`, still to be scheduled, could need it; `b` may.
+    assert out.requests == [a, b] and out.num_tokens == [1, 5]
+    assert bm.num_free_blocks == 0 and sched.num_preemptions == 0
+    lookahead_block = b.block_ids[-1]
+    bm.trim(b, b.num_tokens)  # nothing of the proposals was kept
+    assert b.block_ids != [] and lookahead_block not in b.block_ids
+    assert next(iter(bm.free_queue)) == lookahead_block  # reused first
