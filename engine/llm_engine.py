@@ -383,9 +383,7 @@ class LLMEngine:
         p = req.params
         # Verification samples every position from the same distribution, so position-dependent sampling
         # (penalties, min_tokens' suppression) and per-token logprobs stay on the plain path.
-        if p.logprobs is not None or req.num_output_tokens < p.min_tokens:
-            return 0
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        if p.logprobs is not None or p.penalized or req.num_output_tokens < p.min_tokens:
             return 0
         assert self.spec_controller is not None
         k = self.spec_controller.request_lookahead(k, req.recent_acceptance, req.num_draft_tokens)

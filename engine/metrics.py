@@ -81,7 +81,7 @@ class EngineMetrics:
             registry=reg,
         )
         self._spec_seen = dict.fromkeys(_SPEC_TOTALS, 0)
-        self._spec_pos_seen: list[int] = []
+        self._spec_pos_seen: dict[int, int] = {}
         self._spec_enabled = gauge(
             "ember:spec_decode_enabled", "1 while the adaptive controller has speculative decoding on."
         )
@@ -171,11 +171,7 @@ class EngineMetrics:
         with self._lock:
             self._latest = stats
             for field, counter in self._totals.items():
-                value = getattr(stats, field)
-                # A snapshot older than one already seen (another thread's) must not count twice.
-                if value > self._seen[field]:
-                    counter.inc(value - self._seen[field])
-                    self._seen[field] = value
+                _advance(counter, self._seen, field, getattr(stats, field))
             if stats.spec is not None:
                 self._record_spec(stats)
 
@@ -185,16 +181,9 @@ class EngineMetrics:
         assert spec is not None
         self._spec_enabled.set(1 if stats.spec_enabled else 0)
         for field, counter in self._spec_totals.items():
-            value = getattr(spec, field)
-            if value > self._spec_seen[field]:
-                counter.inc(value - self._spec_seen[field])
-                self._spec_seen[field] = value
-        seen = self._spec_pos_seen
-        seen.extend([0] * (len(spec.accepted_per_position) - len(seen)))
+            _advance(counter, self._spec_seen, field, getattr(spec, field))
         for pos, value in enumerate(spec.accepted_per_position):
-            if value > seen[pos]:
-                self._spec_per_pos.labels(self._model, str(pos)).inc(value - seen[pos])
-                seen[pos] = value
+            _advance(self._spec_per_pos.labels(self._model, str(pos)), self._spec_pos_seen, pos, value)
 
     def record_shed(self, reason: str, priority: str) -> None:
         self._shed.labels(self._model, reason, priority).inc()
@@ -237,3 +226,11 @@ class EngineMetrics:
             f"generation: {(seen['generation_tokens'] - before['generation_tokens']) / elapsed:.1f} tok/s, "
             f"prefix cache hit rate: {hits / queries if queries else 0.0:.1%}{spec}"
         )
+
+
+def _advance(counter: Counter, seen: dict, key: object, value: int) -> None:
+    """Move a counter up to an engine total. A snapshot older than one already seen (another thread's)
+    must not count twice."""
+    if value > seen.get(key, 0):
+        counter.inc(value - seen.get(key, 0))
+        seen[key] = value

@@ -49,10 +49,7 @@ def _counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.devi
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    def penalized(p: SamplingParams) -> bool:
-        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-    picked = [i for i, r in enumerate(rows) if penalized(r.params)]
+    picked = [i for i, r in enumerate(rows) if r.params.penalized]
     if not picked:
         return logits
     dev, vocab = logits.device, logits.shape[1]

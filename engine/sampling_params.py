@@ -36,6 +36,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a repetition, frequency or presence penalty applies (they read the tokens so far)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
 
