@@ -6,8 +6,8 @@ server, an engine or a clock.
 Priority-aware shedding. The policy's distinct class priorities, sorted, give each class a rank i of k
 (0 = most important). A request of priority p counts only the waiting requests at least as important
 (priority <= p): under the engine's priority scheduling those are the ones it waits behind. Its class is
-shed once that count reaches ceil(maxQueueDepth * (k - i) / k), or once its share of the estimated queue wait
-reaches maxQueueWaitSeconds * (k - i) / k. The most important class gets the full limits and the least
+shed once that count reaches ceil(maxQueueDepth * (k - i) / k), or once the forecast of its own queue wait
+(queue_forecast.Forecast.wait, scaled by WaitCalibration.factor) reaches maxQueueWaitSeconds * (k - i) / k. The most important class gets the full limits and the least
 important 1/k of them, and since a lower class also counts everything above it, a growing queue sheds the
 least important class first and the most important last. The total queue is thereby bounded by about
 maxQueueDepth * (k + 1) / 2, reached only when every class fills its own share.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,12 +37,12 @@ _CONDITION = {
 class QueueState:
     num_waiting: int
     num_waiting_by_priority: Mapping[int, int]  # must cover every waiting request
-    # How long a request joining the back of the queue would wait (num_waiting + 1 positions: with every
-    # slot busy it starts only after all those ahead of it and one more have left), from
-    # QueueWaitEstimator.estimate(num_waiting + 1).
+    # How long this newcomer would wait, from queue_forecast (behind the waiting requests at least as
+    # important as itself); 0 when there is nothing to forecast from (only the depth limit applies).
     estimated_wait_s: float
     draining: bool
     ready: bool
+    wait_factor: float = 1.0  # the calibration the forecast is scaled by (WaitCalibration.factor)
 
     def __post_init__(self) -> None:
         # An empty or partial breakdown would silently exempt requests from shedding.
@@ -72,6 +73,19 @@ def _shed(policy: Policy, status: int, reason: str, message: str) -> Shed:
     return Shed(status, reason, message, policy.load_shedding.retry_after_seconds, eligible)
 
 
+def _share(policy: Policy, priority: int) -> float:
+    """The fraction (k - i)/k of each queue limit that a request of this priority may fill."""
+    levels = sorted(c.priority for c in policy.load_shedding.priority_classes)
+    k = len(levels)
+    rank = min(bisect.bisect_left(levels, priority), k - 1)  # between two classes: the less important one
+    return (k - rank) / k
+
+
+def wait_limit_s(policy: Policy, priority: int) -> float:
+    """The longest queue wait a request of this priority is admitted for; 0 when the policy sets none."""
+    return policy.load_shedding.max_queue_wait_seconds * _share(policy, priority)
+
+
 def decide(policy: Policy, state: QueueState, priority: int, client_in_flight: int = 0) -> Admit | Shed:
     """Admit or shed a new request of numeric `priority` from a client with `client_in_flight` requests
     already in flight (not counting this one).
@@ -93,10 +107,7 @@ def decide(policy: Policy, state: QueueState, priority: int, client_in_flight: i
             f"client has {client_in_flight} requests in flight; maxConcurrentPerClient is {limit}",
         )
 
-    levels = sorted(c.priority for c in shedding.priority_classes)
-    k = len(levels)
-    rank = min(bisect.bisect_left(levels, priority), k - 1)  # between two classes: the less important one
-    share = (k - rank) / k
+    share = _share(policy, priority)
     ahead = sum(n for p, n in state.num_waiting_by_priority.items() if p <= priority)
 
     if shedding.max_queue_depth:
@@ -110,9 +121,8 @@ def decide(policy: Policy, state: QueueState, priority: int, client_in_flight: i
                 f"priority is {depth_limit} (maxQueueDepth {shedding.max_queue_depth})",
             )
     if shedding.max_queue_wait_seconds:
-        wait_limit = shedding.max_queue_wait_seconds * share
-        # This request's position counts only those at least as important ahead of it.
-        wait = state.estimated_wait_s * (ahead + 1) / (state.num_waiting + 1)
+        wait_limit = wait_limit_s(policy, priority)
+        wait = state.estimated_wait_s * state.wait_factor
         if wait >= wait_limit:
             return _shed(
                 policy,
@@ -124,49 +134,62 @@ def decide(policy: Policy, state: QueueState, priority: int, client_in_flight: i
     return Admit()
 
 
-class QueueWaitEstimator:
-    """Estimated time a new request would wait: waiting requests ÷ the rate at which requests leave the queue.
+class WaitCalibration:
+    """How far short the wait forecast runs, as a factor to scale it by before it meets the limit.
 
-    The rate is measured only over time when the queue was non-empty: while it is empty, requests start as
-    fast as they arrive, which says nothing about how fast a backlog drains. It is averaged per window of
-    `window_s` such time by an EWMA with weight `alpha` on the newest window. Before the first window closes
-    the rate seen so far is used; with no request ever having left a non-empty queue the estimate is 0 (no
-    evidence of a backlog; the depth limit still applies). A queue that stops moving drives the rate towards
-    0 and the estimate up, to infinity when no request has left it at all.
+    Each admitted request's forecast wait is compared with the wait it then had. The factor is a high
+    quantile of actual / forecast over the latest comparisons, so that the limit holds for all but that
+    share of the requests admitted close to it. A comparison arrives only when a request starts, up to a
+    whole wait limit after its admission; meanwhile a request still waiting past its forecast already
+    shows that forecasts run short, so the factor is at least the largest waited-so-far / forecast of the
+    requests still waiting. It never goes below 1: a forecast that runs long costs some goodput, one
+    corrected downwards on the strength of a calm spell overshoots the limit when the load turns. Only
+    requests whose calibrated forecast was at least half their limit are compared: those are the ones a
+    decision turns on, and a ratio to a forecast near zero says little. Until `min_samples` comparisons
+    exist the quantile part is 1. Times are passed in, so that it is testable without a clock.
     """
 
-    def __init__(self, window_s: float = 1.0, alpha: float = 0.3) -> None:
-        if window_s <= 0 or not 0 < alpha <= 1:
-            raise ValueError(f"need window_s > 0 and 0 < alpha <= 1, got {window_s}, {alpha}")
-        self.window_s = window_s
-        self.alpha = alpha
-        self.rate: float | None = None  # requests/s leaving a non-empty queue; None before the first window
-        self._last: tuple[float, int, int] | None = None  # (now, num_waiting, num_started_total)
-        self._busy_s = 0.0  # non-empty-queue time and departures in the current window
-        self._busy_started = 0
+    def __init__(
+        self,
+        quantile: float = 0.99,
+        window: int = 100,
+        min_samples: int = 3,
+        bounds: tuple[float, float] = (1.0, 4.0),
+    ) -> None:
+        if (
+            not 0 < quantile <= 1
+            or window < 1
+            or not 1 <= min_samples <= window
+            or not 0 < bounds[0] <= 1 <= bounds[1]
+        ):
+            raise ValueError(
+                f"need 0 < quantile <= 1, 1 <= min_samples <= window and 0 < low <= 1 <= high; got "
+                f"{quantile}, {min_samples}, {window}, {bounds}"
+            )
+        self.quantile, self.min_samples, self.bounds = quantile, min_samples, bounds
+        self._ratios: deque[float] = deque(maxlen=window)
+        self._waiting: dict[object, tuple[float, float]] = {}  # request -> (admitted at, its forecast)
+        self.quantile_factor = 1.0  # from the completed comparisons alone
 
-    def observe(self, now: float, num_waiting: int, num_started_total: int) -> None:
-        """Record the queue after an engine step; num_started_total counts every request that ever left it."""
-        if self._last is not None:
-            last_now, last_waiting, last_started = self._last
-            if last_waiting > 0:
-                self._busy_s += max(0.0, now - last_now)
-                # max(): a counter that went backwards (an engine restart) contributes nothing.
-                self._busy_started += max(0, num_started_total - last_started)
-            if self._busy_s >= self.window_s:
-                sample = self._busy_started / self._busy_s
-                self.rate = (
-                    sample if self.rate is None else self.alpha * sample + (1 - self.alpha) * self.rate
-                )
-                self._busy_s, self._busy_started = 0.0, 0
-        self._last = (now, num_waiting, num_started_total)
+    def admitted(self, key: object, forecast_s: float, limit_s: float, now: float) -> None:
+        """A request admitted at `now` with this uncalibrated forecast under its priority's limit."""
+        if limit_s > 0 and forecast_s > 0 and forecast_s * self.factor(now) >= limit_s / 2:
+            self._waiting[key] = (now, forecast_s)
 
-    def estimate(self, num_waiting: int) -> float:
-        if num_waiting <= 0:
-            return 0.0
-        rate = self.rate
-        if rate is None:
-            if not self._busy_started or self._busy_s <= 0:
-                return 0.0
-            rate = self._busy_started / self._busy_s
-        return num_waiting / rate if rate > 0 else math.inf
+    def started(self, key: object, waited_s: float) -> None:
+        """It started after waiting `waited_s` in the queue."""
+        entry = self._waiting.pop(key, None)
+        if entry is None:
+            return
+        self._ratios.append(waited_s / entry[1])
+        if len(self._ratios) >= self.min_samples:
+            ordered = sorted(self._ratios)
+            self.quantile_factor = ordered[min(len(ordered) - 1, math.ceil(self.quantile * len(ordered)) - 1)]
+
+    def forget(self, key: object) -> None:
+        """It left (finished, aborted, failed) without a comparison to make."""
+        self._waiting.pop(key, None)
+
+    def factor(self, now: float) -> float:
+        overdue = max(((now - since) / forecast for since, forecast in self._waiting.values()), default=0.0)
+        return min(max(self.quantile_factor, overdue, self.bounds[0]), self.bounds[1])

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -17,15 +18,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ember_engine.admission import Admit, QueueState, QueueWaitEstimator, Shed, decide
+from ember_engine.admission import (
+    Admit,
+    QueueState,
+    Shed,
+    WaitCalibration,
+    decide,
+    wait_limit_s,
+)
 from ember_engine.async_engine import AsyncEngine
 from ember_engine.chat import ChatTemplateError, render_chat
 from ember_engine.fallback import Fallback, FallbackFailed
+from ember_engine.llm_engine import LLMEngine
 from ember_engine.metrics import EngineMetrics
 from ember_engine.openai_format import Formatter, Usage, sse
 from ember_engine.outputs import RequestOutput
 from ember_engine.policy import PolicyError, PolicyWatcher
 from ember_engine.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ember_engine.queue_forecast import ForecastObserver
 
 log = logging.getLogger("ember.server")
 
@@ -40,50 +50,80 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0  # HTTP requests being served (drain waits for these)
     queued: Counter[int] = field(default_factory=Counter)  # admitted, not yet started, by priority
-    # Requests that ended (finished or aborted). While requests queue, every slot is busy and one can
-    # start only when another ends, so endings, not starts, measure how fast the queue drains: counting
-    # starts would read the burst that fills idle slots at the onset of overload as a high drain rate.
-    ended_total: int = 0
     client_in_flight: Counter[str] = field(default_factory=Counter)
-    estimator: QueueWaitEstimator = field(default_factory=QueueWaitEstimator)
+    forecast: ForecastObserver = field(default_factory=ForecastObserver)
+    calibration: WaitCalibration = field(default_factory=WaitCalibration)
 
     @property
     def ready(self) -> bool:
         return self.engine is not None and not self.draining
 
-    def observe_queue(self) -> None:
-        self.estimator.observe(time.monotonic(), sum(self.queued.values()), self.ended_total)
+    def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """The step hook (engine thread): metrics, and the forecast admission reads."""
+        stats = engine.stats()
+        self.metrics.record_step(stats, outputs)
+        lengths = [
+            len(o.token_ids)
+            for out in outputs
+            if out.finished
+            for o in out.outputs
+            if o.finish_reason in ("stop", "length")
+        ]
+        taken_in = self.engine.taken_in if self.engine is not None else {}
+        self.forecast.observe(engine, stats, lengths, taken_in, time.monotonic())
 
-    def queue_state(self) -> QueueState:
+    def queue_state(self, priority: int) -> QueueState:
+        """The queue as a newcomer of `priority` would find it."""
         waiting = sum(self.queued.values())
         return QueueState(
             num_waiting=waiting,
             num_waiting_by_priority=dict(self.queued),
-            estimated_wait_s=self.estimator.estimate(waiting + 1),
+            estimated_wait_s=self.forecast_wait(priority),
             draining=self.draining,
             ready=self.ready,
+            wait_factor=self.calibration.factor(time.monotonic()),
         )
+
+    def forecast_wait(self, priority: int) -> float:
+        """The queue wait forecast (uncalibrated) of a newcomer of `priority`; 0 with nothing to go on."""
+        forecast, engine = self.forecast.forecast, self.engine
+        if forecast is None or engine is None:
+            return 0.0
+        return forecast.wait(forecast.ahead(priority, engine.submitted), time.monotonic())
 
 
 class _Ticket:
     """One admitted HTTP request's share of the server's counters, released exactly once."""
 
-    def __init__(self, state: ServerState, priority: int, client: str | None, num_requests: int) -> None:
-        self.state, self.priority, self.client = state, priority, client
+    def __init__(
+        self,
+        state: ServerState,
+        priority: int,
+        class_name: str,
+        client: str | None,
+        num_requests: int,
+        forecast_s: float,  # the uncalibrated queue wait forecast that admitted it
+    ) -> None:
+        self.state, self.priority, self.class_name, self.client = state, priority, class_name, client
+        self.wait_limit_s = wait_limit_s(state.policy.policy, priority)
+        state.calibration.admitted(self, forecast_s, self.wait_limit_s, time.monotonic())
         self.num_requests = self.unstarted = num_requests
         state.in_flight += 1
         state.queued[priority] += num_requests
         if client:
             state.client_in_flight[client] += 1
         self.released = False
-        # Arrivals are observations too: a queue that grows while nothing drains must raise the estimate.
-        state.observe_queue()
 
-    def started(self) -> None:
+    def started(self, out: RequestOutput) -> None:
         s = self.state
         self.unstarted -= 1
         s.queued[self.priority] -= 1
-        s.observe_queue()
+        m = out.metrics
+        if self.wait_limit_s and m is not None and m.first_scheduled_time is not None:
+            waited = m.first_scheduled_time - m.arrival_time
+            s.calibration.started(self, waited)
+            if waited > self.wait_limit_s:  # admission misjudged it
+                s.metrics.record_wait_over_limit(self.class_name)
 
     def release(self) -> None:
         if self.released:
@@ -92,8 +132,7 @@ class _Ticket:
         s = self.state
         s.queued[self.priority] -= self.unstarted
         s.in_flight -= 1
-        s.ended_total += self.num_requests  # in engine requests, as the queue is counted
-        s.observe_queue()
+        s.calibration.forget(self)
         if self.client:
             s.client_in_flight[self.client] -= 1
             if s.client_in_flight[self.client] <= 0:  # one key per client ever seen would only grow
@@ -135,6 +174,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         if state.engine is not None:  # gauges as of now, also when no step has run since an abort
             state.metrics.record_stats(state.engine.stats())
+            # A newcomer behind everyone: less important than any priority.
+            wait = state.forecast_wait(sys.maxsize) * state.calibration.factor(time.monotonic())
+            state.metrics.set_estimated_wait(wait)
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -175,7 +217,8 @@ async def _serve(
     policy = state.policy.policy
     class_name, priority = _priority(state, request, body.priority)
     client = request.headers.get("x-ember-client") or request.headers.get("authorization")
-    verdict = decide(policy, state.queue_state(), priority, state.client_in_flight[client] if client else 0)
+    queue = state.queue_state(priority)
+    verdict = decide(policy, queue, priority, state.client_in_flight[client] if client else 0)
     if isinstance(verdict, Shed):
         return await _shed(state, request, verdict, class_name)
     assert isinstance(verdict, Admit)
@@ -189,7 +232,7 @@ async def _serve(
             raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
     deadline = _deadline(request, body, policy.request_timeout_seconds)
     fmt = Formatter(state.model_name, engine.tokenizer, chat)
-    ticket = _Ticket(state, priority, client, len(prompts))
+    ticket = _Ticket(state, priority, class_name, client, len(prompts), queue.estimated_wait_s)
 
     def generators() -> list[AsyncIterator[RequestOutput]]:
         return [
@@ -275,7 +318,7 @@ async def _tracked(gen: AsyncIterator[RequestOutput], ticket: _Ticket) -> AsyncI
         async for out in gen:
             if first:
                 first = False
-                ticket.started()
+                ticket.started(out)
             yield out
 
 

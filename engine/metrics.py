@@ -94,6 +94,16 @@ class EngineMetrics:
             [*ml, "reason", "priority"],
             registry=reg,
         )
+        self._over_limit = Counter(
+            "ember:queue_wait_over_limit",
+            "Admitted requests that waited in the queue longer than their priority's wait limit.",
+            [*ml, "priority"],
+            registry=reg,
+        )
+        self._wait_forecast = gauge(
+            "ember:estimated_queue_wait_seconds",
+            "Forecast queue wait of a request joining the back of the queue now.",
+        )
         self._fallback = Counter(
             "ember:fallback_requests",
             "Requests sent to the fallback backend.",
@@ -187,6 +197,12 @@ class EngineMetrics:
 
     def record_shed(self, reason: str, priority: str) -> None:
         self._shed.labels(self._model, reason, priority).inc()
+
+    def record_wait_over_limit(self, priority: str) -> None:
+        self._over_limit.labels(self._model, priority).inc()
+
+    def set_estimated_wait(self, seconds: float) -> None:
+        self._wait_forecast.set(seconds)
 
     def record_fallback(self, outcome: str) -> None:
         self._fallback.labels(self._model, outcome).inc()

@@ -134,7 +134,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
         engine = LLMEngine(config)
         warm_up(engine)
         ae = AsyncEngine(engine=engine)
-        ae.add_step_hook(lambda eng, outs: state.metrics.record_step(eng.stats(), outs))
+        ae.add_step_hook(state.observe_step)
         state.engine = ae
         log.info("model %s loaded and warmed up in %.1f s; ready", name, time.perf_counter() - start)
 

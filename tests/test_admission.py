@@ -1,14 +1,22 @@
-"""Admission decisions (shed reasons, priority order, fallback eligibility) and the queue-wait estimator."""
+"""Admission decisions: shed reasons, priority order, fallback eligibility."""
 
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from ember_engine.admission import Admit, QueueState, QueueWaitEstimator, Shed, decide
-from ember_engine.policy import Policy
+from ember_engine.admission import Admit, QueueState, Shed, WaitCalibration, decide
+from ember_engine.api_server import ServerState, _Ticket
+from ember_engine.fallback import Fallback
+from ember_engine.metrics import EngineMetrics
+from ember_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ember_engine.policy import Policy, PolicyWatcher
 
 CRITICAL, STANDARD, BATCH = 0, 1, 2  # the default priority classes
 
@@ -113,7 +121,7 @@ def test_a_growing_queue_sheds_batch_then_standard_then_critical(
 
 def test_a_request_competes_only_with_requests_at_least_as_important() -> None:
     policy = make_policy(maxQueueDepth=30, maxQueueWaitSeconds=1.0)
-    batch_backlog = make_state({BATCH: 500}, wait=50.0)
+    batch_backlog = make_state({BATCH: 500})
     assert decide(policy, batch_backlog, CRITICAL) == Admit()
     assert decide(policy, batch_backlog, STANDARD) == Admit()
     assert shed(decide(policy, batch_backlog, BATCH)).reason == "queue_full"
@@ -127,58 +135,78 @@ def test_queue_state_must_account_for_every_waiting_request() -> None:
         QueueState(5, {}, 0.0, False, True)
 
 
-def run_steady(
-    est: QueueWaitEstimator, start: float, seconds: float, waiting: int, rate: float, started: int
-) -> tuple[float, int]:
-    """Observe a queue held at `waiting` while `rate` requests/s leave it, every 0.1 s."""
-    for step in range(1, round(seconds * 10) + 1):
-        est.observe(start + step / 10, waiting, started + math.floor(rate * step / 10 + 1e-9))
-    return start + seconds, started + math.floor(rate * seconds + 1e-9)
+def test_the_forecast_is_scaled_by_the_calibration_factor() -> None:
+    policy = make_policy(maxQueueWaitSeconds=3.0)  # critical may wait 3 s, standard 2 s, batch 1 s
+    assert decide(policy, QueueState(0, {}, 2.5, False, True), CRITICAL) == Admit()
+    slow = shed(decide(policy, QueueState(0, {}, 2.5, False, True, wait_factor=1.25), CRITICAL))
+    assert slow.reason == "queue_wait" and "3.12s" in slow.message  # 2.5 s * 1.25
 
 
-def test_estimator_before_any_measurement() -> None:
-    est = QueueWaitEstimator()
-    assert est.estimate(5) == 0.0  # nothing measured: no evidence of a backlog
-    est.observe(0.0, 5, 0)
-    est.observe(0.5, 5, 5)  # half a window: the rate seen so far is used
-    assert est.estimate(5) == pytest.approx(0.5)
-    stuck = QueueWaitEstimator()
-    stuck.observe(0.0, 5, 0)
-    stuck.observe(2.0, 5, 0)  # a full window in which nothing left the queue
-    assert stuck.estimate(5) == math.inf
+def compare(cal: WaitCalibration, forecast: float, actual: float, limit: float = 3.0) -> None:
+    key = object()
+    cal.admitted(key, forecast, limit, now=0.0)
+    cal.started(key, actual)
 
 
-def test_estimator_on_a_synthetic_trace() -> None:
-    est = QueueWaitEstimator(window_s=1.0, alpha=0.3)
-    now, started = run_steady(est, 0.0, 10, waiting=20, rate=10, started=0)
-    assert est.estimate(20) == pytest.approx(2.0, rel=0.02)  # 20 waiting / 10 per s
-    assert est.estimate(5) == pytest.approx(0.5, rel=0.02)
+def test_wait_calibration_from_completed_comparisons() -> None:
+    cal = WaitCalibration(quantile=0.9, window=10, min_samples=5)
+    assert cal.factor(0.0) == 1.0
+    for _ in range(4):
+        compare(cal, 2.0, 3.0)
+    assert cal.factor(0.0) == 1.0  # too few comparisons yet
+    compare(cal, 2.0, 3.0)
+    assert cal.factor(0.0) == pytest.approx(1.5)
+    compare(cal, 0.5, 3.0)  # far below half the limit, even calibrated (0.75 s): not a comparison
+    assert cal.factor(0.0) == pytest.approx(1.5)
+    for _ in range(10):  # a long run of forecasts that come true: the old misses leave the window
+        compare(cal, 2.0, 2.0)
+    assert cal.factor(0.0) == 1.0
+    for _ in range(10):  # forecasts that run long never lower the factor below 1
+        compare(cal, 2.0, 1.0)
+    assert cal.factor(0.0) == 1.0
+    for actual in [2.0] * 8 + [8.0, 20.0]:  # the 90th percentile of 10 is the 9th: 4.0, the upper bound
+        compare(cal, 2.0, actual)
+    assert cal.factor(0.0) == 4.0
+    with pytest.raises(ValueError, match="quantile"):
+        WaitCalibration(quantile=0)
 
-    # The queue drains; then requests start as fast as they arrive, which says nothing about capacity.
-    est.observe(now + 0.1, 0, started + 20)
-    assert est.estimate(0) == 0.0
-    now, started = run_steady(est, now + 0.1, 20, waiting=0, rate=1, started=started + 20)
-    assert est.estimate(20) == pytest.approx(2.0, rel=0.05)
 
-    # Throughput halves under a backlog: the EWMA converges to the new rate.
-    now, started = run_steady(est, now, 20, waiting=20, rate=5, started=started)
-    assert est.estimate(20) == pytest.approx(4.0, rel=0.02)
-
-
-def test_estimator_rejects_bad_parameters() -> None:
-    with pytest.raises(ValueError, match="window_s"):
-        QueueWaitEstimator(window_s=0)
-    with pytest.raises(ValueError, match="alpha"):
-        QueueWaitEstimator(alpha=1.5)
+def test_a_request_waiting_past_its_forecast_raises_the_factor_at_once() -> None:
+    cal = WaitCalibration()
+    late, early, tiny = object(), object(), object()
+    cal.admitted(late, forecast_s=2.0, limit_s=3.0, now=10.0)
+    cal.admitted(early, forecast_s=2.5, limit_s=3.0, now=11.0)
+    cal.admitted(tiny, forecast_s=0.2, limit_s=3.0, now=10.0)  # too small a forecast to compare
+    assert cal.factor(11.0) == 1.0  # nobody has waited past their forecast yet
+    assert cal.factor(13.0) == pytest.approx(1.5)  # `late` has waited 3 s on a 2 s forecast
+    cal.started(late, waited_s=3.2)
+    assert cal.factor(13.0) == pytest.approx(1.0)  # one comparison is too few; `early` is within its 2.5 s
+    cal.forget(early)  # it left without starting
+    assert cal.factor(20.0) == 1.0
 
 
-def test_a_newcomer_to_an_empty_queue_still_waits_for_a_free_slot() -> None:
-    # With every slot busy, even the first in line waits for one request to end: the estimate is for the
-    # newcomer's own position, so an empty queue with a slow drain can already exceed the limit.
-    one_class = [{"name": "only", "priority": 0}]
-    policy = make_policy(maxQueueWaitSeconds=3, priorityClasses=one_class, defaultPriorityClass="only")
-    assert isinstance(decide(policy, make_state({}, wait=2.0), 0), Admit)
-    assert shed(decide(policy, make_state({}, wait=3.5), 0)).reason == "queue_wait"
-    # Behind four others the newcomer is fifth: the estimate for the back of the queue applies in full.
-    assert shed(decide(policy, make_state({0: 4}, wait=3.5), 0)).reason == "queue_wait"
-    assert isinstance(decide(policy, make_state({0: 4}, wait=2.9), 0), Admit)
+def test_the_server_compares_each_admitted_requests_forecast_with_its_wait(tmp_path: Path) -> None:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text('{"loadShedding": {"maxQueueWaitSeconds": 3}}')  # standard: 2/3 of it, 2 s
+    state = ServerState("m", PolicyWatcher(policy_file), EngineMetrics("m"), Fallback(httpx.AsyncClient()))
+
+    def admit_and_start(forecast_s: float, waited_s: float) -> None:
+        ticket = _Ticket(state, STANDARD, "standard", None, 1, forecast_s)
+        assert ticket.wait_limit_s == pytest.approx(2.0)
+        arrived = time.monotonic()
+        times = RequestMetrics(arrived, arrived + waited_s, None, None, 1, 0, 0, 0)
+        ticket.started(RequestOutput("r", None, [1], [CompletionOutput(0)], metrics=times))
+        ticket.release()
+
+    for _ in range(3):
+        admit_and_start(forecast_s=1.5, waited_s=2.5)  # a forecast 1 s short, over the 2 s limit
+    admit_and_start(forecast_s=0.1, waited_s=0.2)  # within the limit; too small a forecast to compare
+    over = [
+        s.value
+        for family in text_string_to_metric_families(state.metrics.render()[0].decode())
+        for s in family.samples
+        if s.name == "ember:queue_wait_over_limit_total"
+    ]
+    assert over == [3.0]
+    assert state.calibration.factor(time.monotonic()) == pytest.approx(2.5 / 1.5)
+    assert sum(state.queued.values()) == 0 and state.in_flight == 0

@@ -121,7 +121,7 @@ def _one_running_one_waiting(s: InProcessServer) -> list[threading.Thread]:
     threads = [_hold(s.url, {**LONG, "max_tokens": 300}, started)]
     started.wait(30)
     threads.append(_hold(s.url, {**LONG, "max_tokens": 300}))
-    wait_for(lambda: s.state.queue_state().num_waiting == 1)
+    wait_for(lambda: sum(s.state.queued.values()) == 1)
     return threads
 
 
@@ -152,15 +152,46 @@ def test_shedding_by_queue_depth_and_priority(tiny_model: Path, tmp_path: Path) 
         err = shed.json()["error"]
         assert err["type"] == "overloaded" and err["code"] in ("queue_full", "queue_wait")
         threads.append(_hold(s.url, body, headers={"x-ember-priority": "critical"}))
-        wait_for(lambda: s.state.queue_state().num_waiting == 2)
+        wait_for(lambda: sum(s.state.queued.values()) == 2)
         threads.append(_hold(s.url, body, headers={"x-ember-priority": "critical"}))
-        wait_for(lambda: s.state.queue_state().num_waiting == 3)
+        wait_for(lambda: sum(s.state.queued.values()) == 3)
         standard = httpx.post(f"{s.url}/v1/completions", json=small)
         assert standard.status_code == 503  # standard's share is full, critical still had room
         m = metrics(s.url)
         assert m[("ember:requests_shed_total", (("priority", "batch"), ("reason", err["code"])))] == 1
         for t in threads:
             t.join(60)
+
+
+def test_shedding_on_the_forecast_queue_wait(tiny_model: Path, tmp_path: Path) -> None:
+    # One seat, held by a request with 1,500 tokens to go: a newcomer's forecast wait is the rest of that
+    # request, far over a 0.2 s limit, although nothing is queued yet.
+    one_class = {"priorityClasses": [{"name": "only", "priority": 0}], "defaultPriorityClass": "only"}
+    policy = write_policy(
+        tmp_path / "policy.yaml", {"loadShedding": {"maxQueueWaitSeconds": 0.2, **one_class}}
+    )
+    with running_server(
+        tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "1", "--policy", str(policy)
+    ) as s:
+        with httpx.stream(
+            "POST", f"{s.url}/v1/completions", json={**LONG, "stream": True}, timeout=60
+        ) as held:
+            lines = held.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            wait_for(lambda: s.state.forecast.forecast is not None)
+            r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 503 and "retry-after" in r.headers
+            err = r.json()["error"]
+            assert err["type"] == "overloaded" and err["code"] == "queue_wait"
+            assert "estimated queue wait" in err["message"] and "maxQueueWaitSeconds 0.2" in err["message"]
+            m = metrics(s.url)
+            assert m[("ember:estimated_queue_wait_seconds", ())] > 0.2
+            assert m[("ember:requests_shed_total", (("priority", "only"), ("reason", "queue_wait")))] == 1
+        wait_for(lambda: engine_idle(s))  # hanging up aborted the held request
+        assert metrics(s.url)[("ember:estimated_queue_wait_seconds", ())] == 0.0
+        # With the seat free again, a newcomer is admitted.
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200
 
 
 def test_per_client_limit_is_429(tiny_model: Path, tmp_path: Path) -> None:
