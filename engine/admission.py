@@ -146,50 +146,66 @@ class WaitCalibration:
     corrected downwards on the strength of a calm spell overshoots the limit when the load turns. Only
     requests whose calibrated forecast was at least half their limit are compared: those are the ones a
     decision turns on, and a ratio to a forecast near zero says little. Until `min_samples` comparisons
-    exist the quantile part is 1. Times are passed in, so that it is testable without a clock.
+    exist the quantile part is `initial`: a forecast not yet checked against this machine is trusted only
+    up to two thirds of the limit. The factor is capped at `bounds[1]`. Times are passed in, so that it is
+    testable without a clock.
     """
 
     def __init__(
         self,
         quantile: float = 0.99,
         window: int = 100,
-        min_samples: int = 3,
+        min_samples: int = 20,
         bounds: tuple[float, float] = (1.0, 4.0),
+        initial: float = 1.5,
     ) -> None:
         if (
             not 0 < quantile <= 1
             or window < 1
             or not 1 <= min_samples <= window
             or not 0 < bounds[0] <= 1 <= bounds[1]
+            or not bounds[0] <= initial <= bounds[1]
         ):
             raise ValueError(
-                f"need 0 < quantile <= 1, 1 <= min_samples <= window and 0 < low <= 1 <= high; got "
-                f"{quantile}, {min_samples}, {window}, {bounds}"
+                f"need 0 < quantile <= 1, 1 <= min_samples <= window and 0 < low <= 1 <= high, initial "
+                f"within the bounds; got {quantile}, {min_samples}, {window}, {bounds}, {initial}"
             )
         self.quantile, self.min_samples, self.bounds = quantile, min_samples, bounds
         self._ratios: deque[float] = deque(maxlen=window)
-        self._waiting: dict[object, tuple[float, float]] = {}  # request -> (admitted at, its forecast)
-        self.quantile_factor = 1.0  # from the completed comparisons alone
+        # request -> (admitted at, its forecast, its limit), until it starts or leaves
+        self._waiting: dict[object, tuple[float, float, float]] = {}
+        self.quantile_factor = initial  # from the completed comparisons alone
 
     def admitted(self, key: object, forecast_s: float, limit_s: float, now: float) -> None:
         """A request admitted at `now` with this uncalibrated forecast under its priority's limit."""
         if limit_s > 0 and forecast_s > 0 and forecast_s * self.factor(now) >= limit_s / 2:
-            self._waiting[key] = (now, forecast_s)
+            self._waiting[key] = (now, forecast_s, limit_s)
 
     def started(self, key: object, waited_s: float) -> None:
         """It started after waiting `waited_s` in the queue."""
         entry = self._waiting.pop(key, None)
-        if entry is None:
-            return
-        self._ratios.append(waited_s / entry[1])
+        if entry is not None:
+            self._compare(waited_s / entry[1])
+
+    def forget(self, key: object, now: float) -> None:
+        """It left (finished, or gave up waiting) without starting. If it had waited past its forecast, that
+        much is known: the ratio so far is compared (a request whose wait overran its forecast long enough
+        for the client to give up is just the kind of miss to learn from)."""
+        entry = self._waiting.pop(key, None)
+        if entry is not None and now - entry[0] > entry[1]:
+            self._compare((now - entry[0]) / entry[1])
+
+    def _compare(self, ratio: float) -> None:
+        self._ratios.append(ratio)
         if len(self._ratios) >= self.min_samples:
             ordered = sorted(self._ratios)
             self.quantile_factor = ordered[min(len(ordered) - 1, math.ceil(self.quantile * len(ordered)) - 1)]
 
-    def forget(self, key: object) -> None:
-        """It left (finished, aborted, failed) without a comparison to make."""
-        self._waiting.pop(key, None)
-
     def factor(self, now: float) -> float:
-        overdue = max(((now - since) / forecast for since, forecast in self._waiting.values()), default=0.0)
+        overdue = 0.0
+        for key, (since, forecast, limit) in list(self._waiting.items()):
+            if now - since > 10 * limit:  # neither started nor left after ten limits: stop counting it
+                del self._waiting[key]
+            else:
+                overdue = max(overdue, (now - since) / forecast)
         return min(max(self.quantile_factor, overdue, self.bounds[0]), self.bounds[1])

@@ -50,6 +50,8 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0  # HTTP requests being served (drain waits for these)
     queued: Counter[int] = field(default_factory=Counter)  # admitted, not yet started, by priority
+    # Samples admitted but not yet handed to the engine (AsyncEngine.generate runs when first iterated).
+    unsubmitted: Counter[int] = field(default_factory=Counter)
     client_in_flight: Counter[str] = field(default_factory=Counter)
     forecast: ForecastObserver = field(default_factory=ForecastObserver)
     calibration: WaitCalibration = field(default_factory=WaitCalibration)
@@ -62,34 +64,29 @@ class ServerState:
         """The step hook (engine thread): metrics, and the forecast admission reads."""
         stats = engine.stats()
         self.metrics.record_step(stats, outputs)
-        lengths = [
-            len(o.token_ids)
-            for out in outputs
-            if out.finished
-            for o in out.outputs
-            if o.finish_reason in ("stop", "length")
-        ]
         taken_in = self.engine.taken_in if self.engine is not None else {}
-        self.forecast.observe(engine, stats, lengths, taken_in, time.monotonic())
+        self.forecast.observe(engine, stats, outputs, taken_in, time.monotonic())
 
-    def queue_state(self, priority: int) -> QueueState:
-        """The queue as a newcomer of `priority` would find it."""
+    def queue_state(self, priority: int, samples: int = 1) -> QueueState:
+        """The queue as a newcomer of `priority` with this many samples (prompts times n) would find it."""
         waiting = sum(self.queued.values())
         return QueueState(
             num_waiting=waiting,
             num_waiting_by_priority=dict(self.queued),
-            estimated_wait_s=self.forecast_wait(priority),
+            estimated_wait_s=self.forecast_wait(priority, samples),
             draining=self.draining,
             ready=self.ready,
             wait_factor=self.calibration.factor(time.monotonic()),
         )
 
-    def forecast_wait(self, priority: int) -> float:
-        """The queue wait forecast (uncalibrated) of a newcomer of `priority`; 0 with nothing to go on."""
+    def forecast_wait(self, priority: int, samples: int = 1) -> float:
+        """The queue wait forecast (uncalibrated) of a newcomer of `priority` until its last sample starts;
+        0 with nothing to go on."""
         forecast, engine = self.forecast.forecast, self.engine
         if forecast is None or engine is None:
             return 0.0
-        return forecast.wait(forecast.ahead(priority, engine.submitted), time.monotonic())
+        ahead = forecast.ahead(priority, engine.submitted + self.unsubmitted)
+        return forecast.wait(ahead + max(1, samples) - 1, time.monotonic())
 
 
 class _Ticket:
@@ -101,18 +98,32 @@ class _Ticket:
         priority: int,
         class_name: str,
         client: str | None,
-        num_requests: int,
+        num_requests: int,  # engine requests (prompts)
+        n: int,  # samples each
         forecast_s: float,  # the uncalibrated queue wait forecast that admitted it
     ) -> None:
-        self.state, self.priority, self.class_name, self.client = state, priority, class_name, client
+        self.state, self.priority, self.class_name, self.client, self.n = (
+            state,
+            priority,
+            class_name,
+            client,
+            n,
+        )
+        self.admitted_at = time.monotonic()
         self.wait_limit_s = wait_limit_s(state.policy.policy, priority)
-        state.calibration.admitted(self, forecast_s, self.wait_limit_s, time.monotonic())
-        self.num_requests = self.unstarted = num_requests
+        state.calibration.admitted(self, forecast_s, self.wait_limit_s, self.admitted_at)
+        self.num_requests = self.unstarted = self.unsubmitted = num_requests
         state.in_flight += 1
         state.queued[priority] += num_requests
+        state.unsubmitted[priority] += num_requests * n
         if client:
             state.client_in_flight[client] += 1
         self.released = False
+
+    def submitting(self) -> None:
+        """One of its engine requests is about to be handed to the engine."""
+        self.unsubmitted -= 1
+        self.state.unsubmitted[self.priority] -= self.n
 
     def started(self, out: RequestOutput) -> None:
         s = self.state
@@ -120,7 +131,7 @@ class _Ticket:
         s.queued[self.priority] -= 1
         m = out.metrics
         if self.wait_limit_s and m is not None and m.first_scheduled_time is not None:
-            waited = m.first_scheduled_time - m.arrival_time
+            waited = m.first_scheduled_time - self.admitted_at
             s.calibration.started(self, waited)
             if waited > self.wait_limit_s:  # admission misjudged it
                 s.metrics.record_wait_over_limit(self.class_name)
@@ -130,13 +141,37 @@ class _Ticket:
             return
         self.released = True
         s = self.state
+        now = time.monotonic()
         s.queued[self.priority] -= self.unstarted
+        s.unsubmitted[self.priority] -= self.unsubmitted * self.n
         s.in_flight -= 1
-        s.calibration.forget(self)
+        s.calibration.forget(self, now)
+        if (
+            self.unstarted == self.num_requests
+            and self.wait_limit_s
+            and now - self.admitted_at > self.wait_limit_s
+        ):
+            s.metrics.record_wait_over_limit(self.class_name)  # it gave up (or timed out) queued, too late
         if self.client:
             s.client_in_flight[self.client] -= 1
             if s.client_in_flight[self.client] <= 0:  # one key per client ever seen would only grow
                 del s.client_in_flight[self.client]
+
+
+class _TicketedStream(StreamingResponse):
+    """A streamed response that releases its ticket however it ends: if the client is gone before the
+    response starts, Starlette never runs the body, so the body's own cleanup would never run."""
+
+    def __init__(self, body: AsyncIterator[str], ticket: _Ticket) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._body, self._ticket = body, ticket
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()  # type: ignore[attr-defined]
+            self._ticket.release()
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -217,7 +252,8 @@ async def _serve(
     policy = state.policy.policy
     class_name, priority = _priority(state, request, body.priority)
     client = request.headers.get("x-ember-client") or request.headers.get("authorization")
-    queue = state.queue_state(priority)
+    num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+    queue = state.queue_state(priority, num_prompts * params.n)
     verdict = decide(policy, queue, priority, state.client_in_flight[client] if client else 0)
     if isinstance(verdict, Shed):
         return await _shed(state, request, verdict, class_name)
@@ -232,7 +268,7 @@ async def _serve(
             raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
     deadline = _deadline(request, body, policy.request_timeout_seconds)
     fmt = Formatter(state.model_name, engine.tokenizer, chat)
-    ticket = _Ticket(state, priority, class_name, client, len(prompts), queue.estimated_wait_s)
+    ticket = _Ticket(state, priority, class_name, client, len(prompts), params.n, queue.estimated_wait_s)
 
     def generators() -> list[AsyncIterator[RequestOutput]]:
         return [
@@ -242,7 +278,7 @@ async def _serve(
 
     if body.stream:
         stream = _stream(state, fmt, _merge(generators()), params.n, body.include_usage, deadline, ticket)
-        return StreamingResponse(stream, media_type="text/event-stream")
+        return _TicketedStream(stream, ticket)
     try:
         return await _complete(state, request, fmt, _merge(generators()), params.n, deadline)
     finally:
@@ -314,6 +350,8 @@ async def _shed(state: ServerState, request: Request, verdict: Shed, class_name:
 
 async def _tracked(gen: AsyncIterator[RequestOutput], ticket: _Ticket) -> AsyncIterator[RequestOutput]:
     first = True
+    # `gen` hands its request to the engine as soon as it is first iterated, below, with no await between.
+    ticket.submitting()
     async with contextlib.aclosing(gen):  # type: ignore[type-var]
         async for out in gen:
             if first:

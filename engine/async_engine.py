@@ -57,8 +57,9 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stats = engine.stats()
         self._step_hooks: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
-        # Requests by priority: handed to generate() (counted in the caller's thread), and taken in by the
-        # engine (counted in its thread, so a step hook sees a count consistent with the engine's queue).
+        # Samples (a request's n) by priority: handed to generate() (counted in the caller's thread), and
+        # taken in by the engine (counted in its thread, so a step hook sees a count consistent with the
+        # engine's queue).
         self.submitted: collections.Counter[int] = collections.Counter()
         self.taken_in: collections.Counter[int] = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
@@ -82,8 +83,9 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"request_id: {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), stream)
-        self.submitted[priority] += 1
-        self._inbox.put(_Add(rid, prompt, params or SamplingParams(), priority, cache_salt))
+        params = params or SamplingParams()
+        self.submitted[priority] += params.n
+        self._inbox.put(_Add(rid, prompt, params, priority, cache_salt))
         finished = False
         try:
             while True:
@@ -152,7 +154,7 @@ class AsyncEngine:
         if isinstance(item, _Abort):
             self._abort(item.request_id)
             return
-        self.taken_in[item.priority] += 1
+        self.taken_in[item.priority] += item.params.n
         try:
             self.engine.add_request(item.request_id, item.prompt, item.params, item.priority, item.cache_salt)
         except ValueError as exc:

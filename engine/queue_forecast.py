@@ -12,14 +12,16 @@ Durations come from measurements taken after every step:
 - the time per step, an EWMA of the wall time between consecutive steps while the engine is busy (this
   includes the prompt chunks that share the steps, and whatever else competes for the host), kept per
   batch size and read at the size the engine's requests make (up to max_num_seqs);
-- the tokens each decoding request gains per step (1, more with speculative decoding);
+- the tokens a request gains per step in which it gains any (1, more with speculative decoding), an
+  EWMA over the samples that gained tokens in each step;
 - how many tokens requests produce, an EWMA of the output lengths of requests that ended on their own;
   before one has, each request's max_tokens.
 
 A running request's expected remaining steps are its remaining prompt chunks plus its expected remaining
 output: its expected length (the smaller of max_tokens and the typical length; never less than what it
 has already produced plus one) minus what it has produced. A waiting request is expected to hold a seat
-for one prompt step plus a typical output.
+for one prompt step plus a typical output. Seats under max_num_seqs count as free at once, unless the
+engine's latest schedule left requests waiting for KV blocks: then a seat frees only when a request ends.
 
 `ForecastObserver` builds a `Forecast` in the engine thread after each step; `Forecast.start_times` is
 pure, so the arithmetic is testable without an engine or a clock.
@@ -30,32 +32,41 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ember_engine.llm_engine import EngineStats, LLMEngine
+    from ember_engine.outputs import RequestOutput
+    from ember_engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)
 class Forecast:
     time: float  # monotonic seconds when it was taken
     remaining_s: tuple[float, ...]  # each running request's expected time to its end, as of `time`
-    free_seats: int  # seats a newcomer could take at once (under max_num_seqs, nobody waiting in the engine)
+    free_seats: int  # seats a newcomer could take at once
     service_s: float  # how long a request that starts later is expected to hold its seat
-    waiting_by_priority: Mapping[int, int] = field(default_factory=dict)  # the engine's queue then
-    taken_in_by_priority: Mapping[int, int] = field(default_factory=dict)  # requests it had taken in by then
+    # The engine's queue then (samples not yet running, by priority), how many samples it had taken in,
+    # and whether it schedules first come first served (else by priority, then arrival).
+    waiting_by_priority: Mapping[int, int] = field(default_factory=dict)
+    taken_in_by_priority: Mapping[int, int] = field(default_factory=dict)
+    fcfs: bool = False
 
     def ahead(self, priority: int, submitted_by_priority: Mapping[int, int]) -> int:
-        """How many requests a newcomer of `priority` queues behind, given how many requests have been
-        submitted to the engine so far: those at least as important that were waiting in the engine, or
-        not yet taken in, when the forecast was made. (The engine schedules by priority, then arrival.)"""
-        waiting = sum(n for p, n in self.waiting_by_priority.items() if p <= priority)
+        """How many samples a newcomer of `priority` queues behind, given how many have been submitted to
+        the engine so far: those waiting in the engine, or not yet taken in, when the forecast was made,
+        under priority scheduling only those at least as important."""
+
+        def counts(p: int) -> bool:
+            return self.fcfs or p <= priority
+
+        waiting = sum(n for p, n in self.waiting_by_priority.items() if counts(p))
         in_transit = sum(
             max(0, n - self.taken_in_by_priority.get(p, 0))
             for p, n in submitted_by_priority.items()
-            if p <= priority
+            if counts(p)
         )
         return waiting + in_transit
 
@@ -65,7 +76,7 @@ class Forecast:
 
     def start_times(self, n: int, now: float) -> list[float]:
         """Expected wait, from `now`, of the requests at queue positions 0..n-1 (0 starts next), counting
-        only requests that are not running yet. Empty without a measurement of the step time."""
+        only requests that are not running yet."""
         if n <= 0:
             return []
         elapsed = max(0.0, now - self.time)
@@ -95,6 +106,7 @@ class ForecastObserver:
         # the batch has grown past the sizes measured so far.
         self.step_s: dict[int, float] = {}
         self.output_tokens: float | None = None  # EWMA of the output length of requests that ended themselves
+        self.tokens_per_step: float | None = None  # EWMA of the tokens a sample gains in a step that adds any
         self.forecast: Forecast | None = None  # None until a step time has been measured
         self._steps_seen = 0  # engine.num_steps at the previous step
         self._busy_since: float | None = None  # when the previous step ended, if work was left
@@ -117,38 +129,58 @@ class ForecastObserver:
         self,
         engine: LLMEngine,
         stats: EngineStats,
-        finished_lengths: list[int],
+        outputs: Sequence[RequestOutput],
         taken_in: Mapping[int, int],
         now: float,
     ) -> None:
-        """Record the engine after a step (`stats` taken after it); `finished_lengths` are the output lengths
-        of the samples that just ended with finish reason stop or length (not aborts), `taken_in` the
-        requests the engine has taken in so far by priority (AsyncEngine.taken_in)."""
-        for length in finished_lengths:
-            self.output_tokens = self._ewma(self.output_tokens, length, self.length_alpha)
-        steps, busy = stats.num_steps, engine.has_unfinished_requests()
-        if steps != self._steps_seen:
-            if self._busy_since is not None and steps == self._steps_seen + 1:
+        """Record the engine after a step (`stats` taken after it, `outputs` its updates; hooks also run
+        after an abort, with the aborted request's final update); `taken_in` counts the samples the engine
+        has taken in so far, by priority (AsyncEngine.taken_in)."""
+        stepped = stats.num_steps != self._steps_seen
+        gained = []
+        for out in outputs:
+            for o in out.outputs:
+                if out.finished and o.finish_reason in ("stop", "length"):
+                    self.output_tokens = self._ewma(self.output_tokens, len(o.token_ids), self.length_alpha)
+                if stepped and o.delta_token_ids:
+                    gained.append(len(o.delta_token_ids))
+        if gained:
+            self.tokens_per_step = self._ewma(
+                self.tokens_per_step, sum(gained) / len(gained), self.step_alpha
+            )
+        busy = engine.has_unfinished_requests()
+        if stepped:
+            if self._busy_since is not None and stats.num_steps == self._steps_seen + 1:
                 # The engine steps back to back while it has work, so the gap between two busy steps is
                 # one step's whole cost as a request experiences it.
                 b = stats.last_batch_size
                 self.step_s[b] = self._ewma(self.step_s.get(b), now - self._busy_since, self.step_alpha)
-            self._steps_seen = steps
+            self._steps_seen = stats.num_steps
             self._busy_since = now if busy else None
-        elif not busy:  # an abort (hooks run for those too) emptied the engine: it will idle
+        elif not busy:  # an abort emptied the engine: it will idle
             self._busy_since = None
-        running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+        scheduler = engine.scheduler
+        waiting = [*scheduler.waiting, *(r for g in engine.groups.values() for r in g.pending)]
         # The batch the queued requests will run in: everything in the engine, up to max_num_seqs.
-        step_s = self.step_s_at(max(1, min(engine.config.max_num_seqs, running + waiting)))
+        step_s = self.step_s_at(
+            max(1, min(engine.config.max_num_seqs, len(scheduler.running) + len(waiting)))
+        )
         if step_s is not None:
-            self.forecast = self._build(engine, now, step_s, taken_in)
+            self.forecast = self._build(engine, now, step_s, waiting, taken_in)
 
-    def _build(self, engine: LLMEngine, now: float, step_s: float, taken_in: Mapping[int, int]) -> Forecast:
-        config = engine.config
+    def _build(
+        self,
+        engine: LLMEngine,
+        now: float,
+        step_s: float,
+        waiting: list[Request],
+        taken_in: Mapping[int, int],
+    ) -> Forecast:
+        config, scheduler = engine.config, engine.scheduler
         budget = config.max_num_batched_tokens
-        per_step = _tokens_per_step(engine)
+        per_step = self.tokens_per_step or 1.0
         typical = self.output_tokens
-        running = engine.scheduler.running
+        running = scheduler.running
         remaining = []
         for req in running:
             produced = req.num_output_tokens
@@ -158,8 +190,7 @@ class ForecastObserver:
             remaining.append(steps * step_s)
         if typical is None:  # no request has ended yet: assume newcomers look like the running ones
             typical = sum(r.max_tokens for r in running) / len(running) if running else 1.0
-        waiting = engine.scheduler.waiting
-        free = 0 if waiting else max(0, config.max_num_seqs - len(running))
+        free = 0 if scheduler.blocked_on_memory else max(0, config.max_num_seqs - len(running))
         return Forecast(
             now,
             tuple(remaining),
@@ -167,12 +198,5 @@ class ForecastObserver:
             (1 + typical / per_step) * step_s,
             Counter(r.priority for r in waiting),
             dict(taken_in),
+            scheduler.policy == "fcfs",
         )
-
-
-def _tokens_per_step(engine: LLMEngine) -> float:
-    """Output tokens a decoding request gains per step: 1, or with speculation on, 1 + mean accepted."""
-    controller, spec = engine.spec_controller, engine.spec_stats
-    if controller is None or not controller.enabled or not spec.num_drafts:
-        return 1.0
-    return 1.0 + spec.num_accepted_tokens / spec.num_drafts

@@ -49,6 +49,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # fcfs: arrival order; priority: sorted by (priority, arrival)
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        # Whether the latest schedule() left requests waiting for KV blocks (it preempted, or the next one
+        # did not fit), rather than for the token budget: such a request starts only when others end.
+        self.blocked_on_memory = False
 
     def add(self, request: Request, front: bool = False) -> None:
         request.status = RequestStatus.WAITING
@@ -103,9 +106,11 @@ class Scheduler:
                 out.num_tokens.append(n)
                 budget -= n
         # A step that had to preempt admits nobody: the freed room goes to the running requests.
+        self.blocked_on_memory = bool(out.preempted)
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if not self._admit(request, budget, out):
+                self.blocked_on_memory = True
                 break
             budget -= out.num_tokens[-1]
         return out

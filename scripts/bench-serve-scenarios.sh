@@ -75,7 +75,7 @@ YAML
     for load in 1 3; do
         rate=$(python3 -P -c "print(round($load * $CAPACITY, 3))")
         start --max-num-seqs 8 --policy "$OUT/policy.yaml"
-        # 30 s of arrivals at either load, so both runs measure the same span of time.
+        # The same span of arrivals (about 33 s) at either load.
         bench --dataset random --input-len 32:64 --output-len 32:32 --rate "$rate" --num-requests $((90 * load)) \
             --slo-ttft 5000 --slo-tpot 500 --timeout 120 --json "$OUT/overload-${load}x.json"
         curl -s "$URL/metrics" | grep -E '^(vllm:request_queue_time_seconds_(bucket|count)|ember:requests_shed_total|ember:queue_wait_over_limit_total)' \

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import ClientDisconnect
 
 from ember_engine.admission import Admit, QueueState, Shed, WaitCalibration, decide
-from ember_engine.api_server import ServerState, _Ticket
+from ember_engine.api_server import ServerState, _Ticket, _TicketedStream
 from ember_engine.fallback import Fallback
 from ember_engine.metrics import EngineMetrics
 from ember_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -149,11 +152,11 @@ def compare(cal: WaitCalibration, forecast: float, actual: float, limit: float =
 
 
 def test_wait_calibration_from_completed_comparisons() -> None:
-    cal = WaitCalibration(quantile=0.9, window=10, min_samples=5)
-    assert cal.factor(0.0) == 1.0
+    cal = WaitCalibration(quantile=0.9, window=10, min_samples=5, initial=1.25)
+    assert cal.factor(0.0) == 1.25  # nothing compared yet: the cautious initial factor
     for _ in range(4):
         compare(cal, 2.0, 3.0)
-    assert cal.factor(0.0) == 1.0  # too few comparisons yet
+    assert cal.factor(0.0) == 1.25  # too few comparisons yet
     compare(cal, 2.0, 3.0)
     assert cal.factor(0.0) == pytest.approx(1.5)
     compare(cal, 0.5, 3.0)  # far below half the limit, even calibrated (0.75 s): not a comparison
@@ -169,10 +172,12 @@ def test_wait_calibration_from_completed_comparisons() -> None:
     assert cal.factor(0.0) == 4.0
     with pytest.raises(ValueError, match="quantile"):
         WaitCalibration(quantile=0)
+    with pytest.raises(ValueError, match="initial"):
+        WaitCalibration(initial=0.5)
 
 
 def test_a_request_waiting_past_its_forecast_raises_the_factor_at_once() -> None:
-    cal = WaitCalibration()
+    cal = WaitCalibration(initial=1.0, min_samples=3)
     late, early, tiny = object(), object(), object()
     cal.admitted(late, forecast_s=2.0, limit_s=3.0, now=10.0)
     cal.admitted(early, forecast_s=2.5, limit_s=3.0, now=11.0)
@@ -181,19 +186,46 @@ def test_a_request_waiting_past_its_forecast_raises_the_factor_at_once() -> None
     assert cal.factor(13.0) == pytest.approx(1.5)  # `late` has waited 3 s on a 2 s forecast
     cal.started(late, waited_s=3.2)
     assert cal.factor(13.0) == pytest.approx(1.0)  # one comparison is too few; `early` is within its 2.5 s
-    cal.forget(early)  # it left without starting
+    cal.forget(early, now=13.0)  # it left within its forecast: nothing learned
     assert cal.factor(20.0) == 1.0
+    # Two that gave up after overrunning their forecasts: with `late`'s, three comparisons (1.6, 1.5, 2.0),
+    # and the 99th percentile of three is the largest.
+    for key, left_at in ((object(), 17.0), (object(), 18.0)):
+        cal.admitted(key, 2.0, 3.0, now=14.0)
+        cal.forget(key, now=left_at)
+    assert cal.factor(20.0) == pytest.approx(2.0)
+    # One that neither starts nor leaves counts as overdue (up to the cap), until ten limits have passed.
+    lost = object()
+    cal.admitted(lost, 2.0, 3.0, now=100.0)
+    assert cal.factor(125.0) == 4.0
+    assert cal.factor(131.0) == pytest.approx(2.0)
+
+
+def over_limit(state: ServerState) -> list[float]:
+    return [
+        s.value
+        for family in text_string_to_metric_families(state.metrics.render()[0].decode())
+        for s in family.samples
+        if s.name == "ember:queue_wait_over_limit_total"
+    ]
 
 
 def test_the_server_compares_each_admitted_requests_forecast_with_its_wait(tmp_path: Path) -> None:
     policy_file = tmp_path / "policy.yaml"
     policy_file.write_text('{"loadShedding": {"maxQueueWaitSeconds": 3}}')  # standard: 2/3 of it, 2 s
-    state = ServerState("m", PolicyWatcher(policy_file), EngineMetrics("m"), Fallback(httpx.AsyncClient()))
+    state = ServerState(
+        "m",
+        PolicyWatcher(policy_file),
+        EngineMetrics("m"),
+        Fallback(httpx.AsyncClient()),
+        calibration=WaitCalibration(min_samples=3),
+    )
 
     def admit_and_start(forecast_s: float, waited_s: float) -> None:
-        ticket = _Ticket(state, STANDARD, "standard", None, 1, forecast_s)
+        ticket = _Ticket(state, STANDARD, "standard", None, 1, 1, forecast_s)
+        ticket.submitting()
         assert ticket.wait_limit_s == pytest.approx(2.0)
-        arrived = time.monotonic()
+        arrived = ticket.admitted_at
         times = RequestMetrics(arrived, arrived + waited_s, None, None, 1, 0, 0, 0)
         ticket.started(RequestOutput("r", None, [1], [CompletionOutput(0)], metrics=times))
         ticket.release()
@@ -201,12 +233,36 @@ def test_the_server_compares_each_admitted_requests_forecast_with_its_wait(tmp_p
     for _ in range(3):
         admit_and_start(forecast_s=1.5, waited_s=2.5)  # a forecast 1 s short, over the 2 s limit
     admit_and_start(forecast_s=0.1, waited_s=0.2)  # within the limit; too small a forecast to compare
-    over = [
-        s.value
-        for family in text_string_to_metric_families(state.metrics.render()[0].decode())
-        for s in family.samples
-        if s.name == "ember:queue_wait_over_limit_total"
-    ]
-    assert over == [3.0]
+    assert over_limit(state) == [3.0]
     assert state.calibration.factor(time.monotonic()) == pytest.approx(2.5 / 1.5)
-    assert sum(state.queued.values()) == 0 and state.in_flight == 0
+    assert sum(state.queued.values()) == 0 and state.in_flight == 0 and sum(state.unsubmitted.values()) == 0
+
+    # A client that gives up while still queued, past its limit, is a miss too.
+    gone = _Ticket(state, STANDARD, "standard", None, 2, 3, 1.0)
+    assert state.unsubmitted[STANDARD] == 6  # two prompts, three samples each, not yet handed over
+    gone.admitted_at -= 2.5  # as if admitted 2.5 s ago
+    gone.release()
+    assert sum(state.unsubmitted.values()) == 0 and sum(state.queued.values()) == 0
+    assert over_limit(state) == [4.0]
+
+
+def test_a_stream_the_client_left_before_it_began_still_releases_its_ticket(tmp_path: Path) -> None:
+    state = ServerState("m", PolicyWatcher(None), EngineMetrics("m"), Fallback(httpx.AsyncClient()))
+    ticket = _Ticket(state, STANDARD, "standard", None, 1, 1, 0.0)
+    began = False
+
+    async def body() -> AsyncIterator[str]:
+        nonlocal began
+        began = True
+        yield "data: [DONE]\n\n"
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        raise OSError("the client is gone")
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(_TicketedStream(body(), ticket)(scope, receive, send))
+    assert not began and ticket.released and state.in_flight == 0 and sum(state.queued.values()) == 0

@@ -8,6 +8,7 @@ import pytest
 
 from ember_engine.config import EngineConfig
 from ember_engine.llm_engine import LLMEngine
+from ember_engine.outputs import CompletionOutput, RequestOutput
 from ember_engine.queue_forecast import Forecast, ForecastObserver
 from ember_engine.sampling_params import SamplingParams
 
@@ -69,6 +70,11 @@ def test_the_queue_ahead_counts_the_engines_and_what_is_on_its_way() -> None:
     assert f.ahead(-1, submitted) == 0
 
 
+def test_under_first_come_first_served_every_priority_is_ahead() -> None:
+    f = Forecast(0.0, (1.0,), 0, 1.0, waiting_by_priority={0: 3, 2: 4}, taken_in_by_priority={}, fcfs=True)
+    assert f.ahead(0, {1: 2}) == 3 + 4 + 2
+
+
 def test_nothing_to_forecast_from_gives_no_wait() -> None:
     f = Forecast(
         time=0.0,
@@ -98,47 +104,84 @@ def test_step_time_is_read_at_the_batch_size_or_scaled_up_from_a_smaller_one() -
 def test_the_observer_follows_a_real_engine(tiny_model: Path) -> None:
     engine = LLMEngine(EngineConfig(model=str(tiny_model), max_num_seqs=2, max_num_batched_tokens=64))
     observer = ForecastObserver(step_alpha=0.5, length_alpha=0.5)
-    for i, max_tokens in enumerate((5, 9, 7)):
+    for i, max_tokens in enumerate((3, 9, 7)):
         engine.add_request(f"r{i}", [1 + i, 2, 3, 4], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
-    def step(now: float, finished: list[int]) -> None:
-        engine.step()
-        observer.observe(engine, engine.stats(), finished, {0: 3}, now)
+    def step(now: float) -> None:
+        outputs = engine.step()
+        observer.observe(engine, engine.stats(), outputs, {0: 3}, now)
 
     now = 100.0
-    step(now, [])  # both seats' prompts in one step; the third request waits
+    step(now)  # both seats' prompts in one step; the third request waits
     assert observer.step_s == {} and observer.forecast is None  # one step measures no gap yet
+    assert observer.tokens_per_step == 1.0
 
     now += 0.2
-    step(now, [])
+    step(now)
     assert observer.step_s == {2: pytest.approx(0.2)}
     f = observer.forecast
-    assert f is not None and f.time == now
-    assert f.free_seats == 0 and f.waiting_by_priority == {0: 1}  # a request is waiting in the engine
-    assert f.taken_in_by_priority == {0: 3}
-    # Without a finished request, each is expected to run to max_tokens: 5 - 2 and 9 - 2 steps left.
-    assert sorted(f.remaining_s) == [pytest.approx(3 * 0.2), pytest.approx(7 * 0.2)]
-    # A newcomer is expected to be like the running ones: one prompt step plus (5 + 9) / 2 tokens.
-    assert f.service_s == pytest.approx((1 + 7) * 0.2)
+    assert f is not None and f.time == now and f.fcfs
+    assert f.free_seats == 0 and f.waiting_by_priority == {0: 1} and f.taken_in_by_priority == {0: 3}
+    # Without a finished request, each is expected to run to max_tokens: 3 - 2 and 9 - 2 steps left.
+    assert sorted(f.remaining_s) == [pytest.approx(1 * 0.2), pytest.approx(7 * 0.2)]
+    # A newcomer is expected to be like the running ones: one prompt step plus (3 + 9) / 2 tokens.
+    assert f.service_s == pytest.approx((1 + 6) * 0.2)
 
     now += 0.4
-    step(now, [5])  # a request that ended on its own with 5 tokens
+    step(now)  # r0 ends on its own with 3 tokens
     assert observer.step_s == {2: pytest.approx(0.5 * 0.4 + 0.5 * 0.2)}
-    assert observer.output_tokens == 5
+    assert observer.output_tokens == 3
     f = observer.forecast
     assert f is not None
-    # Typical length 5 now: the request at 3 of 9 is expected to produce 2 more (5 - 3), not 6.
-    assert sorted(f.remaining_s) == [pytest.approx(2 * 0.3), pytest.approx(2 * 0.3)]
-    assert f.service_s == pytest.approx((1 + 5) * 0.3)
+    # Typical length 3 now: r1, at 3 of 9, is expected to produce one more (never less than one), not 6.
+    assert f.remaining_s == (pytest.approx(1 * 0.3),)
+    assert f.free_seats == 1  # r0's seat: r2 takes it in the next step
+    assert f.service_s == pytest.approx((1 + 3) * 0.3)
 
     # The engine finishes everything; once it is idle, the gap before its next step is not a step time.
     while engine.has_unfinished_requests():
         now += 0.3
-        step(now, [])
+        step(now)
     measured = dict(observer.step_s)
     engine.add_request("late", [7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     now += 50.0
-    step(now, [])
+    step(now)
     assert observer.step_s == measured
     f = observer.forecast
     assert f is not None and f.free_seats == 1 and len(f.remaining_s) == 1
+
+    # Tokens per step: averaged over the samples that gained any (speculative decoding gains several).
+    spec = [
+        RequestOutput("a", None, [1], [CompletionOutput(0, delta_token_ids=[5, 6, 7])]),
+        RequestOutput("b", None, [1], [CompletionOutput(0, delta_token_ids=[5]), CompletionOutput(1)]),
+    ]
+    before = observer.tokens_per_step
+    engine.step()
+    observer.observe(engine, engine.stats(), spec, {0: 4}, now + 0.1)
+    assert observer.tokens_per_step == pytest.approx(0.5 * 2.0 + 0.5 * before)
+
+
+def test_with_requests_waiting_for_kv_blocks_no_seat_is_free(tiny_model: Path) -> None:
+    # Room for two 40-token requests only (16-token blocks): the third waits for memory, not for a seat.
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), max_num_seqs=8, num_kv_blocks=6))
+    observer = ForecastObserver()
+    for i in range(3):
+        engine.add_request(f"r{i}", [5 + i] * 40, SamplingParams(max_tokens=4, ignore_eos=True))
+    for now in (0.0, 0.1):
+        outputs = engine.step()
+        observer.observe(engine, engine.stats(), outputs, {0: 3}, now)
+    assert engine.scheduler.blocked_on_memory and len(engine.scheduler.running) == 2
+    f = observer.forecast
+    assert f is not None and f.free_seats == 0 and f.waiting_by_priority == {0: 1}
+    assert f.wait(0, now=0.1) == pytest.approx(min(f.remaining_s))  # the first to end frees the room
+
+
+def test_n_samples_count_as_seats_and_pending_siblings_as_waiting(tiny_model: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), max_num_seqs=8))
+    observer = ForecastObserver()
+    engine.add_request("g", [3, 4, 5, 6], SamplingParams(n=3, max_tokens=4, ignore_eos=True, temperature=1.0))
+    observer.observe(engine, engine.stats(), [], {0: 3}, 0.0)
+    observer.step_s = {1: 0.1}  # as if measured
+    observer.observe(engine, engine.stats(), [], {0: 3}, 0.0)  # before any step: all three samples wait
+    f = observer.forecast
+    assert f is not None and f.waiting_by_priority == {0: 3}

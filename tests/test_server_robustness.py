@@ -192,6 +192,9 @@ def test_shedding_on_the_forecast_queue_wait(tiny_model: Path, tmp_path: Path) -
         # With the seat free again, a newcomer is admitted.
         r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
+        wait_for(lambda: s.state.in_flight == 0)
+        assert sum(s.state.queued.values()) == 0 and sum(s.state.unsubmitted.values()) == 0
+        assert s.state.engine is not None and s.state.engine.submitted == s.state.engine.taken_in
 
 
 def test_per_client_limit_is_429(tiny_model: Path, tmp_path: Path) -> None:
