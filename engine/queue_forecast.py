@@ -23,8 +23,9 @@ has already produced plus one) minus what it has produced. A waiting request is 
 for one prompt step plus a typical output. Seats under max_num_seqs count as free at once, unless the
 engine's latest schedule left requests waiting for KV blocks: then a seat frees only when a request ends.
 
-`ForecastObserver` builds a `Forecast` in the engine thread after each step; `Forecast.start_times` is
-pure, so the arithmetic is testable without an engine or a clock.
+`ForecastObserver` measures after each step, in the engine thread, and builds a `Forecast` at most every
+`min_interval_s` while the engine is busy; `Forecast.start_times` is pure, so the arithmetic is testable
+without an engine or a clock.
 """
 
 from __future__ import annotations
@@ -95,12 +96,18 @@ class Forecast:
 class ForecastObserver:
     """Measures the engine after each step (in its thread) and publishes the latest `Forecast`."""
 
-    def __init__(self, step_alpha: float = 0.1, length_alpha: float = 0.2) -> None:
-        if not (0 < step_alpha <= 1 and 0 < length_alpha <= 1):
+    def __init__(
+        self, step_alpha: float = 0.1, length_alpha: float = 0.2, min_interval_s: float = 0.05
+    ) -> None:
+        if not (0 < step_alpha <= 1 and 0 < length_alpha <= 1) or min_interval_s < 0:
             raise ValueError(
-                f"need weights in (0, 1], got step_alpha={step_alpha}, length_alpha={length_alpha}"
+                f"need weights in (0, 1] and min_interval_s >= 0, got step_alpha={step_alpha}, "
+                f"length_alpha={length_alpha}, min_interval_s={min_interval_s}"
             )
         self.step_alpha, self.length_alpha = step_alpha, length_alpha
+        # Building a forecast walks every running request, which a fast step cannot afford each time; one
+        # at most this often is fresh enough, as Forecast.start_times counts the time since it was made.
+        self.min_interval_s = min_interval_s
         # EWMA of the wall time per step while busy, by the number of requests in the step: a step costs
         # more with more requests in it (on a CPU, roughly in proportion), and a queue forms exactly when
         # the batch has grown past the sizes measured so far.
@@ -159,6 +166,8 @@ class ForecastObserver:
             self._busy_since = now if busy else None
         elif not busy:  # an abort emptied the engine: it will idle
             self._busy_since = None
+        if busy and not self._due(now):  # (an idle engine's forecast is cheap, and must show it idle)
+            return
         scheduler = engine.scheduler
         waiting = [*scheduler.waiting, *(r for g in engine.groups.values() for r in g.pending)]
         # The batch the queued requests will run in: everything in the engine, up to max_num_seqs.
@@ -167,6 +176,9 @@ class ForecastObserver:
         )
         if step_s is not None:
             self.forecast = self._build(engine, now, step_s, waiting, taken_in)
+
+    def _due(self, now: float) -> bool:
+        return self.forecast is None or now - self.forecast.time >= self.min_interval_s
 
     def _build(
         self,

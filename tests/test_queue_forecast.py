@@ -185,3 +185,25 @@ def test_n_samples_count_as_seats_and_pending_siblings_as_waiting(tiny_model: Pa
     observer.observe(engine, engine.stats(), [], {0: 3}, 0.0)  # before any step: all three samples wait
     f = observer.forecast
     assert f is not None and f.waiting_by_priority == {0: 3}
+
+
+def test_a_busy_engine_gets_a_new_forecast_at_most_every_interval(tiny_model: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model)))
+    observer = ForecastObserver(min_interval_s=0.05)
+    engine.add_request("r", [3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
+
+    def step(now: float) -> None:
+        outputs = engine.step()
+        observer.observe(engine, engine.stats(), outputs, {0: 1}, now)
+
+    step(0.0)
+    step(0.02)  # the first step time: the first forecast
+    first = observer.forecast
+    assert first is not None and first.time == 0.02
+    step(0.04)
+    assert observer.forecast is first and observer.step_s == {1: pytest.approx(0.02)}  # measured, not rebuilt
+    step(0.08)
+    assert observer.forecast is not first and observer.forecast is not None
+    engine.abort_request("r")
+    observer.observe(engine, engine.stats(), [], {0: 1}, 0.09)  # idle: rebuilt at once, nothing running
+    assert observer.forecast is not None and observer.forecast.remaining_s == ()
