@@ -128,6 +128,14 @@ def events(api: APIServer, name: str) -> list[dict[str, Any]]:
     return [e for e in api.list("v1", "Event", NAMESPACE) if e["involvedObject"].get("name") == name]
 
 
+def wait_for_event(api: APIServer, name: str, reason: str, kind: str | None = None) -> None:
+    """kopf posts events from a queue of its own, so one may land after the status patch that says why."""
+    wait_for(
+        lambda: any(e["reason"] == reason and kind in (None, e["type"]) for e in events(api, name)),
+        what=f"a {reason} event for {name}",
+    )
+
+
 def converged(api: APIServer, name: str, active: int, warm: int) -> bool:
     s = status(api, name)
     return (
@@ -195,8 +203,8 @@ def test_load_promotes_a_warm_pod_at_once_refills_the_pool_and_scales_back_down(
     s = status(api, "spiky")
     last = s["autoscaler"]["decisions"][-1]
     assert "scale up" in last["reason"] and last["inputs"]["queueDepth"] == 10
-    assert any(e["reason"] == "Scaled" for e in events(api, "spiky"))
-    assert any(e["reason"] == "Promoted" for e in events(api, "spiky"))
+    wait_for_event(api, "spiky", "Scaled")
+    wait_for_event(api, "spiky", "Promoted")
 
     for page in runner.pages.values():
         page.waiting = 0
@@ -227,7 +235,7 @@ def test_missing_metrics_hold_the_target_and_say_so(cluster: Any) -> None:
     )
     assert "scrape failed" in condition(api, "blind", "MetricsAvailable")["message"]
     assert status(api, "blind")["desiredReplicas"] == 3  # no scale-down without evidence
-    assert any(e["reason"] == "MetricsUnavailable" for e in events(api, "blind"))
+    wait_for_event(api, "blind", "MetricsUnavailable")
 
 
 def test_drift_is_repaired(cluster: Any) -> None:
@@ -324,7 +332,7 @@ def test_a_fallback_to_itself_stalls_and_a_fix_recovers(cluster: Any) -> None:
     stalled = condition(api, "loop", "Stalled")
     assert stalled["reason"] == "FallbackInvalid" and "itself" in stalled["message"]
     assert condition(api, "loop", "Reconciling")["status"] == "False"
-    assert any(e["reason"] == "FallbackInvalid" and e["type"] == "Warning" for e in events(api, "loop"))
+    wait_for_event(api, "loop", "FallbackInvalid", "Warning")
 
     patch_spec(custom, "loop", {"fallback": {"service": "nowhere"}})
     wait_for(
@@ -380,7 +388,7 @@ def test_pods_that_cannot_start_stall_with_the_reason_and_a_fix_recovers(cluster
         lambda: converged(api, "crashy", 1, 0) and condition(api, "crashy", "Stalled")["status"] == "False",
         what="recovered after the fix",
     )
-    assert any(e["reason"] == "Recovered" for e in events(api, "crashy"))
+    wait_for_event(api, "crashy", "Recovered")
 
 
 def test_external_mode_follows_the_scale_subresource(cluster: Any) -> None:
