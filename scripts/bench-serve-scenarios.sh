@@ -70,10 +70,10 @@ YAML
     bench --dataset random --input-len 32:64 --output-len 32:32 --rate inf --num-requests 48 \
         --max-concurrency 16 --json "$OUT/capacity.json"
     stop
-    CAPACITY=$(python3 -P -c "import json,sys; print(json.load(open(sys.argv[1]))['results'][0]['request_throughput'])" \
+    CAPACITY=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['results'][0]['request_throughput'])" \
         "$OUT/capacity.json")
     for load in 1 3; do
-        rate=$(python3 -P -c "print(round($load * $CAPACITY, 3))")
+        rate=$(python3 -c "print(round($load * $CAPACITY, 3))")
         start --max-num-seqs 8 --policy "$OUT/policy.yaml"
         # The same span of arrivals (about 33 s) at either load.
         bench --dataset random --input-len 32:64 --output-len 32:32 --rate "$rate" --num-requests $((90 * load)) \

@@ -14,7 +14,7 @@ import torch
 # can import a kernel: without a GPU, Triton kernels run only in its CPU interpreter.
 os.environ["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
-import ember_engine.testmodel as testmodel
+import ember_engine.tools.testmodel as testmodel
 
 
 def _cache_root() -> Path:
@@ -34,13 +34,6 @@ def _checkpoint(size: str) -> Path:
         else:
             tmp.replace(path)
     return path
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _neutral_working_directory(tmp_path_factory: pytest.TempPathFactory) -> None:
-    # Run from outside the repository: a `python -m ...` child started in the repository root would find
-    # the folder `operator/` before the standard library's `operator` module.
-    os.chdir(tmp_path_factory.mktemp("cwd"))
 
 
 @pytest.fixture(scope="session")

@@ -29,9 +29,9 @@ from kopf.testing import KopfRunner
 from operator_harness import crd_manifest
 from waiting import wait_for
 
-from ember_e2e.apiserver import APIServer
-from ember_e2e.kubelet import ProcessKubelet
-from ember_e2e.proxy import ServiceProxy
+from ember_localcluster.apiserver import APIServer
+from ember_localcluster.kubelet.kubelet import ProcessKubelet
+from ember_localcluster.proxy import ServiceProxy
 from ember_operator import main as operator_main
 from ember_operator.desired import HASH_LABEL, ROLE_LABEL
 from ember_operator.handlers import Settings, register

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from waiting import wait_for
 
-from ember_e2e.apiserver import APIServer
+from ember_localcluster.apiserver import APIServer
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "default"

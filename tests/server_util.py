@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 from waiting import free_port
 
-from ember_engine import serve
+from ember_engine.server import serve
 
 
 def serve_args(model: Path, *extra: str) -> argparse.Namespace:

@@ -14,12 +14,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import ClientDisconnect
 
-from ember_engine.admission import Admit, QueueState, Shed, WaitCalibration, decide
-from ember_engine.api_server import ServerState, _Ticket, _TicketedStream
-from ember_engine.fallback import Fallback
-from ember_engine.metrics import EngineMetrics
-from ember_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from ember_engine.policy import Policy, PolicyWatcher
+from ember_engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ember_engine.server.admission import Admit, QueueState, Shed, WaitCalibration, decide
+from ember_engine.server.fallback import Fallback
+from ember_engine.server.metrics import EngineMetrics
+from ember_engine.server.policy import Policy, PolicyWatcher
+from ember_engine.server.responses import _TicketedStream
+from ember_engine.server.state import ServerState, _Ticket
 
 CRITICAL, STANDARD, BATCH = 0, 1, 2  # the default priority classes
 

@@ -24,7 +24,7 @@ from kopf.testing import KopfRunner
 from kubernetes.client import ApiClient, ApiException, CoreV1Api, CustomObjectsApi
 from waiting import wait_for
 
-from ember_e2e.apiserver import APIError, APIServer
+from ember_localcluster.apiserver import APIError, APIServer
 
 REPO = Path(__file__).resolve().parents[1]
 CRD = yaml.safe_load((REPO / "crds" / "inferenceservice.yaml").read_text())
@@ -294,6 +294,48 @@ def test_owner_references_are_garbage_collected(core: CoreV1Api) -> None:
     assert not orphan.metadata.owner_references
 
 
+def test_pod_security_admission_enforces_the_namespace_label(core: CoreV1Api) -> None:
+    for level in ("restricted", "baseline"):
+        core.create_namespace(
+            {"metadata": {"name": level, "labels": {"pod-security.kubernetes.io/enforce": level}}}
+        )
+    plain = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "engine", "image": "x"}]}}
+    with pytest.raises(ApiException) as error:
+        core.create_namespaced_pod("restricted", plain)
+    assert error.value.status == 403
+    body = json.loads(error.value.body)
+    assert body["reason"] == "Forbidden"
+    assert body["message"] == (
+        'pods "p" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false '
+        '(container "engine" must set securityContext.allowPrivilegeEscalation=false), unrestricted '
+        'capabilities (container "engine" must set securityContext.capabilities.drop=["ALL"]), runAsNonRoot '
+        '!= true (pod or container "engine" must set securityContext.runAsNonRoot=true), seccompProfile (pod '
+        'or container "engine" must set securityContext.seccompProfile.type to "RuntimeDefault" or "Localhost")'
+    )
+    core.create_namespaced_pod("baseline", plain)  # baseline asks nothing of it
+    host = {"metadata": {"name": "h"}, "spec": {**plain["spec"], "hostNetwork": True}}
+    with pytest.raises(ApiException) as error:
+        core.create_namespaced_pod("baseline", host)
+    assert json.loads(error.value.body)["message"] == (
+        'pods "h" is forbidden: violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true)'
+    )
+    core.create_namespaced_pod("default", host)  # no label: privileged
+    hardened = {
+        "metadata": {"name": "ok"},
+        "spec": {
+            "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": "x",
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                }
+            ],
+        },
+    }
+    core.create_namespaced_pod("restricted", hardened)
+
+
 def test_pod_graceful_deletion(tmp_path: Path) -> None:
     with APIServer(pod_kill_margin=0.5) as server, api_client(server, tmp_path / "kubeconfig") as client:
         core = CoreV1Api(client)
@@ -346,6 +388,117 @@ def test_status_and_scale_subresources(custom: CustomObjectsApi) -> None:
     with pytest.raises(ApiException) as error:
         custom.replace_namespaced_custom_object_scale(GROUP, VERSION, "default", PLURAL, "chat", scale)
     assert error.value.status == 409
+
+
+WIDGETS = {
+    "metadata": {"name": "widgets.example.com"},
+    "spec": {
+        "group": "example.com",
+        "names": {"plural": "widgets", "singular": "widget", "kind": "Widget", "listKind": "WidgetList"},
+        "scope": "Namespaced",
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {"type": "object", "properties": {"replicas": {"type": "integer"}}},
+                            "status": {"type": "object", "properties": {"replicas": {"type": "integer"}}},
+                        },
+                    }
+                },
+                "subresources": {
+                    "status": {},
+                    "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas"},
+                },
+            }
+        ],
+    },
+}
+
+
+def test_scale_without_the_spec_replicas_field_is_an_internal_error_as_apiextensions_answers(
+    server: APIServer,
+) -> None:
+    # apiextensions-apiserver's ScaleREST.Get: NewInternalError("the spec replicas field %q does not exist");
+    # its Update accepts a write that sets the field and refuses one that leaves it empty (400).
+    server.install_crd(WIDGETS)
+    path = "/apis/example.com/v1/namespaces/default/widgets/w"
+    created, _ = http(
+        server,
+        "POST",
+        "/apis/example.com/v1/namespaces/default/widgets",
+        {
+            "apiVersion": "example.com/v1",
+            "kind": "Widget",
+            "metadata": {"name": "w"},
+            "spec": {},
+        },
+    )
+    assert created == 201
+    code, body = http(server, "GET", path + "/scale")
+    assert code == 500
+    assert body["reason"] == "InternalError"
+    assert (
+        body["message"] == 'Internal error occurred: the spec replicas field ".spec.replicas" does not exist'
+    )
+    assert body["details"] == {
+        "causes": [{"message": 'the spec replicas field ".spec.replicas" does not exist'}]
+    }
+
+    code, body = http(
+        server,
+        "PATCH",
+        path + "/scale",
+        {"metadata": {"labels": {"a": "b"}}},
+        content_type="application/merge-patch+json",
+    )
+    assert code == 400 and body["reason"] == "BadRequest"
+    assert body["message"] == 'the spec replicas field ".spec.replicas" cannot be empty'
+
+    code, body = http(
+        server,
+        "PATCH",
+        path + "/scale",
+        {"spec": {"replicas": 2}},
+        content_type="application/merge-patch+json",
+    )
+    assert code == 200 and body["spec"]["replicas"] == 2
+    code, body = http(server, "GET", path + "/scale")
+    assert code == 200 and body["spec"]["replicas"] == 2
+
+
+def test_every_valid_inferenceservice_serves_scale(custom: CustomObjectsApi) -> None:
+    # What an HPA or KEDA does first: GET /scale, on an object applied from git without `desired`.
+    custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, eis("plain"))
+    custom.create_namespaced_custom_object(
+        GROUP,
+        VERSION,
+        "default",
+        PLURAL,
+        eis("external", autoscaling={"mode": "External"}, replicas={"min": 2, "max": 4}),
+    )
+    for name in ("plain", "external"):
+        scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, "default", PLURAL, name)
+        assert scale["spec"]["replicas"] == 0  # 0: no autoscaler has written it yet (the operator reads min)
+    scaled = custom.patch_namespaced_custom_object_scale(
+        GROUP, VERSION, "default", PLURAL, "external", {"spec": {"replicas": 3}}
+    )
+    assert scaled["spec"]["replicas"] == 3
+
+
+@pytest.mark.parametrize("name", ["9lives", "a" * 53, "chat.v2"])
+def test_names_the_children_cannot_take_are_refused_by_the_crd(custom: CustomObjectsApi, name: str) -> None:
+    with pytest.raises(ApiException) as error:
+        custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, eis(name))
+    assert error.value.status == 422
+    body = json.loads(error.value.body)
+    assert body["details"]["causes"][0]["field"] == "metadata.name"
+    assert "metadata.name must be a DNS-1035 label" in body["message"]
+    custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, eis("a" * 52))
 
 
 def test_schema_validation_pruning_and_defaults(custom: CustomObjectsApi) -> None:
@@ -666,7 +819,15 @@ def test_kubectl(server: APIServer, tmp_path: Path) -> None:
 def test_cli_serves_until_terminated(tmp_path: Path) -> None:
     kubeconfig = tmp_path / "kubeconfig"
     process = subprocess.Popen(
-        [sys.executable, "-P", "-m", "ember_e2e.apiserver", "--port", "0", "--kubeconfig", str(kubeconfig)],
+        [
+            sys.executable,
+            "-m",
+            "ember_localcluster.apiserver",
+            "--port",
+            "0",
+            "--kubeconfig",
+            str(kubeconfig),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -10,7 +10,7 @@ import pytest
 
 from ember_engine import SamplingParams
 from ember_engine.async_engine import AsyncEngine
-from ember_engine.config import EngineConfig
+from ember_engine.core.config import EngineConfig
 
 
 @pytest.fixture(scope="module")

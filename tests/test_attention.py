@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from ember_engine import attention, triton_attention
-from ember_engine.attention import (
+from ember_engine.model import attention, triton_attention
+from ember_engine.model.attention import (
     paged_attention,
     paged_attention_reference,
     store_kv,
     store_kv_reference,
 )
-from ember_engine.triton_attention import MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_num_splits
+from ember_engine.model.triton_attention import MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_num_splits
 
 # (cached prefix, new tokens) per sequence: decodes, chunks after a cached prefix, whole prompts.
 MIXED = [(0, 7), (12, 1), (20, 5), (0, 1), (33, 1), (9, 17), (0, 3), (5, 1)]

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from ember_engine import bench_serve
-from ember_engine.bench_serve import Outcome
+from ember_engine.bench import serve as bench_serve
+from ember_engine.bench.client import Outcome
 
 # --- arrival schedule ---------------------------------------------------------------------------------
 
@@ -184,7 +184,7 @@ def test_arguments() -> None:
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, ember_engine.bench_serve; assert 'torch' not in sys.modules"
+    code = "import sys, ember_engine.bench.serve; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

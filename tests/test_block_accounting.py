@@ -8,10 +8,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember_engine.block_manager import BlockManager
-from ember_engine.request import Request, RequestStatus
-from ember_engine.sampling_params import SamplingParams
-from ember_engine.scheduler import Scheduler
+from ember_engine.core.block_manager import BlockManager
+from ember_engine.core.request import Request, RequestStatus
+from ember_engine.core.scheduler import Scheduler
+from ember_engine.sample.sampling_params import SamplingParams
 
 BLOCK = 4
 NUM_BLOCKS = 24

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ember_engine.testmodel import checkpoint_digest, make_test_model
+from ember_engine.tools.testmodel import checkpoint_digest, make_test_model
 
 TEXT = 'def greet(name: str) -> str:\n    return f"héllo, {name} ✓"\n'
 FILES = {

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from ember_engine.policy import parse_policy
+from ember_engine.server.policy import parse_policy
 from ember_operator.crd import REGENERATE, crd_manifest, render_crd_yaml
 from ember_operator.spec import InferenceServiceSpec
 
@@ -111,7 +111,7 @@ def test_defaults_enums_and_ranges() -> None:
     kv = spec["autoscaling"]["properties"]["kvCacheUtilization"]
     assert (kv["minimum"], kv["exclusiveMinimum"], kv["maximum"]) == (0, True, 1)
     assert spec["replicas"]["properties"]["max"]["minimum"] == 1
-    assert spec["replicas"]["properties"]["desired"] == {"minimum": 0, "type": "integer"}
+    assert spec["replicas"]["properties"]["desired"] == {"default": 0, "minimum": 0, "type": "integer"}
     classes = spec["loadShedding"]["properties"]["priorityClasses"]["default"]
     assert [c["name"] for c in classes] == ["critical", "standard", "batch"]
     assert _spec_schema()["required"] == ["model"]

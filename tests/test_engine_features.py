@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
-from ember_engine.loader import CheckpointError
-from ember_engine.model_config import UnsupportedModelError
+from ember_engine.model.loader import CheckpointError
+from ember_engine.model.model_config import UnsupportedModelError
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Queue:\n    def __init__(self):", "x = 1"]
 

@@ -16,9 +16,9 @@ import pytest
 import yaml
 from waiting import wait_for
 
-from ember_e2e.apiserver import APIServer
-from ember_e2e.kubelet import ENGINE_IMAGE, ProcessKubelet, write_atomically
-from ember_e2e.proxy import ServiceProxy
+from ember_localcluster.apiserver import APIServer
+from ember_localcluster.kubelet.kubelet import ENGINE_IMAGE, ProcessKubelet, write_atomically
+from ember_localcluster.proxy import ServiceProxy
 
 T = TypeVar("T")
 
@@ -332,7 +332,7 @@ def test_crashing_container_backs_off_and_reports_its_last_log_lines(cluster: Cl
 def test_failing_liveness_probe_restarts_the_container(cluster: Cluster, tmp_path: Path) -> None:
     api = cluster.api
     (tmp_path / "healthz").write_text("ok")
-    command = ["python", "-P", "-m", "http.server", "--bind", "0.0.0.0", "--directory", "/srv", "8081"]
+    command = ["python", "-m", "http.server", "--bind", "0.0.0.0", "--directory", "/srv", "8081"]
     pod = python_pod("live", command, volumes=[{"name": "srv", "hostPath": {"path": str(tmp_path)}}])
     pod["spec"]["containers"][0].update(
         volumeMounts=[{"name": "srv", "mountPath": "/srv"}],
@@ -356,7 +356,7 @@ def test_failing_liveness_probe_restarts_the_container(cluster: Cluster, tmp_pat
 
 def test_startup_probe_gates_readiness(cluster: Cluster, tmp_path: Path) -> None:
     api = cluster.api
-    command = ["python", "-P", "-m", "http.server", "--bind", "0.0.0.0", "--directory", "/srv", "8082"]
+    command = ["python", "-m", "http.server", "--bind", "0.0.0.0", "--directory", "/srv", "8082"]
     pod = python_pod("slow", command, volumes=[{"name": "srv", "hostPath": {"path": str(tmp_path)}}])
     pod["spec"]["containers"][0].update(
         volumeMounts=[{"name": "srv", "mountPath": "/srv"}],
@@ -406,7 +406,7 @@ def test_unknown_image_stays_pending_with_err_image_pull(cluster: Cluster) -> No
 
 def test_unknown_claim_fails_the_mount(cluster: Cluster) -> None:
     api = cluster.api
-    pod = python_pod("noclaim", ["python", "-P", "-c", "pass"])
+    pod = python_pod("noclaim", ["python", "-c", "pass"])
     pod["spec"]["volumes"] = [{"name": "models", "persistentVolumeClaim": {"claimName": "missing"}}]
     api.create(pod)
 
@@ -429,9 +429,7 @@ def test_unknown_claim_fails_the_mount(cluster: Cluster) -> None:
 def test_run_to_completion_phases(cluster: Cluster, restart_policy: str, code: int, phase: str) -> None:
     api = cluster.api
     name = f"exit-{restart_policy.lower()}-{code}"
-    api.create(
-        python_pod(name, ["python", "-P", "-c", f"raise SystemExit({code})"], restartPolicy=restart_policy)
-    )
+    api.create(python_pod(name, ["python", "-c", f"raise SystemExit({code})"], restartPolicy=restart_policy))
     pod = wait_for_pod(api, name, phase, lambda p: p["status"].get("phase") == phase)
     terminated = container(pod)["state"]["terminated"]
     assert terminated["exitCode"] == code
@@ -445,7 +443,7 @@ def test_environment_arguments_and_paths_are_rewritten(cluster: Cluster) -> None
     script = "import os, sys; print(sys.argv[1:]); print(os.environ['GREETING'])"
     pod = python_pod(
         "echo",
-        ["python", "-P", "-c", script, "--bind=0.0.0.0", "/data/file", "$(GREETING)"],
+        ["python", "-c", script, "--bind=0.0.0.0", "/data/file", "$(GREETING)"],
         restartPolicy="Never",
         volumes=[{"name": "data", "emptyDir": {}}],
     )

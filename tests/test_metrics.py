@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ember_engine import SamplingParams
 from ember_engine.async_engine import AsyncEngine
-from ember_engine.config import EngineConfig
-from ember_engine.llm_engine import EngineStats, LLMEngine
-from ember_engine.metrics import EngineMetrics
-from ember_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ember_engine.core.config import EngineConfig
+from ember_engine.core.llm_engine import EngineStats, LLMEngine
+from ember_engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ember_engine.server.metrics import EngineMetrics
 
 MODEL = "tiny-test"
 

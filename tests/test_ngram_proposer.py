@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember_engine.ngram_proposer import propose_ngram
+from ember_engine.spec.ngram_proposer import propose_ngram
 
 
 def oracle(ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

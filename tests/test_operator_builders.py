@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
-from ember_engine import serve
 from ember_engine.cli import build_parser
-from ember_engine.llm_engine import EngineStats
-from ember_engine.metrics import EngineMetrics
-from ember_engine.policy import parse_policy
+from ember_engine.core.llm_engine import EngineStats
+from ember_engine.server import serve
+from ember_engine.server.metrics import EngineMetrics
+from ember_engine.server.policy import parse_policy
+from ember_localcluster.apiserver.podsecurity import violations
 from ember_operator.desired import (
     ACTIVE,
     HASH_LABEL,
@@ -138,6 +139,18 @@ def test_the_pod_carries_the_contract_labels_owner_probes_and_policy_mount() -> 
     (volume,) = pod["spec"]["volumes"]
     assert "subPath" not in mount  # a subPath mount would never see ConfigMap updates
     assert volume["configMap"]["name"] == "chat-policy" and mount["name"] == volume["name"]
+
+
+def test_engine_pods_meet_pod_security_restricted_and_mount_no_token() -> None:
+    pod = desired_pod(
+        OWNER, make_spec(model={"name": "m", "source": "/models/m", "volumeClaim": "w"}), WARM, "a1"
+    )
+    assert violations(pod, "restricted") == []
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    (c,) = pod["spec"]["containers"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
 def test_a_model_volume_claim_is_mounted_read_only_at_models() -> None:

@@ -15,7 +15,7 @@ import yaml
 from operator_harness import NAMESPACE, crd_manifest
 from waiting import free_port, wait_for
 
-from ember_e2e.apiserver import APIServer
+from ember_localcluster.apiserver import APIServer
 from ember_operator.spec import GROUP, VERSION
 
 EMBER = str(Path(sys.executable).parent / "ember")

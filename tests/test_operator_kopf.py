@@ -14,7 +14,7 @@ import pytest
 from kopf.testing import KopfRunner
 from operator_harness import NAMESPACE, PodRunner, crd_manifest, wait_for
 
-from ember_e2e.apiserver import APIServer
+from ember_localcluster.apiserver import APIServer
 from ember_operator import main as operator_main
 from ember_operator.desired import HASH_LABEL, ROLE_LABEL
 from ember_operator.spec import GROUP, PLURAL, VERSION
@@ -453,4 +453,4 @@ def test_the_operator_never_writes_the_spec(cluster: Any) -> None:
     wait_for(lambda: shape(api, "hands-off")[0] == 3, what="scaled to 3")
     obj = get(api, "hands-off")
     assert obj["metadata"]["generation"] == generation  # Argo CD sees no drift
-    assert "desired" not in obj["spec"]["replicas"]
+    assert obj["spec"]["replicas"]["desired"] == 0  # the schema's default, never the operator's target

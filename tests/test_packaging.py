@@ -21,7 +21,7 @@ def test_fresh_non_editable_install(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     probe = (
-        "import json, ember_engine, ember_operator, ember_e2e, operator, collections;"
+        "import json, ember_engine, ember_operator, ember_localcluster, operator, collections;"
         "print(json.dumps([ember_engine.__file__, ember_operator.__file__, operator.__file__]))"
     )
     out = subprocess.run([py, "-c", probe], cwd=elsewhere, check=True, capture_output=True, text=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ember_engine.policy import Policy, PolicyError, PolicyWatcher, load_policy, parse_policy
+from ember_engine.server.policy import Policy, PolicyError, PolicyWatcher, load_policy, parse_policy
 
 FULL = """
 loadShedding:

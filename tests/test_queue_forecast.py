@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from ember_engine.config import EngineConfig
-from ember_engine.llm_engine import LLMEngine
-from ember_engine.outputs import CompletionOutput, RequestOutput
-from ember_engine.queue_forecast import Forecast, ForecastObserver
-from ember_engine.sampling_params import SamplingParams
+from ember_engine.core.config import EngineConfig
+from ember_engine.core.llm_engine import LLMEngine
+from ember_engine.core.outputs import CompletionOutput, RequestOutput
+from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.server.queue_forecast import Forecast, ForecastObserver
 
 
 def test_waiting_requests_take_seats_in_the_order_they_free() -> None:

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from ember_engine.rejection_sampler import rejection_sample
-from ember_engine.sampler import make_generator
+from ember_engine.sample.rejection_sampler import rejection_sample
+from ember_engine.sample.sampler import make_generator
 
 V = 6
 N = 100_000  # requests per distribution check

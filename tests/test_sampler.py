@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from ember_engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from ember_engine.sampling_params import SamplingParams
+from ember_engine.sample.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from ember_engine.sample.sampling_params import SamplingParams
 
 VOCAB = 64
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from waiting import wait_for
 
-from ember_e2e.apiserver import APIServer
-from ember_e2e.kubelet import ProcessKubelet
-from ember_e2e.proxy import ServiceProxy
+from ember_localcluster.apiserver import APIServer
+from ember_localcluster.kubelet.kubelet import ProcessKubelet
+from ember_localcluster.proxy import ServiceProxy
 
 T = TypeVar("T")
 
@@ -54,7 +54,7 @@ def web_pod(name: str, root: Path, app: str) -> dict[str, Any]:
     www = root / name
     www.mkdir(exist_ok=True)
     (www / "who.txt").write_text(name)
-    command = ["python", "-P", "-m", "http.server", "--bind", "0.0.0.0", "--directory", "/www", "8080"]
+    command = ["python", "-m", "http.server", "--bind", "0.0.0.0", "--directory", "/www", "8080"]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -187,7 +187,7 @@ def test_bytes_pass_through_as_they_arrive(cluster: Cluster) -> None:
     shared.mkdir()
     pod = web_pod("two-part", cluster.root, "two-part")
     pod["spec"]["containers"][0].update(
-        command=["python", "-P", "-c", TWO_PART_SERVER, "0.0.0.0", "9000", "/www/go"],
+        command=["python", "-c", TWO_PART_SERVER, "0.0.0.0", "9000", "/www/go"],
         ports=[{"name": "stream", "containerPort": 9000}],
         readinessProbe={"tcpSocket": {"port": "stream"}, "periodSeconds": 1},
     )

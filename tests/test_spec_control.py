@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ember_engine.spec_control import SpecController, bucket_of, updated_acceptance
+from ember_engine.spec.spec_control import SpecController, bucket_of, updated_acceptance
 
 
 def drive(controller: SpecController, batch: int, steps: int, on_rate: float, off_rate: float) -> list[int]:

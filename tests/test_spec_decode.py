@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from ember_engine import LLM, SamplingParams
-from ember_engine.llm_engine import LLMEngine, SpecStats
-from ember_engine.metrics import EngineMetrics
+from ember_engine.core.llm_engine import LLMEngine
+from ember_engine.server.metrics import EngineMetrics
+from ember_engine.spec.decoder import SpecStats
 
 K = 4
 PROMPTS = [
@@ -171,8 +172,8 @@ def test_spec_metrics_are_exported(tiny_model: Path) -> None:
 
 
 def test_the_trained_draft_is_exact_and_accepted_often() -> None:
-    from ember_engine.bench_spec import code_prompts
-    from ember_engine.spec_pair import packaged_pair
+    from ember_engine.bench.spec import code_prompts
+    from ember_engine.tools.spec_pair import packaged_pair
 
     target, draft = packaged_pair()
     prompts = code_prompts(4)
@@ -188,9 +189,9 @@ def test_the_trained_draft_is_exact_and_accepted_often() -> None:
 
 
 def test_lookahead_comes_only_from_spare_blocks_and_is_trimmed_back() -> None:
-    from ember_engine.block_manager import BlockManager
-    from ember_engine.request import Request
-    from ember_engine.scheduler import Scheduler
+    from ember_engine.core.block_manager import BlockManager
+    from ember_engine.core.request import Request
+    from ember_engine.core.scheduler import Scheduler
 
     bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import ember_engine.spec_pair as spec_pair
-import ember_engine.testmodel as testmodel
+import ember_engine.tools.spec_pair as spec_pair
+import ember_engine.tools.testmodel as testmodel
 from ember_engine import LLM, SamplingParams
-from ember_engine.loader import load_weights
-from ember_engine.model_config import ModelConfig
+from ember_engine.model.loader import load_weights
+from ember_engine.model.model_config import ModelConfig
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    for arg in "
 SMALL = testmodel.ModelSize(64, 160, 2, 4, 2, 256)
@@ -97,7 +97,7 @@ def test_pair_is_consistent(pair: tuple[Path, Path], report: dict) -> None:
 
 
 def test_ember_loads_both(pair: tuple[Path, Path]) -> None:
-    from ember_engine.llama import LlamaForCausalLM as EmberLlama
+    from ember_engine.model.llama import LlamaForCausalLM as EmberLlama
 
     for directory in pair:
         config = ModelConfig.from_dir(directory)

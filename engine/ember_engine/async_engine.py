@@ -1,0 +1,193 @@
+"""Online API: an async iterator per request over an engine stepping in its own thread.
+
+The step loop never waits on the event loop: requests and aborts reach it through a thread-safe inbox,
+outputs go back with `call_soon_threadsafe`. Closing or cancelling a request's iterator aborts it, so
+a client that goes away frees its KV blocks within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ember_engine.core.config import EngineConfig
+from ember_engine.core.llm_engine import EngineStats, LLMEngine
+from ember_engine.core.outputs import RequestOutput
+from ember_engine.sample.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+
+
+class AsyncEngine:
+    def __init__(
+        self, config: EngineConfig | None = None, engine: LLMEngine | None = None, **options: Any
+    ) -> None:
+        if engine is None:
+            engine = LLMEngine(config or EngineConfig(**options))
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stats = engine.stats()
+        self._step_hooks: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
+        # Samples (a request's n) by priority: handed to generate() (counted in the caller's thread), and
+        # taken in by the engine (counted in its thread, so a step hook sees a count consistent with the
+        # engine's queue).
+        self.submitted: collections.Counter[int] = collections.Counter()
+        self.taken_in: collections.Counter[int] = collections.Counter()
+        self._thread = threading.Thread(target=self._loop, name="ember-engine", daemon=True)
+        self._thread.start()
+
+    # -- client side (event loop) ---------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield an update per step that changed the request; the last has `.finished`. Raises
+        ValueError for a request the engine refuses."""
+        rid = request_id or f"req-{next(self._ids)}"
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request_id: {rid!r} is already in use")
+            self._streams[rid] = (asyncio.get_running_loop(), stream)
+        params = params or SamplingParams()
+        self.submitted[priority] += params.n
+        self._inbox.put(_Add(rid, prompt, params, priority, cache_salt))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not finished:  # closed early or cancelled: the client is gone
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        """A snapshot taken after the latest step (safe to read from any thread)."""
+        return self._stats
+
+    def add_step_hook(self, hook: Callable[[LLMEngine, list[RequestOutput]], None]) -> None:
+        """Run `hook(engine, outputs)` in the engine thread after every step (metrics)."""
+        self._step_hooks.append(hook)
+
+    def shutdown(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    # -- engine side (its own thread) -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            # Idle: block for work. Busy: take whatever arrived and step again.
+            block = not engine.has_unfinished_requests()
+            try:
+                while True:
+                    item = self._inbox.get(block=block)
+                    block = False
+                    if item is None:
+                        return
+                    self._handle(item)
+            except queue.Empty:
+                pass
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a failed step fails its requests, not the process
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            self._stats = engine.stats()
+            # Hooks first: delivering can abort a request whose listener left, and its final output
+            # must reach the hooks after this step's.
+            for hook in self._step_hooks:
+                hook(engine, outputs)
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _handle(self, item: _Add | _Abort) -> None:
+        if isinstance(item, _Abort):
+            self._abort(item.request_id)
+            return
+        self.taken_in[item.priority] += item.params.n
+        try:
+            self.engine.add_request(item.request_id, item.prompt, item.params, item.priority, item.cache_salt)
+        except ValueError as exc:
+            self._deliver(item.request_id, exc)
+
+    def _abort(self, request_id: str, reason: BaseException | None = None) -> None:
+        """Abort in the engine; the final output still reaches the step hooks (metrics) and, if someone
+        is listening, the stream (or `reason`, an error, instead)."""
+        final = self.engine.abort_request(request_id)
+        if final is None:
+            return
+        self._stats = self.engine.stats()
+        for hook in self._step_hooks:
+            hook(self.engine, [final])
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            with contextlib.suppress(RuntimeError):  # the listener's loop is closed
+                loop.call_soon_threadsafe(q.put_nowait, reason or final)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            self._abort(request_id)  # nobody is listening any more
+            return
+        loop, q = stream
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the client's loop is closed
+            self._abort(request_id)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for rid in list(self.engine.groups):
+            self._abort(rid, RuntimeError(f"engine step failed: {exc}"))

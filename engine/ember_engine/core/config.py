@@ -1,0 +1,65 @@
+"""Engine options (the `ember serve` flags and `LLM(**options)` keywords)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # explicit cache size in blocks...
+    kv_cache_memory: int | None = None  # ...or in bytes; else profiled (GPU) or a default (CPU)
+    gpu_memory_utilization: float = 0.9
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    seed: int = 0
+    # Speculative decoding: "draft" (a smaller model with the same tokenizer) or "ngram" (prompt lookup).
+    speculative_method: str | None = None  # default: "draft" when draft_model is given, else off
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4  # K, the most tokens proposed per request per step
+    ngram_min: int = 2  # n-gram lookup: the shortest and longest suffix matched
+    ngram_max: int = 4
+    speculative_adaptive: bool = True  # turn speculation off (or K down) where it does not pay
+
+    @property
+    def speculation(self) -> str | None:
+        """The proposer in use, or None when speculative decoding is off."""
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return "draft" if self.draft_model is not None else None
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why}")
+
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            bad("block_size", f"must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            bad("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            bad("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            bad("kv_cache_memory", f"must be >= 1 byte, got {self.kv_cache_memory}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            bad("scheduling_policy", f"unknown {self.scheduling_policy!r}; choose fcfs or priority")
+        if self.speculative_method not in (None, "draft", "ngram"):
+            bad("speculative_method", f"unknown {self.speculative_method!r}; choose draft or ngram")
+        if self.speculation == "draft" and self.draft_model is None:
+            bad("draft_model", "is required when speculative_method is draft")
+        if self.speculation == "ngram" and self.draft_model is not None:
+            bad("draft_model", "is only used with speculative_method draft, not ngram")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            bad("ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")

@@ -1,0 +1,297 @@
+"""The engine loop: admit requests, step the scheduler and model, turn tokens into outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ember_engine.core.block_manager import BlockManager, PrefixCacheStats
+from ember_engine.core.config import EngineConfig
+from ember_engine.core.output_processor import Group, OutputProcessor
+from ember_engine.core.outputs import Logprob, RequestOutput
+from ember_engine.core.request import Request
+from ember_engine.core.scheduler import Scheduler
+from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.model.model_config import ModelConfig
+from ember_engine.model.model_runner import ModelRunner
+from ember_engine.sample.sampler import Sampler, child_seed, make_generator
+from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.spec.decoder import SpecDecoder, SpecStats, draft_cache_bytes, draft_model_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    last_step_seconds: float  # wall time of the latest step
+    last_batch_size: int  # requests in it
+    last_batch_tokens: int  # tokens in it
+    num_steps: int  # steps run so far
+    spec: SpecStats | None = None  # a copy; None without speculative decoding
+    spec_enabled: bool = False  # the adaptive controller's latest decision
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer(config.model)
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit}")
+        self.max_model_len = config.max_model_len or limit
+        draft_config = None
+        extra_block_bytes = reserved = 0
+        if config.speculation == "draft":
+            draft_config = draft_model_config(config, self.model_config, self.max_model_len)
+            extra_block_bytes, reserved = draft_cache_bytes(config, draft_config)
+        self.runner = ModelRunner(
+            config,
+            self.model_config,
+            self.max_model_len,
+            extra_block_bytes=extra_block_bytes,
+            reserved_bytes=reserved,
+        )
+        self.sampler = Sampler()
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            log.warning(
+                "KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len
+            )
+            self.max_model_len = capacity
+        self.spec = SpecDecoder.build(config, draft_config, self.max_model_len, self.runner.num_blocks)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+        )
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
+        self._last_step = (0.0, 0, 0)
+        self.num_steps = 0
+
+    @property
+    def groups(self) -> dict[str, Group]:
+        """Requests not yet finished, by id (each a prompt's n samples)."""
+        return self.outputs.groups
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (naming the field) for one that can never be served."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self.check_prompt(token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        requests = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=token_ids,
+                params=params,
+                eos_token_ids=self.model_config.eos_token_ids,
+                max_tokens=max_tokens,
+                priority=priority,
+                arrival_time=arrival,
+                cache_salt=cache_salt,
+                generator=(
+                    None
+                    if params.seed is None
+                    else make_generator(child_seed(params.seed, i), self.runner.device)
+                ),
+                index=i,
+            )
+            for i in range(params.n)
+        ]
+        group = self.outputs.add(request_id, text, requests)
+        # With a prefix cache, siblings wait for the first sample's prefill and then share its blocks.
+        self.scheduler.add(requests[0])
+        if self.config.enable_prefix_caching:
+            group.pending = requests[1:]
+        else:
+            for req in requests[1:]:
+                self.scheduler.add(req)
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
+        """The request's effective max_tokens; ValueError naming the field if it can never be served.
+        Reads only configuration, so any thread may call it."""
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary (size {vocab})")
+        n, limit = len(token_ids), self.max_model_len
+        if n >= limit:
+            raise ValueError(f"prompt: {n} tokens leave no room to generate within max_model_len {limit}")
+        if params.max_tokens is None:
+            return limit - n
+        if n + params.max_tokens > limit:
+            raise ValueError(
+                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {limit}"
+            )
+        return params.max_tokens
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (finish_reason "abort" for
+        samples still running), or None if it is unknown or already done."""
+        group = self.outputs.remove(request_id)
+        if group is None:
+            return None
+        group.pending.clear()
+        for s in group.samples:
+            self.scheduler.abort(s.request)
+        return self.outputs.make_output(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # -- a step ---------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an update for every request that produced text or finished."""
+        start = time.perf_counter()
+        speculate = self.spec is not None and self.spec.plan(self.scheduler.running)
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        now = time.monotonic()
+        all_decoding = True
+        for req in batch.requests:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            all_decoding = all_decoding and req.num_tokens - req.num_computed_tokens == 1
+        proposed = self.spec.propose(batch) if self.spec is not None and speculate else []
+        result = self.runner.execute(batch)
+        for req, n in zip(batch.requests, batch.num_tokens, strict=True):
+            self._advance(req, n - len(req.spec_token_ids))  # the known tokens; proposals once verified
+        touched: dict[str, Group] = {}
+        generated = self.outputs.generation_tokens
+        if result.logits is not None:
+            self._sample(result.logits, result.sampled, time.monotonic(), touched)
+        if self.spec is not None:
+            self.spec.trim(proposed, self.block_manager)
+        outputs = [self.outputs.make_output(g) for g in touched.values()]
+        elapsed = time.perf_counter() - start
+        self._last_step = (elapsed, len(batch), batch.total_tokens)
+        self.num_steps += 1
+        if self.spec is not None and all_decoding:
+            # A step in which nobody got proposals ran plainly, whatever the decision was.
+            tokens = self.outputs.generation_tokens - generated
+            self.spec.record_step(len(batch), bool(proposed), tokens, elapsed)
+        for g in touched.values():
+            if g.finished:
+                self.outputs.remove(g.request_id)
+        return outputs
+
+    def _advance(self, req: Request, n: int) -> None:
+        """The one place `num_computed_tokens` grows: n more tokens have their KV in the cache."""
+        req.num_computed_tokens += n
+        self.block_manager.cache_full_blocks(req)
+
+    def _sample(
+        self, logits: torch.Tensor, sampled: list[Request], now: float, touched: dict[str, Group]
+    ) -> None:
+        """Turn the step's logits into tokens: plain sampling for requests without proposals (one row each),
+        verification for the others (1 + proposals rows each)."""
+        plain_rows: list[int] = []
+        spec_rows: list[int] = []
+        plain: list[Request] = []
+        spec: list[Request] = []
+        row = 0
+        for req in sampled:
+            n = 1 + len(req.spec_token_ids)
+            if n == 1:
+                plain_rows.append(row)
+                plain.append(req)
+            else:
+                spec_rows.extend(range(row, row + n))
+                spec.append(req)
+            row += n
+        if plain:
+            rows = logits if not spec else logits[torch.tensor(plain_rows, device=logits.device)]
+            # The rows read each request's output so far (penalties, min_tokens): this step's token is
+            # appended only after sampling.
+            out = self.sampler(rows, [r.sampling_row() for r in plain])
+            for k, req in enumerate(plain):
+                if out.logprobs is not None and out.top_logprobs is not None:
+                    self.outputs.record_logprob(
+                        req, Logprob(out.token_ids[k], out.logprobs[k], out.top_logprobs[k])
+                    )
+                self._emit(req, [out.token_ids[k]], 0, now, touched)
+        if spec:
+            assert self.spec is not None
+            rows = logits if not plain else logits[torch.tensor(spec_rows, device=logits.device)]
+            for req, tokens in zip(spec, self.spec.verify(rows, spec), strict=True):
+                self._emit(req, tokens, len(tokens) - 1, now, touched)
+
+    def _emit(
+        self, req: Request, tokens: list[int], num_accepted: int, now: float, touched: dict[str, Group]
+    ) -> None:
+        """Append a request's new tokens, the first `num_accepted` of them verified proposals whose KV the
+        step already wrote (a finished request's count no longer matters: its blocks are freed)."""
+        group = self.outputs.append(req, tokens, now)
+        if not req.finished:
+            if num_accepted:
+                self._advance(req, num_accepted)
+            # The draft's KV past the accepted tokens belongs to rejected proposals.
+            req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
+        touched[group.request_id] = group
+        if group.pending and req.index == 0:
+            for sibling in group.pending:
+                self.scheduler.add(sibling, front=True)
+            group.pending = []
+
+    def reset_counters(self) -> None:
+        """Forget warm-up traffic: counters to zero, prefix cache emptied."""
+        self.outputs.prompt_tokens = self.outputs.generation_tokens = 0
+        self.scheduler.num_preemptions = 0
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.stats = PrefixCacheStats()
+        if self.spec is not None:
+            self.spec.reset()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            num_kv_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.stats.queries,
+            prefix_cache_hits=bm.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.outputs.prompt_tokens,
+            generation_tokens=self.outputs.generation_tokens,
+            last_step_seconds=self._last_step[0],
+            last_batch_size=self._last_step[1],
+            last_batch_tokens=self._last_step[2],
+            num_steps=self.num_steps,
+            spec=None if self.spec is None else self.spec.stats.copy(),
+            spec_enabled=self.spec is not None and self.spec.enabled,
+        )

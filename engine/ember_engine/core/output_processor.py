@@ -1,0 +1,156 @@
+"""`OutputProcessor`: from sampled tokens to what callers see.
+
+It owns the request groups (a prompt's n samples), appends each new token with its stop checks (stop
+token ids, EOS, stop strings found by the incremental detokenizer, max_tokens, the model length), counts
+prompt and generation tokens, and builds each `RequestOutput` with the text and token deltas since the
+previous one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ember_engine.core.detokenizer import Detokenizer
+from ember_engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ember_engine.core.request import Request
+from ember_engine.core.scheduler import Scheduler
+from ember_engine.core.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One of a request's n samples, with its text state."""
+
+    request: Request
+    detok: Detokenizer
+    logprobs: list[Logprob] | None
+    emitted_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Group:
+    """A prompt's samples, reported together as one `RequestOutput`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    pending: list[Request] = field(default_factory=list)  # siblings admitted after the first's prefill
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and all(s.request.finished for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.groups: dict[str, Group] = {}
+        self._group_of: dict[Request, Group] = {}
+        self.prompt_tokens = 0  # prompts whose first token came out
+        self.generation_tokens = 0
+
+    def add(self, request_id: str, prompt: str | None, requests: list[Request]) -> Group:
+        """Track a prompt's samples (their requests already built, sharing the prompt's token ids)."""
+        token_ids = requests[0].prompt_token_ids
+        samples = [
+            _Sample(
+                req,
+                Detokenizer(self.tokenizer, token_ids, req.params),
+                [] if req.params.logprobs is not None else None,
+            )
+            for req in requests
+        ]
+        group = Group(request_id, prompt, token_ids, samples)
+        self.groups[request_id] = group
+        for req in requests:
+            self._group_of[req] = group
+        return group
+
+    def remove(self, request_id: str) -> Group | None:
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            for s in group.samples:
+                self._group_of.pop(s.request, None)
+        return group
+
+    def record_logprob(self, req: Request, logprob: Logprob) -> None:
+        logprobs = self._group_of[req].samples[req.index].logprobs
+        if logprobs is not None:
+            logprobs.append(logprob)
+
+    def append(self, req: Request, tokens: list[int], now: float) -> Group:
+        """Append a request's new tokens, stopping early at one that ends it; returns its group."""
+        group = self._group_of[req]
+        sample = group.samples[req.index]
+        for token in tokens:
+            self._append_token(req, sample, token, now)
+            if req.finished:
+                break
+        return group
+
+    def _append_token(self, req: Request, sample: _Sample, token: int, now: float) -> None:
+        req.all_token_ids.append(token)
+        self.generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.prompt_tokens += req.num_prompt_tokens
+        req.last_token_time = now
+        p = req.params
+        # Below min_tokens nothing may end the request (the sampler already kept EOS and stop ids out).
+        may_stop = req.num_output_tokens >= p.min_tokens
+        reason: str | None = None
+        if may_stop and token in p.stop_token_ids:
+            reason, req.stop_reason = "stop", token
+        elif may_stop and not p.ignore_eos and token in req.eos_token_ids:
+            reason = "stop"
+        else:
+            stop = sample.detok.append(token, detect_stop=may_stop)
+            if stop is not None:
+                reason, req.stop_reason = "stop", stop
+            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            sample.detok.flush()
+            self.scheduler.finish(req, reason)
+
+    def make_output(self, group: Group) -> RequestOutput:
+        outs = []
+        for s in group.samples:
+            req = s.request
+            new_ids = req.output_token_ids[s.emitted_tokens :]
+            s.emitted_tokens = req.num_output_tokens
+            outs.append(
+                CompletionOutput(
+                    index=req.index,
+                    text=s.detok.text,
+                    token_ids=req.output_token_ids,
+                    delta_text=s.detok.take_delta(req.finished),
+                    delta_token_ids=new_ids,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                    logprobs=s.logprobs,
+                )
+            )
+        first = group.samples[0].request
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            last_token_time=first.last_token_time,
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_generation_tokens=sum(s.request.num_output_tokens for s in group.samples),
+            num_cached_tokens=first.num_prompt_cached_tokens,
+            num_preemptions=sum(s.request.num_preemptions for s in group.samples),
+        )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outs,
+            finished=group.finished,
+            num_cached_tokens=first.num_prompt_cached_tokens,
+            metrics=metrics,
+        )

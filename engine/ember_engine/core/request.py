@@ -1,0 +1,89 @@
+"""A request's state inside the engine: its tokens, how many are computed, its blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ember_engine.sample.sampler import SamplingRow
+from ember_engine.sample.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16  # params.max_tokens resolved against the model length
+    priority: int = 0  # lower is more important (vLLM's convention)
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    generator: torch.Generator | None = None
+    index: int = 0  # n > 1: the samples of one prompt are told apart by index
+
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_prompt_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # speculative decoding
+    spec_lookahead: int = 0  # draft slots the engine asks the scheduler for in the next step
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's proposals, after the known tokens
+    draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] q for sampled requests' drafts
+    num_draft_computed: int = 0  # leading tokens whose KV the draft model has written
+    num_draft_tokens: int = 0  # proposals verified so far
+    num_accepted_tokens: int = 0  # of those, accepted
+    recent_acceptance: float | None = None  # running mean of the per-step acceptance rate
+    # timestamps (monotonic seconds)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)
+
+    def sampling_row(self) -> SamplingRow:
+        """What the sampler needs of this request for its next token (read before it is appended)."""
+        p = self.params
+        suppress: list[int] = []
+        if self.num_output_tokens < p.min_tokens:
+            suppress = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        return SamplingRow(p, self.prompt_token_ids, self.output_token_ids, self.generator, suppress)

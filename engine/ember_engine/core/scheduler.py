@@ -1,0 +1,171 @@
+"""Continuous batching with chunked prefill (vLLM V1 semantics).
+
+There is no prefill or decode phase: each request has tokens computed and tokens known, and each step
+hands out one token budget — running requests first (decodes and unfinished prompt chunks), then
+waiting ones (after their prefix-cache hit), chunking what does not fit. A decode may also take slots for
+speculative (lookahead) tokens, from budget and free blocks left over. When blocks run out the newest
+request (or, under the priority policy, the least important, then latest) is preempted by recompute:
+its blocks are freed and it goes back to the head of the queue, to be resumed only when its whole known
+sequence fits again, so a resumed request is not preempted again half-way through its prompt.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from ember_engine.core.block_manager import BlockManager
+from ember_engine.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens scheduled for each request
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+    ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: unknown {policy!r}; choose fcfs or priority")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: list[Request] = []  # fcfs: arrival order; priority: sorted by (priority, arrival)
+        self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
+        # Whether the latest schedule() left requests waiting for KV blocks (it preempted, or the next one
+        # did not fit), rather than for the token budget: such a request starts only when others end.
+        self.blocked_on_memory = False
+
+    def add(self, request: Request, front: bool = False) -> None:
+        request.status = RequestStatus.WAITING
+        if self.policy == "priority":
+            keys = [r.sort_key() for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, request.sort_key()), request)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        running = list(self.running)
+        for i, request in enumerate(running):
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            # A decode may also reserve slots for speculative tokens, but only from spare budget and
+            # from blocks no one else running could need this step (one each): lookahead never causes a
+            # preemption.
+            decoding = request.num_tokens - request.num_computed_tokens == 1
+            extra = min(request.spec_lookahead, budget - 1) if decoding else 0
+            bm = self.block_manager
+            if (
+                extra > 0
+                and bm.num_new_blocks(request, n + extra) <= bm.num_free_blocks - (len(running) - i - 1)
+                and bm.allocate(request, n + extra)
+            ):
+                out.requests.append(request)
+                out.num_tokens.append(n + extra)
+                budget -= n + extra
+                continue
+            while not self.block_manager.allocate(request, n):
+                victim = self._pick_victim()
+                if victim in out.requests:  # under the priority policy it may already be scheduled
+                    slot = out.requests.index(victim)
+                    budget += out.num_tokens.pop(slot)
+                    out.requests.pop(slot)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.requests.append(request)
+                out.num_tokens.append(n)
+                budget -= n
+        # A step that had to preempt admits nobody: the freed room goes to the running requests.
+        self.blocked_on_memory = bool(out.preempted)
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if not self._admit(request, budget, out):
+                self.blocked_on_memory = True
+                break
+            budget -= out.num_tokens[-1]
+        return out
+
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+        bm = self.block_manager
+        hits = bm.find_cached_prefix(request)
+        num_hit = len(hits) * bm.block_size
+        remaining = request.num_tokens - num_hit
+        # Only admit what can be carried through its whole known sequence, so chunked prefills are not
+        # preempted midway (the thrash of re-admitting a victim that cannot fit).
+        if not bm.can_allocate(request, remaining, hits):
+            return False
+        n = min(remaining, budget)
+        if not bm.allocate(request, n, hits):
+            return False
+        bm.record_lookup(request.num_tokens, num_hit)
+        self.waiting.pop(0)
+        request.num_computed_tokens = num_hit
+        if request.num_preemptions == 0:
+            request.num_prompt_cached_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.requests.append(request)
+        out.num_tokens.append(n)
+        return True
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = request.num_draft_computed = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(request, front=True)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Retire a running request (stopped or out of length) and release its blocks at once."""
+        self.running.remove(request)
+        self._release(request, reason)
+
+    def abort(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            return
+        self._release(request, "abort")
+
+    def _release(self, request: Request, reason: str) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

@@ -1,0 +1,51 @@
+"""The checkpoint's tokenizer (`tokenizer.json`) and chat template, without transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: ember reads fast-tokenizer files (tokenizer.json)")
+        self._tok = _HFTokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.add_bos = bool(self.config.get("add_bos_token", False))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # Some tokenizer_config.json files ask for BOS without a post-processor that adds it.
+        if (
+            add_special_tokens
+            and self.add_bos
+            and self.bos_token_id is not None
+            and ids[:1] != [self.bos_token_id]
+        ):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def _token_text(value: object) -> str | None:
+    # tokenizer_config.json spells special tokens as strings or as {"content": ...} objects.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None

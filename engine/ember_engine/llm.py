@@ -1,0 +1,72 @@
+"""Offline API: `LLM(model=DIR, **options).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ember_engine.core.config import EngineConfig
+from ember_engine.core.llm_engine import LLMEngine
+from ember_engine.core.outputs import RequestOutput
+from ember_engine.sample.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, in order. A prompt that can never be served (too long, empty)
+        comes back with `.error` set and no samples; the others are unaffected."""
+        prompt_list: list[Prompt]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompt_list = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(params)
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"params: {len(params_list)} given for {len(prompt_list)} prompts")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for i, (prompt, sp) in enumerate(zip(prompt_list, params_list, strict=True)):
+            rid = f"offline-{next(self._ids)}"
+            order.append(rid)
+            try:
+                self.engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0)
+            except ValueError as exc:
+                token_ids = prompt if isinstance(prompt, list) else []
+                text = prompt if isinstance(prompt, str) else None
+                results[rid] = RequestOutput(rid, text, token_ids, [], finished=True, error=str(exc))
+        self._run(results, len(order), use_tqdm)
+        return [results[rid] for rid in order]
+
+    def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=total, desc="requests", disable=not use_tqdm, initial=len(results), dynamic_ncols=True
+        )
+        start, tokens = time.perf_counter(), 0
+        with bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    tokens += sum(len(o.delta_token_ids) for o in out.outputs)
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.1f} output tok/s")

@@ -1,0 +1,93 @@
+"""Load a Hugging Face safetensors checkpoint (single file or sharded) into the engine's model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ember_engine.model.llama import LlamaForCausalLM
+
+# checkpoint projection -> (merged parameter, which shard of it)
+_MERGED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_SPLIT = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def _shard_sizes(model: LlamaForCausalLM, merged: str) -> list[int]:
+    c = model.config
+    if merged == "qkv_proj":
+        return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+    return [c.intermediate_size, c.intermediate_size]
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+    """Copy every checkpoint tensor into place; error naming any missing, unknown or mis-shaped one."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in iter_tensors(Path(model_dir)):
+        if "rotary_emb" in name:
+            continue  # derived buffers some checkpoints carry
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        target, shard = name, None
+        if len(parts) >= 2 and parts[-2] in _MERGED:
+            merged, shard = _MERGED[parts[-2]]
+            target = ".".join([*parts[:-2], merged, parts[-1]])
+        param = params.get(target)
+        if param is None:
+            raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (no such parameter)")
+        dest = param.data
+        if shard is not None:
+            sizes = _shard_sizes(model, target.split(".")[-2])
+            dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        loaded.add(name)
+    expected = set()
+    for pname in params:
+        parts = pname.split(".")
+        if len(parts) >= 2 and parts[-2] in _SPLIT:
+            expected |= {".".join([*parts[:-2], shard_name, parts[-1]]) for shard_name in _SPLIT[parts[-2]]}
+        elif not (pname == "lm_head.weight" and model.config.tie_word_embeddings):
+            expected.add(pname)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:8])}")

@@ -1,0 +1,216 @@
+"""Runs one scheduled step: lays the batch out, runs the model over the paged cache, samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ember_engine.core.config import EngineConfig
+from ember_engine.core.request import Request
+from ember_engine.core.scheduler import SchedulerOutput
+from ember_engine.model.context import ForwardContext, set_context
+from ember_engine.model.llama import LlamaForCausalLM
+from ember_engine.model.loader import load_weights
+from ember_engine.model.model_config import ModelConfig, resolve_dtype
+
+_CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A run of one sequence's tokens for a forward pass."""
+
+    block_ids: list[int]  # the sequence's block table
+    start: int  # position of the first token
+    token_ids: Sequence[int]
+    num_logits: int = 0  # logits wanted for the last this-many tokens
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[Request]  # requests whose chunk reached their last known token, in batch order
+    # [rows, vocab] float32: per sampled request 1 + len(spec_token_ids) rows; None when nothing is sampled
+    logits: torch.Tensor | None
+
+
+def kv_block_bytes(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    c = model_config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.itemsize * block_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        model_dir: str | None = None,
+        num_blocks: int | None = None,
+        extra_block_bytes: int = 0,
+        reserved_bytes: int = 0,
+    ) -> None:
+        """`model_dir` defaults to config.model. A draft model's runner is given the target's
+        `num_blocks`, so both caches share one block table; the target's runner is told what each block
+        costs the draft (`extra_block_bytes`) and what its weights take (`reserved_bytes`) when it sizes
+        the cache."""
+        self.config = config
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+        )
+        self.dtype = resolve_dtype(config.dtype, model_config)
+        self.block_size = config.block_size
+        self.extra_block_bytes = extra_block_bytes
+        self.reserved_bytes = reserved_bytes
+        torch.manual_seed(config.seed)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = LlamaForCausalLM(model_config)
+        finally:
+            torch.set_default_dtype(previous)
+        load_weights(self.model, Path(model_dir or config.model))
+        self.model.eval()
+        self.num_blocks = self._num_kv_blocks() if num_blocks is None else num_blocks
+        self._allocate_kv_cache()
+
+    # -- KV cache -------------------------------------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        """What one block costs: this model's K and V for block_size tokens, plus a draft model's."""
+        return kv_block_bytes(self.model_config, self.dtype, self.block_size) + self.extra_block_bytes
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.config.kv_cache_memory is not None:
+            return max(1, self.config.kv_cache_memory // self.block_bytes())
+        if self.device.type == "cuda":
+            return self._profile_kv_blocks()
+        # CPU: room for every sequence at full length, capped.
+        wanted = -(-self.max_model_len // self.block_size) * min(self.config.max_num_seqs, 64)
+        return max(1, min(wanted, _CPU_DEFAULT_KV_BYTES // self.block_bytes()))
+
+    def _profile_kv_blocks(self) -> int:
+        """Run the largest prefill the scheduler can produce, then give the cache what memory is left."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        self.num_blocks = -(-n // self.block_size)
+        self._allocate_kv_cache()
+        self.execute_dummy(n)
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        peak = torch.cuda.max_memory_allocated()
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.kv_cache = torch.empty(0)
+        torch.cuda.empty_cache()
+        used_elsewhere = total - free - torch.cuda.memory_reserved()
+        budget = (
+            total * self.config.gpu_memory_utilization - peak - max(used_elsewhere, 0) - self.reserved_bytes
+        )
+        blocks = int(budget // self.block_bytes())
+        if blocks < 1:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); "
+                "lower max_num_batched_tokens or raise gpu_memory_utilization"
+            )
+        return blocks
+
+    def _allocate_kv_cache(self) -> None:
+        c = self.model_config
+        shape = (2, c.num_layers, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    # -- a step ---------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> StepResult:
+        """Run the batch's forward. Requests whose chunk reaches their last known token are sampled: they
+        get logits for that token and for each of their speculative tokens (which follow it)."""
+        chunks, sampled = [], []
+        for req, n in zip(batch.requests, batch.num_tokens, strict=True):
+            start, known = req.num_computed_tokens, req.num_tokens
+            tokens = req.all_token_ids[start : min(start + n, known)]
+            if start + n > known:
+                tokens = tokens + req.spec_token_ids[: start + n - known]
+            num_logits = 0
+            if start + n == known + len(req.spec_token_ids):
+                num_logits = 1 + len(req.spec_token_ids)
+                sampled.append(req)
+            chunks.append(Chunk(req.block_ids, start, tokens, num_logits))
+        logits = self.forward(chunks)
+        return StepResult(sampled, logits)
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor | None:
+        """One forward over the chunks, writing their K/V into the cache at their positions; returns the
+        logits [sum of num_logits, vocab] (float32) in chunk order, or None when no chunk wants any."""
+        bs = self.block_size
+        ids, pos, slots, q_loc, seq_lens = [], [], [], [0], []
+        logit_rows: list[int] = []
+        max_blocks = max(len(c.block_ids) for c in chunks)
+        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            positions = np.arange(c.start, c.start + n)
+            block_ids = np.asarray(c.block_ids, dtype=np.int64)
+            tables[i, : len(block_ids)] = block_ids
+            ids.append(np.asarray(c.token_ids, dtype=np.int64))
+            pos.append(positions)
+            slots.append(block_ids[positions // bs] * bs + positions % bs)
+            q_loc.append(q_loc[-1] + n)
+            seq_lens.append(c.start + n)
+            logit_rows.extend(range(q_loc[-1] - c.num_logits, q_loc[-1]))
+        dev = self.device
+        input_ids = torch.from_numpy(np.concatenate(ids)).to(dev, non_blocking=True)
+        positions_t = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
+        set_context(
+            ForwardContext(
+                slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
+                query_start_loc=torch.tensor(q_loc, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+                max_query_len=max(len(c.token_ids) for c in chunks),
+                max_seq_len=max(seq_lens),
+            )
+        )
+        try:
+            hidden = self.model(input_ids, positions_t)
+        finally:
+            set_context(None)
+        if not logit_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+
+    @torch.inference_mode()
+    def execute_dummy(self, num_tokens: int) -> None:
+        """One forward over `num_tokens` prompt tokens of one sequence, writing into block 0.. (profiling,
+        warm-up)."""
+        bs = self.block_size
+        positions = torch.arange(num_tokens, device=self.device)
+        blocks = torch.arange(-(-num_tokens // bs), dtype=torch.int32, device=self.device) % self.num_blocks
+        set_context(
+            ForwardContext(
+                slot_mapping=(blocks.long()[positions // bs] * bs + positions % bs),
+                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+                block_tables=blocks.unsqueeze(0),
+                max_query_len=num_tokens,
+                max_seq_len=num_tokens,
+            )
+        )
+        try:
+            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions)
+            self.model.compute_logits(hidden[-1:])
+        finally:
+            set_context(None)

@@ -1,0 +1,41 @@
+"""OpenAI-shaped errors: the JSON response for an `APIError`, the handlers that turn FastAPI's own
+errors (validation, malformed JSON) into one, and the error of a request past its deadline."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from ember_engine.server.protocol import APIError
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer an `APIError`, and a request FastAPI could not validate, with an OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(APIError(400, f"body: malformed JSON ({first.get('msg')})"))
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return _error_response(
+            APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
+        )
+
+
+def _timeout_error(deadline: float) -> APIError:
+    return APIError(
+        504,
+        f"the request did not finish within its deadline of {deadline:g} s and was aborted",
+        type="timeout",
+        code="deadline_exceeded",
+    )

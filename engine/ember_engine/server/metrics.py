@@ -1,0 +1,252 @@
+"""Prometheus metrics for one engine process.
+
+The names are vLLM's, so its dashboards, KEDA triggers and the Gateway API inference extension read ember
+unchanged; ember's own series use the `ember:` prefix. Each instance has its own registry, so several
+engines (or tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+if TYPE_CHECKING:
+    from ember_engine.core.llm_engine import EngineStats
+    from ember_engine.core.outputs import RequestMetrics, RequestOutput
+
+# From a sub-millisecond GPU decode step up to a slow CPU prefill; whole requests can take minutes.
+_LATENCY = (
+    *(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5),
+    *(0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0),
+)
+_REQUEST = (*_LATENCY, 160.0, 320.0, 640.0, 1280.0)
+_TOKENS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 500000
+_BATCH = tuple(2**i for i in range(11))  # 1 .. 1024 requests
+
+# EngineStats keeps these as running totals; the counters advance by the difference.
+_TOTALS = {
+    "prompt_tokens": ("vllm:prompt_tokens", "Number of prefill tokens processed."),
+    "generation_tokens": ("vllm:generation_tokens", "Number of generation tokens processed."),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens."),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens."),
+    "num_preemptions": ("vllm:num_preemptions", "Cumulative number of preemptions."),
+}
+
+
+_SPEC_TOTALS = {
+    "num_drafts": ("vllm:spec_decode_num_drafts", "Verifications of a request's proposals."),
+    "num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified."),
+    "num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
+}
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._model = model_name
+        reg, ml = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ml, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ml, registry=reg).labels(model_name)
+
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, ml, buckets=buckets, registry=reg).labels(model_name)
+
+        self._running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self._waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self._kv = gauge("vllm:kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
+        self._draining = gauge("ember:draining", "1 while the server drains before shutting down.")
+        self._totals = {field: counter(name, doc) for field, (name, doc) in _TOTALS.items()}
+        self._seen = dict.fromkeys(_TOTALS, 0)
+        self._deadline = counter("ember:deadline_aborts", "Requests aborted at their deadline.")
+        self._spec_totals = {field: counter(name, doc) for field, (name, doc) in _SPEC_TOTALS.items()}
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposals by their position in the proposal.",
+            [*ml, "position"],
+            registry=reg,
+        )
+        self._spec_seen = dict.fromkeys(_SPEC_TOTALS, 0)
+        self._spec_pos_seen: dict[int, int] = {}
+        self._spec_enabled = gauge(
+            "ember:spec_decode_enabled", "1 while the adaptive controller has speculative decoding on."
+        )
+        self._success = Counter(
+            "vllm:request_success", "Count of finished requests.", [*ml, "finished_reason"], registry=reg
+        )
+        self._shed = Counter(
+            "ember:requests_shed",
+            "Requests refused by load shedding.",
+            [*ml, "reason", "priority"],
+            registry=reg,
+        )
+        self._over_limit = Counter(
+            "ember:queue_wait_over_limit",
+            "Admitted requests that waited in the queue longer than their priority's wait limit.",
+            [*ml, "priority"],
+            registry=reg,
+        )
+        self._wait_forecast = gauge(
+            "ember:estimated_queue_wait_seconds",
+            "Forecast queue wait of a request joining the back of the queue now.",
+        )
+        self._fallback = Counter(
+            "ember:fallback_requests",
+            "Requests sent to the fallback backend.",
+            [*ml, "outcome"],
+            registry=reg,
+        )
+        # Created up front so that rate() sees these series from zero, not from their first event.
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+        for outcome in ("served", "failed"):
+            self._fallback.labels(model_name, outcome)
+        self._ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY)
+        self._itl = hist("vllm:inter_token_latency_seconds", "Time between token updates.", _LATENCY)
+        self._tpot = hist(
+            "vllm:request_time_per_output_token_seconds", "Mean decode time per token.", _LATENCY
+        )
+        self._e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.", _REQUEST)
+        self._queue = hist("vllm:request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST)
+        self._prompt_len = hist("vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKENS)
+        self._gen_len = hist("vllm:request_generation_tokens", "Generated tokens per request.", _TOKENS)
+        self._step = hist("ember:step_seconds", "Wall time of an engine step.", _LATENCY)
+        self._batch_size = hist("ember:batch_size", "Requests per engine step.", _BATCH)
+        self._batch_tokens = hist("ember:batch_tokens", "Tokens per engine step.", _TOKENS)
+
+        # record_step runs in the engine thread, record_stats and log_line wherever the server calls them.
+        self._lock = threading.Lock()
+        self._latest: EngineStats | None = None
+        self._last_token: dict[str, float] = {}  # request id -> its latest token time, while it runs
+        self._steps = 0
+        self._logged = (time.monotonic(), 0, dict(self._seen))
+
+    def record_step(self, stats: EngineStats, outputs: Sequence[RequestOutput]) -> None:
+        """Call in the engine thread after each step, with the stats taken after that step."""
+        self.record_stats(stats)
+        if stats.num_steps > self._steps:  # hooks also run for aborts, which are not steps
+            self._steps = stats.num_steps
+            self._step.observe(stats.last_step_seconds)
+            self._batch_size.observe(stats.last_batch_size)
+            self._batch_tokens.observe(stats.last_batch_tokens)
+        now = time.monotonic()
+        for out in outputs:
+            m = out.metrics
+            if (
+                m is not None
+                and m.last_token_time is not None
+                and any(c.delta_token_ids for c in out.outputs)
+            ):
+                prev = self._last_token.get(out.request_id)
+                if prev is not None:
+                    self._itl.observe(m.last_token_time - prev)
+                elif m.first_token_time is not None:
+                    self._ttft.observe(m.first_token_time - m.arrival_time)
+                self._last_token[out.request_id] = m.last_token_time
+            if out.finished:
+                self._last_token.pop(out.request_id, None)
+                self._success.labels(self._model, out.finish_reason or "abort").inc()
+                if m is not None:
+                    self._observe_finished(m, len(out.token_ids), now)
+
+    def _observe_finished(self, m: RequestMetrics, first_sample_tokens: int, now: float) -> None:
+        self._e2e.observe(now - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self._queue.observe(m.first_scheduled_time - m.arrival_time)
+        self._prompt_len.observe(m.num_prompt_tokens)
+        self._gen_len.observe(m.num_generation_tokens)
+        # The timestamps are the first sample's, so its token count gives the decode rate.
+        if first_sample_tokens > 1 and m.first_token_time is not None and m.last_token_time is not None:
+            self._tpot.observe((m.last_token_time - m.first_token_time) / (first_sample_tokens - 1))
+
+    def record_stats(self, stats: EngineStats) -> None:
+        """Gauges and counters only; safe from any thread, e.g. before each scrape."""
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting)
+        self._kv.set(stats.kv_cache_usage)
+        with self._lock:
+            self._latest = stats
+            for field, counter in self._totals.items():
+                _advance(counter, self._seen, field, getattr(stats, field))
+            if stats.spec is not None:
+                self._record_spec(stats)
+
+    def _record_spec(self, stats: EngineStats) -> None:
+        # Called under the lock, like the other totals.
+        spec = stats.spec
+        assert spec is not None
+        self._spec_enabled.set(1 if stats.spec_enabled else 0)
+        for field, counter in self._spec_totals.items():
+            _advance(counter, self._spec_seen, field, getattr(spec, field))
+        for pos, value in enumerate(spec.accepted_per_position):
+            _advance(self._spec_per_pos.labels(self._model, str(pos)), self._spec_pos_seen, pos, value)
+
+    def record_shed(self, reason: str, priority: str) -> None:
+        self._shed.labels(self._model, reason, priority).inc()
+
+    def record_wait_over_limit(self, priority: str) -> None:
+        self._over_limit.labels(self._model, priority).inc()
+
+    def set_estimated_wait(self, seconds: float) -> None:
+        self._wait_forecast.set(seconds)
+
+    def record_fallback(self, outcome: str) -> None:
+        self._fallback.labels(self._model, outcome).inc()
+
+    def record_deadline_abort(self) -> None:
+        self._deadline.inc()
+
+    def set_draining(self, draining: bool) -> None:
+        self._draining.set(int(draining))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def log_line(self) -> str | None:
+        """A summary with rates since the previous call; None when no step ran in between."""
+        now, steps = time.monotonic(), self._steps
+        with self._lock:
+            stats, seen = self._latest, dict(self._seen)
+        since, logged_steps, before = self._logged
+        self._logged = (now, steps, seen)
+        if stats is None or steps == logged_steps:
+            return None
+        elapsed = max(now - since, 1e-9)
+        queries = seen["prefix_cache_queries"] - before["prefix_cache_queries"]
+        hits = seen["prefix_cache_hits"] - before["prefix_cache_hits"]
+        spec = ""
+        if stats.spec is not None:
+            rate = stats.spec.acceptance_rate
+            spec = (
+                f", speculation: {'on' if stats.spec_enabled else 'off'}, "
+                f"acceptance: {'-' if rate is None else f'{rate:.1%}'}"
+            )
+        return (
+            f"running: {stats.num_running} reqs, waiting: {stats.num_waiting} reqs, "
+            f"KV cache: {stats.kv_cache_usage:.1%}, "
+            f"prompt: {(seen['prompt_tokens'] - before['prompt_tokens']) / elapsed:.1f} tok/s, "
+            f"generation: {(seen['generation_tokens'] - before['generation_tokens']) / elapsed:.1f} tok/s, "
+            f"prefix cache hit rate: {hits / queries if queries else 0.0:.1%}{spec}"
+        )
+
+
+def _advance(counter: Counter, seen: dict, key: object, value: int) -> None:
+    """Move a counter up to an engine total. A snapshot older than one already seen (another thread's)
+    must not count twice."""
+    if value > seen.get(key, 0):
+        counter.inc(value - seen.get(key, 0))
+        seen[key] = value

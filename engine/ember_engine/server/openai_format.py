@@ -1,0 +1,149 @@
+"""Engine outputs as OpenAI response objects and stream chunks (completions and chat)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember_engine.core.outputs import CompletionOutput, Logprob
+from ember_engine.core.tokenizer import Tokenizer
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(slots=True)
+class Formatter:
+    """Builds one response's objects; `chat` selects the chat shapes."""
+
+    model: str
+    tokenizer: Tokenizer
+    chat: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs(self, items: list[Logprob] | None, text_offset: int = 0) -> dict[str, Any] | None:
+        if items is None:
+            return None
+        if self.chat:
+            content = []
+            for lp in items:
+                tok = self._token(lp.token_id)
+                top = [
+                    {"token": self._token(t), "logprob": v, "bytes": list(self._token(t).encode())}
+                    for t, v in lp.top
+                ]
+                content.append(
+                    {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
+                )
+            return {"content": content}
+        tokens, offsets, offset = [], [], text_offset
+        for lp in items:
+            tok = self._token(lp.token_id)
+            tokens.append(tok)
+            offsets.append(offset)
+            offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in items],
+            "text_offset": offsets,
+        }
+
+    def chunk(
+        self, index: int, out: CompletionOutput, new_logprobs: list[Logprob] | None, first: bool
+    ) -> dict:
+        finish = _finish(out.finish_reason)
+        if self.chat:
+            delta: dict[str, Any] = {"content": out.delta_text}
+            if first:
+                delta["role"] = "assistant"
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": self.logprobs(new_logprobs),
+                "finish_reason": finish,
+            }
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {
+            "index": index,
+            "text": out.delta_text,
+            "logprobs": self.logprobs(new_logprobs),
+            "finish_reason": finish,
+        }
+        if out.stop_reason is not None:
+            choice["stop_reason"] = out.stop_reason
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage.to_dict()
+        return body
+
+    def response(self, outputs: list[tuple[int, CompletionOutput]], usage: Usage) -> dict[str, Any]:
+        choices = []
+        for index, out in sorted(outputs, key=lambda p: p[0]):
+            finish = _finish(out.finish_reason)
+            if self.chat:
+                message = {"role": "assistant", "content": out.text}
+                choices.append(
+                    {
+                        "index": index,
+                        "message": message,
+                        "logprobs": self.logprobs(out.logprobs),
+                        "finish_reason": finish,
+                    }
+                )
+            else:
+                choice = {
+                    "index": index,
+                    "text": out.text,
+                    "logprobs": self.logprobs(out.logprobs),
+                    "finish_reason": finish,
+                }
+                if out.stop_reason is not None:
+                    choice["stop_reason"] = out.stop_reason
+                choices.append(choice)
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = usage.to_dict()
+        return body
+
+
+def _finish(reason: str | None) -> str | None:
+    # Aborts never reach a client as a finish reason: a deadline becomes an error instead.
+    return reason if reason in ("stop", "length") else None

@@ -1,0 +1,200 @@
+"""`ember serve`: load a model, warm it up, serve the OpenAI API; drain gracefully on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+log = logging.getLogger("ember.serve")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--served-model-name", help="the name clients use (default: the directory's name)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", help="policy file (YAML): shedding, priority classes, fallback, deadlines")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--kv-cache-memory", type=int, help="KV cache size in bytes")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="priority",
+        help="priority (default) serves and keeps more important classes first; equal classes are FCFS",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-method",
+        choices=["draft", "ngram"],
+        help="propose tokens with a draft model or by n-gram prompt lookup (default: draft if --draft-model)",
+    )
+    spec.add_argument("--draft-model", help="draft checkpoint directory (same tokenizer as --model)")
+    spec.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="the most tokens proposed per step (K)"
+    )
+    spec.add_argument("--ngram-min", type=int, default=2, help="n-gram lookup: shortest suffix matched")
+    spec.add_argument("--ngram-max", type=int, default=4, help="n-gram lookup: longest suffix matched")
+    spec.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="turn speculation off (per batch size) or K down (per request) where it does not pay",
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM"
+    )
+    p.add_argument(
+        "--log-interval", type=float, default=5.0, help="seconds between load log lines while busy"
+    )
+    p.add_argument("--log-level", default="info")
+
+
+def engine_config(args: argparse.Namespace):  # -> EngineConfig
+    from ember_engine.core.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        speculative_method=args.speculative_method,
+        draft_model=args.draft_model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        speculative_adaptive=args.speculative_adaptive,
+    )
+
+
+def warm_up(engine) -> None:  # engine: LLMEngine
+    """Run representative batches (a long prompt chunk, a batch of decodes) so the first user request
+    pays no first-call costs, then forget them."""
+    from ember_engine.sample.sampling_params import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    long_len = max(1, min(engine.config.max_num_batched_tokens, engine.max_model_len - 8, 1024))
+    prompts = [[10 + (i * 7919) % (vocab - 10) for i in range(long_len)]]
+    prompts += [
+        [10 + (i * 104729 + j) % (vocab - 10) for j in range(8)]
+        for i in range(min(engine.config.max_num_seqs, 8))
+    ]
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"warmup-{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.reset_counters()
+
+
+def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerState, list[BaseException]]
+    """The server, its state, and a list that receives the error if the model fails to load."""
+    import httpx
+    import uvicorn
+
+    from ember_engine.async_engine import AsyncEngine
+    from ember_engine.core.llm_engine import LLMEngine
+    from ember_engine.server.api_server import build_app
+    from ember_engine.server.draining import DrainingServer
+    from ember_engine.server.fallback import Fallback
+    from ember_engine.server.metrics import EngineMetrics
+    from ember_engine.server.policy import PolicyWatcher
+    from ember_engine.server.state import ServerState
+
+    name = args.served_model_name or Path(args.model).resolve().name
+    policy = PolicyWatcher(args.policy)
+    config = engine_config(args)
+    state = ServerState(name, policy, EngineMetrics(name), Fallback(httpx.AsyncClient()))
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        start = time.perf_counter()
+        engine = LLMEngine(config)
+        warm_up(engine)
+        ae = AsyncEngine(engine=engine)
+        ae.add_step_hook(state.observe_step)
+        state.engine = ae
+        log.info("model %s loaded and warmed up in %.1f s; ready", name, time.perf_counter() - start)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: object) -> AsyncIterator[None]:
+        async def loader() -> None:
+            try:
+                await asyncio.to_thread(load)
+            except BaseException as exc:  # a model that cannot load ends the process (the pod restarts)
+                log.exception("loading %s failed", args.model)
+                failure.append(exc)
+                server.should_exit = True
+
+        async def log_load() -> None:
+            while True:
+                await asyncio.sleep(args.log_interval)
+                line = state.metrics.log_line()
+                if line:
+                    log.info(line)
+
+        tasks = [
+            asyncio.create_task(loader()),
+            asyncio.create_task(policy.run(1.0)),
+            asyncio.create_task(log_load()),
+        ]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await state.fallback.client.aclose()
+
+    app = build_app(state)
+    app.router.lifespan_context = lifespan
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=1,
+        access_log=False,
+    )
+    server = DrainingServer(uv_config, state, args.drain_timeout)
+    return server, state, failure
+
+
+def main(args: argparse.Namespace) -> int:
+    from ember_engine.server.policy import PolicyError
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        server, state, failure = build_server(args)
+    except PolicyError as exc:
+        print(f"ember serve: invalid policy file {args.policy}: {exc}", file=sys.stderr)
+        return 2
+    server.run()
+    if state.engine is not None:
+        state.engine.shutdown()
+    return 1 if failure else 0

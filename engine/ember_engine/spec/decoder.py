@@ -1,0 +1,219 @@
+"""`SpecDecoder`: speculative decoding as one object the engine calls at fixed points of a step.
+
+plan (ask the scheduler for lookahead slots) → propose (fill the granted slots) → the target's forward →
+verify (the exact rejection rule over each request's 1 + k rows) → trim (give back the slots of rejected
+proposals) → stats (vLLM's spec_decode counters and the adaptive controller's measurements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ember_engine.model.model_config import ModelConfig, resolve_dtype
+from ember_engine.model.model_runner import ModelRunner, kv_block_bytes
+from ember_engine.sample.rejection_sampler import rejection_sample
+from ember_engine.sample.sampler import sampling_probs
+from ember_engine.spec.proposers import DraftProposer, NgramProposer
+from ember_engine.spec.spec_control import SpecController, updated_acceptance
+
+if TYPE_CHECKING:
+    from ember_engine.core.block_manager import BlockManager
+    from ember_engine.core.config import EngineConfig
+    from ember_engine.core.request import Request
+    from ember_engine.core.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding totals (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # verifications of a request's proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # accepted at proposal position j
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verification yields on average: the accepted proposals and the one sampled after."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def copy(self) -> SpecStats:
+        return SpecStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_position)
+        )
+
+
+def draft_model_config(config: EngineConfig, target: ModelConfig, max_model_len: int) -> ModelConfig:
+    """The draft model's config, checked against the target's: same vocabulary and tokenizer, room for
+    every position the target may reach."""
+    directory = str(config.draft_model)
+    draft = ModelConfig.from_dir(directory)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft_model: vocabulary size {draft.vocab_size} differs from the target's "
+            f"{target.vocab_size}; the draft must share the target's tokenizer"
+        )
+    ours, theirs = Path(config.model) / "tokenizer.json", Path(directory) / "tokenizer.json"
+    if ours.exists() and theirs.exists() and ours.read_bytes() != theirs.read_bytes():
+        raise ValueError("draft_model: its tokenizer.json differs from the target's")
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"draft_model: max_position_embeddings {draft.max_position_embeddings} is below "
+            f"max_model_len {max_model_len}; lower max_model_len"
+        )
+    return draft
+
+
+def draft_cache_bytes(config: EngineConfig, draft: ModelConfig) -> tuple[int, int]:
+    """What a draft model adds to the memory plan: KV bytes per block, and its weights' bytes."""
+    per_block = kv_block_bytes(draft, resolve_dtype(config.dtype, draft), config.block_size)
+    weights = sum(f.stat().st_size for f in Path(str(config.draft_model)).glob("*.safetensors"))
+    return per_block, weights
+
+
+class SpecDecoder:
+    def __init__(self, proposer: DraftProposer | NgramProposer, config: EngineConfig, max_model_len: int):
+        self.proposer = proposer
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.controller = SpecController(config.num_speculative_tokens, config.speculative_adaptive)
+        self.max_model_len = max_model_len
+        self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        draft_config: ModelConfig | None,
+        max_model_len: int,
+        num_blocks: int,
+    ) -> SpecDecoder | None:
+        """The decoder the configuration asks for (None when speculation is off). A draft model's KV cache
+        has the target's block count, so the block manager's tables serve both."""
+        proposer: DraftProposer | NgramProposer
+        if draft_config is not None:
+            runner = ModelRunner(
+                config, draft_config, max_model_len, config.draft_model, num_blocks=num_blocks
+            )
+            proposer = DraftProposer(runner)
+        elif config.speculation == "ngram":
+            proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        else:
+            return None
+        return cls(proposer, config, max_model_len)
+
+    @property
+    def enabled(self) -> bool:
+        return self.controller.enabled
+
+    # -- before the forward ---------------------------------------------------------------------------
+
+    def plan(self, running: list[Request]) -> bool:
+        """Set each running request's lookahead for the scheduler; False when not speculating this step."""
+        decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        k = self.controller.lookahead(decoding)
+        for req in running:
+            req.spec_lookahead = self._request_lookahead(req, k) if k else 0
+        return k > 0
+
+    def _request_lookahead(self, req: Request, k: int) -> int:
+        p = req.params
+        # Verification samples every position from the same distribution, so position-dependent sampling
+        # (penalties, min_tokens' suppression) and per-token logprobs stay on the plain path.
+        if p.logprobs is not None or p.penalized or req.num_output_tokens < p.min_tokens:
+            return 0
+        k = self.controller.request_lookahead(k, req.recent_acceptance, req.num_draft_tokens)
+        # Room for k proposals and the token after them, within max_tokens and the model length.
+        room = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
+        return max(0, min(k, room))
+
+    def propose(self, batch: SchedulerOutput) -> list[Request]:
+        """Fill in proposals for the requests the scheduler gave lookahead slots, and shrink each one's
+        scheduled tokens to what was proposed; returns those requests."""
+        granted = [
+            (i, req, n - 1)
+            for i, (req, n) in enumerate(zip(batch.requests, batch.num_tokens, strict=True))
+            if req.num_tokens - req.num_computed_tokens == 1 and n > 1
+        ]
+        if not granted:
+            return []
+        self.proposer.propose([(req, k) for _, req, k in granted])
+        for i, req, _ in granted:
+            batch.num_tokens[i] = 1 + len(req.spec_token_ids)
+        return [req for _, req, _ in granted]
+
+    # -- after the forward ----------------------------------------------------------------------------
+
+    def verify(self, logits: torch.Tensor, requests: list[Request]) -> list[list[int]]:
+        """The exact rejection rule over each request's 1 + k rows of target logits: each request's kept
+        proposals and the token sampled after them. Records acceptance."""
+        row_params = [r.params for r in requests for _ in range(1 + len(r.spec_token_ids))]
+        dev = logits.device
+        greedy_rows = [i for i, p in enumerate(row_params) if p.greedy]
+        random_rows = [i for i, p in enumerate(row_params) if not p.greedy]
+        if not random_rows:
+            target = logits  # greedy verification reads only the argmax
+        else:
+            target = torch.zeros_like(logits)
+            if greedy_rows:
+                index = torch.tensor(greedy_rows, device=dev)
+                target[index, logits[index].argmax(dim=-1)] = 1.0
+            index = torch.tensor(random_rows, device=dev)
+            target[index] = sampling_probs(logits[index], [row_params[i] for i in random_rows])
+        draft_probs = None
+        if any(r.draft_probs is not None for r in requests):
+            # A request without q (its proposals were certain) gets one-hot rows on its proposals.
+            vocab = logits.shape[1]
+            parts = []
+            for r in requests:
+                if r.draft_probs is not None:
+                    parts.append(r.draft_probs)
+                else:
+                    ids = torch.tensor(r.spec_token_ids, device=dev)
+                    parts.append(torch.nn.functional.one_hot(ids, vocab).to(logits.dtype))
+            draft_probs = torch.cat(parts)
+        kept = rejection_sample(
+            target,
+            [r.spec_token_ids for r in requests],
+            draft_probs,
+            [r.params.greedy for r in requests],
+            [r.generator for r in requests],
+        )
+        for req, tokens in zip(requests, kept, strict=True):
+            self._record_acceptance(req, len(tokens) - 1)
+        return kept
+
+    def _record_acceptance(self, req: Request, accepted: int) -> None:
+        drafted = len(req.spec_token_ids)
+        req.num_draft_tokens += drafted
+        req.num_accepted_tokens += accepted
+        req.recent_acceptance = updated_acceptance(req.recent_acceptance, drafted, accepted)
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += drafted
+        s.num_accepted_tokens += accepted
+        for j in range(accepted):
+            s.accepted_per_position[j] += 1
+
+    def trim(self, proposed: list[Request], block_manager: BlockManager) -> None:
+        """Forget the step's proposals; the slots of rejected ones go back to the free queue's front."""
+        for req in proposed:
+            req.spec_token_ids, req.draft_probs = [], None
+            if not req.finished:
+                block_manager.trim(req, req.num_tokens)
+
+    def record_step(self, batch_size: int, spec_ran: bool, tokens: int, seconds: float) -> None:
+        """A step in which every request was decoding: the adaptive controller's measurement."""
+        self.controller.record(batch_size, spec_ran, tokens, seconds)
+
+    def reset(self) -> None:
+        """Forget warm-up traffic: counters to zero and the controller's measurements (first-call costs)."""
+        self.stats = SpecStats(accepted_per_position=[0] * self.num_speculative_tokens)
+        self.controller.buckets.clear()

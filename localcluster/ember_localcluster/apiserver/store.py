@@ -1,0 +1,279 @@
+"""Objects and the rules for writing them: the part of the API server that kopf depends on most.
+
+* One global integer resourceVersion. Every committed write bumps it, returns it and is published as a
+  watch event carrying exactly that value. A write that changes nothing (after defaulting and the
+  status/metadata rules below) is a no-op: same resourceVersion, no event.
+* Create sets uid, creationTimestamp (RFC 3339, `Z`), generation 1 and honours `generateName`; it needs
+  an existing namespace (404 otherwise). Where a kind has a status subresource, the client's `status`
+  is dropped on create.
+* Update: a stale `metadata.resourceVersion` (in a PUT body, or left in a patched document) is a 409;
+  none means "unconditionally". Name, namespace, uid, creationTimestamp, the deletion fields and
+  generation are the server's. Where a kind has a status subresource (Pods, Services, Deployments,
+  Namespaces, CRDs, custom resources that declare one) the main endpoint keeps the stored status and
+  `/status` changes only the status. generation grows by one when anything outside metadata and status
+  changes (for every kind, which is simpler than Kubernetes), never on `/status` writes.
+* A write that leaves an object being deleted without finalizers deletes it; adding a finalizer to
+  such an object is a 422. DELETE itself is in `deletion.py`, `/scale` in `scale.py`.
+
+Everything runs on the server's event loop, one call at a time, so no locking is needed. Stored
+objects are never mutated in place: every write stores a fresh dict, so events and responses can
+share them safely.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from . import deletion, patching, podsecurity, scale
+from .admission import CRD_STORAGE, NAMESPACES, PODS, admit, check_name, checked_body, generated_name
+from .builtin import INITIAL_NAMESPACES
+from .errors import Cause, already_exists, bad_request, conflict, invalid, not_found
+from .registry import Registry
+from .resources import ResourceType
+from .selectors import FieldSelector, LabelSelector
+from .watch import Change, WatchHub
+
+# Fields of metadata that only the server sets.
+_SERVER_METADATA = (
+    "uid",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "generation",
+)
+
+
+def _spec_part(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata", "status")}
+
+
+def _key(namespace: str | None, name: str) -> tuple[str, str]:
+    return (namespace or "", name)
+
+
+class Store:
+    def __init__(
+        self,
+        *,
+        pod_graceful_deletion: bool = True,
+        history_limit: int = 10_000,
+        pod_kill_margin: float = 10.0,
+    ) -> None:
+        self.registry = Registry()
+        self.hub = WatchHub(history_limit)
+        self.pod_graceful_deletion = pod_graceful_deletion
+        self.pod_kill_margin = pod_kill_margin
+        self.rv = 0
+        # storage (group, plural) → (namespace or "", name) → object
+        self.objects: defaultdict[tuple[str, str], dict[tuple[str, str], dict[str, Any]]] = defaultdict(dict)
+        namespaces = self.registry.lookup("", "v1", "namespaces")
+        assert namespaces is not None
+        for name in INITIAL_NAMESPACES:
+            self.create(namespaces, None, {"metadata": {"name": name}})
+
+    @staticmethod
+    def timestamp(offset_seconds: float = 0) -> str:
+        return (datetime.now(UTC) + timedelta(seconds=offset_seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def contains(self, storage: tuple[str, str], namespace: str | None, name: str) -> bool:
+        return _key(namespace, name) in self.objects[storage]
+
+    def uid_of(self, storage: tuple[str, str], namespace: str | None, name: str) -> str | None:
+        obj = self.objects[storage].get(_key(namespace, name))
+        return obj["metadata"]["uid"] if obj is not None else None
+
+    def get(self, rtype: ResourceType, namespace: str | None, name: str) -> dict[str, Any]:
+        obj = self.objects[rtype.storage].get(_key(namespace, name))
+        if obj is None:
+            raise not_found(rtype.plural, rtype.group, name)
+        return self._view(rtype, obj)
+
+    def list(
+        self, rtype: ResourceType, namespace: str | None, labels: LabelSelector, fields: FieldSelector
+    ) -> list[dict[str, Any]]:
+        """Matching objects ordered by (namespace, name), the order `continue` tokens rely on."""
+        return [
+            self._view(rtype, obj)
+            for (ns, _), obj in sorted(self.objects[rtype.storage].items())
+            if (namespace is None or ns == namespace) and labels.matches(obj) and fields.matches(obj)
+        ]
+
+    @staticmethod
+    def _view(rtype: ResourceType, obj: dict[str, Any]) -> dict[str, Any]:
+        """The object under the API version it is read through (CRD versions share one storage)."""
+        return obj if obj.get("apiVersion") == rtype.api_version else {**obj, "apiVersion": rtype.api_version}
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    def create(
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        body: Any,
+        *,
+        dry_run: bool = False,
+        strict: bool = False,
+    ) -> dict[str, Any]:
+        obj = checked_body(rtype, body)
+        meta = obj["metadata"]
+        if rtype.namespaced:
+            if meta.get("namespace") not in (None, "", namespace):
+                raise bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request"
+                )
+            if not namespace:
+                raise bad_request(f"{rtype.kind} objects are namespaced: the request needs a namespace")
+            if not self.contains(NAMESPACES, None, namespace):
+                raise not_found("namespaces", "", namespace)
+            meta["namespace"] = namespace
+        else:
+            meta.pop("namespace", None)
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = generated_name(meta["generateName"])
+            while self.contains(rtype.storage, namespace, meta["name"]):
+                meta["name"] = generated_name(meta["generateName"])
+        check_name(rtype, meta.get("name"))
+        if self.contains(rtype.storage, namespace, meta["name"]):
+            raise already_exists(rtype.plural, rtype.group, meta["name"])
+        for key in (*_SERVER_METADATA, "resourceVersion", "managedFields", "selfLink"):
+            meta.pop(key, None)
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=self.timestamp(), generation=1)
+        if rtype.has_status:
+            obj.pop("status", None)
+        obj = admit(rtype, obj, None, strict=strict)
+        if rtype.storage == PODS:  # validating admission: after the name is generated
+            podsecurity.admit_pod(self.objects[NAMESPACES].get(_key(None, str(namespace))), obj)
+        if dry_run:
+            return obj
+        self.commit(rtype.storage, obj, "ADDED", None)
+        if rtype.storage == CRD_STORAGE:
+            self.registry.register_crd(obj)
+        return obj
+
+    def update(
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        name: str,
+        body: Any,
+        *,
+        subresource: str | None = None,
+        dry_run: bool = False,
+        strict: bool = False,
+    ) -> dict[str, Any]:
+        current = self.get(rtype, namespace, name)
+        new = checked_body(rtype, body)
+        if new["metadata"].get("name") not in (None, name):
+            raise bad_request(
+                f"the name of the object ({new['metadata']['name']}) does not match the name on the URL ({name})"
+            )
+        return self.write(rtype, current, new, subresource=subresource, dry_run=dry_run, strict=strict)
+
+    def patch(
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        name: str,
+        content_type: str,
+        raw: bytes,
+        *,
+        subresource: str | None = None,
+        field_manager: str | None = None,
+        dry_run: bool = False,
+        strict: bool = False,
+    ) -> tuple[dict[str, Any], bool]:
+        """(the object, or the Scale for `/scale`; whether it was created by server-side apply)."""
+        patch_type, document = patching.parse_patch(content_type, raw)
+        if patch_type == patching.APPLY:
+            if not field_manager:
+                raise bad_request(
+                    "PATCH requests with apply patch type require fieldManager to be set in the query parameters"
+                )
+            if subresource is None and not self.contains(rtype.storage, namespace, name):
+                document.setdefault("metadata", {})["name"] = name
+                return self.create(rtype, namespace, document, dry_run=dry_run, strict=strict), True
+        if subresource == "scale":
+            return scale.write_scale(
+                self, rtype, namespace, name, patch_type, document, dry_run=dry_run
+            ), False
+        current = self.get(rtype, namespace, name)
+        new = checked_body(rtype, patching.apply_patch(patch_type, current, document, custom=rtype.custom))
+        return self.write(rtype, current, new, subresource=subresource, dry_run=dry_run, strict=strict), False
+
+    def write(
+        self,
+        rtype: ResourceType,
+        current: dict[str, Any],
+        new: dict[str, Any],
+        *,
+        subresource: str | None = None,
+        dry_run: bool = False,
+        strict: bool = False,
+    ) -> dict[str, Any]:
+        """Replace `current` with (the allowed part of) `new`: the single path of every update."""
+        current_meta = current["metadata"]
+        if new["metadata"].get("resourceVersion") not in (None, "", current_meta["resourceVersion"]):
+            raise conflict(rtype.plural, rtype.group, current_meta["name"])
+        if subresource == "status":
+            result = {k: v for k, v in copy.deepcopy(current).items() if k != "status"}
+            if "status" in new:
+                result["status"] = new["status"]
+        else:
+            result = self._merge_server_fields(rtype, current, new)
+        result["metadata"]["resourceVersion"] = current_meta["resourceVersion"]
+        result["metadata"].pop("managedFields", None)
+        result = admit(rtype, result, current, strict=strict)
+        if subresource != "status" and _spec_part(result) != _spec_part(current):
+            result["metadata"]["generation"] = current_meta.get("generation", 0) + 1
+        if result == current or dry_run:
+            return result
+        if current_meta.get("deletionTimestamp") and not result["metadata"].get("finalizers"):
+            return deletion.remove(self, rtype.storage, result, deletion.DeleteOptions())
+        self.commit(rtype.storage, result, "MODIFIED", current)
+        if rtype.storage == CRD_STORAGE:
+            self.registry.register_crd(result)
+        return result
+
+    def _merge_server_fields(
+        self, rtype: ResourceType, current: dict[str, Any], new: dict[str, Any]
+    ) -> dict[str, Any]:
+        """`new` with the fields a client may not change through the main endpoint taken from `current`."""
+        current_meta, meta = current["metadata"], new["metadata"]
+        for key in ("name", "namespace", *_SERVER_METADATA):
+            if key in current_meta:
+                meta[key] = current_meta[key]
+            else:
+                meta.pop(key, None)
+        if rtype.has_status:
+            new.pop("status", None)
+            if "status" in current:
+                new["status"] = copy.deepcopy(current["status"])
+        if current_meta.get("deletionTimestamp"):
+            added = sorted(set(meta.get("finalizers") or ()) - set(current_meta.get("finalizers") or ()))
+            if added:
+                message = f"Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers {added}"
+                cause = Cause("metadata.finalizers", "FieldValueForbidden", message)
+                raise invalid(rtype.kind, rtype.group, current_meta["name"], [cause])
+        return new
+
+    def commit(
+        self, storage: tuple[str, str], obj: dict[str, Any], kind: str, old: dict[str, Any] | None
+    ) -> None:
+        """Store (or, for DELETED, drop) `obj` under a new resourceVersion and publish the change."""
+        self.rv += 1
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        key = _key(obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        if kind == "DELETED":
+            self.objects[storage].pop(key, None)
+        else:
+            self.objects[storage][key] = obj
+        self.hub.publish(Change(self.rv, storage, kind, obj, old))
+
+    def compact(self) -> None:
+        self.hub.compact(self.rv)

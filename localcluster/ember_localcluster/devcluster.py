@@ -1,0 +1,225 @@
+"""`ember dev up|down|run`: the local control plane as one background process.
+
+`DevCluster` runs, in one process: the in-process API server (with the InferenceService CRD installed),
+the process kubelet, the service proxy and the operator (kopf, standalone, all namespaces). It writes a
+kubeconfig for kubectl into its directory. PersistentVolumeClaim `model-weights` maps to `<dir>/models`,
+where `ember dev up` puts a tiny test checkpoint, so `examples/local.yaml` serves out of the box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL_CLAIM = "model-weights"
+DEFAULT_PORT = 16443
+
+
+def default_dir() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "ember" / "dev"
+
+
+class DevCluster:
+    def __init__(self, directory: str | Path, port: int = 0, tick: float = 1.0) -> None:
+        self.dir = Path(directory).resolve()
+        self.port = port
+        self.tick = tick
+        self.api: Any = None
+        self.kubelet: Any = None
+        self.proxy: Any = None
+        self._operator: threading.Thread | None = None
+        self._stop_operator = threading.Event()
+        self.operator_error: BaseException | None = None
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.dir / "kubeconfig"
+
+    def __enter__(self) -> DevCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> DevCluster:
+        from ember_localcluster.apiserver import APIServer
+        from ember_localcluster.kubelet.kubelet import ProcessKubelet
+        from ember_localcluster.proxy import ServiceProxy
+        from ember_operator.crd import crd_manifest
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "models").mkdir(exist_ok=True)
+        self.api = APIServer(port=self.port).start()
+        self.api.write_kubeconfig(self.kubeconfig)
+        self.api.install_crd(crd_manifest())
+        # The operator's own client reads $KUBECONFIG when it first connects.
+        os.environ["KUBECONFIG"] = str(self.kubeconfig)
+        self.kubelet = ProcessKubelet(
+            self.kubeconfig, self.dir / "kubelet", claims={MODEL_CLAIM: self.dir / "models"}
+        ).start()
+        self.proxy = ServiceProxy(self.kubeconfig).start()
+        self._operator = threading.Thread(target=self._run_operator, name="ember-operator", daemon=True)
+        self._operator.start()
+        return self
+
+    def _run_operator(self) -> None:
+        import kopf
+
+        from ember_operator import main as operator_main
+        from ember_operator.handlers import Settings, register
+
+        registry = kopf.OperatorRegistry()
+        register(registry, Settings(tick=self.tick))
+        url = self.api.url
+
+        @kopf.on.login(registry=registry)
+        def login(**_: object) -> kopf.ConnectionInfo:
+            return kopf.ConnectionInfo(server=url, insecure=True, default_namespace="default")
+
+        parser = argparse.ArgumentParser()
+        operator_main.add_arguments(parser)
+        settings = operator_main.operator_settings(
+            parser.parse_args(["--standalone", "--tick", str(self.tick)])
+        )
+        try:
+            asyncio.run(
+                kopf.operator(
+                    registry=registry,
+                    settings=settings,
+                    standalone=True,
+                    clusterwide=True,
+                    stop_flag=self._stop_operator,
+                )
+            )
+        except BaseException as e:  # reported by `ember dev run`, which then stops everything
+            self.operator_error = e
+
+    def stop(self) -> None:
+        self._stop_operator.set()
+        if self._operator is not None:
+            self._operator.join(timeout=15)
+        for part in (self.proxy, self.kubelet, self.api):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.stop()
+
+
+def _pid_file(directory: Path) -> Path:
+    return directory / "dev.pid"
+
+
+def _running_pid(directory: Path) -> int | None:
+    try:
+        pid = int(_pid_file(directory).read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def run(args: argparse.Namespace) -> int:
+    """Foreground: run the cluster until SIGTERM or SIGINT."""
+    directory = Path(args.dir).resolve()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with DevCluster(directory, port=args.port) as cluster:
+        _pid_file(directory).write_text(str(os.getpid()))
+        (directory / "ready").write_text(cluster.api.url)
+        print(f"ember dev: API server {cluster.api.url}; export KUBECONFIG={cluster.kubeconfig}", flush=True)
+        while not stop.wait(0.5):
+            if cluster.operator_error is not None:
+                print(f"ember dev: the operator stopped: {cluster.operator_error!r}", file=sys.stderr)
+                break
+    for leftover in (_pid_file(directory), directory / "ready"):
+        leftover.unlink(missing_ok=True)
+    return 1 if cluster.operator_error is not None else 0
+
+
+def up(args: argparse.Namespace) -> int:
+    directory = Path(args.dir).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    kubeconfig = directory / "kubeconfig"
+    if _running_pid(directory) is not None:
+        print(f"ember dev: already running; export KUBECONFIG={kubeconfig}")
+        return 0
+    tiny = directory / "models" / "tiny"
+    if not (tiny / "model.safetensors").exists():
+        from ember_engine.tools.testmodel import make_test_model
+
+        make_test_model(tiny, size="tiny", force=True)
+    (directory / "ready").unlink(missing_ok=True)
+    log = (directory / "dev.log").open("ab")
+    ember = str(Path(sys.executable).parent / "ember")
+    proc = subprocess.Popen(
+        [ember, "dev", "run", "--dir", str(directory), "--port", str(args.port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=directory,
+        start_new_session=True,  # outlives this command and the terminal
+    )
+    deadline = time.monotonic() + args.timeout
+    while not (directory / "ready").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            print(f"ember dev: the control plane did not start; see {directory / 'dev.log'}", file=sys.stderr)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            return 1
+        time.sleep(0.1)
+    print(f"ember dev: up (API server {(directory / 'ready').read_text()}, log {directory / 'dev.log'})")
+    print(f"export KUBECONFIG={kubeconfig}")
+    return 0
+
+
+def down(args: argparse.Namespace) -> int:
+    directory = Path(args.dir).resolve()
+    pid = _running_pid(directory)
+    if pid is None:
+        print("ember dev: not running")
+        return 0
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while _running_pid(directory) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _running_pid(directory) is not None:
+        print(f"ember dev: pid {pid} did not stop in {args.timeout:g} s; killing it", file=sys.stderr)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        _pid_file(directory).unlink(missing_ok=True)
+        return 1
+    print("ember dev: down")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="dev", metavar="ACTION", required=True)
+    for name, text in (
+        ("up", "start the local control plane in the background and write a kubeconfig"),
+        ("down", "stop it and the engine processes it runs"),
+        ("run", "run it in the foreground"),
+    ):
+        q = sub.add_parser(name, help=text)
+        q.add_argument("--dir", default=str(default_dir()), help="state directory (default: %(default)s)")
+        if name != "down":
+            q.add_argument(
+                "--port", type=int, default=DEFAULT_PORT, help="API server port (default: %(default)s)"
+            )
+        if name != "run":
+            q.add_argument(
+                "--timeout", type=float, default=60.0, help="seconds to wait (default: %(default)s)"
+            )
+
+
+def main(args: argparse.Namespace) -> int:
+    return int({"up": up, "down": down, "run": run}[args.dev](args))

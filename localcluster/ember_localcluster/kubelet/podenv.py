@@ -1,0 +1,103 @@
+"""A container's environment and command line, as the process kubelet builds them.
+
+`env` (`value` with `$(VAR)` expansion, `valueFrom.fieldRef` for metadata.name, namespace, uid,
+labels['k'], annotations['k'], spec.nodeName, spec.serviceAccountName, status.podIP(s) and
+status.hostIP(s), `valueFrom.configMapKeyRef`) and `envFrom` ConfigMaps, on top of this process's own
+environment; `$(VAR)` references in command and args are expanded too. The working directory is the
+pod's directory. Secrets are not read: a reference to one is a `CreateContainerConfigError`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from ember_localcluster.kubelet.node import HOST_IP, NODE_NAME
+from ember_localcluster.kubelet.podvolumes import _Rewriter, _rewriter
+
+if TYPE_CHECKING:
+    from ember_localcluster.kubelet.containers import _Container
+    from ember_localcluster.kubelet.podworker import _PodWorker
+
+_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+class _ConfigError(Exception):
+    """The container cannot be configured (CreateContainerConfigError)."""
+
+
+def expand(value: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' `$(VAR)` expansion: defined variables are replaced, `$$` escapes, the rest is kept."""
+
+    def replace(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return _VAR_REF.sub(replace, value)
+
+
+def _field(worker: _PodWorker, path: str) -> str:
+    meta = worker.pod["metadata"]
+    simple = {
+        "metadata.name": worker.name,
+        "metadata.namespace": worker.namespace,
+        "metadata.uid": worker.uid,
+        "spec.nodeName": worker.spec.get("nodeName") or NODE_NAME,
+        "spec.serviceAccountName": worker.spec.get("serviceAccountName") or "default",
+        "status.podIP": worker.ip,
+        "status.podIPs": worker.ip,
+        "status.hostIP": HOST_IP,
+        "status.hostIPs": HOST_IP,
+    }
+    if path in simple:
+        return simple[path]
+    match = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+    if match is not None:
+        return str((meta.get(match.group(1)) or {}).get(match.group(2), ""))
+    raise _ConfigError(f"unsupported fieldRef fieldPath: {path}")
+
+
+def _environment(worker: _PodWorker, c: _Container, rewrite: _Rewriter) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for source in c.spec.get("envFrom") or []:
+        if "configMapRef" not in source:
+            raise _ConfigError(f"envFrom {sorted(source)} is not supported by the process kubelet")
+        ref = source["configMapRef"]
+        configmap = worker.kubelet.configmaps.get((worker.namespace, ref.get("name", "")))
+        if configmap is None and not ref.get("optional"):
+            raise _ConfigError(f'configmap "{ref.get("name")}" not found')
+        for key, value in ((configmap or {}).get("data") or {}).items():
+            env[source.get("prefix", "") + key] = rewrite(value)
+    for var in c.spec.get("env") or []:
+        if "valueFrom" not in var:
+            env[var["name"]] = rewrite(expand(str(var.get("value", "")), env))
+            continue
+        source = var["valueFrom"]
+        if "fieldRef" in source:
+            env[var["name"]] = _field(worker, source["fieldRef"].get("fieldPath", ""))
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            data = (worker.kubelet.configmaps.get((worker.namespace, ref.get("name", ""))) or {}).get("data")
+            if data is not None and ref.get("key") in data:
+                env[var["name"]] = rewrite(data[ref["key"]])
+            elif not ref.get("optional"):
+                raise _ConfigError(f"couldn't find key {ref.get('key')} in ConfigMap {ref.get('name')}")
+        else:
+            raise _ConfigError(f"env {var['name']}: {sorted(source)} is not supported by the process kubelet")
+    return env
+
+
+def _command(
+    worker: _PodWorker, c: _Container, entrypoint: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    rewrite = _rewriter(worker, c)
+    env = _environment(worker, c, rewrite)
+    words = [*(c.spec.get("command") or entrypoint), *(c.spec.get("args") or [])]
+    if not words:
+        raise _ConfigError("no command specified")
+    argv = [rewrite(expand(str(word), env)) for word in words]
+    argv[0] = worker.kubelet.resolve(argv[0])
+    return argv, {**os.environ, "HOSTNAME": worker.name, **env}

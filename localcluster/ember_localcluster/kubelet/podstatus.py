@@ -1,0 +1,178 @@
+"""What the process kubelet reports about a pod: its `pods/status` and core/v1 Events.
+
+`containerStatuses` carry state, lastState, restartCount, ready, started, image, imageID and containerID
+(`process://<pid>`). Phases follow the kubelet's rules, Succeeded and Failed included; readiness drives
+the pod's ContainersReady and Ready conditions. Each distinct Event is recorded once per pod.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from ember_localcluster.informer import MERGE_PATCH
+from ember_localcluster.kubelet.node import HOST_IP, NODE_NAME
+
+if TYPE_CHECKING:
+    from ember_localcluster.kubelet.podworker import _PodWorker
+
+log = logging.getLogger("ember.kubelet")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _phase(worker: _PodWorker) -> str:
+    if worker.spec.get("initContainers"):
+        return "Pending"
+    containers = list(worker.containers.values())
+    if worker.terminating and all(c.process is None for c in containers):
+        exits = [c.state.get("terminated", {}).get("exitCode") for c in containers]
+        return "Succeeded" if all(code == 0 for code in exits) else "Failed"
+    running = waiting = stopped = succeeded = 0
+    for c in containers:
+        terminated = c.state.get("terminated") or c.last_state.get("terminated")
+        if "running" in c.state:
+            running += 1
+        elif terminated is not None:
+            stopped += 1
+            succeeded += terminated.get("exitCode") == 0
+        else:
+            waiting += 1
+    if waiting:
+        return "Pending"
+    if running:
+        return "Running"
+    if stopped:
+        restart_policy = worker.spec.get("restartPolicy", "Always")
+        if restart_policy == "Always":
+            return "Running"
+        if stopped == succeeded:
+            return "Succeeded"
+        return "Failed" if restart_policy == "Never" else "Running"
+    return "Pending"
+
+
+def _condition(
+    worker: _PodWorker, kind: str, ok: bool, reason: str = "", message: str = ""
+) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    previous = worker.conditions.get(kind)
+    changed_at = previous["lastTransitionTime"] if previous and previous["status"] == status else _now()
+    condition: dict[str, Any] = {
+        "type": kind,
+        "status": status,
+        "lastProbeTime": None,
+        "lastTransitionTime": changed_at,
+    }
+    if not ok and reason:
+        condition.update(reason=reason, message=message)
+    worker.conditions[kind] = condition
+    return condition
+
+
+def _status(worker: _PodWorker) -> dict[str, Any]:
+    phase = _phase(worker)
+    unready = [c.name for c in worker.containers.values() if not c.ready]
+    if phase in ("Succeeded", "Failed"):
+        reason, message = "PodCompleted", ""
+    else:
+        reason, message = "ContainersNotReady", f"containers with unready status: [{' '.join(unready)}]"
+    init_containers = [c["name"] for c in worker.spec.get("initContainers") or []]
+    conditions = [
+        _condition(
+            worker,
+            "Initialized",
+            not init_containers,
+            "ContainersNotInitialized",
+            f"init containers are not run by the process kubelet: [{' '.join(init_containers)}]",
+        ),
+        _condition(worker, "Ready", not unready, reason, message),
+        _condition(worker, "ContainersReady", not unready, reason, message),
+        _condition(worker, "PodScheduled", True),
+    ]
+    statuses = []
+    for c in worker.containers.values():
+        status: dict[str, Any] = {
+            "name": c.name,
+            "image": c.spec.get("image", ""),
+            "imageID": f"local://{c.spec.get('image', '')}",
+            "ready": c.ready,
+            "started": c.started,
+            "restartCount": c.restart_count,
+            "state": c.state,
+            "lastState": c.last_state,
+        }
+        if c.container_id:
+            status["containerID"] = c.container_id
+        statuses.append(status)
+    return {
+        "phase": phase,
+        "conditions": conditions,
+        "hostIP": HOST_IP,
+        "hostIPs": [{"ip": HOST_IP}],
+        "podIP": worker.ip,
+        "podIPs": [{"ip": worker.ip}],
+        "startTime": worker.start_time,
+        "containerStatuses": statuses,
+    }
+
+
+async def _publish(worker: _PodWorker) -> bool:
+    """Write the status when it changed; False when that failed and should be tried again."""
+    status = _status(worker)
+    if status == worker.published:
+        return True
+    try:
+        await worker.kubelet.api(
+            worker.kubelet.core.patch_namespaced_pod_status,
+            worker.name,
+            worker.namespace,
+            {"status": status},
+            _content_type=MERGE_PATCH,
+        )
+    except ApiException as error:
+        if error.status == 404:  # the pod is gone; its DELETED event ends this worker
+            return True
+        log.warning("%s/%s: status update failed: %s", worker.namespace, worker.name, error)
+        return False
+    except (OSError, urllib3.exceptions.HTTPError) as error:  # the API server is unreachable
+        log.warning("%s/%s: status update failed: %s", worker.namespace, worker.name, error)
+        return False
+    worker.published = status
+    return True
+
+
+def _event(worker: _PodWorker, reason: str, message: str, kind: str = "Normal") -> None:
+    """Record a core/v1 Event about this pod, once per distinct reason and message."""
+    if (reason, message) in worker.events_sent:
+        return
+    worker.events_sent.add((reason, message))
+    now = datetime.now(UTC)
+    event = client.CoreV1Event(
+        metadata=client.V1ObjectMeta(
+            name=f"{worker.name}.{uuid.uuid4().hex[:16]}", namespace=worker.namespace
+        ),
+        involved_object=client.V1ObjectReference(
+            api_version="v1", kind="Pod", name=worker.name, namespace=worker.namespace, uid=worker.uid
+        ),
+        reason=reason,
+        message=message,
+        type=kind,
+        source=client.V1EventSource(component="kubelet", host=NODE_NAME),
+        first_timestamp=now,
+        last_timestamp=now,
+        count=1,
+        reporting_component="kubelet",
+        reporting_instance=NODE_NAME,
+    )
+    worker.kubelet.spawn(
+        worker.kubelet.api(worker.kubelet.core.create_namespaced_event, worker.namespace, event)
+    )

@@ -1,0 +1,293 @@
+"""What an InferenceService's children should look like: pure builders, no I/O.
+
+Each `desired_*()` returns a plain manifest dict for one child. The handlers create or patch the real objects
+to match; these functions are where the layout of the pods, the Service and the policy ConfigMap is decided.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from ember_operator.spec import GROUP, KIND, VERSION, InferenceServiceSpec
+
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+ROLE_LABEL = f"{GROUP}/role"
+HASH_LABEL = f"{GROUP}/template-hash"
+ACTIVE, WARM = "active", "warm"
+
+ENGINE_PORT = 8000
+SERVICE_PORT = 80
+POLICY_DIR = "/etc/ember/policy"
+POLICY_FILE = "policy.yaml"
+MODELS_DIR = "/models"
+# The engine finishes in-flight requests for this long after SIGTERM; the pod's grace period covers it, the
+# preStop pause (endpoints controllers and proxies stop sending new requests first) and a margin.
+DRAIN_SECONDS = 30
+PRESTOP_SECONDS = 5
+GRACE_SECONDS = DRAIN_SECONDS + PRESTOP_SECONDS + 10
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The InferenceService the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def instance_labels(name: str) -> dict[str, str]:
+    return {NAME_LABEL: "ember", INSTANCE_LABEL: name}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def active_selector(name: str) -> dict[str, str]:
+    return {**instance_labels(name), ROLE_LABEL: ACTIVE}
+
+
+def template_hash(spec: InferenceServiceSpec) -> str:
+    """A digest of the fields that change what an engine pod runs; a new value means the pods are rolled.
+
+    Replicas, the warm pool, autoscaling and the policy fields are left out on purpose: changing them must not
+    restart a single engine.
+    """
+    affecting = spec.model_dump(
+        by_alias=True, mode="json", include={"model", "speculative", "engine", "resources"}
+    )
+    canonical = json.dumps(affecting, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:10]
+
+
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {
+    "n": 1e-9,
+    "u": 1e-6,
+    "m": 1e-3,
+    "": 1,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+}
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes quantity ("8Gi", "500M", "1.5Gi") as a whole number of bytes."""
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGTPE]i|[numkMGTPE]?)", quantity)
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
+    number, suffix = match.groups()
+    scale = _BINARY[suffix] if suffix.endswith("i") else _DECIMAL[suffix]
+    return int(float(number) * scale)
+
+
+ENGINE_COMMAND = ["ember", "serve"]
+
+
+def engine_args(spec: InferenceServiceSpec) -> list[str]:
+    """`ember serve`'s options for this spec."""
+    e = spec.engine
+    args = [
+        f"--model={spec.model.source}",
+        f"--served-model-name={spec.model.name}",
+        f"--dtype={spec.model.dtype}",
+        "--host=0.0.0.0",
+        f"--port={ENGINE_PORT}",
+        f"--policy={POLICY_DIR}/{POLICY_FILE}",
+        f"--max-num-seqs={e.max_num_seqs}",
+        f"--max-num-batched-tokens={e.max_num_batched_tokens}",
+        f"--block-size={e.block_size}",
+        "--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching",
+        f"--gpu-memory-utilization={e.gpu_memory_utilization}",
+        f"--drain-timeout={DRAIN_SECONDS}",
+    ]
+    if e.max_model_len is not None:
+        args.append(f"--max-model-len={e.max_model_len}")
+    if e.kv_cache_memory is not None:
+        args.append(f"--kv-cache-memory={quantity_bytes(e.kv_cache_memory)}")
+    if spec.speculative is not None:
+        s = spec.speculative
+        if s.method == "draft":
+            args.append(f"--draft-model={s.draft_source}")
+        else:
+            args.append("--speculative-method=ngram")
+        args.append(f"--num-speculative-tokens={s.num_tokens}")
+    return args
+
+
+def _resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    r = spec.resources
+    amounts: dict[str, str] = {}
+    if r.cpu is not None:
+        amounts["cpu"] = r.cpu
+    if r.memory is not None:
+        amounts["memory"] = r.memory
+    limits = dict(amounts)
+    if r.gpus:
+        limits["nvidia.com/gpu"] = str(r.gpus)  # extended resources: the request defaults to the limit
+    out: dict[str, Any] = {}
+    if amounts:
+        out["requests"] = amounts
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 2,
+        "failureThreshold": failures,
+    }
+
+
+def policy_configmap_name(name: str) -> str:
+    return f"{name}-policy"
+
+
+def desired_pod(owner: Owner, spec: InferenceServiceSpec, role: str, pod_hash: str) -> dict[str, Any]:
+    """One engine pod. Its name is generated by the API server from `<name>-<hash>-`."""
+    r = spec.resources
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": r.image,
+        "imagePullPolicy": r.image_pull_policy,
+        "command": list(ENGINE_COMMAND),
+        "args": engine_args(spec),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": [{"name": e.name, "value": e.value} for e in r.env],
+        # /health answers while the model loads, so liveness needs no start-up allowance; /ready turns true
+        # after warm-up and false as soon as draining starts.
+        "readinessProbe": _probe("/ready", period=2, failures=1),
+        "livenessProbe": _probe("/health", period=10, failures=3),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
+        "volumeMounts": [{"name": "policy", "mountPath": POLICY_DIR, "readOnly": True}],
+        # A model that fails to load ends the process; its last log lines become the status message.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        # Pod Security "restricted": the engine needs no privilege, no capability and no escalation.
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    resources = _resources(spec)
+    if resources:
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": GRACE_SECONDS,
+        # The image runs as a numeric non-root user (Dockerfile.engine), so runAsNonRoot holds without a
+        # runAsUser (which would fight OpenShift's assigned ranges).
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        # The engine never talks to the Kubernetes API.
+        "automountServiceAccountToken": False,
+        # A whole-directory mount (not subPath) so that ConfigMap updates reach the running engine.
+        "volumes": [{"name": "policy", "configMap": {"name": policy_configmap_name(owner.name)}}],
+    }
+    if spec.model.volume_claim is not None:
+        container["volumeMounts"].append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+        pod_spec["volumes"].append(
+            {
+                "name": "models",
+                "persistentVolumeClaim": {"claimName": spec.model.volume_claim, "readOnly": True},
+            }
+        )
+    if r.node_selector:
+        pod_spec["nodeSelector"] = dict(r.node_selector)
+    if r.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in r.tolerations]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "generateName": f"{owner.name}-{pod_hash[:5]}-",
+            "namespace": owner.namespace,
+            "labels": {
+                **instance_labels(owner.name),
+                MANAGED_BY_LABEL: "ember-operator",
+                ROLE_LABEL: role,
+                HASH_LABEL: pod_hash,
+            },
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": pod_spec,
+    }
+
+
+def desired_service(owner: Owner) -> dict[str, Any]:
+    """The Service clients use: it selects the active pods only, so warm pods get no traffic."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": owner.name,
+            "namespace": owner.namespace,
+            "labels": {**instance_labels(owner.name), MANAGED_BY_LABEL: "ember-operator"},
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": active_selector(owner.name),
+            "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def policy_document(spec: InferenceServiceSpec, fallback_url: str | None) -> dict[str, Any]:
+    """The engine's policy file. `fallback_url` is the fallback target resolved by the operator (None: none)."""
+    doc: dict[str, Any] = {
+        "loadShedding": spec.load_shedding.model_dump(by_alias=True, mode="json"),
+        "requestTimeoutSeconds": spec.request_timeout_seconds,
+    }
+    if spec.fallback is not None and fallback_url is not None:
+        f = spec.fallback
+        doc["fallback"] = {
+            "url": fallback_url,
+            "model": f.model,
+            "when": list(f.when),
+            "timeoutSeconds": f.timeout_seconds,
+        }
+    return doc
+
+
+def desired_policy_configmap(
+    owner: Owner, spec: InferenceServiceSpec, fallback_url: str | None
+) -> dict[str, Any]:
+    text = yaml.safe_dump(policy_document(spec, fallback_url), sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": policy_configmap_name(owner.name),
+            "namespace": owner.namespace,
+            "labels": {**instance_labels(owner.name), MANAGED_BY_LABEL: "ember-operator"},
+            "ownerReferences": [owner.reference()],
+        },
+        "data": {POLICY_FILE: text},
+    }
+
+
+def service_endpoint(name: str, namespace: str, cluster_domain: str) -> str:
+    return f"http://{name}.{namespace}.svc.{cluster_domain}"

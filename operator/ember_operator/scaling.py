@@ -1,0 +1,196 @@
+"""The autoscaling side of a reconcile pass: scrape the engines, decide, and keep what was decided.
+
+`autoscaler.decide` is the pure decision; this module feeds it from the pods' /metrics, keeps its history
+and the recent decisions in the per-InferenceService memory, and reports them (status, Events, metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import kopf
+
+from ember_operator import metrics
+from ember_operator.autoscaler import Decision, History, Observation, clamp, decide
+from ember_operator.desired import ACTIVE, Owner
+from ember_operator.pods import metrics_url
+from ember_operator.rollout import PodView
+from ember_operator.scrape import PodSample, scrape_pods
+from ember_operator.spec import InferenceServiceSpec
+from ember_operator.status import Condition
+
+MAX_DECISIONS = 10
+
+
+@dataclass(slots=True)
+class Memory:
+    """What the operator keeps per InferenceService between passes (kopf's per-object memo)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    desired: int | None = None
+    history: History = field(default_factory=History)
+    next_scrape: float = 0.0  # time.monotonic() of the next autoscaler evaluation
+    inputs: dict[str, Any] | None = None
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    metrics_ok: bool | None = None
+    metrics: Condition | None = None
+    fallback: Condition | None = None
+    fallback_counters: dict[str, float] = field(default_factory=dict)
+    cold_start: float | None = None
+    stalled: str | None = None  # the Stalled message last announced with an Event
+
+    @classmethod
+    def restored(cls, status: dict[str, Any]) -> Memory:
+        autoscaler = status.get("autoscaler") or {}
+        desired = status.get("desiredReplicas")
+        # After a restart the restored target counts as a fresh proposal, so that the scale-down window
+        # starts over instead of being skipped.
+        history = History([(time.monotonic(), desired)] if desired is not None else [])
+        return cls(
+            history=history,
+            desired=desired,
+            inputs=autoscaler.get("inputs"),
+            decisions=list(autoscaler.get("decisions") or []),
+            cold_start=status.get("coldStartSeconds"),
+        )
+
+
+def _stamp(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def autoscale(
+    body: kopf.Body,
+    spec: InferenceServiceSpec,
+    owner: Owner,
+    pods: list[dict[str, Any]],
+    views: list[PodView],
+    memory: Memory,
+    now: datetime,
+    scrape_timeout: float,
+) -> None:
+    """Update memory.desired: the External target, or (when due) the Builtin autoscaler's decision."""
+    replicas = spec.replicas
+    if memory.desired is None:  # first pass, or a restart without status: keep what is there
+        memory.desired = clamp(sum(v.role == ACTIVE and not v.deleting for v in views), replicas)
+    if spec.autoscaling.mode == "External":
+        target = replicas.desired  # clamped below: 0 (nothing written yet) means min
+        record(
+            body,
+            owner,
+            memory,
+            # A target from outside says nothing about metrics: keep their state as it is.
+            Decision(
+                clamp(target, replicas),
+                "spec.replicas.desired (External)",
+                memory.metrics_ok is not False,
+                "",
+            ),
+            now,
+        )
+    elif clamp(memory.desired, replicas) != memory.desired:
+        clamped = clamp(memory.desired, replicas)
+        record(
+            body,
+            owner,
+            memory,
+            Decision(
+                clamped,
+                f"clamped to replicas [{replicas.min}, {replicas.max}]",
+                memory.metrics_ok is not False,
+                "",
+            ),
+            now,
+        )
+
+    tick = time.monotonic()
+    if tick < memory.next_scrape:
+        return
+    memory.next_scrape = tick + spec.autoscaling.interval_seconds
+    targets = {
+        v.name: url
+        for p, v in zip(pods, views, strict=True)
+        if v.role == ACTIVE and v.ready and not v.deleting and (url := metrics_url(p))
+    }
+    results = await scrape_pods(targets, scrape_timeout) if targets else {}
+    samples = {n: r for n, r in results.items() if isinstance(r, PodSample)}
+    failed = [f"{n}: {r}" for n, r in results.items() if isinstance(r, str)]
+    if failed:
+        metrics.SCRAPE_FAILURES.labels(owner.namespace, owner.name).inc(len(failed))
+    seen = Observation([s.load for s in samples.values()], failed)
+    memory.fallback = fallback_condition(spec, memory, samples, spec.autoscaling.interval_seconds)
+    inputs = {
+        "queueDepth": seen.queue_per_pod,
+        "kvCacheUtilization": seen.kv_cache,
+        "readyPods": len(samples),
+    }
+    # Nulls left out: the API server drops them inside lists, and kopf would see its patch half-applied.
+    memory.inputs = {k: v for k, v in inputs.items() if v is not None}
+    if spec.autoscaling.mode == "External":
+        ok = not failed and bool(samples)
+        why = (
+            "all Ready active pods scraped" if ok else ("; ".join(failed) or "no Ready active pod to scrape")
+        )
+        memory.metrics = Condition("MetricsAvailable", ok, "Scraped" if ok else "ScrapeFailed", why)
+        return
+    decision = decide(spec.autoscaling, replicas, memory.desired, seen, memory.history, tick)
+    memory.metrics = Condition(
+        "MetricsAvailable",
+        decision.metrics_ok,
+        "Scraped" if decision.metrics_ok else ("ScrapeFailed" if failed else "NoReadyPods"),
+        decision.metrics_reason,
+    )
+    record(body, owner, memory, decision, now)
+
+
+def record(body: kopf.Body, owner: Owner, memory: Memory, decision: Decision, now: datetime) -> None:
+    """Keep a decision in status and as an Event when it changes the target or the metrics state."""
+    changed = decision.desired != memory.desired
+    flipped = memory.metrics_ok is not None and decision.metrics_ok != memory.metrics_ok
+    previous = memory.desired
+    memory.metrics_ok = decision.metrics_ok
+    memory.desired = decision.desired
+    if not (changed or flipped):
+        return
+    entry = {
+        "time": _stamp(now),
+        "desired": decision.desired,
+        "reason": decision.reason,
+        "inputs": memory.inputs,
+    }
+    memory.decisions = [*memory.decisions, entry][-MAX_DECISIONS:]
+    if changed:
+        direction = "up" if previous is None or decision.desired > previous else "down"
+        metrics.SCALING_DECISIONS.labels(owner.namespace, owner.name, direction).inc()
+        kopf.info(body, reason="Scaled", message=decision.reason)
+    elif decision.metrics_ok:
+        kopf.info(body, reason="MetricsAvailable", message=decision.reason)
+    else:
+        kopf.warn(body, reason="MetricsUnavailable", message=decision.reason)
+
+
+def fallback_condition(
+    spec: InferenceServiceSpec, memory: Memory, samples: dict[str, PodSample], interval: float
+) -> Condition:
+    """FallbackActive from the engines' served-by-fallback counters since the last scrape."""
+    sent = 0.0
+    for pod, s in samples.items():
+        before = memory.fallback_counters.get(pod)
+        if before is not None:
+            sent += s.fallback_served - before if s.fallback_served >= before else s.fallback_served
+        memory.fallback_counters[pod] = s.fallback_served
+    memory.fallback_counters = {p: c for p, c in memory.fallback_counters.items() if p in samples}
+    if spec.fallback is None:
+        return Condition("FallbackActive", False, "NoFallback", "no fallback configured")
+    if sent > 0:
+        return Condition(
+            "FallbackActive",
+            True,
+            "Overflowing",
+            f"{sent:g} requests served by the fallback in the last {interval:g} s",
+        )
+    return Condition("FallbackActive", False, "Idle", "no requests sent to the fallback recently")

@@ -1,0 +1,280 @@
+"""The InferenceService custom resource: spec and status as pydantic models, the single source of truth.
+
+`ember_operator.crd` derives the CustomResourceDefinition's schema from these models. Each cross-field rule
+is written twice on purpose, side by side: as a pydantic validator (for the operator and tests) and as a CEL
+rule in `x-kubernetes-validations` (so the API server rejects a bad object before the operator sees it).
+
+The policy fields (`loadShedding`, `fallback`, `requestTimeoutSeconds`) use the engine's policy-file names, so
+the operator writes the policy ConfigMap by copying them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "ember.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["eis"]  # not "isvc": KServe's InferenceService already claims it
+
+# A Kubernetes resource quantity such as "500m", "8Gi" or "2".
+QUANTITY = r"^[0-9]+(\.[0-9]+)?([numkMGTPE]|[KMGTPE]i)?$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Bounded so that the API server's CEL cost estimate for rules over these lists stays within its budget.
+MAX_PRIORITY_CLASSES = 16
+NAME_MAX = 63
+
+
+def _cel(rule: str, message: str) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+
+
+def _list_map(key: str) -> dict[str, Any]:
+    # Tells the API server (and server-side apply) that items are keyed by `key`, which also makes it unique.
+    return {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": [key]}
+
+
+# A sub-object defaulted to {} in the CRD, so that the API server then fills in its fields' defaults.
+_OBJECT_DEFAULT: dict[str, Any] = {"default": {}}
+
+
+class _Object(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Model(_Object):
+    name: str = Field(min_length=1, description="The model name that clients send in requests.")
+    source: str = Field(min_length=1, description="Path of a Hugging Face checkpoint directory in the pod.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    volume_claim: str | None = Field(
+        default=None,
+        max_length=253,
+        description="A PersistentVolumeClaim holding the checkpoints, mounted read-only at /models "
+        "(so source is then a path under /models). Without one, source must exist in the image.",
+    )
+
+
+class Speculative(_Object):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "self.method != 'draft' || has(self.draftSource)", "draftSource is required when method is draft"
+        )
+    )
+
+    method: Literal["draft", "ngram"]
+    draft_source: str | None = Field(default=None, min_length=1)
+    num_tokens: int = Field(default=4, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _draft_needs_source(self) -> Self:
+        if self.method == "draft" and self.draft_source is None:
+            raise ValueError("draftSource is required when method is draft")
+        return self
+
+
+class Engine(_Object):
+    max_num_seqs: int = Field(default=256, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=2048, ge=1, le=1048576)
+    block_size: Literal[8, 16, 32, 64, 128] = 16
+    prefix_caching: bool = True
+    max_model_len: int | None = Field(default=None, ge=1)
+    kv_cache_memory: str | None = Field(
+        default=None, pattern=QUANTITY
+    )  # None: sized from gpuMemoryUtilization
+    gpu_memory_utilization: float = Field(default=0.9, ge=0.1, le=1.0)
+
+
+class Toleration(_Object):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(_Object):
+    name: str = Field(min_length=1)
+    value: str = ""
+
+
+class Resources(_Object):
+    gpus: int = Field(default=1, ge=0, le=16)
+    cpu: str | None = Field(default=None, pattern=QUANTITY)
+    memory: str | None = Field(default=None, pattern=QUANTITY)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    image: str = Field(default="ghcr.io/ember-dev/ember-engine:0.1.0", min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    env: list[EnvVar] = Field(default_factory=list, json_schema_extra=_list_map("name"))
+
+
+class Replicas(_Object):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "self.min <= self.max", "replicas.min must be less than or equal to replicas.max"
+        )
+    )
+
+    min: int = Field(default=1, ge=0, le=1000)
+    max: int = Field(default=1, ge=1, le=1000)
+    # Written through the scale subresource by an HPA or KEDA when autoscaling.mode is External; clamped to
+    # min..max, so the default 0 ("no autoscaler has written it yet") means min. Always present, because
+    # the API server answers GET /scale with a 500 when the spec replicas path holds no value.
+    desired: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> Self:
+        if self.min > self.max:
+            raise ValueError(f"replicas.min ({self.min}) must be <= replicas.max ({self.max})")
+        return self
+
+
+class WarmPool(_Object):
+    size: int = Field(default=0, ge=0, le=100)
+
+
+class Autoscaling(_Object):
+    mode: Literal["Builtin", "External"] = "Builtin"
+    queue_depth_per_replica: float = Field(default=4, gt=0)
+    kv_cache_utilization: float = Field(default=0.8, gt=0, le=1)
+    interval_seconds: int = Field(default=15, ge=1, le=3600)
+    tolerance: float = Field(default=0.1, ge=0, le=1)
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(default=120, ge=0, le=3600)
+    scale_up_max_step: int = Field(default=4, ge=1, le=100)
+    scale_down_max_step: int = Field(default=1, ge=1, le=100)
+
+
+class PriorityClass(_Object):
+    name: str = Field(min_length=1, max_length=NAME_MAX)
+    priority: int  # lower is more important, as in the engine's scheduler
+
+
+_DEFAULT_CLASSES = [
+    PriorityClass(name="critical", priority=0),
+    PriorityClass(name="standard", priority=1),
+    PriorityClass(name="batch", priority=2),
+]
+
+
+class LoadShedding(_Object):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.priorityClasses.exists(c, c.name == self.defaultPriorityClass)",
+                    "message": "defaultPriorityClass must name one of the priorityClasses",
+                },
+                {
+                    # The engine rejects two classes at one priority; catch it at admission instead.
+                    "rule": "self.priorityClasses.all(c, self.priorityClasses.exists_one(d, d.priority == c.priority))",
+                    "message": "priorityClasses must have distinct priorities",
+                },
+            ]
+        }
+    )
+
+    max_queue_depth: int = Field(default=0, ge=0)
+    max_queue_wait_seconds: float = Field(default=0, ge=0)
+    retry_after_seconds: int = Field(default=1, ge=0)
+    max_concurrent_per_client: int = Field(default=0, ge=0)
+    priority_classes: list[PriorityClass] = Field(
+        default=_DEFAULT_CLASSES,  # pydantic copies it per instance
+        min_length=1,
+        max_length=MAX_PRIORITY_CLASSES,
+        json_schema_extra=_list_map("name"),
+    )
+    default_priority_class: str = Field(default="standard", min_length=1, max_length=NAME_MAX)
+
+    @model_validator(mode="after")
+    def _classes_consistent(self) -> Self:
+        names = [c.name for c in self.priority_classes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"priorityClasses names must be unique, got {names}")
+        priorities = [c.priority for c in self.priority_classes]
+        if len(set(priorities)) != len(priorities):
+            raise ValueError(f"priorityClasses must have distinct priorities, got {priorities}")
+        if self.default_priority_class not in names:
+            raise ValueError(
+                f"defaultPriorityClass {self.default_priority_class!r} is not one of the priorityClasses: {names}"
+            )
+        return self
+
+
+class Fallback(_Object):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "has(self.service) != has(self.url)", "fallback needs exactly one of service or url"
+        )
+    )
+
+    service: str | None = Field(default=None, max_length=NAME_MAX, pattern=DNS_LABEL)  # same namespace
+    url: str | None = Field(default=None, pattern=r"^https?://")
+    model: str | None = Field(default=None, min_length=1)  # None: keep the request's model name
+    when: list[Literal["Overloaded", "Unavailable"]] = ["Overloaded", "Unavailable"]
+    timeout_seconds: float = Field(default=30, gt=0)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> Self:
+        if (self.service is None) == (self.url is None):
+            raise ValueError("fallback needs exactly one of service or url")
+        return self
+
+
+class InferenceServiceSpec(_Object):
+    model: Model
+    speculative: Speculative | None = None
+    engine: Engine = Field(default_factory=Engine, json_schema_extra=_OBJECT_DEFAULT)
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=_OBJECT_DEFAULT)
+    replicas: Replicas = Field(default_factory=Replicas, json_schema_extra=_OBJECT_DEFAULT)
+    warm_pool: WarmPool = Field(default_factory=WarmPool, json_schema_extra=_OBJECT_DEFAULT)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling, json_schema_extra=_OBJECT_DEFAULT)
+    load_shedding: LoadShedding = Field(default_factory=LoadShedding, json_schema_extra=_OBJECT_DEFAULT)
+    fallback: Fallback | None = None
+    request_timeout_seconds: float = Field(default=0, ge=0)  # 0: no deadline
+
+
+class Condition(_Object):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str | None = None
+    message: str | None = None
+    last_transition_time: datetime | None = None
+    observed_generation: int | None = None
+
+
+class AutoscalerInputs(_Object):
+    queue_depth: float | None = None
+    kv_cache_utilization: float | None = None
+    ready_pods: int | None = None
+
+
+class ScalingDecision(_Object):
+    time: datetime
+    desired: int
+    reason: str
+    inputs: AutoscalerInputs | None = None
+
+
+class AutoscalerStatus(_Object):
+    inputs: AutoscalerInputs | None = None
+    decisions: list[ScalingDecision] = Field(default_factory=list, max_length=10)  # the latest last
+
+
+class InferenceServiceStatus(_Object):
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra=_list_map("type"))
+    replicas: int | None = None
+    warm_replicas: int | None = None
+    ready_replicas: int | None = None
+    desired_replicas: int | None = None
+    selector: str | None = None  # for the scale subresource's labelSelectorPath
+    endpoint: str | None = None
+    cold_start_seconds: float | None = None
+    autoscaler: AutoscalerStatus | None = None
