@@ -90,6 +90,7 @@ class PodRunner:
     _servers: dict[str, ThreadingHTTPServer] = field(default_factory=dict)
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     _stop: threading.Event = field(default_factory=threading.Event)
+    failed: set[str] = field(default_factory=set)  # pods whose engine died and stays down
     _subnet: int = field(default_factory=lambda: int(time.time() * 1000) % 200 + 20)
 
     def start(self) -> PodRunner:
@@ -117,7 +118,7 @@ class PodRunner:
     def _tend(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         status = pod.get("status") or {}
-        if pod["metadata"].get("deletionTimestamp"):
+        if pod["metadata"].get("deletionTimestamp") or name in self.failed:
             return
         image = pod["spec"]["containers"][0]["image"]
         if image.startswith("broken:"):
@@ -141,6 +142,19 @@ class PodRunner:
                     "containerStatuses": [{**_CONTAINER, "ready": True, "restartCount": 0}],
                 },
             )
+
+    def fail(self, name: str) -> None:
+        """The pod's engine process dies (SIGKILL) and its restarts keep failing: not Ready, not running."""
+        self.failed.add(name)
+        now = _stamp(datetime.now(UTC))
+        container = {
+            **_CONTAINER,
+            "ready": False,
+            "restartCount": 1,
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": now}},
+        }
+        self._patch_status(name, {"conditions": self._ready(False), "containerStatuses": [container]})
 
     @staticmethod
     def _ready(ready: bool) -> list[dict[str, Any]]:

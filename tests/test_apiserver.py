@@ -336,6 +336,34 @@ def test_pod_security_admission_enforces_the_namespace_label(core: CoreV1Api) ->
     core.create_namespaced_pod("restricted", hardened)
 
 
+def test_resource_quota_admission_refuses_pods_past_a_hard_limit(core: CoreV1Api) -> None:
+    core.create_namespace({"metadata": {"name": "team"}})
+    hard = {"pods": "2", "requests.nvidia.com/gpu": "1"}
+    core.create_namespaced_resource_quota("team", {"metadata": {"name": "gpu"}, "spec": {"hard": hard}})
+
+    def pod(name: str, gpus: int) -> dict[str, Any]:
+        resources = {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {}
+        return {
+            "metadata": {"name": name},
+            "spec": {"containers": [{"name": "c", "image": "x", "resources": resources}]},
+        }
+
+    core.create_namespaced_pod("team", pod("a", 1))  # an extended resource's request is its limit
+    with pytest.raises(ApiException) as error:
+        core.create_namespaced_pod("team", pod("b", 1))
+    assert error.value.status == 403
+    assert json.loads(error.value.body)["message"] == (
+        'pods "b" is forbidden: exceeded quota: gpu, requested: requests.nvidia.com/gpu=1, '
+        "used: requests.nvidia.com/gpu=1, limited: requests.nvidia.com/gpu=1"
+    )
+    core.create_namespaced_pod("team", pod("c", 0))
+    with pytest.raises(ApiException) as error:
+        core.create_namespaced_pod("team", pod("d", 0))
+    assert json.loads(error.value.body)["message"] == (
+        'pods "d" is forbidden: exceeded quota: gpu, requested: pods=1, used: pods=2, limited: pods=2'
+    )
+
+
 def test_pod_graceful_deletion(tmp_path: Path) -> None:
     with APIServer(pod_kill_margin=0.5) as server, api_client(server, tmp_path / "kubeconfig") as client:
         core = CoreV1Api(client)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -454,3 +455,112 @@ def test_the_operator_never_writes_the_spec(cluster: Any) -> None:
     obj = get(api, "hands-off")
     assert obj["metadata"]["generation"] == generation  # Argo CD sees no drift
     assert obj["spec"]["replicas"]["desired"] == 0  # the schema's default, never the operator's target
+
+
+# -- real-cluster semantics ---------------------------------------------------------------------------
+
+
+def test_a_failed_active_pod_is_replaced_by_the_ready_warm_pod(cluster: Any) -> None:
+    api, runner, custom = cluster
+    create(custom, service("failover", warmPool={"size": 1}))
+    wait_for(lambda: converged(api, "failover", 1, 1), what="1 active, 1 warm")
+    (active,) = pods(api, "failover", "active")
+    (warm,) = pods(api, "failover", "warm")
+    runner.fail(active["metadata"]["name"])
+    wait_for(
+        lambda: (
+            [p["metadata"]["name"] for p in pods(api, "failover", "active")] == [warm["metadata"]["name"]]
+        ),
+        what="the warm pod promoted in the failed pod's place",
+    )
+    assert api.get("v1", "Pod", NAMESPACE, active["metadata"]["name"]) is None  # replaced, not kept
+    wait_for_event(api, "failover", "FailedOver", "Warning")
+    wait_for(lambda: converged(api, "failover", 1, 1), what="the pool refilled")
+
+
+def test_no_finalizer_so_deletion_never_waits_for_the_operator(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("unblocked"))
+    wait_for(lambda: converged(api, "unblocked", 1, 0), what="1 active")
+    assert not get(api, "unblocked")["metadata"].get("finalizers")
+
+
+def _quota(api: APIServer, gpus: int) -> None:
+    body = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "gpus", "namespace": NAMESPACE},
+        "spec": {"hard": {"requests.nvidia.com/gpu": str(gpus)}},
+    }
+    if api.get("v1", "ResourceQuota", NAMESPACE, "gpus") is None:
+        api.create(body)
+    else:
+        api.patch("v1", "ResourceQuota", NAMESPACE, "gpus", {"spec": body["spec"]})
+
+
+def test_a_quota_refusal_stalls_with_its_message_and_recovers_when_raised(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    _quota(api, 1)
+    try:
+        create(custom, service("quota", resources={"gpus": 1}, warmPool={"size": 1}))
+        wait_for(
+            lambda: condition(api, "quota", "Stalled").get("reason") == "QuotaExceeded",
+            what="Stalled QuotaExceeded",
+        )
+        stalled = condition(api, "quota", "Stalled")
+        assert stalled["status"] == "True"
+        assert "exceeded quota: gpus, requested: requests.nvidia.com/gpu=1" in stalled["message"]
+        assert status(api, "quota").get("observedGeneration") == get(api, "quota")["metadata"]["generation"]
+        wait_for_event(api, "quota", "QuotaExceeded", "Warning")
+        _quota(api, 2)
+        wait_for(lambda: converged(api, "quota", 1, 1), what="both pods once the quota allows")
+        assert condition(api, "quota", "Stalled").get("status") == "False"
+    finally:
+        api.delete("v1", "ResourceQuota", NAMESPACE, "gpus")
+
+
+def test_a_namespace_enforcing_pod_security_restricted_admits_engine_pods(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    label = "pod-security.kubernetes.io/enforce"
+    api.patch("v1", "Namespace", None, NAMESPACE, {"metadata": {"labels": {label: "restricted"}}})
+    try:
+        create(custom, service("hardened", warmPool={"size": 1}))
+        wait_for(lambda: converged(api, "hardened", 1, 1), what="pods admitted under restricted")
+    finally:
+        api.patch("v1", "Namespace", None, NAMESPACE, {"metadata": {"labels": {label: None}}})
+
+
+def test_a_foreign_object_of_the_same_name_is_never_adopted(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "squatter", "namespace": NAMESPACE, "labels": {"team": "other"}},
+        "spec": {"selector": {"app": "other"}, "ports": [{"port": 80}]},
+    }
+    api.create(foreign)
+    create(custom, service("squatter"))
+    wait_for(
+        lambda: condition(api, "squatter", "Stalled").get("reason") == "NameConflict", what="NameConflict"
+    )
+    assert "Service squatter" in condition(api, "squatter", "Stalled")["message"]
+    svc = api.get("v1", "Service", NAMESPACE, "squatter")
+    assert svc is not None
+    assert not svc["metadata"].get("ownerReferences") and svc["spec"]["selector"] == {"app": "other"}
+
+
+def test_fields_the_operator_does_not_manage_are_left_alone(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("tended"))
+    wait_for(lambda: converged(api, "tended", 1, 0), what="1 active")
+    changes = {
+        "metadata": {"annotations": {"service.beta.kubernetes.io/aws-load-balancer-type": "nlb"}},
+        "spec": {"type": "LoadBalancer"},
+    }
+    api.patch("v1", "Service", NAMESPACE, "tended", changes)
+    time.sleep(8 * TICK)  # several passes
+    svc = api.get("v1", "Service", NAMESPACE, "tended")
+    assert svc is not None
+    assert svc["spec"]["type"] == "LoadBalancer"
+    assert svc["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-type"] == "nlb"
+    assert svc["spec"]["selector"]["ember.dev/role"] == "active"  # what it does manage stays its own

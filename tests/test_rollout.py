@@ -171,3 +171,70 @@ def test_any_sequence_of_targets_converges_to_the_last(targets: list[tuple[int, 
     c.settle("h", active, warm)
     assert c.shape() == (active, warm)
     assert all(v.ready for v in c.views())
+
+
+# -- failover: a failed active pod is replaced by a Ready warm pod ------------------------------------
+
+NOW = T0 + timedelta(minutes=10)
+
+
+def test_a_down_active_pod_is_replaced_by_the_ready_warm_pod_in_one_pass() -> None:
+    views = [
+        PodView("crashed", ACTIVE, "h1", False, T0, unready_since=NOW, container_down=True),
+        PodView("standby", WARM, "h1", True, T0 + timedelta(seconds=1)),
+    ]
+    plan = plan_pods(views, "h1", active=1, warm=1, now=NOW, failover_after=5.0)
+    assert plan.promote == ["standby"] and plan.delete == ["crashed"]
+    assert plan.failovers == [("crashed", "standby")]
+    assert plan.create_warm == 1  # the pool is refilled
+
+
+def test_an_unready_but_running_active_pod_gets_a_grace_before_failover() -> None:
+    def plan_at(seconds_unready: float):
+        views = [
+            PodView("flaky", ACTIVE, "h1", False, T0, unready_since=NOW - timedelta(seconds=seconds_unready)),
+            PodView("standby", WARM, "h1", True, T0),
+        ]
+        return plan_pods(views, "h1", active=1, warm=1, now=NOW, failover_after=5.0)
+
+    assert plan_at(2.0).empty()
+    late = plan_at(6.0)
+    assert late.failovers == [("flaky", "standby")] and late.delete == ["flaky"]
+
+
+def test_without_a_ready_warm_pod_a_failed_active_pod_is_left_to_restart() -> None:
+    views = [
+        PodView("crashed", ACTIVE, "h1", False, T0, unready_since=NOW, container_down=True),
+        PodView("loading", WARM, "h1", False, T0 + timedelta(seconds=1)),
+    ]
+    plan = plan_pods(views, "h1", active=1, warm=1, now=NOW, failover_after=5.0)
+    assert plan.empty()
+
+
+@settings(max_examples=40, deadline=None)
+@given(active=st.integers(1, 4), warm=st.integers(1, 3), failures=st.integers(1, 4))
+def test_failures_are_covered_from_the_pool_as_far_as_it_goes(active: int, warm: int, failures: int) -> None:
+    c = Cluster(startup=3)
+    c.settle("h", active, warm)
+    actives = [p for p in c.pods.values() if p.role == ACTIVE][:failures]
+    for p in actives:
+        p.starts_in = None  # never Ready again
+    views = []
+    for v in c.views():
+        down = v.name in {p.name for p in actives}
+        views.append(
+            PodView(
+                v.name,
+                v.role,
+                v.template_hash,
+                not down and v.ready,
+                v.created,
+                unready_since=NOW if down else None,
+                container_down=down,
+            )
+        )
+    plan = plan_pods(views, "h", active, warm, now=NOW, failover_after=5.0)
+    covered = min(len(actives), warm)
+    assert len(plan.failovers) == covered
+    ready_active = sum(v.ready and v.role == ACTIVE for v in views)
+    assert ready_active + len(plan.promote) == active - len(actives) + covered

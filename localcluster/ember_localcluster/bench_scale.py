@@ -1,4 +1,5 @@
-"""`ember bench scale`: from a load spike to added capacity serving, warm pool vs cold start, side by side.
+"""`ember bench scale`: from a load spike to added capacity serving, warm pool vs cold start, side by side;
+and with `--scenario failover`, from SIGKILL of the only active engine to the Service serving again.
 
 Both runs use the local control plane (API server, process kubelet, service proxy, the operator) and real
 engine processes on one test checkpoint. Each run applies an InferenceService with one active pod (and,
@@ -7,6 +8,13 @@ Service: arrivals at a fixed rate, more than one engine serves, each on a new co
 with the load and stops when a second engine pod serves: its own /metrics shows a request running or
 finished. The autoscaler's interval is part of both times, so the ratio compares what follows its
 decision: a relabel, or a process start, model load and warm-up.
+
+The failover scenario runs one active engine (replicas 1..1), with a warm pod or without, kills the
+active engine's process with SIGKILL, and reports two clocks from the kill: until the API shows a Ready
+pod behind the Service again (`endpoint_ready_seconds`), and until a request through the Service is
+answered 200 (`served_seconds`; one request every 20 ms, each on a new connection). With a pool the
+operator promotes the warm pod as soon as it sees the active one go down; without, the kubelet restarts
+the engine, which loads and warms up again.
 """
 
 from __future__ import annotations
@@ -190,6 +198,122 @@ async def _run_one(cluster: Any, name: str, warm: int, args: argparse.Namespace)
     }
 
 
+def _kill_engine(pod_ip: str) -> int:
+    """SIGKILL the engine process serving on `pod_ip` (the process kubelet runs it on this machine)."""
+    import os
+    import signal
+
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and f"--host={pod_ip}".encode() in argv:
+            os.kill(int(entry.name), signal.SIGKILL)
+            return int(entry.name)
+    raise RuntimeError(f"no engine process serves on {pod_ip}")
+
+
+async def _failover_one(cluster: Any, name: str, warm: int, args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    api = cluster.api
+    resource = _resource(name, warm, args.interval)
+    resource["spec"]["replicas"] = {"min": 1, "max": 1}
+    api.create(resource)
+    label = f"app.kubernetes.io/instance={name}"
+
+    def settled() -> bool:
+        pods = api.list("v1", "Pod", "default", label_selector=label)
+        obj = api.get(GROUP_VERSION, "InferenceService", "default", name)
+        return (
+            _conditions(obj).get("Reconciling") == "False"
+            and len(pods) == 1 + warm
+            and all(map(_ready, pods))
+        )
+
+    await _wait(settled, args.timeout, f"{name} settled")
+    svc = await _wait(
+        lambda: ((api.get("v1", "Service", "default", name) or {}).get("status") or {}).get("loadBalancer"),
+        args.timeout,
+        "the Service's local address",
+    )
+    ingress = svc["ingress"][0]
+    base = f"http://{ingress['ip']}:{ingress['ports'][0]['port']}"
+    (victim,) = api.list("v1", "Pod", "default", label_selector=f"{label},ember.dev/role=active")
+    _kill_engine(victim["status"]["podIP"])
+    killed = time.monotonic()
+
+    def serving_pod() -> bool:
+        pods = api.list("v1", "Pod", "default", label_selector=f"{label},ember.dev/role=active")
+        # The victim counts again only once it has stopped being Ready and come back.
+        return any(_ready(p) for p in pods if p["metadata"]["name"] != victim["metadata"]["name"]) or any(
+            _ready(p) and (p["status"].get("containerStatuses") or [{}])[0].get("restartCount", 0) > 0
+            for p in pods
+        )
+
+    endpoint_at = served_at = None
+    async with httpx.AsyncClient(timeout=2.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        while endpoint_at is None or served_at is None:
+            now = time.monotonic() - killed
+            if now > args.timeout:
+                raise TimeoutError(f"{name}: not serving again within {args.timeout:g} s of the kill")
+            if endpoint_at is None and await asyncio.to_thread(serving_pod):
+                endpoint_at = time.monotonic() - killed
+            if served_at is None:
+                with contextlib.suppress(httpx.HTTPError):
+                    response = await client.get(f"{base}/v1/models")
+                    # A request the dying engine still answered does not count: wait for the endpoint.
+                    if response.status_code == 200 and endpoint_at is not None:
+                        served_at = time.monotonic() - killed
+            await asyncio.sleep(0.02)
+    events = [
+        e["reason"]
+        for e in api.list("v1", "Event", "default")
+        if e["involvedObject"].get("name") == name and e["reason"] in ("FailedOver", "Promoted")
+    ]
+    api.delete(GROUP_VERSION, "InferenceService", "default", name)
+    await _wait(
+        lambda: not api.list("v1", "Pod", "default", label_selector=label),
+        args.timeout,
+        f"{name}'s pods gone",
+    )
+    return {
+        "warm_pool": warm,
+        "endpoint_ready_seconds": round(endpoint_at, 3),
+        "served_seconds": round(served_at, 3),
+        "operator_events": events,
+    }
+
+
+async def _failover(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    from ember_engine.tools.testmodel import make_test_model
+    from ember_localcluster.devcluster import DevCluster
+
+    make_test_model(directory / "models" / "bench", size=args.size, force=True)
+    runs: dict[str, list[dict[str, Any]]] = {"warm": [], "cold": []}
+    with DevCluster(directory, port=0, tick=args.tick) as cluster:
+        for i in range(args.repeats):
+            for kind, warm in (("warm", 1), ("cold", 0)):
+                result = await _failover_one(cluster, f"failover-{kind}-{i}", warm, args)
+                runs[kind].append(result)
+                print(f"{kind} #{i}: {json.dumps(result)}", file=sys.stderr, flush=True)
+    med = {k: statistics.median(r["served_seconds"] for r in v) for k, v in runs.items()}
+    return {
+        "scenario": "failover",
+        "checkpoint": args.size,
+        "operator_tick_seconds": args.tick,
+        "warm_median_served_seconds": round(med["warm"], 3),
+        "cold_median_served_seconds": round(med["cold"], 3),
+        "warm_median_endpoint_ready_seconds": round(
+            statistics.median(r["endpoint_ready_seconds"] for r in runs["warm"]), 3
+        ),
+        "runs": runs,
+    }
+
+
 async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     from ember_engine.tools.testmodel import make_test_model
     from ember_localcluster.devcluster import DevCluster
@@ -219,7 +343,8 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ember-bench-scale-") as tmp:
-        result = asyncio.run(_bench(args, Path(tmp)))
+        bench = _failover if args.scenario == "failover" else _bench
+        result = asyncio.run(bench(args, Path(tmp)))
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
@@ -228,11 +353,20 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--scenario",
+        choices=["spike", "failover"],
+        default="spike",
+        help="spike: load spike to a second engine serving; failover: SIGKILL of the only active engine "
+        "to the Service serving again (default spike)",
+    )
     p.add_argument("--size", choices=["tiny", "small"], default="tiny", help="test checkpoint (default tiny)")
     p.add_argument("--repeats", type=int, default=3, help="warm and cold runs each (default 3)")
     p.add_argument("--rate", type=float, default=20.0, help="arrivals per second in the spike (default 20)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--interval", type=int, default=1, help="autoscaling.intervalSeconds (default 1)")
-    p.add_argument("--tick", type=float, default=0.25, help="operator reconcile tick (default 0.25 s)")
+    p.add_argument(
+        "--tick", type=float, default=0.25, help="operator reconcile tick (default 0.25 s; failover: use 2)"
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per wait (default 300)")
     p.add_argument("--json", help="write the result here too")

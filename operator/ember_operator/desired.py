@@ -247,8 +247,9 @@ def desired_service(owner: Owner) -> dict[str, Any]:
             "labels": {**instance_labels(owner.name), MANAGED_BY_LABEL: "ember-operator"},
             "ownerReferences": [owner.reference()],
         },
+        # No `type`: the API server defaults it to ClusterIP, and a type set later (LoadBalancer, NodePort)
+        # is the user's to keep.
         "spec": {
-            "type": "ClusterIP",
             "selector": active_selector(owner.name),
             "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
         },

@@ -1,4 +1,6 @@
-"""The kopf handlers: one level-triggered reconcile pass, run on create, update, resume and a timer tick.
+"""The kopf handlers: one level-triggered reconcile pass, run on create, update, resume, a timer tick, and
+at once when one of its engine pods stops or starts being Ready (so a failed active pod is replaced by a
+warm one without waiting for the tick).
 
 A pass reads the InferenceService and its pods, asks the pure parts what should be (`desired`, `rollout`,
 `autoscaler` through `scaling`, `status`), makes the children match, and writes status. Nothing is
@@ -9,6 +11,7 @@ after a restart.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,6 +24,7 @@ from pydantic import ValidationError
 from ember_operator import metrics
 from ember_operator.desired import (
     ACTIVE,
+    MANAGED_BY_LABEL,
     ROLE_LABEL,
     WARM,
     Owner,
@@ -33,8 +37,8 @@ from ember_operator.desired import (
     service_endpoint,
     template_hash,
 )
-from ember_operator.kube import Kube, load_balancer_address, new_api_client
-from ember_operator.pods import Trouble, cold_start_seconds, trouble, view
+from ember_operator.kube import Kube, NameConflict, load_balancer_address, new_api_client
+from ember_operator.pods import Trouble, cold_start_seconds, is_ready, trouble, view
 from ember_operator.rollout import PodPlan, plan_pods
 from ember_operator.scaling import Memory, autoscale
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
@@ -46,6 +50,7 @@ class Settings:
     tick: float = 2.0  # seconds between reconcile passes of one InferenceService
     cluster_domain: str = "cluster.local"
     scrape_timeout: float = 2.0
+    failover_after: float = 5.0  # an active pod Ready=False (engine still running) this long is replaced
 
 
 def _now() -> datetime:
@@ -56,6 +61,15 @@ class Reconciler:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._kube: Kube | None = None
+        self._memories: dict[str, Memory] = {}  # by InferenceService uid
+        self._pod_ready: dict[str, bool] = {}  # by pod uid: readiness last seen
+        self._gone: set[str] = set()  # uids of InferenceServices seen deleted
+
+    def _memory(self, uid: str, status: dict[str, Any]) -> Memory:
+        memory = self._memories.get(uid)
+        if memory is None:
+            memory = self._memories[uid] = Memory.restored(status)
+        return memory
 
     async def kube(self) -> Kube:
         if self._kube is None:
@@ -74,10 +88,10 @@ class Reconciler:
         **_: Any,
     ) -> None:
         name, namespace = meta["name"], meta["namespace"]
-        if "ember" not in memo:
-            memo["ember"] = Memory.restored(dict(status))
-        memory: Memory = memo["ember"]
-        async with memory.lock:  # the timer and the change handlers may overlap
+        if meta["uid"] in self._gone or meta.get("deletionTimestamp"):
+            return  # a tick that raced the deletion: its children are being garbage-collected
+        memory = self._memory(meta["uid"], dict(status))
+        async with memory.lock:  # the timer, the change handlers and pod events may overlap
             try:
                 await self._pass(body, dict(spec), meta, dict(status), patch, memory)
             except ApiException as e:
@@ -86,6 +100,52 @@ class Reconciler:
                     f"API error {e.status}: {e.reason}", delay=self.settings.tick
                 ) from e
         metrics.RECONCILES.labels(namespace, name, "ok").inc()
+
+    async def resource_event(self, event: kopf.RawEvent, meta: kopf.Meta, **_: Any) -> None:
+        """Forget an InferenceService's memory once it is gone."""
+        if event.get("type") == "DELETED":
+            self._memories.pop(meta.get("uid", ""), None)
+            self._gone.add(meta.get("uid", ""))
+
+    async def pod_event(self, event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
+        """A pod of an InferenceService changed: when its readiness flipped (or it is gone), run the owner's
+        pass now rather than at the next tick."""
+        meta = body.get("metadata") or {}
+        uid = meta.get("uid", "")
+        ready = is_ready(dict(body))
+        if event.get("type") == "DELETED":
+            self._pod_ready.pop(uid, None)
+        elif self._pod_ready.get(uid) == ready:
+            return
+        else:
+            first_sight = uid not in self._pod_ready
+            self._pod_ready[uid] = ready
+            if first_sight and ready:
+                return  # nothing changed that a pass would act on (e.g. the operator started)
+        owner = next(
+            (r for r in meta.get("ownerReferences") or [] if r.get("kind") == "InferenceService"), None
+        )
+        if owner is None or owner.get("uid") not in self._memories or owner.get("uid") in self._gone:
+            return
+        kube = await self.kube()
+        obj = await asyncio.to_thread(kube.get_inference_service, meta.get("namespace", ""), owner["name"])
+        if (
+            obj is None
+            or obj["metadata"].get("uid") != owner.get("uid")
+            or obj["metadata"].get("deletionTimestamp")
+        ):
+            return
+        memory = self._memory(owner["uid"], obj.get("status") or {})
+        patch = kopf.Patch()
+        async with memory.lock:
+            owner_body = kopf.Body(obj)  # type: ignore[arg-type]
+            await self._pass(
+                owner_body, obj.get("spec") or {}, owner_body.meta, obj.get("status") or {}, patch, memory
+            )
+        if patch.status:
+            await asyncio.to_thread(
+                kube.patch_status, obj["metadata"]["namespace"], owner["name"], dict(patch.status)
+            )
 
     async def _pass(
         self,
@@ -118,8 +178,8 @@ class Reconciler:
         kube = await self.kube()
         troubles: list[Trouble] = []
         fallback_url = await self._fallback_url(kube, spec, owner, troubles)
-        await asyncio.to_thread(kube.ensure, desired_policy_configmap(owner, spec, fallback_url), ("data",))
-        service = await asyncio.to_thread(kube.ensure, desired_service(owner), ("spec",))
+        await self._ensure(kube, desired_policy_configmap(owner, spec, fallback_url), ("data",), troubles)
+        service = await self._ensure(kube, desired_service(owner), ("spec",), troubles)
 
         listed = await asyncio.to_thread(kube.list_pods, namespace, selector_string(instance_labels(name)))
         pods = [p for p in listed if _owned_by(p, owner.uid)]
@@ -128,7 +188,9 @@ class Reconciler:
         await autoscale(body, spec, owner, pods, views, memory, now, self.settings.scrape_timeout)
         assert memory.desired is not None
         pod_hash = template_hash(spec)
-        plan = plan_pods(views, pod_hash, memory.desired, spec.warm_pool.size)
+        plan = plan_pods(
+            views, pod_hash, memory.desired, spec.warm_pool.size, now, self.settings.failover_after
+        )
         troubles += await self._apply(body, kube, owner, spec, pod_hash, plan)
         troubles += [
             t for p, v in zip(pods, views, strict=True) if v.template_hash == pod_hash and (t := trouble(p))
@@ -154,7 +216,7 @@ class Reconciler:
         patch.status.update(assessment.counts())
         patch.status["observedGeneration"] = generation
         patch.status["selector"] = selector_string(active_selector(name))
-        published = load_balancer_address(service)
+        published = load_balancer_address(service) if service is not None else None
         patch.status["endpoint"] = (
             f"http://{published}"
             if published
@@ -202,10 +264,19 @@ class Reconciler:
     ) -> list[Trouble]:
         """Carry out a pod plan: promotions first (capacity at once), then creations, then retirements."""
         ns, name = owner.namespace, owner.name
+        troubles: list[Trouble] = []
+        replaced = dict((warm, failed) for failed, warm in plan.failovers)
         for pod in plan.promote:
             await asyncio.to_thread(kube.relabel_pod, ns, pod, {ROLE_LABEL: ACTIVE})
             metrics.POD_CHANGES.labels(ns, name, "promoted").inc()
-            kopf.info(body, reason="Promoted", message=f"warm pod {pod} now serves traffic")
+            if pod in replaced:
+                kopf.warn(
+                    body,
+                    reason="FailedOver",
+                    message=f"active pod {replaced[pod]} stopped serving; warm pod {pod} took its place",
+                )
+            else:
+                kopf.info(body, reason="Promoted", message=f"warm pod {pod} now serves traffic")
         for pod in plan.demote:
             await asyncio.to_thread(kube.relabel_pod, ns, pod, {ROLE_LABEL: WARM})
             metrics.POD_CHANGES.labels(ns, name, "demoted").inc()
@@ -214,14 +285,32 @@ class Reconciler:
             try:
                 await asyncio.to_thread(kube.create_pod, desired_pod(owner, spec, WARM, pod_hash))
             except ApiException as e:
-                if e.status in (400, 422):  # the API server refuses the pod: only a spec change helps
-                    return [Trouble("PodRejected", f"the API server refused an engine pod: {_message(e)}")]
-                raise
+                refused = refusal(e, "an engine pod")
+                if refused is None:
+                    raise
+                # The rest of the plan still runs; the next pass tries again.
+                troubles.append(refused)
+                break
             metrics.POD_CHANGES.labels(ns, name, "created").inc()
         for pod in plan.delete:
             await asyncio.to_thread(kube.delete_pod, ns, pod)
             metrics.POD_CHANGES.labels(ns, name, "deleted").inc()
-        return []
+        return troubles
+
+    async def _ensure(
+        self, kube: Kube, desired: dict[str, Any], fields: tuple[str, ...], troubles: list[Trouble]
+    ) -> dict[str, Any] | None:
+        """`kube.ensure`, with a foreign object of the name or a refusal reported as trouble."""
+        try:
+            return await asyncio.to_thread(kube.ensure, desired, fields)
+        except NameConflict as e:
+            troubles.append(Trouble("NameConflict", str(e)))
+        except ApiException as e:
+            refused = refusal(e, f"the {desired['kind']} {desired['metadata']['name']}")
+            if refused is None:
+                raise
+            troubles.append(refused)
+        return None
 
     def _stalled_event(self, body: kopf.Body, memory: Memory, troubles: list[Trouble]) -> None:
         message = "; ".join(t.message for t in troubles) or None
@@ -232,6 +321,23 @@ class Reconciler:
         elif memory.stalled is not None:
             kopf.info(body, reason="Recovered", message="no longer stalled")
         memory.stalled = message
+
+
+def refusal(e: ApiException, what: str) -> Trouble | None:
+    """A refusal that only a change (to the spec, a quota, the namespace's policy) can lift, as trouble;
+    None for errors worth retrying as they are."""
+    message = _message(e)
+    if e.status == 403:
+        if "exceeded quota" in message:
+            reason = "QuotaExceeded"
+        elif "violates PodSecurity" in message:
+            reason = "PodSecurityRejected"
+        else:
+            reason = "Forbidden"
+        return Trouble(reason, f"the API server refused {what}: {message}")
+    if e.status in (400, 422):
+        return Trouble("PodRejected", f"the API server refused {what}: {message}")
+    return None
 
 
 def _message(e: ApiException) -> str:
@@ -257,4 +363,22 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> Reconciler:
     kopf.timer(*resource, id="reconcile-tick", interval=settings.tick, backoff=backoff, registry=registry)(
         reconciler.handle
     )
+    kopf.on.event("v1", "pods", labels={MANAGED_BY_LABEL: "ember-operator"}, registry=registry)(
+        reconciler.pod_event
+    )
+    kopf.on.event(*resource, registry=registry)(reconciler.resource_event)
+    _no_finalizer_for(registry, "reconcile-tick")
     return reconciler
+
+
+def _no_finalizer_for(registry: kopf.OperatorRegistry, handler_id: str) -> None:
+    """kopf registers every timer as needing a finalizer (to stop it before the object goes), and no
+    setting turns that off. Nothing here needs one: garbage collection removes the children, and a timer
+    whose object is gone is stopped when kopf sees the deletion. A finalizer would only hold every
+    deletion (and its namespace's) while the operator is down, so this timer is registered without."""
+    spawning = getattr(getattr(registry, "_spawning", None), "_handlers", None)
+    if not isinstance(spawning, list) or not any(getattr(h, "id", None) == handler_id for h in spawning):
+        raise RuntimeError(f"kopf {kopf.__version__}: cannot find the timer {handler_id!r} in the registry")
+    spawning[:] = [
+        dataclasses.replace(h, requires_finalizer=False) if h.id == handler_id else h for h in spawning
+    ]

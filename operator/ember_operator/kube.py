@@ -63,6 +63,15 @@ def covers(desired: Any, actual: Any) -> bool:
     return bool(desired == actual)
 
 
+class NameConflict(Exception):
+    """An object the operator would create exists already and belongs to someone else."""
+
+    def __init__(self, kind: str, name: str, owners: list[str]) -> None:
+        self.kind, self.name = kind, name
+        whose = f"owned by {', '.join(owners)}" if owners else "not created by this InferenceService"
+        super().__init__(f"{kind} {name} already exists, {whose}; rename one of them")
+
+
 class Kube:
     def __init__(self, api: ApiClient) -> None:
         # Typed as Any: the operator passes and receives plain dicts, which the client's stubs do not describe.
@@ -104,11 +113,19 @@ class Kube:
                 return None
             raise
 
+    def patch_status(self, namespace: str, name: str, status: Obj) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _preload_content=False
+        )
+
     def ensure(self, desired: Obj, fields: tuple[str, ...]) -> Obj:
         """Create `desired` (a Service or ConfigMap), or put back the `fields` of it that someone changed;
-        returns the object as the API server holds it now.
+        returns the object as the API server holds it now. An object of that name that this owner does not
+        own raises `NameConflict`: it is never adopted.
 
-        Replaces rather than patches: a patch would merge, keeping a selector key or a port someone added.
+        The managed fields are put back key by key (a selector key or a port someone added goes); every other
+        field, and every key of `spec` the operator does not set (the Service's type, load-balancer
+        settings), stays as the user or the cluster left it.
         """
         kind, meta = desired["kind"], desired["metadata"]
         apis: dict[str, tuple[Any, Any, Any]] = {
@@ -130,16 +147,19 @@ class Kube:
             if not is_not_found(e):
                 raise
             return _json(create(meta["namespace"], desired, _preload_content=False))
-        owned = covers(meta["labels"], actual["metadata"].get("labels") or {}) and covers(
-            meta["ownerReferences"], actual["metadata"].get("ownerReferences")
-        )
+        owner_uids = {r.get("uid") for r in meta["ownerReferences"]}
+        theirs = actual["metadata"].get("ownerReferences") or []
+        if not any(r.get("uid") in owner_uids for r in theirs):
+            raise NameConflict(
+                kind, meta["name"], [r.get("kind", "") + "/" + r.get("name", "") for r in theirs]
+            )
+        owned = covers(meta["labels"], actual["metadata"].get("labels") or {})
         if owned and all(covers(desired[f], actual.get(f)) for f in fields):
             return actual
         body = dict(actual)
         body["metadata"] = {
             **actual["metadata"],
             "labels": {**(actual["metadata"].get("labels") or {}), **meta["labels"]},
-            "ownerReferences": meta["ownerReferences"],
         }
         for f in fields:
             if isinstance(desired[f], dict) and isinstance(actual.get(f), dict) and f == "spec":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ember_operator.desired import ENGINE_PORT, HASH_LABEL, ROLE_LABEL, WARM
@@ -20,6 +20,9 @@ _STUCK_WAITING = {
     "CreateContainerConfigError": "PodsFailing",
     "CreateContainerError": "PodsFailing",
 }
+
+
+_SECOND = timedelta(seconds=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +51,41 @@ def is_ready(pod: dict[str, Any]) -> bool:
     return c is not None and c.get("status") == "True"
 
 
+def _engine_down(pod: dict[str, Any], unready_since: datetime | None) -> bool:
+    """Whether the engine container is not running, or has restarted since the pod stopped being Ready
+    (a restarted engine loads its model again: it will not serve for a while)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    if not statuses:
+        return False
+    for s in statuses:
+        state = s.get("state") or {}
+        if "running" not in state:
+            return True
+        finished = parse_time(((s.get("lastState") or {}).get("terminated") or {}).get("finishedAt"))
+        # Timestamps have one-second resolution: an exit in the second the pod went unready counts.
+        if finished is not None and unready_since is not None and finished >= unready_since - _SECOND:
+            return True
+    return False
+
+
 def view(pod: dict[str, Any]) -> PodView:
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
+    ready_condition = _condition(pod, "Ready")
+    ready = ready_condition is not None and ready_condition.get("status") == "True"
+    unready_since = (
+        None if ready or ready_condition is None else parse_time(ready_condition.get("lastTransitionTime"))
+    )
     return PodView(
         name=meta["name"],
         role=labels.get(ROLE_LABEL, WARM),
         template_hash=labels.get(HASH_LABEL, ""),
-        ready=is_ready(pod),
+        ready=ready,
         created=parse_time(meta.get("creationTimestamp")) or datetime.now(UTC),
         phase=(pod.get("status") or {}).get("phase") or "Pending",
         deleting=meta.get("deletionTimestamp") is not None,
+        unready_since=unready_since,
+        container_down=not ready and _engine_down(pod, unready_since),
     )
 
 

@@ -8,6 +8,10 @@ sees the outcome. Three rules make it safe to repeat:
 - Pods of an older template (`ember.dev/template-hash`) are retired only while the Ready active pods that
   remain still number at least the active target: a roll surges, it never dips.
 - Pods that are not Ready serve nothing, so retiring them never costs capacity.
+- An active pod that fails (its engine container is down, or it has not been Ready for `failover_after`
+  seconds) is replaced by a Ready warm pod in the same pass: the failed pod is deleted, the warm pod
+  promoted, and the pool refilled. Without a Ready warm pod the failed one stays: its own restart is then
+  as quick as anything else.
 """
 
 from __future__ import annotations
@@ -29,6 +33,16 @@ class PodView:
     created: datetime
     phase: str = "Running"
     deleting: bool = False  # deletionTimestamp set: on its way out, counts for nothing
+    unready_since: datetime | None = None  # when its Ready condition last turned False
+    container_down: bool = False  # its engine container is not running (exited, restarting, crash loop)
+
+    def failed(self, now: datetime, failover_after: float) -> bool:
+        """An active pod that stopped serving: down, or not Ready for longer than `failover_after`."""
+        if self.ready or self.role != ACTIVE:
+            return False
+        if self.container_down:
+            return True
+        return self.unready_since is not None and (now - self.unready_since).total_seconds() >= failover_after
 
 
 @dataclass(slots=True)
@@ -37,6 +51,7 @@ class PodPlan:
     promote: list[str] = field(default_factory=list)
     demote: list[str] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
+    failovers: list[tuple[str, str]] = field(default_factory=list)  # (failed active pod, warm pod promoted)
 
     def empty(self) -> bool:
         return not (self.create_warm or self.promote or self.demote or self.delete)
@@ -47,8 +62,16 @@ def _retire_order(pod: PodView) -> tuple[bool, float]:
     return (pod.ready, -pod.created.timestamp())
 
 
-def plan_pods(pods: list[PodView], template_hash: str, active: int, warm: int) -> PodPlan:
-    """One step toward `active` Ready active pods and `warm` warm pods, all of `template_hash`."""
+def plan_pods(
+    pods: list[PodView],
+    template_hash: str,
+    active: int,
+    warm: int,
+    now: datetime | None = None,
+    failover_after: float = 5.0,
+) -> PodPlan:
+    """One step toward `active` Ready active pods and `warm` warm pods, all of `template_hash`; `now` (with
+    `failover_after`) lets failed active pods be replaced by Ready warm ones."""
     plan = PodPlan()
     live = []
     for p in pods:
@@ -63,8 +86,22 @@ def plan_pods(pods: list[PodView], template_hash: str, active: int, warm: int) -
     cur_active = [p for p in current if p.role == ACTIVE]
     cur_warm = [p for p in current if p.role == WARM]
 
-    # Promote the oldest Ready warm pods while active pods are missing.
+    # Replace failed active pods by Ready warm pods, oldest warm pod first.
     ready_warm = sorted((p for p in cur_warm if p.ready), key=lambda p: p.created)
+    if now is not None:
+        for p in sorted(cur_active, key=lambda p: p.created):
+            if not ready_warm:
+                break
+            if p.failed(now, failover_after):
+                w = ready_warm.pop(0)
+                cur_active.remove(p)
+                plan.delete.append(p.name)
+                cur_warm.remove(w)
+                cur_active.append(w)
+                plan.promote.append(w.name)
+                plan.failovers.append((p.name, w.name))
+
+    # Promote the oldest Ready warm pods while active pods are missing.
     while len(cur_active) < active and ready_warm:
         p = ready_warm.pop(0)
         plan.promote.append(p.name)

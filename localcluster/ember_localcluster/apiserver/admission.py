@@ -5,7 +5,8 @@
   random lowercase alphanumerics, as in Kubernetes.
 * Custom resources are pruned, defaulted and validated against their CRD's schema (`schema.py`).
 * CRDs are checked enough to be registered and get `Established`/`NamesAccepted` conditions.
-* New Pods start `Pending` and new Namespaces `Active`, since no controller here would set that.
+* New Pods start `Pending` and new Namespaces `Active`, since no controller here would set that;
+  Services get core/v1's default `type: ClusterIP`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .resources import ResourceType, crd_causes
 CRD_STORAGE = ("apiextensions.k8s.io", "customresourcedefinitions")
 NAMESPACES = ("", "namespaces")
 PODS = ("", "pods")
+SERVICES = ("", "services")
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -99,6 +101,8 @@ def admit(
         obj["status"] = {"phase": "Pending"}
     elif old is None and rtype.storage == NAMESPACES:
         obj["status"] = {"phase": "Active"}
+    elif rtype.storage == SERVICES and isinstance(obj.get("spec"), dict):
+        obj["spec"].setdefault("type", "ClusterIP")  # core/v1 defaulting (SetDefaults_Service)
     return obj
 
 

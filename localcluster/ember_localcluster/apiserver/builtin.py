@@ -1,7 +1,7 @@
 """The built-in resource types the local control plane needs.
 
 Enough for kopf (namespaces, events and CRDs are its discovery "backbone"; leases for leader
-election elsewhere), for the operator's children (pods, services, configmaps, secrets, deployments)
+election elsewhere), for the operator's children (pods, services, configmaps, secrets, deployments), resource quotas
 and for kubectl's everyday commands. Built-ins are stored without schema validation: the server
 keeps whatever the client sends, as a real server would keep every field it knows.
 """
@@ -26,6 +26,7 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         has_status=True,
     ),
     ResourceType("", "v1", "ConfigMap", "configmaps", namespaced=True, short_names=("cm",)),
+    ResourceType("", "v1", "ResourceQuota", "resourcequotas", namespaced=True, short_names=("quota",)),
     ResourceType("", "v1", "Secret", "secrets", namespaced=True),
     ResourceType("", "v1", "Event", "events", namespaced=True, short_names=("ev",)),
     ResourceType("", "v1", "Endpoints", "endpoints", namespaced=True, short_names=("ep",)),

@@ -9,9 +9,10 @@
   server deletes it itself). Pods in phase Succeeded or Failed, and every Pod when the server runs
   with `pod_graceful_deletion=False`, go at once. Unlike Kubernetes, a Pod not yet bound to a node is
   graceful too: here a process kubelet may run Pods without binding them.
-* Garbage collection runs right after each real delete, synchronously (Kubernetes runs it in the
-  background): every object whose ownerReferences name no live owner is deleted through this same
-  path, so its own finalizers hold. `propagationPolicy=Orphan` strips the owner's references from its
+* Garbage collection runs right after each real delete and each create of an object with owners,
+  synchronously (Kubernetes runs it in the background): every object whose ownerReferences name no live
+  owner (by uid) is deleted through this same path, so its own finalizers hold — one created after its
+  owner was deleted too. `propagationPolicy=Orphan` strips the owner's references from its
   dependents instead; `Foreground` is treated as `Background`.
 * Deleting a namespace first deletes everything in it (skipping the `Terminating` phase); deleting a
   CRD drops its types and all their objects.
@@ -99,7 +100,7 @@ def remove(
     if storage == CRD_STORAGE:
         _drop_type(store, (obj["spec"]["group"], obj["spec"]["names"]["plural"]))
     if options.propagation_policy != "Orphan":
-        _collect_garbage(store)
+        collect_garbage(store)
     return obj
 
 
@@ -151,7 +152,7 @@ def _empty_namespace(store: Store, namespace: str) -> None:
                 delete(store, rtype, ns, name, DeleteOptions(grace_period_seconds=0))
 
 
-def _collect_garbage(store: Store) -> None:
+def collect_garbage(store: Store) -> None:
     """Delete every dependent none of whose owners is alive any more, until nothing changes."""
     while True:
         live = {obj["metadata"]["uid"] for objects in store.objects.values() for obj in objects.values()}

@@ -28,7 +28,7 @@ from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from . import deletion, patching, podsecurity, scale
+from . import deletion, patching, podsecurity, quota, scale
 from .admission import CRD_STORAGE, NAMESPACES, PODS, admit, check_name, checked_body, generated_name
 from .builtin import INITIAL_NAMESPACES
 from .errors import Cause, already_exists, bad_request, conflict, invalid, not_found
@@ -49,6 +49,9 @@ _SERVER_METADATA = (
 
 def _spec_part(obj: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata", "status")}
+
+
+QUOTAS = ("", "resourcequotas")
 
 
 def _key(namespace: str | None, name: str) -> tuple[str, str]:
@@ -149,11 +152,18 @@ class Store:
         obj = admit(rtype, obj, None, strict=strict)
         if rtype.storage == PODS:  # validating admission: after the name is generated
             podsecurity.admit_pod(self.objects[NAMESPACES].get(_key(None, str(namespace))), obj)
+            in_namespace = [o for (ns, _), o in self.objects[PODS].items() if ns == namespace]
+            quotas = [o for (ns, _), o in self.objects[QUOTAS].items() if ns == namespace]
+            quota.admit_pod(quotas, in_namespace, obj)
         if dry_run:
             return obj
         self.commit(rtype.storage, obj, "ADDED", None)
         if rtype.storage == CRD_STORAGE:
             self.registry.register_crd(obj)
+        if meta.get("ownerReferences"):
+            # The garbage collector deletes a dependent whose owners are all gone, also one created after
+            # they went (a controller acting on a stale read): it checks each owner's uid.
+            deletion.collect_garbage(self)
         return obj
 
     def update(
