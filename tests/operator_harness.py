@@ -3,7 +3,8 @@
 
 The pod runner gives each engine pod a loopback IP, an HTTP server on port 8000 that serves a /metrics page
 whose gauges the test sets, and a Ready condition after a short start-up delay. Pods whose image is
-`broken:*` crash-loop instead. It models only what the operator reads from pods; the engines themselves are
+`broken:*` crash-loop instead, and pods whose nodeSelector asks for `pool: nowhere` stay Pending as
+kube-scheduler leaves a pod no node can take. It models only what the operator reads from pods; the engines themselves are
 exercised end to end elsewhere.
 """
 
@@ -119,6 +120,19 @@ class PodRunner:
         name = pod["metadata"]["name"]
         status = pod.get("status") or {}
         if pod["metadata"].get("deletionTimestamp") or name in self.failed:
+            return
+        if (pod["spec"].get("nodeSelector") or {}).get("pool") == "nowhere":
+            # What kube-scheduler reports for a pod no node can take.
+            if not status.get("conditions"):
+                message = "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
+                condition = {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": message,
+                    "lastTransitionTime": _stamp(datetime.now(UTC)),
+                }
+                self._patch_status(name, {"phase": "Pending", "conditions": [condition]})
             return
         image = pod["spec"]["containers"][0]["image"]
         if image.startswith("broken:"):

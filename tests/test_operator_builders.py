@@ -23,6 +23,7 @@ from ember_operator.desired import (
     ROLE_LABEL,
     WARM,
     Owner,
+    desired_pdb,
     desired_pod,
     desired_policy_configmap,
     desired_service,
@@ -30,7 +31,7 @@ from ember_operator.desired import (
     quantity_bytes,
     template_hash,
 )
-from ember_operator.pods import cold_start_seconds, trouble, view
+from ember_operator.pods import cold_start_seconds, trouble, view, waiting_for_capacity
 from ember_operator.rollout import PodPlan, PodView
 from ember_operator.scrape import parse_sample
 from ember_operator.spec import InferenceServiceSpec
@@ -371,3 +372,48 @@ def test_parse_sample_reads_the_engines_own_metrics_page() -> None:
 def test_parse_sample_refuses_a_page_without_the_gauges() -> None:
     with pytest.raises(ValueError, match="vllm:kv_cache_usage_perc"):
         parse_sample("vllm:num_requests_waiting 1\nvllm:num_requests_running 2\n")
+
+
+UNSCHEDULABLE = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+
+
+def _pending(seconds_ago: float) -> dict[str, Any]:
+    since = _stamp(T0 + timedelta(minutes=10) - timedelta(seconds=seconds_ago))
+    condition = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": UNSCHEDULABLE,
+        "lastTransitionTime": since,
+    }
+    return pod_dict(phase="Pending", conditions=[condition])
+
+
+def test_an_unschedulable_pod_waits_for_capacity_before_it_is_trouble() -> None:
+    now = T0 + timedelta(minutes=10)
+    young, old = _pending(30), _pending(301)
+    assert trouble(young, now, 300) is None
+    assert waiting_for_capacity(young, now, 300) == f"pod chat-abcde-xyz12: {UNSCHEDULABLE}"
+    assert view(young).unschedulable
+    late = trouble(old, now, 300)
+    assert late is not None and late.reason == "PodsUnschedulable" and UNSCHEDULABLE in late.message
+    assert waiting_for_capacity(old, now, 300) is None
+
+
+def test_waiting_for_capacity_is_reconciling_not_stalled() -> None:
+    pods = [PodView("a", ACTIVE, "h1", True, T0), PodView("b", WARM, "h1", False, T0, unschedulable=True)]
+    a = Assessment("h1", 1, 1, 1, pods, PodPlan(), waiting_for_capacity=[f"pod b: {UNSCHEDULABLE}"])
+    conditions = {c.type: c for c in a.conditions()}
+    assert conditions["Reconciling"].status is True
+    assert conditions["Reconciling"].reason == "WaitingForCapacity"
+    assert UNSCHEDULABLE in conditions["Reconciling"].message
+    assert conditions["Stalled"].status is False
+
+
+def test_the_pdb_covers_active_pods_down_to_the_rollouts_max_unavailable() -> None:
+    pdb = desired_pdb(OWNER, make_spec(rollout={"maxUnavailable": 1}), 3)
+    assert pdb["apiVersion"] == "policy/v1" and pdb["kind"] == "PodDisruptionBudget"
+    assert pdb["spec"]["minAvailable"] == 2
+    assert pdb["spec"]["selector"]["matchLabels"][ROLE_LABEL] == ACTIVE
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert desired_pdb(OWNER, make_spec(), 0)["spec"]["minAvailable"] == 0

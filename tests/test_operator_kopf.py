@@ -564,3 +564,20 @@ def test_fields_the_operator_does_not_manage_are_left_alone(cluster: Any) -> Non
     assert svc["spec"]["type"] == "LoadBalancer"
     assert svc["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-type"] == "nlb"
     assert svc["spec"]["selector"]["ember.dev/role"] == "active"  # what it does manage stays its own
+
+
+def test_unschedulable_pods_wait_for_capacity_then_stall(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    spec = {"resources": {"gpus": 0, "nodeSelector": {"pool": "nowhere"}}, "capacityWaitSeconds": 3}
+    create(custom, service("nowhere", **spec))
+    wait_for(
+        lambda: condition(api, "nowhere", "Reconciling").get("reason") == "WaitingForCapacity",
+        what="Reconciling WaitingForCapacity",
+    )
+    assert condition(api, "nowhere", "Stalled").get("status") == "False"
+    assert "didn't match Pod's node affinity/selector" in condition(api, "nowhere", "Reconciling")["message"]
+    wait_for(
+        lambda: condition(api, "nowhere", "Stalled").get("reason") == "PodsUnschedulable",
+        what="Stalled once the wait is over",
+    )
+    custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "nowhere")

@@ -6,11 +6,11 @@ import itertools
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ember_operator.desired import ACTIVE, WARM
-from ember_operator.rollout import PodView, plan_pods
+from ember_operator.rollout import PodPlan, PodView, plan_pods
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -238,3 +238,98 @@ def test_failures_are_covered_from_the_pool_as_far_as_it_goes(active: int, warm:
     assert len(plan.failovers) == covered
     ready_active = sum(v.ready and v.role == ACTIVE for v in views)
     assert ready_active + len(plan.promote) == active - len(actives) + covered
+
+
+# -- rolls on a full pool: maxSurge / maxUnavailable --------------------------------------------------
+
+
+class FullPool(Cluster):
+    """A cluster with room for `capacity` pods: the others stay Pending (Unschedulable) and do not start
+    until a pod is gone; a deleted pod terminates for one pass, holding its slot."""
+
+    def __init__(self, startup: int, capacity: int) -> None:
+        super().__init__(startup)
+        self.capacity = capacity
+        self.dying: dict[str, SimPod] = {}
+
+    def placed(self) -> set[str]:
+        room = self.capacity - len(self.dying)
+        return {p.name for p in sorted(self.pods.values(), key=lambda p: p.created)[: max(0, room)]}
+
+    def views(self) -> list[PodView]:
+        placed = self.placed()
+        out = []
+        for p in self.pods.values():
+            v = p.view()
+            ok = p.name in placed
+            out.append(
+                PodView(v.name, v.role, v.template_hash, v.ready and ok, v.created, unschedulable=not ok)
+            )
+        for p in self.dying.values():
+            v = p.view()
+            out.append(PodView(v.name, v.role, v.template_hash, False, v.created, deleting=True))
+        return out
+
+    def roll_step(self, template_hash: str, active: int, warm: int, surge: int, unavailable: int) -> PodPlan:
+        placed = self.placed()
+        plan = plan_pods(
+            self.views(), template_hash, active, warm, max_surge=surge, max_unavailable=unavailable
+        )
+        for name in plan.promote:
+            self.pods[name].role = ACTIVE
+        for name in plan.demote:
+            self.pods[name].role = WARM
+        self.dying = {name: self.pods.pop(name) for name in plan.delete}
+        for _ in range(plan.create_warm):
+            name = next(self.names)
+            self.pods[name] = SimPod(name, WARM, template_hash, self.clock, self.startup)
+        self.clock += 1
+        for p in self.pods.values():
+            if p.starts_in is not None and p.name in placed:
+                p.starts_in -= 1
+        return plan
+
+    def ready_active(self) -> int:
+        return sum(v.ready and v.role == ACTIVE for v in self.views())
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    active=st.integers(1, 4),
+    warm=st.integers(0, 2),
+    startup=st.integers(1, 3),
+    surge=st.integers(0, 2),
+    unavailable=st.integers(0, 2),
+)
+def test_a_roll_completes_on_a_pool_with_no_spare_gpu(
+    active: int, warm: int, startup: int, surge: int, unavailable: int
+) -> None:
+    assume(surge > 0 or unavailable > 0)  # the CRD refuses both 0
+    # With neither a pool nor room to go below the target, a full pool cannot roll: by design it waits
+    # (WaitingForCapacity, then Stalled), as a Deployment with maxUnavailable 0 would.
+    assume(warm > 0 or unavailable > 0)
+    c = FullPool(startup, capacity=active + warm)  # exactly full
+    c.settle("old", active, warm)
+    floor = active if warm > 0 or unavailable == 0 else active - unavailable
+    for _ in range(200):
+        plan = c.roll_step("new", active, warm, surge, unavailable)
+        assert c.ready_active() >= min(floor, active), f"Ready active {c.ready_active()} < {floor}: {plan}"
+        views = c.views()
+        if (
+            {v.template_hash for v in views} == {"new"}
+            and all(v.ready for v in views)
+            and c.shape() == (active, warm)
+        ):
+            break
+    else:
+        raise AssertionError(f"the roll did not complete: {c.views()}")
+
+
+def test_with_room_a_roll_surges_and_never_dips() -> None:
+    c = FullPool(startup=2, capacity=10)
+    c.settle("old", 3, 0)
+    for _ in range(60):
+        c.roll_step("new", 3, 0, surge=1, unavailable=1)
+        assert c.ready_active() >= 3
+        assert len(c.pods) <= 4  # within the surge
+    assert {v.template_hash for v in c.views()} == {"new"} and c.shape() == (3, 0)

@@ -256,6 +256,26 @@ def desired_service(owner: Owner) -> dict[str, Any]:
     }
 
 
+def desired_pdb(owner: Owner, spec: InferenceServiceSpec, desired_active: int) -> dict[str, Any]:
+    """A PodDisruptionBudget over the active pods: voluntary disruptions (node drains, evictions) may take
+    no more of them below the target than a roll may (`rollout.maxUnavailable`). Warm pods are not covered:
+    evicting one costs no capacity. Follows the target as the autoscaler moves it."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": owner.name,
+            "namespace": owner.namespace,
+            "labels": {**instance_labels(owner.name), MANAGED_BY_LABEL: "ember-operator"},
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": {
+            "minAvailable": max(0, desired_active - spec.rollout.max_unavailable),
+            "selector": {"matchLabels": active_selector(owner.name)},
+        },
+    }
+
+
 def policy_document(spec: InferenceServiceSpec, fallback_url: str | None) -> dict[str, Any]:
     """The engine's policy file. `fallback_url` is the fallback target resolved by the operator (None: none)."""
     doc: dict[str, Any] = {

@@ -29,6 +29,7 @@ from ember_operator.desired import (
     WARM,
     Owner,
     active_selector,
+    desired_pdb,
     desired_pod,
     desired_policy_configmap,
     desired_service,
@@ -38,7 +39,7 @@ from ember_operator.desired import (
     template_hash,
 )
 from ember_operator.kube import Kube, NameConflict, load_balancer_address, new_api_client
-from ember_operator.pods import Trouble, cold_start_seconds, is_ready, trouble, view
+from ember_operator.pods import Trouble, cold_start_seconds, is_ready, trouble, view, waiting_for_capacity
 from ember_operator.rollout import PodPlan, plan_pods
 from ember_operator.scaling import Memory, autoscale
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
@@ -50,7 +51,6 @@ class Settings:
     tick: float = 2.0  # seconds between reconcile passes of one InferenceService
     cluster_domain: str = "cluster.local"
     scrape_timeout: float = 2.0
-    failover_after: float = 5.0  # an active pod Ready=False (engine still running) this long is replaced
 
 
 def _now() -> datetime:
@@ -189,12 +189,24 @@ class Reconciler:
         assert memory.desired is not None
         pod_hash = template_hash(spec)
         plan = plan_pods(
-            views, pod_hash, memory.desired, spec.warm_pool.size, now, self.settings.failover_after
+            views,
+            pod_hash,
+            memory.desired,
+            spec.warm_pool.size,
+            now,
+            spec.warm_pool.failover_after_seconds,
+            spec.rollout.max_surge,
+            spec.rollout.max_unavailable,
         )
+        await self._ensure(kube, desired_pdb(owner, spec, memory.desired), ("spec",), troubles)
         troubles += await self._apply(body, kube, owner, spec, pod_hash, plan)
+        wait = spec.capacity_wait_seconds
         troubles += [
-            t for p, v in zip(pods, views, strict=True) if v.template_hash == pod_hash and (t := trouble(p))
+            t
+            for p, v in zip(pods, views, strict=True)
+            if v.template_hash == pod_hash and (t := trouble(p, now, wait))
         ]
+        waiting = [m for p in pods if (m := waiting_for_capacity(p, now, wait))]
         self._stalled_event(body, memory, troubles)
 
         for p, v in sorted(zip(pods, views, strict=True), key=lambda pv: pv[1].created):
@@ -212,6 +224,7 @@ class Reconciler:
             troubles=troubles,
             metrics=memory.metrics,
             fallback=memory.fallback,
+            waiting_for_capacity=waiting,
         )
         patch.status.update(assessment.counts())
         patch.status["observedGeneration"] = generation

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
-from kubernetes.client import ApiClient, CoreV1Api, CustomObjectsApi
+from kubernetes.client import ApiClient, CoreV1Api, CustomObjectsApi, PolicyV1Api
 from kubernetes.client.exceptions import ApiException
 
 from ember_operator.spec import GROUP, PLURAL, VERSION
@@ -77,6 +77,7 @@ class Kube:
         # Typed as Any: the operator passes and receives plain dicts, which the client's stubs do not describe.
         self.core: Any = CoreV1Api(api)
         self.custom: Any = CustomObjectsApi(api)
+        self.policy: Any = PolicyV1Api(api)
 
     def list_pods(self, namespace: str, selector: str) -> list[Obj]:
         listed = _json(
@@ -119,7 +120,7 @@ class Kube:
         )
 
     def ensure(self, desired: Obj, fields: tuple[str, ...]) -> Obj:
-        """Create `desired` (a Service or ConfigMap), or put back the `fields` of it that someone changed;
+        """Create `desired` (a Service, ConfigMap or PodDisruptionBudget), or put back the `fields` of it that someone changed;
         returns the object as the API server holds it now. An object of that name that this owner does not
         own raises `NameConflict`: it is never adopted.
 
@@ -138,6 +139,11 @@ class Kube:
                 self.core.read_namespaced_config_map,
                 self.core.create_namespaced_config_map,
                 self.core.replace_namespaced_config_map,
+            ),
+            "PodDisruptionBudget": (
+                self.policy.read_namespaced_pod_disruption_budget,
+                self.policy.create_namespaced_pod_disruption_budget,
+                self.policy.replace_namespaced_pod_disruption_budget,
             ),
         }
         read, create, replace = apis[kind]

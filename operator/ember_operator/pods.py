@@ -68,6 +68,11 @@ def _engine_down(pod: dict[str, Any], unready_since: datetime | None) -> bool:
     return False
 
 
+def _unschedulable(pod: dict[str, Any]) -> bool:
+    c = _condition(pod, "PodScheduled")
+    return c is not None and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+
+
 def view(pod: dict[str, Any]) -> PodView:
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
@@ -86,6 +91,7 @@ def view(pod: dict[str, Any]) -> PodView:
         deleting=meta.get("deletionTimestamp") is not None,
         unready_since=unready_since,
         container_down=not ready and _engine_down(pod, unready_since),
+        unschedulable=_unschedulable(pod),
     )
 
 
@@ -109,12 +115,27 @@ def cold_start_seconds(pod: dict[str, Any]) -> float | None:
     return max(0.0, (ready_at - created).total_seconds())
 
 
-def trouble(pod: dict[str, Any]) -> Trouble | None:
-    """Why this pod will not become Ready without a change to its spec, or None if nothing says so."""
+def waiting_for_capacity(pod: dict[str, Any], now: datetime, grace: float) -> str | None:
+    """The scheduler's message for a pod no node can take yet, while it has waited less than `grace`
+    seconds (a cluster autoscaler may be adding a node); None otherwise."""
+    scheduled = _condition(pod, "PodScheduled")
+    if scheduled is None or scheduled.get("status") != "False" or scheduled.get("reason") != "Unschedulable":
+        return None
+    since = parse_time(scheduled.get("lastTransitionTime")) or now
+    if (now - since).total_seconds() >= grace:
+        return None
+    return f"pod {pod['metadata']['name']}: {scheduled.get('message', 'Unschedulable')}"
+
+
+def trouble(pod: dict[str, Any], now: datetime | None = None, capacity_wait: float = 0.0) -> Trouble | None:
+    """Why this pod will not become Ready without a change (to its spec, or to the cluster's capacity once
+    `capacity_wait` seconds have passed), or None if nothing says so."""
     name = pod["metadata"]["name"]
     status = pod.get("status") or {}
     scheduled = _condition(pod, "PodScheduled")
     if scheduled is not None and scheduled.get("status") == "False" and scheduled.get("reason"):
+        if now is not None and waiting_for_capacity(pod, now, capacity_wait) is not None:
+            return None  # still within the wait: Reconciling says WaitingForCapacity
         message = f"pod {name}: {scheduled['reason']}: {scheduled.get('message', '')}".rstrip(": ")
         return Trouble("PodsUnschedulable", message)
     for s in status.get("containerStatuses") or []:

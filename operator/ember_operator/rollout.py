@@ -8,6 +8,9 @@ sees the outcome. Three rules make it safe to repeat:
 - Pods of an older template (`ember.dev/template-hash`) are retired only while the Ready active pods that
   remain still number at least the active target: a roll surges, it never dips.
 - Pods that are not Ready serve nothing, so retiring them never costs capacity.
+- A roll (pods of an older template remain) keeps to `max_surge` extra pods and, when no new pod can make
+  progress (none starting that a node can take), retires up to `max_unavailable` Ready active old pods to
+  free room: on a cluster with no spare GPU it still completes, one pod (or the warm pool) at a time.
 - An active pod that fails (its engine container is down, or it has not been Ready for `failover_after`
   seconds) is replaced by a Ready warm pod in the same pass: the failed pod is deleted, the warm pod
   promoted, and the pool refilled. Without a Ready warm pod the failed one stays: its own restart is then
@@ -35,6 +38,7 @@ class PodView:
     deleting: bool = False  # deletionTimestamp set: on its way out, counts for nothing
     unready_since: datetime | None = None  # when its Ready condition last turned False
     container_down: bool = False  # its engine container is not running (exited, restarting, crash loop)
+    unschedulable: bool = False  # Pending with PodScheduled=False: no node can take it now
 
     def failed(self, now: datetime, failover_after: float) -> bool:
         """An active pod that stopped serving: down, or not Ready for longer than `failover_after`."""
@@ -69,9 +73,16 @@ def plan_pods(
     warm: int,
     now: datetime | None = None,
     failover_after: float = 5.0,
+    max_surge: int | None = None,
+    max_unavailable: int = 0,
 ) -> PodPlan:
-    """One step toward `active` Ready active pods and `warm` warm pods, all of `template_hash`; `now` (with
-    `failover_after`) lets failed active pods be replaced by Ready warm ones."""
+    """One step toward `active` Ready active pods and `warm` warm pods, all of `template_hash`.
+
+    `now` (with `failover_after`) lets failed active pods be replaced by Ready warm ones. While pods of
+    another template remain, at most `active + warm + max_surge` pods live (None: no limit), and when no new
+    pod can make progress (none starting that a node can take), up to `max_unavailable` Ready active pods
+    of the old template are retired to make room.
+    """
     plan = PodPlan()
     live = []
     for p in pods:
@@ -124,14 +135,42 @@ def plan_pods(
         for p in sorted(cur_warm, key=_retire_order)[: len(cur_warm) - budget]:
             cur_warm.remove(p)
             plan.delete.append(p.name)
-    plan.create_warm = max(0, budget - len(cur_warm))
+    wanted = max(0, budget - len(cur_warm))
 
-    # Retire outdated pods: warm ones at once, active ones only while enough Ready active pods remain.
+    # Retire outdated pods: warm and not-Ready ones at once (they serve nothing), Ready active ones while
+    # enough Ready active pods remain.
     serving = sum(p.ready for p in cur_active) + sum(p.ready for p in outdated if p.role == ACTIVE)
+    old_serving = []
     for p in sorted(outdated, key=_retire_order):
         if p.role == WARM or not p.ready:
             plan.delete.append(p.name)
         elif serving - 1 >= active:
             plan.delete.append(p.name)
             serving -= 1
+        else:
+            old_serving.append(p)
+
+    if max_surge is None or not old_serving:
+        plan.create_warm = wanted
+        return plan
+    # A roll with old pods still serving: new pods only within the surge, and when nothing new can make
+    # progress, retire old Ready active pods (within maxUnavailable) to make room.
+    gone = set(plan.delete)
+    alive = sum(p.name not in gone for p in live)
+    room = max(0, active + warm + max_surge - alive)
+    in_flight = [p for p in current if not p.ready and not p.unschedulable and p.name not in gone]
+    # Pods of ours terminating (or retired in this pass) are about to free their resources: wait for them
+    # before retiring more.
+    releasing = bool(gone) or any(p.deleting for p in pods)
+    if min(wanted, room) == 0 and not in_flight and not releasing:
+        # New pods that no node can take, and new pods the surge leaves no room for: each retired old pod
+        # frees room for one (its place in the count, and its resources once it is gone).
+        waiting = sum(p.unschedulable for p in current)
+        shortage = waiting + wanted
+        floor = max(0, active - max_unavailable)
+        # Oldest first: the youngest old pods were the last to warm their caches.
+        for p in sorted(old_serving, key=lambda p: p.created)[: max(0, min(shortage, serving - floor))]:
+            plan.delete.append(p.name)
+            room += 1
+    plan.create_warm = min(wanted, room)
     return plan

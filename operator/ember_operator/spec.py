@@ -137,6 +137,45 @@ class Replicas(_Object):
 
 class WarmPool(_Object):
     size: int = Field(default=0, ge=0, le=100)
+    failover_after_seconds: float = Field(
+        default=5,
+        ge=0,
+        le=600,
+        description="An active pod whose engine still runs but that has not been Ready this long is replaced "
+        "by a Ready warm pod; one whose engine is down (exited, restarting) is replaced at once.",
+    )
+
+
+class Rollout(_Object):
+    """How a template change replaces pods (Deployment's rolling-update semantics, counted in active pods)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "self.maxSurge > 0 || self.maxUnavailable > 0",
+            "rollout.maxSurge and rollout.maxUnavailable may not both be 0",
+        )
+    )
+
+    max_surge: int = Field(
+        default=1,
+        ge=0,
+        le=100,
+        description="Pods a roll may create beyond replicas + warmPool.size. Surge pods that no node can take "
+        "(Unschedulable) do not hold the roll up: maxUnavailable then frees room.",
+    )
+    max_unavailable: int = Field(
+        default=1,
+        ge=0,
+        le=100,
+        description="Ready active pods a roll may take below the target to free room for new ones; used only "
+        "when neither the warm pool nor a schedulable surge pod can make progress.",
+    )
+
+    @model_validator(mode="after")
+    def _can_progress(self) -> Self:
+        if self.max_surge == 0 and self.max_unavailable == 0:
+            raise ValueError("rollout.maxSurge and rollout.maxUnavailable may not both be 0")
+        return self
 
 
 class Autoscaling(_Object):
@@ -234,6 +273,14 @@ class InferenceServiceSpec(_Object):
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_OBJECT_DEFAULT)
     replicas: Replicas = Field(default_factory=Replicas, json_schema_extra=_OBJECT_DEFAULT)
     warm_pool: WarmPool = Field(default_factory=WarmPool, json_schema_extra=_OBJECT_DEFAULT)
+    rollout: Rollout = Field(default_factory=Rollout, json_schema_extra=_OBJECT_DEFAULT)
+    capacity_wait_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=86400,
+        description="How long pods may stay Unschedulable (waiting for a node, e.g. from a cluster "
+        "autoscaler) while Reconciling reports WaitingForCapacity, before the service is Stalled.",
+    )
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, json_schema_extra=_OBJECT_DEFAULT)
     load_shedding: LoadShedding = Field(default_factory=LoadShedding, json_schema_extra=_OBJECT_DEFAULT)
     fallback: Fallback | None = None

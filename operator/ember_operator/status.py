@@ -59,6 +59,7 @@ class Assessment:
     troubles: list[Trouble] = field(default_factory=list)  # spec problems only the operator can see
     metrics: Condition | None = None
     fallback: Condition | None = None
+    waiting_for_capacity: list[str] = field(default_factory=list)  # scheduler messages, within the wait
 
     def _current(self, role: str) -> list[PodView]:
         return [p for p in self.pods if not p.deleting and p.role == role]
@@ -102,7 +103,12 @@ class Assessment:
         else:
             stalled = Condition("Stalled", False, "NoProblems")
             progress = self._progress(ready_active)
-            reconciling = Condition("Reconciling", progress is not None, progress or "Converged", summary)
+            if progress is not None and self.waiting_for_capacity:
+                # Pods wait for a node (e.g. one a cluster autoscaler is adding): progress, not failure.
+                message = f"{summary}; waiting for capacity: " + "; ".join(self.waiting_for_capacity)
+                reconciling = Condition("Reconciling", True, "WaitingForCapacity", message)
+            else:
+                reconciling = Condition("Reconciling", progress is not None, progress or "Converged", summary)
         out = [ready, reconciling, stalled, warm]
         out += [c for c in (self.metrics, self.fallback) if c is not None]
         return out

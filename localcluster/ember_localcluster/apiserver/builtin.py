@@ -1,7 +1,7 @@
 """The built-in resource types the local control plane needs.
 
 Enough for kopf (namespaces, events and CRDs are its discovery "backbone"; leases for leader
-election elsewhere), for the operator's children (pods, services, configmaps, secrets, deployments), resource quotas
+election elsewhere), for the operator's children (pods, services, configmaps, secrets, deployments, pod disruption budgets), resource quotas
 and for kubectl's everyday commands. Built-ins are stored without schema validation: the server
 keeps whatever the client sends, as a real server would keep every field it knows.
 """
@@ -44,6 +44,15 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         scale=ScalePaths(".spec.replicas", ".status.replicas", ".spec.selector"),
     ),
     ResourceType("coordination.k8s.io", "v1", "Lease", "leases", namespaced=True),
+    ResourceType(
+        "policy",
+        "v1",
+        "PodDisruptionBudget",
+        "poddisruptionbudgets",
+        namespaced=True,
+        short_names=("pdb",),
+        has_status=True,
+    ),
     ResourceType(
         "apiextensions.k8s.io",
         "v1",
