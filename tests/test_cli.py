@@ -48,3 +48,13 @@ def test_make_test_model_refuses_non_empty_dir_unless_forced(tmp_path: Path) -> 
     assert forced.returncode == 0, forced.stderr
     assert not (target / "keep.txt").exists()
     assert (target / "model.safetensors").exists()
+
+
+def test_a_model_that_cannot_load_ends_serve_with_one_fatal_line_last(tmp_path: Path) -> None:
+    # The pod's termination message is the tail of its log: the last line must say what failed, not
+    # uvicorn's "Finished server process".
+    result = run("serve", "--model", str(tmp_path / "missing"), "--port", "0", "--host", "127.0.0.1")
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ember serve: fatal: cannot load the model: FileNotFoundError: ")
+    assert "config.json not found" in last

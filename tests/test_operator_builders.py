@@ -31,7 +31,7 @@ from ember_operator.desired import (
     quantity_bytes,
     template_hash,
 )
-from ember_operator.pods import cold_start_seconds, trouble, view, waiting_for_capacity
+from ember_operator.pods import cold_start_seconds, held_troubles, trouble, view, waiting_for_capacity
 from ember_operator.rollout import PodPlan, PodView
 from ember_operator.scrape import parse_sample
 from ember_operator.spec import InferenceServiceSpec
@@ -417,3 +417,60 @@ def test_the_pdb_covers_active_pods_down_to_the_rollouts_max_unavailable() -> No
     assert pdb["spec"]["selector"]["matchLabels"][ROLE_LABEL] == ACTIVE
     assert pdb["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert desired_pdb(OWNER, make_spec(), 0)["spec"]["minAvailable"] == 0
+
+
+ENGINE_LOG_TAIL = """Traceback (most recent call last):
+  File "/opt/ember/lib/python3.12/site-packages/ember_engine/model/model_config.py", line 46, in from_dir
+    raise FileNotFoundError(f"{path} not found")
+FileNotFoundError: /models/x/config.json not found
+INFO:     Waiting for application shutdown.
+INFO:     Application shutdown complete.
+INFO:     Finished server process [1]"""
+
+
+def _crashed(message: str) -> dict[str, Any]:
+    waiting = {"waiting": {"reason": "CrashLoopBackOff"}}
+    last = {"terminated": {"exitCode": 1, "message": message}}
+    return pod_dict(
+        phase="Running",
+        containerStatuses=[{"name": "engine", "restartCount": 5, "state": waiting, "lastState": last}],
+    )
+
+
+def test_a_crash_loop_reports_the_exception_not_the_shutdown_line() -> None:
+    t = trouble(_crashed(ENGINE_LOG_TAIL))
+    assert t is not None and "FileNotFoundError: /models/x/config.json not found" in t.message
+    assert "Finished server process" not in t.message
+    fatal = (
+        ENGINE_LOG_TAIL
+        + "\nember serve: fatal: cannot load the model: FileNotFoundError: /models/x/config.json not found"
+    )
+    t = trouble(_crashed(fatal))
+    assert t is not None and t.message.endswith(
+        "ember serve: fatal: cannot load the model: FileNotFoundError: /models/x/config.json not found"
+    )
+
+
+def test_a_crash_loop_stays_stalled_between_crashes_until_ready_for_a_while() -> None:
+    now = T0 + timedelta(minutes=5)
+    crashing = _crashed(ENGINE_LOG_TAIL)
+    name = crashing["metadata"]["name"]
+    held: dict[str, Any] = {}
+    first = held_troubles(held, [crashing], {name: trouble(crashing)}, now)
+    assert [t.reason for t in first] == ["PodsCrashLooping"]
+    # Between two crashes the container runs again (loading): nothing is found, the trouble holds.
+    running = pod_dict(
+        phase="Running", containerStatuses=[{"name": "engine", "restartCount": 6, "state": {"running": {}}}]
+    )
+    assert [t.reason for t in held_troubles(held, [running], {}, now)] == ["PodsCrashLooping"]
+
+    def ready_since(seconds: float) -> dict[str, Any]:
+        since = _stamp(now - timedelta(seconds=seconds))
+        return pod_dict(
+            phase="Running", conditions=[{"type": "Ready", "status": "True", "lastTransitionTime": since}]
+        )
+
+    assert held_troubles(held, [ready_since(10)], {}, now) != []
+    assert held_troubles(held, [ready_since(31)], {}, now) == []
+    held_troubles(held, [crashing], {name: trouble(crashing)}, now)
+    assert held_troubles(held, [], {}, now) == []  # the pod is gone (e.g. replaced by a fixed template)

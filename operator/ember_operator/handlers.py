@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -39,7 +40,15 @@ from ember_operator.desired import (
     template_hash,
 )
 from ember_operator.kube import Kube, NameConflict, load_balancer_address, new_api_client
-from ember_operator.pods import Trouble, cold_start_seconds, is_ready, trouble, view, waiting_for_capacity
+from ember_operator.pods import (
+    Trouble,
+    cold_start_seconds,
+    held_troubles,
+    is_ready,
+    trouble,
+    view,
+    waiting_for_capacity,
+)
 from ember_operator.rollout import PodPlan, plan_pods
 from ember_operator.scaling import Memory, autoscale
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
@@ -199,13 +208,13 @@ class Reconciler:
             spec.rollout.max_unavailable,
         )
         await self._ensure(kube, desired_pdb(owner, spec, memory.desired), ("spec",), troubles)
-        troubles += await self._apply(body, kube, owner, spec, pod_hash, plan)
+        troubles += await self._apply(body, kube, owner, spec, pod_hash, plan, memory)
         wait = spec.capacity_wait_seconds
-        troubles += [
-            t
-            for p, v in zip(pods, views, strict=True)
-            if v.template_hash == pod_hash and (t := trouble(p, now, wait))
+        current = [
+            p for p, v in zip(pods, views, strict=True) if v.template_hash == pod_hash and not v.deleting
         ]
+        found = {p["metadata"]["name"]: t for p in current if (t := trouble(p, now, wait))}
+        troubles += held_troubles(memory.held, current, found, now)
         waiting = [m for p in pods if (m := waiting_for_capacity(p, now, wait))]
         self._stalled_event(body, memory, troubles)
 
@@ -274,8 +283,10 @@ class Reconciler:
         spec: InferenceServiceSpec,
         pod_hash: str,
         plan: PodPlan,
+        memory: Memory,
     ) -> list[Trouble]:
-        """Carry out a pod plan: promotions first (capacity at once), then creations, then retirements."""
+        """Carry out a pod plan: promotions first (capacity at once), then creations, then retirements.
+        After a refused creation, creations back off (2 s doubling to 60 s) and the refusal stays reported."""
         ns, name = owner.namespace, owner.name
         troubles: list[Trouble] = []
         replaced = dict((warm, failed) for failed, warm in plan.failovers)
@@ -294,16 +305,23 @@ class Reconciler:
             await asyncio.to_thread(kube.relabel_pod, ns, pod, {ROLE_LABEL: WARM})
             metrics.POD_CHANGES.labels(ns, name, "demoted").inc()
             kopf.info(body, reason="Demoted", message=f"pod {pod} returned to the warm pool")
-        for _ in range(plan.create_warm):
+        backing_off = memory.create_refused is not None and time.monotonic() < memory.create_retry_at
+        if plan.create_warm and backing_off:
+            troubles.append(memory.create_refused)
+        for _ in range(0 if backing_off else plan.create_warm):
             try:
                 await asyncio.to_thread(kube.create_pod, desired_pod(owner, spec, WARM, pod_hash))
             except ApiException as e:
                 refused = refusal(e, "an engine pod")
                 if refused is None:
                     raise
-                # The rest of the plan still runs; the next pass tries again.
+                # The rest of the plan still runs; creations wait out the back-off.
                 troubles.append(refused)
+                memory.create_refused = refused
+                memory.create_backoff = min(60.0, max(2.0, memory.create_backoff * 2))
+                memory.create_retry_at = time.monotonic() + memory.create_backoff
                 break
+            memory.create_refused, memory.create_backoff = None, 0.0
             metrics.POD_CHANGES.labels(ns, name, "created").inc()
         for pod in plan.delete:
             await asyncio.to_thread(kube.delete_pod, ns, pod)

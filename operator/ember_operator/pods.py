@@ -115,6 +115,67 @@ def cold_start_seconds(pod: dict[str, Any]) -> float | None:
     return max(0.0, (ready_at - created).total_seconds())
 
 
+# What a Python server prints on its way out after the error: never the cause.
+_SHUTDOWN_NOISE = (
+    "Finished server process",
+    "Waiting for application shutdown",
+    "Application shutdown complete",
+    "Shutting down",
+)
+
+
+def error_line(log_tail: str) -> str:
+    """The line of a failed container's log tail that says what failed: the engine's own fatal line, else
+    the exception line of the last Python traceback, else the last line that is not shutdown noise."""
+    lines = [line.rstrip() for line in log_tail.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "fatal:" in line:
+            return line[-300:]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        # The traceback's frames are indented; its first unindented line is the exception.
+        for line in lines[starts[-1] + 1 :]:
+            if not line[:1].isspace():
+                return line[:300]
+    for line in reversed(lines):
+        if not any(noise in line for noise in _SHUTDOWN_NOISE):
+            return line[:300]
+    return lines[-1][:300] if lines else ""
+
+
+# A crash-looping pod is trouble until it has been Ready this long.
+RECOVERED_AFTER_SECONDS = 30.0
+HELD_REASONS = ("PodsCrashLooping", "PodsFailing")
+
+
+def ready_for(pod: dict[str, Any], now: datetime) -> float | None:
+    """Seconds since the pod became Ready, or None when it is not Ready."""
+    c = _condition(pod, "Ready")
+    if c is None or c.get("status") != "True":
+        return None
+    since = parse_time(c.get("lastTransitionTime"))
+    return None if since is None else (now - since).total_seconds()
+
+
+def held_troubles(
+    held: dict[str, Trouble], pods: list[dict[str, Any]], found: dict[str, Trouble], now: datetime
+) -> list[Trouble]:
+    """Crash troubles with hysteresis: one seen on a pod stays (in `held`, updated in place) until that pod
+    has been Ready for RECOVERED_AFTER_SECONDS or is gone; other troubles are reported as found."""
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    for name, t in found.items():
+        if t.reason in HELD_REASONS:
+            held[name] = t
+    for name in list(held):
+        pod = by_name.get(name)
+        seconds = ready_for(pod, now) if pod is not None else None
+        if name not in found and (
+            pod is None or (seconds is not None and seconds >= RECOVERED_AFTER_SECONDS)
+        ):
+            del held[name]
+    return [*held.values(), *(t for name, t in found.items() if name not in held)]
+
+
 def waiting_for_capacity(pod: dict[str, Any], now: datetime, grace: float) -> str | None:
     """The scheduler's message for a pod no node can take yet, while it has waited less than `grace`
     seconds (a cluster autoscaler may be adding a node); None otherwise."""
@@ -149,9 +210,7 @@ def trouble(pod: dict[str, Any], now: datetime | None = None, capacity_wait: flo
             continue
         if reason in _STUCK_WAITING:
             kind = _STUCK_WAITING.get(reason or "", "PodsCrashLooping")
-            detail = (last.get("message") or waiting.get("message") or "").strip()
-            if detail:
-                detail = detail.splitlines()[-1][:300]  # the last line of the log says what failed
+            detail = error_line(last.get("message") or waiting.get("message") or "")
             code = f" (exit code {last['exitCode']})" if "exitCode" in last else ""
             why = reason
             return Trouble(kind, f"pod {name}: {why}{code}" + (f": {detail}" if detail else ""))

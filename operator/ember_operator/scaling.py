@@ -42,6 +42,12 @@ class Memory:
     fallback_counters: dict[str, float] = field(default_factory=dict)
     cold_start: float | None = None
     stalled: str | None = None  # the Stalled message last announced with an Event
+    # Crash troubles by pod name, held until that pod has been Ready for a while (a crash-looping engine
+    # runs between its crashes: without this, Stalled would flap with every restart).
+    held: dict[str, Any] = field(default_factory=dict)
+    create_refused: Any = None  # the Trouble of the latest refused pod creation, while backing off
+    create_backoff: float = 0.0  # seconds until the next try; doubles up to a minute
+    create_retry_at: float = 0.0  # time.monotonic() of the next try
 
     @classmethod
     def restored(cls, status: dict[str, Any]) -> Memory:

@@ -197,4 +197,14 @@ def main(args: argparse.Namespace) -> int:
     server.run()
     if state.engine is not None:
         state.engine.shutdown()
-    return 1 if failure else 0
+    if failure:
+        # The last line of the log: a pod's termination message (FallbackToLogsOnError) is the log's tail,
+        # and the operator reports its last line, so it must say what failed.
+        exc = failure[0]
+        print(
+            f"ember serve: fatal: cannot load the model: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    return 0
