@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kubernetes
 import openai
 import pytest
 from e2e_harness import (
@@ -39,6 +40,7 @@ from e2e_harness import (
 from waiting import wait_for
 
 from ember_operator.desired import HASH_LABEL
+from ember_operator.spec import GROUP, PLURAL, VERSION
 
 REPO = Path(__file__).resolve().parents[1]
 KUBECTL = "/usr/bin/kubectl"
@@ -457,6 +459,70 @@ def test_kubectl_apply_get_describe_delete_the_local_example(cp: ControlPlane, t
     )
     assert out.returncode != 0 and "NotFound" in out.stderr, f"the InferenceService gone: {out.stderr}"
     wait_for(lambda: not any(alive(p) for p in pids), timeout=30, what="the example's engine processes gone")
+
+
+# -- 9: real-cluster semantics ------------------------------------------------------------------------------
+
+
+def test_killing_the_only_active_engine_promotes_the_warm_pod_at_once(cp: ControlPlane) -> None:
+    cp.create("failover", replicas={"min": 1, "max": 1}, warmPool={"size": 1})
+    cp.wait_converged("failover", 1, 1)
+    (victim,) = cp.pods("failover", "active")
+    (standby,) = cp.pods("failover", "warm")
+    pid = container_pid(victim)
+    assert pid is not None
+    base = cp.url("failover")
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+
+    def served_by_standby() -> bool:
+        active = cp.pods("failover", "active")
+        if names(active) != {standby["metadata"]["name"]}:
+            return False
+        return httpx.get(f"{base}/v1/models", timeout=2).status_code == 200
+
+    wait_for(served_by_standby, timeout=10, what="the warm pod serving in the killed one's place")
+    say(f"\nSIGKILL to the warm pod serving through the Service: {time.monotonic() - killed:.2f} s")
+    cp.wait_converged("failover", 1, 1)  # the pool refilled
+    cp.remove("failover")
+
+
+def test_engine_pods_are_admitted_where_pod_security_restricted_is_enforced(cp: ControlPlane) -> None:
+    label = "pod-security.kubernetes.io/enforce"
+    cp.api.patch("v1", "Namespace", None, NAMESPACE, {"metadata": {"labels": {label: "restricted"}}})
+    try:
+        cp.create("restricted", replicas={"min": 1, "max": 1})
+        cp.wait_converged("restricted", 1, 0)
+    finally:
+        cp.api.patch("v1", "Namespace", None, NAMESPACE, {"metadata": {"labels": {label: None}}})
+    cp.remove("restricted")
+
+
+def test_an_hpa_style_client_drives_scale_on_an_object_applied_without_desired(cp: ControlPlane) -> None:
+    cp.create("hpa", replicas={"min": 1, "max": 2}, autoscaling={"mode": "External"})
+    cp.wait_converged("hpa", 1, 0)
+    custom = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(cp.kubeconfig)))
+    # What the HPA controller does: read the Scale (its status.selector finds the pods), then write it.
+    scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, NAMESPACE, PLURAL, "hpa")
+    assert scale["spec"]["replicas"] == 0 and scale["status"]["selector"]
+    scale["spec"]["replicas"] = 2
+    custom.replace_namespaced_custom_object_scale(GROUP, VERSION, NAMESPACE, PLURAL, "hpa", scale)
+    cp.wait_converged("hpa", 2, 0)
+    cp.remove("hpa")
+
+
+def test_deleting_with_the_operator_stopped_completes(cp: ControlPlane) -> None:
+    cp.create("orphaned", replicas={"min": 1, "max": 1})
+    cp.wait_converged("orphaned", 1, 0)
+    cp.operator.stop()
+    try:
+        cp.delete("orphaned")
+        wait_for(lambda: cp.eis("orphaned") is None, timeout=10, what="the InferenceService deleted")
+        wait_for(
+            lambda: not cp.pods("orphaned", deleting=True), timeout=60, what="its pods garbage-collected"
+        )
+    finally:
+        cp.operator.start()
 
 
 # -- 5 (last: it restarts the operator) -------------------------------------------------------------------
