@@ -200,9 +200,9 @@ def main(args: argparse.Namespace) -> int:
     if failure:
         # The last line of the log: a pod's termination message (FallbackToLogsOnError) is the log's tail,
         # and the operator reports its last line, so it must say what failed.
-        exc = failure[0]
+        error = failure[0]
         print(
-            f"ember serve: fatal: cannot load the model: {type(exc).__name__}: {exc}",
+            f"ember serve: fatal: cannot load the model: {type(error).__name__}: {error}",
             file=sys.stderr,
             flush=True,
         )
