@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[engine,operator,local,dev]'
+	$(BIN)/python -m pip install -q -e '.[engine,operator,router,local,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy -p ember_engine -p ember_operator -p ember_localcluster
+	$(BIN)/mypy -p ember_engine -p ember_operator -p ember_localcluster -p ember_router
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q

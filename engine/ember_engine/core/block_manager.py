@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ember_engine.core.kv_events import REMOVED, STORED, KVEvents, chain_hash
 from ember_engine.core.request import Request
 
 
@@ -21,10 +22,6 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
-
-
-def chain_hash(parent: int | None, token_ids: Sequence[int], extra: str | None = None) -> int:
-    return hash((parent, tuple(token_ids), extra))
 
 
 @dataclass(slots=True)
@@ -43,12 +40,14 @@ class BlockManager:
     free_queue: OrderedDict[int, None] = field(init=False)
     cached: dict[int, Block] = field(init=False)  # hash -> block holding that prefix
     stats: PrefixCacheStats = field(init=False)
+    events: KVEvents = field(init=False)  # what entered and left `cached`, for routers
 
     def __post_init__(self) -> None:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         self.free_queue = OrderedDict.fromkeys(range(self.num_blocks))
         self.cached = {}
         self.stats = PrefixCacheStats()
+        self.events = KVEvents()
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,6 +134,7 @@ class BlockManager:
         if block.hash is not None:  # evict the prefix it held
             if self.cached.get(block.hash) is block:
                 del self.cached[block.hash]
+                self.events.record(REMOVED, block.hash)
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block
@@ -154,7 +154,9 @@ class BlockManager:
                     request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
                 )
                 # A duplicate computed alongside an existing entry stays private; the first one wins.
-                self.cached.setdefault(h, block)
+                if h not in self.cached:
+                    self.cached[h] = block
+                    self.events.record(STORED, h)
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def free(self, request: Request) -> None:
@@ -185,4 +187,5 @@ class BlockManager:
         for h, block in list(self.cached.items()):
             if block.ref_count == 0:
                 del self.cached[h]
+                self.events.record(REMOVED, h)
                 block.hash, block.token_ids = None, ()

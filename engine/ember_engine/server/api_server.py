@@ -56,6 +56,25 @@ def build_app(state: ServerState) -> FastAPI:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
+    @app.get("/v1/kv_events")
+    async def kv_events(since: int = 0) -> JSONResponse:
+        """The prefix cache's changes after event `since` (0: a snapshot of every cached block hash), for
+        routers that send a request where its prefix is cached."""
+        if state.engine is None:
+            raise APIError(503, "the model is still loading", type="unavailable", code="not_ready")
+        engine = state.engine.engine
+        bm = engine.block_manager
+        batch = bm.events.since(since, lambda: tuple(bm.cached))
+        body: dict[str, Any] = {
+            "block_size": bm.block_size,
+            "enabled": bm.enable_prefix_caching,
+            "seq": batch.seq,
+            "events": [[kind, h] for kind, h in batch.events],
+        }
+        if batch.snapshot is not None:
+            body["snapshot"] = batch.snapshot
+        return JSONResponse(body)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         max_len = state.engine.engine.max_model_len if state.engine else None

@@ -1,0 +1,58 @@
+"""`ember router`: run the router in front of a set of engines."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint directory whose tokenizer and chat template the engines use",
+    )
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        required=True,
+        help="an engine's base URL, e.g. http://10.0.0.7:8000 (repeat for each engine)",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument(
+        "--epsilon",
+        type=float,
+        default=0.25,
+        help="bounded load: no engine takes more than (1 + epsilon) x the mean load (default 0.25)",
+    )
+    p.add_argument(
+        "--poll-interval", type=float, default=0.2, help="seconds between engine polls (default 0.2)"
+    )
+    p.add_argument(
+        "--session-header", default="x-session-id", help="header that keeps a client on its engine"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def main(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from ember_engine.core.tokenizer import Tokenizer
+    from ember_router.pool import EnginePool
+    from ember_router.proxy import Router, RouterSettings
+
+    if args.epsilon < 0:
+        raise SystemExit("ember router: --epsilon must be >= 0")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    router = Router(
+        EnginePool(args.endpoint, poll_interval=args.poll_interval),
+        Tokenizer(args.model),
+        RouterSettings(epsilon=args.epsilon, session_header=args.session_header.lower()),
+    )
+    # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request.
+    web.run_app(router.app(), host=args.host, port=args.port, handler_cancellation=True, print=None)
+    return 0

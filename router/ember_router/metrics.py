@@ -1,0 +1,58 @@
+"""The router's Prometheus metrics (`ember_router:` prefix), in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "ember_router:decisions",
+            "Routing decisions by engine and reason",
+            ["engine", "reason"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "ember_router:shed_requests", "Requests shed: no engine could take them", registry=r
+        )
+        self.retries = Counter(
+            "ember_router:retries", "Requests sent to another engine after an overloaded answer", registry=r
+        )
+        self.upstream_errors = Counter(
+            "ember_router:upstream_errors",
+            "Requests whose engine could not be reached",
+            ["engine"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("ember_router:prompt_tokens", "Prompt tokens routed", registry=r)
+        self.predicted_hit_tokens = Counter(
+            "ember_router:predicted_prefix_hit_tokens",
+            "Prompt tokens the chosen engine was expected to hold in its prefix cache",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ember_router:time_to_first_token_seconds",
+            "From the request's arrival at the router to the first byte of the response body",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ember_router:e2e_request_latency_seconds",
+            "From arrival at the router to the response's end",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "ember_router:routing_seconds",
+            "Time the router spent before sending a request on (parsing, tokenizing, choosing)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=r,
+        )
+        self.engines_ready = Gauge(
+            "ember_router:engines_ready", "Engines Ready behind the router", registry=r
+        )

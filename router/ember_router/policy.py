@@ -1,0 +1,74 @@
+"""The routing decision, as a pure function: prefix affinity within a bounded load.
+
+Each engine's load is what the router has in flight there plus the requests the engine itself reports
+waiting. An engine is eligible when taking one more request keeps its load within (1 + epsilon) times the
+fleet's mean load after the request (consistent hashing with bounded loads, applied to prefix scores), so
+one hot tenant cannot pile onto one engine however well its prefix is cached there. Among eligible
+engines the longest cached prefix wins, then the lightest load, then whose turn it is (round robin). A session id
+keeps a client on its engine while that engine is eligible. Engines that answered "overloaded" recently,
+or are not Ready, are not candidates; none left is a fleet-level shed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineState:
+    name: str
+    in_flight: int = 0  # requests the router has sent there and not yet finished
+    waiting: float = 0.0  # the engine's own vllm:num_requests_waiting, last scraped
+    kv_usage: float = 0.0
+    ready: bool = True
+    overloaded_until: float = 0.0  # monotonic time before which it is skipped (after a 503/429)
+
+    @property
+    def load(self) -> float:
+        return self.in_flight + self.waiting
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    engine: str | None  # None: shed
+    reason: str  # prefix | load | session | only | shed
+    matched_blocks: int = 0
+
+
+def bounded_capacity(loads: Sequence[float], epsilon: float) -> float:
+    """The most load any engine may carry after one more request is placed."""
+    mean = (sum(loads) + 1) / len(loads)
+    return math.ceil(mean * (1 + epsilon))
+
+
+def choose(
+    engines: Sequence[EngineState],
+    matched: dict[str, int],
+    now: float,
+    epsilon: float = 0.25,
+    session_engine: str | None = None,
+    exclude: frozenset[str] = frozenset(),
+    turn: int = 0,
+) -> Decision:
+    """Pick an engine for one request; `matched` holds each engine's cached prefix length in blocks."""
+    candidates = [e for e in engines if e.ready and e.overloaded_until <= now and e.name not in exclude]
+    if not candidates:
+        return Decision(None, "shed")
+    if len(candidates) == 1:
+        only = candidates[0]
+        return Decision(only.name, "only", matched.get(only.name, 0))
+    cap = bounded_capacity([e.load for e in candidates], epsilon)
+    eligible = [e for e in candidates if e.load + 1 <= cap] or candidates
+    if session_engine is not None:
+        for e in eligible:
+            if e.name == session_engine:
+                return Decision(e.name, "session", matched.get(e.name, 0))
+    # Equal prefix and load: take turns (round robin over a stable order), not always the first name.
+    order = {
+        e.name: (i - turn) % len(candidates) for i, e in enumerate(sorted(candidates, key=lambda e: e.name))
+    }
+    best = min(eligible, key=lambda e: (-matched.get(e.name, 0), e.load, order[e.name]))
+    blocks = matched.get(best.name, 0)
+    return Decision(best.name, "prefix" if blocks > 0 else "load", blocks)

@@ -1,0 +1,273 @@
+"""The router's HTTP server: OpenAI-compatible endpoints proxied to the engine the policy chooses.
+
+A request is read, its prompt tokenized as the engines will (off the event loop), its block hashes looked
+up in the prefix index, and an engine chosen (`policy.choose`). The request goes on unchanged; the response
+comes back chunk by chunk (SSE streams included) with `x-ember-routed-to` and `x-ember-route-reason`. An
+engine that answers 503 or 429 before the response begins is skipped for its Retry-After and the request
+goes to one other engine; with no engine to take it the router sheds at once (503, Retry-After). A client
+that disconnects closes the upstream connection, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ember_engine.core.tokenizer import Tokenizer
+from ember_router.metrics import RouterMetrics
+from ember_router.policy import choose
+from ember_router.pool import EnginePool
+from ember_router.prompts import request_hashes
+
+log = logging.getLogger("ember.router")
+
+ROUTED_TO = "x-ember-routed-to"
+ROUTE_REASON = "x-ember-route-reason"
+# Headers that belong to one hop, never forwarded either way.
+_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
+MAX_BODY = 32 * 1024 * 1024
+
+
+@dataclass
+class RouterSettings:
+    epsilon: float = 0.25  # bounded load: at most (1 + epsilon) x the mean
+    session_header: str = "x-session-id"
+    retry_after: int = 1  # seconds, when the whole fleet is overloaded or an engine gave none
+    upstream_timeout: float = 600.0
+
+
+@dataclass
+class Router:
+    pool: EnginePool
+    tokenizer: Tokenizer
+    settings: RouterSettings = field(default_factory=RouterSettings)
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    sessions: dict[str, str] = field(default_factory=dict)  # session id -> engine
+    _turns: itertools.count[int] = field(default_factory=itertools.count)
+    session: aiohttp.ClientSession | None = None
+
+    # -- the app ----------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.cleanup_ctx.append(self._background)
+        return app
+
+    async def _background(self, _app: web.Application) -> Any:
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.settings.upstream_timeout, sock_connect=2),
+            connector=aiohttp.TCPConnector(limit=0),
+        )
+        poller = asyncio.create_task(self.pool.run(self.session))
+        yield
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
+        await self.session.close()
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, _request: web.Request) -> web.Response:
+        ready = sum(s.ready for s in self.pool.states())
+        self.metrics.engines_ready.set(ready)
+        if ready:
+            return web.json_response({"status": "ready", "engines": ready})
+        return web.json_response({"status": "no engine ready"}, status=503)
+
+    async def metrics_page(self, _request: web.Request) -> web.Response:
+        self.metrics.engines_ready.set(sum(s.ready for s in self.pool.states()))
+        return web.Response(
+            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        for state in self.pool.states():
+            if state.ready:
+                response = await self._forward(request, state.name, b"", "GET", "only", 0)
+                if response is not None:
+                    return response
+        return _error(503, "no engine is ready", "overloaded", "not_ready", self.settings.retry_after)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._route(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._route(request, chat=True)
+
+    # -- routing -------------------------------------------------------------------------------------
+
+    async def _route(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None  # the engine answers the error in its own words
+        hashes, num_tokens = await asyncio.to_thread(
+            request_hashes, self.tokenizer, body, chat, self.pool.block_size
+        )
+        session_id = request.headers.get(self.settings.session_header)
+        tried: set[str] = set()
+        for attempt in range(2):
+            now = time.monotonic()
+            matched = {
+                url: self.pool.index.matched_blocks(url, hashes, e.events_live)
+                for url, e in self.pool.engines.items()
+            }
+            decision = choose(
+                self.pool.states(),
+                matched,
+                now,
+                self.settings.epsilon,
+                self.sessions.get(session_id) if session_id else None,
+                frozenset(tried),
+                next(self._turns),
+            )
+            if decision.engine is None:
+                self.metrics.shed.inc()
+                return _error(
+                    503,
+                    "every engine is overloaded or unavailable; retry later",
+                    "overloaded",
+                    "fleet_overloaded",
+                    self.settings.retry_after,
+                )
+            engine = self.pool.engines[decision.engine]
+            self.metrics.decisions.labels(decision.engine, decision.reason).inc()
+            log.debug(
+                "route %s -> %s (%s, %d blocks cached)",
+                request.path,
+                decision.engine,
+                decision.reason,
+                decision.matched_blocks,
+            )
+            if attempt == 0:
+                self.metrics.overhead.observe(time.perf_counter() - arrived)
+                self.metrics.prompt_tokens.inc(num_tokens)
+                block = self.pool.block_size or 0
+                self.metrics.predicted_hit_tokens.inc(min(num_tokens, decision.matched_blocks * block))
+            if session_id:
+                self.sessions[session_id] = decision.engine
+            if not engine.events_live and hashes:
+                self.pool.index.assume(decision.engine, hashes)
+            response = await self._forward(
+                request,
+                decision.engine,
+                raw,
+                "POST",
+                decision.reason,
+                decision.matched_blocks,
+                arrived,
+                retry=attempt == 0,
+            )
+            if response is not None:
+                return response
+            tried.add(decision.engine)
+            self.metrics.retries.inc()
+        self.metrics.shed.inc()
+        return _error(
+            503,
+            "the engines tried were overloaded; retry later",
+            "overloaded",
+            "fleet_overloaded",
+            self.settings.retry_after,
+        )
+
+    async def _forward(
+        self,
+        request: web.Request,
+        engine_url: str,
+        raw: bytes,
+        method: str,
+        reason: str,
+        matched_blocks: int,
+        arrived: float | None = None,
+        retry: bool = False,
+    ) -> web.StreamResponse | None:
+        """Send the request to one engine and relay its answer; None when it answered overloaded before the
+        response began and `retry` allows another engine."""
+        assert self.session is not None
+        arrived = time.perf_counter() if arrived is None else arrived
+        state = self.pool.engines[engine_url].state
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        state.in_flight += 1
+        try:
+            try:
+                upstream_cm = self.session.request(
+                    method, engine_url + request.path_qs, data=raw or None, headers=headers
+                )
+                upstream = await upstream_cm.__aenter__()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.metrics.upstream_errors.labels(engine_url).inc()
+                state.ready = False  # until the next poll says otherwise
+                if retry:
+                    return None
+                return _error(
+                    502,
+                    f"the engine could not be reached: {exc}",
+                    "upstream_error",
+                    "engine_unreachable",
+                    self.settings.retry_after,
+                )
+            finished = False
+            try:
+                if upstream.status in (429, 503) and retry:
+                    wait = _retry_after(upstream.headers.get("Retry-After"), self.settings.retry_after)
+                    state.overloaded_until = time.monotonic() + wait
+                    await upstream.read()
+                    finished = True
+                    return None
+                out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+                for k, v in upstream.headers.items():
+                    if k.lower() not in _HOP:
+                        out.headers[k] = v
+                out.headers[ROUTED_TO] = engine_url
+                out.headers[ROUTE_REASON] = reason
+                await out.prepare(request)
+                first = True
+                async for chunk in upstream.content.iter_any():
+                    if first:
+                        self.metrics.ttft.observe(time.perf_counter() - arrived)
+                        first = False
+                    await out.write(chunk)
+                await out.write_eof()
+                finished = True
+                self.metrics.e2e.observe(time.perf_counter() - arrived)
+                return out
+            finally:
+                if not finished:
+                    # Leaving early (the client went away, or the handler was cancelled) closes the upstream
+                    # connection, and the engine aborts the request within a step.
+                    upstream.close()
+                await upstream_cm.__aexit__(None, None, None)
+        finally:
+            state.in_flight -= 1
+
+
+def _retry_after(value: str | None, default: int) -> float:
+    try:
+        return max(0.0, float(value)) if value is not None else float(default)
+    except ValueError:
+        return float(default)
+
+
+def _error(status: int, message: str, type_: str, code: str, retry_after: int) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return web.json_response(body, status=status, headers={"Retry-After": str(retry_after)})

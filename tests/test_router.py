@@ -1,0 +1,157 @@
+"""`ember router` in front of real `ember serve` engines, through the official `openai` client and raw HTTP:
+streaming and not, prefix routing from the engines' own events, retry on an overloaded engine, fleet-level
+shedding, and a client that goes away aborting its request in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from aiohttp import web
+from server_util import InProcessServer, running_server
+from waiting import free_port, wait_for
+
+from ember_engine.core.kv_events import prefix_hashes
+from ember_engine.core.tokenizer import Tokenizer
+from ember_router.pool import EnginePool
+from ember_router.proxy import ROUTE_REASON, ROUTED_TO, Router, RouterSettings
+
+
+@contextmanager
+def running_router(model: Path, urls: list[str], poll_interval: float = 0.1) -> Iterator[tuple[str, Router]]:
+    router = Router(EnginePool(urls, poll_interval=poll_interval), Tokenizer(str(model)), RouterSettings())
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    started = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    started.wait(10)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+        wait_for(lambda: all(e.state.ready for e in router.pool.engines.values()), what="every engine polled")
+        yield url, router
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path) -> Iterator[list[InProcessServer]]:
+    with ExitStack() as stack:
+        yield [stack.enter_context(running_server(tiny_model, "--block-size", "16")) for _ in range(2)]
+
+
+def test_completions_and_chat_stream_and_not_through_the_router(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    with running_router(tiny_model, [e.url for e in engines]) as (url, _router):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        reply = client.completions.create(model=model, prompt="def f(x):", max_tokens=5)
+        assert reply.choices[0].text is not None and reply.usage is not None
+        chunks = list(
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
+            )
+        )
+        assert len(chunks) >= 2 and chunks[-1].choices[0].finish_reason is not None
+        raw = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
+        assert raw.headers[ROUTED_TO] in {e.url for e in engines} and raw.headers[ROUTE_REASON]
+        bad = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1})
+        assert bad.status_code == 400 and "error" in bad.json()  # the engine's own answer, relayed
+
+
+def test_a_shared_prefix_goes_where_the_engines_say_it_is_cached(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    tok = Tokenizer(str(tiny_model))
+    system = " ".join(f"word{i}" for i in range(150))  # several full blocks
+    with running_router(tiny_model, [e.url for e in engines]) as (url, router):
+        model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+        # Warm engine 1 directly: only its own events can tell the router.
+        prompt = system + " question one"
+        assert len(tok.encode(prompt)) > 64
+        httpx.post(
+            f"{engines[1].url}/v1/completions",
+            json={"model": model, "prompt": prompt, "max_tokens": 1},
+            timeout=60,
+        )
+        hashes = prefix_hashes(tok.encode(prompt), 16)
+        wait_for(
+            lambda: router.pool.index.matched_blocks(engines[1].url, hashes) >= 4,
+            what="engine 1's events announcing the prompt's blocks",
+        )
+        assert router.pool.index.matched_blocks(engines[0].url, hashes) == 0
+        for q in ("question two", "question three", "question four"):
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": model, "prompt": f"{system} {q}", "max_tokens": 1},
+                timeout=60,
+            )
+            assert r.status_code == 200
+            assert r.headers[ROUTED_TO] == engines[1].url and r.headers[ROUTE_REASON] == "prefix"
+        page = httpx.get(f"{url}/metrics").text
+        assert "ember_router:predicted_prefix_hit_tokens_total" in page
+
+
+def test_an_overloaded_engine_is_skipped_and_a_full_fleet_sheds_at_once(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    with running_router(tiny_model, [e.url for e in engines], poll_interval=3600) as (url, router):
+        model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "hello", "max_tokens": 1}
+        engines[0].state.draining = True  # answers 503 draining; the router has not polled since
+        try:
+            for _ in range(3):
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200 and r.headers[ROUTED_TO] == engines[1].url
+            engines[1].state.draining = True
+            router.pool.engines[engines[0].url].state.overloaded_until = 0.0  # let both be tried again
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 503 and "Retry-After" in r.headers
+            start = time.perf_counter()
+            shed = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            elapsed = time.perf_counter() - start
+            assert shed.status_code == 503 and shed.headers["Retry-After"]
+            assert (
+                shed.json()["error"]["code"] == "fleet_overloaded"
+                and shed.json()["error"]["type"] == "overloaded"
+            )
+            assert elapsed < 0.5, f"a shed must be answered at once, took {elapsed:.3f} s"
+        finally:
+            engines[0].state.draining = engines[1].state.draining = False
+
+
+def test_a_client_that_goes_away_aborts_its_request_in_the_engine(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    with running_router(tiny_model, [engines[0].url]) as (url, _router):
+        model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        # The engine stops generating within a few steps of the disconnect.
+        wait_for(
+            lambda: engines[0].state.engine.stats().num_running == 0,
+            timeout=10,
+            what="the request aborted in the engine",
+        )

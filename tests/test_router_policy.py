@@ -1,0 +1,96 @@
+"""The router's pure parts: the prefix index and the choice of engine (prefix affinity, bounded load)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ember_router.index import PrefixIndex
+from ember_router.policy import EngineState, bounded_capacity, choose
+from ember_router.pool import read_gauges
+
+
+def test_the_index_answers_the_longest_leading_run_each_engine_holds() -> None:
+    index = PrefixIndex()
+    index.reset("a", [1, 2, 3])
+    index.stored("b", 1)
+    assert index.matched_blocks("a", [1, 2, 3, 4]) == 3
+    assert index.matched_blocks("b", [1, 2, 3]) == 1
+    index.removed("a", 2)
+    assert index.matched_blocks("a", [1, 2, 3]) == 1
+    index.assume("c", [7, 8])
+    assert index.matched_blocks("c", [7, 8, 9], events_live=False) == 2
+    assert index.matched_blocks("c", [7, 8, 9], events_live=True) == 0  # assumptions only stand in for events
+    index.reset("c", [7])
+    assert index.matched_blocks("c", [7, 8], events_live=False) == 0  # a snapshot replaces assumptions
+
+
+def test_the_longest_cached_prefix_wins_at_equal_load() -> None:
+    engines = [EngineState("a"), EngineState("b"), EngineState("c")]
+    d = choose(engines, {"a": 1, "b": 5, "c": 0}, now=0)
+    assert (d.engine, d.reason, d.matched_blocks) == ("b", "prefix", 5)
+
+
+def test_a_hot_prefix_spreads_once_its_engine_is_over_the_bound() -> None:
+    engines = {n: EngineState(n) for n in "abcd"}
+    placed = Counter()
+    for _ in range(40):  # nothing finishes: load accumulates
+        d = choose(list(engines.values()), {"a": 10}, now=0, epsilon=0.25)
+        assert d.engine is not None
+        engines[d.engine].in_flight += 1
+        placed[d.engine] += 1
+    assert max(placed.values()) <= bounded_capacity([0] * 4, 0.25) + 40 * 1.25 / 4
+    assert placed["a"] >= placed["b"] and set(placed) == set("abcd")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 20), min_size=2, max_size=6),
+    matched=st.lists(st.integers(0, 8), min_size=6, max_size=6),
+    epsilon=st.sampled_from([0.0, 0.1, 0.25, 1.0]),
+)
+def test_the_chosen_engine_stays_within_the_bound(
+    loads: list[int], matched: list[int], epsilon: float
+) -> None:
+    engines = [EngineState(f"e{i}", in_flight=load) for i, load in enumerate(loads)]
+    d = choose(engines, {e.name: matched[i] for i, e in enumerate(engines)}, now=0, epsilon=epsilon)
+    chosen = next(e for e in engines if e.name == d.engine)
+    cap = bounded_capacity(loads, epsilon)
+    if any(load + 1 <= cap for load in loads):  # some engine is within the bound: the choice is one of them
+        assert chosen.load + 1 <= cap
+        best = max(matched[i] for i, load in enumerate(loads) if load + 1 <= cap)
+        assert d.matched_blocks == best
+
+
+def test_without_prefixes_requests_take_turns() -> None:
+    engines = [EngineState(n) for n in "abcd"]
+    placed = Counter(
+        choose(engines, {}, now=0, turn=t).engine for t in range(400)
+    )  # each one finishes at once
+    assert set(placed.values()) == {100}
+
+
+def test_sessions_stick_while_within_the_bound() -> None:
+    engines = [EngineState("a", in_flight=1), EngineState("b", in_flight=1)]
+    assert choose(engines, {"a": 3}, now=0, session_engine="b").engine == "b"
+    engines[1].in_flight = 9
+    assert choose(engines, {}, now=0, session_engine="b").engine == "a"
+
+
+def test_not_ready_and_recently_overloaded_engines_are_skipped_and_none_left_sheds() -> None:
+    engines = [EngineState("a", ready=False), EngineState("b", overloaded_until=10.0), EngineState("c")]
+    assert choose(engines, {"a": 9, "b": 9}, now=5.0).engine == "c"
+    assert choose(engines, {}, now=5.0, exclude=frozenset({"c"})).reason == "shed"
+    assert choose(engines, {"b": 9}, now=11.0, exclude=frozenset({"c"})).engine == "b"
+
+
+def test_reading_the_engines_gauges() -> None:
+    page = (
+        "# HELP vllm:num_requests_waiting x\n"
+        'vllm:num_requests_waiting{model_name="m"} 3.0\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+        'vllm:num_requests_running{model_name="m"} 7.0\n'
+    )
+    assert read_gauges(page) == {"vllm:num_requests_waiting": 3.0, "vllm:kv_cache_usage_perc": 0.25}
