@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"engine": "ember_engine", "operator": "ember_operator", "localcluster": "ember_localcluster"}
+PACKAGES = {
+    "engine": "ember_engine",
+    "operator": "ember_operator",
+    "localcluster": "ember_localcluster",
+    "router": "ember_router",
+}
 
 
 def _run(code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:

@@ -22,24 +22,25 @@ IMAGE = "ghcr.io/ember-dev/ember-operator:0.1.0"
 BASE_ARGS = ["--all-namespaces", "--standalone", "--health-port=8081", "--metrics-port=8080"]
 HA_ARGS = ["--all-namespaces", "--peering=ember-operator", "--health-port=8081", "--metrics-port=8080"]
 
-# (apiGroup, resource, verb): everything the operator is allowed, and nothing else.
-OPERATOR_GRANTS = {
+# (apiGroup, resource, verb): everything the operator is allowed, and nothing else. tests/test_rbac.py
+# derives these from the requests of the running operator; here they are pinned, so that a change shows.
+NAMESPACED_GRANTS = {
     *((GROUP, PLURAL, v) for v in ("get", "list", "watch", "patch")),
     (GROUP, f"{PLURAL}/status", "patch"),
+    (GROUP, f"{PLURAL}/finalizers", "update"),  # blockOwnerDeletion: true, see base/rbac.yaml
     *(("", "pods", v) for v in ("create", "delete", "patch", "list", "watch")),
     *(("", r, v) for r in ("services", "configmaps") for v in ("get", "create", "update")),
+    *(("policy", "poddisruptionbudgets", v) for v in ("get", "create", "update")),
     ("", "events", "create"),
-    ("", "events", "patch"),
-    ("events.k8s.io", "events", "create"),
-    ("events.k8s.io", "events", "patch"),
-    *(("", "namespaces", v) for v in ("get", "list", "watch")),
-    *(("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")),
 }
-PEERING_GRANTS = {
-    ("kopf.dev", r, v)
-    for r in ("kopfpeerings", "clusterkopfpeerings")
-    for v in ("get", "list", "watch", "patch")
-}
+OBSERVER_GRANTS = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+OPERATOR_GRANTS = NAMESPACED_GRANTS | OBSERVER_GRANTS
+# With --namespace, cluster-wide only kopf's observers: namespaces and CRDs, read-only.
+NAMESPACED_CLUSTER_GRANTS = OBSERVER_GRANTS | {("", "namespaces", v) for v in ("list", "watch")}
+PEERING_GRANTS = {("kopf.dev", "clusterkopfpeerings", v) for v in ("list", "watch", "patch")}
+WATCHED = "default"
+NAMESPACED_ARGS = [f"--namespace={WATCHED}", "--standalone", "--health-port=8081", "--metrics-port=8080"]
+SUBJECTS = [{"kind": "ServiceAccount", "name": "ember-operator", "namespace": NAMESPACE}]
 
 
 def _kubectl() -> str:
@@ -66,7 +67,7 @@ def _one(docs: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, An
     return doc
 
 
-def _grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+def grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
     out = set()
     for rule in role["rules"]:
         assert set(rule) <= {"apiGroups", "resources", "verbs"}, f"unexpected rule fields: {rule}"
@@ -163,7 +164,7 @@ def test_metrics_service_reaches_the_metrics_port() -> None:
 
 def test_cluster_role_grants_exactly_what_the_operator_uses() -> None:
     docs = render(".")
-    assert _grants(_one(docs, "ClusterRole", "ember-operator")) == OPERATOR_GRANTS
+    assert grants(_one(docs, "ClusterRole", "ember-operator")) == OPERATOR_GRANTS
     binding = _one(docs, "ClusterRoleBinding", "ember-operator")
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
@@ -235,13 +236,64 @@ def test_ha_overlay_ships_kopf_peering() -> None:
     peering = _one(docs, "ClusterKopfPeering", "ember-operator")
     assert peering["apiVersion"] == "kopf.dev/v1"
     assert "namespace" not in peering["metadata"]
-    assert _grants(_one(docs, "ClusterRole", "ember-operator")) == OPERATOR_GRANTS
-    assert _grants(_one(docs, "ClusterRole", "ember-operator-peering")) == PEERING_GRANTS
+    assert grants(_one(docs, "ClusterRole", "ember-operator")) == OPERATOR_GRANTS
+    assert grants(_one(docs, "ClusterRole", "ember-operator-peering")) == PEERING_GRANTS
     binding = _one(docs, "ClusterRoleBinding", "ember-operator-peering")
     assert binding["roleRef"]["name"] == "ember-operator-peering"
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "ember-operator", "namespace": NAMESPACE}
     ]
+
+
+def test_namespaced_overlay_swaps_the_cluster_role_for_a_role_in_the_watched_namespace() -> None:
+    docs = render("namespaced")
+    kinds = sorted((d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs)
+    assert kinds == [
+        ("ClusterRole", None, "ember-operator"),
+        ("ClusterRoleBinding", None, "ember-operator"),
+        ("Deployment", NAMESPACE, "ember-operator"),
+        ("Namespace", None, NAMESPACE),
+        ("Role", WATCHED, "ember-operator"),
+        ("RoleBinding", WATCHED, "ember-operator"),
+        ("Service", NAMESPACE, "ember-operator-metrics"),
+        ("ServiceAccount", NAMESPACE, "ember-operator"),
+    ]
+    for doc in docs:
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "ember"
+    assert grants(_one(docs, "ClusterRole", "ember-operator")) == NAMESPACED_CLUSTER_GRANTS
+    assert grants(_one(docs, "Role", "ember-operator")) == NAMESPACED_GRANTS
+    # Every cluster-wide grant of the namespaced install is read-only.
+    assert {verb for _, _, verb in NAMESPACED_CLUSTER_GRANTS} == {"list", "watch"}
+    binding = _one(docs, "RoleBinding", "ember-operator")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "ember-operator",
+    }
+    assert binding["subjects"] == SUBJECTS
+    assert _one(docs, "ClusterRoleBinding", "ember-operator")["subjects"] == SUBJECTS
+    # Everything else comes from the base unchanged.
+    base = {d["kind"]: d for d in render(".") if d["kind"] not in ("ClusterRole", "Deployment")}
+    for kind, doc in base.items():
+        assert _one(docs, kind, doc["metadata"]["name"]) == doc
+
+
+def test_namespaced_command_line_watches_exactly_the_namespaces_that_have_a_role() -> None:
+    docs = render("namespaced")
+    deployment = _one(docs, "Deployment", "ember-operator")
+    container = _container(deployment)
+    assert container["args"] == NAMESPACED_ARGS
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert (args.command, args.all_namespaces, args.namespace) == ("operator", False, [WATCHED])
+    assert (args.standalone, args.peering) == (True, None)
+    roles = {d["metadata"]["namespace"] for d in docs if d["kind"] == "Role"}
+    bindings = {d["metadata"]["namespace"] for d in docs if d["kind"] == "RoleBinding"}
+    assert roles == bindings == set(args.namespace)
+    base = _one(render("."), "Deployment", "ember-operator")
+    base_container = _container(base)
+    assert {k: v for k, v in container.items() if k != "args"} == {
+        k: v for k, v in base_container.items() if k != "args"
+    }
 
 
 def test_argocd_cm_patch_merges_into_an_existing_argocd_cm(tmp_path: Path) -> None:
