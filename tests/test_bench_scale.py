@@ -28,3 +28,65 @@ def test_bench_scale_reports_warm_and_cold_runs(tmp_path: Path) -> None:
         # Requests still running when the second engine serves are cancelled; those that ended all succeeded.
         assert set(one["request_statuses"]) <= {"200"}, one["request_statuses"]
     assert result["cold_over_warm"] == round(result["cold_median_seconds"] / result["warm_median_seconds"], 2)
+
+
+def test_bench_scale_failover_reports_warm_and_cold_runs(tmp_path: Path) -> None:
+    out = tmp_path / "failover.json"
+    run = subprocess.run(
+        [
+            EMBER,
+            "bench",
+            "scale",
+            "--scenario",
+            "failover",
+            "--repeats",
+            "1",
+            "--tick",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (warm,) = result["runs"]["warm"]
+    (cold,) = result["runs"]["cold"]
+    assert "FailedOver" in warm["operator_events"] and "FailedOver" not in cold["operator_events"]
+    assert 0 < warm["endpoint_ready_seconds"] <= warm["served_seconds"]
+    assert 0 < cold["endpoint_ready_seconds"] <= cold["served_seconds"]
+
+
+def test_bench_fleet_reports_both_policies_for_both_workloads(tmp_path: Path) -> None:
+    out, png = tmp_path / "fleet.json", tmp_path / "fleet.png"
+    args = [
+        "--replicas",
+        "2",
+        "--requests",
+        "16",
+        "--rate",
+        "4",
+        "--system-words",
+        "120",
+        "--overhead-requests",
+        "3",
+    ]
+    run = subprocess.run(
+        [EMBER, "bench", "fleet", *args, "--json", str(out), "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for kind in ("shared", "random"):
+        for policy in ("round_robin", "router"):
+            r = result["workloads"][kind][policy]
+            assert r["failures"] == 0 and len(r["ttfts"]) == 16
+            assert sum(r["requests_per_engine"]) == 16 and r["output_tokens_per_s"] > 0
+    assert result["workloads"]["random"]["router"]["prefix_hit_rate"] == 0.0
+    assert 0 < result["workloads"]["shared"]["single_replica_prefix_hit_rate"] <= 1
+    assert result["router_overhead_p50_s"] is not None
+    assert png.stat().st_size > 0

@@ -44,6 +44,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "ember_localcluster.bench_scale",
         "load spike to added capacity serving: warm pool vs cold start",
     ),
+    "fleet": (
+        "ember_localcluster.bench_fleet",
+        "a fleet behind its Service (round robin) and behind ember router, side by side",
+    ),
 }
 BENCH_HELP = "benchmarks (ratios measured side by side in one run)"
 
