@@ -1,12 +1,19 @@
-"""The router's pure parts: the prefix index and the choice of engine (prefix affinity, bounded load)."""
+"""The router's parts: the prefix index, the choice of engine (prefix affinity, bounded load), and finding
+the engines in Kubernetes."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections import Counter
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from waiting import wait_for
 
+from ember_localcluster.apiserver import APIServer
+from ember_router.discovery import PodDiscovery
 from ember_router.index import PrefixIndex
 from ember_router.policy import EngineState, bounded_capacity, choose
 from ember_router.pool import read_gauges
@@ -94,3 +101,54 @@ def test_reading_the_engines_gauges() -> None:
         'vllm:num_requests_running{model_name="m"} 7.0\n'
     )
     assert read_gauges(page) == {"vllm:num_requests_waiting": 3.0, "vllm:kv_cache_usage_perc": 0.25}
+
+
+def test_discovery_follows_ready_active_pods_through_a_watch(tmp_path: Path) -> None:
+    with APIServer(pod_graceful_deletion=False, bookmark_interval=0.5) as api:
+        kubeconfig = str(api.write_kubeconfig(tmp_path / "kubeconfig"))
+        seen: list[dict[str, str]] = []
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        selector = "app.kubernetes.io/instance=chat,ember.dev/role=active"
+        discovery = PodDiscovery("default", selector, 8000, seen.append, kubeconfig)
+        discovery.start(loop)
+        try:
+
+            def pod(name: str, role: str) -> None:
+                labels = {"app.kubernetes.io/instance": "chat", "ember.dev/role": role}
+                spec = {"containers": [{"name": "engine", "image": "x"}]}
+                api.create(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {"name": name, "namespace": "default", "labels": labels},
+                        "spec": spec,
+                    }
+                )
+                status = {"podIP": f"10.0.0.{len(name)}", "conditions": [{"type": "Ready", "status": "True"}]}
+                api.patch("v1", "Pod", "default", name, {"status": status}, subresource="status")
+
+            pod("a", "active")
+            pod("bb", "warm")
+            wait_for(lambda: seen and seen[-1] == {"a": "http://10.0.0.1:8000"}, what="the active pod found")
+            api.patch("v1", "Pod", "default", "bb", {"metadata": {"labels": {"ember.dev/role": "active"}}})
+            wait_for(
+                lambda: seen[-1] == {"a": "http://10.0.0.1:8000", "bb": "http://10.0.0.2:8000"},
+                what="the promoted pod",
+            )
+            api.patch(
+                "v1",
+                "Pod",
+                "default",
+                "a",
+                {"status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+                subresource="status",
+            )
+            wait_for(lambda: seen[-1] == {"bb": "http://10.0.0.2:8000"}, what="the unready pod removed")
+            api.delete("v1", "Pod", "default", "bb")
+            wait_for(lambda: seen[-1] == {}, what="the deleted pod removed")
+        finally:
+            discovery.stop()
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,9 +17,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--endpoint",
         action="append",
         default=[],
-        required=True,
         help="an engine's base URL, e.g. http://10.0.0.7:8000 (repeat for each engine)",
     )
+    p.add_argument(
+        "--kube-selector",
+        help="find the engines in Kubernetes instead: Ready pods matching this label selector, e.g. "
+        "app.kubernetes.io/instance=chat,ember.dev/role=active",
+    )
+    p.add_argument(
+        "--kube-namespace",
+        default=os.environ.get("POD_NAMESPACE", "default"),
+        help="namespace of those pods (default $POD_NAMESPACE or default)",
+    )
+    p.add_argument("--engine-port", type=int, default=8000, help="the engines' port (default 8000)")
+    p.add_argument("--kubeconfig", help="a kubeconfig (default: in-cluster, else ~/.kube/config)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument(
@@ -45,6 +57,15 @@ def main(args: argparse.Namespace) -> int:
 
     if args.epsilon < 0:
         raise SystemExit("ember router: --epsilon must be >= 0")
+    if not args.endpoint and not args.kube_selector:
+        raise SystemExit("ember router: give --endpoint (one per engine) or --kube-selector")
+    discovery = None
+    if args.kube_selector:
+        from ember_router.discovery import PodDiscovery
+
+        discovery = PodDiscovery(
+            args.kube_namespace, args.kube_selector, args.engine_port, lambda _: None, args.kubeconfig
+        )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -52,6 +73,7 @@ def main(args: argparse.Namespace) -> int:
         EnginePool(args.endpoint, poll_interval=args.poll_interval),
         Tokenizer(args.model),
         RouterSettings(epsilon=args.epsilon, session_header=args.session_header.lower()),
+        discovery=discovery,
     )
     # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request.
     web.run_app(router.app(), host=args.host, port=args.port, handler_cancellation=True, print=None)

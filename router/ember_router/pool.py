@@ -63,6 +63,14 @@ class EnginePool:
             # Not Ready until its first successful poll.
             self.engines[url] = Engine(url, EngineState(url, ready=False))
 
+    def sync(self, urls: set[str] | list[str] | dict[str, str]) -> None:
+        """Make the engines exactly `urls` (e.g. what discovery found): new ones join, gone ones leave."""
+        wanted = {u.rstrip("/") for u in (urls.values() if isinstance(urls, dict) else urls)}
+        for url in wanted - set(self.engines):
+            self.add(url)
+        for url in set(self.engines) - wanted:
+            self.remove(url)
+
     def remove(self, url: str) -> None:
         self.engines.pop(url.rstrip("/"), None)
         self.index.forget(url.rstrip("/"))

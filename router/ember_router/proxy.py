@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember_engine.core.tokenizer import Tokenizer
+from ember_router.discovery import PodDiscovery
 from ember_router.metrics import RouterMetrics
 from ember_router.policy import choose
 from ember_router.pool import EnginePool
@@ -53,6 +54,7 @@ class Router:
     settings: RouterSettings = field(default_factory=RouterSettings)
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     sessions: dict[str, str] = field(default_factory=dict)  # session id -> engine
+    discovery: PodDiscovery | None = None  # engines from Kubernetes, instead of a fixed list
     _turns: itertools.count[int] = field(default_factory=itertools.count)
     session: aiohttp.ClientSession | None = None
 
@@ -74,12 +76,22 @@ class Router:
             timeout=aiohttp.ClientTimeout(total=self.settings.upstream_timeout, sock_connect=2),
             connector=aiohttp.TCPConnector(limit=0),
         )
+        if self.discovery is not None:
+            self.discovery.on_change = self._engines_changed
+            self.discovery.start(asyncio.get_running_loop())
         poller = asyncio.create_task(self.pool.run(self.session))
         yield
+        if self.discovery is not None:
+            self.discovery.stop()
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
         await self.session.close()
+
+    def _engines_changed(self, engines: dict[str, str]) -> None:
+        self.pool.sync(engines)
+        if self.session is not None:  # poll at once: a promoted engine should take traffic now
+            asyncio.get_running_loop().create_task(self.pool.poll_once(self.session))
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
