@@ -1,8 +1,8 @@
 """The local control plane for the end-to-end scenarios, and what they use to drive and observe it.
 
-`ControlPlane` runs the in-process API server (graceful pod deletion on), the process kubelet (engine pods
-become real `ember serve` processes; the claim `model-weights` maps to a directory holding the tiny test
-checkpoint as `tiny`), the service proxy (each Service gets a local address in its load-balancer status) and
+`ControlPlane` runs the in-process API server (graceful pod deletion on, `pods/log` served from the
+kubelet's files), the scheduler, the process kubelet (one node; engine pods become real `ember serve`
+processes; the claim `model-weights` maps to a directory holding the tiny test checkpoint as `tiny`), the service proxy (each Service gets a local address in its load-balancer status) and
 the operator under kopf's `KopfRunner`, which can be stopped and started again. The helpers read pods and
 InferenceServices, send OpenAI requests through a Service's published address and generate load.
 """
@@ -32,6 +32,7 @@ from waiting import wait_for
 from ember_localcluster.apiserver import APIServer
 from ember_localcluster.kubelet.kubelet import ProcessKubelet
 from ember_localcluster.proxy import ServiceProxy
+from ember_localcluster.scheduler import Scheduler
 from ember_operator import main as operator_main
 from ember_operator.desired import HASH_LABEL, ROLE_LABEL
 from ember_operator.handlers import Settings, register
@@ -95,6 +96,7 @@ class ControlPlane:
     api: APIServer
     kubelet: ProcessKubelet
     proxy: ServiceProxy
+    scheduler: Scheduler
     operator: Operator
     kubeconfig: Path
     models: Path  # the directory the claim `model-weights` maps to
@@ -254,18 +256,21 @@ def control_plane(root: Path, tiny_model: Path) -> Iterator[ControlPlane]:
         # The operator's client reads $KUBECONFIG when it first connects.
         mp.setenv("KUBECONFIG", str(kubeconfig))
         api.install_crd(crd_manifest())
+        scheduler = Scheduler(kubeconfig).start()
         kubelet = ProcessKubelet(kubeconfig, root / "kubelet", claims={MODEL_CLAIM: models}).start()
+        api.attach_kubelet(kubelet.node_names, kubelet.pods_dir)
         proxy = ServiceProxy(kubeconfig).start()
         operator = Operator(api.url)
         try:
             operator.start()
-            yield ControlPlane(api, kubelet, proxy, operator, kubeconfig, models)
+            yield ControlPlane(api, kubelet, proxy, scheduler, operator, kubeconfig, models)
         finally:
             try:
                 operator.stop()
             finally:
                 proxy.stop()
                 kubelet.stop()
+                scheduler.stop()
                 mp.undo()
 
 

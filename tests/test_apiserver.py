@@ -368,7 +368,12 @@ def test_pod_graceful_deletion(tmp_path: Path) -> None:
     with APIServer(pod_kill_margin=0.5) as server, api_client(server, tmp_path / "kubeconfig") as client:
         core = CoreV1Api(client)
         for name, grace in (("slow", 30), ("quick", 1)):
-            spec = {"containers": [{"name": "c", "image": "x"}], "terminationGracePeriodSeconds": grace}
+            # Bound to a node: an unbound pod has no kubelet to stop it and goes at once.
+            spec = {
+                "nodeName": "n1",
+                "containers": [{"name": "c", "image": "x"}],
+                "terminationGracePeriodSeconds": grace,
+            }
             core.create_namespaced_pod("default", {"metadata": {"name": name}, "spec": spec})
 
         core.delete_namespaced_pod("slow", "default")
@@ -383,6 +388,11 @@ def test_pod_graceful_deletion(tmp_path: Path) -> None:
         wait_for(
             lambda: server.get("v1", "Pod", "default", "quick") is None, what="the grace period to run out"
         )
+
+        spec = {"containers": [{"name": "c", "image": "x"}], "terminationGracePeriodSeconds": 30}
+        core.create_namespaced_pod("default", {"metadata": {"name": "unbound"}, "spec": spec})
+        core.delete_namespaced_pod("unbound", "default")
+        assert server.get("v1", "Pod", "default", "unbound") is None, "not scheduled: deleted at once"
 
 
 # -- custom resources --------------------------------------------------------------------------------

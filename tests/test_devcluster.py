@@ -1,5 +1,6 @@
 """`ember dev up` / `down` end to end: kubectl applies the local example, the operator starts real engine
-processes through the process kubelet, and a chat request is served through the Service's local address."""
+processes through the process kubelet, and a chat request is served through the Service's local address;
+and `DevCluster` with two one-GPU nodes, where a third GPU pod waits Unschedulable."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kubernetes import client, config
 from waiting import free_port, wait_for
+
+from ember_localcluster.devcluster import DevCluster
+from ember_localcluster.kubelet.kubelet import ENGINE_IMAGE
 
 REPO = Path(__file__).resolve().parents[1]
 EMBER = str(Path(sys.executable).parent / "ember")
@@ -22,7 +27,7 @@ def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:
     assert Path(kubectl_bin).exists(), "kubectl is required (Debian: kubernetes-client)"
     state = tmp_path / "dev"
     up = subprocess.run(
-        [EMBER, "dev", "up", "--dir", str(state), "--port", str(free_port())],
+        [EMBER, "dev", "up", "--dir", str(state), "--port", str(free_port()), "--nodes", "2"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -59,6 +64,12 @@ def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:
         wait_for(ready, timeout=180, what="the tiny InferenceService Ready with its warm pod")
         table = kubectl("get", "inferenceservices")
         assert "tiny" in table and "READY" in table and "WARM" in table
+        nodes = [row.split()[:2] for row in kubectl("get", "nodes").splitlines()[1:]]
+        assert nodes == [["ember-local", "Ready"], ["ember-local-2", "Ready"]]
+        engine = json.loads(kubectl("get", "pods", "-l", "ember.dev/role=active", "-o", "json"))["items"][0]
+        assert engine["spec"]["nodeName"] in ("ember-local", "ember-local-2")
+        # kubectl logs: the engine's output, which names the pod's own address.
+        assert f"http://{engine['status']['podIP']}:8000" in kubectl("logs", engine["metadata"]["name"])
 
         svc = json.loads(kubectl("get", "service", "tiny", "-o", "json"))
         (ingress,) = svc["status"]["loadBalancer"]["ingress"]
@@ -84,3 +95,66 @@ def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:
         )
     assert down.returncode == 0, down.stdout + down.stderr
     assert not (state / "dev.pid").exists()
+
+
+def test_two_one_gpu_nodes_run_two_gpu_pods_and_the_third_waits(tmp_path: Path) -> None:
+    """Three pods of the engine image that each want a GPU (plain `python -m http.server`, which starts
+    faster than an engine) on two nodes with one GPU each."""
+
+    def gpu_pod(name: str) -> dict[str, Any]:
+        command = ["python", "-m", "http.server", "--bind", "0.0.0.0", "8080"]
+        container = {
+            "name": "engine",
+            "image": f"{ENGINE_IMAGE}:0.1.0",
+            "command": command,
+            "resources": {"limits": {"nvidia.com/gpu": "1"}},
+        }
+        spec = {"containers": [container], "terminationGracePeriodSeconds": 1}
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+    with DevCluster(tmp_path / "dev", nodes=2, gpus_per_node=1) as cluster:
+        api = cluster.api
+        core = client.CoreV1Api(config.new_client_from_config(str(cluster.kubeconfig)))
+        assert sorted(n.metadata.name for n in core.list_node().items) == ["ember-local", "ember-local-2"]
+        for name in ("gpu-1", "gpu-2", "gpu-3"):
+            api.create(gpu_pod(name))
+
+        def phases() -> dict[str, str]:
+            return {
+                p["metadata"]["name"]: p["status"].get("phase", "") for p in api.list("v1", "Pod", "default")
+            }
+
+        wait_for(lambda: sorted(phases().values()) == ["Pending", "Running", "Running"], what="two running")
+        pods = {p["metadata"]["name"]: p for p in api.list("v1", "Pod", "default")}
+        running = [p for p in pods.values() if p["status"]["phase"] == "Running"]
+        assert {p["spec"]["nodeName"] for p in running} == {"ember-local", "ember-local-2"}
+        (pending,) = [p for p in pods.values() if p["status"]["phase"] == "Pending"]
+        assert not pending["spec"].get("nodeName")
+
+        def scheduled() -> dict[str, Any]:
+            now = api.get("v1", "Pod", "default", pending["metadata"]["name"]) or {}
+            return next(c for c in now["status"].get("conditions", []) if c["type"] == "PodScheduled")
+
+        condition = wait_for(scheduled, what="PodScheduled on the third pod")
+        assert (condition["status"], condition["reason"]) == ("False", "Unschedulable")
+        assert condition["message"] == (
+            "0/2 nodes are available: 2 Insufficient nvidia.com/gpu. no new claims to deallocate, "
+            "preemption: 0/2 nodes are available: 2 No preemption victims found for incoming pod."
+        )
+        # pods/log is wired to the kubelet's files: http.server logs each request to stderr.
+        first = running[0]
+
+        def served_and_logged() -> bool:
+            httpx.get(f"http://{first['status']['podIP']}:8080/", timeout=5)  # refused until it listens
+            return '"GET / HTTP/1.1" 200' in core.read_namespaced_pod_log(
+                first["metadata"]["name"], "default"
+            )
+
+        wait_for(lambda: _quietly(served_and_logged), what="a request in the pod's log")
+
+
+def _quietly(check: Any) -> Any:
+    try:
+        return check()
+    except httpx.HTTPError:
+        return None

@@ -19,6 +19,7 @@ from waiting import wait_for
 from ember_localcluster.apiserver import APIServer
 from ember_localcluster.kubelet.kubelet import ENGINE_IMAGE, ProcessKubelet, write_atomically
 from ember_localcluster.proxy import ServiceProxy
+from ember_localcluster.scheduler import Scheduler
 
 T = TypeVar("T")
 
@@ -45,7 +46,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
         kubelet = ProcessKubelet(
             kubeconfig, root / "state", claims={"weights": tiny_model.parent}, images=IMAGES, ip_prefix=PREFIX
         )
-        with kubelet, ServiceProxy(kubeconfig) as proxy, httpx.Client(trust_env=False, timeout=30) as http:
+        with (
+            Scheduler(kubeconfig),
+            kubelet,
+            ServiceProxy(kubeconfig) as proxy,
+            httpx.Client(trust_env=False, timeout=30) as http,
+        ):
             yield Cluster(api, kubelet, proxy, http)
 
 
@@ -468,7 +474,7 @@ def test_stop_kills_every_process(tmp_path: Path) -> None:
     with APIServer(pod_graceful_deletion=True) as api:
         kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
         kubelet = ProcessKubelet(kubeconfig, tmp_path / "state", images=IMAGES, ip_prefix="127.2.")
-        with kubelet:
+        with Scheduler(kubeconfig), kubelet:
             api.create(python_pod("sleeper", ["sleep", "600"]))
             status = container(wait_for_pod(api, "sleeper", "ready", lambda p: container(p).get("ready")))
             assert get_pod(api, "sleeper")["status"]["podIP"] == "127.2.0.1"

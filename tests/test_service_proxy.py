@@ -18,6 +18,7 @@ from waiting import wait_for
 from ember_localcluster.apiserver import APIServer
 from ember_localcluster.kubelet.kubelet import ProcessKubelet
 from ember_localcluster.proxy import ServiceProxy
+from ember_localcluster.scheduler import Scheduler
 
 T = TypeVar("T")
 
@@ -39,7 +40,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         kubelet = ProcessKubelet(
             kubeconfig, root / "state", images={"docker.io/library/python": ("python3",)}
         )
-        with kubelet, ServiceProxy(kubeconfig) as proxy:
+        with Scheduler(kubeconfig), kubelet, ServiceProxy(kubeconfig) as proxy:
             yield Cluster(api, proxy, root)
 
 

@@ -1,9 +1,12 @@
 """`ember dev up|down|run`: the local control plane as one background process.
 
 `DevCluster` runs, in one process: the in-process API server (with the InferenceService CRD installed),
-the process kubelet, the service proxy and the operator (kopf, standalone, all namespaces). It writes a
-kubeconfig for kubectl into its directory. PersistentVolumeClaim `model-weights` maps to `<dir>/models`,
-where `ember dev up` puts a tiny test checkpoint, so `examples/local.yaml` serves out of the box.
+the scheduler, the process kubelet (registering `nodes` Nodes named `ember-local`, `ember-local-2`, ...,
+each with `gpus_per_node` `nvidia.com/gpu`, optional taints, and the host's CPUs and memory unless
+`NodeConfig`s say otherwise), the service proxy and the operator (kopf, standalone, all namespaces). The
+API server serves `pods/log` (`kubectl logs`) from the kubelet's log files. It writes a kubeconfig for
+kubectl into its directory. PersistentVolumeClaim `model-weights` maps to `<dir>/models`, where
+`ember dev up` puts a tiny test checkpoint, so `examples/local.yaml` serves out of the box.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from ember_localcluster.kubelet.node import DEFAULT_GPUS_PER_NODE, NodeConfig, local_nodes, parse_taint
 
 MODEL_CLAIM = "model-weights"
 DEFAULT_PORT = 16443
@@ -30,11 +36,30 @@ def default_dir() -> Path:
 
 
 class DevCluster:
-    def __init__(self, directory: str | Path, port: int = 0, tick: float = 1.0) -> None:
+    """The local control plane in this process (see the module docstring).
+
+    `nodes` is how many alike nodes to register (each with `gpus_per_node` GPUs and `taints`, mappings
+    with `key`, optional `value` and `effect`), or the `NodeConfig` of each node for full control.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        port: int = 0,
+        tick: float = 1.0,
+        *,
+        nodes: int | Sequence[NodeConfig] = 1,
+        gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+        taints: Sequence[Mapping[str, str]] = (),
+    ) -> None:
         self.dir = Path(directory).resolve()
         self.port = port
         self.tick = tick
+        self.nodes: list[NodeConfig] = (
+            local_nodes(nodes, gpus_per_node, taints=taints) if isinstance(nodes, int) else list(nodes)
+        )
         self.api: Any = None
+        self.scheduler: Any = None
         self.kubelet: Any = None
         self.proxy: Any = None
         self._operator: threading.Thread | None = None
@@ -55,6 +80,7 @@ class DevCluster:
         from ember_localcluster.apiserver import APIServer
         from ember_localcluster.kubelet.kubelet import ProcessKubelet
         from ember_localcluster.proxy import ServiceProxy
+        from ember_localcluster.scheduler import Scheduler
         from ember_operator.crd import crd_manifest
 
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -64,9 +90,11 @@ class DevCluster:
         self.api.install_crd(crd_manifest())
         # The operator's own client reads $KUBECONFIG when it first connects.
         os.environ["KUBECONFIG"] = str(self.kubeconfig)
+        self.scheduler = Scheduler(self.kubeconfig).start()
         self.kubelet = ProcessKubelet(
-            self.kubeconfig, self.dir / "kubelet", claims={MODEL_CLAIM: self.dir / "models"}
+            self.kubeconfig, self.dir / "kubelet", claims={MODEL_CLAIM: self.dir / "models"}, nodes=self.nodes
         ).start()
+        self.api.attach_kubelet(self.kubelet.node_names, self.kubelet.pods_dir)
         self.proxy = ServiceProxy(self.kubeconfig).start()
         self._operator = threading.Thread(target=self._run_operator, name="ember-operator", daemon=True)
         self._operator.start()
@@ -108,7 +136,7 @@ class DevCluster:
         self._stop_operator.set()
         if self._operator is not None:
             self._operator.join(timeout=15)
-        for part in (self.proxy, self.kubelet, self.api):
+        for part in (self.proxy, self.kubelet, self.scheduler, self.api):
             if part is not None:
                 with contextlib.suppress(Exception):
                     part.stop()
@@ -133,10 +161,14 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with DevCluster(directory, port=args.port) as cluster:
+    with DevCluster(
+        directory, port=args.port, nodes=args.nodes, gpus_per_node=args.gpus_per_node, taints=args.taint
+    ) as cluster:
         _pid_file(directory).write_text(str(os.getpid()))
         (directory / "ready").write_text(cluster.api.url)
-        print(f"ember dev: API server {cluster.api.url}; export KUBECONFIG={cluster.kubeconfig}", flush=True)
+        names = ", ".join(n.name for n in cluster.nodes)
+        print(f"ember dev: API server {cluster.api.url}; nodes {names}", flush=True)
+        print(f"ember dev: export KUBECONFIG={cluster.kubeconfig}", flush=True)
         while not stop.wait(0.5):
             if cluster.operator_error is not None:
                 print(f"ember dev: the operator stopped: {cluster.operator_error!r}", file=sys.stderr)
@@ -161,8 +193,11 @@ def up(args: argparse.Namespace) -> int:
     (directory / "ready").unlink(missing_ok=True)
     log = (directory / "dev.log").open("ab")
     ember = str(Path(sys.executable).parent / "ember")
+    node_args = ["--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node)]
+    for taint in args.taint:
+        node_args += ["--taint", _taint_text(taint)]
     proc = subprocess.Popen(
-        [ember, "dev", "run", "--dir", str(directory), "--port", str(args.port)],
+        [ember, "dev", "run", "--dir", str(directory), "--port", str(args.port), *node_args],
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -202,6 +237,32 @@ def down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _taint_text(taint: Mapping[str, str]) -> str:
+    value = f"={taint['value']}" if taint.get("value") else ""
+    return f"{taint['key']}{value}:{taint['effect']}"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _not_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _taint(text: str) -> dict[str, str]:
+    try:
+        return parse_taint(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="dev", metavar="ACTION", required=True)
     for name, text in (
@@ -214,6 +275,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if name != "down":
             q.add_argument(
                 "--port", type=int, default=DEFAULT_PORT, help="API server port (default: %(default)s)"
+            )
+            q.add_argument(
+                "--nodes", type=_positive, default=1, help="nodes to register (default: %(default)s)"
+            )
+            q.add_argument(
+                "--gpus-per-node",
+                type=_not_negative,
+                default=DEFAULT_GPUS_PER_NODE,
+                help="nvidia.com/gpu each node offers to the scheduler (default: %(default)s; engines "
+                "run on the CPU here whatever the number)",
+            )
+            q.add_argument(
+                "--taint",
+                type=_taint,
+                action="append",
+                default=[],
+                metavar="KEY[=VALUE]:EFFECT",
+                help="taint every node with this (repeatable), as kubelet --register-with-taints",
             )
         if name != "run":
             q.add_argument(

@@ -1,5 +1,5 @@
-"""Following the API server through the official `kubernetes` client: the process kubelet's and the service
-proxy's list-then-watch `Informer`, and the request settings both use.
+"""Following the API server through the official `kubernetes` client: the list-then-watch `Informer` of the
+process kubelet, the service proxy and the scheduler, and the request settings they use.
 """
 
 from __future__ import annotations

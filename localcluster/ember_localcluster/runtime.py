@@ -1,5 +1,5 @@
-"""The background runtime the process kubelet and the service proxy each run on: an asyncio loop on a
-daemon thread, a thread pool for the blocking calls of the official `kubernetes` client, that client
+"""The background runtime the process kubelet, the service proxy and the scheduler each run on: an asyncio
+loop on a daemon thread, a thread pool for the blocking calls of the official `kubernetes` client, that client
 (opened from a kubeconfig), and the `Informer`s that feed the loop.
 """
 

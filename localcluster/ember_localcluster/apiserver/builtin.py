@@ -25,6 +25,7 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         categories=("all",),
         has_status=True,
     ),
+    ResourceType("", "v1", "Node", "nodes", namespaced=False, short_names=("no",), has_status=True),
     ResourceType("", "v1", "ConfigMap", "configmaps", namespaced=True, short_names=("cm",)),
     ResourceType("", "v1", "ResourceQuota", "resourcequotas", namespaced=True, short_names=("quota",)),
     ResourceType("", "v1", "Secret", "secrets", namespaced=True),

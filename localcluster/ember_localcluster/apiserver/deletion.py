@@ -6,9 +6,9 @@
 * A Pod is deleted gracefully, as Kubernetes does it: `deletionTimestamp` is set to now plus the grace
   period (DeleteOptions `gracePeriodSeconds`, else `spec.terminationGracePeriodSeconds`, else 30) and
   the Pod stays until a kubelet deletes it with `gracePeriodSeconds=0` or the period runs out (then the
-  server deletes it itself). Pods in phase Succeeded or Failed, and every Pod when the server runs
-  with `pod_graceful_deletion=False`, go at once. Unlike Kubernetes, a Pod not yet bound to a node is
-  graceful too: here a process kubelet may run Pods without binding them.
+  server deletes it itself). As in Kubernetes (`podStrategy.CheckGracefulDelete`), a Pod not bound to a
+  node (no `spec.nodeName`: no kubelet runs it) and one in phase Succeeded or Failed go at once, and so
+  does every Pod when the server runs with `pod_graceful_deletion=False`.
 * Garbage collection runs right after each real delete and each create of an object with owners,
   synchronously (Kubernetes runs it in the background): every object whose ownerReferences name no live
   owner (by uid) is deleted through this same path, so its own finalizers hold — one created after its
@@ -107,6 +107,8 @@ def remove(
 def _pod_grace(store: Store, pod: dict[str, Any], options: DeleteOptions) -> int:
     if not store.pod_graceful_deletion or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
         return 0
+    if not (pod.get("spec") or {}).get("nodeName"):
+        return 0  # not scheduled: no kubelet will confirm the kill
     if options.grace_period_seconds is not None:
         return max(0, options.grace_period_seconds)
     grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", 30)

@@ -74,6 +74,11 @@ def _entries(rtype: ResourceType) -> list[dict[str, Any]]:
                 "verbs": ["get", "patch", "update"],
             }
         )
+    if rtype.storage == ("", "pods"):
+        for sub, kind, verbs in (("binding", "Binding", ["create"]), ("log", "Pod", ["get"])):
+            entries.append(
+                {"name": f"pods/{sub}", "singularName": "", "namespaced": True, "kind": kind, "verbs": verbs}
+            )
     if rtype.scale is not None:
         entries.append(
             {

@@ -3,7 +3,8 @@
 Paths: `/api/v1/...` and `/apis/G/V/...` as `[namespaces/NS/]plural[/name[/status|scale]]` (with care
 for `/api/v1/namespaces/NAME[/status]`), plus discovery, `/version` and the OpenAPI skeleton.
 Collections take GET (a list, or a watch with `?watch=true|1`), POST and DELETE; objects GET, PUT,
-PATCH and DELETE; `/status` and `/scale` GET, PUT and PATCH. Lists honour label and field selectors
+PATCH and DELETE; `/status` and `/scale` GET, PUT and PATCH; a pod's `/binding` POST (`binding.py`) and
+its `/log` GET (`podlogs.py`). Lists honour label and field selectors
 and `limit`/`continue` (a `continue` token resumes after the last name it saw). `dryRun` validates
 without storing; `fieldValidation=Strict` refuses unknown fields of custom resources.
 
@@ -16,14 +17,18 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from . import deletion, discovery, openapi, patching, scale
+from . import binding, deletion, discovery, openapi, patching, scale
+from .admission import PODS
 from .deletion import DeleteOptions
 from .errors import APIError, bad_request, method_not_allowed, page_not_found, unreadable_body
+from .podlogs import serve_pod_log
 from .resources import ResourceType
 from .selectors import FieldSelector, LabelSelector, parse_field_selector, parse_label_selector
 from .store import Store
@@ -32,6 +37,8 @@ from .tables import to_table, wants_table
 from .watch import Watcher
 
 log = logging.getLogger("ember.apiserver")
+
+POD_SUBRESOURCES = ("binding", "log")
 
 
 @dataclass(slots=True)
@@ -90,9 +97,13 @@ def _continue_after(token: str) -> tuple[str, str]:
 
 
 class Handler:
-    def __init__(self, store: Store, *, bookmark_interval: float) -> None:
+    def __init__(
+        self, store: Store, *, bookmark_interval: float, pods_dirs: Mapping[str, Path] | None = None
+    ) -> None:
         self.store = store
         self.bookmark_interval = bookmark_interval
+        # node name -> the pods directory of the kubelet running that node (read by `pods/log`)
+        self.pods_dirs: Mapping[str, Path] = pods_dirs if pods_dirs is not None else {}
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         log.debug("%s %s", request.method, request.path_qs)
@@ -148,9 +159,10 @@ class Handler:
             raise page_not_found(path)
         name = rest[1] if len(rest) > 1 else None
         subresource = rest[2] if len(rest) > 2 else None
-        if subresource not in (None, "status", "scale") or (
+        if subresource not in (None, "status", "scale", *POD_SUBRESOURCES) or (
             (subresource == "status" and not rtype.has_status)
             or (subresource == "scale" and rtype.scale is None)
+            or (subresource in POD_SUBRESOURCES and rtype.storage != PODS)
         ):
             raise page_not_found(path)
         if name is not None and rtype.namespaced and namespace is None:
@@ -162,7 +174,23 @@ class Handler:
             return await self._collection(request, target)
         if target.subresource == "scale":
             return await self._scale(request, target)
+        if target.subresource in POD_SUBRESOURCES:
+            return await self._pod_subresource(request, target)
         return await self._object(request, target)
+
+    async def _pod_subresource(self, request: web.Request, target: Target) -> web.StreamResponse:
+        namespace, name = target.namespace, target.name
+        assert namespace is not None and name is not None
+        if target.subresource == "binding":
+            if request.method != "POST":
+                raise method_not_allowed(request.method)
+            body = await _read_body(request)
+            return _json(
+                binding.bind(self.store, namespace, name, body, dry_run="dryRun" in request.query), 201
+            )
+        if request.method != "GET":
+            raise method_not_allowed(request.method)
+        return await serve_pod_log(request, self.store, self.pods_dirs, namespace, name)
 
     def _render(
         self, request: web.Request, rtype: ResourceType, obj: dict[str, Any], status: int = 200
@@ -293,8 +321,10 @@ class Handler:
         raise method_not_allowed(request.method)
 
 
-def build_app(store: Store, *, bookmark_interval: float) -> web.Application:
-    handler = Handler(store, bookmark_interval=bookmark_interval)
+def build_app(
+    store: Store, *, bookmark_interval: float, pods_dirs: Mapping[str, Path] | None = None
+) -> web.Application:
+    handler = Handler(store, bookmark_interval=bookmark_interval, pods_dirs=pods_dirs)
     app = web.Application(client_max_size=32 * 1024 * 1024)
     app.router.add_route("*", "/{tail:.*}", handler.dispatch)
     return app

@@ -17,7 +17,7 @@ import copy
 import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,7 +44,8 @@ class APIServer:
     `write_kubeconfig(path)`, and set up or inspect state with the blocking helpers `create`,
     `install_crd`, `get`, `list`, `patch`, `delete` and `call` from any thread but the server's.
     `compact`, `expire_watches` and `disconnect_watches` provoke what clients must survive.
-    `store` is the state itself; touch it only through `call`.
+    `store` is the state itself; touch it only through `call`. `attach_kubelet` tells the server where a
+    process kubelet keeps its pods' logs, which `pods/log` (`kubectl logs`) serves.
 
     `pod_kill_margin` is how long past a terminating Pod's grace period the server waits for a kubelet to
     confirm the kill before removing the Pod itself.
@@ -72,6 +73,7 @@ class APIServer:
             pod_kill_margin=pod_kill_margin,
         )
         self._bookmark_interval = bookmark_interval
+        self._pods_dirs: dict[str, Path] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -113,7 +115,7 @@ class APIServer:
         failures: list[BaseException],
     ) -> None:
         asyncio.set_event_loop(loop)
-        app = build_app(self.store, bookmark_interval=self._bookmark_interval)
+        app = build_app(self.store, bookmark_interval=self._bookmark_interval, pods_dirs=self._pods_dirs)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
 
         async def serve() -> None:
@@ -172,6 +174,11 @@ class APIServer:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(self.kubeconfig(), sort_keys=False))
         return path
+
+    def attach_kubelet(self, nodes: Iterable[str], pods_dir: str | Path) -> None:
+        """Serve `pods/log` for pods bound to `nodes` from `pods_dir` (a `ProcessKubelet.pods_dir`), as
+        kube-apiserver asks each node's kubelet; pods on other nodes answer as not started."""
+        self._pods_dirs.update({node: Path(pods_dir) for node in nodes})
 
     # -- thread-safe helpers -----------------------------------------------------------------------
 

@@ -5,15 +5,18 @@
   status/metadata rules below) is a no-op: same resourceVersion, no event.
 * Create sets uid, creationTimestamp (RFC 3339, `Z`), generation 1 and honours `generateName`; it needs
   an existing namespace (404 otherwise). Where a kind has a status subresource, the client's `status`
-  is dropped on create.
+  is dropped on create, except for Nodes, which a kubelet registers with their status (as the node
+  registry keeps it).
 * Update: a stale `metadata.resourceVersion` (in a PUT body, or left in a patched document) is a 409;
   none means "unconditionally". Name, namespace, uid, creationTimestamp, the deletion fields and
   generation are the server's. Where a kind has a status subresource (Pods, Services, Deployments,
   Namespaces, CRDs, custom resources that declare one) the main endpoint keeps the stored status and
   `/status` changes only the status. generation grows by one when anything outside metadata and status
   changes (for every kind, which is simpler than Kubernetes), never on `/status` writes.
-* A write that leaves an object being deleted without finalizers deletes it; adding a finalizer to
-  such an object is a 422. DELETE itself is in `deletion.py`, `/scale` in `scale.py`.
+* A write that leaves an object being deleted without finalizers deletes it, unless it is in a grace
+  period (a Pod being stopped: `deletionGracePeriodSeconds` above 0), as the generic registry's
+  `ShouldDeleteDuringUpdate` decides; adding a finalizer to such an object is a 422. DELETE itself is
+  in `deletion.py`, `/scale` in `scale.py`.
 
 Everything runs on the server's event loop, one call at a time, so no locking is needed. Stored
 objects are never mutated in place: every write stores a fresh dict, so events and responses can
@@ -52,6 +55,7 @@ def _spec_part(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 QUOTAS = ("", "resourcequotas")
+NODES = ("", "nodes")
 
 
 def _key(namespace: str | None, name: str) -> tuple[str, str]:
@@ -147,7 +151,7 @@ class Store:
         for key in (*_SERVER_METADATA, "resourceVersion", "managedFields", "selfLink"):
             meta.pop(key, None)
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=self.timestamp(), generation=1)
-        if rtype.has_status:
+        if rtype.has_status and rtype.storage != NODES:
             obj.pop("status", None)
         obj = admit(rtype, obj, None, strict=strict)
         if rtype.storage == PODS:  # validating admission: after the name is generated
@@ -243,7 +247,11 @@ class Store:
             result["metadata"]["generation"] = current_meta.get("generation", 0) + 1
         if result == current or dry_run:
             return result
-        if current_meta.get("deletionTimestamp") and not result["metadata"].get("finalizers"):
+        if (
+            current_meta.get("deletionTimestamp")
+            and not result["metadata"].get("finalizers")
+            and not current_meta.get("deletionGracePeriodSeconds")
+        ):
             return deletion.remove(self, rtype.storage, result, deletion.DeleteOptions())
         self.commit(rtype.storage, result, "MODIFIED", current)
         if rtype.storage == CRD_STORAGE:

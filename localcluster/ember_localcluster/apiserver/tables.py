@@ -4,7 +4,11 @@ kubectl asks for `Accept: application/json;as=Table;v=v1;g=meta.k8s.io` and prin
 server sends. Custom resources get Name plus their CRD's `additionalPrinterColumns` (or Name and Age when
 there are none), each evaluated with the simple JSONPath the CRD API allows: `.a.b`, `.a[0]`, `.a[*].b`
 and `.a[?(@.k=="v")].b`. Built-ins get Name, Age and the obvious few columns (`kubectl get pods` shows
-Ready, Status, Restarts; `-o wide` adds IP and Node). Rows carry the object's metadata (or the whole
+Ready, Status, Restarts; `-o wide` adds IP and Node; `kubectl get nodes` shows Status, Roles, Age and
+Version as kube-apiserver's node printer does: `Ready`/`NotReady`/`Unknown` from the Ready condition plus
+`SchedulingDisabled` when cordoned, roles from `node-role.kubernetes.io/<role>` and `kubernetes.io/role`
+labels or `<none>`; `-o wide` adds Internal-IP, External-IP, OS-Image, Kernel-Version and
+Container-Runtime). Rows carry the object's metadata (or the whole
 object with `includeObject=Object`), which kubectl needs for `--show-labels` and `-A`.
 """
 
@@ -123,6 +127,36 @@ def _pod_cells(pod: dict[str, Any]) -> list[Any]:
     ]
 
 
+def _node_cells(node: dict[str, Any]) -> list[Any]:
+    status, labels = node.get("status") or {}, node["metadata"].get("labels") or {}
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    state = ["Unknown"] if ready is None else ["Ready" if ready.get("status") == "True" else "NotReady"]
+    if (node.get("spec") or {}).get("unschedulable"):
+        state.append("SchedulingDisabled")
+    roles = {
+        k.removeprefix("node-role.kubernetes.io/") for k in labels if k.startswith("node-role.kubernetes.io/")
+    }
+    if labels.get("kubernetes.io/role"):
+        roles.add(labels["kubernetes.io/role"])
+    roles.discard("")
+    info = status.get("nodeInfo") or {}
+
+    def address(kind: str) -> str:
+        return next((a["address"] for a in status.get("addresses") or [] if a.get("type") == kind), "<none>")
+
+    return [
+        ",".join(state),
+        ",".join(sorted(roles)) or "<none>",
+        _age_of(node),
+        info.get("kubeletVersion", ""),
+        address("InternalIP"),
+        address("ExternalIP"),
+        info.get("osImage") or "<unknown>",
+        info.get("kernelVersion") or "<unknown>",
+        info.get("containerRuntimeVersion") or "<unknown>",
+    ]
+
+
 def _service_cells(svc: dict[str, Any]) -> list[Any]:
     spec = svc.get("spec") or {}
     ports = (
@@ -163,6 +197,20 @@ _BUILTIN_COLUMNS: dict[str, tuple[list[dict[str, Any]], Callable[[dict[str, Any]
         _pod_cells,
     ),
     "Service": ([_column("Type"), _column("Cluster-IP"), _column("Port(s)"), _AGE], _service_cells),
+    "Node": (
+        [
+            _column("Status"),
+            _column("Roles"),
+            _AGE,
+            _column("Version"),
+            _column("Internal-IP", priority=1),
+            _column("External-IP", priority=1),
+            _column("OS-Image", priority=1),
+            _column("Kernel-Version", priority=1),
+            _column("Container-Runtime", priority=1),
+        ],
+        _node_cells,
+    ),
     "Deployment": (
         [_column("Ready"), _column("Up-to-date", "integer"), _column("Available", "integer"), _AGE],
         _deployment_cells,

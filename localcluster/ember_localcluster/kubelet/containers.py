@@ -109,6 +109,9 @@ async def _start(worker: _PodWorker, c: _Container) -> None:
         return
     worker.kubelet.track(process.pid)
     c.process, c.container_id = process, f"process://{process.pid}"
+    # Where this run starts in the log the runs share, for the API server's `pods/log`.
+    with contextlib.suppress(OSError), Path(f"{log_path}.runs").open("a") as runs:
+        runs.write(f"{c.log_offset} {c.container_id}\n")
     c.state = {"running": {"startedAt": c.started_at}}
     _event(worker, "Started", f"Started container {c.name}")
     c.exit_task = asyncio.create_task(_await_exit(worker, c, process))

@@ -1,9 +1,23 @@
-"""The local control plane's kubelet: it runs every Pod's containers as processes on this machine.
+"""The local control plane's kubelet: it runs the containers of the Pods bound to its nodes as processes
+on this machine.
 
 `ProcessKubelet` talks to the API server only through the official `kubernetes` client, as a real kubelet
-talks through client-go: it lists and watches Pods and ConfigMaps in all namespaces (`informer`), writes
-`pods/status`, records Events (`podstatus`) and confirms graceful deletions. Each pod is run by a worker
-of its own (`podworker`). What it models, and how:
+talks through client-go: it registers its Node objects (`node`), lists and watches ConfigMaps and, for
+each of its nodes, the Pods bound to it (`spec.nodeName`, a field selector per node, as a kubelet
+watches; `informer`), writes `pods/status`, records Events (`podstatus`) and confirms graceful deletions.
+Each pod is run by a worker of its own (`podworker`). One kubelet serves one or more nodes (`nodes`, one
+`NodeConfig` each): pods on any of them run the same way, on this machine. What it models, and how:
+
+* **Nodes.** Registration with capacity, allocatable, labels, taints and conditions (`node`). A pod not
+  bound to one of its nodes is not run: binding is the scheduler's business (`scheduler.py`).
+* **Admission.** A pod bound to a node whose allocatable resources its requests do not fit beside the
+  pods already admitted there (those not ended) is rejected as the kubelet's predicate admission does:
+  phase `Failed`, reason `OutOfcpu`, `OutOfmemory`, `OutOfpods` or `OutOf<resource>` (e.g.
+  `OutOfnvidia.com/gpu`), message `Pod was rejected: Node didn't have enough resource: <resource>,
+  requested: N, used: N, capacity: N`, and a Warning Event. As the kubelet does, extended resources the
+  node does not list are left out of that check. Only resources are checked (not node affinity, taints
+  or host ports), so this only matters for pods created with `spec.nodeName` set, which skip the
+  scheduler.
 
 * **Pod network.** Each pod gets a loopback address of its own, locked host-wide; an argument or env
   value that binds all interfaces is rewritten to it (`node`).
@@ -20,12 +34,14 @@ of its own (`podworker`). What it models, and how:
   container statuses and phases as the kubelet reports them (`podstatus`).
 * **Deletion.** preStop hook, SIGTERM, grace period, SIGKILL, then the pod is deleted (`podworker`).
 * **Logs.** stdout and stderr of each container go to `<pod dir>/<container>.log`, appended across
-  restarts. There is no `kubectl logs`: read the file (`log_path()`).
+  restarts (`log_path()`); each run appends `<offset> <containerID>` to `<container>.log.runs`, so that
+  the API server's `pods/log` (`kubectl logs`, `--previous`) can serve one run
+  (`apiserver/podlogs.py`; `DevCluster` wires it up).
 
 Not modelled: isolation of any kind (processes share the host's filesystem, users, PID space and ports;
-127.0.0.1 inside a pod is the host's), cgroups and resource requests/limits, image pulls, DNS (Service
-names do not resolve), Service environment variables, nodes and scheduling (every pod is run, whatever
-its nodeName), init, sidecar and ephemeral containers (a pod with initContainers stays Pending), secret,
+127.0.0.1 inside a pod is the host's), cgroups and resource limits (requests count only at admission),
+image pulls, DNS (Service names do not resolve), Service environment variables, node heartbeats and
+leases, init, sidecar and ephemeral containers (a pod with initContainers stays Pending), secret,
 projected and downwardAPI volumes, read-only mounts, in-place updates of a running pod's spec, the
 terminationMessagePath file, readiness gates, exec/attach/port-forward. Linux only.
 """
@@ -46,14 +62,26 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kubernetes.client.exceptions import ApiException
 
-from ember_localcluster.informer import API_TIMEOUT, Informer, _key
-from ember_localcluster.kubelet.node import ADDRESS_LOCKS, _Addresses, _signal_group
+from ember_localcluster import fit
+from ember_localcluster.apiserver.discovery import SERVER_VERSION
+from ember_localcluster.informer import API_TIMEOUT, MERGE_PATCH, Informer, _key
+from ember_localcluster.kubelet.node import (
+    ADDRESS_LOCKS,
+    NodeConfig,
+    _Addresses,
+    _signal_group,
+    node_labels,
+    node_manifest,
+    node_status,
+)
+from ember_localcluster.kubelet.podstatus import _post_event
 from ember_localcluster.kubelet.podvolumes import write_atomically
 from ember_localcluster.kubelet.podworker import _PodWorker
 from ember_localcluster.runtime import BackgroundRuntime
 
-__all__ = ["DEFAULT_IMAGES", "ENGINE_IMAGE", "Informer", "ProcessKubelet", "write_atomically"]
+__all__ = ["DEFAULT_IMAGES", "ENGINE_IMAGE", "Informer", "NodeConfig", "ProcessKubelet", "write_atomically"]
 
 log = logging.getLogger("ember.kubelet")
 
@@ -73,8 +101,11 @@ class ProcessKubelet:
     the directory of this Python, i.e. the virtualenv's `bin/`). `backoff_initial`/`backoff_max` shape the
     restart back-off.
 
-    `start()` returns once the kubelet has listed the API server's Pods; `stop()` kills every process it
-    started (SIGKILL, no grace) and leaves the pods' objects as they are, like a node that went away.
+    `nodes` are the Nodes it registers and runs pods for (default: one, `ember-local`, see `NodeConfig`).
+
+    `start()` returns once the kubelet has registered its nodes and listed their Pods; `stop()` kills
+    every process it started (SIGKILL, no grace) and leaves the pods' and nodes' objects as they are, like
+    a node that went away.
     """
 
     def __init__(
@@ -88,7 +119,13 @@ class ProcessKubelet:
         bin_dir: str | Path | None = None,
         backoff_initial: float = 1.0,
         backoff_max: float = 10.0,
+        nodes: Sequence[NodeConfig] | None = None,
     ) -> None:
+        self.nodes: dict[str, NodeConfig] = {
+            n.name: n for n in (nodes if nodes is not None else [NodeConfig()])
+        }
+        if not self.nodes:
+            raise ValueError("a kubelet needs at least one node")
         self.kubeconfig = Path(kubeconfig)
         self.state_dir = Path(state_dir).resolve()
         self.claims = {name: Path(path).resolve() for name, path in (claims or {}).items()}
@@ -104,6 +141,8 @@ class ProcessKubelet:
         self._workers: dict[str, _PodWorker] = {}  # by uid
         self._latest: dict[tuple[str, str], _PodWorker] = {}  # by (namespace, name)
         self._finished: set[str] = set()  # uids whose deletion this kubelet confirmed
+        self._rejected: set[str] = set()  # uids refused at admission
+        self._node_status: dict[str, dict[str, Any]] = {}  # what each node reported at registration
         self._background: set[asyncio.Task[Any]] = set()
         self._groups: set[int] = set()
         self._groups_lock = threading.Lock()
@@ -117,8 +156,17 @@ class ProcessKubelet:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    @property
+    def node_names(self) -> list[str]:
+        return list(self.nodes)
+
+    @property
+    def pods_dir(self) -> Path:
+        """Where the pods' directories are (what the API server's `pods/log` reads)."""
+        return self.state_dir / "pods"
+
     def pod_dir(self, namespace: str, name: str) -> Path:
-        return self.state_dir / "pods" / f"{namespace}_{name}"
+        return self.pods_dir / f"{namespace}_{name}"
 
     def log_path(self, namespace: str, name: str, container: str) -> Path:
         return self.pod_dir(namespace, name) / f"{container}.log"
@@ -135,13 +183,24 @@ class ProcessKubelet:
         (self.state_dir / "pods").mkdir(parents=True, exist_ok=True)
         runtime.start(self.kubeconfig)
         runtime.run(self._open_session(), timeout=10)
+        runtime.run(self._register_nodes(), timeout=30)
         configmaps = runtime.informer(
             runtime.core.list_config_map_for_all_namespaces, self._on_configmap, name="configmaps"
         )
-        pods = runtime.informer(runtime.core.list_pod_for_all_namespaces, self._on_pod, name="pods")
+        # A kubelet watches the pods bound to its node: one field-selected informer per node.
+        pods = [
+            runtime.informer(
+                functools.partial(
+                    runtime.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={name}"
+                ),
+                self._on_pod,
+                name=f"pods-{name}",
+            )
+            for name in self.nodes
+        ]
         # ConfigMaps first, so that the first pods find theirs.
         runtime.sync(configmaps)
-        runtime.sync(pods)
+        runtime.sync(*pods)
         return self
 
     def stop(self) -> None:
@@ -202,6 +261,21 @@ class ProcessKubelet:
 
     # -- internals -------------------------------------------------------------------------------------
 
+    async def _register_nodes(self) -> None:
+        """Create each node with its status; one that exists gets its labels and status refreshed."""
+        core = self._runtime.core
+        version = str(SERVER_VERSION["gitVersion"])
+        for config in self.nodes.values():
+            status = node_status(config, self.state_dir, version)
+            self._node_status[config.name] = status
+            try:
+                await self.api(core.create_node, {**node_manifest(config), "status": status})
+            except ApiException as error:
+                if error.status != 409:
+                    raise
+                await self.api(core.patch_node, config.name, {"metadata": {"labels": node_labels(config)}})
+                await self.api(core.patch_node_status, config.name, {"status": status})
+
     async def _open_session(self) -> None:
         # A fresh connection per probe, as the kubelet's prober does.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
@@ -235,13 +309,19 @@ class ProcessKubelet:
         worker = self._workers.get(uid)
         if kind == "DELETED":
             self._finished.discard(uid)
+            self._rejected.discard(uid)
             if worker is not None:
                 worker.removed()
             return
         if worker is not None:
             worker.update(pod)
             return
-        if uid in self._finished or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        if uid in self._finished or uid in self._rejected or fit.is_terminal(pod):
+            return
+        node = (pod.get("spec") or {}).get("nodeName")
+        if node not in self.nodes:
+            return  # not bound here (the informers select by node; this guards the rest)
+        if self._reject_if_unfit(pod, node):
             return
         key = _key(pod)
         previous = self._latest.get(key)
@@ -250,6 +330,54 @@ class ProcessKubelet:
         self._latest[key] = worker
         worker.task = asyncio.get_running_loop().create_task(worker.run())
         worker.task.add_done_callback(functools.partial(self._worker_done, worker))
+
+    def _admitted(self, node: str) -> list[dict[str, Any]]:
+        """The pods this kubelet admitted on `node` that still hold its resources."""
+        return [
+            w.pod
+            for w in self._workers.values()
+            if w.node_name == node and not w.confirmed and not w.gone and not w.ended()
+        ]
+
+    def _reject_if_unfit(self, pod: dict[str, Any], node: str) -> bool:
+        """The predicate admission handler's resource check (see the module docstring)."""
+        info = fit.NodeInfo(
+            {"metadata": {"name": node}, "status": self._node_status[node]}, self._admitted(node)
+        )
+        allocatable = info.allocatable()
+        # As the kubelet does, leave out extended resources this node does not know of.
+        known = {
+            **pod,
+            "spec": {
+                **(pod.get("spec") or {}),
+                "containers": [
+                    _without_unknown_extended(c, allocatable)
+                    for c in (pod.get("spec") or {}).get("containers") or []
+                ],
+            },
+        }
+        short = fit.insufficient(known, info)
+        if not short:
+            return False
+        resource, requested, used, capacity = short[0]
+        reason = f"OutOf{resource}"
+        message = (
+            f"Node didn't have enough resource: {resource}, requested: {requested}, used: {used}, "
+            f"capacity: {capacity}"
+        )
+        meta = pod["metadata"]
+        self._rejected.add(meta["uid"])
+        status = {"status": {"phase": "Failed", "reason": reason, "message": f"Pod was rejected: {message}"}}
+        core = self._runtime.core
+        namespace = meta.get("namespace") or "default"
+        self.spawn(
+            self.api(
+                core.patch_namespaced_pod_status, meta["name"], namespace, status, _content_type=MERGE_PATCH
+            )
+        )
+        self.spawn(_post_event(self, pod, node, reason, message, "Warning"))
+        log.info("pod %s/%s rejected on %s: %s", namespace, meta["name"], node, message)
+        return True
 
     def _worker_done(self, worker: _PodWorker, task: asyncio.Task[None]) -> None:
         self._workers.pop(worker.uid, None)
@@ -260,3 +388,18 @@ class ProcessKubelet:
             self._finished.add(worker.uid)
         if not task.cancelled() and task.exception() is not None:
             log.error("pod %s/%s: worker failed", worker.namespace, worker.name, exc_info=task.exception())
+
+
+def _without_unknown_extended(container: dict[str, Any], allocatable: Mapping[str, int]) -> dict[str, Any]:
+    resources = container.get("resources") or {}
+
+    def keep(amounts: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in amounts.items() if "/" not in k or "kubernetes.io/" in k or k in allocatable}
+
+    return {
+        **container,
+        "resources": {
+            "requests": keep(resources.get("requests") or {}),
+            "limits": keep(resources.get("limits") or {}),
+        },
+    }

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ember_localcluster.kubelet.node import HOST_IP, NODE_NAME
+from ember_localcluster.kubelet.node import HOST_IP
 from ember_localcluster.kubelet.podvolumes import _Rewriter, _rewriter
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def _field(worker: _PodWorker, path: str) -> str:
         "metadata.name": worker.name,
         "metadata.namespace": worker.namespace,
         "metadata.uid": worker.uid,
-        "spec.nodeName": worker.spec.get("nodeName") or NODE_NAME,
+        "spec.nodeName": worker.node_name,
         "spec.serviceAccountName": worker.spec.get("serviceAccountName") or "default",
         "status.podIP": worker.ip,
         "status.podIPs": worker.ip,

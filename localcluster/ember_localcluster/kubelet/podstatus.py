@@ -17,9 +17,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ember_localcluster.informer import MERGE_PATCH
-from ember_localcluster.kubelet.node import HOST_IP, NODE_NAME
+from ember_localcluster.kubelet.node import HOST_IP
 
 if TYPE_CHECKING:
+    from ember_localcluster.kubelet.kubelet import ProcessKubelet
     from ember_localcluster.kubelet.podworker import _PodWorker
 
 log = logging.getLogger("ember.kubelet")
@@ -155,24 +156,29 @@ def _event(worker: _PodWorker, reason: str, message: str, kind: str = "Normal") 
     if (reason, message) in worker.events_sent:
         return
     worker.events_sent.add((reason, message))
+    worker.kubelet.spawn(_post_event(worker.kubelet, worker.pod, worker.node_name, reason, message, kind))
+
+
+async def _post_event(
+    kubelet: ProcessKubelet, pod: dict[str, Any], node: str, reason: str, message: str, kind: str
+) -> None:
+    """Create an Event about `pod` from the kubelet of `node`."""
+    meta = pod["metadata"]
+    namespace, name = meta.get("namespace") or "default", meta["name"]
     now = datetime.now(UTC)
     event = client.CoreV1Event(
-        metadata=client.V1ObjectMeta(
-            name=f"{worker.name}.{uuid.uuid4().hex[:16]}", namespace=worker.namespace
-        ),
+        metadata=client.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:16]}", namespace=namespace),
         involved_object=client.V1ObjectReference(
-            api_version="v1", kind="Pod", name=worker.name, namespace=worker.namespace, uid=worker.uid
+            api_version="v1", kind="Pod", name=name, namespace=namespace, uid=meta["uid"]
         ),
         reason=reason,
         message=message,
         type=kind,
-        source=client.V1EventSource(component="kubelet", host=NODE_NAME),
+        source=client.V1EventSource(component="kubelet", host=node),
         first_timestamp=now,
         last_timestamp=now,
         count=1,
         reporting_component="kubelet",
-        reporting_instance=NODE_NAME,
+        reporting_instance=node,
     )
-    worker.kubelet.spawn(
-        worker.kubelet.api(worker.kubelet.core.create_namespaced_event, worker.namespace, event)
-    )
+    await kubelet.api(kubelet.core.create_namespaced_event, namespace, event)

@@ -22,7 +22,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ember_localcluster.kubelet.containers import _Container, _start
-from ember_localcluster.kubelet.node import _signal_group
+from ember_localcluster.kubelet.node import NODE_NAME, _signal_group
 from ember_localcluster.kubelet.podstatus import _event, _now, _phase, _publish
 from ember_localcluster.kubelet.podvolumes import MOUNT_RETRY_SECONDS, _mount, _MountError, _write_configmap
 from ember_localcluster.kubelet.probes import _run_handler
@@ -42,6 +42,7 @@ class _PodWorker:
         self.previous = previous
         meta = pod["metadata"]
         self.namespace, self.name, self.uid = meta.get("namespace") or "default", meta["name"], meta["uid"]
+        self.node_name = str((pod.get("spec") or {}).get("nodeName") or NODE_NAME)
         self.dir = kubelet.pod_dir(self.namespace, self.name)
         spec = pod.get("spec") or {}
         self.containers = {c["name"]: _Container(c) for c in spec.get("containers") or []}
@@ -52,7 +53,14 @@ class _PodWorker:
         self.configmap_volumes: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self.terminating = False
         self.confirmed = False  # this kubelet deleted the pod after stopping it
-        self.conditions: dict[str, dict[str, Any]] = {}
+        self.gone = False  # deleted from the API server without this kubelet's confirmation
+        # Seeded from the pod's status, so the conditions the kubelet does not change (PodScheduled, set by
+        # the binding) keep their lastTransitionTime, as the kubelet's status manager keeps it.
+        self.conditions: dict[str, dict[str, Any]] = {
+            c["type"]: dict(c)
+            for c in (pod.get("status") or {}).get("conditions") or []
+            if isinstance(c, dict) and "type" in c and "lastTransitionTime" in c
+        }
         self.published: dict[str, Any] | None = None
         self.events_sent: set[tuple[str, str]] = set()
         self.wakeup = asyncio.Event()
@@ -109,8 +117,13 @@ class _PodWorker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wakeup.wait(), timeout)
 
+    def ended(self) -> bool:
+        """Whether every container has ended for good (the pod's phase is Succeeded or Failed)."""
+        return _phase(self) in ("Succeeded", "Failed")
+
     def removed(self) -> None:
         """The pod is gone from the API server: kill what still runs, at once."""
+        self.gone = True
         if self.task is not None and not self.confirmed:
             self.task.cancel()
 

@@ -1,0 +1,317 @@
+"""The local control plane's scheduler: kube-scheduler's part, binding each pending pod to a node.
+
+`Scheduler` talks to the API server only through the official `kubernetes` client, as kube-scheduler
+talks through client-go: it lists and watches Nodes and the Pods that have not ended (the field selector
+`status.phase!=Succeeded,status.phase!=Failed`, kube-scheduler's own), and for every pod without
+`spec.nodeName` (with `schedulerName` unset or `default-scheduler`, not being deleted, without
+scheduling gates) it runs the default profile's filters over every node (`fit.py`: cordoned nodes,
+taints and tolerations, `nodeSelector` and required node affinity, resource requests against what the
+pods already bound there request). Then, as kube-scheduler does:
+
+* **A node fits:** the best one (`fit.score`: least allocated, then the name; deterministic) gets the
+  pod through `POST pods/NAME/binding` (the `pods/binding` subresource, with the pod's uid as
+  precondition, so the API server sets `spec.nodeName` and `PodScheduled=True`), and a Normal Event
+  `Scheduled` says `Successfully assigned NS/NAME to NODE`. The pod counts on that node at once (an
+  "assumed" pod), before its watch event arrives.
+* **None fits:** the pod stays Pending with `PodScheduled` False, reason `Unschedulable` and
+  kube-scheduler's message (`0/2 nodes are available: 2 Insufficient nvidia.com/gpu. no new claims to
+  deallocate, preemption: 0/2 nodes are available: 2 No preemption victims found for incoming pod.`;
+  with no nodes at all, `no nodes available to schedule pods`), written through `pods/status` as a
+  strategic merge patch of that one condition, with a Warning Event `FailedScheduling` carrying the same
+  message (once per distinct message).
+
+Pods are taken highest `spec.priority` first, then oldest, as the scheduling queue's PrioritySort does.
+Every change to a pod or a node (a pod ending or going away, a node added, relabelled, uncordoned or
+untainted) runs a new pass over all pending pods, which stands in for the scheduling queue's
+unschedulable pods moving back to the active queue; there is no back-off.
+
+Not modelled (besides what `fit.py` lists): preemption, nominated nodes, multiple profiles, extenders,
+binding cycles that wait (permit, volume binding), pod groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from ember_localcluster import fit
+from ember_localcluster.informer import API_TIMEOUT
+from ember_localcluster.runtime import BackgroundRuntime
+
+__all__ = ["SCHEDULER_NAME", "Scheduler"]
+
+log = logging.getLogger("ember.scheduler")
+
+SCHEDULER_NAME = "default-scheduler"
+RETRY_SECONDS = 1.0  # after an API call failed
+
+
+def _key(obj: dict[str, Any]) -> tuple[str, str]:
+    meta = obj["metadata"]
+    return (meta.get("namespace") or "", meta["name"])
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _scheduled_condition(pod: dict[str, Any]) -> dict[str, Any] | None:
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled":
+            return dict(condition)
+    return None
+
+
+class Scheduler:
+    """Binds the pending Pods of the API server at `kubeconfig` to its Nodes (see the module docstring).
+
+    `start()` returns once Nodes and Pods have been listed; `stop()` stops it, leaving every pod as it is.
+    """
+
+    def __init__(self, kubeconfig: str | Path) -> None:
+        self.kubeconfig = Path(kubeconfig)
+        self._pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self._nodes: dict[str, dict[str, Any]] = {}
+        self._assumed: dict[str, str] = {}  # pod uid -> node, bound here and not yet seen bound
+        self._reported: dict[str, str] = {}  # pod uid -> the last FailedScheduling message sent
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._runtime = BackgroundRuntime("scheduler", api_workers=2)
+
+    def __enter__(self) -> Scheduler:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> Scheduler:
+        runtime = self._runtime
+        if runtime.running:
+            raise RuntimeError("the scheduler is already running")
+        runtime.start(self.kubeconfig)
+        runtime.run(self._begin(), timeout=10)
+        nodes = runtime.informer(runtime.core.list_node, self._on_node, name="scheduler-nodes")
+        pods = runtime.informer(
+            functools.partial(
+                runtime.core.list_pod_for_all_namespaces,
+                field_selector="status.phase!=Succeeded,status.phase!=Failed",
+            ),
+            self._on_pod,
+            name="scheduler-pods",
+        )
+        runtime.sync(nodes, pods)
+        return self
+
+    def stop(self) -> None:
+        self._runtime.stop(self._shutdown)
+
+    # -- on the scheduler's loop -----------------------------------------------------------------------
+
+    async def _begin(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _shutdown(self) -> None:
+        tasks = [t for t in (self._task, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _on_node(self, kind: str, node: dict[str, Any]) -> None:
+        if kind == "DELETED":
+            self._nodes.pop(node["metadata"]["name"], None)
+        else:
+            self._nodes[node["metadata"]["name"]] = node
+        self._wake()
+
+    def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        uid = pod["metadata"]["uid"]
+        if kind == "DELETED":
+            self._pods.pop(_key(pod), None)
+            self._assumed.pop(uid, None)
+            self._reported.pop(uid, None)
+        else:
+            self._pods[_key(pod)] = pod
+            if (pod.get("spec") or {}).get("nodeName"):
+                self._assumed.pop(uid, None)
+        self._wake()
+
+    async def _loop(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            try:
+                await self._schedule_pending()
+            except Exception:
+                log.exception("a scheduling pass failed; trying again in %.0f s", RETRY_SECONDS)
+                self._retry_later()
+
+    def _retry_later(self) -> None:
+        asyncio.get_running_loop().call_later(RETRY_SECONDS, self._wake)
+
+    def _pending(self) -> list[dict[str, Any]]:
+        def wanted(pod: dict[str, Any]) -> bool:
+            spec, meta = pod.get("spec") or {}, pod["metadata"]
+            return (
+                not spec.get("nodeName")
+                and meta["uid"] not in self._assumed
+                and not meta.get("deletionTimestamp")
+                and not fit.is_terminal(pod)
+                and spec.get("schedulerName", SCHEDULER_NAME) in ("", SCHEDULER_NAME)
+                and not spec.get("schedulingGates")
+            )
+
+        def order(pod: dict[str, Any]) -> tuple[int, str, str, str]:
+            priority = (pod.get("spec") or {}).get("priority")
+            meta = pod["metadata"]
+            return (
+                -(priority if isinstance(priority, int) else 0),
+                meta.get("creationTimestamp", ""),
+                meta.get("namespace", ""),
+                meta["name"],
+            )
+
+        return sorted((p for p in self._pods.values() if wanted(p)), key=order)
+
+    def _node_infos(self) -> dict[str, fit.NodeInfo]:
+        infos = {name: fit.NodeInfo(node) for name, node in sorted(self._nodes.items())}
+        for pod in self._pods.values():
+            node = (pod.get("spec") or {}).get("nodeName") or self._assumed.get(pod["metadata"]["uid"])
+            if node in infos and not fit.is_terminal(pod):
+                infos[node].pods.append(pod)
+        return infos
+
+    async def _schedule_pending(self) -> None:
+        pending = self._pending()
+        if not pending:
+            return
+        infos = self._node_infos()
+        for pod in pending:
+            if self._pods.get(_key(pod)) is not pod:
+                continue  # changed or gone while this pass awaited: the next pass has it
+            results = {name: fit.filter_node(pod, info) for name, info in infos.items()}
+            feasible = [infos[name] for name, result in results.items() if result.fits]
+            if feasible:
+                best = min(feasible, key=lambda info: fit.score(pod, info))
+                if await self._bind(pod, best.name):
+                    best.pods.append(pod)
+            else:
+                await self._unschedulable(pod, fit.failure_message(pod, results))
+
+    async def _api(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("_request_timeout", API_TIMEOUT)
+        call = functools.partial(method, *args, _preload_content=False, **kwargs)
+        response = await asyncio.get_running_loop().run_in_executor(self._runtime.executor, call)
+        return json.loads(response.data or b"null")
+
+    async def _bind(self, pod: dict[str, Any], node: str) -> bool:
+        meta = pod["metadata"]
+        namespace, name, uid = meta.get("namespace") or "default", meta["name"], meta["uid"]
+        binding = client.V1Binding(
+            metadata=client.V1ObjectMeta(name=name, namespace=namespace, uid=uid),
+            target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
+        )
+        try:
+            await self._api(self._runtime.core.create_namespaced_pod_binding, name, namespace, binding)
+        except ApiException as error:
+            if error.status in (404, 409):  # gone, bound by someone else, or being deleted
+                log.debug("pod %s/%s: binding to %s refused: %s", namespace, name, node, error.reason)
+                return False
+            log.warning("pod %s/%s: binding to %s failed: %s", namespace, name, node, error)
+            self._retry_later()
+            return False
+        except (OSError, urllib3.exceptions.HTTPError) as error:
+            log.warning("pod %s/%s: binding to %s failed: %s", namespace, name, node, error)
+            self._retry_later()
+            return False
+        self._assumed[uid] = node
+        self._reported.pop(uid, None)
+        log.info("pod %s/%s bound to %s", namespace, name, node)
+        self._event(
+            pod, "Normal", "Scheduled", "Binding", f"Successfully assigned {namespace}/{name} to {node}"
+        )
+        return True
+
+    async def _unschedulable(self, pod: dict[str, Any], message: str) -> None:
+        meta = pod["metadata"]
+        namespace, name, uid = meta.get("namespace") or "default", meta["name"], meta["uid"]
+        previous = _scheduled_condition(pod)
+        condition = {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": message,
+            "lastProbeTime": None,
+            "lastTransitionTime": _now(),
+        }
+        if previous is not None and previous.get("status") == "False":
+            if previous.get("reason") == "Unschedulable" and previous.get("message") == message:
+                return  # `UpdatePodCondition` finds nothing to change
+            condition["lastTransitionTime"] = (
+                previous.get("lastTransitionTime") or condition["lastTransitionTime"]
+            )
+        try:
+            await self._api(
+                self._runtime.core.patch_namespaced_pod_status,
+                name,
+                namespace,
+                {"status": {"conditions": [condition]}},
+            )
+        except ApiException as error:
+            if error.status != 404:
+                log.warning("pod %s/%s: status update failed: %s", namespace, name, error)
+                self._retry_later()
+            return
+        except (OSError, urllib3.exceptions.HTTPError) as error:
+            log.warning("pod %s/%s: status update failed: %s", namespace, name, error)
+            self._retry_later()
+            return
+        if self._reported.get(uid) != message:
+            self._reported[uid] = message
+            log.info("pod %s/%s is unschedulable: %s", namespace, name, message)
+            self._event(pod, "Warning", "FailedScheduling", "Scheduling", message)
+
+    def _event(self, pod: dict[str, Any], kind: str, reason: str, action: str, message: str) -> None:
+        meta = pod["metadata"]
+        namespace, name = meta.get("namespace") or "default", meta["name"]
+        now = datetime.now(UTC)
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:16]}", namespace=namespace),
+            involved_object=client.V1ObjectReference(
+                api_version="v1", kind="Pod", name=name, namespace=namespace, uid=meta["uid"]
+            ),
+            reason=reason,
+            message=message,
+            type=kind,
+            action=action,
+            source=client.V1EventSource(component=SCHEDULER_NAME),
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            reporting_component=SCHEDULER_NAME,
+            reporting_instance=SCHEDULER_NAME,
+        )
+        task = asyncio.ensure_future(self._api(self._runtime.core.create_namespaced_event, namespace, event))
+        self._background.add(task)
+        task.add_done_callback(self._event_sent)
+
+    def _event_sent(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("recording an event failed: %s", task.exception())
