@@ -90,3 +90,20 @@ def test_bench_fleet_reports_both_policies_for_both_workloads(tmp_path: Path) ->
     assert 0 < result["workloads"]["shared"]["single_replica_prefix_hit_rate"] <= 1
     assert result["router_overhead_p50_s"] is not None
     assert png.stat().st_size > 0
+
+
+def test_a_roll_completes_on_a_full_gpu_pool_within_max_unavailable(tmp_path: Path) -> None:
+    out = tmp_path / "roll.json"
+    run = subprocess.run(
+        [EMBER, "bench", "scale", "--scenario", "roll", "--tick", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    bare, pooled = json.loads(out.read_text())["runs"]
+    assert (bare["gpus"], bare["warm_pool"]) == (2, 0) and (pooled["gpus"], pooled["warm_pool"]) == (3, 1)
+    for r in (bare, pooled):
+        assert r["roll_seconds"] > 0 and r["a_surge_pod_waited_unschedulable"]  # the pool really was full
+    assert bare["fewest_ready_active"] == 1  # 2 - maxUnavailable
+    assert pooled["fewest_ready_active"] == 2  # the warm pool is the surge

@@ -1,5 +1,6 @@
 """`ember bench scale`: from a load spike to added capacity serving, warm pool vs cold start, side by side;
-and with `--scenario failover`, from SIGKILL of the only active engine to the Service serving again.
+with `--scenario failover`, from SIGKILL of the only active engine to the Service serving again; and with
+`--scenario roll`, an engine change rolled on a pool of GPUs with none to spare.
 
 Both runs use the local control plane (API server, process kubelet, service proxy, the operator) and real
 engine processes on one test checkpoint. Each run applies an InferenceService with one active pod (and,
@@ -15,6 +16,12 @@ pod behind the Service again (`endpoint_ready_seconds`), and until a request thr
 answered 200 (`served_seconds`; one request every 20 ms, each on a new connection). With a pool the
 operator promotes the warm pod as soon as it sees the active one go down; without, the kubelet restarts
 the engine, which loads and warms up again.
+
+The roll scenario starts a one-node cluster whose GPUs the InferenceService fills exactly (replicas ×
+1 GPU, plus the warm pool's), changes an engine field, and reports how long the roll took until every pod
+runs the new template, Ready, and the fewest Ready active pods seen meanwhile (sampled every 50 ms), once
+without a warm pool (the default rollout, maxSurge 1 and maxUnavailable 1: the surge pod waits
+Unschedulable, so one old pod is retired for it) and once with a warm pool of one (the pool is the surge).
 """
 
 from __future__ import annotations
@@ -314,6 +321,87 @@ async def _failover(args: argparse.Namespace, directory: Path) -> dict[str, Any]
     }
 
 
+async def _roll_one(
+    directory: Path, name: str, active: int, warm: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    from ember_localcluster.devcluster import DevCluster
+
+    gpus = active + warm
+    with DevCluster(directory / name, port=0, tick=args.tick, nodes=1, gpus_per_node=gpus) as cluster:
+        api = cluster.api
+        resource = _resource(name, warm, args.interval)
+        resource["spec"]["model"]["volumeClaim"] = "model-weights"
+        resource["spec"]["resources"] = {"gpus": 1}
+        resource["spec"]["replicas"] = {"min": active, "max": active}
+        api.create(resource)
+        label = f"app.kubernetes.io/instance={name}"
+
+        def pods() -> list[dict[str, Any]]:
+            return api.list("v1", "Pod", "default", label_selector=label)
+
+        def settled(template: str | None) -> bool:
+            obj = api.get(GROUP_VERSION, "InferenceService", "default", name)
+            live = [p for p in pods() if not p["metadata"].get("deletionTimestamp")]
+            return (
+                _conditions(obj).get("Reconciling") == "False"
+                and len(live) == len(pods()) == gpus
+                and all(map(_ready, live))
+                and (
+                    template is None
+                    or all(p["metadata"]["labels"]["ember.dev/template-hash"] == template for p in live)
+                )
+            )
+
+        await _wait(lambda: settled(None), args.timeout, f"{name} settled")
+        old = {p["metadata"]["labels"]["ember.dev/template-hash"] for p in pods()}
+        api.patch(GROUP_VERSION, "InferenceService", "default", name, {"spec": {"engine": {"maxNumSeqs": 2}}})
+        start = time.monotonic()
+        fewest = active
+        new_hash = None
+        unschedulable_seen = False
+        while time.monotonic() - start < args.timeout:
+            current = pods()
+            ready_active = sum(
+                _ready(p)
+                and p["metadata"]["labels"].get("ember.dev/role") == "active"
+                and not p["metadata"].get("deletionTimestamp")
+                for p in current
+            )
+            fewest = min(fewest, ready_active)
+            unschedulable_seen = unschedulable_seen or any(
+                c.get("reason") == "Unschedulable"
+                for p in current
+                for c in (p.get("status") or {}).get("conditions") or []
+            )
+            hashes = {p["metadata"]["labels"]["ember.dev/template-hash"] for p in current} - old
+            new_hash = next(iter(hashes), new_hash)
+            if new_hash is not None and settled(new_hash):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise TimeoutError(f"{name}: the roll did not finish within {args.timeout:g} s")
+        return {
+            "active": active,
+            "warm_pool": warm,
+            "gpus": gpus,
+            "roll_seconds": round(time.monotonic() - start, 2),
+            "fewest_ready_active": fewest,
+            "a_surge_pod_waited_unschedulable": unschedulable_seen,
+        }
+
+
+async def _roll(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    from ember_engine.tools.testmodel import make_test_model
+
+    runs = []
+    for i, (active, warm) in enumerate(((2, 0), (2, 1))):
+        make_test_model(directory / f"roll-{i}" / "models" / "bench", size=args.size, force=True)
+        result = await _roll_one(directory, f"roll-{i}", active, warm, args)
+        runs.append(result)
+        print(json.dumps(result), file=sys.stderr, flush=True)
+    return {"scenario": "roll", "checkpoint": args.size, "runs": runs}
+
+
 async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     from ember_engine.tools.testmodel import make_test_model
     from ember_localcluster.devcluster import DevCluster
@@ -343,7 +431,7 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ember-bench-scale-") as tmp:
-        bench = _failover if args.scenario == "failover" else _bench
+        bench = {"failover": _failover, "roll": _roll}.get(args.scenario, _bench)
         result = asyncio.run(bench(args, Path(tmp)))
     text = json.dumps(result, indent=2)
     print(text)
@@ -355,10 +443,10 @@ def main(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scenario",
-        choices=["spike", "failover"],
+        choices=["spike", "failover", "roll"],
         default="spike",
         help="spike: load spike to a second engine serving; failover: SIGKILL of the only active engine "
-        "to the Service serving again (default spike)",
+        "to the Service serving again; roll: an engine change on a full GPU pool (default spike)",
     )
     p.add_argument("--size", choices=["tiny", "small"], default="tiny", help="test checkpoint (default tiny)")
     p.add_argument("--repeats", type=int, default=3, help="warm and cold runs each (default 3)")
