@@ -511,6 +511,36 @@ def test_an_hpa_style_client_drives_scale_on_an_object_applied_without_desired(c
     cp.remove("hpa")
 
 
+def test_a_quota_refusal_stalls_and_raising_the_quota_recovers(cp: ControlPlane) -> None:
+    wait_for(
+        lambda: not cp.api.list("v1", "Pod", NAMESPACE), timeout=90, what="no pods left from earlier tests"
+    )
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "pods", "namespace": NAMESPACE},
+        "spec": {"hard": {"pods": "1"}},
+    }
+    cp.api.create(quota)
+    try:
+        cp.create("quota", replicas={"min": 1, "max": 1}, warmPool={"size": 1})
+        wait_for(
+            lambda: cp.condition("quota", "Stalled").get("reason") == "QuotaExceeded",
+            timeout=60,
+            what="QuotaExceeded",
+        )
+        assert (
+            "exceeded quota: pods, requested: pods=1, used: pods=1, limited: pods=1"
+            in cp.condition("quota", "Stalled")["message"]
+        )
+        cp.api.patch("v1", "ResourceQuota", NAMESPACE, "pods", {"spec": {"hard": {"pods": "2"}}})
+        cp.wait_converged("quota", 1, 1)
+        assert cp.condition("quota", "Stalled").get("status") == "False"
+    finally:
+        cp.api.delete("v1", "ResourceQuota", NAMESPACE, "pods")
+    cp.remove("quota")
+
+
 def test_deleting_with_the_operator_stopped_completes(cp: ControlPlane) -> None:
     cp.create("orphaned", replicas={"min": 1, "max": 1})
     cp.wait_converged("orphaned", 1, 0)
