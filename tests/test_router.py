@@ -4,8 +4,6 @@ shedding, and a client that goes away aborting its request in the engine."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -14,12 +12,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from aiohttp import web
 from server_util import InProcessServer, running_server
-from waiting import free_port, wait_for
+from waiting import wait_for
 
 from ember_engine.core.kv_events import prefix_hashes
 from ember_engine.core.tokenizer import Tokenizer
+from ember_router.embedded import serving
 from ember_router.pool import EnginePool
 from ember_router.proxy import ROUTE_REASON, ROUTED_TO, Router, RouterSettings
 
@@ -27,30 +25,10 @@ from ember_router.proxy import ROUTE_REASON, ROUTED_TO, Router, RouterSettings
 @contextmanager
 def running_router(model: Path, urls: list[str], poll_interval: float = 0.1) -> Iterator[tuple[str, Router]]:
     router = Router(EnginePool(urls, poll_interval=poll_interval), Tokenizer(str(model)), RouterSettings())
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(router.app(), handler_cancellation=True)
-    started = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    started.wait(10)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with serving(router) as url:
         wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
         wait_for(lambda: all(e.state.ready for e in router.pool.engines.values()), what="every engine polled")
         yield url, router
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,9 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -143,42 +141,20 @@ def _summarize(
 
 @contextmanager
 def _router(model_dir: Path, urls: list[str]) -> Any:
-    """`ember router` in this process, on its own loop and thread."""
-    from aiohttp import web
-
+    """`ember router` in this process, once it sees every engine Ready with its events."""
     from ember_engine.core.tokenizer import Tokenizer
+    from ember_router.embedded import serving
     from ember_router.pool import EnginePool
     from ember_router.proxy import Router
 
     router = Router(EnginePool(urls, poll_interval=0.1), Tokenizer(str(model_dir)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(router.app(), handler_cancellation=True)
-    started = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    started.wait(10)
-    try:
+    with serving(router) as url:
         deadline = time.monotonic() + 30
         while not all(e.state.ready and e.events_live for e in router.pool.engines.values()):
             if time.monotonic() > deadline:
                 raise TimeoutError("the router never saw every engine Ready")
             time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        yield url
 
 
 async def _overhead(router_url: str, engine_url: str, model: str, n: int) -> float:

@@ -80,6 +80,31 @@ async def _wait(check: Any, timeout: float, what: str) -> Any:
     raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
 
+async def _apply_settled(api: Any, resource: dict[str, Any], pods: int, timeout: float) -> str:
+    """Create the InferenceService, wait until its `pods` pods are Ready and it is no longer Reconciling,
+    and return its Service's local address."""
+    name = resource["metadata"]["name"]
+    api.create(resource)
+
+    def settled() -> bool:
+        obj = api.get(GROUP_VERSION, "InferenceService", "default", name)
+        listed = api.list("v1", "Pod", "default", label_selector=f"app.kubernetes.io/instance={name}")
+        return (
+            _conditions(obj).get("Reconciling") == "False"
+            and len(listed) == pods
+            and all(map(_ready, listed))
+        )
+
+    await _wait(settled, timeout, f"{name} settled")
+    svc = await _wait(
+        lambda: ((api.get("v1", "Service", "default", name) or {}).get("status") or {}).get("loadBalancer"),
+        timeout,
+        "the Service's local address",
+    )
+    ingress = svc["ingress"][0]
+    return f"http://{ingress['ip']}:{ingress['ports'][0]['port']}"
+
+
 async def _served(client: Any, pod_ip: str) -> bool:
     """True once the engine at `pod_ip` runs or has finished a request (warm-up requests are not counted)."""
     import httpx
@@ -131,25 +156,7 @@ async def _run_one(cluster: Any, name: str, warm: int, args: argparse.Namespace)
     import httpx
 
     api = cluster.api
-    api.create(_resource(name, warm, args.interval))
-
-    def settled() -> bool:
-        obj = api.get(GROUP_VERSION, "InferenceService", "default", name)
-        pods = api.list("v1", "Pod", "default", label_selector=f"app.kubernetes.io/instance={name}")
-        return (
-            _conditions(obj).get("Reconciling") == "False"
-            and len(pods) == 1 + warm
-            and all(map(_ready, pods))
-        )
-
-    await _wait(settled, args.timeout, f"{name} settled")
-    svc = await _wait(
-        lambda: ((api.get("v1", "Service", "default", name) or {}).get("status") or {}).get("loadBalancer"),
-        args.timeout,
-        "the Service's local address",
-    )
-    ingress = svc["ingress"][0]
-    base = f"http://{ingress['ip']}:{ingress['ports'][0]['port']}"
+    base = await _apply_settled(api, _resource(name, warm, args.interval), 1 + warm, args.timeout)
     selector = f"app.kubernetes.io/instance={name},ember.dev/role=active"
     (first,) = api.list("v1", "Pod", "default", label_selector=selector)
     first_name = first["metadata"]["name"]
@@ -229,26 +236,8 @@ async def _failover_one(cluster: Any, name: str, warm: int, args: argparse.Names
     api = cluster.api
     resource = _resource(name, warm, args.interval)
     resource["spec"]["replicas"] = {"min": 1, "max": 1}
-    api.create(resource)
+    base = await _apply_settled(api, resource, 1 + warm, args.timeout)
     label = f"app.kubernetes.io/instance={name}"
-
-    def settled() -> bool:
-        pods = api.list("v1", "Pod", "default", label_selector=label)
-        obj = api.get(GROUP_VERSION, "InferenceService", "default", name)
-        return (
-            _conditions(obj).get("Reconciling") == "False"
-            and len(pods) == 1 + warm
-            and all(map(_ready, pods))
-        )
-
-    await _wait(settled, args.timeout, f"{name} settled")
-    svc = await _wait(
-        lambda: ((api.get("v1", "Service", "default", name) or {}).get("status") or {}).get("loadBalancer"),
-        args.timeout,
-        "the Service's local address",
-    )
-    ingress = svc["ingress"][0]
-    base = f"http://{ingress['ip']}:{ingress['ports'][0]['port']}"
     (victim,) = api.list("v1", "Pod", "default", label_selector=f"{label},ember.dev/role=active")
     _kill_engine(victim["status"]["podIP"])
     killed = time.monotonic()

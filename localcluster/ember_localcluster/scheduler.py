@@ -35,7 +35,6 @@ import asyncio
 import functools
 import json
 import logging
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ember_localcluster import fit
+from ember_localcluster.events import pod_event
 from ember_localcluster.informer import API_TIMEOUT
 from ember_localcluster.runtime import BackgroundRuntime
 
@@ -288,25 +288,8 @@ class Scheduler:
             self._event(pod, "Warning", "FailedScheduling", "Scheduling", message)
 
     def _event(self, pod: dict[str, Any], kind: str, reason: str, action: str, message: str) -> None:
-        meta = pod["metadata"]
-        namespace, name = meta.get("namespace") or "default", meta["name"]
-        now = datetime.now(UTC)
-        event = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:16]}", namespace=namespace),
-            involved_object=client.V1ObjectReference(
-                api_version="v1", kind="Pod", name=name, namespace=namespace, uid=meta["uid"]
-            ),
-            reason=reason,
-            message=message,
-            type=kind,
-            action=action,
-            source=client.V1EventSource(component=SCHEDULER_NAME),
-            first_timestamp=now,
-            last_timestamp=now,
-            count=1,
-            reporting_component=SCHEDULER_NAME,
-            reporting_instance=SCHEDULER_NAME,
-        )
+        event = pod_event(pod, kind, reason, message, SCHEDULER_NAME, SCHEDULER_NAME, action=action)
+        namespace = pod["metadata"].get("namespace") or "default"
         task = asyncio.ensure_future(self._api(self._runtime.core.create_namespaced_event, namespace, event))
         self._background.add(task)
         task.add_done_callback(self._event_sent)

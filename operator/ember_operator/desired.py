@@ -236,17 +236,22 @@ def desired_pod(owner: Owner, spec: InferenceServiceSpec, role: str, pod_hash: s
     }
 
 
+def _child_meta(owner: Owner, name: str) -> dict[str, Any]:
+    """The metadata of a child object other than a pod: its name, labels and owner."""
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": {**instance_labels(owner.name), MANAGED_BY_LABEL: "ember-operator"},
+        "ownerReferences": [owner.reference()],
+    }
+
+
 def desired_service(owner: Owner) -> dict[str, Any]:
     """The Service clients use: it selects the active pods only, so warm pods get no traffic."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": owner.name,
-            "namespace": owner.namespace,
-            "labels": {**instance_labels(owner.name), MANAGED_BY_LABEL: "ember-operator"},
-            "ownerReferences": [owner.reference()],
-        },
+        "metadata": _child_meta(owner, owner.name),
         # No `type`: the API server defaults it to ClusterIP, and a type set later (LoadBalancer, NodePort)
         # is the user's to keep.
         "spec": {
@@ -263,12 +268,7 @@ def desired_pdb(owner: Owner, spec: InferenceServiceSpec, desired_active: int) -
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": {
-            "name": owner.name,
-            "namespace": owner.namespace,
-            "labels": {**instance_labels(owner.name), MANAGED_BY_LABEL: "ember-operator"},
-            "ownerReferences": [owner.reference()],
-        },
+        "metadata": _child_meta(owner, owner.name),
         "spec": {
             "minAvailable": max(0, desired_active - spec.rollout.max_unavailable),
             "selector": {"matchLabels": active_selector(owner.name)},
@@ -300,12 +300,7 @@ def desired_policy_configmap(
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {
-            "name": policy_configmap_name(owner.name),
-            "namespace": owner.namespace,
-            "labels": {**instance_labels(owner.name), MANAGED_BY_LABEL: "ember-operator"},
-            "ownerReferences": [owner.reference()],
-        },
+        "metadata": _child_meta(owner, policy_configmap_name(owner.name)),
         "data": {POLICY_FILE: text},
     }
 

@@ -8,14 +8,13 @@ the pod's ContainersReady and Ready conditions. Each distinct Event is recorded 
 from __future__ import annotations
 
 import logging
-import uuid
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import urllib3
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from ember_localcluster.events import pod_event
 from ember_localcluster.informer import MERGE_PATCH
 from ember_localcluster.kubelet.node import HOST_IP
 
@@ -163,22 +162,6 @@ async def _post_event(
     kubelet: ProcessKubelet, pod: dict[str, Any], node: str, reason: str, message: str, kind: str
 ) -> None:
     """Create an Event about `pod` from the kubelet of `node`."""
-    meta = pod["metadata"]
-    namespace, name = meta.get("namespace") or "default", meta["name"]
-    now = datetime.now(UTC)
-    event = client.CoreV1Event(
-        metadata=client.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:16]}", namespace=namespace),
-        involved_object=client.V1ObjectReference(
-            api_version="v1", kind="Pod", name=name, namespace=namespace, uid=meta["uid"]
-        ),
-        reason=reason,
-        message=message,
-        type=kind,
-        source=client.V1EventSource(component="kubelet", host=node),
-        first_timestamp=now,
-        last_timestamp=now,
-        count=1,
-        reporting_component="kubelet",
-        reporting_instance=node,
-    )
+    event = pod_event(pod, kind, reason, message, "kubelet", node, host=node)
+    namespace = pod["metadata"].get("namespace") or "default"
     await kubelet.api(kubelet.core.create_namespaced_event, namespace, event)

@@ -1,0 +1,41 @@
+"""core/v1 Events about a Pod, as the kubelet and kube-scheduler record them."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client
+
+
+def pod_event(
+    pod: dict[str, Any],
+    kind: str,
+    reason: str,
+    message: str,
+    component: str,
+    instance: str,
+    host: str | None = None,
+    action: str | None = None,
+) -> client.CoreV1Event:
+    """An Event (`kind` Normal or Warning) about `pod`, from `component` running as `instance`."""
+    meta = pod["metadata"]
+    namespace, name = meta.get("namespace") or "default", meta["name"]
+    now = datetime.now(UTC)
+    return client.CoreV1Event(
+        metadata=client.V1ObjectMeta(name=f"{name}.{uuid.uuid4().hex[:16]}", namespace=namespace),
+        involved_object=client.V1ObjectReference(
+            api_version="v1", kind="Pod", name=name, namespace=namespace, uid=meta["uid"]
+        ),
+        reason=reason,
+        message=message,
+        type=kind,
+        action=action,
+        source=client.V1EventSource(component=component, host=host),
+        first_timestamp=now,
+        last_timestamp=now,
+        count=1,
+        reporting_component=component,
+        reporting_instance=instance,
+    )
