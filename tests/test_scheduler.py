@@ -198,8 +198,7 @@ def test_a_pod_placed_by_hand_on_a_full_node_is_rejected_by_the_kubelet(clean: C
 
 def test_kubectl_get_nodes_and_logs(clean: Cluster, tmp_path: Path) -> None:
     kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (Debian: kubernetes-client)")
+    assert kubectl, "kubectl is not on PATH; it is part of the machine setup (apt install kubectl)"
     api = clean.api
 
     def run(*args: str) -> str:
