@@ -23,8 +23,11 @@ from ember_router.proxy import ROUTE_REASON, ROUTED_TO, Router, RouterSettings
 
 
 @contextmanager
-def running_router(model: Path, urls: list[str], poll_interval: float = 0.1) -> Iterator[tuple[str, Router]]:
-    router = Router(EnginePool(urls, poll_interval=poll_interval), Tokenizer(str(model)), RouterSettings())
+def running_router(
+    model: Path, urls: list[str], poll_interval: float = 0.1, settings: RouterSettings | None = None
+) -> Iterator[tuple[str, Router]]:
+    pool = EnginePool(urls, poll_interval=poll_interval)
+    router = Router(pool, Tokenizer(str(model)), settings or RouterSettings())
     with serving(router) as url:
         wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
         wait_for(lambda: all(e.state.ready for e in router.pool.engines.values()), what="every engine polled")
@@ -133,3 +136,26 @@ def test_a_client_that_goes_away_aborts_its_request_in_the_engine(
             timeout=10,
             what="the request aborted in the engine",
         )
+
+
+def test_what_no_engine_can_take_goes_to_the_fallback(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+    settings = RouterSettings(fallback_url=engines[1].url, fallback_model=model)
+    with running_router(tiny_model, [engines[0].url], poll_interval=3600, settings=settings) as (
+        url,
+        _router,
+    ):
+        body = {"model": model, "prompt": "hello", "max_tokens": 1}
+        engines[0].state.draining = True
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-ember-served-by"] == "fallback" and r.headers[ROUTED_TO] == engines[1].url
+            engines[1].state.draining = True
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded"
+            assert "ember_router:fallback_requests_total 1.0" in httpx.get(f"{url}/metrics").text
+        finally:
+            engines[0].state.draining = engines[1].state.draining = False

@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--session-header", default="x-session-id", help="header that keeps a client on its engine"
     )
+    p.add_argument(
+        "--fallback-url",
+        help="an OpenAI-compatible server for requests no engine can take (e.g. a smaller model's Service)",
+    )
+    p.add_argument("--fallback-model", help="the model name to send to the fallback (default: the request's)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -72,7 +77,12 @@ def main(args: argparse.Namespace) -> int:
     router = Router(
         EnginePool(args.endpoint, poll_interval=args.poll_interval),
         Tokenizer(args.model),
-        RouterSettings(epsilon=args.epsilon, session_header=args.session_header.lower()),
+        RouterSettings(
+            epsilon=args.epsilon,
+            session_header=args.session_header.lower(),
+            fallback_url=args.fallback_url,
+            fallback_model=args.fallback_model,
+        ),
         discovery=discovery,
     )
     # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request.

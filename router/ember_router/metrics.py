@@ -20,6 +20,11 @@ class RouterMetrics:
         self.shed = Counter(
             "ember_router:shed_requests", "Requests shed: no engine could take them", registry=r
         )
+        self.fallback = Counter(
+            "ember_router:fallback_requests",
+            "Requests no engine could take, served by the fallback",
+            registry=r,
+        )
         self.retries = Counter(
             "ember_router:retries", "Requests sent to another engine after an overloaded answer", registry=r
         )

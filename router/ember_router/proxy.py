@@ -4,7 +4,8 @@ A request is read, its prompt tokenized as the engines will (off the event loop)
 up in the prefix index, and an engine chosen (`policy.choose`). The request goes on unchanged; the response
 comes back chunk by chunk (SSE streams included) with `x-ember-routed-to` and `x-ember-route-reason`. An
 engine that answers 503 or 429 before the response begins is skipped for its Retry-After and the request
-goes to one other engine; with no engine to take it the router sheds at once (503, Retry-After). A client
+goes to one other engine; with no engine to take it the request goes to the fallback server if one is set
+(`x-ember-served-by: fallback`), else the router sheds at once (503, Retry-After). A client
 that disconnects closes the upstream connection, which aborts the request in the engine.
 """
 
@@ -26,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ember_engine.core.tokenizer import Tokenizer
 from ember_router.discovery import PodDiscovery
 from ember_router.metrics import RouterMetrics
-from ember_router.policy import choose
+from ember_router.policy import EngineState, choose
 from ember_router.pool import EnginePool
 from ember_router.prompts import request_hashes
 
@@ -45,6 +46,10 @@ class RouterSettings:
     session_header: str = "x-session-id"
     retry_after: int = 1  # seconds, when the whole fleet is overloaded or an engine gave none
     upstream_timeout: float = 600.0
+    fallback_url: str | None = (
+        None  # where requests go that no engine can take (any OpenAI-compatible server)
+    )
+    fallback_model: str | None = None  # the model name to send there (default: the request's own)
 
 
 @dataclass
@@ -153,14 +158,7 @@ class Router:
                 next(self._turns),
             )
             if decision.engine is None:
-                self.metrics.shed.inc()
-                return _error(
-                    503,
-                    "every engine is overloaded or unavailable; retry later",
-                    "overloaded",
-                    "fleet_overloaded",
-                    self.settings.retry_after,
-                )
+                return await self._shed(request, body, arrived, "every engine is overloaded or unavailable")
             engine = self.pool.engines[decision.engine]
             self.metrics.decisions.labels(decision.engine, decision.reason).inc()
             log.debug(
@@ -193,14 +191,22 @@ class Router:
                 return response
             tried.add(decision.engine)
             self.metrics.retries.inc()
+        return await self._shed(request, body, arrived, "the engines tried were overloaded")
+
+    async def _shed(self, request: web.Request, body: Any, arrived: float, why: str) -> web.StreamResponse:
+        """No engine takes the request: the fallback serves it if one is set and answers, else a 503 now."""
+        if self.settings.fallback_url and isinstance(body, dict):
+            if self.settings.fallback_model:
+                body = {**body, "model": self.settings.fallback_model}
+            response = await self._forward(
+                request, self.settings.fallback_url.rstrip("/"), json.dumps(body).encode(), "POST", "fallback", 0,
+                arrived, retry=True,
+            )  # fmt: skip
+            if response is not None:
+                self.metrics.fallback.inc()
+                return response
         self.metrics.shed.inc()
-        return _error(
-            503,
-            "the engines tried were overloaded; retry later",
-            "overloaded",
-            "fleet_overloaded",
-            self.settings.retry_after,
-        )
+        return _error(503, f"{why}; retry later", "overloaded", "fleet_overloaded", self.settings.retry_after)
 
     async def _forward(
         self,
@@ -217,7 +223,9 @@ class Router:
         response began and `retry` allows another engine."""
         assert self.session is not None
         arrived = time.perf_counter() if arrived is None else arrived
-        state = self.pool.engines[engine_url].state
+        engine = self.pool.engines.get(engine_url)
+        # The fallback is no engine of the pool: nothing to count or mark there.
+        state = engine.state if engine is not None else EngineState(engine_url)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         state.in_flight += 1
         try:
@@ -252,6 +260,8 @@ class Router:
                         out.headers[k] = v
                 out.headers[ROUTED_TO] = engine_url
                 out.headers[ROUTE_REASON] = reason
+                if reason == "fallback":
+                    out.headers["x-ember-served-by"] = "fallback"
                 await out.prepare(request)
                 first = True
                 async for chunk in upstream.content.iter_any():
