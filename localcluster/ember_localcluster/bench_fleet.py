@@ -194,13 +194,15 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "model": {"name": name, "source": "/models/bench", "volumeClaim": "model-weights"},
-            "engine": {"maxNumSeqs": args.max_num_seqs, "blockSize": 16},
+            "engine": {"maxNumSeqs": args.max_num_seqs, "blockSize": 16}
+            | ({"kvCacheMemory": args.kv_cache_memory} if args.kv_cache_memory else {}),
             "resources": {"gpus": 0},
             "replicas": {"min": args.replicas, "max": args.replicas},
         },
     }
     result: dict[str, Any] = {"checkpoint": args.size, "replicas": args.replicas, "rate": args.rate,
-                              "requests_per_run": args.requests, "workloads": {}}  # fmt: skip
+                              "requests_per_run": args.requests, "kv_cache_memory": args.kv_cache_memory,
+                              "workloads": {}}  # fmt: skip
     with DevCluster(directory, port=0, tick=1.0) as cluster:
         api = cluster.api
         api.create(resource)
@@ -332,6 +334,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-words", type=int, default=400, help="words per system prompt (~2.5 tokens each)")
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine.maxNumSeqs (default 16)")
+    p.add_argument(
+        "--kv-cache-memory",
+        help="engine.kvCacheMemory (e.g. 10Mi): a cache too small for every tenant, as on a busy GPU",
+    )
     p.add_argument("--overhead-requests", type=int, default=30, help="requests per side for the overhead")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for the fleet to start")
     p.add_argument("--json", help="write the full result (with every TTFT) here")
