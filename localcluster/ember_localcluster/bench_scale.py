@@ -285,17 +285,7 @@ async def _failover_one(cluster: Any, name: str, warm: int, args: argparse.Names
 
 
 async def _failover(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
-    from ember_engine.tools.testmodel import make_test_model
-    from ember_localcluster.devcluster import DevCluster
-
-    make_test_model(directory / "models" / "bench", size=args.size, force=True)
-    runs: dict[str, list[dict[str, Any]]] = {"warm": [], "cold": []}
-    with DevCluster(directory, port=0, tick=args.tick) as cluster:
-        for i in range(args.repeats):
-            for kind, warm in (("warm", 1), ("cold", 0)):
-                result = await _failover_one(cluster, f"failover-{kind}-{i}", warm, args)
-                runs[kind].append(result)
-                print(f"{kind} #{i}: {json.dumps(result)}", file=sys.stderr, flush=True)
+    runs = await _warm_and_cold(args, directory, _failover_one, "failover-")
     med = {k: statistics.median(r["served_seconds"] for r in v) for k, v in runs.items()}
     return {
         "scenario": "failover",
@@ -391,7 +381,11 @@ async def _roll(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     return {"scenario": "roll", "checkpoint": args.size, "runs": runs}
 
 
-async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+async def _warm_and_cold(
+    args: argparse.Namespace, directory: Path, one: Any, prefix: str
+) -> dict[str, list[dict[str, Any]]]:
+    """`one(cluster, name, warm_pool, args)` with a warm pod and without, alternated `args.repeats` times
+    on one local cluster, so that drift in the machine's load affects both alike."""
     from ember_engine.tools.testmodel import make_test_model
     from ember_localcluster.devcluster import DevCluster
 
@@ -399,11 +393,15 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"warm": [], "cold": []}
     with DevCluster(directory, port=0, tick=args.tick) as cluster:
         for i in range(args.repeats):
-            # Alternated, so that drift in the machine's load affects both alike.
             for kind, warm in (("warm", 1), ("cold", 0)):
-                result = await _run_one(cluster, f"{kind}-{i}", warm, args)
+                result = await one(cluster, f"{prefix}{kind}-{i}", warm, args)
                 runs[kind].append(result)
                 print(f"{kind} #{i}: {json.dumps(result)}", file=sys.stderr, flush=True)
+    return runs
+
+
+async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    runs = await _warm_and_cold(args, directory, _run_one, "")
     warm_s = statistics.median(r["spike_to_serving_seconds"] for r in runs["warm"])
     cold_s = statistics.median(r["spike_to_serving_seconds"] for r in runs["cold"])
     return {

@@ -92,8 +92,6 @@ class Reconciler:
         meta: kopf.Meta,
         status: kopf.Status,
         patch: kopf.Patch,
-        memo: kopf.Memo,
-        logger: kopf.Logger,
         **_: Any,
     ) -> None:
         name, namespace = meta["name"], meta["namespace"]

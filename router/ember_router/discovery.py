@@ -11,6 +11,7 @@ Its RBAC: `list` and `watch` on pods in that namespace.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -86,8 +87,6 @@ class PodDiscovery:
                 listed = api.list_namespaced_pod(
                     self.namespace, label_selector=self.selector, _preload_content=False
                 )
-                import json
-
                 body = json.loads(listed.data)
                 self.engines = {}
                 for pod in body.get("items") or []:

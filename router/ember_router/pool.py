@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,8 +98,6 @@ class EnginePool:
             return response.status, await response.text()
 
     async def _poll(self, session: aiohttp.ClientSession, engine: Engine) -> None:
-        import json
-
         try:
             status, _ = await self._get(session, f"{engine.url}/ready")
             engine.state.ready = status == 200

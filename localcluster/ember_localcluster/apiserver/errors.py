@@ -130,3 +130,13 @@ def expired(requested: int, oldest: int) -> APIError:
 
 def page_not_found(path: str) -> APIError:
     return APIError(404, "NotFound", f"the server could not find the requested resource ({path})", {})
+
+
+def int_param(query: Any, key: str) -> int | None:
+    """An integer query parameter (None when absent or empty); a 400 naming it when it is not one."""
+    if not query.get(key):
+        return None
+    try:
+        return int(query[key])
+    except ValueError:
+        raise bad_request(f"invalid {key}: {query[key]!r}") from None

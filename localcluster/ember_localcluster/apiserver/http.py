@@ -27,7 +27,7 @@ from aiohttp import web
 from . import binding, deletion, discovery, openapi, patching, scale
 from .admission import PODS
 from .deletion import DeleteOptions
-from .errors import APIError, bad_request, method_not_allowed, page_not_found, unreadable_body
+from .errors import APIError, bad_request, int_param, method_not_allowed, page_not_found, unreadable_body
 from .podlogs import serve_pod_log
 from .resources import ResourceType
 from .selectors import FieldSelector, LabelSelector, parse_field_selector, parse_label_selector
@@ -53,15 +53,6 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json")
 
 
-def _int_param(query: Any, key: str) -> int | None:
-    if not query.get(key):
-        return None
-    try:
-        return int(query[key])
-    except ValueError:
-        raise bad_request(f"invalid {key}: {query[key]!r}") from None
-
-
 async def _read_body(request: web.Request, *, required: bool = True) -> Any:
     raw = await request.read()
     if not raw:
@@ -76,7 +67,7 @@ async def _read_body(request: web.Request, *, required: bool = True) -> Any:
 
 def _delete_options(body: Any, query: Any) -> DeleteOptions:
     body = body if isinstance(body, dict) else {}
-    grace = _int_param(query, "gracePeriodSeconds")
+    grace = int_param(query, "gracePeriodSeconds")
     if grace is None and isinstance(body.get("gracePeriodSeconds"), int):
         grace = body["gracePeriodSeconds"]
     policy = query.get("propagationPolicy") or body.get("propagationPolicy")
@@ -210,7 +201,7 @@ class Handler:
         if request.method == "GET" and query.get("watch") in ("true", "1"):
             watcher = Watcher(rtype, target.namespace, labels, fields)
             return await serve_watch(
-                request, self.store, watcher, _int_param(query, "timeoutSeconds"), self.bookmark_interval
+                request, self.store, watcher, int_param(query, "timeoutSeconds"), self.bookmark_interval
             )
         if request.method == "GET":
             return self._list(request, target, labels, fields)
@@ -247,7 +238,7 @@ class Handler:
                 for obj in items
                 if (obj["metadata"].get("namespace") or "", obj["metadata"]["name"]) > after
             ]
-        limit, token = _int_param(query, "limit"), ""
+        limit, token = int_param(query, "limit"), ""
         if limit and len(items) > limit:
             items = items[:limit]
             last = items[-1]["metadata"]

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from .errors import Cause, bad_request, invalid
+from .errors import Cause, bad_request, int_param, invalid
 
 if TYPE_CHECKING:
     from .store import Store
@@ -49,15 +49,6 @@ _TRUE = ("1", "t", "true")
 
 def _flag(query: Mapping[str, str], key: str) -> bool:
     return query.get(key, "").lower() in _TRUE
-
-
-def _number(query: Mapping[str, str], key: str) -> int | None:
-    if not query.get(key):
-        return None
-    try:
-        return int(query[key])
-    except ValueError:
-        raise bad_request(f"invalid {key}: {query[key]!r}") from None
 
 
 def _container_names(spec: Mapping[str, Any]) -> list[str]:
@@ -161,7 +152,7 @@ async def serve_pod_log(
             raise bad_request(
                 f"{unsupported} is not supported by this API server: its kubelet records no time per log line"
             )
-    tail, limit = _number(query, "tailLines"), _number(query, "limitBytes")
+    tail, limit = int_param(query, "tailLines"), int_param(query, "limitBytes")
     causes = []
     if tail is not None and tail < 0:
         causes.append(
