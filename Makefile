@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest venv clean crds
+.PHONY: demo test lint typecheck pytest venv clean crds dev-up dev-down
 
 venv: $(STAMP)
 
@@ -16,6 +16,13 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/ember demo
+
+# The local control plane (README: "Try it without a cluster"); DEV_ARGS passes options, e.g. --nodes 2.
+dev-up: $(STAMP)
+	$(BIN)/ember dev up $(DEV_ARGS)
+
+dev-down: $(STAMP)
+	$(BIN)/ember dev down $(DEV_ARGS)
 
 test: $(STAMP)
 	$(MAKE) lint typecheck pytest

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
 import yaml
 from pydantic import ValidationError
 
 from ember_engine.server.policy import parse_policy
+from ember_localcluster.apiserver import APIServer
 from ember_operator.crd import REGENERATE, crd_manifest, render_crd_yaml
-from ember_operator.spec import InferenceServiceSpec
+from ember_operator.spec import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -163,6 +167,10 @@ def test_crd_metadata_subresources_and_columns() -> None:
         "KV": ("number", ".status.autoscaler.inputs.kvCacheUtilization"),
         "Age": ("date", ".metadata.creationTimestamp"),
     }
+    described = {c["name"]: c["description"] for c in version["additionalPrinterColumns"]}
+    # What the autoscaler last saw, averaged over the Ready active pods it scraped (not a total).
+    assert described["Queue"] == "Requests waiting per Ready active pod (mean, at the last scrape)"
+    assert described["KV"] == "KV-cache use per Ready active pod, 0..1 (mean, at the last scrape)"
 
 
 def test_full_spec_and_defaults() -> None:
@@ -204,6 +212,44 @@ def test_invalid_specs_name_the_field(data: dict[str, Any], named: str) -> None:
     with pytest.raises(ValidationError) as caught:
         InferenceServiceSpec.model_validate(data)
     assert named in str(caught.value)
+
+
+def test_kubectl_scale_is_refused_in_builtin_mode_with_a_message(tmp_path: Path) -> None:
+    """The scale subresource writes replicas.desired, which only External mode follows: in Builtin mode the
+    API server refuses the write (a CEL transition rule), so `kubectl scale` is not silently ignored."""
+    crd = yaml.safe_load((REPO / "crds" / "inferenceservice.yaml").read_text())
+    with APIServer() as server:
+        server.install_crd(crd)
+        configuration = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(
+            config_file=str(server.write_kubeconfig(tmp_path / "kubeconfig")),
+            client_configuration=configuration,
+        )
+        custom = kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient(configuration))
+        scale = functools.partial(
+            custom.patch_namespaced_custom_object_scale, GROUP, VERSION, "default", PLURAL
+        )
+        patch = functools.partial(custom.patch_namespaced_custom_object, GROUP, VERSION, "default", PLURAL)
+        for name, mode in (("builtin", "Builtin"), ("external", "External")):
+            body = {"model": {"name": "m", "source": "/m"}, "autoscaling": {"mode": mode}}
+            custom.create_namespaced_custom_object(
+                GROUP,
+                VERSION,
+                "default",
+                PLURAL,
+                {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name}, "spec": body},
+            )
+        with pytest.raises(kubernetes.client.ApiException) as refused:
+            scale("builtin", {"spec": {"replicas": 3}})
+        assert refused.value.status == 422
+        message = json.loads(refused.value.body)["message"]
+        assert "autoscaling.mode is External" in message and "kubectl scale" in message, message
+        # Other changes in Builtin mode still go through, and External mode follows /scale.
+        assert patch("builtin", {"spec": {"warmPool": {"size": 1}}})["spec"]["warmPool"]["size"] == 1
+        assert scale("external", {"spec": {"replicas": 3}})["spec"]["replicas"] == 3
+        # Leaving External mode keeps the value it had: nothing changed it, so nothing is refused.
+        switched = patch("external", {"spec": {"autoscaling": {"mode": "Builtin"}}})
+        assert switched["spec"]["replicas"]["desired"] == 3
 
 
 def test_policy_fields_parse_as_the_engine_policy() -> None:

@@ -4,8 +4,11 @@ and `DevCluster` with two one-GPU nodes, where a third GPU pod waits Unschedulab
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,14 +23,16 @@ from ember_localcluster.kubelet.kubelet import ENGINE_IMAGE
 
 REPO = Path(__file__).resolve().parents[1]
 EMBER = str(Path(sys.executable).parent / "ember")
+WEB_SERVER = ["python", "-m", "http.server", "--bind", "0.0.0.0", "8080"]
 
 
 def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:
     kubectl_bin = shutil.which("kubectl") or "/usr/bin/kubectl"
     assert Path(kubectl_bin).exists(), "kubectl is required (Debian: kubernetes-client)"
     state = tmp_path / "dev"
+    port = free_port()
     up = subprocess.run(
-        [EMBER, "dev", "up", "--dir", str(state), "--port", str(free_port()), "--nodes", "2"],
+        [EMBER, "dev", "up", "--dir", str(state), "--port", str(port), "--nodes", "2"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -89,12 +94,58 @@ def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:
             timeout=120,
             what="engine pods gone",
         )
+        # A pod still running when the cluster goes down: `ember dev down` returns after it has stopped.
+        kubectl("run", "web", f"--image={ENGINE_IMAGE}:0.1.0", "--command", "--", *WEB_SERVER)
+        wait_for(
+            lambda: (
+                json.loads(kubectl("get", "pod", "web", "-o", "json"))["status"].get("phase") == "Running"
+            ),
+            timeout=60,
+            what="the web pod Running",
+        )
+        web = json.loads(kubectl("get", "pod", "web", "-o", "json"))
+        web_pid = int(web["status"]["containerStatuses"][0]["containerID"].rsplit("/", 1)[1])
+        dev_pid = int((state / "dev.pid").read_text())
     finally:
         down = subprocess.run(
             [EMBER, "dev", "down", "--dir", str(state)], capture_output=True, text=True, timeout=120
         )
     assert down.returncode == 0, down.stdout + down.stderr
     assert not (state / "dev.pid").exists()
+    # Returned only once everything has stopped: the control plane, the pods' processes, the API port.
+    assert not _alive(dev_pid), "the control plane process still runs after `ember dev down`"
+    assert not _alive(web_pid), "a pod's process still runs after `ember dev down`"
+    with socket.socket() as s:
+        # Free to listen on again (SO_REUSEADDR, as servers bind: kubectl's closed connections linger).
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
+def test_dev_up_on_a_busy_port_says_so(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        up = subprocess.run(
+            [EMBER, "dev", "up", "--dir", str(tmp_path / "dev"), "--port", str(port), "--timeout", "60"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    assert up.returncode == 1
+    assert f"port {port}" in up.stderr and "already in use" in up.stderr, up.stderr
+    assert not (tmp_path / "dev" / "dev.pid").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited; only its parent has not collected it yet.
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    return False
 
 
 def test_two_one_gpu_nodes_run_two_gpu_pods_and_the_third_waits(tmp_path: Path) -> None:

@@ -396,13 +396,16 @@ def test_kubectl_apply_get_describe_delete_the_local_example(cp: ControlPlane, t
         )
     example = REPO / "examples" / "local.yaml"
 
-    def kubectl(*args: str) -> str:
-        out = subprocess.run(
+    def run_kubectl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [KUBECTL, "--kubeconfig", str(cp.kubeconfig), "--cache-dir", str(tmp_path / "kc"), *args],
             capture_output=True,
             text=True,
             timeout=60,
         )
+
+    def kubectl(*args: str) -> str:
+        out = run_kubectl(*args)
         assert out.returncode == 0, f"kubectl {' '.join(args)} should succeed: {out.stderr}"
         return out.stdout
 
@@ -423,6 +426,11 @@ def test_kubectl_apply_get_describe_delete_the_local_example(cp: ControlPlane, t
     for text in ("Name:         tiny", "Ready", "WarmPoolReady", "Endpoint:"):
         assert text in described, f"kubectl describe shows {text!r}: {described}"
     assert "unchanged" in kubectl("apply", "-f", str(example)), "a second apply changes nothing"
+    # The example autoscales itself (Builtin): kubectl scale is refused, saying why, not ignored.
+    scaled = run_kubectl("scale", "eis", "tiny", "--replicas=2")
+    assert scaled.returncode != 0 and "followed only when autoscaling.mode is External" in scaled.stderr, (
+        scaled.stdout + scaled.stderr
+    )
 
     endpoint = json.loads(kubectl("get", "eis", "tiny", "-o", "json"))["status"]["endpoint"]
     with fresh_client(30) as client:
@@ -442,21 +450,7 @@ def test_kubectl_apply_get_describe_delete_the_local_example(cp: ControlPlane, t
         timeout=60,
         what="kubectl get pods: the example's pods gone",
     )
-    out = subprocess.run(
-        [
-            KUBECTL,
-            "--kubeconfig",
-            str(cp.kubeconfig),
-            "--cache-dir",
-            str(tmp_path / "kc"),
-            "get",
-            "eis",
-            "tiny",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_kubectl("get", "eis", "tiny")
     assert out.returncode != 0 and "NotFound" in out.stderr, f"the InferenceService gone: {out.stderr}"
     wait_for(lambda: not any(alive(p) for p in pids), timeout=30, what="the example's engine processes gone")
 

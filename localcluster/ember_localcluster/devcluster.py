@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +29,17 @@ from ember_localcluster.kubelet.node import DEFAULT_GPUS_PER_NODE, NodeConfig, l
 
 MODEL_CLAIM = "model-weights"
 DEFAULT_PORT = 16443
+
+
+class PortInUse(OSError):
+    """The API server's port is taken (by another `ember dev`, or anything else)."""
+
+    def __init__(self, port: int, error: OSError) -> None:
+        super().__init__(
+            error.errno,
+            f"cannot listen on 127.0.0.1:{port}: {error.strerror or error}; port {port} is already in use "
+            "(by another `ember dev up`, or another program): stop that, or choose a port with --port",
+        )
 
 
 def default_dir() -> Path:
@@ -85,19 +97,29 @@ class DevCluster:
 
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "models").mkdir(exist_ok=True)
-        self.api = APIServer(port=self.port).start()
-        self.api.write_kubeconfig(self.kubeconfig)
-        self.api.install_crd(crd_manifest())
-        # The operator's own client reads $KUBECONFIG when it first connects.
-        os.environ["KUBECONFIG"] = str(self.kubeconfig)
-        self.scheduler = Scheduler(self.kubeconfig).start()
-        self.kubelet = ProcessKubelet(
-            self.kubeconfig, self.dir / "kubelet", claims={MODEL_CLAIM: self.dir / "models"}, nodes=self.nodes
-        ).start()
-        self.api.attach_kubelet(self.kubelet.node_names, self.kubelet.pods_dir)
-        self.proxy = ServiceProxy(self.kubeconfig).start()
-        self._operator = threading.Thread(target=self._run_operator, name="ember-operator", daemon=True)
-        self._operator.start()
+        try:
+            self.api = APIServer(port=self.port).start()
+        except OSError as error:
+            raise PortInUse(self.port, error) from error
+        try:
+            self.api.write_kubeconfig(self.kubeconfig)
+            self.api.install_crd(crd_manifest())
+            # The operator's own client reads $KUBECONFIG when it first connects.
+            os.environ["KUBECONFIG"] = str(self.kubeconfig)
+            self.scheduler = Scheduler(self.kubeconfig).start()
+            self.kubelet = ProcessKubelet(
+                self.kubeconfig,
+                self.dir / "kubelet",
+                claims={MODEL_CLAIM: self.dir / "models"},
+                nodes=self.nodes,
+            ).start()
+            self.api.attach_kubelet(self.kubelet.node_names, self.kubelet.pods_dir)
+            self.proxy = ServiceProxy(self.kubeconfig).start()
+            self._operator = threading.Thread(target=self._run_operator, name="ember-operator", daemon=True)
+            self._operator.start()
+        except BaseException:
+            self.stop()  # what did start must not outlive the failure
+            raise
         return self
 
     def _run_operator(self) -> None:
@@ -161,9 +183,15 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with DevCluster(
+    cluster = DevCluster(
         directory, port=args.port, nodes=args.nodes, gpus_per_node=args.gpus_per_node, taints=args.taint
-    ) as cluster:
+    )
+    try:
+        cluster.start()
+    except OSError as error:
+        print(f"ember dev: {error.strerror or error}", file=sys.stderr, flush=True)
+        return 1
+    try:
         _pid_file(directory).write_text(str(os.getpid()))
         (directory / "ready").write_text(cluster.api.url)
         names = ", ".join(n.name for n in cluster.nodes)
@@ -173,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
             if cluster.operator_error is not None:
                 print(f"ember dev: the operator stopped: {cluster.operator_error!r}", file=sys.stderr)
                 break
+    finally:
+        cluster.stop()
     for leftover in (_pid_file(directory), directory / "ready"):
         leftover.unlink(missing_ok=True)
     return 1 if cluster.operator_error is not None else 0
@@ -185,6 +215,10 @@ def up(args: argparse.Namespace) -> int:
     if _running_pid(directory) is not None:
         print(f"ember dev: already running; export KUBECONFIG={kubeconfig}")
         return 0
+    busy = _port_busy(args.port)
+    if busy is not None:
+        print(f"ember dev: {busy.strerror}", file=sys.stderr)
+        return 1
     tiny = directory / "models" / "tiny"
     if not (tiny / "model.safetensors").exists():
         from ember_engine.tools.testmodel import make_test_model
@@ -192,6 +226,7 @@ def up(args: argparse.Namespace) -> int:
         make_test_model(tiny, size="tiny", force=True)
     (directory / "ready").unlink(missing_ok=True)
     log = (directory / "dev.log").open("ab")
+    log_start = log.tell()
     ember = str(Path(sys.executable).parent / "ember")
     node_args = ["--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node)]
     for taint in args.taint:
@@ -207,9 +242,12 @@ def up(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while not (directory / "ready").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            print(f"ember dev: the control plane did not start; see {directory / 'dev.log'}", file=sys.stderr)
+            why = _failure(directory / "dev.log", log_start) if proc.poll() is not None else "timed out"
+            print(f"ember dev: the control plane did not start: {why}", file=sys.stderr)
+            print(f"ember dev: the whole log: {directory / 'dev.log'}", file=sys.stderr)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
+            _wait_gone(proc.pid, args.timeout)
             return 1
         time.sleep(0.1)
     print(f"ember dev: up (API server {(directory / 'ready').read_text()}, log {directory / 'dev.log'})")
@@ -224,17 +262,71 @@ def down(args: argparse.Namespace) -> int:
         print("ember dev: not running")
         return 0
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + args.timeout
-    while _running_pid(directory) is not None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _running_pid(directory) is not None:
+    # The process removes its pid file as it finishes, before it has exited: wait for the process itself.
+    if not _wait_gone(pid, args.timeout):
         print(f"ember dev: pid {pid} did not stop in {args.timeout:g} s; killing it", file=sys.stderr)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
+        _kill_pods(directory / "kubelet" / "pods")
+        _wait_gone(pid, 10)
         _pid_file(directory).unlink(missing_ok=True)
         return 1
     print("ember dev: down")
     return 0
+
+
+def _port_busy(port: int) -> OSError | None:
+    """Why the API server could not listen on `port`, found before starting anything; None when it can."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as error:
+            return PortInUse(port, error)
+    return None
+
+
+def _failure(log: Path, start: int) -> str:
+    """The line of what this run wrote to the log that says why it stopped."""
+    with log.open("rb") as f:
+        f.seek(start)
+        lines = [line for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    ours = [line for line in lines if line.startswith("ember dev: ")]
+    if ours:
+        return ours[-1].removeprefix("ember dev: ")
+    return lines[-1] if lines else "it exited without a word"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:  # a zombie has exited; only its parent has yet to collect it
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return True
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _kill_pods(pods_dir: Path) -> None:
+    """Kill the process groups of the pods' latest container runs, from the kubelet's run records: the
+    control plane was killed before its kubelet could stop them."""
+    for runs in pods_dir.glob("*/*.log.runs"):
+        lines = runs.read_text().split()
+        if lines and lines[-1].startswith("process://"):
+            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                os.killpg(int(lines[-1].removeprefix("process://")), signal.SIGKILL)
 
 
 def _taint_text(taint: Mapping[str, str]) -> str:

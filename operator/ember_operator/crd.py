@@ -111,8 +111,18 @@ def crd_manifest() -> dict[str, Any]:
             _column("Active", "integer", ".status.replicas", "Engine pods serving or starting"),
             _column("Warm", "integer", ".status.warmReplicas", "Pods in the warm pool"),
             _column("Desired", "integer", ".status.desiredReplicas", "The autoscaler's target"),
-            _column("Queue", "number", ".status.autoscaler.inputs.queueDepth", "Waiting requests"),
-            _column("KV", "number", ".status.autoscaler.inputs.kvCacheUtilization", "KV cache in use"),
+            _column(
+                "Queue",
+                "number",
+                ".status.autoscaler.inputs.queueDepth",
+                "Requests waiting per Ready active pod (mean, at the last scrape)",
+            ),
+            _column(
+                "KV",
+                "number",
+                ".status.autoscaler.inputs.kvCacheUtilization",
+                "KV-cache use per Ready active pod, 0..1 (mean, at the last scrape)",
+            ),
             _column("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
         ],
     }

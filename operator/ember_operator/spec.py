@@ -267,6 +267,24 @@ class Fallback(_Object):
 
 
 class InferenceServiceSpec(_Object):
+    # A transition rule, so CEL only: pydantic sees one object, never the change. The scale subresource
+    # (kubectl scale, an HPA, KEDA) writes replicas.desired; in Builtin mode nothing would follow it, so the
+    # write is refused rather than silently ignored.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.autoscaling.mode == 'External' || "
+                    "self.replicas.desired == oldSelf.replicas.desired",
+                    "message": "replicas.desired (what kubectl scale, an HPA or KEDA writes through the scale "
+                    "subresource) is followed only when autoscaling.mode is External; in Builtin mode ember's "
+                    "own autoscaler sets the replica count between replicas.min and replicas.max",
+                    "fieldPath": ".replicas.desired",
+                }
+            ]
+        }
+    )
+
     model: Model
     speculative: Speculative | None = None
     engine: Engine = Field(default_factory=Engine, json_schema_extra=_OBJECT_DEFAULT)
