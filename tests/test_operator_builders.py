@@ -136,10 +136,12 @@ def test_the_pod_carries_the_contract_labels_owner_probes_and_policy_mount() -> 
     prestop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
     drain = next(int(a.split("=")[1]) for a in c["args"] if a.startswith("--drain-timeout="))
     assert pod["spec"]["terminationGracePeriodSeconds"] > prestop + drain
-    (mount,) = c["volumeMounts"]  # no model volume claim: the checkpoint is in the image
-    (volume,) = pod["spec"]["volumes"]
-    assert "subPath" not in mount  # a subPath mount would never see ConfigMap updates
-    assert volume["configMap"]["name"] == "chat-policy" and mount["name"] == volume["name"]
+    # No model volume claim (the checkpoint is in the image): the policy and /dev/shm only.
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert set(mounts) == set(volumes) == {"policy", "dshm"}
+    assert "subPath" not in mounts["policy"]  # a subPath mount would never see ConfigMap updates
+    assert volumes["policy"]["configMap"]["name"] == "chat-policy"
 
 
 def test_engine_pods_meet_pod_security_restricted_and_mount_no_token() -> None:

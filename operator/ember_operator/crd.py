@@ -42,6 +42,10 @@ def _structural(node: Schema, defs: dict[str, Schema]) -> Schema:
     for key, value in node.items():
         if key in ("title", "$defs") or (key == "additionalProperties" and value is False):
             continue  # pruning of unknown fields already does what `additionalProperties: false` would
+        if key == "additionalProperties" and value is True:
+            if not node.get("x-kubernetes-preserve-unknown-fields"):
+                raise ValueError(f"a free-form object needs x-kubernetes-preserve-unknown-fields: {node}")
+            continue  # structural schemas say it with x-kubernetes-preserve-unknown-fields alone
         if key in ("exclusiveMinimum", "exclusiveMaximum"):  # JSON Schema's number -> OpenAPI 3.0's flag
             out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
             out[key] = True

@@ -40,6 +40,7 @@ from ember_operator.desired import (
     template_hash,
 )
 from ember_operator.kube import Kube, NameConflict, load_balancer_address, new_api_client
+from ember_operator.podpatch import PodTemplateError
 from ember_operator.pods import (
     Trouble,
     cold_start_seconds,
@@ -206,7 +207,12 @@ class Reconciler:
             spec.rollout.max_unavailable,
         )
         await self._ensure(kube, desired_pdb(owner, spec, memory.desired), ("spec",), troubles)
-        troubles += await self._apply(body, kube, owner, spec, pod_hash, plan, memory)
+        try:
+            desired_pod(owner, spec, WARM, pod_hash)
+        except PodTemplateError as e:  # no pod can be made: leave the ones there are as they are
+            troubles.append(Trouble("PodTemplateInvalid", str(e)))
+        else:
+            troubles += await self._apply(body, kube, owner, spec, pod_hash, plan, memory)
         wait = spec.capacity_wait_seconds
         current = [
             p for p, v in zip(pods, views, strict=True) if v.template_hash == pod_hash and not v.deleting

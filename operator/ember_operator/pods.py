@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ember_operator.desired import ENGINE_PORT, HASH_LABEL, ROLE_LABEL, WARM
+from ember_operator.modelsource import FETCH_CONTAINERS
 from ember_operator.rollout import PodView
 
 # A container waiting for one of these reasons (a crash loop: after this many restarts) will not come up on
@@ -145,7 +146,7 @@ def error_line(log_tail: str) -> str:
 
 # A crash-looping pod is trouble until it has been Ready this long.
 RECOVERED_AFTER_SECONDS = 30.0
-HELD_REASONS = ("PodsCrashLooping", "PodsFailing")
+HELD_REASONS = ("PodsCrashLooping", "PodsFailing", "ModelFetchFailed")
 
 
 def ready_for(pod: dict[str, Any], now: datetime) -> float | None:
@@ -188,6 +189,22 @@ def waiting_for_capacity(pod: dict[str, Any], now: datetime, grace: float) -> st
     return f"pod {pod['metadata']['name']}: {scheduled.get('message', 'Unschedulable')}"
 
 
+def _stuck(s: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, what and why) for a container status that will not come right on its own."""
+    waiting = (s.get("state") or {}).get("waiting") or {}
+    last = (s.get("lastState") or {}).get("terminated") or {}
+    reason = waiting.get("reason")
+    # A crash loop is a problem once it has gone on for a few restarts (one crash is the kubelet's to
+    # handle), and only while the container is down: restarts of a running container are history.
+    if reason not in _STUCK_WAITING or (
+        reason == "CrashLoopBackOff" and s.get("restartCount", 0) < CRASH_RESTARTS
+    ):
+        return None
+    detail = error_line(last.get("message") or waiting.get("message") or "")
+    code = f" (exit code {last['exitCode']})" if "exitCode" in last else ""
+    return _STUCK_WAITING[reason], f"{reason}{code}" + (f": {detail}" if detail else "")
+
+
 def trouble(pod: dict[str, Any], now: datetime | None = None, capacity_wait: float = 0.0) -> Trouble | None:
     """Why this pod will not become Ready without a change (to its spec, or to the cluster's capacity once
     `capacity_wait` seconds have passed), or None if nothing says so."""
@@ -199,21 +216,17 @@ def trouble(pod: dict[str, Any], now: datetime | None = None, capacity_wait: flo
             return None  # still within the wait: Reconciling says WaitingForCapacity
         message = f"pod {name}: {scheduled['reason']}: {scheduled.get('message', '')}".rstrip(": ")
         return Trouble("PodsUnschedulable", message)
+    # Init containers run first (a model fetch): while one is stuck, the engine has not even started.
+    for s in status.get("initContainerStatuses") or []:
+        stuck = _stuck(s)
+        if stuck is not None:
+            fetch = s.get("name") in FETCH_CONTAINERS and stuck[0] == "PodsCrashLooping"
+            kind = "ModelFetchFailed" if fetch else stuck[0]
+            return Trouble(kind, f"pod {name}: init container {s.get('name')}: {stuck[1]}")
     for s in status.get("containerStatuses") or []:
-        waiting = (s.get("state") or {}).get("waiting") or {}
-        last = (s.get("lastState") or {}).get("terminated") or {}
-        reason = waiting.get("reason")
-        restarts = s.get("restartCount", 0)
-        # A crash loop is a problem once it has gone on for a few restarts (one crash is the kubelet's to
-        # handle), and only while the container is down: restarts of a running container are history.
-        if reason == "CrashLoopBackOff" and restarts < CRASH_RESTARTS:
-            continue
-        if reason in _STUCK_WAITING:
-            kind = _STUCK_WAITING.get(reason or "", "PodsCrashLooping")
-            detail = error_line(last.get("message") or waiting.get("message") or "")
-            code = f" (exit code {last['exitCode']})" if "exitCode" in last else ""
-            why = reason
-            return Trouble(kind, f"pod {name}: {why}{code}" + (f": {detail}" if detail else ""))
+        stuck = _stuck(s)
+        if stuck is not None:
+            return Trouble(stuck[0], f"pod {name}: {stuck[1]}")
     if status.get("phase") == "Pending" and status.get("reason"):
         return Trouble(
             "PodsFailing", f"pod {name}: {status['reason']}: {status.get('message', '')}".rstrip(": ")

@@ -10,11 +10,15 @@ the operator writes the policy ConfigMap by copying them.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from ember_operator.kubetypes import MAX_ENV, QUANTITY, SUBDOMAIN, SUBDOMAIN_MAX, EnvFromSource, EnvVar
+from ember_operator.podsettings import Lifecycle, PodSettings, PodTemplate
 
 GROUP = "ember.dev"
 VERSION = "v1alpha1"
@@ -23,8 +27,6 @@ PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ["eis"]  # not "isvc": KServe's InferenceService already claims it
 
-# A Kubernetes resource quantity such as "500m", "8Gi" or "2".
-QUANTITY = r"^[0-9]+(\.[0-9]+)?([numkMGTPE]|[KMGTPE]i)?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Bounded so that the API server's CEL cost estimate for rules over these lists stays within its budget.
 MAX_PRIORITY_CLASSES = 16
@@ -48,9 +50,62 @@ class _Object(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
+# A source with a scheme must be one of these; anything else is a path in the pod.
+SCHEME = r"^[a-zA-Z][a-zA-Z0-9+.-]*://"
+SOURCE_URI = (
+    r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(@[^@ ]+)?"
+    r"|s3://[a-z0-9][-a-z0-9.]{1,61}[a-z0-9](/[^ ]*)?"
+    r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^ ]*)?)$"
+)
+SOURCE_MESSAGE = "source must be a path, hf://org/name[@revision], s3://bucket[/prefix] or pvc://claim[/path]"
+
+
+class ModelCache(_Object):
+    """Where a fetched model is kept: an emptyDir per pod (the default), or a PersistentVolumeClaim that
+    pods share (ReadWriteMany), so that a model is fetched once."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "!has(self.volumeClaim) || !has(self.sizeLimit)", "cache takes volumeClaim or sizeLimit, not both"
+        )
+    )
+
+    volume_claim: str | None = Field(default=None, max_length=SUBDOMAIN_MAX, pattern=SUBDOMAIN)
+    size_limit: str | None = Field(default=None, pattern=QUANTITY, description="The emptyDir's sizeLimit.")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Self:
+        if self.volume_claim is not None and self.size_limit is not None:
+            raise ValueError("cache takes volumeClaim or sizeLimit, not both")
+        return self
+
+
 class Model(_Object):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"!self.source.matches('{SCHEME}') || self.source.matches('{SOURCE_URI}')",
+                    "message": SOURCE_MESSAGE,
+                },
+                {
+                    "rule": f"!has(self.volumeClaim) || !self.source.matches('{SCHEME}')",
+                    "message": "volumeClaim goes with a path source; pvc://claim/path names its claim itself",
+                },
+            ]
+        }
+    )
+
     name: str = Field(min_length=1, description="The model name that clients send in requests.")
-    source: str = Field(min_length=1, description="Path of a Hugging Face checkpoint directory in the pod.")
+    source: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Where the checkpoint is: a directory in the pod (in the image, or under /models with "
+        "volumeClaim), or fetched before the engine starts into the model cache by an init container "
+        "(`ember fetch-model`): hf://org/name[@revision] (the Hugging Face hub, or `endpoint`), "
+        "s3://bucket/prefix (S3 or an S3-compatible `endpoint`), pvc://claim/path (copied from a "
+        "PersistentVolumeClaim onto the cache).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     volume_claim: str | None = Field(
         default=None,
@@ -58,6 +113,30 @@ class Model(_Object):
         description="A PersistentVolumeClaim holding the checkpoints, mounted read-only at /models "
         "(so source is then a path under /models). Without one, source must exist in the image.",
     )
+    endpoint: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=r"^https?://",
+        description="hf://: the hub's address (default https://huggingface.co, or a mirror); s3://: the "
+        "S3-compatible endpoint (default AWS S3).",
+    )
+    credentials_secret: str | None = Field(
+        default=None,
+        max_length=SUBDOMAIN_MAX,
+        pattern=SUBDOMAIN,
+        description="A Secret whose keys become the fetch's environment: HF_TOKEN for hf://; "
+        "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN, AWS_REGION) for s3://. The "
+        "engine container never sees it.",
+    )
+    cache: ModelCache = Field(default_factory=lambda: ModelCache(), json_schema_extra={"default": {}})
+
+    @model_validator(mode="after")
+    def _source_shape(self) -> Self:
+        if re.match(SCHEME, self.source) and not re.match(SOURCE_URI, self.source):
+            raise ValueError(f"{SOURCE_MESSAGE} (got {self.source!r})")
+        if self.volume_claim is not None and re.match(SCHEME, self.source):
+            raise ValueError("volumeClaim goes with a path source; pvc://claim/path names its claim itself")
+        return self
 
 
 class Speculative(_Object):
@@ -78,6 +157,29 @@ class Speculative(_Object):
         return self
 
 
+# `ember serve` options the operator sets, and where each comes from: extraArgs may not set them.
+PROTECTED_FLAGS = {
+    "model": "model.source",
+    "served-model-name": "model.name",
+    "dtype": "model.dtype",
+    "host": "the operator (the pod's address)",
+    "port": "the operator (the engine port, 8000)",
+    "policy": "the operator (the policy ConfigMap)",
+    "drain-timeout": "lifecycle.drainSeconds",
+    "max-num-seqs": "engine.maxNumSeqs",
+    "max-num-batched-tokens": "engine.maxNumBatchedTokens",
+    "block-size": "engine.blockSize",
+    "enable-prefix-caching": "engine.prefixCaching",
+    "no-enable-prefix-caching": "engine.prefixCaching",
+    "gpu-memory-utilization": "engine.gpuMemoryUtilization",
+    "max-model-len": "engine.maxModelLen",
+    "kv-cache-memory": "engine.kvCacheMemory",
+    "draft-model": "speculative.draftSource",
+    "speculative-method": "speculative.method",
+    "num-speculative-tokens": "speculative.numTokens",
+}
+
+
 class Engine(_Object):
     max_num_seqs: int = Field(default=256, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=2048, ge=1, le=1048576)
@@ -88,6 +190,38 @@ class Engine(_Object):
         default=None, pattern=QUANTITY
     )  # None: sized from gpuMemoryUtilization
     gpu_memory_utilization: float = Field(default=0.9, ge=0.1, le=1.0)
+    extra_args: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="More `ember serve` options, appended after the operator's. Options the operator sets "
+        "itself (from the fields above, the model, the port, the policy, the drain timeout) are refused.",
+        json_schema_extra={
+            "items": {"type": "string", "maxLength": 1024},
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.all(a, !a.matches('^--({'|'.join(PROTECTED_FLAGS)})(=.*)?$'))",
+                    "message": "extraArgs may not set an option the operator sets: use its field instead",
+                }
+            ],
+        },
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_protected(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            name = arg.split("=", 1)[0].removeprefix("--")
+            if not arg.startswith("--") or not name:
+                continue
+            # argparse takes any unambiguous prefix of an option, so a prefix would set it too.
+            taken = [flag for flag in PROTECTED_FLAGS if flag.startswith(name)]
+            if taken:
+                field = PROTECTED_FLAGS[taken[0]]
+                raise ValueError(
+                    f"extraArgs may not set an option the operator sets: --{taken[0]} (got {arg!r}) comes from "
+                    f"{field}"
+                )
+        return args
 
 
 class Toleration(_Object):
@@ -98,9 +232,8 @@ class Toleration(_Object):
     toleration_seconds: int | None = None
 
 
-class EnvVar(_Object):
-    name: str = Field(min_length=1)
-    value: str = ""
+# An extended resource name: a domain prefix (not kubernetes.io's) and a name.
+EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)+[a-z0-9]([-a-z0-9]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
 
 class Resources(_Object):
@@ -111,7 +244,22 @@ class Resources(_Object):
     tolerations: list[Toleration] = Field(default_factory=list)
     image: str = Field(default="ghcr.io/ember-dev/ember-engine:0.1.0", min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    env: list[EnvVar] = Field(default_factory=list, json_schema_extra=_list_map("name"))
+    env: list[EnvVar] = Field(default_factory=list, max_length=MAX_ENV, json_schema_extra=_list_map("name"))
+    env_from: list[EnvFromSource] = Field(default_factory=list, max_length=32)
+    gpu_resource: str = Field(
+        default="nvidia.com/gpu",
+        max_length=253,
+        pattern=EXTENDED_RESOURCE,
+        description="The extended resource a GPU is requested as: nvidia.com/gpu, amd.com/gpu, or any other "
+        "a device plugin advertises.",
+    )
+    shared_memory: str | None = Field(
+        default="1Gi",
+        pattern=QUANTITY,
+        description="Size of the memory-backed emptyDir mounted at /dev/shm (a container's own is 64 MiB, "
+        "too little for torch's inter-process buffers). Counts against the pod's memory. null: none.",
+        json_schema_extra={"nullable": True},
+    )
 
 
 class Replicas(_Object):
@@ -303,6 +451,13 @@ class InferenceServiceSpec(_Object):
     load_shedding: LoadShedding = Field(default_factory=LoadShedding, json_schema_extra=_OBJECT_DEFAULT)
     fallback: Fallback | None = None
     request_timeout_seconds: float = Field(default=0, ge=0)  # 0: no deadline
+    pod: PodSettings = Field(default_factory=PodSettings, json_schema_extra=_OBJECT_DEFAULT)
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle, json_schema_extra=_OBJECT_DEFAULT)
+    pod_template: PodTemplate | None = Field(
+        default=None,
+        description="A strategic-merge patch over each engine pod (metadata.labels, metadata.annotations "
+        "and spec), applied after every other field: for what no field covers.",
+    )
 
 
 class Condition(_Object):

@@ -5,9 +5,10 @@
 * `application/json-patch+json`: RFC 6902 through `jsonpatch`. A failed `test` op is a 422, which kopf
   relies on to notice a conflicting finalizer change.
 * `application/strategic-merge-patch+json`: built-in kinds only (a 415 for custom resources, as in
-  Kubernetes). Simplified: lists merge by key for the fields that carry a merge key in the Kubernetes
-  API (containers by name, volumeMounts by mountPath, ports by containerPort or port, ...), and
-  `$patch: replace|delete`, `$retainKeys` and `$deleteFromPrimitiveList/` are honoured;
+  Kubernetes), applied by `ember_operator.podpatch.strategic_merge` (the operator applies an
+  InferenceService's podTemplate with it too): lists merge by key for the fields that carry a merge key in
+  the Kubernetes API (containers by name, volumeMounts by mountPath, ports by containerPort or port, ...),
+  and `$patch: replace|delete`, `$retainKeys` and `$deleteFromPrimitiveList/` are honoured;
   `$setElementOrder/` is accepted and ignored. The official client sends this for every dict body
   given to a built-in `patch_*` method, and kubectl for `apply` on built-ins.
 * `application/apply-patch+yaml`: server-side apply without field ownership. The store creates the
@@ -26,28 +27,14 @@ import jsonpatch
 import jsonpointer
 import yaml
 
+from ember_operator.podpatch import strategic_merge
+
 from .errors import APIError, bad_request, unsupported_media_type
 
 MERGE = "application/merge-patch+json"
 JSON = "application/json-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 APPLY = "application/apply-patch+yaml"
-
-# Merge keys of list fields in the built-in API types (`patchMergeKey` in the Go structs).
-_MERGE_KEYS = {
-    "containers": "name",
-    "initContainers": "name",
-    "ephemeralContainers": "name",
-    "volumes": "name",
-    "volumeMounts": "mountPath",
-    "env": "name",
-    "imagePullSecrets": "name",
-    "conditions": "type",
-    "ownerReferences": "uid",
-}
-# Lists of scalars with `patchStrategy: merge`: a patch adds its values to the existing ones.
-_PRIMITIVE_MERGE = {"finalizers"}
-
 
 class _JSONLikeLoader(yaml.SafeLoader):
     """YAML without implicit timestamps, so every document decodes to plain JSON values."""
@@ -123,70 +110,3 @@ def json_patch(target: dict[str, Any], operations: list[Any]) -> dict[str, Any]:
             422, "Invalid", "the server rejected our request: the patched document is not an object"
         )
     return result
-
-
-def strategic_merge(target: Any, patch: dict[str, Any]) -> Any:
-    """A simplified strategic merge patch; None means "delete this map" (`$patch: delete`)."""
-    directive = patch.get("$patch")
-    if directive == "delete":
-        return None
-    if directive == "replace":
-        return _strip_directives({k: v for k, v in patch.items() if k != "$patch"})
-    result = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if key.startswith("$deleteFromPrimitiveList/"):
-            name = key.split("/", 1)[1]
-            result[name] = [item for item in result.get(name) or () if item not in value]
-        elif key.startswith("$"):
-            continue
-        elif value is None:
-            result.pop(key, None)
-        elif isinstance(value, dict):
-            merged = strategic_merge(result.get(key), value)
-            if merged is None:
-                result.pop(key, None)
-            else:
-                result[key] = merged
-        elif isinstance(value, list):
-            result[key] = _merge_list(key, result.get(key), value)
-        else:
-            result[key] = value
-    if isinstance(patch.get("$retainKeys"), list):
-        result = {k: v for k, v in result.items() if k in patch["$retainKeys"]}
-    return result
-
-
-def _merge_key(field: str, items: list[Any]) -> str | None:
-    if field == "ports":
-        # Container ports merge by containerPort, Service ports by port.
-        return "containerPort" if any("containerPort" in item for item in items) else "port"
-    return _MERGE_KEYS.get(field)
-
-
-def _merge_list(field: str, current: Any, patch: list[Any]) -> list[Any]:
-    current = copy.deepcopy(current) if isinstance(current, list) else []
-    if field in _PRIMITIVE_MERGE:
-        return current + [item for item in patch if item not in current]
-    key = _merge_key(field, [item for item in patch + current if isinstance(item, dict)])
-    if key is None or not all(isinstance(item, dict) for item in patch):
-        return _strip_directives(patch)
-    if any(item.get("$patch") == "replace" for item in patch):
-        return _strip_directives([item for item in patch if item.get("$patch") != "replace"])
-    for item in patch:
-        index = next((i for i, old in enumerate(current) if old.get(key) == item.get(key)), None)
-        if item.get("$patch") == "delete":
-            if index is not None:
-                del current[index]
-        elif index is None:
-            current.append(_strip_directives(item))
-        else:
-            current[index] = strategic_merge(current[index], item)
-    return current
-
-
-def _strip_directives(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _strip_directives(v) for k, v in value.items() if not k.startswith("$")}
-    if isinstance(value, list):
-        return [_strip_directives(item) for item in value]
-    return value
