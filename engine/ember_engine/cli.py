@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "train a small target/draft Llama pair for speculative decoding",
     ),
     "serve": ("ember_engine.server.serve", "serve a model over the OpenAI API"),
+    "fetch-model": (
+        "ember_engine.fetch.cli",
+        "fetch a checkpoint (hf://, s3://, a directory) into a directory, resumably, checking digests",
+    ),
     "router": ("ember_router.main", "route requests to engines by cached prefix and load (OpenAI API)"),
     "operator": ("ember_operator.main", "run the Kubernetes operator for InferenceServices (kopf)"),
     "dev": (

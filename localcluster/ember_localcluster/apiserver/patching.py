@@ -36,6 +36,7 @@ JSON = "application/json-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 APPLY = "application/apply-patch+yaml"
 
+
 class _JSONLikeLoader(yaml.SafeLoader):
     """YAML without implicit timestamps, so every document decodes to plain JSON values."""
 
