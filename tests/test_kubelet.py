@@ -4,6 +4,7 @@ service proxy."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -468,6 +469,154 @@ def test_environment_arguments_and_paths_are_rewritten(cluster: Cluster) -> None
     assert argv_line == str([f"--bind={ip}", f"{data}/file", f"hello-{ip}"])
     assert greeting == f"hello-{ip}"
     delete_and_wait(api, "echo")
+
+
+def pod_table_status(cluster: Cluster, name: str) -> str:
+    """The STATUS column of `kubectl get pod NAME`, as the API server prints it."""
+    table = cluster.http.get(
+        f"{cluster.api.url}/api/v1/namespaces/default/pods/{name}",
+        headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
+    ).json()
+    columns = [c["name"] for c in table["columnDefinitions"]]
+    return str(table["rows"][0]["cells"][columns.index("Status")])
+
+
+def test_init_containers_run_in_order_to_completion_before_the_containers(cluster: Cluster) -> None:
+    api = cluster.api
+    step = "import pathlib, sys, time; d = pathlib.Path('/work'); "
+    first = step + "time.sleep(1); (d / 'first').write_text('1')"
+    # The second sees the first's file: it started only after the first exited 0.
+    second = step + "assert (d / 'first').exists(); (d / 'second').write_text('2')"
+    main = step + "assert (d / 'second').exists(); print('initialized'); time.sleep(60)"
+    pod = python_pod("inits", ["python", "-c", main], volumes=[{"name": "work", "emptyDir": {}}])
+    mount = [{"name": "work", "mountPath": "/work"}]
+    pod["spec"]["containers"][0]["volumeMounts"] = mount
+    pod["spec"]["initContainers"] = [
+        {"name": "first", "image": PYTHON_IMAGE, "command": ["python", "-c", first], "volumeMounts": mount},
+        {"name": "second", "image": PYTHON_IMAGE, "command": ["python", "-c", second], "volumeMounts": mount},
+    ]
+    api.create(pod)
+    running_first = wait_for_pod(
+        api,
+        "inits",
+        "the first init container running",
+        lambda p: "running" in ((p["status"].get("initContainerStatuses") or [{}])[0].get("state") or {}),
+    )
+    status = running_first["status"]
+    assert status["phase"] == "Pending"
+    initialized = next(c for c in status["conditions"] if c["type"] == "Initialized")
+    assert (initialized["status"], initialized["reason"]) == ("False", "ContainersNotInitialized")
+    assert initialized["message"] == "containers with incomplete status: [first second]"
+    assert status["initContainerStatuses"][1]["state"] == {"waiting": {"reason": "PodInitializing"}}
+    assert container(running_first)["state"] == {"waiting": {"reason": "PodInitializing"}}
+    assert pod_table_status(cluster, "inits") == "Init:0/2"
+    done = wait_for_pod(api, "inits", "Running", lambda p: p["status"].get("phase") == "Running")
+    for init in done["status"]["initContainerStatuses"]:
+        assert (
+            init["state"]["terminated"]["exitCode"] == 0
+            and init["state"]["terminated"]["reason"] == "Completed"
+        )
+        assert init["ready"] is True and init["restartCount"] == 0
+    assert next(c for c in done["status"]["conditions"] if c["type"] == "Initialized")["status"] == "True"
+    wait_for(
+        lambda: "initialized" in cluster.kubelet.log_path("default", "inits", "main").read_text(),
+        what="main ran",
+    )
+    assert pod_table_status(cluster, "inits") == "Running"
+    delete_and_wait(api, "inits")
+
+
+def test_a_failing_init_container_backs_off_and_the_containers_never_start(cluster: Cluster) -> None:
+    api = cluster.api
+    pod = python_pod("initfail", ["python", "-c", "print('main ran')"])
+    fail = "import sys; print('fatal: no model here'); sys.exit(3)"
+    pod["spec"]["initContainers"] = [
+        {
+            "name": "fetch",
+            "image": PYTHON_IMAGE,
+            "command": ["python", "-c", fail],
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }
+    ]
+    api.create(pod)
+    seen: list[str] = []
+
+    def backing_off() -> dict[str, Any] | None:
+        pod_now = get_pod(api, "initfail")
+        seen.append(pod_table_status(cluster, "initfail"))
+        init = (pod_now["status"].get("initContainerStatuses") or [{}])[0]
+        waiting = (init.get("state") or {}).get("waiting") or {}
+        return (
+            init if waiting.get("reason") == "CrashLoopBackOff" and init.get("restartCount", 0) >= 2 else None
+        )
+
+    init = wait_for(backing_off, what="the init container in CrashLoopBackOff", timeout=60)
+    assert "Init:CrashLoopBackOff" in seen
+    last = init["lastState"]["terminated"]
+    assert last["exitCode"] == 3 and last["reason"] == "Error" and "fatal: no model here" in last["message"]
+    now = get_pod(api, "initfail")
+    assert now["status"]["phase"] == "Pending"
+    assert container(now)["state"] == {"waiting": {"reason": "PodInitializing"}}
+    assert not cluster.kubelet.log_path("default", "initfail", "main").exists()
+    delete_and_wait(api, "initfail")
+
+    # Under restartPolicy Never a failed init container fails the pod.
+    never = python_pod("initnever", ["python", "-c", "print('main ran')"], restartPolicy="Never")
+    never["spec"]["initContainers"] = [
+        {"name": "fetch", "image": PYTHON_IMAGE, "command": ["python", "-c", fail]}
+    ]
+    api.create(never)
+    failed = wait_for_pod(api, "initnever", "Failed", lambda p: p["status"].get("phase") == "Failed")
+    assert failed["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
+    assert pod_table_status(cluster, "initnever") == "Init:Error"
+    delete_and_wait(api, "initnever")
+
+
+def test_secrets_reach_the_environment_and_a_missing_one_is_a_config_error(cluster: Cluster) -> None:
+    api = cluster.api
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "creds", "namespace": "default"},
+        "data": {
+            "HF_TOKEN": base64.b64encode(b"hf_secret").decode(),
+            "user": base64.b64encode(b"ember").decode(),
+        },
+    }
+    api.create(secret)
+    script = "import os; print(os.environ['HF_TOKEN'], os.environ['WHO'])"
+    pod = python_pod("secretenv", ["python", "-c", script], restartPolicy="Never")
+    pod["spec"]["containers"][0].update(
+        envFrom=[{"secretRef": {"name": "creds"}}],
+        env=[{"name": "WHO", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "user"}}}],
+    )
+    api.create(pod)
+    wait_for_pod(api, "secretenv", "Succeeded", lambda p: p["status"].get("phase") == "Succeeded")
+    assert cluster.kubelet.log_path("default", "secretenv", "main").read_text().strip() == "hf_secret ember"
+    delete_and_wait(api, "secretenv")
+
+    for name, env, message in (
+        ("nosecret", {"envFrom": [{"secretRef": {"name": "absent"}}]}, 'secret "absent" not found'),
+        (
+            "nokey",
+            {"env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "nope"}}}]},
+            "couldn't find key nope in Secret default/creds",
+        ),
+    ):
+        bad = python_pod(name, ["python", "-c", "pass"])
+        bad["spec"]["containers"][0].update(env)
+        api.create(bad)
+        waiting = wait_for_pod(
+            api,
+            name,
+            "CreateContainerConfigError",
+            lambda p: (
+                ((container(p).get("state") or {}).get("waiting") or {}).get("reason")
+                == "CreateContainerConfigError"
+            ),
+        )
+        assert container(waiting)["state"]["waiting"]["message"] == message
+        delete_and_wait(api, name)
 
 
 def test_stop_kills_every_process(tmp_path: Path) -> None:

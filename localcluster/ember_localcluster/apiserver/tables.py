@@ -111,15 +111,63 @@ def _age_of(obj: dict[str, Any]) -> str:
     return age(obj["metadata"].get("creationTimestamp"))
 
 
+def _terminated_reason(terminated: dict[str, Any], prefix: str = "") -> str:
+    if terminated.get("reason"):
+        return prefix + terminated["reason"]
+    if terminated.get("signal"):
+        return f"{prefix}Signal:{terminated['signal']}"
+    return f"{prefix}ExitCode:{terminated.get('exitCode', 0)}"
+
+
 def _pod_cells(pod: dict[str, Any]) -> list[Any]:
+    """READY, STATUS, RESTARTS as kube-apiserver's pod printer (`printPod`) computes them: the phase (or the
+    pod's reason), then the first init container not done (`Init:N/M`, `Init:Error`,
+    `Init:CrashLoopBackOff`), else the containers' waiting or terminated reasons, and Terminating."""
     spec, status = pod.get("spec") or {}, pod.get("status") or {}
-    statuses = status.get("containerStatuses") or []
-    ready = f"{sum(1 for s in statuses if s.get('ready'))}/{len(spec.get('containers') or [])}"
-    phase = "Terminating" if pod["metadata"].get("deletionTimestamp") else status.get("phase", "Pending")
-    restarts = sum(int(s.get("restartCount", 0)) for s in statuses)
+    phase = status.get("phase", "Pending")
+    reason = status.get("reason") or phase
+    restarts = ready = 0
+    init_specs = spec.get("initContainers") or []
+    initializing = False
+    for i, c in enumerate(status.get("initContainerStatuses") or []):
+        restarts += int(c.get("restartCount", 0))
+        state = c.get("state") or {}
+        terminated, waiting = state.get("terminated"), state.get("waiting") or {}
+        if terminated is not None and terminated.get("exitCode") == 0:
+            continue
+        if terminated is not None:
+            reason = _terminated_reason(terminated, "Init:")
+        elif waiting.get("reason") and waiting["reason"] != "PodInitializing":
+            reason = "Init:" + waiting["reason"]
+        else:
+            reason = f"Init:{i}/{len(init_specs)}"
+        initializing = True
+        break
+    initialized = any(
+        c.get("type") == "Initialized" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    if not initializing or initialized:
+        restarts, running = 0, False
+        for c in reversed(status.get("containerStatuses") or []):
+            restarts += int(c.get("restartCount", 0))
+            state = c.get("state") or {}
+            if (state.get("waiting") or {}).get("reason"):
+                reason = state["waiting"]["reason"]
+            elif state.get("terminated") is not None:
+                reason = _terminated_reason(state["terminated"])
+            elif c.get("ready") and "running" in state:
+                running = True
+                ready += 1
+        if reason == "Completed" and running:
+            pod_ready = any(
+                c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+            )
+            reason = "Running" if pod_ready else "NotReady"
+    if pod["metadata"].get("deletionTimestamp") and phase not in ("Succeeded", "Failed"):
+        reason = "Terminating"
     return [
-        ready,
-        phase,
+        f"{ready}/{len(spec.get('containers') or [])}",
+        reason,
         restarts,
         _age_of(pod),
         status.get("podIP") or "<none>",

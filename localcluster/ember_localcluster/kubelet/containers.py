@@ -1,6 +1,7 @@
 """One container's runs: starting its process, its exit, and the restart policy with its back-off.
 
-`restartPolicy` Always, OnFailure or Never; restarts wait out an exponential back-off (1 s doubling to
+`restartPolicy` Always, OnFailure or Never (an init container is done once it exits 0, and is restarted
+after a failure unless the policy is Never, as the kubelet does); restarts wait out an exponential back-off (1 s doubling to
 10 s by default, reset after a run of twice the cap) during which the container waits with reason
 `CrashLoopBackOff`. With `FallbackToLogsOnError` a failed run's terminated message is the tail of its log
 (the last 80 lines or 2 KiB, whichever is less). An image the kubelet cannot run leaves the container
@@ -31,6 +32,7 @@ LOG_TAIL_LINES, LOG_TAIL_BYTES = 80, 2048
 @dataclass(slots=True, eq=False)
 class _Container:
     spec: dict[str, Any]
+    init: bool = False  # an init container: runs to completion before the next one and the containers
     runs: int = 0
     restart_count: int = 0
     process: asyncio.subprocess.Process | None = None
@@ -119,7 +121,7 @@ async def _start(worker: _PodWorker, c: _Container) -> None:
     if not probes["startup"]:
         c.started = True
         c.started_event.set()
-        c.ready = not probes["readiness"]
+        c.ready = not probes["readiness"] and not c.init  # an init container is ready once it succeeded
     c.probes = [asyncio.create_task(_probe_loop(worker, c, k, p)) for k, p in probes.items() if p]
 
 
@@ -149,7 +151,11 @@ def _record_exit(worker: _PodWorker, c: _Container, exit_code: int, reason: str,
     if c.container_id:
         terminated["containerID"] = c.container_id
     restart_policy = worker.spec.get("restartPolicy", "Always")
-    restart = restart_policy == "Always" or (restart_policy == "OnFailure" and exit_code != 0)
+    if c.init:  # init containers run until they succeed, unless the pod never restarts anything
+        restart = exit_code != 0 and restart_policy != "Never"
+        c.ready = exit_code == 0
+    else:
+        restart = restart_policy == "Always" or (restart_policy == "OnFailure" and exit_code != 0)
     if worker.terminating or not restart:
         c.state, c.done = {"terminated": terminated}, True
         return

@@ -28,7 +28,11 @@ Each pod is run by a worker of its own (`podworker`). One kubelet serves one or 
   container waiting with reason `ErrImagePull`, so the pod stays `Pending`.
 * **Volumes.** `configMap` (updated atomically), `emptyDir`, `persistentVolumeClaim` (through `claims`)
   and `hostPath`, with mount paths rewritten to host directories (`podvolumes`).
-* **Environment.** `env`, `envFrom`, `$(VAR)` expansion, fieldRef and configMapKeyRef (`podenv`).
+* **Environment.** `env`, `envFrom` (ConfigMaps and Secrets), `$(VAR)` expansion, fieldRef,
+  configMapKeyRef and secretKeyRef (`podenv`), with the kubelet's errors for what is missing.
+* **Init containers.** Run one at a time, each to completion, before the containers start; a failed one
+  is restarted with the same back-off (`Init:CrashLoopBackOff` in `kubectl get pods`), or fails the pod
+  under `restartPolicy: Never`.
 * **Probes.** startup, readiness and liveness probes with httpGet, tcpSocket or exec (`probes`).
 * **Restarts.** `restartPolicy` with exponential back-off and `CrashLoopBackOff` (`containers`);
   container statuses and phases as the kubelet reports them (`podstatus`).
@@ -41,8 +45,8 @@ Each pod is run by a worker of its own (`podworker`). One kubelet serves one or 
 Not modelled: isolation of any kind (processes share the host's filesystem, users, PID space and ports;
 127.0.0.1 inside a pod is the host's), cgroups and resource limits (requests count only at admission),
 image pulls, DNS (Service names do not resolve), Service environment variables, node heartbeats and
-leases, init, sidecar and ephemeral containers (a pod with initContainers stays Pending), secret,
-projected and downwardAPI volumes, read-only mounts, in-place updates of a running pod's spec, the
+leases, sidecar init containers (`restartPolicy: Always` on an init container) and ephemeral containers,
+secret, projected and downwardAPI volumes, read-only mounts, in-place updates of a running pod's spec, the
 terminationMessagePath file, readiness gates, exec/attach/port-forward. Linux only.
 """
 
@@ -137,6 +141,7 @@ class ProcessKubelet:
         self.bin_dir = Path(bin_dir) if bin_dir is not None else Path(sys.executable).parent
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.configmaps: dict[tuple[str, str], dict[str, Any]] = {}
+        self.secrets: dict[tuple[str, str], dict[str, Any]] = {}
         self.session: aiohttp.ClientSession | None = None
         self._workers: dict[str, _PodWorker] = {}  # by uid
         self._latest: dict[tuple[str, str], _PodWorker] = {}  # by (namespace, name)
@@ -187,6 +192,9 @@ class ProcessKubelet:
         configmaps = runtime.informer(
             runtime.core.list_config_map_for_all_namespaces, self._on_configmap, name="configmaps"
         )
+        secrets = runtime.informer(
+            runtime.core.list_secret_for_all_namespaces, self._on_secret, name="secrets"
+        )
         # A kubelet watches the pods bound to its node: one field-selected informer per node.
         pods = [
             runtime.informer(
@@ -198,8 +206,8 @@ class ProcessKubelet:
             )
             for name in self.nodes
         ]
-        # ConfigMaps first, so that the first pods find theirs.
-        runtime.sync(configmaps)
+        # ConfigMaps and Secrets first, so that the first pods find theirs.
+        runtime.sync(configmaps, secrets)
         runtime.sync(*pods)
         return self
 
@@ -303,6 +311,16 @@ class ProcessKubelet:
         for worker in self._workers.values():
             if worker.namespace == key[0]:
                 worker.configmap_changed(*key)
+
+    def _on_secret(self, kind: str, obj: dict[str, Any]) -> None:
+        key = _key(obj)
+        if kind == "DELETED":
+            self.secrets.pop(key, None)
+        else:
+            self.secrets[key] = obj
+        for worker in self._workers.values():
+            if worker.namespace == key[0]:
+                worker.wake()  # a container's env may be waiting for this Secret
 
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         uid = pod["metadata"]["uid"]

@@ -2,13 +2,15 @@
 
 `env` (`value` with `$(VAR)` expansion, `valueFrom.fieldRef` for metadata.name, namespace, uid,
 labels['k'], annotations['k'], spec.nodeName, spec.serviceAccountName, status.podIP(s) and
-status.hostIP(s), `valueFrom.configMapKeyRef`) and `envFrom` ConfigMaps, on top of this process's own
-environment; `$(VAR)` references in command and args are expanded too. The working directory is the
-pod's directory. Secrets are not read: a reference to one is a `CreateContainerConfigError`.
+status.hostIP(s), `valueFrom.configMapKeyRef` and `valueFrom.secretKeyRef`) and `envFrom` ConfigMaps and
+Secrets, on top of this process's own environment; `$(VAR)` references in command and args are expanded
+too. The working directory is the pod's directory. A missing ConfigMap, Secret or key is a
+`CreateContainerConfigError` with the kubelet's message.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -60,16 +62,34 @@ def _field(worker: _PodWorker, path: str) -> str:
     raise _ConfigError(f"unsupported fieldRef fieldPath: {path}")
 
 
+def _data(worker: _PodWorker, kind: str, name: str) -> dict[str, str] | None:
+    """A ConfigMap's data or a Secret's (decoded) in the pod's namespace; None when there is none."""
+    if kind == "ConfigMap":
+        configmap = worker.kubelet.configmaps.get((worker.namespace, name))
+        return None if configmap is None else dict(configmap.get("data") or {})
+    secret = worker.kubelet.secrets.get((worker.namespace, name))
+    if secret is None:
+        return None
+    data = {k: base64.b64decode(v).decode(errors="replace") for k, v in (secret.get("data") or {}).items()}
+    return {**data, **(secret.get("stringData") or {})}
+
+
 def _environment(worker: _PodWorker, c: _Container, rewrite: _Rewriter) -> dict[str, str]:
+    # The kubelet's messages (makeEnvironmentVariables): the API's NotFound for a missing object, "couldn't
+    # find key" for a missing key; `optional` skips either.
     env: dict[str, str] = {}
     for source in c.spec.get("envFrom") or []:
-        if "configMapRef" not in source:
+        kind, ref = (
+            ("ConfigMap", source["configMapRef"])
+            if "configMapRef" in source
+            else ("Secret", source.get("secretRef"))
+        )
+        if ref is None:
             raise _ConfigError(f"envFrom {sorted(source)} is not supported by the process kubelet")
-        ref = source["configMapRef"]
-        configmap = worker.kubelet.configmaps.get((worker.namespace, ref.get("name", "")))
-        if configmap is None and not ref.get("optional"):
-            raise _ConfigError(f'configmap "{ref.get("name")}" not found')
-        for key, value in ((configmap or {}).get("data") or {}).items():
+        data = _data(worker, kind, ref.get("name", ""))
+        if data is None and not ref.get("optional"):
+            raise _ConfigError(f'{kind.lower()} "{ref.get("name")}" not found')
+        for key, value in (data or {}).items():
             env[source.get("prefix", "") + key] = rewrite(value)
     for var in c.spec.get("env") or []:
         if "valueFrom" not in var:
@@ -78,13 +98,23 @@ def _environment(worker: _PodWorker, c: _Container, rewrite: _Rewriter) -> dict[
         source = var["valueFrom"]
         if "fieldRef" in source:
             env[var["name"]] = _field(worker, source["fieldRef"].get("fieldPath", ""))
-        elif "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            data = (worker.kubelet.configmaps.get((worker.namespace, ref.get("name", ""))) or {}).get("data")
+        elif "configMapKeyRef" in source or "secretKeyRef" in source:
+            kind, ref = (
+                ("ConfigMap", source["configMapKeyRef"])
+                if "configMapKeyRef" in source
+                else ("Secret", source["secretKeyRef"])
+            )
+            data = _data(worker, kind, ref.get("name", ""))
             if data is not None and ref.get("key") in data:
                 env[var["name"]] = rewrite(data[ref["key"]])
-            elif not ref.get("optional"):
-                raise _ConfigError(f"couldn't find key {ref.get('key')} in ConfigMap {ref.get('name')}")
+            elif ref.get("optional"):
+                continue
+            elif data is None:
+                raise _ConfigError(f'{kind.lower()} "{ref.get("name")}" not found')
+            else:
+                raise _ConfigError(
+                    f"couldn't find key {ref.get('key')} in {kind} {worker.namespace}/{ref.get('name')}"
+                )
         else:
             raise _ConfigError(f"env {var['name']}: {sorted(source)} is not supported by the process kubelet")
     return env

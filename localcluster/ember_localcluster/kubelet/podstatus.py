@@ -1,8 +1,10 @@
 """What the process kubelet reports about a pod: its `pods/status` and core/v1 Events.
 
-`containerStatuses` carry state, lastState, restartCount, ready, started, image, imageID and containerID
-(`process://<pid>`). Phases follow the kubelet's rules, Succeeded and Failed included; readiness drives
-the pod's ContainersReady and Ready conditions. Each distinct Event is recorded once per pod.
+`containerStatuses` and `initContainerStatuses` carry state, lastState, restartCount, ready, started, image,
+imageID and containerID (`process://<pid>`). Phases follow the kubelet's rules, Succeeded and Failed
+included: Pending while init containers run (Failed when one fails under restartPolicy Never); the
+Initialized condition lists the init containers not yet done ("containers with incomplete status: [...]");
+readiness drives the pod's ContainersReady and Ready conditions. Each distinct Event is recorded once per pod.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ember_localcluster.informer import MERGE_PATCH
 from ember_localcluster.kubelet.node import HOST_IP
 
 if TYPE_CHECKING:
+    from ember_localcluster.kubelet.containers import _Container
     from ember_localcluster.kubelet.kubelet import ProcessKubelet
     from ember_localcluster.kubelet.podworker import _PodWorker
 
@@ -30,8 +33,10 @@ def _now() -> str:
 
 
 def _phase(worker: _PodWorker) -> str:
-    if worker.spec.get("initContainers"):
-        return "Pending"
+    pending = worker.pending_init()
+    if pending is not None:
+        # An init container that failed for good (restartPolicy Never) fails the pod; else it waits.
+        return "Failed" if pending.done else "Pending"
     containers = list(worker.containers.values())
     if worker.terminating and all(c.process is None for c in containers):
         exits = [c.state.get("terminated", {}).get("exitCode") for c in containers]
@@ -85,35 +90,22 @@ def _status(worker: _PodWorker) -> dict[str, Any]:
         reason, message = "PodCompleted", ""
     else:
         reason, message = "ContainersNotReady", f"containers with unready status: [{' '.join(unready)}]"
-    init_containers = [c["name"] for c in worker.spec.get("initContainers") or []]
+    incomplete = [
+        c.name for c in worker.init_containers.values() if c.state.get("terminated", {}).get("exitCode") != 0
+    ]
     conditions = [
         _condition(
             worker,
             "Initialized",
-            not init_containers,
+            not incomplete,
             "ContainersNotInitialized",
-            f"init containers are not run by the process kubelet: [{' '.join(init_containers)}]",
+            f"containers with incomplete status: [{' '.join(incomplete)}]",
         ),
         _condition(worker, "Ready", not unready, reason, message),
         _condition(worker, "ContainersReady", not unready, reason, message),
         _condition(worker, "PodScheduled", True),
     ]
-    statuses = []
-    for c in worker.containers.values():
-        status: dict[str, Any] = {
-            "name": c.name,
-            "image": c.spec.get("image", ""),
-            "imageID": f"local://{c.spec.get('image', '')}",
-            "ready": c.ready,
-            "started": c.started,
-            "restartCount": c.restart_count,
-            "state": c.state,
-            "lastState": c.last_state,
-        }
-        if c.container_id:
-            status["containerID"] = c.container_id
-        statuses.append(status)
-    return {
+    out: dict[str, Any] = {
         "phase": phase,
         "conditions": conditions,
         "hostIP": HOST_IP,
@@ -121,8 +113,27 @@ def _status(worker: _PodWorker) -> dict[str, Any]:
         "podIP": worker.ip,
         "podIPs": [{"ip": worker.ip}],
         "startTime": worker.start_time,
-        "containerStatuses": statuses,
+        "containerStatuses": [_container_status(c) for c in worker.containers.values()],
     }
+    if worker.init_containers:
+        out["initContainerStatuses"] = [_container_status(c) for c in worker.init_containers.values()]
+    return out
+
+
+def _container_status(c: _Container) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "name": c.name,
+        "image": c.spec.get("image", ""),
+        "imageID": f"local://{c.spec.get('image', '')}",
+        "ready": c.ready,
+        "started": c.started,
+        "restartCount": c.restart_count,
+        "state": c.state,
+        "lastState": c.last_state,
+    }
+    if c.container_id:
+        status["containerID"] = c.container_id
+    return status
 
 
 async def _publish(worker: _PodWorker) -> bool:

@@ -105,8 +105,9 @@ def _mount(worker: _PodWorker) -> None:
     except _MountError as error:
         worker.mount_error = f'MountVolume.SetUp failed for volume "{volume["name"]}" : {error}'
         _event(worker, "FailedMount", worker.mount_error, "Warning")
-        for c in worker.containers.values():
-            c.state = {"waiting": {"reason": "ContainerCreating", "message": worker.mount_error}}
+        waiting = "PodInitializing" if worker.init_containers else "ContainerCreating"
+        for c in worker.every_container:
+            c.state = {"waiting": {"reason": waiting, "message": worker.mount_error}}
         return
     worker.mount_error = ""
     worker.volumes = volumes

@@ -45,7 +45,11 @@ class _PodWorker:
         self.node_name = str((pod.get("spec") or {}).get("nodeName") or NODE_NAME)
         self.dir = kubelet.pod_dir(self.namespace, self.name)
         spec = pod.get("spec") or {}
+        self.init_containers = {c["name"]: _Container(c, init=True) for c in spec.get("initContainers") or []}
         self.containers = {c["name"]: _Container(c) for c in spec.get("containers") or []}
+        if self.init_containers:  # what the kubelet reports for containers that wait for the init ones
+            for c in (*self.init_containers.values(), *self.containers.values()):
+                c.state = {"waiting": {"reason": "PodInitializing"}}
         self.ip = ""
         self.start_time = ""
         self.volumes: dict[str, Path] | None = None
@@ -71,6 +75,17 @@ class _PodWorker:
     @property
     def spec(self) -> dict[str, Any]:
         return self.pod.get("spec") or {}
+
+    @property
+    def every_container(self) -> list[_Container]:
+        return [*self.init_containers.values(), *self.containers.values()]
+
+    def pending_init(self) -> _Container | None:
+        """The first init container that has not succeeded yet (None: the pod is initialized)."""
+        for c in self.init_containers.values():
+            if not (c.done and c.state.get("terminated", {}).get("exitCode") == 0):
+                return c
+        return None
 
     def update(self, pod: dict[str, Any]) -> None:
         self.pod = pod
@@ -100,14 +115,16 @@ class _PodWorker:
             if self.pod["metadata"].get("deletionTimestamp"):
                 await self._terminate()
                 return
-            deadlines = [c.restart_at for c in self.containers.values() if c.restart_at is not None]
-            if not self.spec.get("initContainers") and _phase(self) not in ("Succeeded", "Failed"):
+            deadlines = [c.restart_at for c in self.every_container if c.restart_at is not None]
+            if _phase(self) not in ("Succeeded", "Failed"):
                 if self.volumes is None:
                     _mount(self)
                 if self.volumes is None:
                     deadlines.append(loop.time() + MOUNT_RETRY_SECONDS)
                 else:
-                    for c in self.containers.values():
+                    # Init containers one at a time, each to completion, then the containers together.
+                    pending = self.pending_init()
+                    for c in [pending] if pending is not None else self.containers.values():
                         idle = c.process is None and c.killing is None and not c.done
                         if idle and (c.restart_at is None or c.restart_at <= loop.time()):
                             await _start(self, c)
@@ -129,13 +146,13 @@ class _PodWorker:
 
     async def _teardown(self) -> None:
         self.terminating = True  # no more restarts
-        tasks = [t for c in self.containers.values() for t in (*c.probes, c.killing) if t is not None]
+        tasks = [t for c in self.every_container for t in (*c.probes, c.killing) if t is not None]
         for task in tasks:
             task.cancel()
-        for c in self.containers.values():
+        for c in self.every_container:
             if c.process is not None:
                 _signal_group(c.process.pid, signal.SIGKILL)
-        waits = [c.exit_task for c in self.containers.values() if c.exit_task is not None]
+        waits = [c.exit_task for c in self.every_container if c.exit_task is not None]
         try:
             await asyncio.gather(*tasks, *waits, return_exceptions=True)
         finally:
@@ -203,17 +220,18 @@ class _PodWorker:
         grace = meta.get("deletionGracePeriodSeconds")
         if grace is None:
             grace = self.spec.get("terminationGracePeriodSeconds", 30)
-        for c in self.containers.values():
+        for c in self.every_container:
             c.restart_at = None
             if c.process is not None:
                 _event(self, "Killing", f"Stopping container {c.name}")
-        containers = self.containers.values()
+        containers = self.every_container
         await asyncio.gather(
             *(self._stop_container(c, float(grace)) for c in containers if c.process and not c.killing),
             *(asyncio.shield(c.killing) for c in containers if c.killing),
         )
-        for c in self.containers.values():
-            c.ready = c.started = False
+        for c in self.every_container:
+            c.ready = c.ready and c.init  # a succeeded init container stays ready
+            c.started = False
             if "terminated" in c.last_state and "waiting" in c.state:
                 c.state = {"terminated": c.last_state["terminated"]}
         await _publish(self)
