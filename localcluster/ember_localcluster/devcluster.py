@@ -27,8 +27,11 @@ from typing import Any
 
 from ember_localcluster.kubelet.node import DEFAULT_GPUS_PER_NODE, NodeConfig, local_nodes, parse_taint
 
+DEFAULT_PROMETHEUS_PORT = 19090
+
 MODEL_CLAIM = "model-weights"
 DEFAULT_PORT = 16443
+OPERATOR_NAMESPACE = "ember-system"
 
 
 class PortInUse(OSError):
@@ -63,6 +66,8 @@ class DevCluster:
         nodes: int | Sequence[NodeConfig] = 1,
         gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
         taints: Sequence[Mapping[str, str]] = (),
+        prometheus_port: int | None = None,
+        scrape_interval: float = 2.0,
     ) -> None:
         self.dir = Path(directory).resolve()
         self.port = port
@@ -74,6 +79,10 @@ class DevCluster:
         self.scheduler: Any = None
         self.kubelet: Any = None
         self.proxy: Any = None
+        self.prometheus_port = prometheus_port
+        self.scrape_interval = scrape_interval
+        self.prometheus: Any = None
+        self._metrics_server: Any = None
         self._operator: threading.Thread | None = None
         self._stop_operator = threading.Event()
         self.operator_error: BaseException | None = None
@@ -117,10 +126,33 @@ class DevCluster:
             self.proxy = ServiceProxy(self.kubeconfig).start()
             self._operator = threading.Thread(target=self._run_operator, name="ember-operator", daemon=True)
             self._operator.start()
+            if self.prometheus_port is not None:
+                self._start_prometheus()
         except BaseException:
             self.stop()  # what did start must not outlive the failure
             raise
         return self
+
+    def _start_prometheus(self) -> None:
+        """Serve the operator's /metrics, publish it as a Service whose Endpoints name that address (how
+        Kubernetes exposes a backend outside the cluster, here the operator in this process), and start
+        Prometheus with the shipped scrape jobs."""
+        from ember_localcluster.prometheus import LocalPrometheus
+        from ember_operator import metrics
+
+        self._metrics_server = metrics.serve(0, addr="127.0.0.1")
+        port = self._metrics_server.server_address[1]
+        labels = {"app.kubernetes.io/name": "ember-operator", "app.kubernetes.io/part-of": "ember"}
+        meta = {"name": "ember-operator-metrics", "namespace": OPERATOR_NAMESPACE, "labels": labels}
+        ports = [{"name": "metrics", "port": port, "protocol": "TCP"}]
+        self.api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}})
+        self.api.create({"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {"ports": ports}})
+        endpoints = {"subsets": [{"addresses": [{"ip": "127.0.0.1"}], "ports": ports}]}
+        self.api.create({"apiVersion": "v1", "kind": "Endpoints", "metadata": meta, **endpoints})
+        assert self.prometheus_port is not None
+        self.prometheus = LocalPrometheus(
+            self.kubeconfig, self.dir / "prometheus", self.prometheus_port, self.scrape_interval
+        ).start()
 
     def _run_operator(self) -> None:
         import kopf
@@ -155,6 +187,11 @@ class DevCluster:
             self.operator_error = e
 
     def stop(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self._stop_operator.set()
         if self._operator is not None:
             self._operator.join(timeout=15)
@@ -184,12 +221,20 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     cluster = DevCluster(
-        directory, port=args.port, nodes=args.nodes, gpus_per_node=args.gpus_per_node, taints=args.taint
+        directory,
+        port=args.port,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        taints=args.taint,
+        prometheus_port=args.prometheus_port if args.prometheus else None,
     )
     try:
         cluster.start()
     except OSError as error:
         print(f"ember dev: {error.strerror or error}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as error:  # Prometheus could not start
+        print(f"ember dev: {error}", file=sys.stderr, flush=True)
         return 1
     try:
         _pid_file(directory).write_text(str(os.getpid()))
@@ -197,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         names = ", ".join(n.name for n in cluster.nodes)
         print(f"ember dev: API server {cluster.api.url}; nodes {names}", flush=True)
         print(f"ember dev: export KUBECONFIG={cluster.kubeconfig}", flush=True)
+        if cluster.prometheus is not None:
+            print(f"ember dev: Prometheus {cluster.prometheus.url}", flush=True)
         while not stop.wait(0.5):
             if cluster.operator_error is not None:
                 print(f"ember dev: the operator stopped: {cluster.operator_error!r}", file=sys.stderr)
@@ -231,6 +278,8 @@ def up(args: argparse.Namespace) -> int:
     node_args = ["--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node)]
     for taint in args.taint:
         node_args += ["--taint", _taint_text(taint)]
+    if args.prometheus:
+        node_args += ["--prometheus", "--prometheus-port", str(args.prometheus_port)]
     proc = subprocess.Popen(
         [ember, "dev", "run", "--dir", str(directory), "--port", str(args.port), *node_args],
         stdout=log,
@@ -251,6 +300,8 @@ def up(args: argparse.Namespace) -> int:
             return 1
         time.sleep(0.1)
     print(f"ember dev: up (API server {(directory / 'ready').read_text()}, log {directory / 'dev.log'})")
+    if args.prometheus:
+        print(f"ember dev: Prometheus http://127.0.0.1:{args.prometheus_port}")
     print(f"export KUBECONFIG={kubeconfig}")
     return 0
 
@@ -377,6 +428,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 default=DEFAULT_GPUS_PER_NODE,
                 help="nvidia.com/gpu each node offers to the scheduler (default: %(default)s; engines "
                 "run on the CPU here whatever the number)",
+            )
+            q.add_argument(
+                "--prometheus",
+                action="store_true",
+                help="also run Prometheus (Debian's prometheus package) scraping the engines and the operator "
+                "with manifests/monitoring's scrape jobs and alerts",
+            )
+            q.add_argument(
+                "--prometheus-port",
+                type=int,
+                default=DEFAULT_PROMETHEUS_PORT,
+                help="Prometheus's port on 127.0.0.1 (default: %(default)s)",
             )
             q.add_argument(
                 "--taint",

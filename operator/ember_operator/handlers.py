@@ -114,6 +114,7 @@ class Reconciler:
         if event.get("type") == "DELETED":
             self._memories.pop(meta.get("uid", ""), None)
             self._gone.add(meta.get("uid", ""))
+            metrics.forget(meta.get("namespace", ""), meta.get("name", ""))
 
     async def pod_event(self, event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
         """A pod of an InferenceService changed: when its readiness flipped (or it is gone), run the owner's
@@ -254,6 +255,7 @@ class Reconciler:
             assessment.conditions(), status.get("conditions") or [], generation, now
         )
         metrics.DESIRED.labels(namespace, name).set(memory.desired)
+        metrics.publish_status(namespace, name, dict(patch.status))
 
     async def _fallback_url(
         self, kube: Kube, spec: InferenceServiceSpec, owner: Owner, troubles: list[Trouble]

@@ -67,14 +67,14 @@ def operator_settings(args: argparse.Namespace):  # -> kopf.OperatorSettings
 
 async def run(args: argparse.Namespace) -> None:
     import kopf
-    from prometheus_client import start_http_server
 
+    from ember_operator import metrics
     from ember_operator.handlers import Settings, register
 
     registry = kopf.OperatorRegistry()
     register(registry, Settings(args.tick, args.cluster_domain, args.scrape_timeout))
     if args.metrics_port:
-        start_http_server(args.metrics_port)
+        metrics.serve(args.metrics_port)
 
     # A registry of one's own starts empty: kopf's default login (through the kubernetes client's
     # in-cluster or kubeconfig settings) has to be added explicitly.

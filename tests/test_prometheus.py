@@ -1,0 +1,442 @@
+"""Monitoring with real parts. The shipped alerts (manifests/monitoring/prometheusrule.yaml) pass `promtool
+check rules` and promtool's unit tests; `ember dev up --prometheus`'s real Prometheus scrapes real engines and
+the operator with the shipped scrape jobs while real traffic runs (speculative decoding, shedding, the
+fallback, a scale-up), and then every PromQL query of the Grafana dashboard returns data, the alerts load and
+evaluate (the stalled, shed-rate and fallback alerts go pending), and the KEDA ScaledObject's query returns
+the single value KEDA needs."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from waiting import free_port, wait_for
+
+from ember_localcluster.devcluster import DevCluster
+from ember_localcluster.prometheus import MONITORING, shipped_rules
+from ember_operator.spec import GROUP, KIND, VERSION, InferenceServiceSpec
+
+REPO = Path(__file__).resolve().parents[1]
+KEDA = REPO / "examples" / "keda"
+
+
+def _promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.fail("promtool is required (Debian: apt-get install prometheus)")
+    return found
+
+
+def _alert(labels: dict[str, str], summary: str, description: str) -> dict[str, Any]:
+    return {"exp_labels": labels, "exp_annotations": {"summary": summary, "description": description}}
+
+
+def _description(alert: str) -> str:
+    (rule,) = [r for g in shipped_rules()["groups"] for r in g["rules"] if r["alert"] == alert]
+    return (
+        str(rule["annotations"]["description"])
+        .replace("{{ $labels.namespace }}", "prod")
+        .replace("{{ $labels.name }}", "chat")
+    )
+
+
+def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump(shipped_rules(), sort_keys=False))
+    checked = subprocess.run([_promtool(), "check", "rules", str(rules)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    chat = {"namespace": "prod", "inferenceservice": "chat"}
+    calm = {"namespace": "prod", "inferenceservice": "calm"}
+
+    def series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
+        body = ", ".join(f'{k}="{v}"' for k, v in labels.items())
+        return {"series": f"{name}{{{body}}}", "values": values}
+
+    ttft = "vllm:time_to_first_token_seconds_bucket"
+    tests = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    series(
+                        "ember:operator_condition",
+                        {
+                            "namespace": "prod",
+                            "name": "chat",
+                            "condition": "Stalled",
+                            "reason": "ModelFetchFailed",
+                        },
+                        "1x30",
+                    ),
+                    series(
+                        "ember:operator_condition",
+                        {"namespace": "prod", "name": "calm", "condition": "Stalled", "reason": "NoProblems"},
+                        "0x30",
+                    ),
+                    # 1 request/s to the fallback.
+                    series(
+                        "ember:fallback_requests_total",
+                        {**chat, "pod": "chat-a", "outcome": "served"},
+                        "0+60x30",
+                    ),
+                    series(
+                        "ember:fallback_requests_total",
+                        {**calm, "pod": "calm-a", "outcome": "served"},
+                        "0x30",
+                    ),
+                    # Half of chat's requests shed; calm sheds nothing.
+                    series(
+                        "ember:requests_shed_total",
+                        {**chat, "pod": "chat-a", "reason": "queue_full"},
+                        "0+30x30",
+                    ),
+                    series(
+                        "vllm:request_success_total",
+                        {**chat, "pod": "chat-a", "finished_reason": "stop"},
+                        "0+30x30",
+                    ),
+                    series(
+                        "vllm:request_success_total",
+                        {**calm, "pod": "calm-a", "finished_reason": "stop"},
+                        "0+30x30",
+                    ),
+                    series(
+                        "ember:requests_shed_total", {**calm, "pod": "calm-a", "reason": "queue_full"}, "0x30"
+                    ),
+                    # A serving pod at 97 % KV-cache use; a warm pod's cache does not count.
+                    series(
+                        "vllm:kv_cache_usage_perc", {**chat, "pod": "chat-a", "role": "active"}, "0.97x30"
+                    ),
+                    series("vllm:kv_cache_usage_perc", {**calm, "pod": "calm-w", "role": "warm"}, "0.99x30"),
+                    # chat's first tokens all take 2-3 s (p99 2.99 s); calm's under 1 s.
+                    series(ttft, {**chat, "pod": "chat-a", "le": "2"}, "0x30"),
+                    series(ttft, {**chat, "pod": "chat-a", "le": "3"}, "0+60x30"),
+                    series(ttft, {**chat, "pod": "chat-a", "le": "+Inf"}, "0+60x30"),
+                    series(ttft, {**calm, "pod": "calm-a", "le": "1"}, "0+60x30"),
+                    series(ttft, {**calm, "pod": "calm-a", "le": "+Inf"}, "0+60x30"),
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "4m", "alertname": "EmberInferenceServiceStalled", "exp_alerts": []},
+                    {
+                        "eval_time": "6m",
+                        "alertname": "EmberInferenceServiceStalled",
+                        "exp_alerts": [
+                            _alert(
+                                {
+                                    "severity": "critical",
+                                    "namespace": "prod",
+                                    "name": "chat",
+                                    "reason": "ModelFetchFailed",
+                                },
+                                "InferenceService prod/chat is stalled: ModelFetchFailed",
+                                _description("EmberInferenceServiceStalled"),
+                            )
+                        ],
+                    },
+                    {"eval_time": "5m", "alertname": "EmberFallbackActive", "exp_alerts": []},
+                    {
+                        "eval_time": "20m",
+                        "alertname": "EmberFallbackActive",
+                        "exp_alerts": [
+                            _alert(
+                                {"severity": "warning", **chat},
+                                "prod/chat sends 1 requests/s to its fallback",
+                                _description("EmberFallbackActive"),
+                            )
+                        ],
+                    },
+                    {
+                        "eval_time": "20m",
+                        "alertname": "EmberHighShedRate",
+                        "exp_alerts": [
+                            _alert(
+                                {"severity": "warning", **chat},
+                                "prod/chat sheds 50% of its requests",
+                                _description("EmberHighShedRate"),
+                            )
+                        ],
+                    },
+                    {
+                        "eval_time": "20m",
+                        "alertname": "EmberKVCacheNearlyFull",
+                        "exp_alerts": [
+                            _alert(
+                                {"severity": "warning", **chat, "pod": "chat-a"},
+                                "KV cache of prod/chat-a is 97% full",
+                                _description("EmberKVCacheNearlyFull"),
+                            )
+                        ],
+                    },
+                    {
+                        "eval_time": "20m",
+                        "alertname": "EmberTTFTOverSLO",
+                        "exp_alerts": [
+                            _alert(
+                                {"severity": "warning", **chat},
+                                "p99 time to first token of prod/chat is 2.99s",
+                                _description("EmberTTFTOverSLO"),
+                            )
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    tested = subprocess.run(
+        [_promtool(), "test", "rules", str(tmp_path / "tests.yaml")], capture_output=True, text=True
+    )
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_the_pod_monitor_gives_the_same_labels_as_the_scrape_config() -> None:
+    jobs = {j["job_name"]: j for j in yaml.safe_load((MONITORING / "scrape-configs.yaml").read_text())}
+    monitor = yaml.safe_load((MONITORING / "podmonitor.yaml").read_text())
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    # The Prometheus Operator adds namespace and pod itself; the rest must match the hand-written job.
+    relabel = {
+        (tuple(r["source_labels"]), r["target_label"])
+        for r in jobs["ember-engines"]["relabel_configs"]
+        if "target_label" in r
+    }
+    assert {(tuple(r["sourceLabels"]), r["targetLabel"]) for r in endpoint["relabelings"]} <= relabel
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "ember-operator"}
+    assert endpoint["port"] == "http"
+    service_monitor = yaml.safe_load((MONITORING / "servicemonitor.yaml").read_text())
+    assert service_monitor["spec"]["endpoints"][0]["honorLabels"] is True
+    assert jobs["ember-operator"]["honor_labels"] is True
+
+
+def test_the_operator_serves_its_metric_names_as_they_are_to_prometheus() -> None:
+    """Prometheus asks for OpenMetrics first; the names must still read `ember:operator_...`."""
+    from ember_operator import metrics
+
+    metrics.DESIRED.labels("prod", "chat").set(3)
+    server = metrics.serve(0, addr="127.0.0.1")
+    try:
+        accept = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        reply = httpx.get(f"http://127.0.0.1:{server.server_address[1]}/metrics", headers={"Accept": accept})
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 'ember:operator_desired_replicas{name="chat",namespace="prod"} 3.0' in reply.text
+    metrics.forget("prod", "chat")
+
+
+# -- a real Prometheus over real engines --------------------------------------------------------------------
+
+
+@dataclass
+class Observed:
+    cluster: DevCluster
+    prometheus: str
+    outcomes: dict[int, int]
+
+
+def _eis(name: str, **spec: Any) -> dict[str, Any]:
+    body = {
+        "model": {"name": "tiny", "source": "/models/tiny", "volumeClaim": "model-weights"},
+        "resources": {"gpus": 0},
+        **spec,
+    }
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": body,
+    }
+
+
+def _condition(cluster: DevCluster, name: str, kind: str) -> dict[str, Any]:
+    obj = cluster.api.get(f"{GROUP}/{VERSION}", KIND, "default", name) or {}
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+def _ready_shape(cluster: DevCluster, name: str, active: int, warm: int) -> bool:
+    obj = cluster.api.get(f"{GROUP}/{VERSION}", KIND, "default", name) or {}
+    status = obj.get("status") or {}
+    return (
+        status.get("readyReplicas") == active
+        and status.get("warmReplicas") == warm
+        and _condition(cluster, name, "WarmPoolReady").get("status") == "True"
+        and _condition(cluster, name, "Ready").get("status") == "True"
+    )
+
+
+def _service_url(cluster: DevCluster, name: str) -> str:
+    obj = cluster.api.get(f"{GROUP}/{VERSION}", KIND, "default", name) or {}
+    return str((obj.get("status") or {})["endpoint"])
+
+
+def _load(base: str, seconds: float) -> dict[int, int]:
+    """Streams from 8 clients at once for `seconds`; half of them as one client, over its per-client limit."""
+    outcomes: dict[int, int] = {}
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def client(i: int) -> None:
+        headers = {"x-ember-client": "batch" if i % 2 else f"user-{i}"}
+        with httpx.Client(timeout=60) as http:
+            while time.monotonic() < deadline:
+                body = {
+                    "model": "tiny",
+                    "prompt": "def fib(n): return fib(n - 1) + fib(n - 2)\n" * 3,
+                    "max_tokens": 24,
+                    "stream": True,
+                }
+                with http.stream("POST", f"{base}/v1/completions", json=body, headers=headers) as response:
+                    for _ in response.iter_bytes():
+                        pass
+                with lock:
+                    outcomes[response.status_code] = outcomes.get(response.status_code, 0) + 1
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(client, range(8)))
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Observed]:
+    root = tmp_path_factory.mktemp("prometheus")
+    cluster = DevCluster(root / "dev", port=free_port(), prometheus_port=free_port(), scrape_interval=1.0)
+    (root / "dev" / "models").mkdir(parents=True)
+    (root / "dev" / "models" / "tiny").symlink_to(tiny_model)
+    with cluster:
+        api = cluster.api
+        api.create(_eis("small", replicas={"min": 1, "max": 1}))
+        api.create(
+            _eis(
+                "chat",
+                replicas={"min": 1, "max": 2},
+                warmPool={"size": 1},
+                engine={"maxNumSeqs": 1, "extraArgs": ["--no-speculative-adaptive"]},
+                speculative={"method": "ngram", "numTokens": 3},
+                loadShedding={"maxQueueDepth": 1, "maxConcurrentPerClient": 2},
+                fallback={"service": "small"},
+                autoscaling={
+                    "intervalSeconds": 1,
+                    "queueDepthPerReplica": 1,
+                    "scaleDownStabilizationSeconds": 600,
+                },
+            )
+        )
+        # A model that is not there: the engine crash-loops and the service stalls.
+        api.create(
+            _eis(
+                "broken",
+                model={"name": "broken", "source": "/models/missing", "volumeClaim": "model-weights"},
+            )
+        )
+        wait_for(
+            lambda: _ready_shape(cluster, "small", 1, 0) and _ready_shape(cluster, "chat", 1, 1),
+            timeout=180,
+            what="chat and small Ready",
+        )
+        outcomes = _load(_service_url(cluster, "chat"), seconds=25)
+        wait_for(
+            lambda: _condition(cluster, "broken", "Stalled").get("status") == "True",
+            timeout=120,
+            what="broken Stalled",
+        )
+        time.sleep(3)  # a few more scrapes and rule evaluations after the traffic
+        assert cluster.prometheus is not None
+        yield Observed(cluster, cluster.prometheus.url, outcomes)
+
+
+def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
+    reply = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30).json()
+    assert reply["status"] == "success", f"{expr}: {reply}"
+    return list(reply["data"]["result"])
+
+
+def _concrete(expr: str) -> str:
+    """A dashboard query as Grafana sends it with every namespace and InferenceService selected."""
+    return (
+        expr.replace("$namespace", ".*").replace("$inferenceservice", ".*").replace("$__rate_interval", "1m")
+    )
+
+
+def test_the_traffic_was_served_shed_and_overflowed(observed: Observed) -> None:
+    assert observed.outcomes.get(200, 0) > 0 and observed.outcomes.get(429, 0) > 0, observed.outcomes
+
+
+def test_every_target_is_up(observed: Observed) -> None:
+    up = {
+        (r["metric"]["job"], r["metric"].get("inferenceservice", "")): r["value"][1]
+        for r in _query(observed.prometheus, "up")
+    }
+    assert up[("ember-operator", "")] == "1"
+    assert up[("ember-engines", "chat")] == "1" and up[("ember-engines", "small")] == "1"
+
+
+def test_every_dashboard_query_returns_data(observed: Observed) -> None:
+    dashboard = json.loads((MONITORING / "dashboard.json").read_text())
+    empty = []
+    count = 0
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            count += 1
+            result = _query(observed.prometheus, _concrete(target["expr"]))
+            values = [float(r["value"][1]) for r in result]
+            if not values or all(math.isnan(v) for v in values):
+                empty.append(f"{panel['title']}: {target['expr']} -> {result}")
+    assert count >= 20
+    assert not empty, "queries without data:\n" + "\n".join(empty)
+    for variable in dashboard["templating"]["list"][1:]:
+        series = variable["query"]["query"].removeprefix("label_values(").rsplit(",", 1)[0]
+        assert _query(observed.prometheus, _concrete(series)), variable["name"]
+
+
+def test_the_alerts_load_evaluate_and_fire_on_what_happened(observed: Observed) -> None:
+    groups = httpx.get(f"{observed.prometheus}/api/v1/rules", timeout=30).json()["data"]["groups"]
+    rules = {r["name"]: r for g in groups for r in g["rules"]}
+    shipped = {r["alert"] for g in shipped_rules()["groups"] for r in g["rules"]}
+    assert set(rules) == shipped
+    for name, rule in rules.items():
+        assert rule["health"] == "ok" and not rule.get("lastError"), (name, rule)
+
+    def active() -> set[tuple[str, str]]:
+        alerts = httpx.get(f"{observed.prometheus}/api/v1/alerts", timeout=30).json()["data"]["alerts"]
+        return {
+            (a["labels"]["alertname"], a["labels"].get("name") or a["labels"].get("inferenceservice", ""))
+            for a in alerts
+        }
+
+    wanted = {
+        ("EmberInferenceServiceStalled", "broken"),
+        ("EmberHighShedRate", "chat"),
+        ("EmberFallbackActive", "chat"),
+    }
+    wait_for(lambda: wanted <= active(), timeout=30, what=f"{wanted} pending or firing")
+
+
+def test_the_keda_scaled_object_query_returns_one_value(observed: Observed) -> None:
+    (eis,) = [d for d in yaml.safe_load_all((KEDA / "inferenceservice.yaml").read_text()) if d]
+    spec = InferenceServiceSpec.model_validate(eis["spec"])
+    assert spec.autoscaling.mode == "External"
+    scaled = yaml.safe_load((KEDA / "scaledobject.yaml").read_text())
+    target = scaled["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        f"{GROUP}/{VERSION}",
+        KIND,
+        eis["metadata"]["name"],
+    )
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    # The example is `chat` in `default`, as the traffic here: KEDA needs exactly one value.
+    (result,) = _query(observed.prometheus, trigger["metadata"]["query"])
+    assert float(result["value"][1]) >= 0 and int(trigger["metadata"]["threshold"]) > 0
