@@ -17,9 +17,11 @@ The storage origin serves LFS content with ranges, records whether a request car
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -289,3 +291,15 @@ class HubServer:
         for server in self._servers:
             server.shutdown()
             server.server_close()
+
+
+@contextlib.contextmanager
+def serving(repo_id: str, directory: Path, *, private: bool = True) -> Iterator[Hub]:
+    """A hub holding `directory` as the repository `repo_id`, served while the block runs."""
+    hub = Hub()
+    hub.add(repo_id, directory, private=private)
+    server = HubServer(hub)
+    try:
+        yield hub
+    finally:
+        server.close()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from e2e_harness import MODEL, NAMESPACE, ControlPlane, container_pid, control_plane, fresh_client
-from hub_server import Hub, HubServer
+from hub_server import Hub, serving
 from waiting import wait_for
 
 REPO_ID = "ember-test/tiny"
@@ -151,13 +151,8 @@ def test_a_gpu_resource_no_node_offers_waits_with_the_schedulers_message(cp: Con
 
 @pytest.fixture
 def hub(tiny_model: Path) -> Iterator[Hub]:
-    state = Hub()
-    state.add(REPO_ID, tiny_model, private=True)
-    server = HubServer(state)
-    try:
-        yield state
-    finally:
-        server.close()
+    with serving(REPO_ID, tiny_model) as hub:
+        yield hub
 
 
 def test_a_model_fetched_from_the_hub_is_served_and_a_failed_fetch_stalls_with_its_cause(

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hub_server import Hub, HubServer
+from hub_server import Hub, serving
 from s3_server import S3Server
 
 EMBER = str(Path(sys.executable).parent / "ember")
@@ -57,13 +57,8 @@ def checkpoint(tiny_model: Path, tmp_path: Path) -> Path:
 
 @pytest.fixture
 def hub(checkpoint: Path) -> Iterator[Hub]:
-    state = Hub()
-    state.add(REPO_ID, checkpoint, private=True)
-    server = HubServer(state)
-    try:
-        yield state
-    finally:
-        server.close()
+    with serving(REPO_ID, checkpoint) as hub:
+        yield hub
 
 
 def expected_files(checkpoint: Path) -> dict[str, bytes]:

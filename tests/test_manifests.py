@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from functools import cache
@@ -317,3 +318,26 @@ def test_argocd_cm_patch_merges_into_an_existing_argocd_cm(tmp_path: Path) -> No
         "url": "https://argocd.example.com",
         "resource.customizations.health.ember.dev_InferenceService": script,
     }
+
+
+def test_monitoring_overlay_ships_the_monitors_the_rules_and_the_dashboard() -> None:
+    docs = render("monitoring")
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
+        ("ConfigMap", "ember-grafana-dashboard"),
+        ("PodMonitor", "ember-engines"),
+        ("PrometheusRule", "ember"),
+        ("ServiceMonitor", "ember-operator"),
+    ]
+    for doc in docs:
+        assert doc["metadata"]["namespace"] == NAMESPACE
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "ember"
+    dashboard = _one(docs, "ConfigMap", "ember-grafana-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar picks up
+    assert json.loads(dashboard["data"]["ember.json"]) == json.loads(
+        (MANIFESTS / "monitoring" / "dashboard.json").read_text()
+    )
+    # The ServiceMonitor selects the operator's metrics Service, by a label and a port it has.
+    service = _one(render("."), "Service", "ember-operator-metrics")
+    monitor = _one(docs, "ServiceMonitor", "ember-operator")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}

@@ -542,3 +542,36 @@ def test_the_api_server_takes_a_full_placement_spec(custom: Any) -> None:
     assert spec.pod.affinity is not None and spec.pod.affinity.to_kube() == AFFINITY
     assert created["spec"]["podTemplate"]["spec"] == {"containers": [{"name": "engine", "stdin": False}]}
     assert spec.lifecycle.grace_seconds == 315
+
+
+def test_a_crash_looping_model_fetch_is_trouble_with_its_fatal_line() -> None:
+    from ember_operator.pods import trouble
+
+    fatal = "ember fetch-model: fatal: the hub answered 401 Unauthorized: repository org/m not found"
+    pod = {
+        "metadata": {"name": "chat-abc"},
+        "status": {
+            "phase": "Pending",
+            "initContainerStatuses": [
+                {
+                    "name": "fetch-model",
+                    "restartCount": 3,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+                    "lastState": {
+                        "terminated": {"exitCode": 1, "reason": "Error", "message": f"progress\n{fatal}\n"}
+                    },
+                }
+            ],
+            "containerStatuses": [
+                {"name": "engine", "restartCount": 0, "state": {"waiting": {"reason": "PodInitializing"}}}
+            ],
+        },
+    }
+    found = trouble(pod)
+    assert found is not None and found.reason == "ModelFetchFailed"
+    assert (
+        found.message == f"pod chat-abc: init container fetch-model: CrashLoopBackOff (exit code 1): {fatal}"
+    )
+    # The first failures are the kubelet's to retry: no trouble yet.
+    pod["status"]["initContainerStatuses"][0]["restartCount"] = 1
+    assert trouble(pod) is None

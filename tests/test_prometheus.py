@@ -327,9 +327,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iter
                 speculative={"method": "ngram", "numTokens": 3},
                 loadShedding={"maxQueueDepth": 1, "maxConcurrentPerClient": 2},
                 fallback={"service": "small"},
+                # With one request running and one waiting (all the queue takes) the autoscaler wants more.
                 autoscaling={
                     "intervalSeconds": 1,
-                    "queueDepthPerReplica": 1,
+                    "queueDepthPerReplica": 0.25,
                     "scaleDownStabilizationSeconds": 600,
                 },
             )

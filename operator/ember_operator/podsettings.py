@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -72,12 +72,28 @@ def _labels_field() -> Any:
     )
 
 
-class PodSettings(KubeObject):
+class _Labelled(KubeObject):
+    """Labels and annotations for the engine pods: valid Kubernetes keys and values, none of the operator's."""
+
+    where: ClassVar[str] = "pod"  # how error messages name the fields
+    labels: dict[str, str] = _labels_field()
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_labels(value, f"{cls.where}.labels")
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_annotations(value, f"{cls.where}.annotations")
+
+
+class PodSettings(_Labelled):
     """`spec.pod`: where the engine pods run and who they are. Each field reaches every engine pod as
     written (the node selector and tolerations stay in `spec.resources`)."""
 
-    labels: dict[str, str] = _labels_field()
-    annotations: dict[str, str] = Field(default_factory=dict)
     affinity: Affinity | None = None
     topology_spread_constraints: list[TopologySpreadConstraint] = Field(default_factory=list, max_length=16)
     priority_class_name: str | None = Field(default=None, max_length=SUBDOMAIN_MAX, pattern=SUBDOMAIN)
@@ -92,16 +108,6 @@ class PodSettings(KubeObject):
         description="The engine container's, merged over the operator's (no privilege escalation, every "
         "capability dropped).",
     )
-
-    @field_validator("labels")
-    @classmethod
-    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
-        return check_labels(value, "pod.labels")
-
-    @field_validator("annotations")
-    @classmethod
-    def _annotations(cls, value: dict[str, str]) -> dict[str, str]:
-        return check_annotations(value, "pod.annotations")
 
 
 PRESTOP_SECONDS = 5
@@ -166,19 +172,8 @@ class Lifecycle(KubeObject):
         return self.drain_seconds + PRESTOP_SECONDS + GRACE_MARGIN_SECONDS
 
 
-class PodTemplateMetadata(KubeObject):
-    labels: dict[str, str] = _labels_field()
-    annotations: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("labels")
-    @classmethod
-    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
-        return check_labels(value, "podTemplate.metadata.labels")
-
-    @field_validator("annotations")
-    @classmethod
-    def _annotations(cls, value: dict[str, str]) -> dict[str, str]:
-        return check_annotations(value, "podTemplate.metadata.annotations")
+class PodTemplateMetadata(_Labelled):
+    where: ClassVar[str] = "podTemplate.metadata"
 
 
 class PodTemplate(KubeObject):
