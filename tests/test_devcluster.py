@@ -30,15 +30,30 @@ def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:
     kubectl_bin = shutil.which("kubectl") or "/usr/bin/kubectl"
     assert Path(kubectl_bin).exists(), "kubectl is required (Debian: kubernetes-client)"
     state = tmp_path / "dev"
-    port = free_port()
+    port, prometheus_port = free_port(), free_port()
+    prometheus = f"http://127.0.0.1:{prometheus_port}"
     up = subprocess.run(
-        [EMBER, "dev", "up", "--dir", str(state), "--port", str(port), "--nodes", "2"],
+        [
+            EMBER,
+            "dev",
+            "up",
+            "--dir",
+            str(state),
+            "--port",
+            str(port),
+            "--nodes",
+            "2",
+            "--prometheus",
+            "--prometheus-port",
+            str(prometheus_port),
+        ],
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert up.returncode == 0, up.stdout + up.stderr + (state / "dev.log").read_text()
     assert f"export KUBECONFIG={state / 'kubeconfig'}" in up.stdout
+    assert f"Prometheus {prometheus}" in up.stdout
 
     def kubectl(*args: str) -> str:
         out = subprocess.run(
@@ -88,6 +103,19 @@ def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] is not None
 
+        # --prometheus: the engines and the operator are scraped (tests/test_prometheus.py goes further).
+        def scraped() -> set[tuple[str, str]]:
+            query = httpx.get(f"{prometheus}/api/v1/query", params={"query": "up == 1"}, timeout=10).json()
+            return {
+                (r["metric"]["job"], r["metric"].get("inferenceservice", "")) for r in query["data"]["result"]
+            }
+
+        wait_for(
+            lambda: {("ember-engines", "tiny"), ("ember-operator", "")} <= scraped(),
+            timeout=30,
+            what="Prometheus scraping the engines and the operator",
+        )
+
         kubectl("delete", "-f", str(REPO / "examples" / "local.yaml"))
         wait_for(
             lambda: not json.loads(kubectl("get", "pods", "-o", "json"))["items"],
@@ -115,10 +143,11 @@ def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:
     # Returned only once everything has stopped: the control plane, the pods' processes, the API port.
     assert not _alive(dev_pid), "the control plane process still runs after `ember dev down`"
     assert not _alive(web_pid), "a pod's process still runs after `ember dev down`"
-    with socket.socket() as s:
-        # Free to listen on again (SO_REUSEADDR, as servers bind: kubectl's closed connections linger).
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", port))
+    for taken in (port, prometheus_port):
+        with socket.socket() as s:
+            # Free to listen on again (SO_REUSEADDR, as servers bind: closed connections linger).
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", taken))
 
 
 def test_dev_up_on_a_busy_port_says_so(tmp_path: Path) -> None:

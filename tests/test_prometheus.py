@@ -237,6 +237,68 @@ def test_the_operator_serves_its_metric_names_as_they_are_to_prometheus() -> Non
     metrics.forget("prod", "chat")
 
 
+def test_the_local_discovery_gives_kubernetes_sd_meta_labels() -> None:
+    """The labels Prometheus's Kubernetes discovery documents for roles pod and endpoints, for the ones the
+    shipped jobs relabel from."""
+    from ember_localcluster.prometheus import endpoints_groups, pod_groups
+
+    pod = {
+        "metadata": {
+            "name": "chat-abc",
+            "namespace": "prod",
+            "uid": "u1",
+            "labels": {"app.kubernetes.io/instance": "chat", "ember.dev/role": "active"},
+        },
+        "spec": {
+            "nodeName": "n1",
+            "containers": [
+                {"name": "engine", "image": "img", "ports": [{"name": "http", "containerPort": 8000}]}
+            ],
+        },
+        "status": {
+            "podIP": "10.0.0.5",
+            "hostIP": "10.1.0.1",
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    (group,) = pod_groups([pod, {**pod, "status": {}}])  # a pod without an IP has no target
+    assert group["targets"] == ["10.0.0.5:8000"]
+    labels = group["labels"]
+    assert (
+        labels["__meta_kubernetes_namespace"] == "prod" and labels["__meta_kubernetes_pod_name"] == "chat-abc"
+    )
+    assert labels["__meta_kubernetes_pod_label_app_kubernetes_io_instance"] == "chat"
+    assert labels["__meta_kubernetes_pod_labelpresent_ember_dev_role"] == "true"
+    assert labels["__meta_kubernetes_pod_container_port_name"] == "http"
+    assert labels["__meta_kubernetes_pod_container_port_number"] == "8000"
+    assert (
+        labels["__meta_kubernetes_pod_ready"] == "true"
+        and labels["__meta_kubernetes_pod_container_init"] == "false"
+    )
+    service = {
+        "metadata": {"name": "m", "namespace": "ops", "labels": {"app.kubernetes.io/name": "ember-operator"}}
+    }
+    endpoints = {
+        "metadata": {"name": "m", "namespace": "ops"},
+        "subsets": [
+            {
+                "addresses": [{"ip": "1.2.3.4"}],
+                "notReadyAddresses": [{"ip": "1.2.3.5"}],
+                "ports": [{"name": "metrics", "port": 8080}],
+            }
+        ],
+    }
+    ready, not_ready = endpoints_groups([endpoints], {("ops", "m"): service})
+    assert ready["targets"] == ["1.2.3.4:8080"] and not_ready["targets"] == ["1.2.3.5:8080"]
+    assert ready["labels"]["__meta_kubernetes_service_label_app_kubernetes_io_name"] == "ember-operator"
+    assert ready["labels"]["__meta_kubernetes_endpoint_port_name"] == "metrics"
+    assert (
+        ready["labels"]["__meta_kubernetes_endpoint_ready"],
+        not_ready["labels"]["__meta_kubernetes_endpoint_ready"],
+    ) == ("true", "false")
+
+
 # -- a real Prometheus over real engines --------------------------------------------------------------------
 
 

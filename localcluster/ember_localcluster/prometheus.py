@@ -165,6 +165,7 @@ class LocalPrometheus:
         }
         self._lock = threading.Lock()
         self._informers: list[Informer] = []
+        self._api_client: Any = None
 
     @property
     def url(self) -> str:
@@ -185,7 +186,8 @@ class LocalPrometheus:
         (self.dir / "prometheus.yml").write_text(
             yaml.safe_dump(dev_config(self.dir, self.scrape_interval), sort_keys=False)
         )
-        core = client.CoreV1Api(config.new_client_from_config(config_file=str(self.kubeconfig)))
+        self._api_client = config.new_client_from_config(config_file=str(self.kubeconfig))
+        core = client.CoreV1Api(self._api_client)
         for kind, call in (
             ("pods", core.list_pod_for_all_namespaces),
             ("services", core.list_service_for_all_namespaces),
@@ -250,6 +252,9 @@ class LocalPrometheus:
         for informer in self._informers:
             informer.stop()
         self._informers = []
+        if self._api_client is not None:
+            self._api_client.close()
+            self._api_client = None
         if self.process is not None:
             self.process.terminate()
             try:
