@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
+from ember_operator.desired import WARM, Owner, desired_pod, template_hash
 from ember_operator.spec import GROUP, KIND, VERSION, InferenceServiceSpec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -19,7 +20,12 @@ def _documents(path: Path) -> list[dict[str, Any]]:
 
 
 def test_the_examples_exist() -> None:
-    assert [p.name for p in FILES] == ["fallback-pair.yaml", "inferenceservice.yaml", "local.yaml"]
+    assert [p.name for p in FILES] == [
+        "fallback-pair.yaml",
+        "inferenceservice.yaml",
+        "local.yaml",
+        "production.yaml",
+    ]
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
@@ -59,3 +65,14 @@ def test_single_example_uses_the_documented_features() -> None:
     assert "priorityClasses" not in doc["spec"]["loadShedding"]
     assert [c.name for c in spec.load_shedding.priority_classes] == ["critical", "standard", "batch"]
     assert spec.fallback is not None and spec.fallback.service == "chat-small"
+
+
+def test_production_example_builds_its_pod() -> None:
+    """Every field reaches the pod, and its podTemplate passes the operator's checks."""
+    (doc,) = _documents(EXAMPLES / "production.yaml")
+    spec = InferenceServiceSpec.model_validate(doc["spec"])
+    pod = desired_pod(Owner("llama-70b", "ai", "uid"), spec, WARM, template_hash(spec))
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == ["fetch-model"]
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["engine", "log-shipper"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 615
+    assert pod["spec"]["priorityClassName"] == "inference-high"
