@@ -1,11 +1,12 @@
 """One container's runs: starting its process, its exit, and the restart policy with its back-off.
 
 `restartPolicy` Always, OnFailure or Never (an init container is done once it exits 0, and is restarted
-after a failure unless the policy is Never, as the kubelet does); restarts wait out an exponential back-off (1 s doubling to
-10 s by default, reset after a run of twice the cap) during which the container waits with reason
-`CrashLoopBackOff`. With `FallbackToLogsOnError` a failed run's terminated message is the tail of its log
-(the last 80 lines or 2 KiB, whichever is less). An image the kubelet cannot run leaves the container
-waiting with reason `ErrImagePull`; a container it cannot configure, with `CreateContainerConfigError`.
+after a failure unless the policy is Never, as the kubelet does); restarts wait out an exponential
+back-off (1 s doubling to 10 s by default, reset after a run of twice the cap) during which the container
+waits with reason `CrashLoopBackOff`. With `FallbackToLogsOnError` a failed run's terminated message is the
+tail of its log (the last 80 lines or 2 KiB, whichever is less). An image the kubelet cannot run leaves the
+container waiting with reason `ErrImagePull`; a container it cannot configure, with
+`CreateContainerConfigError`.
 """
 
 from __future__ import annotations
