@@ -200,3 +200,31 @@ def test_a_step_message_round_trips_whatever_its_size() -> None:
         ]
     assert len(encode(small)) < HEADER < len(encode(big))  # one broadcast for the first, two for the second
     assert decode(np.asarray([2, 0], dtype=np.int32)) is None
+
+
+def test_bench_throughput_reports_communication_per_step(tiny_model: Path, tmp_path: Path) -> None:
+    import argparse
+    import json
+
+    from ember_engine.bench import throughput
+
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    out = tmp_path / "tp.json"
+    args = parser.parse_args(
+        [
+            *("--model", str(tiny_model), "--num-requests", "4", "--input-len", "16:64"),
+            *("--output-len", "4:8", "--tensor-parallel-size", "2", "--baselines", ""),
+            *("--quiet", "--json", str(out)),
+        ]
+    )
+    assert throughput.main(args) == 0
+    result = json.loads(out.read_text())
+    engine, unsplit = result["engine"], result["baselines"]["ember-tp1"]
+    assert engine["tensor_parallel_size"] == 2 and unsplit["tensor_parallel_size"] == 1
+    assert engine["output_tokens"] == unsplit["output_tokens"] == result["workload"]["output_tokens"]
+    c = engine["communication"]
+    assert c["collective_seconds"] > 0 and c["broadcast_seconds"] > 0
+    assert 0 < c["per_step_ms"] < c["step_ms"]
+    assert 0 < c["fraction_of_step_time"] < 1
+    assert "communication" not in unsplit

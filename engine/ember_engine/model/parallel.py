@@ -17,6 +17,7 @@ the ones that attend to it.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,16 @@ class TPGroup:
 
     def __init__(self, rank: int = 0, size: int = 1, group: Any = None) -> None:
         self.rank, self.size, self.group = rank, size, group
+        # With `timed` set (benchmarks), `seconds` totals the time spent in collectives, waiting for the
+        # other ranks to arrive included; the device is synchronized around each, so keep it off otherwise.
+        self.timed = False
+        self.seconds = 0.0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            start = self._clock(t)
             dist.all_reduce(t, group=self.group)
+            self._tally(t, start)
         return t
 
     def gather_to_first(self, t: torch.Tensor) -> list[torch.Tensor] | None:
@@ -50,8 +57,23 @@ class TPGroup:
         if self.size == 1:
             return [t]
         parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else None
+        start = self._clock(t)
         dist.gather(t.contiguous(), parts, dst=0, group=self.group)
+        self._tally(t, start)
         return parts
+
+    def _clock(self, t: torch.Tensor) -> float:
+        if not self.timed:
+            return 0.0
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
+        return time.perf_counter()
+
+    def _tally(self, t: torch.Tensor, start: float) -> None:
+        if self.timed:
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
+            self.seconds += time.perf_counter() - start
 
     def min_over_ranks(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's value (e.g. the KV blocks that fit on each rank's device)."""
