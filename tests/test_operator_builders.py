@@ -136,8 +136,10 @@ def test_the_pod_carries_the_contract_labels_owner_probes_and_policy_mount() -> 
     prestop = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
     drain = next(int(a.split("=")[1]) for a in c["args"] if a.startswith("--drain-timeout="))
     assert pod["spec"]["terminationGracePeriodSeconds"] > prestop + drain
-    (mount,) = c["volumeMounts"]  # no model volume claim: the checkpoint is in the image
-    (volume,) = pod["spec"]["volumes"]
+    # No model volume claim (the checkpoint is in the image); the two GPUs' ranks get a /dev/shm.
+    mount, shm = c["volumeMounts"]
+    volume, _ = pod["spec"]["volumes"]
+    assert shm["mountPath"] == "/dev/shm"
     assert "subPath" not in mount  # a subPath mount would never see ConfigMap updates
     assert volume["configMap"]["name"] == "chat-policy" and mount["name"] == volume["name"]
 

@@ -66,6 +66,12 @@ def active_selector(name: str) -> dict[str, str]:
     return {**instance_labels(name), ROLE_LABEL: ACTIVE}
 
 
+_LATER_FIELDS = [
+    ("resources", "nodes", 1),
+    ("resources", "sharedMemory", None),
+]
+
+
 def template_hash(spec: InferenceServiceSpec) -> str:
     """A digest of the fields that change what an engine pod runs; a new value means the pods are rolled.
 
@@ -75,6 +81,15 @@ def template_hash(spec: InferenceServiceSpec) -> str:
     affecting = spec.model_dump(
         by_alias=True, mode="json", include={"model", "speculative", "engine", "resources"}
     )
+    # Fields added since the first release count only when they change the pods: at their defaults they
+    # leave the hash of an existing service, and so its running pods, as they were. The tensor-parallel
+    # size counts as the engine will run it: pods of several GPUs that ran one rank are rolled.
+    for section, name, default in _LATER_FIELDS:
+        if affecting[section].get(name) == default:
+            del affecting[section][name]
+    affecting["engine"].pop("tensorParallelSize", None)
+    if spec.tensor_parallel_size > 1:
+        affecting["engine"]["tensorParallelSize"] = spec.tensor_parallel_size
     canonical = json.dumps(affecting, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:10]
 
@@ -128,6 +143,8 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         args.append(f"--max-model-len={e.max_model_len}")
     if e.kv_cache_memory is not None:
         args.append(f"--kv-cache-memory={quantity_bytes(e.kv_cache_memory)}")
+    if spec.tensor_parallel_size > 1:
+        args.append(f"--tensor-parallel-size={spec.tensor_parallel_size}")
     if spec.speculative is not None:
         s = spec.speculative
         if s.method == "draft":
@@ -206,6 +223,12 @@ def desired_pod(owner: Owner, spec: InferenceServiceSpec, role: str, pod_hash: s
         # A whole-directory mount (not subPath) so that ConfigMap updates reach the running engine.
         "volumes": [{"name": "policy", "configMap": {"name": policy_configmap_name(owner.name)}}],
     }
+    ranks_here = spec.tensor_parallel_size // spec.resources.nodes
+    if ranks_here > 1:
+        # A container's /dev/shm is 64Mi unless mounted: far too small for NCCL between the pod's ranks.
+        size = spec.resources.shared_memory or f"{ranks_here}Gi"
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+        pod_spec["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}})
     if spec.model.volume_claim is not None:
         container["volumeMounts"].append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
         pod_spec["volumes"].append(

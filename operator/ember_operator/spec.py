@@ -88,6 +88,14 @@ class Engine(_Object):
         default=None, pattern=QUANTITY
     )  # None: sized from gpuMemoryUtilization
     gpu_memory_utilization: float = Field(default=0.9, ge=0.1, le=1.0)
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Ranks the model is split across (one per GPU). Default: every GPU of the replica, "
+        "resources.gpus times resources.nodes. The model's attention heads must divide by it (and its KV "
+        "heads divide by it, or it by them): the engine refuses a split that does not, naming the numbers.",
+    )
 
 
 class Toleration(_Object):
@@ -104,7 +112,21 @@ class EnvVar(_Object):
 
 
 class Resources(_Object):
-    gpus: int = Field(default=1, ge=0, le=16)
+    gpus: int = Field(default=1, ge=0, le=16, description="GPUs of each pod (each node of a replica).")
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Nodes one replica spans. Above 1, each replica is a LeaderWorkerSet group of this many "
+        "pods (the leader serves, the others join its tensor-parallel group): the LeaderWorkerSet "
+        "controller (leaderworkerset.x-k8s.io) must be installed.",
+    )
+    shared_memory: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        description="Size of the in-memory /dev/shm of a pod running several ranks (NCCL's intra-node "
+        "transport uses it). Default: 1Gi per rank on the pod. It counts against the pod's memory.",
+    )
     cpu: str | None = Field(default=None, pattern=QUANTITY)
     memory: str | None = Field(default=None, pattern=QUANTITY)
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -266,7 +288,24 @@ class Fallback(_Object):
         return self
 
 
+_PARALLEL_RULES = [
+    {
+        "rule": "self.resources.nodes == 1 || self.resources.gpus >= 1",
+        "message": "resources.nodes > 1 needs resources.gpus >= 1 (a rank per GPU on each node)",
+    },
+    {
+        "rule": "!has(self.engine.tensorParallelSize) || "
+        "(self.engine.tensorParallelSize % self.resources.nodes == 0 && (self.resources.gpus == 0 || "
+        "self.engine.tensorParallelSize / self.resources.nodes <= self.resources.gpus))",
+        "message": "engine.tensorParallelSize must be a multiple of resources.nodes, with at most "
+        "resources.gpus ranks on each node",
+    },
+]
+
+
 class InferenceServiceSpec(_Object):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _PARALLEL_RULES})
+
     model: Model
     speculative: Speculative | None = None
     engine: Engine = Field(default_factory=Engine, json_schema_extra=_OBJECT_DEFAULT)
@@ -285,6 +324,24 @@ class InferenceServiceSpec(_Object):
     load_shedding: LoadShedding = Field(default_factory=LoadShedding, json_schema_extra=_OBJECT_DEFAULT)
     fallback: Fallback | None = None
     request_timeout_seconds: float = Field(default=0, ge=0)  # 0: no deadline
+
+    @model_validator(mode="after")
+    def _parallel_fits(self) -> Self:
+        r, tp = self.resources, self.engine.tensor_parallel_size
+        if r.nodes > 1 and r.gpus < 1:
+            raise ValueError(_PARALLEL_RULES[0]["message"])
+        if tp is not None and (tp % r.nodes or (r.gpus and tp // r.nodes > r.gpus)):
+            raise ValueError(
+                f"{_PARALLEL_RULES[1]['message']}: got tensorParallelSize {tp} for {r.nodes} node(s) "
+                f"of {r.gpus} GPU(s)"
+            )
+        return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The engine's ranks: as set, else one per GPU of the replica (1 without GPUs)."""
+        r = self.resources
+        return self.engine.tensor_parallel_size or max(1, r.gpus * r.nodes)
 
 
 class Condition(_Object):

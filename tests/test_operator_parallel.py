@@ -1,0 +1,138 @@
+"""The operator's side of tensor parallelism: every GPU of a pod serves (`resources.gpus` becomes the
+engine's tensor-parallel size), /dev/shm is sized for the ranks, and what the spec alone can refuse is
+refused by the schema. The engine's own command line is the oracle for the arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ember_engine.cli import build_parser
+from ember_operator.desired import WARM, Owner, desired_pod
+from ember_operator.spec import InferenceServiceSpec
+
+OWNER = Owner("big", "prod", "uid-1")
+
+
+def make_spec(**changes: Any) -> InferenceServiceSpec:
+    doc: dict[str, Any] = {"model": {"name": "big", "source": "/models/big"}}
+    doc.update(changes)
+    return InferenceServiceSpec.model_validate(doc)
+
+
+def parsed_args(pod: dict[str, Any]) -> Any:
+    (container,) = pod["spec"]["containers"]
+    return build_parser().parse_args([*container["command"][1:], *container["args"]])
+
+
+def test_every_gpu_of_the_pod_serves_by_default() -> None:
+    pod = desired_pod(OWNER, make_spec(resources={"gpus": 4}), WARM, "abcdef0123")
+    assert parsed_args(pod).tensor_parallel_size == 4
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+
+
+@pytest.mark.parametrize(("gpus", "expected"), [(0, 1), (1, 1)])
+def test_one_gpu_or_none_runs_unsplit(gpus: int, expected: int) -> None:
+    pod = desired_pod(OWNER, make_spec(resources={"gpus": gpus}), WARM, "abcdef0123")
+    assert parsed_args(pod).tensor_parallel_size == expected
+
+
+def test_an_explicit_size_overrides_the_gpu_count() -> None:
+    spec = make_spec(resources={"gpus": 4}, engine={"tensorParallelSize": 2})
+    assert parsed_args(desired_pod(OWNER, spec, WARM, "abcdef0123")).tensor_parallel_size == 2
+
+
+def test_a_pod_of_several_ranks_gets_a_memory_backed_dev_shm() -> None:
+    def shm(spec: InferenceServiceSpec) -> tuple[Any, Any]:
+        pod = desired_pod(OWNER, spec, WARM, "abcdef0123")
+        mounts = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        return mounts, [volumes[m["name"]] for m in mounts]
+
+    mounts, volumes = shm(make_spec(resources={"gpus": 4}))
+    assert mounts == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    assert volumes == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}}]
+    _, volumes = shm(make_spec(resources={"gpus": 4, "sharedMemory": "16Gi"}))
+    assert volumes[0]["emptyDir"]["sizeLimit"] == "16Gi"
+    assert shm(make_spec(resources={"gpus": 1})) == ([], [])
+    assert shm(make_spec(resources={"gpus": 4}, engine={"tensorParallelSize": 1})) == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("resources", "engine", "message"),
+    [
+        ({"gpus": 2}, {"tensorParallelSize": 4}, "at most resources.gpus ranks on each node"),
+        ({"gpus": 2, "nodes": 2}, {"tensorParallelSize": 3}, "a multiple of resources.nodes"),
+        ({"gpus": 0, "nodes": 2}, {}, "resources.nodes > 1 needs resources.gpus >= 1"),
+    ],
+)
+def test_what_the_spec_alone_can_refuse_is_refused(
+    resources: dict[str, Any], engine: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_spec(resources=resources, engine=engine)
+
+
+def test_the_new_fields_at_their_defaults_keep_existing_pods_hash() -> None:
+    from ember_operator.desired import template_hash
+
+    # What the operator before these fields computed for one-GPU pods: they run as before, and are not
+    # rolled by the upgrade; pods of two GPUs that ran one rank are.
+    before = template_hash(make_spec())
+    assert before == "bed9b8a368"
+    assert before == template_hash(make_spec(resources={"nodes": 1}, engine={"tensorParallelSize": 1}))
+    assert template_hash(make_spec(resources={"gpus": 2})) != "73abfec405"
+    assert before != template_hash(make_spec(resources={"gpus": 1, "nodes": 2}))
+    assert before != template_hash(make_spec(resources={"sharedMemory": "8Gi"}))
+
+
+@pytest.mark.parametrize(
+    ("resources", "engine", "message"),
+    [
+        ({"gpus": 2}, {"tensorParallelSize": 4}, "at most resources.gpus ranks on each node"),
+        ({"gpus": 2, "nodes": 2}, {"tensorParallelSize": 3}, "a multiple of resources.nodes"),
+        ({"gpus": 0, "nodes": 2}, {}, "resources.nodes > 1 needs resources.gpus >= 1"),
+    ],
+)
+def test_the_api_server_refuses_the_same_by_the_crds_rules(
+    tmp_path: Path, resources: dict[str, Any], engine: dict[str, Any], message: str
+) -> None:
+    import json
+
+    import kubernetes
+    from kubernetes.client import ApiException, CustomObjectsApi
+
+    from ember_localcluster.apiserver import APIServer
+    from ember_operator.crd import crd_manifest
+    from ember_operator.spec import GROUP, PLURAL, VERSION
+
+    def body(name: str, **spec: Any) -> dict[str, Any]:
+        doc = {"model": {"name": "big", "source": "/models/big"}, **spec}
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "InferenceService",
+            "metadata": {"name": name},
+            "spec": doc,
+        }
+
+    with APIServer() as server:
+        server.install_crd(crd_manifest())
+        configuration = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(
+            config_file=str(server.write_kubeconfig(tmp_path / "kubeconfig")),
+            client_configuration=configuration,
+        )
+        with kubernetes.client.ApiClient(configuration) as client:
+            custom = CustomObjectsApi(client)
+            with pytest.raises(ApiException) as refused:
+                custom.create_namespaced_custom_object(
+                    GROUP, VERSION, "default", PLURAL, body("bad", resources=resources, engine=engine)
+                )
+            assert refused.value.status == 422
+            assert message in json.loads(refused.value.body)["message"]
+            # Each node's GPUs, all of them serving: accepted.
+            custom.create_namespaced_custom_object(
+                GROUP, VERSION, "default", PLURAL, body("good", resources={"gpus": 2, "nodes": 2})
+            )
