@@ -288,7 +288,7 @@ class Fallback(_Object):
         return self
 
 
-_PARALLEL_RULES = [
+_PARALLEL_RULES: list[dict[str, Any]] = [
     {
         "rule": "self.resources.nodes == 1 || self.resources.gpus >= 1",
         "message": "resources.nodes > 1 needs resources.gpus >= 1 (a rank per GPU on each node)",
@@ -304,7 +304,7 @@ _PARALLEL_RULES = [
 
 
 class InferenceServiceSpec(_Object):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _PARALLEL_RULES})
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": list(_PARALLEL_RULES)})
 
     model: Model
     speculative: Speculative | None = None
