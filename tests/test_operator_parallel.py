@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from ember_engine.cli import build_parser
-from ember_operator.desired import WARM, Owner, desired_pod
+from ember_operator.desired import ROLE_LABEL, WARM, Owner, desired_pod
 from ember_operator.spec import InferenceServiceSpec
 
 OWNER = Owner("big", "prod", "uid-1")
@@ -136,3 +136,97 @@ def test_the_api_server_refuses_the_same_by_the_crds_rules(
             custom.create_namespaced_custom_object(
                 GROUP, VERSION, "default", PLURAL, body("good", resources={"gpus": 2, "nodes": 2})
             )
+
+
+# -- multi-node groups ----------------------------------------------------------------------------------
+
+
+def _group_pods(group: dict[str, Any], ready: bool = True) -> list[dict[str, Any]]:
+    """The pods the local LeaderWorkerSet controller makes of it, as their kubelet would report them."""
+    from ember_localcluster.leaderworkerset import group_pod
+
+    group = {**group, "metadata": {**group["metadata"], "name": "big-x7k2p", "uid": "lws-uid"}}
+    leader = group_pod(group, 0, 0)
+    leader["metadata"]["uid"] = "leader-uid"
+    pods = [leader] + [
+        group_pod(group, 0, k, leader) for k in range(1, group["spec"]["leaderWorkerTemplate"]["size"])
+    ]
+    for p in pods:
+        p["metadata"]["creationTimestamp"] = "2026-11-01T12:00:00Z"
+        p["status"] = {
+            "phase": "Running",
+            "conditions": [
+                {"type": "Ready", "status": str(ready), "lastTransitionTime": "2026-11-01T12:00:00Z"}
+            ],
+            "containerStatuses": [
+                {"name": "engine", "ready": ready, "restartCount": 0, "state": {"running": {}}}
+            ],
+        }
+    return pods
+
+
+def _command_line(pod: dict[str, Any]) -> Any:
+    """The engine's parse of a pod's command line, after Kubernetes' $(VAR) expansion from its env."""
+    from ember_localcluster.kubelet.podenv import expand
+
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container.get("env") or []}
+    words = [expand(w, env) for w in [*container["command"][1:], *container["args"]]]
+    return build_parser().parse_args(words)
+
+
+def test_a_multi_node_replica_is_one_leaderworkerset_whose_pods_form_one_tensor_parallel_group() -> None:
+    from ember_operator.groups import desired_group
+
+    spec = make_spec(resources={"gpus": 4, "nodes": 2})
+    group = desired_group(OWNER, spec, WARM, "abcdef0123")
+    assert group["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and group["kind"] == "LeaderWorkerSet"
+    assert group["metadata"]["generateName"] == "big-"
+    assert group["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    template = group["spec"]["leaderWorkerTemplate"]
+    assert group["spec"]["replicas"] == 1 and template["size"] == 2
+    assert template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = _group_pods(group)
+    lead, work = _command_line(leader), _command_line(worker)
+    assert (lead.tensor_parallel_size, lead.nnodes, lead.node_rank) == (8, 2, 0)
+    assert (work.tensor_parallel_size, work.nnodes, work.node_rank) == (8, 2, 1)
+    assert lead.master_addr == "0.0.0.0"  # the leader listens on its pod address
+    assert work.master_addr == "big-x7k2p-0.big-x7k2p.prod"  # its DNS name under the set's headless Service
+    assert lead.master_port == work.master_port
+    # Only the leader serves HTTP, is probed, and is selected by the Service (instance + role=active).
+    assert "readinessProbe" in leader["spec"]["containers"][0]
+    assert (
+        "readinessProbe" not in worker["spec"]["containers"][0]
+        and "ports" not in worker["spec"]["containers"][0]
+    )
+    assert leader["metadata"]["labels"][ROLE_LABEL] == WARM and ROLE_LABEL not in worker["metadata"]["labels"]
+    # Each pod gets its node's GPUs and /dev/shm for its four ranks.
+    for pod in (leader, worker):
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}} in pod["spec"][
+            "volumes"
+        ]
+
+
+def test_the_longest_name_leaves_group_pod_names_valid_hostnames() -> None:
+    from ember_operator.groups import desired_group
+
+    owner = Owner("n" * 52, "prod", "uid-1")
+    group = desired_group(owner, make_spec(resources={"gpus": 1, "nodes": 64}), WARM, "abcdef0123")
+    generated = group["metadata"]["generateName"] + "x" * 5  # the API server appends five characters
+    assert len(f"{generated}-0-63") <= 63
+
+
+def test_a_group_reads_as_one_unit_ready_only_when_all_its_pods_are() -> None:
+    from ember_operator.groups import desired_group, group_view
+
+    group = desired_group(OWNER, make_spec(resources={"gpus": 1, "nodes": 3}), WARM, "abcdef0123")
+    group["metadata"].update(name="big-x7k2p", uid="lws-uid", creationTimestamp="2026-11-01T12:00:00Z")
+    group["metadata"]["labels"][ROLE_LABEL] = "active"
+    pods = _group_pods(group)
+    v = group_view(group, pods)
+    assert (v.name, v.role, v.ready, v.container_down) == ("big-x7k2p", "active", True, False)
+    v = group_view(group, pods[:2])  # a worker missing (being recreated)
+    assert not v.ready and v.container_down
+    v = group_view(group, _group_pods(group, ready=False))
+    assert not v.ready and not v.container_down  # still loading
