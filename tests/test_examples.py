@@ -19,7 +19,12 @@ def _documents(path: Path) -> list[dict[str, Any]]:
 
 
 def test_the_examples_exist() -> None:
-    assert [p.name for p in FILES] == ["fallback-pair.yaml", "inferenceservice.yaml", "local.yaml"]
+    assert [p.name for p in FILES] == [
+        "fallback-pair.yaml",
+        "inferenceservice.yaml",
+        "local.yaml",
+        "tensor-parallel.yaml",
+    ]
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
@@ -59,3 +64,11 @@ def test_single_example_uses_the_documented_features() -> None:
     assert "priorityClasses" not in doc["spec"]["loadShedding"]
     assert [c.name for c in spec.load_shedding.priority_classes] == ["critical", "standard", "batch"]
     assert spec.fallback is not None and spec.fallback.service == "chat-small"
+
+
+def test_tensor_parallel_examples_use_every_gpu_of_their_replicas() -> None:
+    big, huge = (
+        InferenceServiceSpec.model_validate(d["spec"]) for d in _documents(EXAMPLES / "tensor-parallel.yaml")
+    )
+    assert (big.tensor_parallel_size, big.resources.nodes) == (4, 1)
+    assert (huge.tensor_parallel_size, huge.resources.nodes) == (16, 2)
