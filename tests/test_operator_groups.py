@@ -4,72 +4,30 @@ Pods are tended by `PodRunner` (Running, Ready, /metrics); the engines themselve
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import kopf
-import kubernetes
 import pytest
-from kopf.testing import KopfRunner
-from operator_harness import NAMESPACE, PodRunner, crd_manifest, wait_for
+from operator_harness import NAMESPACE, PodRunner, operator_cluster, wait_for
 
 from ember_localcluster.apiserver import APIError, APIServer
 from ember_localcluster.leaderworkerset import NAME, WORKER_INDEX
 from ember_localcluster.leaderworkerset import crd_manifest as lws_crd
 from ember_localcluster.leaderworkerset_controller import LeaderWorkerSetController
-from ember_operator import main as operator_main
 from ember_operator.desired import HASH_LABEL, ROLE_LABEL
 from ember_operator.groups import LWS_KIND
 from ember_operator.spec import GROUP, PLURAL, VERSION
 
 API_VERSION = f"{GROUP}/{VERSION}"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
-TICK = 0.25
-OPERATOR_FILE = f"""
-import kopf
-from ember_operator.handlers import Settings, register
-
-kopf.on.login()(kopf.login_via_client)
-register(kopf.get_default_registry(), Settings(tick={TICK}, cluster_domain="cluster.local", scrape_timeout=1.0))
-"""
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[APIServer, PodRunner, Any]]:
-    tmp = tmp_path_factory.mktemp("groups")
-    mp = pytest.MonkeyPatch()
-    with APIServer(pod_graceful_deletion=False, bookmark_interval=1.0) as api:
-        kubeconfig = api.write_kubeconfig(tmp / "kubeconfig")
-        mp.setenv("KUBECONFIG", str(kubeconfig))
-        mp.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-        api.install_crd(crd_manifest())
-        runner = PodRunner(api).start()
-        script = tmp / "operator.py"
-        script.write_text(OPERATOR_FILE)
-        parser = argparse.ArgumentParser()
-        operator_main.add_arguments(parser)
-        settings = operator_main.operator_settings(parser.parse_args(["--tick", str(TICK)]))
-        settings.watching.server_timeout = 10
-        previous = kopf.get_default_registry()
-        with KopfRunner(
-            ["run", "--standalone", "--namespace", NAMESPACE, str(script)],
-            registry=kopf.OperatorRegistry(),
-            settings=settings,
-            timeout=30,
-        ) as kopf_runner:
-            custom = kubernetes.client.CustomObjectsApi(
-                kubernetes.config.new_client_from_config(str(kubeconfig))
-            )
-            try:
-                yield api, runner, custom
-            finally:
-                runner.stop()
-        kopf.set_default_registry(previous)
-        mp.undo()
-    assert kopf_runner.exception is None, kopf_runner.output[-3000:]
+    with operator_cluster(tmp_path_factory.mktemp("groups")) as running:
+        yield running
 
 
 def service(name: str, **spec: Any) -> dict[str, Any]:

@@ -27,6 +27,14 @@ def parsed_args(pod: dict[str, Any]) -> Any:
     return build_parser().parse_args([*container["command"][1:], *container["args"]])
 
 
+# Specs the schema refuses, with the message that says why.
+REFUSED = [
+    ({"gpus": 2}, {"tensorParallelSize": 4}, "at most resources.gpus ranks on each node"),
+    ({"gpus": 2, "nodes": 2}, {"tensorParallelSize": 3}, "a multiple of resources.nodes"),
+    ({"gpus": 0, "nodes": 2}, {}, "resources.nodes > 1 needs resources.gpus >= 1"),
+]
+
+
 def test_every_gpu_of_the_pod_serves_by_default() -> None:
     pod = desired_pod(OWNER, make_spec(resources={"gpus": 4}), WARM, "abcdef0123")
     assert parsed_args(pod).tensor_parallel_size == 4
@@ -60,14 +68,7 @@ def test_a_pod_of_several_ranks_gets_a_memory_backed_dev_shm() -> None:
     assert shm(make_spec(resources={"gpus": 4}, engine={"tensorParallelSize": 1})) == ([], [])
 
 
-@pytest.mark.parametrize(
-    ("resources", "engine", "message"),
-    [
-        ({"gpus": 2}, {"tensorParallelSize": 4}, "at most resources.gpus ranks on each node"),
-        ({"gpus": 2, "nodes": 2}, {"tensorParallelSize": 3}, "a multiple of resources.nodes"),
-        ({"gpus": 0, "nodes": 2}, {}, "resources.nodes > 1 needs resources.gpus >= 1"),
-    ],
-)
+@pytest.mark.parametrize(("resources", "engine", "message"), REFUSED)
 def test_what_the_spec_alone_can_refuse_is_refused(
     resources: dict[str, Any], engine: dict[str, Any], message: str
 ) -> None:
@@ -88,14 +89,7 @@ def test_the_new_fields_at_their_defaults_keep_existing_pods_hash() -> None:
     assert before != template_hash(make_spec(resources={"sharedMemory": "8Gi"}))
 
 
-@pytest.mark.parametrize(
-    ("resources", "engine", "message"),
-    [
-        ({"gpus": 2}, {"tensorParallelSize": 4}, "at most resources.gpus ranks on each node"),
-        ({"gpus": 2, "nodes": 2}, {"tensorParallelSize": 3}, "a multiple of resources.nodes"),
-        ({"gpus": 0, "nodes": 2}, {}, "resources.nodes > 1 needs resources.gpus >= 1"),
-    ],
-)
+@pytest.mark.parametrize(("resources", "engine", "message"), REFUSED)
 def test_the_api_server_refuses_the_same_by_the_crds_rules(
     tmp_path: Path, resources: dict[str, Any], engine: dict[str, Any], message: str
 ) -> None:

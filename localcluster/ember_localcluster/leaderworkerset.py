@@ -159,6 +159,18 @@ def revision(lws: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
 
 
+def controller_reference(owner: dict[str, Any], api_version: str, kind: str) -> dict[str, Any]:
+    # Given, not read from the object: items of a list of pods carry no apiVersion or kind.
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "name": owner["metadata"]["name"],
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
 def group_pod(
     lws: dict[str, Any], group: int, worker: int, leader: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -193,16 +205,11 @@ def group_pod(
         own = container.get("env") or []
         taken = {e.get("name") for e in own}
         container["env"] = [e for e in env if e["name"] not in taken] + own
-    owner = lws if worker == 0 else leader
-    assert owner is not None
-    reference = {
-        "apiVersion": owner.get("apiVersion", "v1"),
-        "kind": owner.get("kind", "Pod"),
-        "name": owner["metadata"]["name"],
-        "uid": owner["metadata"]["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
+    if worker == 0:
+        reference = controller_reference(lws, f"{GROUP}/{VERSION}", KIND)
+    else:
+        assert leader is not None
+        reference = controller_reference(leader, "v1", "Pod")
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -335,14 +342,6 @@ def group_actions(lws: dict[str, Any], pods: list[dict[str, Any]]) -> tuple[list
 
 def headless_service(lws: dict[str, Any]) -> dict[str, Any]:
     namespace, name = _key(lws)
-    owner = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": KIND,
-        "name": name,
-        "uid": lws["metadata"]["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -350,7 +349,7 @@ def headless_service(lws: dict[str, Any]) -> dict[str, Any]:
             "name": name,
             "namespace": namespace,
             "labels": {NAME: name},
-            "ownerReferences": [owner],
+            "ownerReferences": [controller_reference(lws, f"{GROUP}/{VERSION}", KIND)],
         },
         "spec": {"clusterIP": "None", "selector": {NAME: name}, "publishNotReadyAddresses": True},
     }

@@ -85,6 +85,25 @@ def _spawned_worker(
     worker_main(config, rendezvous, rank, local_rank, local_size)
 
 
+def spawn_ranks(
+    config: EngineConfig, rendezvous: Rendezvous, first: int, local_size: int
+) -> list[multiprocessing.process.BaseProcess]:
+    """Start a node's ranks after its first (`first` is the node's first global rank, run by the caller)."""
+    ctx = multiprocessing.get_context("spawn")
+    processes: list[multiprocessing.process.BaseProcess] = [
+        ctx.Process(
+            target=_spawned_worker,
+            args=(config, rendezvous, first + i, i, local_size),
+            name=f"ember-tp-rank{first + i}",
+            daemon=True,
+        )
+        for i in range(1, local_size)
+    ]
+    for p in processes:
+        p.start()
+    return processes
+
+
 def worker_main(
     config: EngineConfig, rendezvous: Rendezvous, rank: int, local_rank: int, local_size: int
 ) -> None:
@@ -137,18 +156,7 @@ class WorkerPool:
         store, port = serve_rendezvous(addr, 0 if single else config.master_port, size)
         # This node's workers reach the store locally, whatever interface it listens on.
         rendezvous = Rendezvous("127.0.0.1" if addr in ("0.0.0.0", "::") else addr, port, size)
-        ctx = multiprocessing.get_context("spawn")
-        processes = [
-            ctx.Process(
-                target=_spawned_worker,
-                args=(config, rendezvous, r, r, local_size),
-                name=f"ember-tp-rank{r}",
-                daemon=True,
-            )
-            for r in range(1, local_size)
-        ]
-        for p in processes:
-            p.start()
+        processes = spawn_ranks(config, rendezvous, 0, local_size)
         try:
             wait_for_ranks(store, size, processes)
             membership = join(store, 0, size, 0, device_type(config))
@@ -250,18 +258,7 @@ def run_node(config: EngineConfig) -> None:
     local_size = config.tensor_parallel_size // config.nnodes
     first = config.node_rank * local_size
     rendezvous = Rendezvous(config.master_addr, config.master_port, config.tensor_parallel_size)
-    ctx = multiprocessing.get_context("spawn")
-    processes = [
-        ctx.Process(
-            target=_spawned_worker,
-            args=(config, rendezvous, first + i, i, local_size),
-            name=f"ember-tp-rank{first + i}",
-            daemon=True,
-        )
-        for i in range(1, local_size)
-    ]
-    for p in processes:
-        p.start()
+    processes = spawn_ranks(config, rendezvous, first, local_size)
     try:
         worker_main(config, rendezvous, first, 0, local_size)
     except RuntimeError as exc:
