@@ -80,11 +80,14 @@ class LLMEngine:
                 device=device,
                 peers=self.workers,
             )
-        except RuntimeError as exc:
+        except BaseException as exc:
             if self.workers is None:
                 raise
-            failure = self.workers.failure(exc)
+            # The workers may be in a collective that will never complete: they are stopped, not told.
+            failure = self.workers.failure(exc) if isinstance(exc, RuntimeError) else None
             self.workers.stop(graceful=False)
+            if failure is None:
+                raise
             raise failure from exc
         self.sampler = Sampler()
         capacity = self.runner.num_blocks * config.block_size
