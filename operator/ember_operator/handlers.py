@@ -145,21 +145,24 @@ class Reconciler:
         if owner is None and group_key(dict(body)) is not None:
             # A group's pods belong to its LeaderWorkerSet: their instance label names the service.
             owner = {"name": instance_of(dict(body)), "uid": None}
-        if owner is None or owner.get("uid") in self._gone:
-            return
-        if owner["uid"] is not None and owner["uid"] not in self._memories:
+        expected = None if owner is None else owner.get("uid")  # None: any uid of that name
+        if (
+            owner is None
+            or expected in self._gone
+            or (expected is not None and expected not in self._memories)
+        ):
             return
         kube = await self.kube()
         obj = await asyncio.to_thread(kube.get_inference_service, meta.get("namespace", ""), owner["name"])
+        owner_uid = None if obj is None else obj["metadata"].get("uid")
         if (
             obj is None
-            or obj["metadata"].get("uid") not in self._memories
-            or obj["metadata"].get("uid") != (owner["uid"] or obj["metadata"].get("uid"))
+            or owner_uid not in self._memories
+            or expected not in (None, owner_uid)
             or obj["metadata"].get("deletionTimestamp")
         ):
             return
-        owner["uid"] = obj["metadata"]["uid"]
-        memory = self._memory(owner["uid"], obj.get("status") or {})
+        memory = self._memory(owner_uid, obj.get("status") or {})
         patch = kopf.Patch()
         async with memory.lock:
             owner_body = kopf.Body(obj)  # type: ignore[arg-type]
