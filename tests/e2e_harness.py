@@ -31,6 +31,9 @@ from waiting import wait_for
 
 from ember_localcluster.apiserver import APIServer
 from ember_localcluster.kubelet.kubelet import ProcessKubelet
+from ember_localcluster.kubelet.node import NodeConfig
+from ember_localcluster.leaderworkerset import crd_manifest as lws_crd_manifest
+from ember_localcluster.leaderworkerset_controller import LeaderWorkerSetController
 from ember_localcluster.proxy import ServiceProxy
 from ember_localcluster.scheduler import Scheduler
 from ember_operator import main as operator_main
@@ -246,7 +249,10 @@ class ControlPlane:
 
 
 @contextlib.contextmanager
-def control_plane(root: Path, tiny_model: Path) -> Iterator[ControlPlane]:
+def control_plane(
+    root: Path, tiny_model: Path, nodes: list[NodeConfig] | None = None, leaderworkersets: bool = False
+) -> Iterator[ControlPlane]:
+    """`nodes`: the kubelet's (default: one); `leaderworkersets`: serve that API and run its controller."""
     models = root / "models"
     models.mkdir()
     (models / MODEL).symlink_to(tiny_model)
@@ -256,8 +262,14 @@ def control_plane(root: Path, tiny_model: Path) -> Iterator[ControlPlane]:
         # The operator's client reads $KUBECONFIG when it first connects.
         mp.setenv("KUBECONFIG", str(kubeconfig))
         api.install_crd(crd_manifest())
+        lws = None
+        if leaderworkersets:
+            api.install_crd(lws_crd_manifest())
+            lws = LeaderWorkerSetController(kubeconfig).start()
         scheduler = Scheduler(kubeconfig).start()
-        kubelet = ProcessKubelet(kubeconfig, root / "kubelet", claims={MODEL_CLAIM: models}).start()
+        kubelet = ProcessKubelet(
+            kubeconfig, root / "kubelet", claims={MODEL_CLAIM: models}, nodes=nodes
+        ).start()
         api.attach_kubelet(kubelet.node_names, kubelet.pods_dir)
         proxy = ServiceProxy(kubeconfig).start()
         operator = Operator(api.url)
@@ -268,6 +280,8 @@ def control_plane(root: Path, tiny_model: Path) -> Iterator[ControlPlane]:
             try:
                 operator.stop()
             finally:
+                if lws is not None:
+                    lws.stop()
                 proxy.stop()
                 kubelet.stop()
                 scheduler.stop()

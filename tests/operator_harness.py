@@ -10,6 +10,7 @@ exercised end to end elsewhere.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import threading
@@ -21,14 +22,67 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import kopf
+import kubernetes
+import pytest
 import yaml
+from kopf.testing import KopfRunner
 from waiting import wait_for
 
 from ember_localcluster.apiserver import APIServer
+from ember_operator import main as operator_main
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "default"
-__all__ = ["NAMESPACE", "EnginePage", "PodRunner", "crd_manifest", "wait_for"]
+__all__ = ["NAMESPACE", "EnginePage", "PodRunner", "crd_manifest", "operator_cluster", "wait_for"]
+TICK = 0.25
+OPERATOR_FILE = f"""
+import kopf
+from ember_operator.handlers import Settings, register
+
+kopf.on.login()(kopf.login_via_client)
+register(kopf.get_default_registry(), Settings(tick={TICK}, cluster_domain="cluster.local", scrape_timeout=1.0))
+"""
+
+
+@contextlib.contextmanager
+def operator_cluster(tmp: Path) -> Iterator[tuple[APIServer, PodRunner, Any]]:
+    """The API server (the InferenceService CRD installed), a pod runner, and the real operator under
+    `KopfRunner` watching NAMESPACE; yields (API server, pod runner, a CustomObjectsApi)."""
+    mp = pytest.MonkeyPatch()
+    with APIServer(pod_graceful_deletion=False, bookmark_interval=1.0) as api:
+        kubeconfig = api.write_kubeconfig(tmp / "kubeconfig")
+        # kopf logs in through the kubernetes client, which fixed its default path when it was imported.
+        mp.setenv("KUBECONFIG", str(kubeconfig))
+        mp.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+        api.install_crd(crd_manifest())
+        runner = PodRunner(api).start()
+        script = tmp / "operator.py"
+        script.write_text(OPERATOR_FILE)
+        parser = argparse.ArgumentParser()
+        operator_main.add_arguments(parser)
+        args = parser.parse_args(["--tick", str(TICK)])
+        settings = operator_main.operator_settings(args)
+        settings.watching.server_timeout = 10
+        # A registry of its own (`kopf run` makes it the process-wide default while the script loads):
+        # handlers other tests' operators registered must not run here, nor these in theirs.
+        previous = kopf.get_default_registry()
+        with KopfRunner(
+            ["run", "--standalone", "--namespace", NAMESPACE, str(script)],
+            registry=kopf.OperatorRegistry(),
+            settings=settings,
+            timeout=30,
+        ) as kopf_runner:
+            custom = kubernetes.client.CustomObjectsApi(
+                kubernetes.config.new_client_from_config(str(kubeconfig))
+            )
+            try:
+                yield api, runner, custom
+            finally:
+                runner.stop()
+        kopf.set_default_registry(previous)
+        mp.undo()
+    assert kopf_runner.exception is None, kopf_runner.output[-3000:]
 
 
 def crd_manifest() -> dict[str, Any]:

@@ -25,6 +25,7 @@ def test_the_examples_exist() -> None:
         "inferenceservice.yaml",
         "local.yaml",
         "production.yaml",
+        "tensor-parallel.yaml",
     ]
 
 
@@ -76,3 +77,11 @@ def test_production_example_builds_its_pod() -> None:
     assert [c["name"] for c in pod["spec"]["containers"]] == ["engine", "log-shipper"]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 615
     assert pod["spec"]["priorityClassName"] == "inference-high"
+
+
+def test_tensor_parallel_examples_use_every_gpu_of_their_replicas() -> None:
+    big, huge = (
+        InferenceServiceSpec.model_validate(d["spec"]) for d in _documents(EXAMPLES / "tensor-parallel.yaml")
+    )
+    assert (big.tensor_parallel_size, big.resources.nodes) == (4, 1)
+    assert (huge.tensor_parallel_size, huge.resources.nodes) == (16, 2)

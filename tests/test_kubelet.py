@@ -619,6 +619,27 @@ def test_secrets_reach_the_environment_and_a_missing_one_is_a_config_error(clust
         delete_and_wait(api, name)
 
 
+def test_a_pods_dns_name_resolves_to_its_address_in_another_pods_arguments(cluster: Cluster) -> None:
+    # What cluster DNS does for a pod with hostname and subdomain (a headless Service's pod).
+    api = cluster.api
+    api.create(python_pod("leader", ["sleep", "600"], hostname="leader-0", subdomain="group"))
+    leader = wait_for_pod(api, "leader", "an address", lambda p: p["status"].get("podIP"))
+    script = "import os, sys; print(sys.argv[1:]); print(os.environ['LEADER'])"
+    names = ["--addr=leader-0.group.default", "leader-0.group.default.svc:29500", "other-0.group.default"]
+    pod = python_pod("follower", ["python", "-c", script, *names], restartPolicy="Never")
+    pod["spec"]["containers"][0]["env"] = [
+        {"name": "LEADER", "value": "leader-0.group.default.svc.cluster.local"}
+    ]
+    api.create(pod)
+    wait_for_pod(api, "follower", "Succeeded", lambda p: p["status"].get("phase") == "Succeeded")
+    ip = leader["status"]["podIP"]
+    argv_line, env_line = cluster.kubelet.log_path("default", "follower", "main").read_text().splitlines()
+    assert argv_line == str([f"--addr={ip}", f"{ip}:29500", "other-0.group.default"])  # no such pod: kept
+    assert env_line == ip
+    delete_and_wait(api, "follower")
+    delete_and_wait(api, "leader")
+
+
 def test_stop_kills_every_process(tmp_path: Path) -> None:
     with APIServer(pod_graceful_deletion=True) as api:
         kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")

@@ -32,6 +32,7 @@ NAMESPACED_GRANTS = {
     *(("", "pods", v) for v in ("create", "delete", "patch", "list", "watch")),
     *(("", r, v) for r in ("services", "configmaps") for v in ("get", "create", "update")),
     *(("policy", "poddisruptionbudgets", v) for v in ("get", "create", "update")),
+    *(("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("list", "create", "patch", "delete")),
     ("", "events", "create"),
 }
 OBSERVER_GRANTS = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}

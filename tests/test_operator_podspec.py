@@ -223,7 +223,7 @@ def test_gpu_resource_shared_memory_probes_and_drain() -> None:
     # Streams may run for ten minutes: the engine drains that long and the grace period covers it.
     assert "--drain-timeout=600" in c["args"]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 600 + 5 + 10
-    no_shm = pod_of(resources={"sharedMemory": None})
+    no_shm = pod_of(resources={"sharedMemory": "0"})
     assert "dshm" not in {v["name"] for v in no_shm["spec"]["volumes"]}
     assert (
         pod_of(lifecycle={"terminationGracePeriodSeconds": 900})["spec"]["terminationGracePeriodSeconds"]

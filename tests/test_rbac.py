@@ -3,7 +3,7 @@
 `ember operator` runs as a subprocess against the in-process API server through a recording reverse
 proxy written here; a scenario drives every code path that calls the API (children created and repaired,
 scaling, a policy change, a roll, External mode through /scale, a pod and a Service changed by hand, a
-quota refusal, deletion). Each request is mapped to (apiGroup, resource[/subresource], verb, namespace)
+quota refusal, multi-node replicas as LeaderWorkerSets, deletion). Each request is mapped to (apiGroup, resource[/subresource], verb, namespace)
 the way the Kubernetes API server's request-info resolver does, and the result is compared with the
 rendered manifests both ways: every request must be granted, and every grant must have been requested or
 be in `NOT_OBSERVABLE` with its reason. Each install is checked with the operator started with the
@@ -38,10 +38,15 @@ from operator_harness import NAMESPACE, PodRunner, crd_manifest, wait_for
 from test_manifests import grants, render
 
 from ember_localcluster.apiserver import APIServer
+from ember_localcluster.leaderworkerset import KIND as LWS_KIND
+from ember_localcluster.leaderworkerset import NAME as LWS_NAME
+from ember_localcluster.leaderworkerset import crd_manifest as lws_crd_manifest
+from ember_localcluster.leaderworkerset_controller import LeaderWorkerSetController
 from ember_operator.desired import HASH_LABEL, ROLE_LABEL
 from ember_operator.spec import GROUP, PLURAL, VERSION
 
 API_VERSION = f"{GROUP}/{VERSION}"
+LWS_API = "leaderworkerset.x-k8s.io/v1"
 TICK = 0.25
 EMBER = Path(sys.executable).with_name("ember")
 
@@ -285,6 +290,21 @@ def _write_scale(api: APIServer, name: str, replicas: int) -> None:
         assert response.status == 200
 
 
+def _groups(api: APIServer, name: str) -> list[dict[str, Any]]:
+    listed = api.list(LWS_API, LWS_KIND, NAMESPACE, label_selector=f"app.kubernetes.io/instance={name}")
+    return [g for g in listed if not g["metadata"].get("deletionTimestamp")]
+
+
+def _groups_converged(api: APIServer, name: str, active: int, warm: int) -> bool:
+    """Groups by role whose pods are all there and Ready, and the Service's pods (their leaders)."""
+    shape = {"active": 0, "warm": 0}
+    for g in _groups(api, name):
+        pods = api.list("v1", "Pod", NAMESPACE, label_selector=f"{LWS_NAME}={g['metadata']['name']}")
+        if len(pods) == 2 and all(_ready(p) for p in pods):
+            shape[g["metadata"]["labels"][ROLE_LABEL]] += 1
+    return shape == {"active": active, "warm": warm} and len(_pods(api, name, "active")) == active
+
+
 def run_scenario(api: APIServer, proxy: RecordingProxy) -> None:
     """Every path of the operator that calls the API, in one pass. The test's own changes go straight to
     the API server; only the operator's requests pass the proxy."""
@@ -345,7 +365,22 @@ def run_scenario(api: APIServer, proxy: RecordingProxy) -> None:
     wait_for(repaired, what="backup's pod and Service repaired")
     assert proxy.saw("PUT", f"/api/v1/namespaces/{NAMESPACE}/services/backup")
 
-    for name in ("main", "backup", "gpu"):
+    # A multi-node service: its replicas are LeaderWorkerSets, created, promoted (relabelled) and, when an
+    # engine field changes, replaced.
+    api.delete("v1", "ResourceQuota", NAMESPACE, "gpus")
+    api.create(_service("duo", resources={"gpus": 1, "nodes": 2}, warmPool={"size": 1}))
+    wait_for(lambda: _groups_converged(api, "duo", 1, 1), what="duo: 1 active + 1 warm group")
+    groups_before = {g["metadata"]["name"] for g in _groups(api, "duo")}
+    _patch_spec(api, "duo", {"engine": {"maxNumSeqs": 64}})
+    wait_for(
+        lambda: (
+            _groups_converged(api, "duo", 1, 1)
+            and not groups_before & {g["metadata"]["name"] for g in _groups(api, "duo")}
+        ),
+        what="duo's groups rolled",
+    )
+
+    for name in ("main", "backup", "gpu", "duo"):
         api.delete(API_VERSION, "InferenceService", NAMESPACE, name)
     wait_for(
         lambda: (
@@ -353,7 +388,6 @@ def run_scenario(api: APIServer, proxy: RecordingProxy) -> None:
         ),
         what="everything deleted and garbage-collected",
     )
-    api.delete("v1", "ResourceQuota", NAMESPACE, "gpus")
 
 
 @dataclass(frozen=True)
@@ -396,6 +430,7 @@ def observe(overlay: str, tmp: Path) -> Observed:
     args = _deployment_args(docs)
     with APIServer(pod_graceful_deletion=False, bookmark_interval=1.0) as api:
         api.install_crd(crd_manifest())
+        api.install_crd(lws_crd_manifest())
         for doc in docs:
             if doc["kind"] == "CustomResourceDefinition":
                 api.install_crd(doc)
@@ -403,6 +438,8 @@ def observe(overlay: str, tmp: Path) -> Observed:
             if doc["kind"] == "ClusterKopfPeering":
                 api.create(doc)
         runner = PodRunner(api).start()
+        # The cluster's LeaderWorkerSet controller talks to the API server directly: not the operator's.
+        lws = LeaderWorkerSetController(api.write_kubeconfig(tmp / "cluster-kubeconfig")).start()
         try:
             with RecordingProxy(api.url) as proxy:
                 with running_operator(api, proxy, args, tmp) as log:
@@ -418,6 +455,7 @@ def observe(overlay: str, tmp: Path) -> Observed:
                     args, frozenset(proxy.accesses()), frozenset(proxy.non_resource_paths()), log.read_text()
                 )
         finally:
+            lws.stop()
             runner.stop()
 
 

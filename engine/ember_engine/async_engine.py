@@ -3,6 +3,9 @@
 The step loop never waits on the event loop: requests and aborts reach it through a thread-safe inbox,
 outputs go back with `call_soon_threadsafe`. Closing or cancelling a request's iterator aborts it, so
 a client that goes away frees its KV blocks within one step.
+
+A failed step fails its requests and the engine goes on, except when a tensor-parallel rank is lost:
+then every request fails, the loop ends and the fatal hooks run (the server exits; the pod restarts).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from ember_engine.core.config import EngineConfig
 from ember_engine.core.llm_engine import EngineStats, LLMEngine
 from ember_engine.core.outputs import RequestOutput
+from ember_engine.distributed.group import TensorParallelFailure
 from ember_engine.sample.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Fatal:
+    error: TensorParallelFailure
+
+
 _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
 
 
@@ -51,12 +60,16 @@ class AsyncEngine:
             engine = LLMEngine(config or EngineConfig(**options))
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Fatal | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._stats = engine.stats()
         self._step_hooks: list[Callable[[LLMEngine, list[RequestOutput]], None]] = []
+        self._fatal_hooks: list[Callable[[BaseException], None]] = []
+        self.fatal: BaseException | None = None  # why the engine stopped for good
+        if engine.workers is not None:
+            engine.workers.on_lost = lambda error: self._inbox.put(_Fatal(error))
         # Samples (a request's n) by priority: handed to generate() (counted in the caller's thread), and
         # taken in by the engine (counted in its thread, so a step hook sees a count consistent with the
         # engine's queue).
@@ -80,6 +93,8 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
+            if self.fatal is not None:
+                raise RuntimeError(f"the engine has stopped: {self.fatal}")
             if rid in self._streams:
                 raise ValueError(f"request_id: {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), stream)
@@ -114,9 +129,14 @@ class AsyncEngine:
         """Run `hook(engine, outputs)` in the engine thread after every step (metrics)."""
         self._step_hooks.append(hook)
 
+    def add_fatal_hook(self, hook: Callable[[BaseException], None]) -> None:
+        """Run `hook(error)` (in the engine thread) when the engine stops for good."""
+        self._fatal_hooks.append(hook)
+
     def shutdown(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     # -- engine side (its own thread) -----------------------------------------------------------------
 
@@ -131,6 +151,9 @@ class AsyncEngine:
                     block = False
                     if item is None:
                         return
+                    if isinstance(item, _Fatal):
+                        self._die(item.error)
+                        return
                     self._handle(item)
             except queue.Empty:
                 pass
@@ -138,6 +161,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
+            except TensorParallelFailure as exc:
+                self._die(exc)
+                return
             except Exception as exc:  # a failed step fails its requests, not the process
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -191,3 +217,16 @@ class AsyncEngine:
     def _fail_all(self, exc: Exception) -> None:
         for rid in list(self.engine.groups):
             self._abort(rid, RuntimeError(f"engine step failed: {exc}"))
+
+    def _die(self, error: TensorParallelFailure) -> None:
+        """The engine cannot go on: fail every request (queued ones too), then run the fatal hooks."""
+        log.error("the engine stopped: %s", error)
+        with self._lock:
+            self.fatal = error
+            streams = list(self._streams.values())
+        reason = RuntimeError(f"the engine has stopped: {error}")
+        for loop, q in streams:
+            with contextlib.suppress(RuntimeError):  # the listener's loop is closed
+                loop.call_soon_threadsafe(q.put_nowait, reason)
+        for hook in self._fatal_hooks:
+            hook(error)

@@ -65,19 +65,45 @@ def active_selector(name: str) -> dict[str, str]:
     return {**instance_labels(name), ROLE_LABEL: ACTIVE}
 
 
+_POD_SECTIONS = {"model", "speculative", "engine", "resources", "pod", "lifecycle", "pod_template"}
+# What the template hash covered when it was first computed, with defaults written out.
+_FIRST_RELEASE = {
+    "model": ("name", "source", "dtype", "volumeClaim"),
+    "speculative": ("method", "draftSource", "numTokens"),
+    "engine": (
+        "maxNumSeqs",
+        "maxNumBatchedTokens",
+        "blockSize",
+        "prefixCaching",
+        "maxModelLen",
+        "kvCacheMemory",
+        "gpuMemoryUtilization",
+    ),
+    "resources": ("gpus", "cpu", "memory", "nodeSelector", "tolerations", "image", "imagePullPolicy", "env"),
+}
+
+
 def template_hash(spec: InferenceServiceSpec) -> str:
     """A digest of the fields that change what an engine pod runs; a new value means the pods are rolled.
 
     Replicas, the warm pool, autoscaling and the policy fields are left out on purpose: changing them must not
     restart a single engine. Pod labels and annotations roll the pods too, as a Deployment's template does.
     """
-    affecting = spec.model_dump(
-        by_alias=True,
-        mode="json",
-        include={"model", "speculative", "engine", "resources", "pod", "lifecycle", "pod_template"},
-        # A field added later changes no pod until it is set, so an operator upgrade rolls nothing.
-        exclude_defaults=True,
-    )
+    # Fields added since the first release count only once set (at their defaults they are left out), so an
+    # operator upgrade rolls no pod; the first release's fields keep the form they were hashed in.
+    affecting = spec.model_dump(by_alias=True, mode="json", include=_POD_SECTIONS, exclude_defaults=True)
+    full = spec.model_dump(by_alias=True, mode="json", include=set(_FIRST_RELEASE))
+    for section, names in _FIRST_RELEASE.items():
+        first = full[section]
+        affecting[section] = first and {**affecting.get(section, {}), **{n: first[n] for n in names}}
+    # Env entries were {name, value} then: valueFrom came later.
+    affecting["resources"]["env"] = [
+        {k: v for k, v in e.items() if v is not None} for e in affecting["resources"]["env"]
+    ]
+    # The tensor-parallel size counts as the engine will run it: pods of several GPUs that ran one rank roll.
+    affecting["engine"].pop("tensorParallelSize", None)
+    if spec.tensor_parallel_size > 1:
+        affecting["engine"]["tensorParallelSize"] = spec.tensor_parallel_size
     canonical = json.dumps(affecting, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:10]
 
@@ -131,6 +157,8 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         args.append(f"--max-model-len={e.max_model_len}")
     if e.kv_cache_memory is not None:
         args.append(f"--kv-cache-memory={quantity_bytes(e.kv_cache_memory)}")
+    if spec.tensor_parallel_size > 1:
+        args.append(f"--tensor-parallel-size={spec.tensor_parallel_size}")
     if spec.speculative is not None:
         s = spec.speculative
         if s.method == "draft":
@@ -239,11 +267,12 @@ def desired_pod(owner: Owner, spec: InferenceServiceSpec, role: str, pod_hash: s
                 "persistentVolumeClaim": {"claimName": spec.model.volume_claim, "readOnly": True},
             }
         )
-    if r.shared_memory is not None:
+    # A container's /dev/shm is 64Mi unless mounted: too small for torch's inter-process buffers and for
+    # NCCL between the pod's ranks.
+    shm = r.shared_memory or f"{max(1, spec.tensor_parallel_size // r.nodes)}Gi"
+    if shm != "0":
         container["volumeMounts"].append({"name": "dshm", "mountPath": SHM_DIR})
-        pod_spec["volumes"].append(
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": r.shared_memory}}
-        )
+        pod_spec["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
     if r.node_selector:
         pod_spec["nodeSelector"] = dict(r.node_selector)
     if r.tolerations:

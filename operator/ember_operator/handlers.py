@@ -39,6 +39,14 @@ from ember_operator.desired import (
     service_endpoint,
     template_hash,
 )
+from ember_operator.groups import (
+    LWS_GROUP,
+    LWS_VERSION,
+    desired_group,
+    group_key,
+    group_selector,
+    instance_of,
+)
 from ember_operator.kube import Kube, NameConflict, load_balancer_address, new_api_client
 from ember_operator.podpatch import PodTemplateError
 from ember_operator.pods import (
@@ -47,13 +55,13 @@ from ember_operator.pods import (
     held_troubles,
     is_ready,
     trouble,
-    view,
     waiting_for_capacity,
 )
 from ember_operator.rollout import PodPlan, plan_pods
 from ember_operator.scaling import Memory, autoscale
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
 from ember_operator.status import Assessment, Condition, render_conditions
+from ember_operator.units import CrashLog, Units, collect_units
 
 
 @dataclass(slots=True)
@@ -74,6 +82,7 @@ class Reconciler:
         self._memories: dict[str, Memory] = {}  # by InferenceService uid
         self._pod_ready: dict[str, bool] = {}  # by pod uid: readiness last seen
         self._gone: set[str] = set()  # uids of InferenceServices seen deleted
+        self._crashes = CrashLog()  # crashes of multi-node groups' pods
 
     def _memory(self, uid: str, status: dict[str, Any]) -> Memory:
         memory = self._memories.get(uid)
@@ -121,6 +130,7 @@ class Reconciler:
         pass now rather than at the next tick."""
         meta = body.get("metadata") or {}
         uid = meta.get("uid", "")
+        self._crashes.record(dict(body))
         ready = is_ready(dict(body))
         if event.get("type") == "DELETED":
             self._pod_ready.pop(uid, None)
@@ -134,17 +144,27 @@ class Reconciler:
         owner = next(
             (r for r in meta.get("ownerReferences") or [] if r.get("kind") == "InferenceService"), None
         )
-        if owner is None or owner.get("uid") not in self._memories or owner.get("uid") in self._gone:
+        if owner is None and group_key(dict(body)) is not None:
+            # A group's pods belong to its LeaderWorkerSet: their instance label names the service.
+            owner = {"name": instance_of(dict(body)), "uid": None}
+        expected = None if owner is None else owner.get("uid")  # None: any uid of that name
+        if (
+            owner is None
+            or expected in self._gone
+            or (expected is not None and expected not in self._memories)
+        ):
             return
         kube = await self.kube()
         obj = await asyncio.to_thread(kube.get_inference_service, meta.get("namespace", ""), owner["name"])
+        owner_uid = None if obj is None else obj["metadata"].get("uid")
         if (
             obj is None
-            or obj["metadata"].get("uid") != owner.get("uid")
+            or owner_uid not in self._memories
+            or expected not in (None, owner_uid)
             or obj["metadata"].get("deletionTimestamp")
         ):
             return
-        memory = self._memory(owner["uid"], obj.get("status") or {})
+        memory = self._memory(owner_uid, obj.get("status") or {})
         patch = kopf.Patch()
         async with memory.lock:
             owner_body = kopf.Body(obj)  # type: ignore[arg-type]
@@ -191,10 +211,13 @@ class Reconciler:
         service = await self._ensure(kube, desired_service(owner), ("spec",), troubles)
 
         listed = await asyncio.to_thread(kube.list_pods, namespace, selector_string(instance_labels(name)))
-        pods = [p for p in listed if _owned_by(p, owner.uid)]
-        views = [view(p) for p in pods]
+        groups = await asyncio.to_thread(kube.list_groups, namespace, group_selector(name))
+        units = collect_units(owner.uid, listed, groups or [])
+        for p in listed:
+            self._crashes.record(p)
+        views = units.views
 
-        await autoscale(body, spec, owner, pods, views, memory, now, self.settings.scrape_timeout)
+        await autoscale(body, spec, owner, units.serving, views, memory, now, self.settings.scrape_timeout)
         assert memory.desired is not None
         pod_hash = template_hash(spec)
         plan = plan_pods(
@@ -207,23 +230,35 @@ class Reconciler:
             spec.rollout.max_surge,
             spec.rollout.max_unavailable,
         )
+        if groups is None and spec.resources.nodes > 1:
+            # Nothing changes until the API is there: a roll from pods to groups would only take pods away.
+            plan = PodPlan()
+            troubles.append(
+                Trouble(
+                    "LeaderWorkerSetMissing",
+                    f"resources.nodes is {spec.resources.nodes}, but the cluster does not serve the "
+                    f"LeaderWorkerSet API ({LWS_GROUP}/{LWS_VERSION}): install the LeaderWorkerSet controller",
+                )
+            )
         await self._ensure(kube, desired_pdb(owner, spec, memory.desired), ("spec",), troubles)
         try:
             desired_pod(owner, spec, WARM, pod_hash)
         except PodTemplateError as e:  # no pod can be made: leave the ones there are as they are
             troubles.append(Trouble("PodTemplateInvalid", str(e)))
         else:
-            troubles += await self._apply(body, kube, owner, spec, pod_hash, plan, memory)
+            await self._mirror_group_roles(kube, namespace, units)
+            troubles += await self._apply(body, kube, owner, spec, pod_hash, plan, memory, units)
         wait = spec.capacity_wait_seconds
         current = [
-            p for p, v in zip(pods, views, strict=True) if v.template_hash == pod_hash and not v.deleting
+            p for v in views if v.template_hash == pod_hash and not v.deleting for p in units.pods_of[v.name]
         ]
         found = {p["metadata"]["name"]: t for p in current if (t := trouble(p, now, wait))}
         troubles += held_troubles(memory.held, current, found, now)
-        waiting = [m for p in pods if (m := waiting_for_capacity(p, now, wait))]
+        troubles += self._crashes.troubles(namespace, name, units)
+        waiting = [m for p in units.all_pods() if (m := waiting_for_capacity(p, now, wait))]
         self._stalled_event(body, memory, troubles)
 
-        for p, v in sorted(zip(pods, views, strict=True), key=lambda pv: pv[1].created):
+        for p, v in sorted(zip(units.serving, views, strict=True), key=lambda pv: pv[1].created):
             seconds = cold_start_seconds(p)
             if seconds is not None and v.template_hash == pod_hash:
                 memory.cold_start = round(seconds, 3)
@@ -290,14 +325,16 @@ class Reconciler:
         pod_hash: str,
         plan: PodPlan,
         memory: Memory,
+        units: Units,
     ) -> list[Trouble]:
-        """Carry out a pod plan: promotions first (capacity at once), then creations, then retirements.
-        After a refused creation, creations back off (2 s doubling to 60 s) and the refusal stays reported."""
+        """Carry out a pod plan (each unit a pod or a group): promotions first (capacity at once), then
+        creations, then retirements. After a refused creation, creations back off (2 s doubling to 60 s)
+        and the refusal stays reported."""
         ns, name = owner.namespace, owner.name
         troubles: list[Trouble] = []
         replaced = dict((warm, failed) for failed, warm in plan.failovers)
         for pod in plan.promote:
-            await asyncio.to_thread(kube.relabel_pod, ns, pod, {ROLE_LABEL: ACTIVE})
+            await self._set_role(kube, ns, pod, ACTIVE, units)
             metrics.POD_CHANGES.labels(ns, name, "promoted").inc()
             if pod in replaced:
                 kopf.warn(
@@ -308,7 +345,7 @@ class Reconciler:
             else:
                 kopf.info(body, reason="Promoted", message=f"warm pod {pod} now serves traffic")
         for pod in plan.demote:
-            await asyncio.to_thread(kube.relabel_pod, ns, pod, {ROLE_LABEL: WARM})
+            await self._set_role(kube, ns, pod, WARM, units)
             metrics.POD_CHANGES.labels(ns, name, "demoted").inc()
             kopf.info(body, reason="Demoted", message=f"pod {pod} returned to the warm pool")
         backing_off = memory.create_refused is not None and time.monotonic() < memory.create_retry_at
@@ -316,9 +353,12 @@ class Reconciler:
             troubles.append(memory.create_refused)
         for _ in range(0 if backing_off else plan.create_warm):
             try:
-                await asyncio.to_thread(kube.create_pod, desired_pod(owner, spec, WARM, pod_hash))
+                if spec.resources.nodes > 1:
+                    await asyncio.to_thread(kube.create_group, desired_group(owner, spec, WARM, pod_hash))
+                else:
+                    await asyncio.to_thread(kube.create_pod, desired_pod(owner, spec, WARM, pod_hash))
             except ApiException as e:
-                refused = refusal(e, "an engine pod")
+                refused = refusal(e, "an engine group" if spec.resources.nodes > 1 else "an engine pod")
                 if refused is None:
                     raise
                 # The rest of the plan still runs; creations wait out the back-off.
@@ -330,9 +370,32 @@ class Reconciler:
             memory.create_refused, memory.create_backoff = None, 0.0
             metrics.POD_CHANGES.labels(ns, name, "created").inc()
         for pod in plan.delete:
-            await asyncio.to_thread(kube.delete_pod, ns, pod)
+            await asyncio.to_thread(kube.delete_group if units.is_group(pod) else kube.delete_pod, ns, pod)
             metrics.POD_CHANGES.labels(ns, name, "deleted").inc()
         return troubles
+
+    async def _set_role(self, kube: Kube, namespace: str, unit: str, role: str, units: Units) -> None:
+        """A pod's role label; a group's on the LeaderWorkerSet and on its leader (what the Service selects)."""
+        if not units.is_group(unit):
+            await asyncio.to_thread(kube.relabel_pod, namespace, unit, {ROLE_LABEL: role})
+            return
+        await asyncio.to_thread(kube.relabel_group, namespace, unit, {ROLE_LABEL: role})
+        leader = units.leaders.get(unit)
+        if leader is not None:
+            await asyncio.to_thread(
+                kube.relabel_pod, namespace, leader["metadata"]["name"], {ROLE_LABEL: role}
+            )
+
+    async def _mirror_group_roles(self, kube: Kube, namespace: str, units: Units) -> None:
+        """A recreated group's new leader starts with its template's role: give it the group's."""
+        for v in units.views:
+            leader = units.leaders.get(v.name)
+            if leader is None or leader["metadata"].get("deletionTimestamp"):
+                continue
+            if (leader["metadata"].get("labels") or {}).get(ROLE_LABEL) != v.role:
+                await asyncio.to_thread(
+                    kube.relabel_pod, namespace, leader["metadata"]["name"], {ROLE_LABEL: v.role}
+                )
 
     async def _ensure(
         self, kube: Kube, desired: dict[str, Any], fields: tuple[str, ...], troubles: list[Trouble]
@@ -383,10 +446,6 @@ def _message(e: ApiException) -> str:
         return str(json.loads(e.body or "")["message"])
     except (TypeError, ValueError, KeyError):
         return f"{e.status} {e.reason}"
-
-
-def _owned_by(pod: dict[str, Any], uid: str) -> bool:
-    return any(ref.get("uid") == uid for ref in pod["metadata"].get("ownerReferences") or [])
 
 
 def register(registry: kopf.OperatorRegistry, settings: Settings) -> Reconciler:

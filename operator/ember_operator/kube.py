@@ -16,6 +16,7 @@ import kubernetes
 from kubernetes.client import ApiClient, CoreV1Api, CustomObjectsApi, PolicyV1Api
 from kubernetes.client.exceptions import ApiException
 
+from ember_operator.groups import LWS_GROUP, LWS_PLURAL, LWS_VERSION
 from ember_operator.spec import GROUP, PLURAL, VERSION
 
 Obj = dict[str, Any]
@@ -100,6 +101,53 @@ class Kube:
             self.core.delete_namespaced_pod(name, namespace, _preload_content=False)
         except ApiException as e:
             if not is_not_found(e):  # already gone is what was asked for
+                raise
+
+    def list_groups(self, namespace: str, selector: str) -> list[Obj] | None:
+        """LeaderWorkerSets of a selector; None when the cluster does not serve that API (no CRD)."""
+        try:
+            listed = _json(
+                self.custom.list_namespaced_custom_object(
+                    LWS_GROUP,
+                    LWS_VERSION,
+                    namespace,
+                    LWS_PLURAL,
+                    label_selector=selector,
+                    _preload_content=False,
+                )
+            )
+        except ApiException as e:
+            if is_not_found(e):
+                return None
+            raise
+        return list(listed.get("items") or [])
+
+    def create_group(self, group: Obj) -> Obj:
+        namespace = group["metadata"]["namespace"]
+        return _json(
+            self.custom.create_namespaced_custom_object(
+                LWS_GROUP, LWS_VERSION, namespace, LWS_PLURAL, group, _preload_content=False
+            )
+        )
+
+    def relabel_group(self, namespace: str, name: str, labels: dict[str, str]) -> None:
+        self.custom.patch_namespaced_custom_object(
+            LWS_GROUP,
+            LWS_VERSION,
+            namespace,
+            LWS_PLURAL,
+            name,
+            {"metadata": {"labels": labels}},
+            _preload_content=False,
+        )
+
+    def delete_group(self, namespace: str, name: str) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(
+                LWS_GROUP, LWS_VERSION, namespace, LWS_PLURAL, name, _preload_content=False
+            )
+        except ApiException as e:
+            if not is_not_found(e):
                 raise
 
     def get_inference_service(self, namespace: str, name: str) -> Obj | None:

@@ -177,6 +177,11 @@ PROTECTED_FLAGS = {
     "draft-model": "speculative.draftSource",
     "speculative-method": "speculative.method",
     "num-speculative-tokens": "speculative.numTokens",
+    "tensor-parallel-size": "engine.tensorParallelSize",
+    "nnodes": "resources.nodes",
+    "node-rank": "the operator (the pod's place in its group)",
+    "master-addr": "the operator (the group leader's address)",
+    "master-port": "the operator (the group's rendezvous port)",
 }
 
 
@@ -190,6 +195,14 @@ class Engine(_Object):
         default=None, pattern=QUANTITY
     )  # None: sized from gpuMemoryUtilization
     gpu_memory_utilization: float = Field(default=0.9, ge=0.1, le=1.0)
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Ranks the model is split across (one per GPU). Default: every GPU of the replica, "
+        "resources.gpus times resources.nodes. The model's attention heads must divide by it (and its KV "
+        "heads divide by it, or it by them): the engine refuses a split that does not, naming the numbers.",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         max_length=64,
@@ -237,7 +250,15 @@ EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)+[a-z0-9]([-a-z0-9]*[a-z
 
 
 class Resources(_Object):
-    gpus: int = Field(default=1, ge=0, le=16)
+    gpus: int = Field(default=1, ge=0, le=16, description="GPUs of each pod (each node of a replica).")
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Nodes one replica spans. Above 1, each replica is a LeaderWorkerSet group of this many "
+        "pods (the leader serves, the others join its tensor-parallel group): the LeaderWorkerSet "
+        "controller (leaderworkerset.x-k8s.io) must be installed.",
+    )
     cpu: str | None = Field(default=None, pattern=QUANTITY)
     memory: str | None = Field(default=None, pattern=QUANTITY)
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -254,11 +275,11 @@ class Resources(_Object):
         "a device plugin advertises.",
     )
     shared_memory: str | None = Field(
-        default="1Gi",
+        default=None,
         pattern=QUANTITY,
         description="Size of the memory-backed emptyDir mounted at /dev/shm (a container's own is 64 MiB, "
-        "too little for torch's inter-process buffers). Counts against the pod's memory. null: none.",
-        json_schema_extra={"nullable": True},
+        "too little for torch's inter-process buffers and NCCL's intra-node transport). Default: 1Gi per "
+        'tensor-parallel rank on the pod; "0" for none. Counts against the pod\'s memory.',
     )
 
 
@@ -414,6 +435,21 @@ class Fallback(_Object):
         return self
 
 
+_PARALLEL_RULES: list[dict[str, Any]] = [
+    {
+        "rule": "self.resources.nodes == 1 || self.resources.gpus >= 1",
+        "message": "resources.nodes > 1 needs resources.gpus >= 1 (a rank per GPU on each node)",
+    },
+    {
+        "rule": "!has(self.engine.tensorParallelSize) || "
+        "(self.engine.tensorParallelSize % self.resources.nodes == 0 && (self.resources.gpus == 0 || "
+        "self.engine.tensorParallelSize / self.resources.nodes <= self.resources.gpus))",
+        "message": "engine.tensorParallelSize must be a multiple of resources.nodes, with at most "
+        "resources.gpus ranks on each node",
+    },
+]
+
+
 class InferenceServiceSpec(_Object):
     # A transition rule, so CEL only: pydantic sees one object, never the change. The scale subresource
     # (kubectl scale, an HPA, KEDA) writes replicas.desired; in Builtin mode nothing would follow it, so the
@@ -421,6 +457,7 @@ class InferenceServiceSpec(_Object):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
+                *_PARALLEL_RULES,
                 {
                     "rule": "self.autoscaling.mode == 'External' || "
                     "self.replicas.desired == oldSelf.replicas.desired",
@@ -428,7 +465,7 @@ class InferenceServiceSpec(_Object):
                     "subresource) is followed only when autoscaling.mode is External; in Builtin mode ember's "
                     "own autoscaler sets the replica count between replicas.min and replicas.max",
                     "fieldPath": ".replicas.desired",
-                }
+                },
             ]
         }
     )
@@ -458,6 +495,24 @@ class InferenceServiceSpec(_Object):
         description="A strategic-merge patch over each engine pod (metadata.labels, metadata.annotations "
         "and spec), applied after every other field: for what no field covers.",
     )
+
+    @model_validator(mode="after")
+    def _parallel_fits(self) -> Self:
+        r, tp = self.resources, self.engine.tensor_parallel_size
+        if r.nodes > 1 and r.gpus < 1:
+            raise ValueError(_PARALLEL_RULES[0]["message"])
+        if tp is not None and (tp % r.nodes or (r.gpus and tp // r.nodes > r.gpus)):
+            raise ValueError(
+                f"{_PARALLEL_RULES[1]['message']}: got tensorParallelSize {tp} for {r.nodes} node(s) "
+                f"of {r.gpus} GPU(s)"
+            )
+        return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The engine's ranks: as set, else one per GPU of the replica (1 without GPUs)."""
+        r = self.resources
+        return self.engine.tensor_parallel_size or max(1, r.gpus * r.nodes)
 
 
 class Condition(_Object):

@@ -1,5 +1,10 @@
 """`ember bench throughput`: offline output tokens/s of ember against transformers, same checkpoint, same
-process, same workload (random token prompts, random output lengths, ignore_eos; nano-vllm's shape)."""
+process, same workload (random token prompts, random output lengths, ignore_eos; nano-vllm's shape).
+
+With `--tensor-parallel-size N` (N > 1) ember runs split over N ranks, the unsplit engine runs beside it as
+a baseline (`ember-tp1`), and the result says how much of each step rank 0 spent communicating: the step's
+broadcast and the layers' collectives (waiting for the slowest rank included), per step and as a
+fraction of step time."""
 
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ def make_workload(
     return Workload(prompts, [rng.randint(*output_len) for _ in range(n)])
 
 
-def run_ember(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
+def run_ember(args: argparse.Namespace, work: Workload, tensor_parallel_size: int = 1) -> dict[str, Any]:
     from ember_engine import LLM, SamplingParams
 
     llm = LLM(
@@ -47,24 +52,46 @@ def run_ember(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=tensor_parallel_size,
     )
-    llm.generate([work.prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    params = [
-        SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in work.output_lens
-    ]
-    start = time.perf_counter()
-    outs = llm.generate(work.prompts, params, use_tqdm=not args.quiet)
-    elapsed = time.perf_counter() - start
+    try:
+        llm.generate([work.prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        params = [
+            SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True)
+            for n in work.output_lens
+        ]
+        workers, steps_before = llm.engine.workers, llm.engine.num_steps
+        if workers is not None:
+            workers.tp.timed = True
+            workers.channel.seconds = 0.0
+        start = time.perf_counter()
+        outs = llm.generate(work.prompts, params, use_tqdm=not args.quiet)
+        elapsed = time.perf_counter() - start
+        steps = llm.engine.num_steps - steps_before
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.shutdown()
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == work.output_tokens, (produced, work.output_tokens)
-    stats = llm.engine.stats()
-    return {
+    result: dict[str, Any] = {
         "output_tokens": produced,
         "seconds": elapsed,
         "output_tokens_per_s": produced / elapsed,
         "num_preemptions": stats.num_preemptions,
         "num_kv_blocks": stats.num_kv_blocks,
+        "tensor_parallel_size": tensor_parallel_size,
+        "num_steps": steps,
     }
+    if workers is not None:
+        collectives, broadcast = workers.tp.seconds, workers.channel.seconds
+        result["communication"] = {
+            "collective_seconds": collectives,
+            "broadcast_seconds": broadcast,
+            "per_step_ms": 1000 * (collectives + broadcast) / max(steps, 1),
+            "step_ms": 1000 * elapsed / max(steps, 1),
+            "fraction_of_step_time": (collectives + broadcast) / elapsed,
+        }
+    return result
 
 
 def _hf_model(args: argparse.Namespace) -> Any:  # a transformers PreTrainedModel
@@ -166,12 +193,21 @@ def main(args: argparse.Namespace) -> int:
             "seed": args.seed,
         },
     }
-    result["engine"] = run_ember(args, work)
-    print(
-        f"ember: {result['engine']['output_tokens_per_s']:.1f} output tok/s ({result['engine']['seconds']:.1f} s)"
-    )
+    tp = args.tensor_parallel_size
+    result["engine"] = engine = run_ember(args, work, tp)
+    label = "ember" if tp == 1 else f"ember (tensor-parallel {tp})"
+    print(f"{label}: {engine['output_tokens_per_s']:.1f} output tok/s ({engine['seconds']:.1f} s)")
+    if "communication" in engine:
+        c = engine["communication"]
+        print(
+            f"communication: {c['per_step_ms']:.2f} ms of each {c['step_ms']:.2f} ms step "
+            f"({100 * c['fraction_of_step_time']:.1f}% of step time in the broadcast and collectives)"
+        )
     gc.collect()
     result["baselines"] = {}
+    if tp > 1:
+        result["baselines"]["ember-tp1"] = unsplit = run_ember(args, work)
+        print(f"ember-tp1: {unsplit['output_tokens_per_s']:.1f} output tok/s ({unsplit['seconds']:.1f} s)")
     for name in args.baselines:
         measured = BASELINES[name](args, work)
         gc.collect()
@@ -204,6 +240,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=0, help="padded baseline batch (0: all at once)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split ember's model over N ranks; adds the unsplit engine as baseline ember-tp1",
+    )
     p.add_argument(
         "--baselines",
         type=lambda s: [b for b in s.split(",") if b],

@@ -27,6 +27,14 @@ class EngineConfig:
     ngram_min: int = 2  # n-gram lookup: the shortest and longest suffix matched
     ngram_max: int = 4
     speculative_adaptive: bool = True  # turn speculation off (or K down) where it does not pay
+    # Tensor parallelism: the model split across this many ranks (one per GPU), over `nnodes` nodes.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0  # 0 runs the scheduler and the API; the others only their ranks
+    # Rank 0's rendezvous when nnodes > 1: node 0 listens at this address (0.0.0.0: every interface),
+    # the other nodes connect to it.
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
 
     @property
     def speculation(self) -> str | None:
@@ -61,5 +69,16 @@ class EngineConfig:
             bad("draft_model", "is only used with speculative_method draft, not ngram")
         if not 1 <= self.num_speculative_tokens <= 16:
             bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            bad(
+                "nnodes",
+                f"must be >= 1 and divide tensor_parallel_size {self.tensor_parallel_size}, got {self.nnodes}",
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be in [0, nnodes {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            bad("master_port", f"must be a TCP port when nnodes > 1, got {self.master_port}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             bad("ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")

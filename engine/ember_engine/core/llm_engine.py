@@ -15,8 +15,10 @@ from ember_engine.core.outputs import Logprob, RequestOutput
 from ember_engine.core.request import Request
 from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.distributed.workers import WorkerPool
 from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
+from ember_engine.model.parallel import SINGLE, check_tensor_parallel, refuse_quantized
 from ember_engine.sample.sampler import Sampler, child_seed, make_generator
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.spec.decoder import SpecDecoder, SpecStats, draft_cache_bytes, draft_model_config
@@ -58,13 +60,35 @@ class LLMEngine:
         if config.speculation == "draft":
             draft_config = draft_model_config(config, self.model_config, self.max_model_len)
             extra_block_bytes, reserved = draft_cache_bytes(config, draft_config)
-        self.runner = ModelRunner(
-            config,
-            self.model_config,
-            self.max_model_len,
-            extra_block_bytes=extra_block_bytes,
-            reserved_bytes=reserved,
-        )
+        # Tensor parallelism: this process is rank 0 (scheduler, sampling, the draft model); the
+        # other ranks start here and hold the rest of the target's shards.
+        self.workers: WorkerPool | None = None
+        tp, device = SINGLE, None
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model_config, config.tensor_parallel_size)
+            refuse_quantized(config.model)
+            self.workers = WorkerPool.start(config)
+            tp, device = self.workers.tp, self.workers.membership.device
+        try:
+            self.runner = ModelRunner(
+                config,
+                self.model_config,
+                self.max_model_len,
+                extra_block_bytes=extra_block_bytes,
+                reserved_bytes=reserved,
+                tp=tp,
+                device=device,
+                peers=self.workers,
+            )
+        except BaseException as exc:
+            if self.workers is None:
+                raise
+            # The workers may be in a collective that will never complete: they are stopped, not told.
+            failure = self.workers.failure(exc) if isinstance(exc, RuntimeError) else None
+            self.workers.stop(graceful=False)
+            if failure is None:
+                raise
+            raise failure from exc
         self.sampler = Sampler()
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
@@ -171,6 +195,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (nothing else holds resources beyond this object)."""
+        if self.workers is not None:
+            self.workers.stop()
+
     # -- a step ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -187,7 +216,12 @@ class LLMEngine:
                 req.first_scheduled_time = now
             all_decoding = all_decoding and req.num_tokens - req.num_computed_tokens == 1
         proposed = self.spec.propose(batch) if self.spec is not None and speculate else []
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except RuntimeError as exc:
+            if self.workers is None:
+                raise
+            raise self.workers.failure(exc) from exc
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             self._advance(req, n - len(req.spec_token_ids))  # the known tokens; proposals once verified
         touched: dict[str, Group] = {}

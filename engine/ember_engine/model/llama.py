@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 Module names mirror Hugging Face's, except that q/k/v and gate/up projections are merged into one matmul
-each; the loader slices checkpoint tensors into them.
+each; the loader slices checkpoint tensors into them. Under tensor parallelism (`parallel.py`) each rank
+builds the same modules at its shard's sizes, and each attention and MLP block ends in one all-reduce.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 from ember_engine.model.attention import context_attention, store_kv
 from ember_engine.model.context import get_context
 from ember_engine.model.model_config import ModelConfig
+from ember_engine.model.parallel import SINGLE, ParallelLMHead, Shard, TPGroup, VocabParallelEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -76,11 +78,12 @@ class Attention(nn.Module):
     k_cache: torch.Tensor
     v_cache: torch.Tensor
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_heads,
-            config.num_kv_heads,
+            shard.num_heads,
+            shard.num_kv_heads,
             config.head_dim,
         )
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -105,27 +108,28 @@ class Attention(nn.Module):
         ctx = get_context()
         store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = context_attention(q.contiguous(), self.k_cache, self.v_cache, ctx, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(n, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * shard.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, shard, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard, tp)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h), rotary)
@@ -133,10 +137,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, shard, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
 
@@ -148,11 +152,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.shard = Shard.of(config, tp.rank, tp.size)
+        self.model = LlamaModel(config, self.shard, tp)
+        self.lm_head = ParallelLMHead(self.shard, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -160,8 +165,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [N, hidden] for N flattened token rows laid out by the forward context."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the vocabulary; None on ranks other than 0 (only rank 0 samples)."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers if isinstance(layer, DecoderLayer)]

@@ -1,12 +1,16 @@
-"""Load a Hugging Face safetensors checkpoint (single file or sharded) into the engine's model."""
+"""Load a Hugging Face safetensors checkpoint (single file or sharded) into the engine's model.
+
+Each tensor is read through a safetensors slice, so a tensor-parallel rank reads only the bytes of its
+own shard (`Shard.read`), never the whole tensor.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import torch
 from safetensors import safe_open
 
 from ember_engine.model.llama import LlamaForCausalLM
@@ -40,25 +44,26 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_slices(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    """(name, safetensors slice) of every checkpoint tensor: nothing is read until the slice is indexed."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def _shard_sizes(model: LlamaForCausalLM, merged: str) -> list[int]:
-    c = model.config
+    s, d = model.shard, model.config.head_dim
     if merged == "qkv_proj":
-        return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-    return [c.intermediate_size, c.intermediate_size]
+        return [s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d]
+    return [s.intermediate_size, s.intermediate_size]
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     """Copy every checkpoint tensor into place; error naming any missing, unknown or mis-shaped one."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for name, tensor in iter_tensors(Path(model_dir)):
+    for name, tensor_slice in iter_slices(Path(model_dir)):
         if "rotary_emb" in name:
             continue  # derived buffers some checkpoints carry
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -71,7 +76,10 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         param = params.get(target)
         if param is None:
             raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (no such parameter)")
+        tensor = model.shard.read(name, tensor_slice, model.config.head_dim)
         dest = param.data
+        if target.split(".")[-2] in ("embed_tokens", "lm_head"):
+            dest = dest.narrow(0, 0, model.shard.vocab_rows)  # the last rank's range is padded
         if shard is not None:
             sizes = _shard_sizes(model, target.split(".")[-2])
             dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])

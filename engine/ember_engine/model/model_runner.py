@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,10 @@ from ember_engine.model.context import ForwardContext, set_context
 from ember_engine.model.llama import LlamaForCausalLM
 from ember_engine.model.loader import load_weights
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
+from ember_engine.model.parallel import SINGLE, TPGroup
+
+if TYPE_CHECKING:
+    from ember_engine.distributed.workers import WorkerPool
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
@@ -37,9 +42,13 @@ class StepResult:
     logits: torch.Tensor | None
 
 
-def kv_block_bytes(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+def kv_block_bytes(
+    model_config: ModelConfig, dtype: torch.dtype, block_size: int, num_kv_heads: int | None = None
+) -> int:
+    """One block's K and V; `num_kv_heads` is a tensor-parallel rank's share (default: all of them)."""
     c = model_config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.itemsize * block_size
+    heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * c.num_layers * heads * c.head_dim * dtype.itemsize * block_size
 
 
 class ModelRunner:
@@ -52,15 +61,20 @@ class ModelRunner:
         num_blocks: int | None = None,
         extra_block_bytes: int = 0,
         reserved_bytes: int = 0,
+        tp: TPGroup = SINGLE,
+        device: torch.device | None = None,
+        peers: WorkerPool | None = None,
     ) -> None:
         """`model_dir` defaults to config.model. A draft model's runner is given the target's
         `num_blocks`, so both caches share one block table; the target's runner is told what each block
         costs the draft (`extra_block_bytes`) and what its weights take (`reserved_bytes`) when it sizes
-        the cache."""
+        the cache. Under tensor parallelism each rank builds its runner over its shard (`tp`, on its
+        `device`); rank 0's `peers` get every step's chunks before it runs them."""
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
-        self.device = torch.device(
+        self.tp, self.peers = tp, peers
+        self.device = device or torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
         )
         self.dtype = resolve_dtype(config.dtype, model_config)
@@ -72,19 +86,23 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = LlamaForCausalLM(model_config)
+                self.model = LlamaForCausalLM(model_config, tp)
         finally:
             torch.set_default_dtype(previous)
         load_weights(self.model, Path(model_dir or config.model))
         self.model.eval()
-        self.num_blocks = self._num_kv_blocks() if num_blocks is None else num_blocks
+        # One block table serves every rank: the cache is as large as the most constrained rank allows.
+        self.num_blocks = tp.min_over_ranks(
+            self._num_kv_blocks() if num_blocks is None else num_blocks, self.device
+        )
         self._allocate_kv_cache()
 
     # -- KV cache -------------------------------------------------------------------------------------
 
     def block_bytes(self) -> int:
         """What one block costs: this model's K and V for block_size tokens, plus a draft model's."""
-        return kv_block_bytes(self.model_config, self.dtype, self.block_size) + self.extra_block_bytes
+        heads = self.model.shard.num_kv_heads
+        return kv_block_bytes(self.model_config, self.dtype, self.block_size, heads) + self.extra_block_bytes
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -126,7 +144,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         c = self.model_config
-        shape = (2, c.num_layers, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        heads = self.model.shard.num_kv_heads
+        shape = (2, c.num_layers, self.num_blocks, self.block_size, heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -151,10 +170,18 @@ class ModelRunner:
         logits = self.forward(chunks)
         return StepResult(sampled, logits)
 
-    @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor | None:
         """One forward over the chunks, writing their K/V into the cache at their positions; returns the
-        logits [sum of num_logits, vocab] (float32) in chunk order, or None when no chunk wants any."""
+        logits [sum of num_logits, vocab] (float32) in chunk order, or None when no chunk wants any.
+        Under tensor parallelism this is rank 0's side: the chunks go to the other ranks first (the
+        step's one broadcast), then every rank runs them."""
+        if self.peers is not None:
+            self.peers.send(chunks)
+        return self.run(chunks)
+
+    @torch.inference_mode()
+    def run(self, chunks: Sequence[Chunk]) -> torch.Tensor | None:
+        """`forward` on this rank alone (other ranks than 0 get None: only rank 0 gathers logits)."""
         bs = self.block_size
         ids, pos, slots, q_loc, seq_lens = [], [], [], [0], []
         logit_rows: list[int] = []

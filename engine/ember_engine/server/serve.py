@@ -55,6 +55,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=True,
         help="turn speculation off (per batch size) or K down (per request) where it does not pay",
     )
+    par = p.add_argument_group("tensor parallelism")
+    par.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model across this many ranks (one per GPU; all nodes together)",
+    )
+    par.add_argument("--nnodes", type=int, default=1, help="nodes the ranks are spread over")
+    par.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index: 0 serves the API; the others only run their ranks",
+    )
+    par.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="with --nnodes > 1: where node 0 listens for the others (0.0.0.0: every interface), and "
+        "where the others connect",
+    )
+    par.add_argument("--master-port", type=int, default=29500, help="with --nnodes > 1: the port of it")
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM"
     )
@@ -87,6 +108,11 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         speculative_adaptive=args.speculative_adaptive,
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
 
 
@@ -111,7 +137,8 @@ def warm_up(engine) -> None:  # engine: LLMEngine
 
 
 def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerState, list[BaseException]]
-    """The server, its state, and a list that receives the error if the model fails to load."""
+    """The server, its state, and a list that receives the error if the model fails to load or the engine
+    stops for good (a tensor-parallel rank is lost)."""
     import httpx
     import uvicorn
 
@@ -130,12 +157,17 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     state = ServerState(name, policy, EngineMetrics(name), Fallback(httpx.AsyncClient()))
     failure: list[BaseException] = []
 
+    def stop_for_good(error: BaseException) -> None:
+        failure.append(error)
+        server.should_exit = True
+
     def load() -> None:
         start = time.perf_counter()
         engine = LLMEngine(config)
         warm_up(engine)
         ae = AsyncEngine(engine=engine)
         ae.add_step_hook(state.observe_step)
+        ae.add_fatal_hook(stop_for_good)
         state.engine = ae
         log.info("model %s loaded and warmed up in %.1f s; ready", name, time.perf_counter() - start)
 
@@ -189,6 +221,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.node_rank > 0:
+        return run_worker_node(args)
     try:
         server, state, failure = build_server(args)
     except PolicyError as exc:
@@ -201,10 +235,22 @@ def main(args: argparse.Namespace) -> int:
         # The last line of the log: a pod's termination message (FallbackToLogsOnError) is the log's tail,
         # and the operator reports its last line, so it must say what failed.
         error = failure[0]
-        print(
-            f"ember serve: fatal: cannot load the model: {type(error).__name__}: {error}",
-            file=sys.stderr,
-            flush=True,
-        )
+        what = "the engine stopped" if state.engine is not None else "cannot load the model"
+        print(f"ember serve: fatal: {what}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def run_worker_node(args: argparse.Namespace) -> int:
+    """A node other than 0 of a multi-node group: its ranks only, until node 0 stops them."""
+    from ember_engine.distributed.group import TensorParallelFailure
+    from ember_engine.distributed.workers import run_node
+
+    config = engine_config(args)
+    try:
+        config.validate()
+        run_node(config)
+    except (TensorParallelFailure, ValueError) as exc:
+        print(f"ember serve: fatal: node {args.node_rank}: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -20,7 +20,11 @@ Each pod is run by a worker of its own (`podworker`). One kubelet serves one or 
   scheduler.
 
 * **Pod network.** Each pod gets a loopback address of its own, locked host-wide; an argument or env
-  value that binds all interfaces is rewritten to it (`node`).
+  value that binds all interfaces is rewritten to it (`node`). In place of cluster DNS, an argument or
+  env value that is the DNS name of a pod with `hostname` and `subdomain` (a headless Service's pod, as
+  LeaderWorkerSets and StatefulSets make them: `<hostname>.<subdomain>.<namespace>[.svc[.cluster.local]]`,
+  alone, after `--flag=` or before `:port`) is rewritten to that pod's address when the container starts;
+  a name whose pod has no address yet is left as it is.
 * **Images.** Nothing is pulled. An image whose name starts with one of the known prefixes runs
   `command + args` locally; the command's first word is looked up in the virtualenv's `bin/` first (so
   `ember` is this project's `ember`), then on PATH. A container without `command` runs the prefix's
@@ -44,9 +48,10 @@ Each pod is run by a worker of its own (`podworker`). One kubelet serves one or 
 
 Not modelled: isolation of any kind (processes share the host's filesystem, users, PID space and ports;
 127.0.0.1 inside a pod is the host's), cgroups and resource limits (requests count only at admission),
-image pulls, DNS (Service names do not resolve), Service environment variables, node heartbeats and
-leases, sidecar init containers (`restartPolicy: Always` on an init container) and ephemeral containers,
-secret, projected and downwardAPI volumes, read-only mounts, in-place updates of a running pod's spec, the
+image pulls, DNS (Service names do not resolve; only pods' names are rewritten as above), Service
+environment variables, node heartbeats and leases, sidecar init containers (`restartPolicy: Always` on an
+init container) and ephemeral containers, secret, projected and downwardAPI volumes, read-only mounts,
+in-place updates of a running pod's spec, the
 terminationMessagePath file, readiness gates, exec/attach/port-forward. Linux only.
 """
 
@@ -172,6 +177,19 @@ class ProcessKubelet:
 
     def pod_dir(self, namespace: str, name: str) -> Path:
         return self.pods_dir / f"{namespace}_{name}"
+
+    def pod_dns_names(self) -> dict[str, str]:
+        """The DNS names cluster DNS gives pods with `hostname` and `subdomain` (CoreDNS's
+        `<hostname>.<subdomain>.<namespace>.svc.<domain>`, and the short forms a pod's search path
+        resolves), for this kubelet's pods that have an address."""
+        names = {}
+        for worker in self._latest.values():
+            host, sub = worker.spec.get("hostname"), worker.spec.get("subdomain")
+            if worker.ip and host and sub:
+                base = f"{host}.{sub}.{worker.namespace}"
+                for name in (base, f"{base}.svc", f"{base}.svc.cluster.local"):
+                    names[name] = worker.ip
+        return names
 
     def log_path(self, namespace: str, name: str, container: str) -> Path:
         return self.pod_dir(namespace, name) / f"{container}.log"

@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -175,12 +175,14 @@ def _write_configmap(worker: _PodWorker, volume: dict[str, Any]) -> None:
 
 _ANY_ADDRESS = re.compile(r"(?P<flag>-{1,2}[\w.-]+=)?0\.0\.0\.0(?P<port>:\d+)?")
 _FLAG_VALUE = re.compile(r"(-{1,2}[\w.-]+=)(/.*)")
+_HOST = re.compile(r"(?P<flag>-{1,2}[\w.-]+=)?(?P<host>[a-z0-9][a-z0-9.-]*)(?P<port>:\d+)?")
 
 
 @dataclass(slots=True)
 class _Rewriter:
     ip: str
     mounts: list[tuple[str, Path]]  # (mountPath without trailing slash, host directory), longest first
+    hosts: dict[str, str] = field(default_factory=dict)  # pods' DNS names → their addresses
 
     def path(self, value: str) -> str | None:
         for mount_path, host in self.mounts:
@@ -191,6 +193,8 @@ class _Rewriter:
     def __call__(self, value: str) -> str:
         if (match := _ANY_ADDRESS.fullmatch(value)) is not None:
             return f"{match.group('flag') or ''}{self.ip}{match.group('port') or ''}"
+        if (match := _HOST.fullmatch(value)) is not None and (ip := self.hosts.get(match.group("host"))):
+            return f"{match.group('flag') or ''}{ip}{match.group('port') or ''}"
         if (host := self.path(value)) is not None:
             return host
         if (match := _FLAG_VALUE.fullmatch(value)) is not None and (host := self.path(match.group(2))):
@@ -208,4 +212,4 @@ def _rewriter(worker: _PodWorker, c: _Container) -> _Rewriter:
             continue
         mounts.append((mount_path, host / mount["subPath"] if mount.get("subPath") else host))
     mounts.sort(key=lambda m: len(m[0]), reverse=True)
-    return _Rewriter(worker.ip, mounts)
+    return _Rewriter(worker.ip, mounts, worker.kubelet.pod_dns_names())

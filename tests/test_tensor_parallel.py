@@ -1,0 +1,230 @@
+"""Tensor parallelism on CPU (gloo): greedy output of a model split over 2 and 4 processes is token-for-token
+the output of the unsplit model (TP=1, itself equal to transformers'), whatever the batching, chunking,
+prefix sharing, preemption or speculation; and the split itself (head and vocabulary shards, shard-wise
+loading, the per-step message)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from ember_engine import LLM, SamplingParams
+from ember_engine.distributed.step_channel import HEADER, decode, encode
+from ember_engine.model.loader import load_weights
+from ember_engine.model.model_config import ModelConfig
+from ember_engine.model.model_runner import Chunk
+from ember_engine.model.parallel import Shard, TensorParallelError, TPGroup, check_tensor_parallel
+from ember_engine.tools.spec_pair import packaged_pair
+
+MAX_NEW = 8
+LENGTHS = [1, 2, 7, 16, 17, 33, 100, 129, 257, 500]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(99)
+    prompts = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in LENGTHS]
+    shared = prompts[-1][:200]  # several full blocks shared with the 500-token prompt and each other
+    prompts += [shared + torch.randint(10, 4000, (n,), generator=g).tolist() for n in (3, 40)]
+    return prompts
+
+
+PROMPTS = _prompts()
+
+
+@contextmanager
+def engine(model: Path, **options: Any) -> Iterator[LLM]:
+    llm = LLM(str(model), dtype="float32", **options)
+    try:
+        yield llm
+    finally:
+        llm.engine.shutdown()
+
+
+def generate(model: Path, prompts: list[Any], params: SamplingParams, **options: Any) -> tuple[list, Any]:
+    with engine(model, **options) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.stats()
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    return [list(o.token_ids) for o in outs], stats
+
+
+CASES = {
+    "all-at-once-block-8": dict(block_size=8),
+    # Two at a time: the shared-prefix prompts come after the one they share blocks with.
+    "batch-2-prefix-hits": dict(max_num_seqs=2),
+    # Prompts in chunks of at most 64 tokens, and 36 blocks for all of them: longer outputs outgrow the
+    # cache and requests are preempted.
+    "chunked-preempted": dict(max_num_batched_tokens=64, num_kv_blocks=36),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_match_one(tiny_model: Path, case: str) -> None:
+    options = CASES[case]
+    params = GREEDY
+    if case == "chunked-preempted":
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    expected, plain = generate(tiny_model, PROMPTS, params, **options)
+    out, split = generate(tiny_model, PROMPTS, params, tensor_parallel_size=2, **options)
+    assert out == expected
+    # The same schedule ran: same preemptions, same prefix-cache hits.
+    assert split.num_preemptions == plain.num_preemptions
+    assert split.prefix_cache_hits == plain.prefix_cache_hits
+    if case == "chunked-preempted":
+        assert split.num_preemptions > 0
+    if case == "batch-2-prefix-hits":
+        assert split.prefix_cache_hits > 0
+
+
+def test_four_ranks_replicate_the_kv_heads_and_match_one(tiny_model: Path) -> None:
+    # The tiny model has 2 KV heads: with 4 ranks each KV head lives on two ranks.
+    assert ModelConfig.from_dir(tiny_model).num_kv_heads == 2
+    prompts = PROMPTS[::2] + PROMPTS[-2:]
+    options = dict(max_num_batched_tokens=128)
+    expected, _ = generate(tiny_model, prompts, GREEDY, **options)
+    out, _ = generate(tiny_model, prompts, GREEDY, tensor_parallel_size=4, **options)
+    assert out == expected
+
+
+def test_speculation_with_the_draft_on_rank_0(tmp_path: Path) -> None:
+    target, draft = packaged_pair()
+    prompts = [
+        "def fibonacci(n):",
+        "import os\nimport sys\nimport os\n",
+        "class Queue:\n    def push(self, x):",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected, _ = generate(target, prompts, params)
+    out, stats = generate(
+        target, prompts, params, tensor_parallel_size=2, draft_model=str(draft), speculative_adaptive=False
+    )
+    assert out == expected
+    assert stats.spec is not None and stats.spec.num_accepted_tokens > 0
+
+
+# -- the split -----------------------------------------------------------------------------------------
+
+
+def test_head_counts_that_do_not_split_are_refused_naming_the_numbers(tiny_model: Path) -> None:
+    config = ModelConfig.from_dir(tiny_model)  # 4 heads, 2 KV heads, intermediate 256
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size 3 does not divide the model's 4"):
+        check_tensor_parallel(config, 3)
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size 3 does not divide the model's 4"):
+        LLM(str(tiny_model), tensor_parallel_size=3)  # refused before any worker starts
+    check_tensor_parallel(config, 4)
+
+
+def test_shards_cover_every_head_and_vocabulary_row_once(tiny_model: Path) -> None:
+    config = ModelConfig.from_dir(tiny_model)
+    for size in (1, 2, 4):
+        shards = [Shard.of(config, r, size) for r in range(size)]
+        assert sum(s.num_heads for s in shards) == config.num_heads
+        assert sum(s.vocab_rows for s in shards) == config.vocab_size
+        assert sum(s.intermediate_size for s in shards) == config.intermediate_size
+        for s in shards:
+            # The query heads of a rank attend exactly to its KV heads.
+            group = config.num_heads // config.num_kv_heads
+            first_q = s.rank * s.num_heads
+            assert {h // group for h in range(first_q, first_q + s.num_heads)} == set(
+                range(s.first_kv_head, s.first_kv_head + s.num_kv_heads)
+            )
+    assert [Shard.of(config, r, 4).first_kv_head for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_an_uneven_vocabulary_is_padded_on_the_last_rank(tiny_model: Path) -> None:
+    config = ModelConfig.from_dir(tiny_model)
+    odd = type(config)(**{**{f: getattr(config, f) for f in config.__slots__}, "vocab_size": 4093})
+    shards = [Shard.of(odd, r, 4) for r in range(4)]
+    assert [s.vocab_per_rank for s in shards] == [1024] * 4
+    assert [s.vocab_rows for s in shards] == [1024, 1024, 1024, 1021]
+
+
+class _RecordingSlice:
+    """A real safetensors slice that records how it was indexed."""
+
+    def __init__(self, inner: Any, log: list[tuple[str, Any]], name: str) -> None:
+        self.inner, self.log, self.name = inner, log, name
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        self.log.append((self.name, index))
+        return self.inner[index]
+
+
+def test_each_rank_reads_only_its_shard_and_gets_the_right_rows(tiny_model: Path, monkeypatch) -> None:
+    from ember_engine.model import loader
+    from ember_engine.model.llama import LlamaForCausalLM
+
+    config = ModelConfig.from_dir(tiny_model)
+    reads: list[tuple[str, Any]] = []
+    real = loader.iter_slices
+
+    def recording(model_dir: Path) -> Iterator[tuple[str, Any]]:
+        for name, sl in real(model_dir):
+            yield name, _RecordingSlice(sl, reads, name)
+
+    monkeypatch.setattr(loader, "iter_slices", recording)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config, TPGroup(rank=1, size=2))
+    load_weights(model, tiny_model)
+    whole = [name for name, index in reads if index == slice(None)]
+    # Only tensors every rank holds whole are read whole.
+    assert all(name.endswith("norm.weight") for name in whole), whole
+    with safe_open(str(tiny_model / "model.safetensors"), framework="pt") as f:
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        o = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
+        embed = f.get_tensor("model.embed_tokens.weight")
+    d = config.head_dim
+    attn = model.model.layers[0].self_attn
+    assert torch.equal(attn.qkv_proj.weight[: 2 * d], q[2 * d : 4 * d])  # rank 1's two query heads
+    assert torch.equal(attn.o_proj.weight, o[:, 2 * d : 4 * d])
+    assert torch.equal(model.model.embed_tokens.weight, embed[2048:])
+
+
+def test_a_step_message_round_trips_whatever_its_size() -> None:
+    small = [Chunk([3, 4], 17, [5], 1), Chunk([0], 0, list(range(10)), 0)]
+    big = [Chunk(list(range(64)), 1000, list(range(100)), 1) for _ in range(40)]
+    for chunks in (small, big):
+        message = encode(chunks)
+        back = decode(message)
+        assert back is not None
+        assert [(c.block_ids, c.start, list(c.token_ids), c.num_logits) for c in back] == [
+            (c.block_ids, c.start, list(c.token_ids), c.num_logits) for c in chunks
+        ]
+    assert len(encode(small)) < HEADER < len(encode(big))  # one broadcast for the first, two for the second
+    assert decode(np.asarray([2, 0], dtype=np.int32)) is None
+
+
+def test_bench_throughput_reports_communication_per_step(tiny_model: Path, tmp_path: Path) -> None:
+    import argparse
+    import json
+
+    from ember_engine.bench import throughput
+
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    out = tmp_path / "tp.json"
+    args = parser.parse_args(
+        [
+            *("--model", str(tiny_model), "--num-requests", "4", "--input-len", "16:64"),
+            *("--output-len", "4:8", "--tensor-parallel-size", "2", "--baselines", ""),
+            *("--quiet", "--json", str(out)),
+        ]
+    )
+    assert throughput.main(args) == 0
+    result = json.loads(out.read_text())
+    engine, unsplit = result["engine"], result["baselines"]["ember-tp1"]
+    assert engine["tensor_parallel_size"] == 2 and unsplit["tensor_parallel_size"] == 1
+    assert engine["output_tokens"] == unsplit["output_tokens"] == result["workload"]["output_tokens"]
+    c = engine["communication"]
+    assert c["collective_seconds"] > 0 and c["broadcast_seconds"] > 0
+    assert 0 < c["per_step_ms"] < c["step_ms"]
+    assert 0 < c["fraction_of_step_time"] < 1
+    assert "communication" not in unsplit
