@@ -193,9 +193,11 @@ def test_a_multi_node_replica_is_one_leaderworkerset_whose_pods_form_one_tensor_
     assert lead.master_port == work.master_port
     # Only the leader serves HTTP, is probed, and is selected by the Service (instance + role=active).
     assert "readinessProbe" in leader["spec"]["containers"][0]
-    assert (
-        "readinessProbe" not in worker["spec"]["containers"][0]
-        and "ports" not in worker["spec"]["containers"][0]
+    # A worker serves no HTTP, so no probe of any kind may ask it: a startup probe that never passes would
+    # keep the worker, and so the group, from ever being Ready.
+    assert "startupProbe" in leader["spec"]["containers"][0]
+    assert not {"ports", "readinessProbe", "livenessProbe", "startupProbe", "lifecycle"} & set(
+        worker["spec"]["containers"][0]
     )
     assert leader["metadata"]["labels"][ROLE_LABEL] == WARM and ROLE_LABEL not in worker["metadata"]["labels"]
     # Each pod gets its node's GPUs and /dev/shm for its four ranks.

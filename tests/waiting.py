@@ -11,8 +11,9 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def wait_for(check: Callable[[], T], timeout: float = 30.0, what: str = "condition") -> T:
-    """Poll `check` until it returns something truthy, and return that; fail naming `what` after `timeout`.
+def wait_for(check: Callable[[], T], timeout: float = 30.0, what: str | Callable[[], str] = "condition") -> T:
+    """Poll `check` until it returns something truthy, and return that; fail naming `what` after `timeout`
+    (a callable `what` is asked at the deadline, so a description of the state is the state then).
 
     A check that raises AssertionError, KeyError, TypeError or IndexError (state not there yet) counts as
     not yet.
@@ -25,7 +26,8 @@ def wait_for(check: Callable[[], T], timeout: float = 30.0, what: str = "conditi
             if last:
                 return last
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+    described = what() if callable(what) else what
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {described} (last: {last!r})")
 
 
 def free_port() -> int:

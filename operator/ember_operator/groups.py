@@ -55,9 +55,9 @@ def desired_group(owner: Owner, spec: InferenceServiceSpec, role: str, pod_hash:
     (serving,) = leader["spec"]["containers"]
     serving["args"] += [*parallel, "--node-rank=0", "--master-addr=0.0.0.0"]
     (engine,) = worker["spec"]["containers"]
-    # A worker serves no HTTP: no port, no probes (Ready once running), no pause before stopping.
-    for key in ("ports", "readinessProbe", "livenessProbe", "lifecycle"):
-        engine.pop(key)
+    # A worker serves no HTTP: no port, no probe of any kind (Ready once running), no pause before stopping.
+    for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle"):
+        engine.pop(key, None)
     engine["args"] += [*parallel, "--node-rank=$(LWS_WORKER_INDEX)", "--master-addr=$(LWS_LEADER_ADDRESS)"]
     group_labels = {**leader["metadata"]["labels"]}
     worker_labels = {k: v for k, v in group_labels.items() if k != ROLE_LABEL}
