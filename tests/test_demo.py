@@ -121,7 +121,7 @@ def test_the_demo_runs_every_step_and_tears_down(tmp_path: Path) -> None:
     assert re.search(r"^tiny\s+True\s+2\s+\d\s+2\s", out, flags=re.M), out
     chunks = re.search(r"\[(\d+) chunks; the first after \d+ ms\]", out)
     assert chunks and int(chunks.group(1)) > 1, out
-    assert re.search(r"tiny-\w+ promoted from warm to active", out), out
+    assert re.search(r"tiny-[\w-]+ promoted from warm to active", out), out
     assert re.search(r"\d+ × 200 served by tiny-fallback \(x-ember-served-by: fallback\)", out), out
     assert re.search(r"\d+ × 503 queue_full Retry-After: 2", out), out
     assert "No resources found" in out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,15 +59,25 @@ def main(args: argparse.Namespace) -> int:
         "a service proxy that gives each Service a local address, and the operator (kopf) watching",
         "InferenceServices.",
     )
+    example = Path(args.example)
+    if not example.is_file():
+        print(f"ember demo: no {example}: run it from a clone of the repository, or pass --example")
+        return 1
     if _ember(ember, "dev", "up", *dev, "--port", str(port)) != 0:
         return 1
+    failed: Exception | None = None
     try:
-        Demo(directory / "kubeconfig", directory / "kubectl-cache", Path(args.example), args.timeout).run()
+        Demo(directory / "kubeconfig", directory / "kubectl-cache", example, args.timeout).run()
+    except (TimeoutError, RuntimeError, OSError) as error:  # said plainly; the log tells the rest
+        failed = error
+        print(f"\nember demo: {error}\nember demo: the control plane's log: {directory / 'dev.log'}")
     finally:
         say("8. Teardown", "Stops the control plane; it returns once every engine process has exited.")
-        _ember(ember, "dev", "down", *dev)
+        stopped = _ember(ember, "dev", "down", *dev) == 0
+    if failed is None and stopped and not args.dir:
+        shutil.rmtree(directory, ignore_errors=True)  # the temporary state: engine logs, test checkpoint
     print(f"\nThe demo took {time.monotonic() - start:.0f} s.", flush=True)
-    return 0
+    return 0 if failed is None and stopped else 1
 
 
 def _ember(ember: str, *args: str) -> int:
@@ -98,8 +109,8 @@ class Demo:
         k.show("get", "nodes")
         say(
             "2. Apply the example",
-            f"{self.example.name}: `tiny` (1 to 2 engine pods plus one loaded standby in a warm pool, at",
-            "most 4 requests queued per pod, the overflow handed to `tiny-fallback`) and `tiny-fallback`.",
+            f"{self.example.name}: `tiny` (1 to 2 engine pods plus one loaded standby in a warm pool, a",
+            "short queue per pod, the overflow handed to `tiny-fallback`) and `tiny-fallback`.",
         )
         k.show("apply", "-f", str(self.example))
         say(

@@ -186,17 +186,19 @@ class Kubectl:
 
 
 class EisWatch:
-    """`kubectl get eis -w`, in a thread while `running()`: the header once, then a row each time an
-    InferenceService's printed columns (all but AGE) change."""
+    """`kubectl get eis -w`, in a thread while `running()`: the header and every row, then a row each
+    time an InferenceService's printed columns (all but AGE) change."""
 
     def __init__(self, kubectl: Kubectl, interval: float = 0.5) -> None:
         self.kubectl = kubectl
         self.interval = interval
         self._last: dict[str, list[str]] = {}
-        self._widths: list[int] | None = None
+        self._header = True
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
+        print("$ kubectl get eis -w", flush=True)
+        self._last, self._header = {}, True
         stop = threading.Event()
         thread = threading.Thread(target=self._run, args=(stop,), name="eis-watch", daemon=True)
         thread.start()
@@ -209,8 +211,6 @@ class EisWatch:
                 self.poll()  # what changed since the last interval
 
     def _run(self, stop: threading.Event) -> None:
-        if self._widths is None:
-            print("$ kubectl get eis -w", flush=True)
         while True:
             with contextlib.suppress(Exception):  # a failed read is retried at the next interval
                 self.poll()
@@ -219,12 +219,12 @@ class EisWatch:
 
     def poll(self) -> None:
         header, rows = table_lines(self.kubectl.table("eis"), datetime.datetime.now(datetime.UTC))
-        if self._widths is None:
-            # kubectl -w sizes the columns by the first rows it prints; these fit the demo's.
-            self._widths = [max(len(h) + 3, 9) for h in header]
-            self._widths[0] = 16
-            print(aligned([header], self._widths)[0], flush=True)
+        # kubectl -w sizes the columns by the first rows it prints; these fit the demo's.
+        widths = [16] + [max(len(h) + 3, 9) for h in header[1:]]
+        if self._header:
+            self._header = False
+            print(aligned([header], widths)[0], flush=True)
         for row in rows:
             if self._last.get(row[0], [])[:-1] != row[:-1]:
                 self._last[row[0]] = row
-                print(aligned([row], self._widths)[0], flush=True)
+                print(aligned([row], widths)[0], flush=True)
