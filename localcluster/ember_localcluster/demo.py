@@ -35,6 +35,12 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-fallback.yam
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="state directory for the control plane (default: a new temporary one)")
     p.add_argument("--port", type=int, default=0, help="API server port (default: a free one)")
+    p.add_argument(
+        "--kubectl",
+        default=shutil.which("kubectl") or "",
+        help="the kubectl to run (default: the one on PATH, %(default)r); '' for the Kubernetes Python "
+        "client in its place",
+    )
     p.add_argument("--example", default=str(EXAMPLE), help="what to apply (default: %(default)s)")
     p.add_argument(
         "--timeout", type=float, default=120, help="seconds each step may wait (default: %(default)s)"
@@ -67,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     failed: Exception | None = None
     try:
-        Demo(directory / "kubeconfig", directory / "kubectl-cache", example, args.timeout).run()
+        Demo(directory, example, args.timeout, args.kubectl).run()
     except (TimeoutError, RuntimeError, OSError) as error:  # said plainly; the log tells the rest
         failed = error
         print(f"\nember demo: {error}\nember demo: the control plane's log: {directory / 'dev.log'}")
@@ -95,10 +101,10 @@ def _free_port() -> int:
 
 
 class Demo:
-    def __init__(self, kubeconfig: Path, cache: Path, example: Path, timeout: float) -> None:
+    def __init__(self, directory: Path, example: Path, timeout: float, kubectl: str) -> None:
         from ember_localcluster.demo_kubectl import EisWatch, Kubectl
 
-        self.kubectl = Kubectl(kubeconfig, cache)
+        self.kubectl = Kubectl(directory / "kubeconfig", directory / "kubectl-cache", binary=kubectl)
         self.watch = EisWatch(self.kubectl)
         self.example = example
         self.timeout = timeout
