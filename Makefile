@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest venv clean crds dev-up dev-down
+.PHONY: demo demo-engine test lint typecheck pytest venv clean crds dev-up dev-down
 
 venv: $(STAMP)
 
@@ -14,8 +14,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[engine,operator,router,local,dev]'
 	touch $(STAMP)
 
+# The operator end to end on the local control plane (README: Quickstart); kubectl is used where it is on
+# PATH, the Kubernetes Python client (installed here) otherwise.
 demo: $(STAMP)
 	$(BIN)/ember demo
+
+# The engine alone: `ember serve` on the packaged model pair with speculative decoding.
+demo-engine: $(STAMP)
+	$(BIN)/ember demo-engine
 
 # The local control plane (README: "Try it without a cluster"); DEV_ARGS passes options, e.g. --nodes 2.
 dev-up: $(STAMP)

@@ -23,6 +23,7 @@ def test_the_examples_exist() -> None:
     assert [p.name for p in FILES] == [
         "fallback-pair.yaml",
         "inferenceservice.yaml",
+        "local-fallback.yaml",
         "local.yaml",
         "production.yaml",
         "tensor-parallel.yaml",

@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "a local control plane: API server, process kubelet, service proxy, operator",
     ),
     "demo": (
+        "ember_localcluster.demo",
+        "the operator end to end on the local control plane, narrated (make demo)",
+    ),
+    "demo-engine": (
         "ember_engine.tools.demo",
         "serve the packaged model pair with speculative decoding and stream from it",
     ),

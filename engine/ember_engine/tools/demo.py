@@ -1,5 +1,5 @@
-"""`ember demo`: start `ember serve` on the packaged trained model pair (a small code model and its draft,
-with speculative decoding), stream a code completion token by token, send a burst of concurrent chat
+"""`ember demo-engine`: start `ember serve` on the packaged trained model pair (a small code model and its
+draft, with speculative decoding), stream a code completion token by token, send a burst of concurrent chat
 requests, show the server's own metrics, then drain it with SIGTERM.
 
 The pair learned from the Python standard library's sources for a few minutes on a CPU, so its code reads
@@ -47,7 +47,7 @@ def _free_port() -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`ember demo`."""
+    """`ember demo-engine`."""
     p.add_argument("--dir", help="serve this checkpoint instead (a tiny test model is built there if empty)")
 
 
