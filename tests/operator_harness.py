@@ -1,5 +1,5 @@
 """A place for the real operator to run in tests: the in-process API server, the operator under kopf's
-`KopfRunner`, and a minimal pod runner standing in for a kubelet.
+`KopfRunner`, the deployment and replicaset controllers, and a minimal pod runner standing in for a kubelet.
 
 The pod runner gives each engine pod a loopback IP, an HTTP server on port 8000 that serves a /metrics page
 whose gauges the test sets, and a Ready condition after a short start-up delay. Pods whose image is
@@ -30,6 +30,7 @@ from kopf.testing import KopfRunner
 from waiting import wait_for
 
 from ember_localcluster.apiserver import APIServer
+from ember_localcluster.deployment_controller import DeploymentController
 from ember_operator import main as operator_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +58,7 @@ def operator_cluster(tmp: Path) -> Iterator[tuple[APIServer, PodRunner, Any]]:
         mp.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
         api.install_crd(crd_manifest())
         runner = PodRunner(api).start()
+        deployments = DeploymentController(kubeconfig).start()
         script = tmp / "operator.py"
         script.write_text(OPERATOR_FILE)
         parser = argparse.ArgumentParser()
@@ -80,6 +82,7 @@ def operator_cluster(tmp: Path) -> Iterator[tuple[APIServer, PodRunner, Any]]:
                 yield api, runner, custom
             finally:
                 runner.stop()
+                deployments.stop()
         kopf.set_default_registry(previous)
         mp.undo()
     assert kopf_runner.exception is None, kopf_runner.output[-3000:]
