@@ -292,11 +292,13 @@ def control_plane(
 
 
 def manifest(name: str, **spec: Any) -> dict[str, Any]:
-    """An InferenceService on the tiny checkpoint, on the CPU; `spec` adds or replaces top-level fields."""
+    """An InferenceService on the tiny checkpoint, on the CPU; `spec` adds or replaces top-level fields.
+    The Service selects the engines directly unless the test gives `router`."""
     body: dict[str, Any] = {
         "model": {"name": MODEL, "source": f"/models/{MODEL}", "volumeClaim": MODEL_CLAIM},
         "resources": {"gpus": 0},
         "engine": {"maxNumSeqs": 2},
+        "router": {"enabled": False},
     }
     body.update(spec)
     return {"apiVersion": API_VERSION, "kind": "InferenceService", "metadata": {"name": name}, "spec": body}

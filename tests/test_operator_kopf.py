@@ -116,8 +116,21 @@ def test_an_inference_service_becomes_pods_a_service_and_a_policy(cluster: Any) 
     for p in pods(api, "basic"):
         assert p["metadata"]["ownerReferences"][0]["uid"] == uid
         assert p["metadata"]["labels"][HASH_LABEL]
+    # The Service selects the router pods, which find the active engines themselves.
     svc = api.get("v1", "Service", NAMESPACE, "basic")
-    assert svc is not None and svc["spec"]["selector"][ROLE_LABEL] == "active"
+    assert svc is not None and svc["spec"]["selector"] == {
+        "app.kubernetes.io/name": "ember-router",
+        "ember.dev/router": "basic",
+    }
+    routers = api.get("apps/v1", "Deployment", NAMESPACE, "basic-router")
+    assert routers is not None and routers["spec"]["replicas"] == 2
+    (container,) = routers["spec"]["template"]["spec"]["containers"]
+    assert (
+        f"--kube-selector=app.kubernetes.io/instance=basic,app.kubernetes.io/name=ember,{ROLE_LABEL}=active"
+        in (container["args"])
+    )
+    wait_for(lambda: status(api, "basic").get("router", {}).get("summary") == "2/2", what="2/2 routers Ready")
+    assert condition(api, "basic", "RouterReady")["reason"] == "RouterAvailable"
     cm = api.get("v1", "ConfigMap", NAMESPACE, "basic-policy")
     assert cm is not None and "maxQueueDepth: 9" in cm["data"]["policy.yaml"]
 
@@ -195,7 +208,7 @@ def test_missing_metrics_hold_the_target_and_say_so(cluster: Any) -> None:
 
 def test_drift_is_repaired(cluster: Any) -> None:
     api, _runner, custom = cluster
-    create(custom, service("drift", replicas={"min": 2, "max": 2}))
+    create(custom, service("drift", replicas={"min": 2, "max": 2}, router={"enabled": False}))
     wait_for(lambda: converged(api, "drift", 2, 0), what="2 active")
     victim = pods(api, "drift")[0]["metadata"]["name"]
     api.delete("v1", "Pod", NAMESPACE, victim)

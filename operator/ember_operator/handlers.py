@@ -22,7 +22,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from ember_operator import metrics
+from ember_operator import metrics, router
 from ember_operator.desired import (
     ACTIVE,
     MANAGED_BY_LABEL,
@@ -208,7 +208,9 @@ class Reconciler:
         troubles: list[Trouble] = []
         fallback_url = await self._fallback_url(kube, spec, owner, troubles)
         await self._ensure(kube, desired_policy_configmap(owner, spec, fallback_url), ("data",), troubles)
-        service = await self._ensure(kube, desired_service(owner), ("spec",), troubles)
+        selector = router.service_selector(name, spec)
+        service = await self._ensure(kube, desired_service(owner, selector), ("spec",), troubles)
+        routers = await self._routers(kube, owner, spec, troubles)
 
         listed = await asyncio.to_thread(kube.list_pods, namespace, selector_string(instance_labels(name)))
         groups = await asyncio.to_thread(kube.list_groups, namespace, group_selector(name))
@@ -286,8 +288,10 @@ class Reconciler:
         )
         patch.status["coldStartSeconds"] = memory.cold_start
         patch.status["autoscaler"] = {"inputs": memory.inputs, "decisions": memory.decisions}
+        patch.status["router"] = router.router_status(spec, routers)
+        conditions = [*assessment.conditions(), router.router_condition(spec, patch.status["router"])]
         patch.status["conditions"] = render_conditions(
-            assessment.conditions(), status.get("conditions") or [], generation, now
+            conditions, status.get("conditions") or [], generation, now
         )
         metrics.DESIRED.labels(namespace, name).set(memory.desired)
         metrics.publish_status(namespace, name, dict(patch.status))
@@ -396,6 +400,19 @@ class Reconciler:
                 await asyncio.to_thread(
                     kube.relabel_pod, namespace, leader["metadata"]["name"], {ROLE_LABEL: v.role}
                 )
+
+    async def _routers(
+        self, kube: Kube, owner: Owner, spec: InferenceServiceSpec, troubles: list[Trouble]
+    ) -> dict[str, Any] | None:
+        """Make the router's objects match (or delete them when it is off); returns its Deployment."""
+        deployment = None
+        for obj in router.desired_objects(owner, spec):
+            deployment = await self._ensure(kube, obj, router.ENSURED_FIELDS[obj["kind"]], troubles)
+        if not spec.router.enabled:
+            name = router.router_name(owner.name)
+            for kind in router.KINDS:
+                await asyncio.to_thread(kube.delete_owned, kind, owner.namespace, name, owner.uid)
+        return deployment
 
     async def _ensure(
         self, kube: Kube, desired: dict[str, Any], fields: tuple[str, ...], troubles: list[Trouble]

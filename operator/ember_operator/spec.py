@@ -347,6 +347,27 @@ class Rollout(_Object):
         return self
 
 
+class Router(_Object):
+    """`spec.router`: the `ember router` Deployment in front of the engines (prefix- and load-aware)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Run the router and point the Service at it; false: the Service selects the engines.",
+    )
+    replicas: int = Field(default=2, ge=1, le=100)
+    cpu: str | None = Field(default=None, pattern=QUANTITY, description="Each router pod's CPU request.")
+    memory: str | None = Field(
+        default=None, pattern=QUANTITY, description="Each router pod's memory request and limit."
+    )
+    epsilon: float = Field(
+        default=0.25,
+        ge=0,
+        le=10,
+        description="Bounded load: an engine above (1 + epsilon) x the mean load is skipped even when it "
+        "holds the prompt's prefix.",
+    )
+
+
 class Autoscaling(_Object):
     mode: Literal["Builtin", "External"] = "Builtin"
     queue_depth_per_replica: float = Field(default=4, gt=0)
@@ -485,6 +506,7 @@ class InferenceServiceSpec(_Object):
         "autoscaler) while Reconciling reports WaitingForCapacity, before the service is Stalled.",
     )
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, json_schema_extra=_OBJECT_DEFAULT)
+    router: Router = Field(default_factory=Router, json_schema_extra=_OBJECT_DEFAULT)
     load_shedding: LoadShedding = Field(default_factory=LoadShedding, json_schema_extra=_OBJECT_DEFAULT)
     fallback: Fallback | None = None
     request_timeout_seconds: float = Field(default=0, ge=0)  # 0: no deadline
@@ -542,6 +564,12 @@ class AutoscalerStatus(_Object):
     decisions: list[ScalingDecision] = Field(default_factory=list, max_length=10)  # the latest last
 
 
+class RouterStatus(_Object):
+    ready: int = 0
+    desired: int = 0
+    summary: str | None = None  # "ready/desired", for the Routers printer column
+
+
 class InferenceServiceStatus(_Object):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra=_list_map("type"))
@@ -553,3 +581,4 @@ class InferenceServiceStatus(_Object):
     endpoint: str | None = None
     cold_start_seconds: float | None = None
     autoscaler: AutoscalerStatus | None = None
+    router: RouterStatus | None = None

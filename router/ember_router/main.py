@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="an OpenAI-compatible server for requests no engine can take (e.g. a smaller model's Service)",
     )
     p.add_argument("--fallback-model", help="the model name to send to the fallback (default: the request's)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let requests in flight finish before closing them (default 30)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -86,5 +92,12 @@ def main(args: argparse.Namespace) -> int:
         discovery=discovery,
     )
     # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request.
-    web.run_app(router.app(), host=args.host, port=args.port, handler_cancellation=True, print=None)
+    web.run_app(
+        router.app(),
+        host=args.host,
+        port=args.port,
+        handler_cancellation=True,
+        shutdown_timeout=args.drain_timeout,
+        print=None,
+    )
     return 0
