@@ -20,6 +20,7 @@ from ember_engine.core.tokenizer import Tokenizer
 from ember_router.embedded import serving
 from ember_router.pool import EnginePool
 from ember_router.proxy import ROUTE_REASON, ROUTED_TO, Router, RouterSettings
+from ember_router.rules import Rule
 
 
 @contextmanager
@@ -159,3 +160,23 @@ def test_what_no_engine_can_take_goes_to_the_fallback(
             assert "ember_router:fallback_requests_total 1.0" in httpx.get(f"{url}/metrics").text
         finally:
             engines[0].state.draining = engines[1].state.draining = False
+
+
+def test_a_routing_rule_sends_a_request_to_another_service_and_says_so(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    rule = Rule("short", "small-service", max_max_tokens=2)
+    settings = RouterSettings(routes=((rule, engines[1].url),))
+    with running_router(tiny_model, [engines[0].url], settings=settings) as (url, _router):
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        short = httpx.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2}, timeout=60
+        )
+        assert short.status_code == 200, short.text
+        assert short.headers[ROUTED_TO] == "small-service" and short.headers[ROUTE_REASON] == "rule:short"
+        long = httpx.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 3}, timeout=60
+        )
+        assert long.status_code == 200 and long.headers[ROUTED_TO] == engines[0].url
+        page = httpx.get(f"{url}/metrics").text
+        assert 'ember_router:routed_requests_total{rule="short",target="small-service"} 1.0' in page

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ember_router.rules import Request, Rule, decide, matches, requested_max_tokens
+from ember_router.rules import Request, Rule, decide, matches, parse_route, requested_max_tokens
 
 
 def req(prompt: int = 10, max_tokens: int | None = 16, model: str | None = "big", **headers: str) -> Request:
@@ -81,3 +84,20 @@ def test_decide_returns_a_matching_rule_and_no_earlier_rule_matches(
         index = rules.index(chosen)
         assert matches(chosen, request)
         assert not any(matches(r, request) for r in rules[:index])
+
+
+def test_a_route_parses_from_json_and_a_bad_one_is_refused_by_name() -> None:
+    rule, url = parse_route(
+        '{"name": "short", "target": "small", "url": "http://small", "maxMaxTokens": 64, "header": "X-Tier",'
+        ' "models": ["a"]}'
+    )
+    assert url == "http://small"
+    assert rule == Rule("short", "small", max_max_tokens=64, header="X-Tier", models=("a",))
+    for text, message in [
+        ('{"name": "r", "target": "t"}', "'url'"),
+        ('{"name": "r", "target": "t", "url": "u", "maxTokens": 3}', "unknown route field(s): maxTokens"),
+        ('{"name": "r", "target": "t", "url": "u", "minPromptTokens": "9"}', "minPromptTokens must be an integer"),
+        ("[1]", "JSON object"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_route(text)

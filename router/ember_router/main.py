@@ -51,6 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--fallback-model", help="the model name to send to the fallback (default: the request's)")
     p.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        help='a model-routing rule as JSON, e.g. {"name": "short", "target": "small", "url": '
+        '"http://small.default.svc", "maxMaxTokens": 64} (repeat; the first rule a request meets wins)',
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -65,9 +72,14 @@ def main(args: argparse.Namespace) -> int:
     from ember_engine.core.tokenizer import Tokenizer
     from ember_router.pool import EnginePool
     from ember_router.proxy import Router, RouterSettings
+    from ember_router.rules import parse_route
 
     if args.epsilon < 0:
         raise SystemExit("ember router: --epsilon must be >= 0")
+    try:
+        routes = tuple(parse_route(text) for text in args.route)
+    except ValueError as e:  # json.JSONDecodeError included
+        raise SystemExit(f"ember router: --route: {e}") from None
     if not args.endpoint and not args.kube_selector:
         raise SystemExit("ember router: give --endpoint (one per engine) or --kube-selector")
     discovery = None
@@ -88,6 +100,7 @@ def main(args: argparse.Namespace) -> int:
             session_header=args.session_header.lower(),
             fallback_url=args.fallback_url,
             fallback_model=args.fallback_model,
+            routes=routes,
         ),
         discovery=discovery,
     )

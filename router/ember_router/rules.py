@@ -11,6 +11,7 @@ which rule (by name) and target, or None: the request stays with this service.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,45 @@ def matches(rule: Rule, request: Request) -> bool:
 def decide(rules: Sequence[Rule], request: Request) -> Rule | None:
     """The first rule the request matches, or None."""
     return next((rule for rule in rules if matches(rule, request)), None)
+
+
+_FIELDS = {
+    "minPromptTokens": "min_prompt_tokens",
+    "maxPromptTokens": "max_prompt_tokens",
+    "minMaxTokens": "min_max_tokens",
+    "maxMaxTokens": "max_max_tokens",
+    "header": "header",
+    "headerValue": "header_value",
+}
+
+
+def parse_route(text: str) -> tuple[Rule, str]:
+    """`ember router --route` JSON: {"name", "target", "url", and conditions: minPromptTokens,
+    maxPromptTokens, minMaxTokens, maxMaxTokens, header, headerValue, models}; ValueError naming what is
+    wrong."""
+    doc = json.loads(text)
+    if not isinstance(doc, dict):
+        raise ValueError("a route is a JSON object")
+    unknown = set(doc) - {"name", "target", "url", "models", *_FIELDS}
+    if unknown:
+        raise ValueError(f"unknown route field(s): {', '.join(sorted(unknown))}")
+    for key in ("name", "target", "url"):
+        if not isinstance(doc.get(key), str) or not doc[key]:
+            raise ValueError(f"a route needs {key!r} (a non-empty string)")
+    kwargs: dict[str, object] = {}
+    for key, attr in _FIELDS.items():
+        if key in doc:
+            value = doc[key]
+            wanted = str if key.startswith("header") else int
+            if not isinstance(value, wanted) or isinstance(value, bool):
+                kind = "a string" if wanted is str else "an integer"
+                raise ValueError(f"route {doc['name']}: {key} must be {kind}")
+            kwargs[attr] = value
+    models = doc.get("models", [])
+    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+        raise ValueError(f"route {doc['name']}: models must be a list of names")
+    rule = Rule(doc["name"], doc["target"], models=tuple(models), **kwargs)  # type: ignore[arg-type]
+    return rule, doc["url"]
 
 
 def requested_max_tokens(body: object) -> int | None:
