@@ -548,3 +548,28 @@ def test_unschedulable_pods_wait_for_capacity_then_stall(cluster: Any) -> None:
         what="Stalled once the wait is over",
     )
     custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "nowhere")
+
+
+def test_a_routing_rule_naming_a_missing_service_stalls_until_it_exists(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("picky", routing=[{"name": "short", "service": "smaller", "maxMaxTokens": 16}]))
+    wait_for(
+        lambda: condition(api, "picky", "Stalled").get("reason") == "RoutingInvalid", what="RoutingInvalid"
+    )
+    assert "no InferenceService 'smaller'" in condition(api, "picky", "Stalled")["message"]
+
+    def route_args() -> list[str]:
+        deploy = api.get("apps/v1", "Deployment", NAMESPACE, "picky-router")
+        args = deploy["spec"]["template"]["spec"]["containers"][0]["args"] if deploy else []
+        return [a for a in args if a.startswith("--route=")]
+
+    assert route_args() == []
+    create(custom, service("smaller", router={"enabled": False}))
+    wait_for(
+        lambda: condition(api, "picky", "Stalled").get("status") == "False", what="picky no longer stalled"
+    )
+    wait_for(lambda: len(route_args()) == 1, what="the route in the router's arguments")
+    assert (
+        '"target":"smaller"' in route_args()[0]
+        and '"url":"http://smaller.default.svc.cluster.local"' in (route_args()[0])
+    )

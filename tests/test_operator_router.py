@@ -12,6 +12,7 @@ from ember_operator import router
 from ember_operator.desired import ROLE_LABEL, Owner, active_selector, desired_service
 from ember_operator.spec import InferenceServiceSpec
 from ember_router import main as router_main
+from ember_router.rules import Rule, parse_route
 
 OWNER = Owner("chat", "prod", "uid-1")
 
@@ -135,3 +136,50 @@ def test_status_and_condition_follow_the_deployments_ready_pods() -> None:
     assert one == {"ready": 1, "desired": 3, "summary": "1/3"}
     ready = router.router_condition(spec, one)
     assert (ready.status, ready.reason, ready.message) == (True, "RouterAvailable", "1/3 router pods Ready")
+
+
+def test_routing_rules_become_route_options_that_ember_router_parses() -> None:
+    spec = make_spec(
+        routing=[
+            {
+                "name": "short",
+                "service": "small",
+                "maxMaxTokens": 64,
+                "header": "X-Tier",
+                "headerValue": "free",
+            },
+            {"name": "mini", "service": "tiny", "models": ["mini"]},
+            {"name": "gone", "service": "absent", "minPromptTokens": 10},
+        ]
+    )
+    urls = {"small": "http://small.prod.svc.cluster.local", "tiny": "http://127.0.0.1:9"}
+    args = router.route_args(spec, urls)
+    assert len(args) == 2  # a rule whose service is not there is left out
+    parsed = [parse_route(a.removeprefix("--route=")) for a in args]
+    assert parsed == [
+        (Rule("short", "small", max_max_tokens=64, header="X-Tier", header_value="free"), urls["small"]),
+        (Rule("mini", "tiny", models=("mini",)), urls["tiny"]),
+    ]
+    (container,) = _pod_spec_with(spec, urls)["containers"]
+    assert container["args"][-2:] == args
+
+
+def _pod_spec_with(spec: InferenceServiceSpec, urls: dict[str, str]) -> dict[str, Any]:
+    return dict(router.desired_router_deployment(OWNER, spec, urls)["spec"]["template"]["spec"])
+
+
+def test_a_routing_rule_naming_no_service_or_itself_is_a_problem_naming_it() -> None:
+    spec = make_spec(routing=[{"name": "a", "service": "small"}, {"name": "b", "service": "chat"}])
+    assert router.routing_problem(spec, OWNER, {"small": True}) == (
+        "spec.routing rule 'b': names this InferenceService itself"
+    )
+    assert router.routing_problem(spec, OWNER, {}) == (
+        "spec.routing rule 'a': no InferenceService 'small' in prod; "
+        "spec.routing rule 'b': names this InferenceService itself"
+    )
+    fine = make_spec(routing=[{"name": "a", "service": "small"}])
+    assert router.routing_problem(fine, OWNER, {"small": True}) is None
+    off = make_spec(routing=[{"name": "a", "service": "small"}], router={"enabled": False})
+    assert router.routing_problem(off, OWNER, {"small": True}) == (
+        "spec.routing needs the router: spec.router.enabled is false"
+    )

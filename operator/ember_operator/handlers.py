@@ -405,8 +405,17 @@ class Reconciler:
         self, kube: Kube, owner: Owner, spec: InferenceServiceSpec, troubles: list[Trouble]
     ) -> dict[str, Any] | None:
         """Make the router's objects match (or delete them when it is off); returns its Deployment."""
+        urls: dict[str, str] = {}
+        for name in {r.service for r in spec.routing} - {owner.name}:
+            other = await asyncio.to_thread(kube.get_inference_service, owner.namespace, name)
+            if other is not None:
+                endpoint = (other.get("status") or {}).get("endpoint")
+                urls[name] = endpoint or service_endpoint(name, owner.namespace, self.settings.cluster_domain)
+        problem = router.routing_problem(spec, owner, {n: True for n in urls})
+        if problem is not None:
+            troubles.append(Trouble("RoutingInvalid", problem))
         deployment = None
-        for obj in router.desired_objects(owner, spec):
+        for obj in router.desired_objects(owner, spec, urls):
             deployment = await self._ensure(kube, obj, router.ENSURED_FIELDS[obj["kind"]], troubles)
         if not spec.router.enabled:
             name = router.router_name(owner.name)

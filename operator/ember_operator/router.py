@@ -15,6 +15,7 @@ affinity or spreading of the engines).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ember_operator import modelsource
@@ -80,7 +81,22 @@ def desired_role_binding(owner: Owner) -> dict[str, Any]:
     }
 
 
-def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
+def route_args(spec: InferenceServiceSpec, urls: dict[str, str]) -> list[str]:
+    """`--route` options for the rules of spec.routing whose target has an address in `urls` (by
+    InferenceService name), in order."""
+    out = []
+    for rule in spec.routing:
+        if rule.service not in urls:
+            continue
+        doc = rule.model_dump(by_alias=True, exclude_none=True, exclude={"service"})
+        if not doc.get("models"):
+            doc.pop("models", None)
+        doc.update(target=rule.service, url=urls[rule.service])
+        out.append("--route=" + json.dumps(doc, sort_keys=True, separators=(",", ":")))
+    return out
+
+
+def router_args(owner: Owner, spec: InferenceServiceSpec, urls: dict[str, str] | None = None) -> list[str]:
     return [
         f"--model={modelsource.engine_path(spec.model.source)}",
         f"--kube-selector={selector_string(active_selector(owner.name))}",
@@ -89,6 +105,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
         f"--port={ROUTER_PORT}",
         f"--epsilon={spec.router.epsilon}",
         f"--drain-timeout={spec.lifecycle.drain_seconds}",
+        *route_args(spec, urls or {}),
     ]
 
 
@@ -101,7 +118,9 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def desired_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+def desired_router_deployment(
+    owner: Owner, spec: InferenceServiceSpec, urls: dict[str, str] | None = None
+) -> dict[str, Any]:
     r, life, placement = spec.resources, spec.lifecycle, spec.pod
     security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     if placement.container_security_context is not None:
@@ -111,7 +130,7 @@ def desired_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[
         "image": r.image,
         "imagePullPolicy": r.image_pull_policy,
         "command": list(COMMAND),
-        "args": router_args(owner, spec),
+        "args": router_args(owner, spec, urls),
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": _probe("/ready", life.readiness_period_seconds, life.readiness_failure_threshold),
@@ -171,15 +190,37 @@ ENSURED_FIELDS: dict[str, tuple[str, ...]] = {
 KINDS = ("Deployment", "RoleBinding", "ServiceAccount")
 
 
-def desired_objects(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """The router's objects, in the order they are made (the Deployment's pods need the ServiceAccount)."""
+def desired_objects(
+    owner: Owner, spec: InferenceServiceSpec, urls: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """The router's objects, in the order they are made (the Deployment's pods need the ServiceAccount);
+    `urls`: the addresses of the InferenceServices spec.routing names."""
     if not spec.router.enabled:
         return []
     return [
         desired_service_account(owner),
         desired_role_binding(owner),
-        desired_router_deployment(owner, spec),
+        desired_router_deployment(owner, spec, urls),
     ]
+
+
+def routing_problem(spec: InferenceServiceSpec, owner: Owner, found: dict[str, bool]) -> str | None:
+    """Why spec.routing cannot be followed (RoutingInvalid), or None. `found`: whether each InferenceService
+    the rules name exists."""
+    if spec.routing and not spec.router.enabled:
+        return "spec.routing needs the router: spec.router.enabled is false"
+    missing = [r for r in spec.routing if r.service == owner.name or not found.get(r.service)]
+    if not missing:
+        return None
+    return "; ".join(
+        f"spec.routing rule {r.name!r}: "
+        + (
+            "names this InferenceService itself"
+            if r.service == owner.name
+            else f"no InferenceService {r.service!r} in {owner.namespace}"
+        )
+        for r in missing
+    )
 
 
 def router_status(spec: InferenceServiceSpec, deployment: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -368,6 +368,30 @@ class Router(_Object):
     )
 
 
+class RoutingRule(_Object):
+    """One `spec.routing` rule: requests meeting every condition set go to `service` instead."""
+
+    name: str = Field(
+        max_length=NAME_MAX, pattern=DNS_LABEL, description="Names the rule in metrics and headers."
+    )
+    service: str = Field(
+        max_length=NAME_MAX,
+        pattern=DNS_LABEL,
+        description="The InferenceService (same namespace) to send to.",
+    )
+    min_prompt_tokens: int | None = Field(default=None, ge=0)
+    max_prompt_tokens: int | None = Field(default=None, ge=0)
+    min_max_tokens: int | None = Field(default=None, ge=0, description="Bounds on the request's max_tokens.")
+    max_max_tokens: int | None = Field(default=None, ge=0)
+    header: str | None = Field(default=None, max_length=256, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    header_value: str | None = Field(
+        default=None, max_length=1024, description="Without it, the header's presence is enough."
+    )
+    models: list[str] = Field(
+        default_factory=list, max_length=16, description="Requested model names that match (any of them)."
+    )
+
+
 class Autoscaling(_Object):
     mode: Literal["Builtin", "External"] = "Builtin"
     queue_depth_per_replica: float = Field(default=4, gt=0)
@@ -507,6 +531,13 @@ class InferenceServiceSpec(_Object):
     )
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, json_schema_extra=_OBJECT_DEFAULT)
     router: Router = Field(default_factory=Router, json_schema_extra=_OBJECT_DEFAULT)
+    routing: list[RoutingRule] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra=_list_map("name"),
+        description="Model routing at the router (spec.router must be enabled): the first rule a request "
+        "meets sends it to another InferenceService.",
+    )
     load_shedding: LoadShedding = Field(default_factory=LoadShedding, json_schema_extra=_OBJECT_DEFAULT)
     fallback: Fallback | None = None
     request_timeout_seconds: float = Field(default=0, ge=0)  # 0: no deadline
