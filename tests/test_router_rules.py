@@ -96,7 +96,10 @@ def test_a_route_parses_from_json_and_a_bad_one_is_refused_by_name() -> None:
     for text, message in [
         ('{"name": "r", "target": "t"}', "'url'"),
         ('{"name": "r", "target": "t", "url": "u", "maxTokens": 3}', "unknown route field(s): maxTokens"),
-        ('{"name": "r", "target": "t", "url": "u", "minPromptTokens": "9"}', "minPromptTokens must be an integer"),
+        (
+            '{"name": "r", "target": "t", "url": "u", "minPromptTokens": "9"}',
+            "minPromptTokens must be an integer",
+        ),
         ("[1]", "JSON object"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
