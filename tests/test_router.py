@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -180,3 +181,47 @@ def test_a_routing_rule_sends_a_request_to_another_service_and_says_so(
         assert long.status_code == 200 and long.headers[ROUTED_TO] == engines[0].url
         page = httpx.get(f"{url}/metrics").text
         assert 'ember_router:routed_requests_total{rule="short",target="small-service"} 1.0' in page
+
+
+def test_with_no_engine_ready_a_request_is_held_counted_and_then_served(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    settings = RouterSettings(hold_seconds=30)
+    engines[0].state.draining = True  # its /ready answers 503
+    try:
+        pool = EnginePool([engines[0].url], poll_interval=0.1)
+        router = Router(pool, Tokenizer(str(tiny_model)), settings)
+        with serving(router) as url:
+            # Holding, the router is ready to take requests with no engine Ready.
+            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+            with ThreadPoolExecutor(1) as pool_:
+                held = pool_.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+                wait_for(
+                    lambda: "ember_router:pending_requests 1.0" in httpx.get(f"{url}/metrics").text,
+                    what="one request held",
+                )
+                assert not held.done()
+                engines[0].state.draining = False
+                r = held.result(timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers[ROUTED_TO] == engines[0].url
+            assert "ember_router:pending_requests 0.0" in httpx.get(f"{url}/metrics").text
+    finally:
+        engines[0].state.draining = False
+
+
+def test_a_hold_that_runs_out_answers_503_naming_it(tiny_model: Path, engines: list[InProcessServer]) -> None:
+    engines[0].state.draining = True
+    try:
+        pool = EnginePool([engines[0].url], poll_interval=0.1)
+        router = Router(pool, Tokenizer(str(tiny_model)), RouterSettings(hold_seconds=0.5))
+        with serving(router) as url:
+            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+            r = httpx.post(
+                f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30
+            )
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_ready"
+            assert "Retry-After" in r.headers
+    finally:
+        engines[0].state.draining = False

@@ -58,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         '"http://small.default.svc", "maxMaxTokens": 64} (repeat; the first rule a request meets wins)',
     )
     p.add_argument(
+        "--hold-seconds",
+        type=float,
+        default=0.0,
+        help="with no engine Ready, hold a request up to this long for one (default 0: answer 503 at once); "
+        "the router then counts as ready without engines",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -101,6 +108,7 @@ def main(args: argparse.Namespace) -> int:
             fallback_url=args.fallback_url,
             fallback_model=args.fallback_model,
             routes=routes,
+            hold_seconds=max(0.0, args.hold_seconds),
         ),
         discovery=discovery,
     )

@@ -3,6 +3,8 @@
 A request is read, its prompt tokenized as the engines will (off the event loop), its block hashes looked
 up in the prefix index, and an engine chosen (`policy.choose`). The request goes on unchanged; the response
 comes back chunk by chunk (SSE streams included) with `x-ember-routed-to` and `x-ember-route-reason`.
+With `hold_seconds`, a request that finds no engine Ready waits (up to that long, counted in
+`ember_router:pending_requests`) for one, so that the demand is visible while engines start from zero.
 Before that, the routing rules (`rules.py`) may send the request to another InferenceService instead
 (`x-ember-routed-to: <that service>`, `x-ember-route-reason: rule:<name>`). An
 engine that answers 503 or 429 before the response begins is skipped for its Retry-After and the request
@@ -41,6 +43,7 @@ ROUTE_REASON = "x-ember-route-reason"
 # Headers that belong to one hop, never forwarded either way.
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 MAX_BODY = 32 * 1024 * 1024
+HOLD_POLL = 0.05  # seconds between looks at the pool while a request is held
 
 
 @dataclass
@@ -55,6 +58,8 @@ class RouterSettings:
     fallback_model: str | None = None  # the model name to send there (default: the request's own)
     # Model routing: (rule, the target's base URL), in order; the first rule a request meets sends it there.
     routes: tuple[tuple[Rule, str], ...] = ()
+    # With no engine Ready, hold a request this long for one to become Ready (0: shed at once).
+    hold_seconds: float = 0.0
 
 
 @dataclass
@@ -109,7 +114,7 @@ class Router:
     async def ready(self, _request: web.Request) -> web.Response:
         ready = sum(s.ready for s in self.pool.states())
         self.metrics.engines_ready.set(ready)
-        if ready:
+        if ready or self.settings.hold_seconds > 0:  # holding, it takes requests with no engine Ready
             return web.json_response({"status": "ready", "engines": ready})
         return web.json_response({"status": "no engine ready"}, status=503)
 
@@ -149,6 +154,15 @@ class Router:
             routed = await self._by_rule(request, body, raw, num_tokens, arrived)
             if routed is not None:
                 return routed
+        if self.settings.hold_seconds > 0 and not await self._hold():
+            self.metrics.shed.inc()
+            return _error(
+                503,
+                f"no engine became ready within {self.settings.hold_seconds:g} s; retry later",
+                "overloaded",
+                "no_engine_ready",
+                self.settings.retry_after,
+            )
         session_id = request.headers.get(self.settings.session_header)
         tried: set[str] = set()
         for attempt in range(2):
@@ -201,6 +215,22 @@ class Router:
             tried.add(decision.engine)
             self.metrics.retries.inc()
         return await self._shed(request, body, arrived, "the engines tried were overloaded")
+
+    async def _hold(self) -> bool:
+        """Wait, counted in `ember_router:pending_requests`, until an engine is Ready; False when
+        `hold_seconds` pass first. A client that goes away cancels the wait (and the handler)."""
+        if any(s.ready for s in self.pool.states()):
+            return True
+        deadline = time.monotonic() + self.settings.hold_seconds
+        self.metrics.pending.inc()
+        try:
+            while time.monotonic() < deadline:
+                await asyncio.sleep(HOLD_POLL)
+                if any(s.ready for s in self.pool.states()):
+                    return True
+            return False
+        finally:
+            self.metrics.pending.dec()
 
     async def _by_rule(
         self, request: web.Request, body: Any, raw: bytes, num_tokens: int, arrived: float
