@@ -573,3 +573,26 @@ def test_a_routing_rule_naming_a_missing_service_stalls_until_it_exists(cluster:
         '"target":"smaller"' in route_args()[0]
         and '"url":"http://smaller.default.svc.cluster.local"' in (route_args()[0])
     )
+
+
+def test_requests_held_at_the_routers_wake_a_service_scaled_to_zero(cluster: Any) -> None:
+    api, runner, custom = cluster
+    create(custom, service("sleeper", replicas={"min": 0, "max": 1}))
+    wait_for(lambda: status(api, "sleeper").get("desiredReplicas") == 0, what="sleeper at 0")
+    selector = "app.kubernetes.io/name=ember-router,ember.dev/router=sleeper"
+
+    def routers() -> list[dict[str, Any]]:
+        return [p for p in api.list("v1", "Pod", NAMESPACE, label_selector=selector) if ready(p)]
+
+    wait_for(lambda: len(routers()) == 2, what="two Ready router pods")
+    assert pods(api, "sleeper") == []
+    for p in routers():
+        runner.pages[p["metadata"]["name"]].pending = 0
+    # Nothing held: it stays at zero for a few passes.
+    time.sleep(4 * TICK)
+    assert pods(api, "sleeper") == [] and status(api, "sleeper")["desiredReplicas"] == 0
+    runner.pages[routers()[0]["metadata"]["name"]].pending = 2
+    wait_for(lambda: converged(api, "sleeper", 1, 0), what="sleeper woken to 1 active")
+    decisions = status(api, "sleeper")["autoscaler"]["decisions"]
+    woke = "2 requests held by the routers with no engine (scale from zero)"
+    assert any(d["reason"] == woke and d["desired"] == 1 for d in decisions), decisions

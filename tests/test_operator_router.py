@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import pytest
+
 from ember_localcluster.apiserver.podsecurity import violations
 from ember_operator import router
 from ember_operator.desired import ROLE_LABEL, Owner, active_selector, desired_service
+from ember_operator.scrape import parse_pending
 from ember_operator.spec import InferenceServiceSpec
 from ember_router import main as router_main
 from ember_router.rules import Rule, parse_route
@@ -183,3 +186,25 @@ def test_a_routing_rule_naming_no_service_or_itself_is_a_problem_naming_it() -> 
     assert router.routing_problem(off, OWNER, {"small": True}) == (
         "spec.routing needs the router: spec.router.enabled is false"
     )
+
+
+def test_scale_from_zero_reads_the_ready_routers_held_requests() -> None:
+    page = "# TYPE ember_router:pending_requests gauge\nember_router:pending_requests 3.0\n"
+    assert parse_pending(page) == 3.0
+    with pytest.raises(ValueError, match="no ember_router:pending_requests"):
+        parse_pending("vllm:num_requests_waiting 1\n")
+    ready = {"type": "Ready", "status": "True"}
+    pods = [
+        {"metadata": {"name": "a"}, "status": {"podIP": "10.0.0.1", "conditions": [ready]}},
+        {"metadata": {"name": "b"}, "status": {"podIP": "10.0.0.2", "conditions": []}},
+        {
+            "metadata": {"name": "c", "deletionTimestamp": "x"},
+            "status": {"podIP": "10.0.0.3", "conditions": [ready]},
+        },
+    ]
+    assert router.router_metrics_urls(pods) == ["http://10.0.0.1:8080/metrics"]
+    spec = make_spec(replicas={"min": 0, "max": 2})
+    assert router.wakes(spec, 0, 1) and not router.wakes(spec, 0, 0) and not router.wakes(spec, 1, 5)
+    assert not router.wakes(make_spec(replicas={"min": 0, "max": 2}, router={"enabled": False}), 0, 5)
+    (container,) = _pod_spec(make_spec(router={"holdSeconds": 12}))["containers"]
+    assert "--hold-seconds=12.0" in container["args"]

@@ -23,6 +23,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from ember_operator import metrics, router
+from ember_operator.autoscaler import Decision
 from ember_operator.desired import (
     ACTIVE,
     MANAGED_BY_LABEL,
@@ -58,7 +59,8 @@ from ember_operator.pods import (
     waiting_for_capacity,
 )
 from ember_operator.rollout import PodPlan, plan_pods
-from ember_operator.scaling import Memory, autoscale
+from ember_operator.scaling import Memory, autoscale, record
+from ember_operator.scrape import scrape_pending
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
 from ember_operator.status import Assessment, Condition, render_conditions
 from ember_operator.units import CrashLog, Units, collect_units
@@ -221,6 +223,8 @@ class Reconciler:
 
         await autoscale(body, spec, owner, units.serving, views, memory, now, self.settings.scrape_timeout)
         assert memory.desired is not None
+        if spec.router.enabled and memory.desired == 0:
+            await self._wake(body, kube, spec, owner, memory, now)
         pod_hash = template_hash(spec)
         plan = plan_pods(
             views,
@@ -422,6 +426,23 @@ class Reconciler:
             for kind in router.KINDS:
                 await asyncio.to_thread(kube.delete_owned, kind, owner.namespace, name, owner.uid)
         return deployment
+
+    async def _wake(
+        self,
+        body: kopf.Body,
+        kube: Kube,
+        spec: InferenceServiceSpec,
+        owner: Owner,
+        memory: Memory,
+        now: datetime,
+    ) -> None:
+        """Scale from zero: read what the routers hold, and raise the target to 1 if they hold anything."""
+        selector = selector_string(router.router_selector(owner.name))
+        pods = await asyncio.to_thread(kube.list_pods, owner.namespace, selector)
+        pending = await scrape_pending(router.router_metrics_urls(pods), self.settings.scrape_timeout)
+        if router.wakes(spec, memory.desired or 0, pending):
+            why = f"{pending:g} requests held by the routers with no engine (scale from zero)"
+            record(body, owner, memory, Decision(1, why, memory.metrics_ok is not False, ""), now)
 
     async def _ensure(
         self, kube: Kube, desired: dict[str, Any], fields: tuple[str, ...], troubles: list[Trouble]

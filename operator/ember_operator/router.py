@@ -104,6 +104,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec, urls: dict[str, str] |
         "--host=0.0.0.0",
         f"--port={ROUTER_PORT}",
         f"--epsilon={spec.router.epsilon}",
+        f"--hold-seconds={spec.router.hold_seconds}",
         f"--drain-timeout={spec.lifecycle.drain_seconds}",
         *route_args(spec, urls or {}),
     ]
@@ -239,3 +240,21 @@ def router_condition(spec: InferenceServiceSpec, status: dict[str, Any] | None) 
     if status["ready"] >= 1:
         return Condition("RouterReady", True, "RouterAvailable", message)
     return Condition("RouterReady", False, "RouterUnavailable", message)
+
+
+def router_metrics_urls(pods: list[dict[str, Any]]) -> list[str]:
+    """The /metrics of the Ready router pods among `pods`."""
+    urls = []
+    for p in pods:
+        status = p.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        )
+        if ready and status.get("podIP") and not p["metadata"].get("deletionTimestamp"):
+            urls.append(f"http://{status['podIP']}:{ROUTER_PORT}/metrics")
+    return urls
+
+
+def wakes(spec: InferenceServiceSpec, desired: int, pending: float) -> bool:
+    """Scale from zero: requests held at the routers while the target is 0 raise it to 1."""
+    return spec.router.enabled and desired == 0 and pending > 0 and spec.replicas.max >= 1

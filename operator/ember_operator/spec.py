@@ -366,6 +366,13 @@ class Router(_Object):
         description="Bounded load: an engine above (1 + epsilon) x the mean load is skipped even when it "
         "holds the prompt's prefix.",
     )
+    hold_seconds: float = Field(
+        default=30,
+        ge=0,
+        le=3600,
+        description="With no engine Ready, how long a router holds a request for one (the demand that wakes "
+        "a service with replicas.min 0); 0: answer 503 at once.",
+    )
 
 
 class RoutingRule(_Object):
