@@ -3,7 +3,7 @@
 `ember operator` runs as a subprocess against the in-process API server through a recording reverse
 proxy written here; a scenario drives every code path that calls the API (children created and repaired,
 scaling, a policy change, a roll, External mode through /scale, a pod and a Service changed by hand, a
-quota refusal, multi-node replicas as LeaderWorkerSets, deletion). Each request is mapped to (apiGroup, resource[/subresource], verb, namespace)
+router's Deployment and RoleBinding changed and the router turned off, a quota refusal, multi-node replicas as LeaderWorkerSets, deletion). Each request is mapped to (apiGroup, resource[/subresource], verb, namespace)
 the way the Kubernetes API server's request-info resolver does, and the result is compared with the
 rendered manifests both ways: every request must be granted, and every grant must have been requested or
 be in `NOT_OBSERVABLE` with its reason. Each install is checked with the operator started with the

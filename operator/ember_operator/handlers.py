@@ -212,7 +212,7 @@ class Reconciler:
         await self._ensure(kube, desired_policy_configmap(owner, spec, fallback_url), ("data",), troubles)
         selector = router.service_selector(name, spec)
         service = await self._ensure(kube, desired_service(owner, selector), ("spec",), troubles)
-        routers = await self._routers(kube, owner, spec, troubles)
+        routers = await self._routers(kube, owner, spec, troubles, status.get("router") is not None)
 
         listed = await asyncio.to_thread(kube.list_pods, namespace, selector_string(instance_labels(name)))
         groups = await asyncio.to_thread(kube.list_groups, namespace, group_selector(name))
@@ -406,9 +406,10 @@ class Reconciler:
                 )
 
     async def _routers(
-        self, kube: Kube, owner: Owner, spec: InferenceServiceSpec, troubles: list[Trouble]
+        self, kube: Kube, owner: Owner, spec: InferenceServiceSpec, troubles: list[Trouble], had: bool
     ) -> dict[str, Any] | None:
-        """Make the router's objects match (or delete them when it is off); returns its Deployment."""
+        """Make the router's objects match (or, when it is off and status still shows one (`had`), delete
+        them); returns its Deployment."""
         urls: dict[str, str] = {}
         for name in {r.service for r in spec.routing} - {owner.name}:
             other = await asyncio.to_thread(kube.get_inference_service, owner.namespace, name)
@@ -421,7 +422,7 @@ class Reconciler:
         deployment = None
         for obj in router.desired_objects(owner, spec, urls):
             deployment = await self._ensure(kube, obj, router.ENSURED_FIELDS[obj["kind"]], troubles)
-        if not spec.router.enabled:
+        if not spec.router.enabled and had:
             name = router.router_name(owner.name)
             for kind in router.KINDS:
                 await asyncio.to_thread(kube.delete_owned, kind, owner.namespace, name, owner.uid)
