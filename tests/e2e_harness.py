@@ -1,7 +1,7 @@
 """The local control plane for the end-to-end scenarios, and what they use to drive and observe it.
 
 `ControlPlane` runs the in-process API server (graceful pod deletion on, `pods/log` served from the
-kubelet's files), the scheduler, the process kubelet (one node; engine pods become real `ember serve`
+kubelet's files), the deployment and replicaset controllers, the scheduler, the process kubelet (one node; engine pods become real `ember serve`
 processes; the claim `model-weights` maps to a directory holding the tiny test checkpoint as `tiny`), the service proxy (each Service gets a local address in its load-balancer status) and
 the operator under kopf's `KopfRunner`, which can be stopped and started again. The helpers read pods and
 InferenceServices, send OpenAI requests through a Service's published address and generate load.
@@ -30,6 +30,7 @@ from operator_harness import crd_manifest
 from waiting import wait_for
 
 from ember_localcluster.apiserver import APIServer
+from ember_localcluster.deployment_controller import DeploymentController
 from ember_localcluster.kubelet.kubelet import ProcessKubelet
 from ember_localcluster.kubelet.node import NodeConfig
 from ember_localcluster.leaderworkerset import crd_manifest as lws_crd_manifest
@@ -266,6 +267,7 @@ def control_plane(
         if leaderworkersets:
             api.install_crd(lws_crd_manifest())
             lws = LeaderWorkerSetController(kubeconfig).start()
+        deployments = DeploymentController(kubeconfig).start()
         scheduler = Scheduler(kubeconfig).start()
         kubelet = ProcessKubelet(
             kubeconfig, root / "kubelet", claims={MODEL_CLAIM: models}, nodes=nodes
@@ -285,15 +287,18 @@ def control_plane(
                 proxy.stop()
                 kubelet.stop()
                 scheduler.stop()
+                deployments.stop()
                 mp.undo()
 
 
 def manifest(name: str, **spec: Any) -> dict[str, Any]:
-    """An InferenceService on the tiny checkpoint, on the CPU; `spec` adds or replaces top-level fields."""
+    """An InferenceService on the tiny checkpoint, on the CPU; `spec` adds or replaces top-level fields.
+    The Service selects the engines directly unless the test gives `router`."""
     body: dict[str, Any] = {
         "model": {"name": MODEL, "source": f"/models/{MODEL}", "volumeClaim": MODEL_CLAIM},
         "resources": {"gpus": 0},
         "engine": {"maxNumSeqs": 2},
+        "router": {"enabled": False},
     }
     body.update(spec)
     return {"apiVersion": API_VERSION, "kind": "InferenceService", "metadata": {"name": name}, "spec": body}

@@ -1,7 +1,8 @@
 """A place for the real operator to run in tests: the in-process API server, the operator under kopf's
-`KopfRunner`, and a minimal pod runner standing in for a kubelet.
+`KopfRunner`, the deployment and replicaset controllers, and a minimal pod runner standing in for a kubelet.
 
-The pod runner gives each engine pod a loopback IP, an HTTP server on port 8000 that serves a /metrics page
+The pod runner gives each engine pod a loopback IP, an HTTP server on its first container port (8000 for engines, 8080 for routers)
+that serves a /metrics page
 whose gauges the test sets, and a Ready condition after a short start-up delay. Pods whose image is
 `broken:*` crash-loop instead, and pods whose nodeSelector asks for `pool: nowhere` stay Pending as
 kube-scheduler leaves a pod no node can take. It models only what the operator reads from pods; the engines themselves are
@@ -30,6 +31,7 @@ from kopf.testing import KopfRunner
 from waiting import wait_for
 
 from ember_localcluster.apiserver import APIServer
+from ember_localcluster.deployment_controller import DeploymentController
 from ember_operator import main as operator_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +59,7 @@ def operator_cluster(tmp: Path) -> Iterator[tuple[APIServer, PodRunner, Any]]:
         mp.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
         api.install_crd(crd_manifest())
         runner = PodRunner(api).start()
+        deployments = DeploymentController(kubeconfig).start()
         script = tmp / "operator.py"
         script.write_text(OPERATOR_FILE)
         parser = argparse.ArgumentParser()
@@ -80,6 +83,7 @@ def operator_cluster(tmp: Path) -> Iterator[tuple[APIServer, PodRunner, Any]]:
                 yield api, runner, custom
             finally:
                 runner.stop()
+                deployments.stop()
         kopf.set_default_registry(previous)
         mp.undo()
     assert kopf_runner.exception is None, kopf_runner.output[-3000:]
@@ -96,8 +100,11 @@ class EnginePage:
     kv: float = 0.0
     fallback_served: float = 0.0
     broken: bool = False  # answer 500
+    pending: float | None = None  # a router's held requests (ember_router:pending_requests)
 
     def text(self) -> str:
+        if self.pending is not None:
+            return f"ember_router:pending_requests {self.pending}\n"
         return (
             f'vllm:num_requests_waiting{{model_name="m"}} {self.waiting}\n'
             f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'
@@ -106,7 +113,7 @@ class EnginePage:
         )
 
 
-def _metrics_server(ip: str, page: EnginePage) -> ThreadingHTTPServer:
+def _metrics_server(ip: str, page: EnginePage, port: int = 8000) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if page.broken or self.path != "/metrics":
@@ -122,7 +129,7 @@ def _metrics_server(ip: str, page: EnginePage) -> ThreadingHTTPServer:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer((ip, 8000), Handler)
+    server = ThreadingHTTPServer((ip, port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -197,7 +204,8 @@ class PodRunner:
             n = next(self._ips)
             ip = f"127.{self._subnet}.{n // 250}.{n % 250 + 1}"
             page = self.pages.setdefault(name, EnginePage())
-            self._servers[name] = _metrics_server(ip, page)
+            ports = pod["spec"]["containers"][0].get("ports") or [{"containerPort": 8000}]
+            self._servers[name] = _metrics_server(ip, page, ports[0]["containerPort"])
             self._patch_status(name, {"phase": "Running", "podIP": ip, "conditions": self._ready(False)})
             return
         created = datetime.fromisoformat(pod["metadata"]["creationTimestamp"].replace("Z", "+00:00"))

@@ -165,6 +165,7 @@ def test_crd_metadata_subresources_and_columns() -> None:
         "Desired": ("integer", ".status.desiredReplicas"),
         "Queue": ("number", ".status.autoscaler.inputs.queueDepth"),
         "KV": ("number", ".status.autoscaler.inputs.kvCacheUtilization"),
+        "Routers": ("string", ".status.router.summary"),
         "Age": ("date", ".metadata.creationTimestamp"),
     }
     described = {c["name"]: c["description"] for c in version["additionalPrinterColumns"]}

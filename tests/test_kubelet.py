@@ -471,6 +471,19 @@ def test_environment_arguments_and_paths_are_rewritten(cluster: Cluster) -> None
     delete_and_wait(api, "echo")
 
 
+@pytest.mark.parametrize(("name", "automount"), [("token", None), ("no-token", False)])
+def test_a_pod_reaches_the_api_server_unless_it_opts_out_of_the_service_account_token(
+    cluster: Cluster, name: str, automount: bool | None
+) -> None:
+    script = "import os; print(os.environ.get('KUBECONFIG'))"
+    extra = {} if automount is None else {"automountServiceAccountToken": automount}
+    cluster.api.create(python_pod(name, ["python", "-c", script], restartPolicy="Never", **extra))
+    wait_for_pod(cluster.api, name, "Succeeded", lambda p: p["status"].get("phase") == "Succeeded")
+    printed = cluster.kubelet.log_path("default", name, "main").read_text().strip()
+    assert printed == (str(cluster.kubelet.kubeconfig) if automount is None else "None")
+    delete_and_wait(cluster.api, name)
+
+
 def pod_table_status(cluster: Cluster, name: str) -> str:
     """The STATUS column of `kubectl get pod NAME`, as the API server prints it."""
     table = cluster.http.get(

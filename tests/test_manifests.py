@@ -33,8 +33,14 @@ NAMESPACED_GRANTS = {
     *(("", r, v) for r in ("services", "configmaps") for v in ("get", "create", "update")),
     *(("policy", "poddisruptionbudgets", v) for v in ("get", "create", "update")),
     *(("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("list", "create", "patch", "delete")),
+    *(("apps", "deployments", v) for v in ("get", "create", "update", "delete")),
+    *(("rbac.authorization.k8s.io", "rolebindings", v) for v in ("get", "create", "update", "delete")),
+    *(("", "serviceaccounts", v) for v in ("get", "create", "delete")),
+    ("rbac.authorization.k8s.io", "clusterroles", "bind"),  # ember-router only, see base/rbac.yaml
     ("", "events", "create"),
 }
+# The router pods' ClusterRole: they find their engines, and never write.
+ROUTER_GRANTS = {("", "pods", v) for v in ("get", "list", "watch")}
 OBSERVER_GRANTS = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
 OPERATOR_GRANTS = NAMESPACED_GRANTS | OBSERVER_GRANTS
 # With --namespace, cluster-wide only kopf's observers: namespaces and CRDs, read-only.
@@ -72,7 +78,12 @@ def _one(docs: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, An
 def grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
     out = set()
     for rule in role["rules"]:
-        assert set(rule) <= {"apiGroups", "resources", "verbs"}, f"unexpected rule fields: {rule}"
+        assert set(rule) <= {"apiGroups", "resources", "verbs", "resourceNames"}, (
+            f"unexpected rule fields: {rule}"
+        )
+        # A grant limited by name is only ever the operator's `bind` of the routers' ClusterRole.
+        assert rule.get("resourceNames", ["ember-router"]) == ["ember-router"], rule
+        assert "resourceNames" not in rule or rule["verbs"] == ["bind"], rule
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 for verb in rule["verbs"]:
@@ -94,6 +105,7 @@ def test_base_objects_and_namespace() -> None:
     docs = render(".")
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
         ("ClusterRole", "ember-operator"),
+        ("ClusterRole", "ember-router"),
         ("ClusterRoleBinding", "ember-operator"),
         ("Deployment", "ember-operator"),
         ("Namespace", NAMESPACE),
@@ -179,6 +191,26 @@ def test_cluster_role_grants_exactly_what_the_operator_uses() -> None:
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
 
 
+def test_router_cluster_role_only_reads_pods_and_the_operator_may_bind_only_it() -> None:
+    for overlay in (".", "namespaced"):
+        docs = render(overlay)
+        assert grants(_one(docs, "ClusterRole", "ember-router")) == ROUTER_GRANTS
+        roles = [
+            d
+            for d in docs
+            if d["kind"] in ("ClusterRole", "Role") and d["metadata"]["name"] == "ember-operator"
+        ]
+        binds = [rule for role in roles for rule in role["rules"] if "bind" in rule["verbs"]]
+        assert binds == [
+            {
+                "apiGroups": ["rbac.authorization.k8s.io"],
+                "resources": ["clusterroles"],
+                "resourceNames": ["ember-router"],
+                "verbs": ["bind"],
+            }
+        ]
+
+
 def test_base_command_line_parses_as_ember_operator() -> None:
     container = _container(_one(render("."), "Deployment", "ember-operator"))
     assert container["command"][0] == "ember"
@@ -252,6 +284,7 @@ def test_namespaced_overlay_swaps_the_cluster_role_for_a_role_in_the_watched_nam
     kinds = sorted((d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs)
     assert kinds == [
         ("ClusterRole", None, "ember-operator"),
+        ("ClusterRole", None, "ember-router"),
         ("ClusterRoleBinding", None, "ember-operator"),
         ("Deployment", NAMESPACE, "ember-operator"),
         ("Namespace", None, NAMESPACE),

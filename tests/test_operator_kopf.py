@@ -116,8 +116,21 @@ def test_an_inference_service_becomes_pods_a_service_and_a_policy(cluster: Any) 
     for p in pods(api, "basic"):
         assert p["metadata"]["ownerReferences"][0]["uid"] == uid
         assert p["metadata"]["labels"][HASH_LABEL]
+    # The Service selects the router pods, which find the active engines themselves.
     svc = api.get("v1", "Service", NAMESPACE, "basic")
-    assert svc is not None and svc["spec"]["selector"][ROLE_LABEL] == "active"
+    assert svc is not None and svc["spec"]["selector"] == {
+        "app.kubernetes.io/name": "ember-router",
+        "ember.dev/router": "basic",
+    }
+    routers = api.get("apps/v1", "Deployment", NAMESPACE, "basic-router")
+    assert routers is not None and routers["spec"]["replicas"] == 2
+    (container,) = routers["spec"]["template"]["spec"]["containers"]
+    assert (
+        f"--kube-selector=app.kubernetes.io/instance=basic,app.kubernetes.io/name=ember,{ROLE_LABEL}=active"
+        in (container["args"])
+    )
+    wait_for(lambda: status(api, "basic").get("router", {}).get("summary") == "2/2", what="2/2 routers Ready")
+    assert condition(api, "basic", "RouterReady")["reason"] == "RouterAvailable"
     cm = api.get("v1", "ConfigMap", NAMESPACE, "basic-policy")
     assert cm is not None and "maxQueueDepth: 9" in cm["data"]["policy.yaml"]
 
@@ -195,7 +208,7 @@ def test_missing_metrics_hold_the_target_and_say_so(cluster: Any) -> None:
 
 def test_drift_is_repaired(cluster: Any) -> None:
     api, _runner, custom = cluster
-    create(custom, service("drift", replicas={"min": 2, "max": 2}))
+    create(custom, service("drift", replicas={"min": 2, "max": 2}, router={"enabled": False}))
     wait_for(lambda: converged(api, "drift", 2, 0), what="2 active")
     victim = pods(api, "drift")[0]["metadata"]["name"]
     api.delete("v1", "Pod", NAMESPACE, victim)
@@ -535,3 +548,51 @@ def test_unschedulable_pods_wait_for_capacity_then_stall(cluster: Any) -> None:
         what="Stalled once the wait is over",
     )
     custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "nowhere")
+
+
+def test_a_routing_rule_naming_a_missing_service_stalls_until_it_exists(cluster: Any) -> None:
+    api, _runner, custom = cluster
+    create(custom, service("picky", routing=[{"name": "short", "service": "smaller", "maxMaxTokens": 16}]))
+    wait_for(
+        lambda: condition(api, "picky", "Stalled").get("reason") == "RoutingInvalid", what="RoutingInvalid"
+    )
+    assert "no InferenceService 'smaller'" in condition(api, "picky", "Stalled")["message"]
+
+    def route_args() -> list[str]:
+        deploy = api.get("apps/v1", "Deployment", NAMESPACE, "picky-router")
+        args = deploy["spec"]["template"]["spec"]["containers"][0]["args"] if deploy else []
+        return [a for a in args if a.startswith("--route=")]
+
+    assert route_args() == []
+    create(custom, service("smaller", router={"enabled": False}))
+    wait_for(
+        lambda: condition(api, "picky", "Stalled").get("status") == "False", what="picky no longer stalled"
+    )
+    wait_for(lambda: len(route_args()) == 1, what="the route in the router's arguments")
+    assert (
+        '"target":"smaller"' in route_args()[0]
+        and '"url":"http://smaller.default.svc.cluster.local"' in (route_args()[0])
+    )
+
+
+def test_requests_held_at_the_routers_wake_a_service_scaled_to_zero(cluster: Any) -> None:
+    api, runner, custom = cluster
+    create(custom, service("sleeper", replicas={"min": 0, "max": 1}))
+    wait_for(lambda: status(api, "sleeper").get("desiredReplicas") == 0, what="sleeper at 0")
+    selector = "app.kubernetes.io/name=ember-router,ember.dev/router=sleeper"
+
+    def routers() -> list[dict[str, Any]]:
+        return [p for p in api.list("v1", "Pod", NAMESPACE, label_selector=selector) if ready(p)]
+
+    wait_for(lambda: len(routers()) == 2, what="two Ready router pods")
+    assert pods(api, "sleeper") == []
+    for p in routers():
+        runner.pages[p["metadata"]["name"]].pending = 0
+    # Nothing held: it stays at zero for a few passes.
+    time.sleep(4 * TICK)
+    assert pods(api, "sleeper") == [] and status(api, "sleeper")["desiredReplicas"] == 0
+    runner.pages[routers()[0]["metadata"]["name"]].pending = 2
+    wait_for(lambda: converged(api, "sleeper", 1, 0), what="sleeper woken to 1 active")
+    decisions = status(api, "sleeper")["autoscaler"]["decisions"]
+    woke = "2 requests held by the routers with no engine (scale from zero)"
+    assert any(d["reason"] == woke and d["desired"] == 1 for d in decisions), decisions

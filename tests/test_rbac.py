@@ -3,7 +3,7 @@
 `ember operator` runs as a subprocess against the in-process API server through a recording reverse
 proxy written here; a scenario drives every code path that calls the API (children created and repaired,
 scaling, a policy change, a roll, External mode through /scale, a pod and a Service changed by hand, a
-quota refusal, multi-node replicas as LeaderWorkerSets, deletion). Each request is mapped to (apiGroup, resource[/subresource], verb, namespace)
+router's Deployment and RoleBinding changed and the router turned off, a quota refusal, multi-node replicas as LeaderWorkerSets, deletion). Each request is mapped to (apiGroup, resource[/subresource], verb, namespace)
 the way the Kubernetes API server's request-info resolver does, and the result is compared with the
 rendered manifests both ways: every request must be granted, and every grant must have been requested or
 be in `NOT_OBSERVABLE` with its reason. Each install is checked with the operator started with the
@@ -59,6 +59,9 @@ NOT_OBSERVABLE = {
     # that while admitting the pod, Service, ConfigMap or PodDisruptionBudget, so no request of its own
     # shows it (and the API server here has no such plugin).
     (GROUP, f"{PLURAL}/finalizers", "update"),
+    # Creating a RoleBinding to the ember-router ClusterRole: the API server's escalation check lets the
+    # operator do it because it may `bind` that role; the check is part of the create, not a request.
+    ("rbac.authorization.k8s.io", "clusterroles", "bind"),
 }
 
 # Hop-by-hop headers, and the encodings the proxy would otherwise have to re-encode.
@@ -318,7 +321,8 @@ def run_scenario(api: APIServer, proxy: RecordingProxy) -> None:
         }
     )
     api.create(_service("main", replicas={"min": 1, "max": 3}, warmPool={"size": 1}))
-    api.create(_service("backup", fallback={"service": "main"}))  # reads main's endpoint
+    # reads main's endpoint; without a router its Service selects the engines
+    api.create(_service("backup", fallback={"service": "main"}, router={"enabled": False}))
     api.create(_service("gpu", resources={"gpus": 1}))  # refused by the quota
     wait_for(lambda: _converged(api, "main", 1, 1), what="main: 1 active + 1 warm")
     wait_for(lambda: _converged(api, "backup", 1, 0), what="backup: 1 active")
@@ -364,6 +368,35 @@ def run_scenario(api: APIServer, proxy: RecordingProxy) -> None:
 
     wait_for(repaired, what="backup's pod and Service repaired")
     assert proxy.saw("PUT", f"/api/v1/namespaces/{NAMESPACE}/services/backup")
+
+    # The router: its Deployment follows spec.router, its RoleBinding is put back when edited by hand, and
+    # turning it off deletes its Deployment, RoleBinding and ServiceAccount.
+    rbac = "rbac.authorization.k8s.io/v1"
+    _patch_spec(api, "main", {"router": {"epsilon": 0.5}})
+
+    def router_args() -> list[str]:
+        deploy = api.get("apps/v1", "Deployment", NAMESPACE, "main-router")
+        return list(deploy["spec"]["template"]["spec"]["containers"][0]["args"]) if deploy else []
+
+    wait_for(lambda: "--epsilon=0.5" in router_args(), what="main's router Deployment updated")
+    stranger = [{"kind": "ServiceAccount", "name": "default", "namespace": NAMESPACE}]
+    api.patch(rbac, "RoleBinding", NAMESPACE, "main-router", {"subjects": stranger})
+    wait_for(
+        lambda: (
+            api.get(rbac, "RoleBinding", NAMESPACE, "main-router")["subjects"][0]["name"] == "main-router"
+        ),
+        what="main's router RoleBinding put back",
+    )
+    _patch_spec(api, "main", {"router": {"enabled": False}})
+    wait_for(
+        lambda: (
+            not any(
+                api.get(v, k, NAMESPACE, "main-router")
+                for v, k in (("apps/v1", "Deployment"), (rbac, "RoleBinding"), ("v1", "ServiceAccount"))
+            )
+        ),
+        what="main's router objects deleted",
+    )
 
     # A multi-node service: its replicas are LeaderWorkerSets, created, promoted (relabelled) and, when an
     # engine field changes, replaced.

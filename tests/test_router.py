@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from ember_engine.core.tokenizer import Tokenizer
 from ember_router.embedded import serving
 from ember_router.pool import EnginePool
 from ember_router.proxy import ROUTE_REASON, ROUTED_TO, Router, RouterSettings
+from ember_router.rules import Rule
 
 
 @contextmanager
@@ -159,3 +161,67 @@ def test_what_no_engine_can_take_goes_to_the_fallback(
             assert "ember_router:fallback_requests_total 1.0" in httpx.get(f"{url}/metrics").text
         finally:
             engines[0].state.draining = engines[1].state.draining = False
+
+
+def test_a_routing_rule_sends_a_request_to_another_service_and_says_so(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    rule = Rule("short", "small-service", max_max_tokens=2)
+    settings = RouterSettings(routes=((rule, engines[1].url),))
+    with running_router(tiny_model, [engines[0].url], settings=settings) as (url, _router):
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        short = httpx.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2}, timeout=60
+        )
+        assert short.status_code == 200, short.text
+        assert short.headers[ROUTED_TO] == "small-service" and short.headers[ROUTE_REASON] == "rule:short"
+        long = httpx.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 3}, timeout=60
+        )
+        assert long.status_code == 200 and long.headers[ROUTED_TO] == engines[0].url
+        page = httpx.get(f"{url}/metrics").text
+        assert 'ember_router:routed_requests_total{rule="short",target="small-service"} 1.0' in page
+
+
+def test_with_no_engine_ready_a_request_is_held_counted_and_then_served(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    settings = RouterSettings(hold_seconds=30)
+    engines[0].state.draining = True  # its /ready answers 503
+    try:
+        pool = EnginePool([engines[0].url], poll_interval=0.1)
+        router = Router(pool, Tokenizer(str(tiny_model)), settings)
+        with serving(router) as url:
+            # Holding, the router is ready to take requests with no engine Ready.
+            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+            with ThreadPoolExecutor(1) as pool_:
+                held = pool_.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+                wait_for(
+                    lambda: "ember_router:pending_requests 1.0" in httpx.get(f"{url}/metrics").text,
+                    what="one request held",
+                )
+                assert not held.done()
+                engines[0].state.draining = False
+                r = held.result(timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers[ROUTED_TO] == engines[0].url
+            assert "ember_router:pending_requests 0.0" in httpx.get(f"{url}/metrics").text
+    finally:
+        engines[0].state.draining = False
+
+
+def test_a_hold_that_runs_out_answers_503_naming_it(tiny_model: Path, engines: list[InProcessServer]) -> None:
+    engines[0].state.draining = True
+    try:
+        pool = EnginePool([engines[0].url], poll_interval=0.1)
+        router = Router(pool, Tokenizer(str(tiny_model)), RouterSettings(hold_seconds=0.5))
+        with serving(router) as url:
+            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+            r = httpx.post(
+                f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30
+            )
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_ready"
+            assert "Retry-After" in r.headers
+    finally:
+        engines[0].state.draining = False

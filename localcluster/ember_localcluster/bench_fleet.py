@@ -198,6 +198,8 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             | ({"kvCacheMemory": args.kv_cache_memory} if args.kv_cache_memory else {}),
             "resources": {"gpus": 0},
             "replicas": {"min": args.replicas, "max": args.replicas},
+            # The round-robin side is the Service straight to the engines; the router side is run here.
+            "router": {"enabled": False},
         },
     }
     result: dict[str, Any] = {"checkpoint": args.size, "replicas": args.replicas, "rate": args.rate,

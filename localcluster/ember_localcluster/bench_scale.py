@@ -52,6 +52,8 @@ def _resource(name: str, warm: int, interval: int) -> dict[str, Any]:
             "resources": {"gpus": 0},
             "replicas": {"min": 1, "max": 2},
             "warmPool": {"size": warm},
+            # What is measured is the Service reaching new engine pods, as without a router.
+            "router": {"enabled": False},
             "autoscaling": {
                 "intervalSeconds": interval,
                 "queueDepthPerReplica": 1,

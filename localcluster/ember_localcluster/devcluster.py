@@ -1,7 +1,8 @@
 """`ember dev up|down|run`: the local control plane as one background process.
 
 `DevCluster` runs, in one process: the in-process API server (with the InferenceService and
-LeaderWorkerSet CRDs installed), the LeaderWorkerSet controller (multi-node replicas), the scheduler, the process kubelet (registering `nodes` Nodes named `ember-local`, `ember-local-2`, ...,
+LeaderWorkerSet CRDs installed), the deployment and replicaset controllers (the routers' Deployments), the
+LeaderWorkerSet controller (multi-node replicas), the scheduler, the process kubelet (registering `nodes` Nodes named `ember-local`, `ember-local-2`, ...,
 each with `gpus_per_node` `nvidia.com/gpu`, optional taints, and the host's CPUs and memory unless
 `NodeConfig`s say otherwise), the service proxy and the operator (kopf, standalone, all namespaces). The
 API server serves `pods/log` (`kubectl logs`) from the kubelet's log files. It writes a kubeconfig for
@@ -78,6 +79,7 @@ class DevCluster:
         self.api: Any = None
         self.scheduler: Any = None
         self.leaderworkersets: Any = None
+        self.deployments: Any = None
         self.kubelet: Any = None
         self.proxy: Any = None
         self.prometheus_port = prometheus_port
@@ -100,6 +102,7 @@ class DevCluster:
 
     def start(self) -> DevCluster:
         from ember_localcluster.apiserver import APIServer
+        from ember_localcluster.deployment_controller import DeploymentController
         from ember_localcluster.kubelet.kubelet import ProcessKubelet
         from ember_localcluster.leaderworkerset import crd_manifest as lws_crd_manifest
         from ember_localcluster.leaderworkerset_controller import LeaderWorkerSetController
@@ -120,6 +123,7 @@ class DevCluster:
             # The operator's own client reads $KUBECONFIG when it first connects.
             os.environ["KUBECONFIG"] = str(self.kubeconfig)
             self.leaderworkersets = LeaderWorkerSetController(self.kubeconfig).start()
+            self.deployments = DeploymentController(self.kubeconfig).start()
             self.scheduler = Scheduler(self.kubeconfig).start()
             self.kubelet = ProcessKubelet(
                 self.kubeconfig,
@@ -200,7 +204,14 @@ class DevCluster:
         self._stop_operator.set()
         if self._operator is not None:
             self._operator.join(timeout=15)
-        for part in (self.proxy, self.kubelet, self.scheduler, self.leaderworkersets, self.api):
+        for part in (
+            self.proxy,
+            self.kubelet,
+            self.scheduler,
+            self.deployments,
+            self.leaderworkersets,
+            self.api,
+        ):
             if part is not None:
                 with contextlib.suppress(Exception):
                     part.stop()

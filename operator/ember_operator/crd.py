@@ -127,6 +127,7 @@ def crd_manifest() -> dict[str, Any]:
                 ".status.autoscaler.inputs.kvCacheUtilization",
                 "KV-cache use per Ready active pod, 0..1 (mean, at the last scrape)",
             ),
+            _column("Routers", "string", ".status.router.summary", "Router pods Ready / wanted"),
             _column("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
         ],
     }

@@ -333,8 +333,9 @@ def _child_meta(owner: Owner, name: str) -> dict[str, Any]:
     }
 
 
-def desired_service(owner: Owner) -> dict[str, Any]:
-    """The Service clients use: it selects the active pods only, so warm pods get no traffic."""
+def desired_service(owner: Owner, selector: dict[str, str] | None = None) -> dict[str, Any]:
+    """The Service clients use: it selects the active pods only, so warm pods get no traffic (or, given
+    `selector`, the pods it names: the routers in front of them)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -342,7 +343,7 @@ def desired_service(owner: Owner) -> dict[str, Any]:
         # No `type`: the API server defaults it to ClusterIP, and a type set later (LoadBalancer, NodePort)
         # is the user's to keep.
         "spec": {
-            "selector": active_selector(owner.name),
+            "selector": selector or active_selector(owner.name),
             "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }

@@ -22,7 +22,8 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from ember_operator import metrics
+from ember_operator import metrics, router
+from ember_operator.autoscaler import Decision
 from ember_operator.desired import (
     ACTIVE,
     MANAGED_BY_LABEL,
@@ -58,7 +59,8 @@ from ember_operator.pods import (
     waiting_for_capacity,
 )
 from ember_operator.rollout import PodPlan, plan_pods
-from ember_operator.scaling import Memory, autoscale
+from ember_operator.scaling import Memory, autoscale, record
+from ember_operator.scrape import scrape_pending
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
 from ember_operator.status import Assessment, Condition, render_conditions
 from ember_operator.units import CrashLog, Units, collect_units
@@ -208,7 +210,9 @@ class Reconciler:
         troubles: list[Trouble] = []
         fallback_url = await self._fallback_url(kube, spec, owner, troubles)
         await self._ensure(kube, desired_policy_configmap(owner, spec, fallback_url), ("data",), troubles)
-        service = await self._ensure(kube, desired_service(owner), ("spec",), troubles)
+        selector = router.service_selector(name, spec)
+        service = await self._ensure(kube, desired_service(owner, selector), ("spec",), troubles)
+        routers = await self._routers(kube, owner, spec, troubles, status.get("router") is not None)
 
         listed = await asyncio.to_thread(kube.list_pods, namespace, selector_string(instance_labels(name)))
         groups = await asyncio.to_thread(kube.list_groups, namespace, group_selector(name))
@@ -219,6 +223,8 @@ class Reconciler:
 
         await autoscale(body, spec, owner, units.serving, views, memory, now, self.settings.scrape_timeout)
         assert memory.desired is not None
+        if spec.router.enabled and memory.desired == 0:
+            await self._wake(body, kube, spec, owner, memory, now)
         pod_hash = template_hash(spec)
         plan = plan_pods(
             views,
@@ -286,8 +292,10 @@ class Reconciler:
         )
         patch.status["coldStartSeconds"] = memory.cold_start
         patch.status["autoscaler"] = {"inputs": memory.inputs, "decisions": memory.decisions}
+        patch.status["router"] = router.router_status(spec, routers)
+        conditions = [*assessment.conditions(), router.router_condition(spec, patch.status["router"])]
         patch.status["conditions"] = render_conditions(
-            assessment.conditions(), status.get("conditions") or [], generation, now
+            conditions, status.get("conditions") or [], generation, now
         )
         metrics.DESIRED.labels(namespace, name).set(memory.desired)
         metrics.publish_status(namespace, name, dict(patch.status))
@@ -396,6 +404,46 @@ class Reconciler:
                 await asyncio.to_thread(
                     kube.relabel_pod, namespace, leader["metadata"]["name"], {ROLE_LABEL: v.role}
                 )
+
+    async def _routers(
+        self, kube: Kube, owner: Owner, spec: InferenceServiceSpec, troubles: list[Trouble], had: bool
+    ) -> dict[str, Any] | None:
+        """Make the router's objects match (or, when it is off and status still shows one (`had`), delete
+        them); returns its Deployment."""
+        urls: dict[str, str] = {}
+        for name in {r.service for r in spec.routing} - {owner.name}:
+            other = await asyncio.to_thread(kube.get_inference_service, owner.namespace, name)
+            if other is not None:
+                endpoint = (other.get("status") or {}).get("endpoint")
+                urls[name] = endpoint or service_endpoint(name, owner.namespace, self.settings.cluster_domain)
+        problem = router.routing_problem(spec, owner, {n: True for n in urls})
+        if problem is not None:
+            troubles.append(Trouble("RoutingInvalid", problem))
+        deployment = None
+        for obj in router.desired_objects(owner, spec, urls):
+            deployment = await self._ensure(kube, obj, router.ENSURED_FIELDS[obj["kind"]], troubles)
+        if not spec.router.enabled and had:
+            name = router.router_name(owner.name)
+            for kind in router.KINDS:
+                await asyncio.to_thread(kube.delete_owned, kind, owner.namespace, name, owner.uid)
+        return deployment
+
+    async def _wake(
+        self,
+        body: kopf.Body,
+        kube: Kube,
+        spec: InferenceServiceSpec,
+        owner: Owner,
+        memory: Memory,
+        now: datetime,
+    ) -> None:
+        """Scale from zero: read what the routers hold, and raise the target to 1 if they hold anything."""
+        selector = selector_string(router.router_selector(owner.name))
+        pods = await asyncio.to_thread(kube.list_pods, owner.namespace, selector)
+        pending = await scrape_pending(router.router_metrics_urls(pods), self.settings.scrape_timeout)
+        if router.wakes(spec, memory.desired or 0, pending):
+            why = f"{pending:g} requests held by the routers with no engine (scale from zero)"
+            record(body, owner, memory, Decision(1, why, memory.metrics_ok is not False, ""), now)
 
     async def _ensure(
         self, kube: Kube, desired: dict[str, Any], fields: tuple[str, ...], troubles: list[Trouble]

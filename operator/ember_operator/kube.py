@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
-from kubernetes.client import ApiClient, CoreV1Api, CustomObjectsApi, PolicyV1Api
+from kubernetes.client import (
+    ApiClient,
+    AppsV1Api,
+    CoreV1Api,
+    CustomObjectsApi,
+    PolicyV1Api,
+    RbacAuthorizationV1Api,
+)
 from kubernetes.client.exceptions import ApiException
 
 from ember_operator.groups import LWS_GROUP, LWS_PLURAL, LWS_VERSION
@@ -79,6 +86,8 @@ class Kube:
         self.core: Any = CoreV1Api(api)
         self.custom: Any = CustomObjectsApi(api)
         self.policy: Any = PolicyV1Api(api)
+        self.apps: Any = AppsV1Api(api)
+        self.rbac: Any = RbacAuthorizationV1Api(api)
 
     def list_pods(self, namespace: str, selector: str) -> list[Obj]:
         listed = _json(
@@ -99,6 +108,24 @@ class Kube:
     def delete_pod(self, namespace: str, name: str) -> None:
         try:
             self.core.delete_namespaced_pod(name, namespace, _preload_content=False)
+        except ApiException as e:
+            if not is_not_found(e):  # already gone is what was asked for
+                raise
+
+    def delete_owned(self, kind: str, namespace: str, name: str, owner_uid: str) -> None:
+        """Delete the Deployment, RoleBinding or ServiceAccount `name` if `owner_uid` owns it."""
+        read, delete = {
+            "Deployment": (self.apps.read_namespaced_deployment, self.apps.delete_namespaced_deployment),
+            "RoleBinding": (self.rbac.read_namespaced_role_binding, self.rbac.delete_namespaced_role_binding),
+            "ServiceAccount": (
+                self.core.read_namespaced_service_account,
+                self.core.delete_namespaced_service_account,
+            ),
+        }[kind]
+        try:
+            actual = _json(read(name, namespace, _preload_content=False))
+            if any(r.get("uid") == owner_uid for r in actual["metadata"].get("ownerReferences") or []):
+                delete(name, namespace, _preload_content=False)
         except ApiException as e:
             if not is_not_found(e):  # already gone is what was asked for
                 raise
@@ -168,7 +195,8 @@ class Kube:
         )
 
     def ensure(self, desired: Obj, fields: tuple[str, ...]) -> Obj:
-        """Create `desired` (a Service, ConfigMap or PodDisruptionBudget), or put back the `fields` of it that someone changed;
+        """Create `desired` (a Service, ConfigMap, PodDisruptionBudget, ServiceAccount, RoleBinding or
+        Deployment), or put back the `fields` of it that someone changed;
         returns the object as the API server holds it now. An object of that name that this owner does not
         own raises `NameConflict`: it is never adopted.
 
@@ -192,6 +220,21 @@ class Kube:
                 self.policy.read_namespaced_pod_disruption_budget,
                 self.policy.create_namespaced_pod_disruption_budget,
                 self.policy.replace_namespaced_pod_disruption_budget,
+            ),
+            "ServiceAccount": (
+                self.core.read_namespaced_service_account,
+                self.core.create_namespaced_service_account,
+                self.core.replace_namespaced_service_account,
+            ),
+            "RoleBinding": (
+                self.rbac.read_namespaced_role_binding,
+                self.rbac.create_namespaced_role_binding,
+                self.rbac.replace_namespaced_role_binding,
+            ),
+            "Deployment": (
+                self.apps.read_namespaced_deployment,
+                self.apps.create_namespaced_deployment,
+                self.apps.replace_namespaced_deployment,
             ),
         }
         read, create, replace = apis[kind]

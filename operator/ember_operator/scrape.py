@@ -61,3 +61,31 @@ async def scrape_pods(urls: dict[str, str], timeout: float) -> dict[str, PodSamp
 
         results = await asyncio.gather(*(one(u) for u in urls.values()))
     return dict(zip(urls, results, strict=True))
+
+
+PENDING = "ember_router:pending_requests"
+
+
+def parse_pending(text: str) -> float:
+    """`ember_router:pending_requests` from a router's /metrics page; ValueError when it is not there."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == PENDING:
+                return float(s.value)
+    raise ValueError(f"no {PENDING} in /metrics")
+
+
+async def scrape_pending(urls: list[str], timeout: float) -> float:
+    """Requests held by the routers at `urls` (their /metrics pages), summed; a router that cannot be read
+    counts nothing."""
+    async with httpx.AsyncClient(timeout=timeout) as client:
+
+        async def one(url: str) -> float:
+            try:
+                response = await client.get(url)
+                response.raise_for_status()
+                return parse_pending(response.text)
+            except (httpx.HTTPError, ValueError):
+                return 0.0
+
+        return sum(await asyncio.gather(*(one(u) for u in urls)))

@@ -347,6 +347,58 @@ class Rollout(_Object):
         return self
 
 
+class Router(_Object):
+    """`spec.router`: the `ember router` Deployment in front of the engines (prefix- and load-aware)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Run the router and point the Service at it; false: the Service selects the engines.",
+    )
+    replicas: int = Field(default=2, ge=1, le=100)
+    cpu: str | None = Field(default=None, pattern=QUANTITY, description="Each router pod's CPU request.")
+    memory: str | None = Field(
+        default=None, pattern=QUANTITY, description="Each router pod's memory request and limit."
+    )
+    epsilon: float = Field(
+        default=0.25,
+        ge=0,
+        le=10,
+        description="Bounded load: an engine above (1 + epsilon) x the mean load is skipped even when it "
+        "holds the prompt's prefix.",
+    )
+    hold_seconds: float = Field(
+        default=30,
+        ge=0,
+        le=3600,
+        description="With no engine Ready, how long a router holds a request for one (the demand that wakes "
+        "a service with replicas.min 0); 0: answer 503 at once.",
+    )
+
+
+class RoutingRule(_Object):
+    """One `spec.routing` rule: requests meeting every condition set go to `service` instead."""
+
+    name: str = Field(
+        max_length=NAME_MAX, pattern=DNS_LABEL, description="Names the rule in metrics and headers."
+    )
+    service: str = Field(
+        max_length=NAME_MAX,
+        pattern=DNS_LABEL,
+        description="The InferenceService (same namespace) to send to.",
+    )
+    min_prompt_tokens: int | None = Field(default=None, ge=0)
+    max_prompt_tokens: int | None = Field(default=None, ge=0)
+    min_max_tokens: int | None = Field(default=None, ge=0, description="Bounds on the request's max_tokens.")
+    max_max_tokens: int | None = Field(default=None, ge=0)
+    header: str | None = Field(default=None, max_length=256, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
+    header_value: str | None = Field(
+        default=None, max_length=1024, description="Without it, the header's presence is enough."
+    )
+    models: list[str] = Field(
+        default_factory=list, max_length=16, description="Requested model names that match (any of them)."
+    )
+
+
 class Autoscaling(_Object):
     mode: Literal["Builtin", "External"] = "Builtin"
     queue_depth_per_replica: float = Field(default=4, gt=0)
@@ -485,6 +537,14 @@ class InferenceServiceSpec(_Object):
         "autoscaler) while Reconciling reports WaitingForCapacity, before the service is Stalled.",
     )
     autoscaling: Autoscaling = Field(default_factory=Autoscaling, json_schema_extra=_OBJECT_DEFAULT)
+    router: Router = Field(default_factory=Router, json_schema_extra=_OBJECT_DEFAULT)
+    routing: list[RoutingRule] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra=_list_map("name"),
+        description="Model routing at the router (spec.router must be enabled): the first rule a request "
+        "meets sends it to another InferenceService.",
+    )
     load_shedding: LoadShedding = Field(default_factory=LoadShedding, json_schema_extra=_OBJECT_DEFAULT)
     fallback: Fallback | None = None
     request_timeout_seconds: float = Field(default=0, ge=0)  # 0: no deadline
@@ -542,6 +602,12 @@ class AutoscalerStatus(_Object):
     decisions: list[ScalingDecision] = Field(default_factory=list, max_length=10)  # the latest last
 
 
+class RouterStatus(_Object):
+    ready: int = 0
+    desired: int = 0
+    summary: str | None = None  # "ready/desired", for the Routers printer column
+
+
 class InferenceServiceStatus(_Object):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra=_list_map("type"))
@@ -553,3 +619,4 @@ class InferenceServiceStatus(_Object):
     endpoint: str | None = None
     cold_start_seconds: float | None = None
     autoscaler: AutoscalerStatus | None = None
+    router: RouterStatus | None = None

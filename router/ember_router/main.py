@@ -50,6 +50,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="an OpenAI-compatible server for requests no engine can take (e.g. a smaller model's Service)",
     )
     p.add_argument("--fallback-model", help="the model name to send to the fallback (default: the request's)")
+    p.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        help='a model-routing rule as JSON, e.g. {"name": "short", "target": "small", "url": '
+        '"http://small.default.svc", "maxMaxTokens": 64} (repeat; the first rule a request meets wins)',
+    )
+    p.add_argument(
+        "--hold-seconds",
+        type=float,
+        default=0.0,
+        help="with no engine Ready, hold a request up to this long for one (default 0: answer 503 at once); "
+        "the router then counts as ready without engines",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let requests in flight finish before closing them (default 30)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -59,9 +79,14 @@ def main(args: argparse.Namespace) -> int:
     from ember_engine.core.tokenizer import Tokenizer
     from ember_router.pool import EnginePool
     from ember_router.proxy import Router, RouterSettings
+    from ember_router.rules import parse_route
 
     if args.epsilon < 0:
         raise SystemExit("ember router: --epsilon must be >= 0")
+    try:
+        routes = tuple(parse_route(text) for text in args.route)
+    except ValueError as e:  # json.JSONDecodeError included
+        raise SystemExit(f"ember router: --route: {e}") from None
     if not args.endpoint and not args.kube_selector:
         raise SystemExit("ember router: give --endpoint (one per engine) or --kube-selector")
     discovery = None
@@ -82,9 +107,18 @@ def main(args: argparse.Namespace) -> int:
             session_header=args.session_header.lower(),
             fallback_url=args.fallback_url,
             fallback_model=args.fallback_model,
+            routes=routes,
+            hold_seconds=max(0.0, args.hold_seconds),
         ),
         discovery=discovery,
     )
     # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request.
-    web.run_app(router.app(), host=args.host, port=args.port, handler_cancellation=True, print=None)
+    web.run_app(
+        router.app(),
+        host=args.host,
+        port=args.port,
+        handler_cancellation=True,
+        shutdown_timeout=args.drain_timeout,
+        print=None,
+    )
     return 0

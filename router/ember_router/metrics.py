@@ -28,6 +28,17 @@ class RouterMetrics:
         self.retries = Counter(
             "ember_router:retries", "Requests sent to another engine after an overloaded answer", registry=r
         )
+        self.pending = Gauge(
+            "ember_router:pending_requests",
+            "Requests held because no engine is Ready (scale from zero reads this)",
+            registry=r,
+        )
+        self.routed = Counter(
+            "ember_router:routed_requests",
+            "Requests that a routing rule sent to another InferenceService",
+            ["rule", "target"],
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "ember_router:upstream_errors",
             "Requests whose engine could not be reached",

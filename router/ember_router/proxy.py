@@ -2,7 +2,11 @@
 
 A request is read, its prompt tokenized as the engines will (off the event loop), its block hashes looked
 up in the prefix index, and an engine chosen (`policy.choose`). The request goes on unchanged; the response
-comes back chunk by chunk (SSE streams included) with `x-ember-routed-to` and `x-ember-route-reason`. An
+comes back chunk by chunk (SSE streams included) with `x-ember-routed-to` and `x-ember-route-reason`.
+With `hold_seconds`, a request that finds no engine Ready waits (up to that long, counted in
+`ember_router:pending_requests`) for one, so that the demand is visible while engines start from zero.
+Before that, the routing rules (`rules.py`) may send the request to another InferenceService instead
+(`x-ember-routed-to: <that service>`, `x-ember-route-reason: rule:<name>`). An
 engine that answers 503 or 429 before the response begins is skipped for its Retry-After and the request
 goes to one other engine; with no engine to take it the request goes to the fallback server if one is set
 (`x-ember-served-by: fallback`), else the router sheds at once (503, Retry-After). A client
@@ -30,6 +34,7 @@ from ember_router.metrics import RouterMetrics
 from ember_router.policy import EngineState, choose
 from ember_router.pool import EnginePool
 from ember_router.prompts import request_hashes
+from ember_router.rules import Request, Rule, decide, requested_max_tokens
 
 log = logging.getLogger("ember.router")
 
@@ -38,6 +43,7 @@ ROUTE_REASON = "x-ember-route-reason"
 # Headers that belong to one hop, never forwarded either way.
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 MAX_BODY = 32 * 1024 * 1024
+HOLD_POLL = 0.05  # seconds between looks at the pool while a request is held
 
 
 @dataclass
@@ -50,6 +56,10 @@ class RouterSettings:
         None  # where requests go that no engine can take (any OpenAI-compatible server)
     )
     fallback_model: str | None = None  # the model name to send there (default: the request's own)
+    # Model routing: (rule, the target's base URL), in order; the first rule a request meets sends it there.
+    routes: tuple[tuple[Rule, str], ...] = ()
+    # With no engine Ready, hold a request this long for one to become Ready (0: shed at once).
+    hold_seconds: float = 0.0
 
 
 @dataclass
@@ -104,7 +114,7 @@ class Router:
     async def ready(self, _request: web.Request) -> web.Response:
         ready = sum(s.ready for s in self.pool.states())
         self.metrics.engines_ready.set(ready)
-        if ready:
+        if ready or self.settings.hold_seconds > 0:  # holding, it takes requests with no engine Ready
             return web.json_response({"status": "ready", "engines": ready})
         return web.json_response({"status": "no engine ready"}, status=503)
 
@@ -140,6 +150,19 @@ class Router:
         hashes, num_tokens = await asyncio.to_thread(
             request_hashes, self.tokenizer, body, chat, self.pool.block_size
         )
+        if self.settings.routes:
+            routed = await self._by_rule(request, body, raw, num_tokens, arrived)
+            if routed is not None:
+                return routed
+        if self.settings.hold_seconds > 0 and not await self._hold():
+            self.metrics.shed.inc()
+            return _error(
+                503,
+                f"no engine became ready within {self.settings.hold_seconds:g} s; retry later",
+                "overloaded",
+                "no_engine_ready",
+                self.settings.retry_after,
+            )
         session_id = request.headers.get(self.settings.session_header)
         tried: set[str] = set()
         for attempt in range(2):
@@ -193,6 +216,50 @@ class Router:
             self.metrics.retries.inc()
         return await self._shed(request, body, arrived, "the engines tried were overloaded")
 
+    async def _hold(self) -> bool:
+        """Wait, counted in `ember_router:pending_requests`, until an engine is Ready; False when
+        `hold_seconds` pass first. A client that goes away cancels the wait (and the handler)."""
+        if any(s.ready for s in self.pool.states()):
+            return True
+        deadline = time.monotonic() + self.settings.hold_seconds
+        self.metrics.pending.inc()
+        try:
+            while time.monotonic() < deadline:
+                await asyncio.sleep(HOLD_POLL)
+                if any(s.ready for s in self.pool.states()):
+                    return True
+            return False
+        finally:
+            self.metrics.pending.dec()
+
+    async def _by_rule(
+        self, request: web.Request, body: Any, raw: bytes, num_tokens: int, arrived: float
+    ) -> web.StreamResponse | None:
+        """Send the request to another InferenceService when a routing rule says so (None: keep it here)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        ask = Request(
+            num_tokens,
+            requested_max_tokens(body),
+            {k.lower(): v for k, v in request.headers.items()},
+            model if isinstance(model, str) else None,
+        )
+        urls = {rule.name: url for rule, url in self.settings.routes}
+        rule = decide([rule for rule, _ in self.settings.routes], ask)
+        if rule is None:
+            return None
+        self.metrics.routed.labels(rule.name, rule.target).inc()
+        log.debug("route %s -> %s (rule %s)", request.path, rule.target, rule.name)
+        return await self._forward(
+            request,
+            urls[rule.name].rstrip("/"),
+            raw,
+            "POST",
+            f"rule:{rule.name}",
+            0,
+            arrived,
+            routed_to=rule.target,
+        )
+
     async def _shed(self, request: web.Request, body: Any, arrived: float, why: str) -> web.StreamResponse:
         """No engine takes the request: the fallback serves it if one is set and answers, else a 503 now."""
         if self.settings.fallback_url and isinstance(body, dict):
@@ -218,6 +285,7 @@ class Router:
         matched_blocks: int,
         arrived: float | None = None,
         retry: bool = False,
+        routed_to: str | None = None,
     ) -> web.StreamResponse | None:
         """Send the request to one engine and relay its answer; None when it answered overloaded before the
         response began and `retry` allows another engine."""
@@ -258,7 +326,7 @@ class Router:
                 for k, v in upstream.headers.items():
                     if k.lower() not in _HOP:
                         out.headers[k] = v
-                out.headers[ROUTED_TO] = engine_url
+                out.headers[ROUTED_TO] = routed_to or engine_url
                 out.headers[ROUTE_REASON] = reason
                 if reason == "fallback":
                     out.headers["x-ember-served-by"] = "fallback"

@@ -1,7 +1,8 @@
 """The built-in resource types the local control plane needs.
 
 Enough for kopf (namespaces, events and CRDs are its discovery "backbone"; leases for leader
-election elsewhere), for the operator's children (pods, services, configmaps, secrets, deployments, pod disruption budgets), resource quotas
+election elsewhere), for the operator's children (pods, services, configmaps, secrets,
+deployments and their replicasets, service accounts and RBAC bindings, pod disruption budgets), resource quotas
 and for kubectl's everyday commands. Built-ins are stored without schema validation: the server
 keeps whatever the client sends, as a real server would keep every field it knows.
 """
@@ -44,6 +45,23 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         # A Deployment's selector is a LabelSelector object; /scale renders it as a string.
         scale=ScalePaths(".spec.replicas", ".status.replicas", ".spec.selector"),
     ),
+    ResourceType(
+        "apps",
+        "v1",
+        "ReplicaSet",
+        "replicasets",
+        namespaced=True,
+        short_names=("rs",),
+        categories=("all",),
+        has_status=True,
+        scale=ScalePaths(".spec.replicas", ".status.replicas", ".spec.selector"),
+    ),
+    ResourceType("rbac.authorization.k8s.io", "v1", "ClusterRole", "clusterroles", namespaced=False),
+    ResourceType(
+        "rbac.authorization.k8s.io", "v1", "ClusterRoleBinding", "clusterrolebindings", namespaced=False
+    ),
+    ResourceType("rbac.authorization.k8s.io", "v1", "Role", "roles", namespaced=True),
+    ResourceType("rbac.authorization.k8s.io", "v1", "RoleBinding", "rolebindings", namespaced=True),
     ResourceType("coordination.k8s.io", "v1", "Lease", "leases", namespaced=True),
     ResourceType(
         "policy",

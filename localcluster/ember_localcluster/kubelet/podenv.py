@@ -4,8 +4,10 @@
 labels['k'], annotations['k'], spec.nodeName, spec.serviceAccountName, status.podIP(s) and
 status.hostIP(s), `valueFrom.configMapKeyRef` and `valueFrom.secretKeyRef`) and `envFrom` ConfigMaps and
 Secrets, on top of this process's own environment; `$(VAR)` references in command and args are expanded
-too. The working directory is the pod's directory. A missing ConfigMap, Secret or key is a
-`CreateContainerConfigError` with the kubelet's message.
+too. The working directory is the pod's directory. Unless the pod sets `automountServiceAccountToken: false`,
+`KUBECONFIG` names the cluster's kubeconfig, standing in for the mounted service account token (the
+local API server authorizes every request, so the pod's ServiceAccount and its bindings grant nothing
+more). A missing ConfigMap, Secret or key is a `CreateContainerConfigError` with the kubelet's message.
 """
 
 from __future__ import annotations
@@ -130,4 +132,8 @@ def _command(
         raise _ConfigError("no command specified")
     argv = [rewrite(expand(str(word), env)) for word in words]
     argv[0] = worker.kubelet.resolve(argv[0])
-    return argv, {**os.environ, "HOSTNAME": worker.name, **env}
+    inherited = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    if worker.spec.get("automountServiceAccountToken") is not False:
+        # The stand-in for the service account token a kubelet mounts: the cluster's kubeconfig.
+        inherited["KUBECONFIG"] = str(worker.kubelet.kubeconfig)
+    return argv, {**inherited, "HOSTNAME": worker.name, **env}

@@ -1,0 +1,221 @@
+"""The local control plane's deployment and replicaset controllers (what `deployment.py` decides, applied).
+
+`DeploymentController` talks to the API server only through the official `kubernetes` client, as
+kube-controller-manager does through client-go: it lists and watches Deployments, ReplicaSets and pods,
+and after each change takes one step for the object concerned. A ReplicaSet's step creates or deletes its
+pods and writes its status; a Deployment's step creates the ReplicaSet of its current template (a name
+taken by a ReplicaSet of another template raises `status.collisionCount`, as upstream does), sets the
+ReplicaSets' replicas for the rollout, and writes its status. A pod's change wakes its ReplicaSet, a
+ReplicaSet's its Deployment. A call that fails is retried a second later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from ember_localcluster import deployment as d
+from ember_localcluster.informer import API_TIMEOUT
+from ember_localcluster.runtime import BackgroundRuntime
+
+__all__ = ["DeploymentController"]
+
+log = logging.getLogger("ember.deployments")
+
+RETRY_SECONDS = 1.0
+Key = tuple[str, str, str]  # (kind, namespace, name)
+
+
+def _key(kind: str, obj: dict[str, Any]) -> Key:
+    return (kind, obj["metadata"].get("namespace") or "default", obj["metadata"]["name"])
+
+
+def _owner(obj: dict[str, Any], kind: str) -> str | None:
+    for ref in obj["metadata"].get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == kind:
+            return str(ref["name"])
+    return None
+
+
+class DeploymentController:
+    def __init__(self, kubeconfig: str | Path) -> None:
+        self.kubeconfig = Path(kubeconfig)
+        self._objects: dict[Key, dict[str, Any]] = {}
+        self._dirty: set[Key] = set()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._apps: Any = None
+        self._runtime = BackgroundRuntime("deployments", api_workers=2)
+
+    def __enter__(self) -> DeploymentController:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> DeploymentController:
+        runtime = self._runtime
+        runtime.start(self.kubeconfig)
+        self._apps = client.AppsV1Api(runtime.core.api_client)
+        runtime.run(self._begin(), timeout=10)
+        informers = [
+            runtime.informer(
+                self._apps.list_deployment_for_all_namespaces,
+                functools.partial(self._on_event, "Deployment"),
+                name="deployments",
+            ),
+            runtime.informer(
+                self._apps.list_replica_set_for_all_namespaces,
+                functools.partial(self._on_event, "ReplicaSet"),
+                name="replicasets",
+            ),
+            runtime.informer(
+                runtime.core.list_pod_for_all_namespaces,
+                functools.partial(self._on_event, "Pod"),
+                name="deployment-pods",
+            ),
+        ]
+        runtime.sync(*informers)
+        return self
+
+    def stop(self) -> None:
+        self._runtime.stop(self._shutdown)
+
+    # -- on the controller's loop ----------------------------------------------------------------------
+
+    async def _begin(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.create_task(self._work())
+
+    async def _shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def _mark(self, key: Key) -> None:
+        self._dirty.add(key)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _on_event(self, kind: str, event: str, obj: dict[str, Any]) -> None:
+        key = _key(kind, obj)
+        if event == "DELETED":
+            self._objects.pop(key, None)
+        else:
+            self._objects[key] = obj
+        if kind in ("Deployment", "ReplicaSet") and event != "DELETED":
+            self._mark(key)
+        parent = {"Pod": "ReplicaSet", "ReplicaSet": "Deployment"}.get(kind)
+        owner = _owner(obj, parent) if parent else None
+        if parent and owner:
+            self._mark((parent, key[1], owner))
+
+    async def _work(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._dirty:
+                key = self._dirty.pop()
+                try:
+                    if key[0] == "Deployment":
+                        await self._sync_deployment(key)
+                    else:
+                        await self._sync_replicaset(key)
+                except Exception as error:  # the API server went away or refused: try again soon
+                    log.warning("%s %s/%s: %s; retrying", *key, error)
+                    asyncio.get_running_loop().call_later(RETRY_SECONDS, self._mark, key)
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        call = functools.partial(fn, *args, _request_timeout=API_TIMEOUT, **kwargs)
+        return await loop.run_in_executor(self._runtime.executor, call)
+
+    def _children(self, kind: str, owner: dict[str, Any]) -> list[dict[str, Any]]:
+        namespace = owner["metadata"].get("namespace") or "default"
+        return [
+            o
+            for (k, ns, _), o in self._objects.items()
+            if k == kind and ns == namespace and d.owned_by(o, owner)
+        ]
+
+    async def _sync_replicaset(self, key: Key) -> None:
+        rs = self._objects.get(key)
+        if rs is None or rs["metadata"].get("deletionTimestamp"):
+            return
+        _, namespace, name = key
+        core = self._runtime.core
+        pods = self._children("Pod", rs)
+        create, delete = d.replicaset_actions(rs, pods)
+        for _ in range(create):
+            await self._call(core.create_namespaced_pod, namespace, d.replicaset_pod(rs))
+        for pod in delete:
+            try:
+                await self._call(core.delete_namespaced_pod, pod, namespace)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        status = d.replicaset_status(rs, pods, datetime.now(UTC))
+        if create or delete:  # the pods' own events bring the next count
+            return
+        if {k: (rs.get("status") or {}).get(k) for k in status} != status:
+            await self._call(
+                self._apps.patch_namespaced_replica_set_status, name, namespace, {"status": status}
+            )
+
+    async def _sync_deployment(self, key: Key) -> None:
+        deploy = self._objects.get(key)
+        if deploy is None or deploy["metadata"].get("deletionTimestamp"):
+            return
+        _, namespace, name = key
+        sets = self._children("ReplicaSet", deploy)
+        new = next((rs for rs in sets if d.matches_template(rs, deploy)), None)
+        old = [rs for rs in sets if rs is not new]
+        if new is None:
+            revision = 1 + max(
+                (int((rs["metadata"].get("annotations") or {}).get(d.REVISION, 0)) for rs in old), default=0
+            )
+            wanted = d.new_replicaset(deploy, revision)
+            try:
+                created = await self._call(
+                    self._apps.create_namespaced_replica_set, namespace, wanted, _preload_content=False
+                )
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                # The name is taken by another template's ReplicaSet: a hash collision, as upstream counts it.
+                count = int((deploy.get("status") or {}).get("collisionCount", 0)) + 1
+                await self._call(
+                    self._apps.patch_namespaced_deployment_status,
+                    name,
+                    namespace,
+                    {"status": {"collisionCount": count}},
+                )
+                return
+            new = json.loads(created.data)
+            self._objects[_key("ReplicaSet", new)] = new
+        for rs_name, replicas in d.rollout(deploy, new, old).items():
+            patch: dict[str, Any] = {"spec": {"replicas": replicas}}
+            if rs_name == new["metadata"]["name"]:
+                surge, _ = d.surge_and_unavailable(deploy)
+                want = int(deploy["spec"].get("replicas", 1))
+                patch["metadata"] = {"annotations": {d.DESIRED: str(want), d.MAX: str(want + surge)}}
+            await self._call(self._apps.patch_namespaced_replica_set, rs_name, namespace, patch)
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        status = d.deployment_status(deploy, new, old, now)
+        current = deploy.get("status") or {}
+        if {k: current.get(k) for k in status if k != "conditions"} != {
+            k: v for k, v in status.items() if k != "conditions"
+        } or [(c["type"], c["status"], c["reason"]) for c in current.get("conditions") or []] != [
+            (c["type"], c["status"], c["reason"]) for c in status["conditions"]
+        ]:
+            await self._call(
+                self._apps.patch_namespaced_deployment_status, name, namespace, {"status": status}
+            )

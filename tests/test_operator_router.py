@@ -1,0 +1,210 @@
+"""The router's desired objects (operator/ember_operator/router.py): the Deployment's command line against
+`ember router`'s own parser, what it takes of spec.pod and spec.lifecycle and what it leaves, its RBAC, and
+what the Service selects."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from ember_localcluster.apiserver.podsecurity import violations
+from ember_operator import router
+from ember_operator.desired import ROLE_LABEL, Owner, active_selector, desired_service
+from ember_operator.scrape import parse_pending
+from ember_operator.spec import InferenceServiceSpec
+from ember_router import main as router_main
+from ember_router.rules import Rule, parse_route
+
+OWNER = Owner("chat", "prod", "uid-1")
+
+
+def make_spec(**changes: Any) -> InferenceServiceSpec:
+    doc: dict[str, Any] = {"model": {"name": "chat", "source": "/models/chat", "volumeClaim": "weights"}}
+    doc.update(changes)
+    return InferenceServiceSpec.model_validate(doc)
+
+
+def _pod_spec(spec: InferenceServiceSpec) -> dict[str, Any]:
+    return dict(router.desired_router_deployment(OWNER, spec)["spec"]["template"]["spec"])
+
+
+def test_the_router_is_on_by_default_with_two_replicas_in_front_of_the_active_engines() -> None:
+    spec = make_spec()
+    kinds = [o["kind"] for o in router.desired_objects(OWNER, spec)]
+    assert kinds == ["ServiceAccount", "RoleBinding", "Deployment"]
+    deploy = router.desired_router_deployment(OWNER, spec)
+    assert deploy["metadata"]["name"] == "chat-router" and deploy["spec"]["replicas"] == 2
+    assert deploy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # The Service selects exactly the router pods, and no engine pod carries those labels.
+    selector = router.service_selector("chat", spec)
+    assert desired_service(OWNER, selector)["spec"]["selector"] == selector
+    assert selector.items() <= labels.items()
+    assert not selector.items() <= {**active_selector("chat")}.items()
+    assert "app.kubernetes.io/instance" not in labels
+
+
+def test_router_args_parse_with_ember_routers_own_command_line() -> None:
+    spec = make_spec(router={"epsilon": 0.5}, lifecycle={"drainSeconds": 12})
+    (container,) = _pod_spec(spec)["containers"]
+    assert container["command"] == ["ember", "router"]
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+    # $(POD_NAMESPACE) is expanded by the kubelet from the downward API.
+    args = [a.replace("$(POD_NAMESPACE)", "prod") for a in container["args"]]
+    parsed = parser.parse_args(args)
+    assert parsed.model == "/models/chat" and parsed.kube_namespace == "prod"
+    assert (
+        parsed.kube_selector
+        == f"app.kubernetes.io/instance=chat,app.kubernetes.io/name=ember,{ROLE_LABEL}=active"
+    )
+    assert parsed.epsilon == 0.5 and parsed.drain_timeout == 12 and parsed.port == router.ROUTER_PORT
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+
+
+def test_routers_drain_like_engines_take_identity_but_no_gpu_placement() -> None:
+    spec = make_spec(
+        resources={
+            "gpus": 2,
+            "nodeSelector": {"pool": "gpu"},
+            "tolerations": [{"key": "gpu", "operator": "Exists"}],
+        },
+        pod={
+            "imagePullSecrets": [{"name": "regcred"}],
+            "securityContext": {"runAsUser": 1000},
+            "containerSecurityContext": {"readOnlyRootFilesystem": True},
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]
+                    }
+                }
+            },
+        },
+        lifecycle={"drainSeconds": 40, "terminationGracePeriodSeconds": 60},
+        router={"cpu": "500m", "memory": "1Gi"},
+    )
+    pod = _pod_spec(spec)
+    assert pod["terminationGracePeriodSeconds"] == 60
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["securityContext"]["runAsUser"] == 1000
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    for field in ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints"):
+        assert field not in pod
+    assert container["resources"] == {
+        "requests": {"cpu": "500m", "memory": "1Gi"},
+        "limits": {"memory": "1Gi"},
+    }
+    assert "--drain-timeout=40" in container["args"]
+    assert pod["serviceAccountName"] == "chat-router"
+    # The tokenizer comes from the engines' checkpoint, mounted the same way.
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod[
+        "volumes"
+    ]
+    wrapped = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "r"}, "spec": pod}
+    assert violations(wrapped, "restricted") == []
+
+
+def test_the_role_binding_gives_the_routers_account_only_the_router_cluster_role() -> None:
+    binding = router.desired_role_binding(OWNER)
+    assert binding["metadata"]["namespace"] == "prod"
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "ember-router",
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "prod"}]
+
+
+def test_disabled_the_service_selects_the_engines_and_no_router_object_is_wanted() -> None:
+    spec = make_spec(router={"enabled": False})
+    assert router.desired_objects(OWNER, spec) == []
+    assert router.service_selector("chat", spec) == active_selector("chat")
+    assert router.router_status(spec, None) is None
+    assert router.router_condition(spec, None).reason == "RouterDisabled"
+
+
+def test_status_and_condition_follow_the_deployments_ready_pods() -> None:
+    spec = make_spec(router={"replicas": 3})
+    assert router.router_status(spec, None) == {"ready": 0, "desired": 3, "summary": "0/3"}
+    none_ready = router.router_condition(spec, router.router_status(spec, {"status": {}}))
+    assert (none_ready.status, none_ready.reason) == (False, "RouterUnavailable")
+    one = router.router_status(spec, {"status": {"readyReplicas": 1}})
+    assert one == {"ready": 1, "desired": 3, "summary": "1/3"}
+    ready = router.router_condition(spec, one)
+    assert (ready.status, ready.reason, ready.message) == (True, "RouterAvailable", "1/3 router pods Ready")
+
+
+def test_routing_rules_become_route_options_that_ember_router_parses() -> None:
+    spec = make_spec(
+        routing=[
+            {
+                "name": "short",
+                "service": "small",
+                "maxMaxTokens": 64,
+                "header": "X-Tier",
+                "headerValue": "free",
+            },
+            {"name": "mini", "service": "tiny", "models": ["mini"]},
+            {"name": "gone", "service": "absent", "minPromptTokens": 10},
+        ]
+    )
+    urls = {"small": "http://small.prod.svc.cluster.local", "tiny": "http://127.0.0.1:9"}
+    args = router.route_args(spec, urls)
+    assert len(args) == 2  # a rule whose service is not there is left out
+    parsed = [parse_route(a.removeprefix("--route=")) for a in args]
+    assert parsed == [
+        (Rule("short", "small", max_max_tokens=64, header="X-Tier", header_value="free"), urls["small"]),
+        (Rule("mini", "tiny", models=("mini",)), urls["tiny"]),
+    ]
+    (container,) = _pod_spec_with(spec, urls)["containers"]
+    assert container["args"][-2:] == args
+
+
+def _pod_spec_with(spec: InferenceServiceSpec, urls: dict[str, str]) -> dict[str, Any]:
+    return dict(router.desired_router_deployment(OWNER, spec, urls)["spec"]["template"]["spec"])
+
+
+def test_a_routing_rule_naming_no_service_or_itself_is_a_problem_naming_it() -> None:
+    spec = make_spec(routing=[{"name": "a", "service": "small"}, {"name": "b", "service": "chat"}])
+    assert router.routing_problem(spec, OWNER, {"small": True}) == (
+        "spec.routing rule 'b': names this InferenceService itself"
+    )
+    assert router.routing_problem(spec, OWNER, {}) == (
+        "spec.routing rule 'a': no InferenceService 'small' in prod; "
+        "spec.routing rule 'b': names this InferenceService itself"
+    )
+    fine = make_spec(routing=[{"name": "a", "service": "small"}])
+    assert router.routing_problem(fine, OWNER, {"small": True}) is None
+    off = make_spec(routing=[{"name": "a", "service": "small"}], router={"enabled": False})
+    assert router.routing_problem(off, OWNER, {"small": True}) == (
+        "spec.routing needs the router: spec.router.enabled is false"
+    )
+
+
+def test_scale_from_zero_reads_the_ready_routers_held_requests() -> None:
+    page = "# TYPE ember_router:pending_requests gauge\nember_router:pending_requests 3.0\n"
+    assert parse_pending(page) == 3.0
+    with pytest.raises(ValueError, match="no ember_router:pending_requests"):
+        parse_pending("vllm:num_requests_waiting 1\n")
+    ready = {"type": "Ready", "status": "True"}
+    pods = [
+        {"metadata": {"name": "a"}, "status": {"podIP": "10.0.0.1", "conditions": [ready]}},
+        {"metadata": {"name": "b"}, "status": {"podIP": "10.0.0.2", "conditions": []}},
+        {
+            "metadata": {"name": "c", "deletionTimestamp": "x"},
+            "status": {"podIP": "10.0.0.3", "conditions": [ready]},
+        },
+    ]
+    assert router.router_metrics_urls(pods) == ["http://10.0.0.1:8080/metrics"]
+    spec = make_spec(replicas={"min": 0, "max": 2})
+    assert router.wakes(spec, 0, 1) and not router.wakes(spec, 0, 0) and not router.wakes(spec, 1, 5)
+    assert not router.wakes(make_spec(replicas={"min": 0, "max": 2}, router={"enabled": False}), 0, 5)
+    (container,) = _pod_spec(make_spec(router={"holdSeconds": 12}))["containers"]
+    assert "--hold-seconds=12.0" in container["args"]
