@@ -52,7 +52,7 @@ def metrics_page(index: int) -> bytes:
         "e2e_request_latency_seconds",
     ):
         lines.append(f"# TYPE vllm:{family} histogram")
-        for le in [f"{0.001 * 2**i:g}" for i in range(40)] + ["+Inf"]:
+        for le in [f"{0.001 * 2**i:g}" for i in range(28)] + ["+Inf"]:
             for phase in ("prefill", "decode", "queue", "total"):
                 lines.append(f'vllm:{family}_bucket{{le="{le}",model_name="m",phase="{phase}"}} {index % 5}')
     return ("\n".join(lines) + "\n").encode()

@@ -151,14 +151,16 @@ class Handler:
     def _counted(self, request: web.Request, group: str, version: str, rest: list[str]) -> Target:
         """The target of a resource request, counted by kube-apiserver's verb: GET of a collection is
         LIST (WATCH with `watch`), DELETE of one DELETECOLLECTION, the other methods their own names."""
-        target = self._target(group, version, rest, request.path)
+        # Counted before the path is resolved: a request for a resource not served (404) counts too.
+        namespace_object = len(rest) == 3 and rest[0] == "namespaces" and rest[2] in ("status", "finalize")
+        names = rest[2:] if rest[0] == "namespaces" and len(rest) >= 3 and not namespace_object else rest
         verb = request.method
-        if target.name is None and verb == "GET":
+        if len(names) == 1 and verb == "GET":
             verb = "WATCH" if request.query.get("watch") in ("true", "1") else "LIST"
-        elif target.name is None and verb == "DELETE":
+        elif len(names) == 1 and verb == "DELETE":
             verb = "DELETECOLLECTION"
-        self.requests[(verb, target.rtype.plural, target.subresource or "")] += 1
-        return target
+        self.requests[(verb, names[0], names[2] if len(names) > 2 else "")] += 1
+        return self._target(group, version, rest, request.path)
 
     def _target(self, group: str, version: str, rest: list[str], path: str) -> Target:
         namespace = None
