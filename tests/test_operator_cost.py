@@ -98,13 +98,14 @@ def test_an_unsettled_result_is_read_again_after_1_2_4_seconds(monkeypatch: pyte
     known = Known()
     known.begin(60.0)
     holds = []
-    for _ in range(4):
+    for _ in range(6):
         known.put("svc", {}, "unpublished", settled=False)
         start = clock[0]
         while known.get("svc", {})[0]:
             clock[0] += 0.5
         holds.append(clock[0] - start)
-    assert holds == [1.0, 2.0, 4.0, 8.0]
+    assert holds == [1.0, 2.0, 4.0, 8.0, 16.0, 29.0]  # then until the resync, at 60 s
+    known.begin(60.0)  # the resync
     known.put("svc", {}, "published")
     clock[0] += 30
     assert known.get("svc", {}) == (True, "published")

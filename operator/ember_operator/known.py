@@ -9,8 +9,8 @@ controllers resync their caches the same way). A fallback Service's endpoint is 
 
 Something else may still be about to fill in what a pass reads: a load balancer publishes the Service's
 address in its status some time after it is created. A result put as not settled is read again sooner,
-after 1 s, then 2, 4, ... up to the resync period, so a published address shows within seconds while a
-Service that never gets one costs no more than a settled one after a minute.
+after 1 s, then 2, 4, 8 and 16 s, so a published address shows within seconds; after that it waits for the
+resync like a settled one, so a Service that never gets an address costs no more than one that did.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+UNSETTLED_READS = 5  # reads sooner than the resync of a result that is not settled: after 1, 2, 4, 8, 16 s
 
 
 def fingerprint(desired: Any) -> str:
@@ -54,7 +56,8 @@ class Known:
             self.unsettled.pop(key, None)
         else:
             n = self.unsettled[key] = self.unsettled.get(key, 0) + 1
-            until = min(until, time.monotonic() + min(self.resync, 2.0 ** (n - 1)))
+            if n <= UNSETTLED_READS:
+                until = min(until, time.monotonic() + 2.0 ** (n - 1))
         self.entries[key] = (fingerprint(desired), result, until)
 
     def forget(self) -> None:
