@@ -2,8 +2,8 @@
 
 An engine's page is ~30 KB, nearly all histograms the autoscaler never reads. `parse_sample` looks only at
 the lines of the four series it needs (a prefix test per line) instead of parsing every family, and runs in
-a worker thread, so a scrape of many pods does not hold up the event loop. One `Scraper` keeps one HTTP
-client for the operator's life: its connections to the pods stay open from one scrape to the next.
+a worker thread, so a scrape of many pods does not hold up the event loop. One `Scraper` keeps one
+connection per pod open for the operator's life (`httpget.Getter`), from one scrape to the next.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import asyncio
 import math
 from dataclasses import dataclass
 
-import httpx
-
 from ember_operator.autoscaler import PodLoad
+from ember_operator.httpget import Getter, HTTPStatusError
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,35 +75,28 @@ def parse_sample(text: str) -> PodSample:
 
 
 class Scraper:
-    """Scrapes pods concurrently through one client, kept open between scrapes (call `close` at the end)."""
+    """Scrapes pods concurrently, each through its own kept-open connection (call `close` at the end)."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._client: httpx.AsyncClient | None = None
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            limits = httpx.Limits(max_connections=256, max_keepalive_connections=4096, keepalive_expiry=60.0)
-            self._client = httpx.AsyncClient(timeout=self.timeout, limits=limits)
-        return self._client
+        self._getter = Getter(timeout)
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self._getter.close()
 
     async def _page(self, url: str) -> str | Exception:
         try:
-            response = await self._http().get(url)
-            response.raise_for_status()
-            return response.text
-        except httpx.HTTPStatusError as e:
-            return ValueError(f"HTTP {e.response.status_code} from {url}")
-        except httpx.HTTPError as e:
+            return (await self._getter.get(url)).decode("utf-8", "replace")
+        except HTTPStatusError as e:
+            return ValueError(str(e))
+        except TimeoutError:
+            return ValueError(f"TimeoutError: no answer from {url} within {self.timeout:g} s")
+        except (OSError, ValueError) as e:
             return ValueError(f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} from {url}")
 
     async def scrape(self, urls: dict[str, str]) -> dict[str, PodSample | str]:
         """Each pod's sample, or why it could not be had."""
+        self._getter.close_idle()
         pages = await asyncio.gather(*(self._page(u) for u in urls.values()))
         results = await asyncio.to_thread(_parse_all, list(zip(urls.values(), pages, strict=True)))
         return dict(zip(urls, results, strict=True))
