@@ -187,3 +187,67 @@ def test_scrapes_reuse_one_open_connection_per_pod(engine_page: _Counting) -> No
         assert r["q"] == f"HTTP 404 from {base}/nope"
     # Two pods, three scrapes each: one connection per pod, kept open between scrapes.
     assert engine_page.connections == 2
+
+
+async def _serve_once(answer: bytes, hold: bool = False) -> tuple[asyncio.Server, str]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if hold:
+                await asyncio.sleep(5)
+            writer.write(answer)
+            await writer.drain()
+            if b"Content-Length" not in answer and b"chunked" not in answer:
+                writer.close()
+                return
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics"
+
+
+GAUGES = b"vllm:num_requests_waiting 2\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(GAUGES) + GAUGES,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n" % 20
+        + GAUGES[:20]
+        + b"\r\n%x;x=1\r\n" % (len(GAUGES) - 20)
+        + GAUGES[20:]
+        + b"\r\n0\r\n\r\n",
+        b"HTTP/1.0 200 OK\r\n\r\n" + GAUGES,  # delimited by the server closing the connection
+    ],
+    ids=["content-length", "chunked", "close"],
+)
+def test_the_scraper_reads_each_framing_of_a_page_twice(answer: bytes) -> None:
+    async def run() -> list[Any]:
+        server, url = await _serve_once(answer)
+        scraper = Scraper(timeout=2.0)
+        try:
+            return [await scraper.scrape({"p": url}) for _ in range(2)]
+        finally:
+            await scraper.close()
+            server.close()
+
+    for result in asyncio.run(run()):
+        assert result["p"].load.waiting == 2 and result["p"].load.kv_cache == 0.5
+
+
+def test_a_pod_that_does_not_answer_in_time_is_reported_not_awaited() -> None:
+    async def run() -> dict[str, Any]:
+        server, url = await _serve_once(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", hold=True)
+        scraper = Scraper(timeout=0.3)
+        try:
+            return await scraper.scrape({"p": url})
+        finally:
+            await scraper.close()
+            server.close()
+
+    result = asyncio.run(run())
+    assert result["p"].startswith("TimeoutError: no answer from http://127.0.0.1:"), result
