@@ -281,7 +281,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pods", type=int, default=50, help="active pods per InferenceService (default 50)")
     p.add_argument("--tick", type=float, default=2.0, help="the operator's --tick (default 2, its default)")
     p.add_argument("--scrape-interval", type=int, default=15, help="autoscaling.intervalSeconds (default 15)")
-    p.add_argument("--settle", type=float, default=10.0, help="seconds idle before the window (default 10)")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=20.0,
+        help="seconds idle before the window (default 20: past the first scrape)",
+    )
     p.add_argument("--window", type=float, default=60.0, help="seconds measured (default 60)")
     p.add_argument("--changes", type=int, default=5, help="spec changes timed (default 5)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the fleet to start")
