@@ -38,12 +38,16 @@ REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "default"
 __all__ = ["NAMESPACE", "EnginePage", "PodRunner", "crd_manifest", "operator_cluster", "wait_for"]
 TICK = 0.25
+RESYNC = 3.0  # the operator's 60 s, scaled down as the tick is
 OPERATOR_FILE = f"""
 import kopf
 from ember_operator.handlers import Settings, register
 
 kopf.on.login()(kopf.login_via_client)
-register(kopf.get_default_registry(), Settings(tick={TICK}, cluster_domain="cluster.local", scrape_timeout=1.0))
+register(
+    kopf.get_default_registry(),
+    Settings(tick={TICK}, cluster_domain="cluster.local", scrape_timeout=1.0, resync={RESYNC}),
+)
 """
 
 

@@ -120,6 +120,32 @@ def test_configmap_crud(core: CoreV1Api, server: APIServer) -> None:
     assert json.loads(error.value.body)["reason"] == "NotFound"
 
 
+def test_requests_are_counted_by_verb_and_resource(core: CoreV1Api, server: APIServer) -> None:
+    core.create_namespaced_config_map("default", configmap("cfg"))
+    core.list_namespaced_config_map("default")
+    core.list_namespaced_config_map("default", label_selector="app=x")
+    core.read_namespaced_config_map("cfg", "default")
+    core.patch_namespaced_config_map("cfg", "default", {"data": {"b": "3"}})
+    core.list_namespaced_config_map("default", watch=True, timeout_seconds=1, _preload_content=False).read()
+    core.delete_collection_namespaced_config_map("default")
+    with pytest.raises(ApiException):
+        CustomObjectsApi(core.api_client).list_namespaced_custom_object("x.dev", "v1", "default", "nothings")
+    # The blocking helpers are not requests.
+    server.create(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "namespace": "default"}}
+    )
+    counts = {k: v for k, v in server.request_counts().items() if k[1] in ("configmaps", "nothings")}
+    assert counts == {
+        ("POST", "configmaps", ""): 1,
+        ("LIST", "configmaps", ""): 2,
+        ("GET", "configmaps", ""): 1,
+        ("PATCH", "configmaps", ""): 1,
+        ("WATCH", "configmaps", ""): 1,
+        ("DELETECOLLECTION", "configmaps", ""): 1,
+        ("LIST", "nothings", ""): 1,  # not served (404), counted all the same
+    }
+
+
 def test_list_selectors_and_pages(core: CoreV1Api) -> None:
     for name, labels in (
         ("a", {"app": "a", "tier": "web"}),

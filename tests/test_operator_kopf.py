@@ -102,6 +102,24 @@ def converged(api: APIServer, name: str, active: int, warm: int) -> bool:
     )
 
 
+def test_an_idle_inference_service_lists_no_pods_and_patches_no_status(cluster: Any) -> None:
+    # First in the module, so that no other InferenceService's passes are counted alongside.
+    api, _runner, custom = cluster
+    create(custom, service("idle", replicas={"min": 2, "max": 2}, autoscaling={"intervalSeconds": 1}))
+    wait_for(lambda: converged(api, "idle", 2, 0), what="2 active")
+    wait_for(lambda: condition(api, "idle", "MetricsAvailable").get("status") == "True", what="scraped")
+    time.sleep(2)  # the pass after the last change has written its status
+    before = api.request_counts()
+    time.sleep(16 * TICK)  # 16 ticks, 4 scrapes
+    after = api.request_counts()
+    made = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+    # kopf itself lists pods once each time its watch reconnects (every 10 s here), not every tick.
+    assert made.get(("LIST", "pods", ""), 0) <= 1, made
+    assert ("PATCH", "inferenceservices", "status") not in made, made
+    assert ("PATCH", "inferenceservices", "") not in made, made
+    assert condition(api, "idle", "MetricsAvailable").get("status") == "True"
+
+
 def test_an_inference_service_becomes_pods_a_service_and_a_policy(cluster: Any) -> None:
     api, _runner, custom = cluster
     create(

@@ -56,6 +56,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "ember_localcluster.bench_fleet",
         "a fleet behind its Service (round robin) and behind ember router, side by side",
     ),
+    "operator": (
+        "ember_localcluster.bench_operator",
+        "the operator's API requests, CPU and reconcile latency at fleet size (fake pods)",
+    ),
 }
 BENCH_HELP = "benchmarks (ratios measured side by side in one run)"
 

@@ -2,10 +2,14 @@
 at once when one of its engine pods stops or starts being Ready (so a failed active pod is replaced by a
 warm one without waiting for the tick).
 
-A pass reads the InferenceService and its pods, asks the pure parts what should be (`desired`, `rollout`,
+A pass reads the InferenceService and its pods (from the pod watch's index, `podcache`), asks the pure parts what should be (`desired`, `rollout`,
 `autoscaler` through `scaling`, `status`), makes the children match, and writes status. Nothing is
 remembered that cannot be re-derived: the autoscaler's target and decisions are restored from status
 after a restart.
+
+An idle InferenceService costs the API server nothing per pass: pods come from the watch, children are
+read again only when what they should be changes or at a resync (`known`), and status is patched only with
+the fields that changed.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ember_operator.autoscaler import Decision
 from ember_operator.desired import (
     ACTIVE,
     MANAGED_BY_LABEL,
+    NAME_LABEL,
     ROLE_LABEL,
     WARM,
     Owner,
@@ -35,7 +40,6 @@ from ember_operator.desired import (
     desired_pod,
     desired_policy_configmap,
     desired_service,
-    instance_labels,
     selector_string,
     service_endpoint,
     template_hash,
@@ -48,7 +52,9 @@ from ember_operator.groups import (
     group_selector,
     instance_of,
 )
+from ember_operator.known import Known
 from ember_operator.kube import Kube, NameConflict, load_balancer_address, new_api_client
+from ember_operator.podcache import INDEX, index_pod, indexed
 from ember_operator.podpatch import PodTemplateError
 from ember_operator.pods import (
     Trouble,
@@ -60,7 +66,7 @@ from ember_operator.pods import (
 )
 from ember_operator.rollout import PodPlan, plan_pods
 from ember_operator.scaling import Memory, autoscale, record
-from ember_operator.scrape import scrape_pending
+from ember_operator.scrape import Scraper
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
 from ember_operator.status import Assessment, Condition, render_conditions
 from ember_operator.units import CrashLog, Units, collect_units
@@ -71,6 +77,7 @@ class Settings:
     tick: float = 2.0  # seconds between reconcile passes of one InferenceService
     cluster_domain: str = "cluster.local"
     scrape_timeout: float = 2.0
+    resync: float = 60.0  # seconds between reads of children whose desired state has not changed
 
 
 def _now() -> datetime:
@@ -85,6 +92,7 @@ class Reconciler:
         self._pod_ready: dict[str, bool] = {}  # by pod uid: readiness last seen
         self._gone: set[str] = set()  # uids of InferenceServices seen deleted
         self._crashes = CrashLog()  # crashes of multi-node groups' pods
+        self._scraper = Scraper(settings.scrape_timeout)
 
     def _memory(self, uid: str, status: dict[str, Any]) -> Memory:
         memory = self._memories.get(uid)
@@ -104,7 +112,7 @@ class Reconciler:
         meta: kopf.Meta,
         status: kopf.Status,
         patch: kopf.Patch,
-        **_: Any,
+        **kwargs: Any,
     ) -> None:
         name, namespace = meta["name"], meta["namespace"]
         if meta["uid"] in self._gone or meta.get("deletionTimestamp"):
@@ -112,13 +120,19 @@ class Reconciler:
         memory = self._memory(meta["uid"], dict(status))
         async with memory.lock:  # the timer, the change handlers and pod events may overlap
             try:
-                await self._pass(body, dict(spec), meta, dict(status), patch, memory)
+                await self._pass(body, dict(spec), meta, dict(status), patch, memory, kwargs.get(INDEX))
             except ApiException as e:
                 metrics.RECONCILES.labels(namespace, name, "error").inc()
                 raise kopf.TemporaryError(
                     f"API error {e.status}: {e.reason}", delay=self.settings.tick
                 ) from e
+        changed = only_changes(dict(patch.pop("status", None) or {}), dict(status))
+        if changed:
+            patch.status.update(changed)
         metrics.RECONCILES.labels(namespace, name, "ok").inc()
+
+    async def cleanup(self, **_: Any) -> None:
+        await self._scraper.close()
 
     async def resource_event(self, event: kopf.RawEvent, meta: kopf.Meta, **_: Any) -> None:
         """Forget an InferenceService's memory once it is gone."""
@@ -127,7 +141,7 @@ class Reconciler:
             self._gone.add(meta.get("uid", ""))
             metrics.forget(meta.get("namespace", ""), meta.get("name", ""))
 
-    async def pod_event(self, event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
+    async def pod_event(self, event: kopf.RawEvent, body: kopf.Body, **kwargs: Any) -> None:
         """A pod of an InferenceService changed: when its readiness flipped (or it is gone), run the owner's
         pass now rather than at the next tick."""
         meta = body.get("metadata") or {}
@@ -170,13 +184,13 @@ class Reconciler:
         patch = kopf.Patch()
         async with memory.lock:
             owner_body = kopf.Body(obj)  # type: ignore[arg-type]
+            status = obj.get("status") or {}
             await self._pass(
-                owner_body, obj.get("spec") or {}, owner_body.meta, obj.get("status") or {}, patch, memory
+                owner_body, obj.get("spec") or {}, owner_body.meta, status, patch, memory, kwargs.get(INDEX)
             )
-        if patch.status:
-            await asyncio.to_thread(
-                kube.patch_status, obj["metadata"]["namespace"], owner["name"], dict(patch.status)
-            )
+        changed = only_changes(dict(patch.status), status)
+        if changed:
+            await asyncio.to_thread(kube.patch_status, obj["metadata"]["namespace"], owner["name"], changed)
 
     async def _pass(
         self,
@@ -186,6 +200,7 @@ class Reconciler:
         status: dict[str, Any],
         patch: kopf.Patch,
         memory: Memory,
+        pod_index: Any,
     ) -> None:
         name, namespace = meta["name"], meta["namespace"]
         generation = int(meta.get("generation") or 0)
@@ -208,20 +223,30 @@ class Reconciler:
         owner = Owner(name, namespace, meta["uid"])
         kube = await self.kube()
         troubles: list[Trouble] = []
-        fallback_url = await self._fallback_url(kube, spec, owner, troubles)
-        await self._ensure(kube, desired_policy_configmap(owner, spec, fallback_url), ("data",), troubles)
+        memory.known.begin(self.settings.resync)
+        fallback_url = await self._fallback_url(kube, spec, owner, troubles, memory.known)
+        cm = desired_policy_configmap(owner, spec, fallback_url)
+        await self._ensure(kube, cm, ("data",), troubles, memory.known)
         selector = router.service_selector(name, spec)
-        service = await self._ensure(kube, desired_service(owner, selector), ("spec",), troubles)
-        routers = await self._routers(kube, owner, spec, troubles, status.get("router") is not None)
+        service = await self._ensure(
+            kube, desired_service(owner, selector), ("spec",), troubles, memory.known
+        )
+        routers = await self._routers(
+            kube, owner, spec, troubles, status.get("router") is not None, memory.known
+        )
 
-        listed = await asyncio.to_thread(kube.list_pods, namespace, selector_string(instance_labels(name)))
-        groups = await asyncio.to_thread(kube.list_groups, namespace, group_selector(name))
+        listed = memory.pending.pods(indexed(pod_index, namespace, name))
+        groups: list[dict[str, Any]] | None = []
+        if spec.resources.nodes > 1 or memory.has_groups is not False:
+            # Listed while there are any (or may be): a pass with nodes 1 retires the groups left over.
+            groups = await asyncio.to_thread(kube.list_groups, namespace, group_selector(name))
+            memory.has_groups = bool(groups)
         units = collect_units(owner.uid, listed, groups or [])
         for p in listed:
             self._crashes.record(p)
         views = units.views
 
-        await autoscale(body, spec, owner, units.serving, views, memory, now, self.settings.scrape_timeout)
+        await autoscale(body, spec, owner, units.serving, views, memory, now, self._scraper)
         assert memory.desired is not None
         if spec.router.enabled and memory.desired == 0:
             await self._wake(body, kube, spec, owner, memory, now)
@@ -246,13 +271,13 @@ class Reconciler:
                     f"LeaderWorkerSet API ({LWS_GROUP}/{LWS_VERSION}): install the LeaderWorkerSet controller",
                 )
             )
-        await self._ensure(kube, desired_pdb(owner, spec, memory.desired), ("spec",), troubles)
+        await self._ensure(kube, desired_pdb(owner, spec, memory.desired), ("spec",), troubles, memory.known)
         try:
             desired_pod(owner, spec, WARM, pod_hash)
         except PodTemplateError as e:  # no pod can be made: leave the ones there are as they are
             troubles.append(Trouble("PodTemplateInvalid", str(e)))
         else:
-            await self._mirror_group_roles(kube, namespace, units)
+            await self._mirror_group_roles(kube, namespace, units, memory)
             troubles += await self._apply(body, kube, owner, spec, pod_hash, plan, memory, units)
         wait = spec.capacity_wait_seconds
         current = [
@@ -301,7 +326,7 @@ class Reconciler:
         metrics.publish_status(namespace, name, dict(patch.status))
 
     async def _fallback_url(
-        self, kube: Kube, spec: InferenceServiceSpec, owner: Owner, troubles: list[Trouble]
+        self, kube: Kube, spec: InferenceServiceSpec, owner: Owner, troubles: list[Trouble], known: Known
     ) -> str | None:
         f = spec.fallback
         if f is None:
@@ -312,6 +337,9 @@ class Reconciler:
         if f.service == owner.name:
             troubles.append(Trouble("FallbackInvalid", "fallback.service names this InferenceService itself"))
             return None
+        seen, endpoint = known.get("fallback", f.service)
+        if seen:
+            return str(endpoint)
         other = await asyncio.to_thread(kube.get_inference_service, owner.namespace, f.service)
         if other is None:
             troubles.append(
@@ -321,8 +349,12 @@ class Reconciler:
                 )
             )
             return None
-        endpoint = (other.get("status") or {}).get("endpoint")
-        return endpoint or service_endpoint(f.service, owner.namespace, self.settings.cluster_domain)
+        published = (other.get("status") or {}).get("endpoint")
+        endpoint = published or service_endpoint(f.service, owner.namespace, self.settings.cluster_domain)
+        # Settled once the fallback publishes an address of its own; until then read again soon.
+        internal = service_endpoint(f.service, owner.namespace, self.settings.cluster_domain)
+        known.put("fallback", f.service, endpoint, settled=bool(published) and published != internal)
+        return str(endpoint)
 
     async def _apply(
         self,
@@ -342,7 +374,7 @@ class Reconciler:
         troubles: list[Trouble] = []
         replaced = dict((warm, failed) for failed, warm in plan.failovers)
         for pod in plan.promote:
-            await self._set_role(kube, ns, pod, ACTIVE, units)
+            await self._set_role(kube, ns, pod, ACTIVE, units, memory)
             metrics.POD_CHANGES.labels(ns, name, "promoted").inc()
             if pod in replaced:
                 kopf.warn(
@@ -353,7 +385,7 @@ class Reconciler:
             else:
                 kopf.info(body, reason="Promoted", message=f"warm pod {pod} now serves traffic")
         for pod in plan.demote:
-            await self._set_role(kube, ns, pod, WARM, units)
+            await self._set_role(kube, ns, pod, WARM, units, memory)
             metrics.POD_CHANGES.labels(ns, name, "demoted").inc()
             kopf.info(body, reason="Demoted", message=f"pod {pod} returned to the warm pool")
         backing_off = memory.create_refused is not None and time.monotonic() < memory.create_retry_at
@@ -364,7 +396,10 @@ class Reconciler:
                 if spec.resources.nodes > 1:
                     await asyncio.to_thread(kube.create_group, desired_group(owner, spec, WARM, pod_hash))
                 else:
-                    await asyncio.to_thread(kube.create_pod, desired_pod(owner, spec, WARM, pod_hash))
+                    created = await asyncio.to_thread(
+                        kube.create_pod, desired_pod(owner, spec, WARM, pod_hash)
+                    )
+                    memory.pending.wrote(created)
             except ApiException as e:
                 refused = refusal(e, "an engine group" if spec.resources.nodes > 1 else "an engine pod")
                 if refused is None:
@@ -379,34 +414,50 @@ class Reconciler:
             metrics.POD_CHANGES.labels(ns, name, "created").inc()
         for pod in plan.delete:
             await asyncio.to_thread(kube.delete_group if units.is_group(pod) else kube.delete_pod, ns, pod)
+            if not units.is_group(pod):
+                memory.pending.deleted(pod)
             metrics.POD_CHANGES.labels(ns, name, "deleted").inc()
         return troubles
 
-    async def _set_role(self, kube: Kube, namespace: str, unit: str, role: str, units: Units) -> None:
+    async def _set_role(
+        self, kube: Kube, namespace: str, unit: str, role: str, units: Units, memory: Memory
+    ) -> None:
         """A pod's role label; a group's on the LeaderWorkerSet and on its leader (what the Service selects)."""
         if not units.is_group(unit):
-            await asyncio.to_thread(kube.relabel_pod, namespace, unit, {ROLE_LABEL: role})
+            memory.pending.wrote(
+                await asyncio.to_thread(kube.relabel_pod, namespace, unit, {ROLE_LABEL: role})
+            )
             return
         await asyncio.to_thread(kube.relabel_group, namespace, unit, {ROLE_LABEL: role})
         leader = units.leaders.get(unit)
         if leader is not None:
-            await asyncio.to_thread(
-                kube.relabel_pod, namespace, leader["metadata"]["name"], {ROLE_LABEL: role}
+            memory.pending.wrote(
+                await asyncio.to_thread(
+                    kube.relabel_pod, namespace, leader["metadata"]["name"], {ROLE_LABEL: role}
+                )
             )
 
-    async def _mirror_group_roles(self, kube: Kube, namespace: str, units: Units) -> None:
+    async def _mirror_group_roles(self, kube: Kube, namespace: str, units: Units, memory: Memory) -> None:
         """A recreated group's new leader starts with its template's role: give it the group's."""
         for v in units.views:
             leader = units.leaders.get(v.name)
             if leader is None or leader["metadata"].get("deletionTimestamp"):
                 continue
             if (leader["metadata"].get("labels") or {}).get(ROLE_LABEL) != v.role:
-                await asyncio.to_thread(
-                    kube.relabel_pod, namespace, leader["metadata"]["name"], {ROLE_LABEL: v.role}
+                memory.pending.wrote(
+                    await asyncio.to_thread(
+                        kube.relabel_pod, namespace, leader["metadata"]["name"], {ROLE_LABEL: v.role}
+                    )
                 )
 
     async def _routers(
-        self, kube: Kube, owner: Owner, spec: InferenceServiceSpec, troubles: list[Trouble], had: bool
+        self,
+        kube: Kube,
+        owner: Owner,
+        spec: InferenceServiceSpec,
+        troubles: list[Trouble],
+        had: bool,
+        known: Known,
     ) -> dict[str, Any] | None:
         """Make the router's objects match (or, when it is off and status still shows one (`had`), delete
         them); returns its Deployment."""
@@ -421,7 +472,7 @@ class Reconciler:
             troubles.append(Trouble("RoutingInvalid", problem))
         deployment = None
         for obj in router.desired_objects(owner, spec, urls):
-            deployment = await self._ensure(kube, obj, router.ENSURED_FIELDS[obj["kind"]], troubles)
+            deployment = await self._ensure(kube, obj, router.ENSURED_FIELDS[obj["kind"]], troubles, known)
         if not spec.router.enabled and had:
             name = router.router_name(owner.name)
             for kind in router.KINDS:
@@ -440,17 +491,31 @@ class Reconciler:
         """Scale from zero: read what the routers hold, and raise the target to 1 if they hold anything."""
         selector = selector_string(router.router_selector(owner.name))
         pods = await asyncio.to_thread(kube.list_pods, owner.namespace, selector)
-        pending = await scrape_pending(router.router_metrics_urls(pods), self.settings.scrape_timeout)
+        pending = await self._scraper.pending(router.router_metrics_urls(pods))
         if router.wakes(spec, memory.desired or 0, pending):
             why = f"{pending:g} requests held by the routers with no engine (scale from zero)"
             record(body, owner, memory, Decision(1, why, memory.metrics_ok is not False, ""), now)
 
     async def _ensure(
-        self, kube: Kube, desired: dict[str, Any], fields: tuple[str, ...], troubles: list[Trouble]
+        self,
+        kube: Kube,
+        desired: dict[str, Any],
+        fields: tuple[str, ...],
+        troubles: list[Trouble],
+        known: Known,
     ) -> dict[str, Any] | None:
-        """`kube.ensure`, with a foreign object of the name or a refusal reported as trouble."""
+        """`kube.ensure` unless the same object was made sure of since the last resync, with a foreign object
+        of the name or a refusal reported as trouble (and not remembered: the next pass tries again)."""
+        key = f"{desired['kind']}/{desired['metadata']['name']}"
+        seen, actual = known.get(key, desired)
+        if seen:
+            return dict(actual)
         try:
-            return await asyncio.to_thread(kube.ensure, desired, fields)
+            actual = await asyncio.to_thread(kube.ensure, desired, fields)
+            # A Service's address may yet be published in its status: read it again soon until it is.
+            published = desired["kind"] != "Service" or load_balancer_address(actual) is not None
+            known.put(key, desired, actual, settled=published)
+            return dict(actual)
         except NameConflict as e:
             troubles.append(Trouble("NameConflict", str(e)))
         except ApiException as e:
@@ -469,6 +534,11 @@ class Reconciler:
         elif memory.stalled is not None:
             kopf.info(body, reason="Recovered", message="no longer stalled")
         memory.stalled = message
+
+
+def only_changes(status: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a pass's `status` whose value differs from what the object's status has now."""
+    return {k: v for k, v in status.items() if current.get(k) != v}
 
 
 def refusal(e: ApiException, what: str) -> Trouble | None:
@@ -510,7 +580,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> Reconciler:
     kopf.on.event("v1", "pods", labels={MANAGED_BY_LABEL: "ember-operator"}, registry=registry)(
         reconciler.pod_event
     )
+    # Filled from the same pod watch; kopf starts no other handler before its first listing is in.
+    kopf.index("v1", "pods", id=INDEX, labels={NAME_LABEL: "ember"}, registry=registry)(index_pod)
     kopf.on.event(*resource, registry=registry)(reconciler.resource_event)
+    kopf.on.cleanup(registry=registry)(reconciler.cleanup)
     _no_finalizer_for(registry, "reconcile-tick")
     return reconciler
 

@@ -100,9 +100,11 @@ class Kube:
             self.core.create_namespaced_pod(pod["metadata"]["namespace"], pod, _preload_content=False)
         )
 
-    def relabel_pod(self, namespace: str, name: str, labels: dict[str, str]) -> None:
-        self.core.patch_namespaced_pod(
-            name, namespace, {"metadata": {"labels": labels}}, _preload_content=False
+    def relabel_pod(self, namespace: str, name: str, labels: dict[str, str]) -> Obj:
+        return _json(
+            self.core.patch_namespaced_pod(
+                name, namespace, {"metadata": {"labels": labels}}, _preload_content=False
+            )
         )
 
     def delete_pod(self, namespace: str, name: str) -> None:

@@ -38,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tick", type=float, default=2.0, help="seconds between reconcile passes (default 2)")
     p.add_argument("--cluster-domain", default="cluster.local", help="for the endpoint in status")
     p.add_argument("--scrape-timeout", type=float, default=2.0, help="seconds per engine /metrics scrape")
+    p.add_argument(
+        "--resync",
+        type=float,
+        default=60.0,
+        help="seconds between reads of each Service, ConfigMap and PodDisruptionBudget whose desired state "
+        "has not changed: how long someone else's edit to one can stand (default 60)",
+    )
     p.add_argument("--health-port", type=int, default=8081, help="serves /healthz (0: off)")
     p.add_argument("--metrics-port", type=int, default=8080, help="serves Prometheus /metrics (0: off)")
     p.add_argument("--verbose", action="store_true")
@@ -72,7 +79,7 @@ async def run(args: argparse.Namespace) -> None:
     from ember_operator.handlers import Settings, register
 
     registry = kopf.OperatorRegistry()
-    register(registry, Settings(args.tick, args.cluster_domain, args.scrape_timeout))
+    register(registry, Settings(args.tick, args.cluster_domain, args.scrape_timeout, args.resync))
     if args.metrics_port:
         metrics.serve(args.metrics_port)
 

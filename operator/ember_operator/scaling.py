@@ -17,9 +17,11 @@ import kopf
 from ember_operator import metrics
 from ember_operator.autoscaler import Decision, History, Observation, clamp, decide
 from ember_operator.desired import ACTIVE, Owner
+from ember_operator.known import Known
+from ember_operator.podcache import Pending
 from ember_operator.pods import metrics_url
 from ember_operator.rollout import PodView
-from ember_operator.scrape import PodSample, scrape_pods
+from ember_operator.scrape import PodSample, Scraper
 from ember_operator.spec import InferenceServiceSpec
 from ember_operator.status import Condition
 
@@ -48,6 +50,9 @@ class Memory:
     create_refused: Any = None  # the Trouble of the latest refused pod creation, while backing off
     create_backoff: float = 0.0  # seconds until the next try; doubles up to a minute
     create_retry_at: float = 0.0  # time.monotonic() of the next try
+    pending: Pending = field(default_factory=Pending)  # pod writes the pod index may not show yet
+    has_groups: bool | None = None  # whether the last LeaderWorkerSet LIST found any (None: not listed)
+    known: Known = field(default_factory=Known)  # children made sure of, until the next resync
 
     @classmethod
     def restored(cls, status: dict[str, Any]) -> Memory:
@@ -77,7 +82,7 @@ async def autoscale(
     views: list[PodView],
     memory: Memory,
     now: datetime,
-    scrape_timeout: float,
+    scraper: Scraper,
 ) -> None:
     """Update memory.desired: the External target, or (when due) the Builtin autoscaler's decision."""
     replicas = spec.replicas
@@ -122,7 +127,7 @@ async def autoscale(
         for p, v in zip(pods, views, strict=True)
         if v.role == ACTIVE and v.ready and not v.deleting and (url := metrics_url(p))
     }
-    results = await scrape_pods(targets, scrape_timeout) if targets else {}
+    results = await scraper.scrape(targets) if targets else {}
     samples = {n: r for n, r in results.items() if isinstance(r, PodSample)}
     failed = [f"{n}: {r}" for n, r in results.items() if isinstance(r, str)]
     if failed:

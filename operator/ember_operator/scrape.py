@@ -1,14 +1,19 @@
-"""Reading engine pods' Prometheus /metrics: the three autoscaling gauges and the fallback counter."""
+"""Reading engine pods' Prometheus /metrics: the three autoscaling gauges and the fallback counter.
+
+An engine's page is ~30 KB, nearly all histograms the autoscaler never reads. `parse_sample` looks only at
+the lines of the four series it needs (a prefix test per line) instead of parsing every family, and runs in
+a worker thread, so a scrape of many pods does not hold up the event loop. One `Scraper` keeps one
+connection per pod open for the operator's life (`httpget.Getter`), from one scrape to the next.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from ember_operator.autoscaler import PodLoad
+from ember_operator.httpget import Getter, HTTPStatusError
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,45 +27,98 @@ _GAUGES = {
     "vllm:num_requests_running": "running",
     "vllm:kv_cache_usage_perc": "kv_cache",
 }
+_FALLBACK = "ember:fallback_requests_total"
+_PREFIXES = (*_GAUGES, _FALLBACK)
+
+
+def _series(line: str) -> tuple[str, str, float] | None:
+    """(name, labels text, value) of a sample line in the text exposition format; None for others."""
+    brace = line.find("{")
+    if brace >= 0:
+        close = line.rfind("}")
+        if close < brace:
+            return None
+        name, labels, rest = line[:brace], line[brace + 1 : close], line[close + 1 :]
+    else:
+        name, _, rest = line.partition(" ")
+        labels = ""
+    fields = rest.split()
+    if not fields:
+        return None
+    try:
+        value = float(fields[0])  # Prometheus writes NaN and +Inf as float() reads them
+    except ValueError:
+        return None
+    return name.strip(), labels, value
 
 
 def parse_sample(text: str) -> PodSample:
     """The sample in one /metrics page (series summed over their labels); a missing gauge is an error."""
     values: dict[str, float] = {}
     fallback = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in _GAUGES:
-                key = _GAUGES[s.name]
-                values[key] = values.get(key, 0.0) + s.value
-            elif s.name == "ember:fallback_requests_total" and s.labels.get("outcome") == "served":
-                fallback += s.value
+    for line in text.splitlines():
+        if not line.startswith(_PREFIXES):
+            continue
+        parsed = _series(line)
+        if parsed is None:
+            continue
+        name, labels, value = parsed
+        if name in _GAUGES:
+            key = _GAUGES[name]
+            values[key] = values.get(key, 0.0) + (0.0 if math.isnan(value) else value)
+        elif name == _FALLBACK and 'outcome="served"' in labels:
+            fallback += value
     missing = sorted(name for name, key in _GAUGES.items() if key not in values)
     if missing:
         raise ValueError(f"no {', '.join(missing)} in /metrics")
     return PodSample(PodLoad(values["waiting"], values["running"], values["kv_cache"]), fallback)
 
 
-async def scrape_pod(client: httpx.AsyncClient, url: str) -> PodSample:
-    response = await client.get(url)
-    response.raise_for_status()
-    return parse_sample(response.text)
+class Scraper:
+    """Scrapes pods concurrently, each through its own kept-open connection (call `close` at the end)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._getter = Getter(timeout)
+
+    async def close(self) -> None:
+        await self._getter.close()
+
+    async def _page(self, url: str) -> str | Exception:
+        try:
+            return (await self._getter.get(url)).decode("utf-8", "replace")
+        except HTTPStatusError as e:
+            return ValueError(str(e))
+        except TimeoutError:
+            return ValueError(f"TimeoutError: no answer from {url} within {self.timeout:g} s")
+        except (OSError, ValueError) as e:
+            return ValueError(f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} from {url}")
+
+    async def scrape(self, urls: dict[str, str]) -> dict[str, PodSample | str]:
+        """Each pod's sample, or why it could not be had."""
+        self._getter.close_idle()
+        pages = await asyncio.gather(*(self._page(u) for u in urls.values()))
+        results = await asyncio.to_thread(_parse_all, list(zip(urls.values(), pages, strict=True)))
+        return dict(zip(urls, results, strict=True))
+
+    async def pending(self, urls: list[str]) -> float:
+        """Requests held by the routers at `urls` (their /metrics pages), summed; a router that cannot be
+        read counts nothing."""
+        pages = await asyncio.gather(*(self._page(u) for u in urls))
+        return sum(_pending_or_nothing(p) for p in pages)
 
 
-async def scrape_pods(urls: dict[str, str], timeout: float) -> dict[str, PodSample | str]:
-    """Each pod's sample, or why it could not be had, scraped concurrently."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
-
-        async def one(url: str) -> PodSample | str:
-            try:
-                return await scrape_pod(client, url)
-            except httpx.HTTPStatusError as e:
-                return f"HTTP {e.response.status_code} from {url}"
-            except (httpx.HTTPError, ValueError) as e:
-                return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} from {url}"
-
-        results = await asyncio.gather(*(one(u) for u in urls.values()))
-    return dict(zip(urls, results, strict=True))
+def _parse_all(pages: list[tuple[str, str | Exception]]) -> list[PodSample | str]:
+    out: list[PodSample | str] = []
+    for _url, page in pages:
+        if isinstance(page, Exception):
+            out.append(str(page))
+            continue
+        try:
+            out.append(parse_sample(page))
+        except ValueError as e:
+            out.append(f"ValueError: {e}")
+    return out
 
 
 PENDING = "ember_router:pending_requests"
@@ -68,24 +126,18 @@ PENDING = "ember_router:pending_requests"
 
 def parse_pending(text: str) -> float:
     """`ember_router:pending_requests` from a router's /metrics page; ValueError when it is not there."""
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == PENDING:
-                return float(s.value)
+    for line in text.splitlines():
+        if line.startswith(PENDING):
+            series = _series(line)
+            if series is not None and series[0] == PENDING:
+                return series[2]
     raise ValueError(f"no {PENDING} in /metrics")
 
 
-async def scrape_pending(urls: list[str], timeout: float) -> float:
-    """Requests held by the routers at `urls` (their /metrics pages), summed; a router that cannot be read
-    counts nothing."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
-
-        async def one(url: str) -> float:
-            try:
-                response = await client.get(url)
-                response.raise_for_status()
-                return parse_pending(response.text)
-            except (httpx.HTTPError, ValueError):
-                return 0.0
-
-        return sum(await asyncio.gather(*(one(u) for u in urls)))
+def _pending_or_nothing(page: str | Exception) -> float:
+    if isinstance(page, Exception):
+        return 0.0
+    try:
+        return parse_pending(page)
+    except ValueError:
+        return 0.0

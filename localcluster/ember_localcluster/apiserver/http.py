@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,9 +90,16 @@ def _continue_after(token: str) -> tuple[str, str]:
 
 class Handler:
     def __init__(
-        self, store: Store, *, bookmark_interval: float, pods_dirs: Mapping[str, Path] | None = None
+        self,
+        store: Store,
+        *,
+        bookmark_interval: float,
+        pods_dirs: Mapping[str, Path] | None = None,
+        requests: Counter[tuple[str, str, str]] | None = None,
     ) -> None:
         self.store = store
+        # (verb, resource, subresource) -> requests served, as kube-apiserver's apiserver_request_total
+        self.requests: Counter[tuple[str, str, str]] = requests if requests is not None else Counter()
         self.bookmark_interval = bookmark_interval
         # node name -> the pods directory of the kubelet running that node (read by `pods/log`)
         self.pods_dirs: Mapping[str, Path] = pods_dirs if pods_dirs is not None else {}
@@ -114,9 +122,9 @@ class Handler:
         parts = [part for part in request.path.split("/") if part]
         registry = self.store.registry
         if parts[:1] == ["api"] and len(parts) > 2:
-            return await self._resource(request, self._target("", parts[1], parts[2:], request.path))
+            return await self._resource(request, self._counted(request, "", parts[1], parts[2:]))
         if parts[:1] == ["apis"] and len(parts) > 3:
-            return await self._resource(request, self._target(parts[1], parts[2], parts[3:], request.path))
+            return await self._resource(request, self._counted(request, parts[1], parts[2], parts[3:]))
         if request.method != "GET":
             raise method_not_allowed(request.method)
         if parts == ["version"]:
@@ -139,6 +147,20 @@ class Handler:
         if document is None:
             raise page_not_found(request.path)
         return _json(document)
+
+    def _counted(self, request: web.Request, group: str, version: str, rest: list[str]) -> Target:
+        """The target of a resource request, counted by kube-apiserver's verb: GET of a collection is
+        LIST (WATCH with `watch`), DELETE of one DELETECOLLECTION, the other methods their own names."""
+        # Counted before the path is resolved: a request for a resource not served (404) counts too.
+        namespace_object = len(rest) == 3 and rest[0] == "namespaces" and rest[2] in ("status", "finalize")
+        names = rest[2:] if rest[0] == "namespaces" and len(rest) >= 3 and not namespace_object else rest
+        verb = request.method
+        if len(names) == 1 and verb == "GET":
+            verb = "WATCH" if request.query.get("watch") in ("true", "1") else "LIST"
+        elif len(names) == 1 and verb == "DELETE":
+            verb = "DELETECOLLECTION"
+        self.requests[(verb, names[0], names[2] if len(names) > 2 else "")] += 1
+        return self._target(group, version, rest, request.path)
 
     def _target(self, group: str, version: str, rest: list[str], path: str) -> Target:
         namespace = None
@@ -313,9 +335,13 @@ class Handler:
 
 
 def build_app(
-    store: Store, *, bookmark_interval: float, pods_dirs: Mapping[str, Path] | None = None
+    store: Store,
+    *,
+    bookmark_interval: float,
+    pods_dirs: Mapping[str, Path] | None = None,
+    requests: Counter[tuple[str, str, str]] | None = None,
 ) -> web.Application:
-    handler = Handler(store, bookmark_interval=bookmark_interval, pods_dirs=pods_dirs)
+    handler = Handler(store, bookmark_interval=bookmark_interval, pods_dirs=pods_dirs, requests=requests)
     app = web.Application(client_max_size=32 * 1024 * 1024)
     app.router.add_route("*", "/{tail:.*}", handler.dispatch)
     return app

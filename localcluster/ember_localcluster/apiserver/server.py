@@ -17,6 +17,7 @@ import copy
 import json
 import socket
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -74,6 +75,7 @@ class APIServer:
         )
         self._bookmark_interval = bookmark_interval
         self._pods_dirs: dict[str, Path] = {}
+        self._requests: Counter[tuple[str, str, str]] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -115,7 +117,12 @@ class APIServer:
         failures: list[BaseException],
     ) -> None:
         asyncio.set_event_loop(loop)
-        app = build_app(self.store, bookmark_interval=self._bookmark_interval, pods_dirs=self._pods_dirs)
+        app = build_app(
+            self.store,
+            bookmark_interval=self._bookmark_interval,
+            pods_dirs=self._pods_dirs,
+            requests=self._requests,
+        )
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
 
         async def serve() -> None:
@@ -181,6 +188,12 @@ class APIServer:
         self._pods_dirs.update({node: Path(pods_dir) for node in nodes})
 
     # -- thread-safe helpers -----------------------------------------------------------------------
+
+    def request_counts(self) -> dict[tuple[str, str, str], int]:
+        """Requests served so far over HTTP by (verb, resource, subresource), as kube-apiserver counts
+        them in `apiserver_request_total`: verbs LIST, WATCH, GET, POST, PUT, PATCH, DELETE and
+        DELETECOLLECTION; subresource "" for the object itself. The blocking helpers are not counted."""
+        return self.call(lambda: dict(self._requests))
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn(*args, **kwargs)` on the server's loop and return a deep copy of its result."""
