@@ -548,7 +548,8 @@ def test_fields_the_operator_does_not_manage_are_left_alone(cluster: Any) -> Non
     assert svc is not None
     assert svc["spec"]["type"] == "LoadBalancer"
     assert svc["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-type"] == "nlb"
-    assert svc["spec"]["selector"]["ember.dev/role"] == "active"  # what it does manage stays its own
+    # What it does manage stays its own: the selector, here of the router pods.
+    assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "ember-router", "ember.dev/router": "tended"}
 
 
 def test_unschedulable_pods_wait_for_capacity_then_stall(cluster: Any) -> None:
