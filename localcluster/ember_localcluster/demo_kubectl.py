@@ -102,7 +102,7 @@ class Kubectl:
     @property
     def how(self) -> str:
         return (
-            f"kubectl ({self.binary})" if self.binary else "the Kubernetes Python client (no kubectl on PATH)"
+            f"kubectl ({self.binary})" if self.binary else "the Kubernetes Python client, in kubectl's place"
         )
 
     def show(self, *args: str) -> str:
