@@ -142,11 +142,8 @@ class LLMEngine:
                 priority=priority,
                 arrival_time=arrival,
                 cache_salt=cache_salt,
-                generator=(
-                    None
-                    if params.seed is None
-                    else make_generator(child_seed(params.seed, i), self.runner.device)
-                ),
+                generator=None if params.seed is None else make_generator(0, self.runner.device),
+                seed=None if params.seed is None else child_seed(params.seed, i),
                 index=i,
             )
             for i in range(params.n)

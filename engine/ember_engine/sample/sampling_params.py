@@ -77,3 +77,5 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            bad("seed", f"must fit in 64 bits (signed or unsigned), got {self.seed}")

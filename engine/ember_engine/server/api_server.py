@@ -6,8 +6,10 @@ counters are in `state`, turning engine outputs into responses in `responses`, e
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from ember_engine.async_engine import AsyncEngine
 from ember_engine.core.outputs import RequestOutput
 from ember_engine.server.admission import Admit, Shed, decide
+from ember_engine.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, arrival_of
 from ember_engine.server.chat import ChatTemplateError, render_chat
 from ember_engine.server.errors import _error_response, add_error_handlers
 from ember_engine.server.fallback import FallbackFailed
@@ -31,10 +34,11 @@ from ember_engine.server.state import ServerState, _Ticket
 log = logging.getLogger("ember.server")
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="ember", version="0.1.0")
 
     add_error_handlers(app)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -120,7 +124,9 @@ async def _serve(
     assert isinstance(verdict, Admit)
     engine = state.engine
     assert engine is not None  # decide() sheds while not ready
-    prompts = _prompt_token_ids(engine, body)
+    # Templating and tokenizing a long prompt take a while: the event loop serves others meanwhile.
+    prompts = await asyncio.to_thread(_prompt_token_ids, engine, body)
+    arrival = arrival_of(request.scope)
     for ids in prompts:  # a bad prompt is a 400 before anything is queued
         try:
             engine.engine.check_prompt(ids, params)
@@ -132,7 +138,9 @@ async def _serve(
 
     def generators() -> list[AsyncIterator[RequestOutput]]:
         return [
-            _tracked(engine.generate(ids, params, f"{fmt.id}-{i}", priority, body.cache_salt), ticket)
+            _tracked(
+                engine.generate(ids, params, f"{fmt.id}-{i}", priority, body.cache_salt, arrival), ticket
+            )
             for i, ids in enumerate(prompts)
         ]
 
@@ -185,8 +193,10 @@ def _deadline(
             raise APIError(
                 400, f"x-ember-timeout: not a number of seconds: {header!r}", param="x-ember-timeout"
             ) from None
-        if value <= 0:
-            raise APIError(400, "x-ember-timeout: must be > 0", param="x-ember-timeout")
+        if not math.isfinite(value) or value <= 0:
+            raise APIError(
+                400, f"x-ember-timeout: must be a finite number > 0, got {header!r}", param="x-ember-timeout"
+            )
         return value
     return body.timeout or default or None
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.server.text_checks import lone_surrogate
 
 MAX_N = 16
 
@@ -68,6 +69,14 @@ class _SamplingFields(BaseModel):
     timeout: float | None = Field(default=None, gt=0.0)  # seconds; the request's deadline
     cache_salt: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        problem = lone_surrogate(data)
+        if problem is not None:
+            raise ValueError(problem)
+        return data
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -123,7 +132,8 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        # OpenAI's and vLLM's default for completions (chat runs to the context limit instead).
+        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
 
 
 class TextPart(BaseModel):

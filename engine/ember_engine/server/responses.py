@@ -150,6 +150,7 @@ async def _stream(
     ends_at = None if deadline is None else loop.time() + deadline
     sent_logprobs: Counter[int] = Counter()
     started: set[int] = set()
+    ended: set[int] = set()
     usage = Usage()
     try:
         while True:
@@ -171,8 +172,11 @@ async def _stream(
                 return
             for o in out.outputs:
                 index = i * n + o.index
-                if not (o.delta_text or o.finish_reason or index not in started):
+                # A finished choice stays in every later update of its prompt: its end was sent once.
+                if index in ended or not (o.delta_text or o.finish_reason or index not in started):
                     continue
+                if o.finish_reason:
+                    ended.add(index)
                 new_lps = None
                 if o.logprobs is not None:
                     new_lps = o.logprobs[sent_logprobs[index] :]
