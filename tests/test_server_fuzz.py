@@ -27,7 +27,12 @@ def test_no_server_errors(server: InProcessServer) -> None:
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     ops = [op.ok() for op in schema.get_all_operations()]
     posts = [op for op in ops if op.method.upper() == "POST"]
-    assert {op.path for op in posts} == {"/v1/completions", "/v1/chat/completions"}
+    assert {op.path for op in posts} == {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+    }
     statuses: Counter[tuple[str, int]] = Counter()
 
     def fuzz(op: schemathesis.APIOperation) -> None:
@@ -54,7 +59,7 @@ def test_no_server_errors(server: InProcessServer) -> None:
 
     for op in ops:
         fuzz(op)
-    assert len(ops) >= 6
+    assert len(ops) >= 10
     # The fuzzer reached both the generation path and the validation path of each endpoint.
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert statuses[(path, 200)] > 0 and statuses[(path, 400)] > 0, statuses

@@ -175,6 +175,14 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         dev, vocab = logits.device, logits.shape[1]
         logits = _apply_penalties(logits.float(), rows)
+        biased = [
+            (i * vocab + t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
+        ]
+        if biased:
+            flat = logits.clone().view(-1)
+            index = _upload([k for k, _ in biased], torch.long, dev)
+            flat.index_add_(0, index, _upload([b for _, b in biased], torch.float32, dev))
+            logits = flat.view_as(logits)
 
         suppressed = [i * vocab + t for i, r in enumerate(rows) for t in r.suppress_token_ids]
         if suppressed:
