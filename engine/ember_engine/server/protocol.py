@@ -1,6 +1,6 @@
 """The OpenAI request bodies ember accepts, and their translation into SamplingParams.
 
-Unknown fields are ignored (as OpenAI's server does for clients newer than it); ember's extensions
+Undeclared fields are kept aside (`model_extra`) for `unknown_fields`, which refuses or warns; ember's extensions
 (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `priority`, `timeout`, ...) travel
 as extra body fields, the way the `openai` client's `extra_body` sends them.
 """
