@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import hypothesis
+import hypothesis.strategies as st
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
@@ -24,7 +27,12 @@ def test_no_server_errors(server: InProcessServer) -> None:
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     ops = [op.ok() for op in schema.get_all_operations()]
     posts = [op for op in ops if op.method.upper() == "POST"]
-    assert {op.path for op in posts} == {"/v1/completions", "/v1/chat/completions"}
+    assert {op.path for op in posts} == {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+    }
     statuses: Counter[tuple[str, int]] = Counter()
 
     def fuzz(op: schemathesis.APIOperation) -> None:
@@ -51,7 +59,72 @@ def test_no_server_errors(server: InProcessServer) -> None:
 
     for op in ops:
         fuzz(op)
-    assert len(ops) >= 6
+    assert len(ops) >= 10
     # The fuzzer reached both the generation path and the validation path of each endpoint.
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert statuses[(path, 200)] > 0 and statuses[(path, 400)] > 0, statuses
+
+
+def _with_surrogates(value: object, draw: st.DrawFn) -> object:
+    """`value` with a lone surrogate spliced into some of its strings (JSON's "\\ud800" escapes parse into
+    such strings, which no UTF-8 text can hold)."""
+    if isinstance(value, str) and draw(st.booleans()):
+        at = draw(st.integers(0, len(value)))
+        return value[:at] + chr(draw(st.integers(0xD800, 0xDFFF))) + value[at:]
+    if isinstance(value, dict):
+        return {k: v if k == "model" else _with_surrogates(v, draw) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_with_surrogates(v, draw) for v in value]
+    return value
+
+
+def test_lone_surrogates_anywhere_are_400s(server: InProcessServer) -> None:
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    posts = [op.ok() for op in schema.get_all_operations() if op.ok().method.upper() == "POST"]
+    statuses: Counter[int] = Counter()
+
+    def fuzz(path: str, strategy: st.SearchStrategy[schemathesis.Case]) -> None:
+        @settings(
+            max_examples=40,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+            derandomize=True,
+        )
+        @hypothesis.given(case=strategy, data=st.data())
+        def run(case: schemathesis.Case, data: st.DataObject) -> None:
+            if not isinstance(case.body, dict):
+                return
+            body = _with_surrogates({**case.body, "model": "tiny"}, data.draw)
+            # json.dumps writes a lone surrogate as its \\u escape, as a client in any language may.
+            response = httpx.post(
+                f"{server.url}{path}",
+                content=json.dumps(body),
+                headers={"content-type": "application/json"},
+                timeout=30,
+            )
+            statuses[response.status_code] += 1
+            if response.status_code == 504:
+                assert body.get("timeout"), response.text[:300]
+                return
+            assert response.status_code < 500, (response.status_code, response.text[:300])
+            if response.status_code >= 400:
+                assert set(response.json()) == {"error"}, response.text[:300]
+            elif _has_surrogate(body):
+                raise AssertionError(f"a body holding a lone surrogate was served: {response.text[:300]}")
+
+        run()
+
+    for op in posts:
+        fuzz(op.path, op.as_strategy())
+    assert statuses[400] > 0, statuses
+
+
+def _has_surrogate(value: object) -> bool:
+    if isinstance(value, str):
+        return any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogate(v) for v in value)
+    return False

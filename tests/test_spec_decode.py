@@ -83,6 +83,21 @@ def test_sampling_with_the_target_as_draft_accepts_nearly_everything(tiny_model:
     assert out1 == out2  # seeded requests are reproducible with speculation too
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_seeded_sampling_does_not_depend_on_speculation(tiny_model: Path, method: str) -> None:
+    # A seeded request's tokens are a function of its seed and the model alone: the same whether a step
+    # speculated or not, and whatever was accepted.
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, ignore_eos=True, seed=11)
+    expected, _ = run(tiny_model, PROMPTS, params)
+    options: dict[str, object] = {"speculative_adaptive": False}
+    # A one-token suffix is enough to look up, so sampled text gets n-gram proposals too.
+    ngram = {"speculative_method": "ngram", "ngram_min": 1}
+    options |= {"draft_model": str(tiny_model)} if method == "draft" else ngram
+    out, engine = run(tiny_model, PROMPTS, params, **options)
+    assert spec_of(engine).num_drafts > 0
+    assert out == expected
+
+
 def test_requests_that_cannot_speculate_share_the_batch(tiny_model: Path) -> None:
     # Penalties, logprobs and min_tokens keep a request on plain sampling; the others speculate alongside.
     mixed = [

@@ -17,6 +17,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ class _Add:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    arrival_time: float | None
 
 
 @dataclass(slots=True)
@@ -87,9 +89,12 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield an update per step that changed the request; the last has `.finished`. Raises
-        ValueError for a request the engine refuses."""
+        ValueError for a request the engine refuses. `arrival_time` (time.monotonic()) is when the request
+        arrived, now by default: its wait in the engine's inbox counts as queue time."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         rid = request_id or f"req-{next(self._ids)}"
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
@@ -100,7 +105,7 @@ class AsyncEngine:
             self._streams[rid] = (asyncio.get_running_loop(), stream)
         params = params or SamplingParams()
         self.submitted[priority] += params.n
-        self._inbox.put(_Add(rid, prompt, params, priority, cache_salt))
+        self._inbox.put(_Add(rid, prompt, params, priority, cache_salt, arrival))
         finished = False
         try:
             while True:
@@ -182,7 +187,9 @@ class AsyncEngine:
             return
         self.taken_in[item.priority] += item.params.n
         try:
-            self.engine.add_request(item.request_id, item.prompt, item.params, item.priority, item.cache_salt)
+            self.engine.add_request(
+                item.request_id, item.prompt, item.params, item.priority, item.cache_salt, item.arrival_time
+            )
         except ValueError as exc:
             self._deliver(item.request_id, exc)
 

@@ -142,11 +142,8 @@ class LLMEngine:
                 priority=priority,
                 arrival_time=arrival,
                 cache_salt=cache_salt,
-                generator=(
-                    None
-                    if params.seed is None
-                    else make_generator(child_seed(params.seed, i), self.runner.device)
-                ),
+                generator=None if params.seed is None else make_generator(0, self.runner.device),
+                seed=None if params.seed is None else child_seed(params.seed, i),
                 index=i,
             )
             for i in range(params.n)
@@ -169,6 +166,9 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary (size {vocab})")
+        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary (size {vocab})")
         n, limit = len(token_ids), self.max_model_len
         if n >= limit:
             raise ValueError(f"prompt: {n} tokens leave no room to generate within max_model_len {limit}")

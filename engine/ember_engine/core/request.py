@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ember_engine.sample.sampler import SamplingRow
+from ember_engine.sample.sampler import SamplingRow, position_seed
 from ember_engine.sample.sampling_params import SamplingParams
 
 
@@ -29,6 +29,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     generator: torch.Generator | None = None
+    seed: int | None = None  # with a generator: this sample's seed, which keys each token's noise
     index: int = 0  # n > 1: the samples of one prompt are told apart by index
 
     all_token_ids: list[int] = field(init=False)
@@ -86,4 +87,10 @@ class Request:
         suppress: list[int] = []
         if self.num_output_tokens < p.min_tokens:
             suppress = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
-        return SamplingRow(p, self.prompt_token_ids, self.output_token_ids, self.generator, suppress)
+        return SamplingRow(
+            p, self.prompt_token_ids, self.output_token_ids, self.generator, suppress, self.noise_seed(0)
+        )
+
+    def noise_seed(self, ahead: int) -> int | None:
+        """The noise seed of the output token `ahead` places after those known (proposals count)."""
+        return None if self.seed is None else position_seed(self.seed, self.num_output_tokens + ahead)

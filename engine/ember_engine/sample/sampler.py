@@ -17,6 +17,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None  # set when params.seed is not None; owned by the request
     suppress_token_ids: Sequence[int] = ()  # e.g. EOS and stop ids while len(output) < min_tokens
+    noise_seed: int | None = None  # with a generator: reseed it with this before drawing (position_seed)
 
 
 @dataclass(slots=True)
@@ -31,9 +32,28 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return torch.Generator(device=device).manual_seed(seed)
 
 
+_U64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers that spreads every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
 def child_seed(seed: int, index: int) -> int:
-    """Distinct, reproducible streams for the n samples of one seeded request."""
-    return (seed + index * 0x9E3779B1) % (1 << 63)
+    """Distinct, reproducible streams for the n samples of one seeded request (sample 0 keeps the seed's
+    64 bits; a negative seed is its two's complement)."""
+    return seed & _U64 if index == 0 else _mix64((seed & _U64) ^ _mix64(index))
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the noise a seeded sample's output token at `position` is drawn with. Keyed by position,
+    not drawn from a running stream, so the token does not depend on how many draws came before it: a
+    speculative step (proposals, verification) and a plain step pick the same token."""
+    return _mix64(seed ^ _mix64(position + (1 << 40)))
 
 
 def _upload(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -119,11 +139,15 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return probs
 
 
-def sample_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def sample_probs(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int | None] | None = None,
+) -> torch.Tensor:
     """One token per row drawn from `probs` (unnormalised is fine) by the exponential race,
-    argmax(p / E) with E ~ Exp(1). Each seeded row gets exactly V draws from its own generator, so its
-    sample sequence is the same whatever else shares the batch; the other rows share one draw from the
-    default generator."""
+    argmax(p / E) with E ~ Exp(1). Each seeded row gets exactly V draws from its own generator (first reseeded
+    with `seeds[i]` when given), so its sample sequence is the same whatever else shares the batch; the other
+    rows share one draw from the default generator."""
     dev, vocab = probs.device, probs.shape[1]
     noise = torch.empty_like(probs)
     shared = [i for i, g in enumerate(generators) if g is None]
@@ -132,6 +156,9 @@ def sample_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | Non
         noise.index_copy_(0, _upload(shared, torch.long, dev), draw)
     for i, g in enumerate(generators):
         if g is not None:
+            seed = None if seeds is None else seeds[i]
+            if seed is not None:
+                g.manual_seed(seed)
             noise[i].exponential_(generator=g)
     # exponential_ may return an exact 0; 0/0 would be NaN, which argmax prefers over everything.
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
@@ -139,7 +166,7 @@ def sample_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | Non
 
 def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     probs = sampling_probs(logits, [r.params for r in rows])
-    return sample_probs(probs, [r.generator for r in rows])
+    return sample_probs(probs, [r.generator for r in rows], [r.noise_seed for r in rows])
 
 
 class Sampler:
@@ -148,6 +175,14 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         dev, vocab = logits.device, logits.shape[1]
         logits = _apply_penalties(logits.float(), rows)
+        biased = [
+            (i * vocab + t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
+        ]
+        if biased:
+            flat = logits.clone().view(-1)
+            index = _upload([k for k, _ in biased], torch.long, dev)
+            flat.index_add_(0, index, _upload([b for _, b in biased], torch.float32, dev))
+            logits = flat.view_as(logits)
 
         suppressed = [i * vocab + t for i, r in enumerate(rows) for t in r.suppress_token_ids]
         if suppressed:

@@ -26,6 +26,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the chosen token's; k: also the top k
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,5 +76,12 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for token, value in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                bad("logit_bias", f"keys must be token ids >= 0, got {token!r}")
+            if not -100 <= value <= 100:
+                bad("logit_bias", f"values must be in [-100, 100], got {value} for token {token}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            bad("seed", f"must fit in 64 bits (signed or unsigned), got {self.seed}")

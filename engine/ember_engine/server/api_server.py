@@ -6,8 +6,10 @@ counters are in `state`, turning engine outputs into responses in `responses`, e
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -19,22 +21,31 @@ from fastapi.responses import JSONResponse, Response
 from ember_engine.async_engine import AsyncEngine
 from ember_engine.core.outputs import RequestOutput
 from ember_engine.server.admission import Admit, Shed, decide
+from ember_engine.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, arrival_of
 from ember_engine.server.chat import ChatTemplateError, render_chat
 from ember_engine.server.errors import _error_response, add_error_handlers
 from ember_engine.server.fallback import FallbackFailed
 from ember_engine.server.openai_format import Formatter
 from ember_engine.server.policy import PolicyError
-from ember_engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ember_engine.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    checked_template_kwargs,
+)
 from ember_engine.server.responses import _complete, _merge, _stream, _TicketedStream, _tracked
 from ember_engine.server.state import ServerState, _Ticket
+from ember_engine.server.tokenize_api import add_tokenize_routes, model_card
+from ember_engine.server.unknown_fields import check_unknown
 
 log = logging.getLogger("ember.server")
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="ember", version="0.1.0")
 
     add_error_handlers(app)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -77,15 +88,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        max_len = state.engine.engine.max_model_len if state.engine else None
-        card = {
-            "id": state.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "ember",
-            "max_model_len": max_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(state)]}
+
+    add_tokenize_routes(app, state)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -108,6 +113,7 @@ async def _serve(
             param="model",
             code="model_not_found",
         )
+    warning = check_unknown(body.model_extra)
     params = body.to_sampling_params()
     policy = state.policy.policy
     class_name, priority = _priority(state, request, body.priority)
@@ -120,29 +126,48 @@ async def _serve(
     assert isinstance(verdict, Admit)
     engine = state.engine
     assert engine is not None  # decide() sheds while not ready
-    prompts = _prompt_token_ids(engine, body)
+    # Templating and tokenizing a long prompt take a while: the event loop serves others meanwhile.
+    prompts = await asyncio.to_thread(_prompt_token_ids, engine, body)
+    arrival = arrival_of(request.scope)
     for ids in prompts:  # a bad prompt is a 400 before anything is queued
         try:
             engine.engine.check_prompt(ids, params)
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
     deadline = _deadline(request, body, policy.request_timeout_seconds)
-    fmt = Formatter(state.model_name, engine.tokenizer, chat)
+    fmt = Formatter(state.model_name, engine.tokenizer, chat, n=params.n)
+    fmt.token_ids_as_text = body.return_tokens_as_token_ids
+    if isinstance(body, CompletionRequest) and body.echo:
+        fmt.echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in body.prompts()]
     ticket = _Ticket(state, priority, class_name, client, len(prompts), params.n, queue.estimated_wait_s)
 
     def generators() -> list[AsyncIterator[RequestOutput]]:
         return [
-            _tracked(engine.generate(ids, params, f"{fmt.id}-{i}", priority, body.cache_salt), ticket)
+            _tracked(
+                engine.generate(ids, params, f"{fmt.id}-{i}", priority, body.cache_salt, arrival), ticket
+            )
             for i, ids in enumerate(prompts)
         ]
 
     if body.stream:
-        stream = _stream(state, fmt, _merge(generators()), params.n, body.include_usage, deadline, ticket)
-        return _TicketedStream(stream, ticket)
-    try:
-        return await _complete(state, request, fmt, _merge(generators()), params.n, deadline)
-    finally:
-        ticket.release()
+        stream = _stream(
+            state,
+            fmt,
+            _merge(generators()),
+            params.n,
+            body.include_usage,
+            deadline,
+            ticket,
+            body.continuous_usage,
+        )
+        response: Response = _TicketedStream(stream, ticket)
+    else:
+        try:
+            response = await _complete(state, request, fmt, _merge(generators()), params.n, deadline)
+        finally:
+            ticket.release()
+    response.headers.update(warning)
+    return response
 
 
 def _priority(state: ServerState, request: Request, value: str | int | None) -> tuple[str, int]:
@@ -166,7 +191,9 @@ def _prompt_token_ids(
     tok = engine.tokenizer
     if isinstance(body, ChatCompletionRequest):
         try:
-            text = render_chat(tok, body.template_messages(), body.add_generation_prompt)
+            extra = checked_template_kwargs(body.chat_template_kwargs)
+            messages = body.template_messages()
+            text = render_chat(tok, messages, body.add_generation_prompt, body.continue_final_message, extra)
         except ChatTemplateError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from exc
         # The template writes the special tokens itself.
@@ -185,8 +212,10 @@ def _deadline(
             raise APIError(
                 400, f"x-ember-timeout: not a number of seconds: {header!r}", param="x-ember-timeout"
             ) from None
-        if value <= 0:
-            raise APIError(400, "x-ember-timeout: must be > 0", param="x-ember-timeout")
+        if not math.isfinite(value) or value <= 0:
+            raise APIError(
+                400, f"x-ember-timeout: must be a finite number > 0, got {header!r}", param="x-ember-timeout"
+            )
         return value
     return body.timeout or default or None
 

@@ -28,16 +28,34 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    extra: dict[str, Any] | None = None,
 ) -> str:
+    """The prompt text. `continue_final_message`: end the text inside the last message (no end-of-turn
+    after it, no generation prompt), so the model continues it; `extra`: the request's
+    chat_template_kwargs, as more template variables."""
     if not tokenizer.chat_template:
         raise ChatTemplateError("the model has no chat template (tokenizer_config.json has no chat_template)")
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
     try:
-        return _compile(tokenizer.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=tokenizer.bos_token or "",
-            eos_token=tokenizer.eos_token or "",
-        )
+        variables: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
+        variables |= extra or {}  # as vLLM: the request's kwargs win, except the messages and tokens
+        variables |= {
+            "messages": messages,
+            "bos_token": tokenizer.bos_token or "",
+            "eos_token": tokenizer.eos_token or "",
+        }
+        text = _compile(tokenizer.chat_template).render(**variables)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
+    if not continue_final_message:
+        return text
+    final = messages[-1]["content"]
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the final message must have text to continue")
+    return text[: at + len(final)]

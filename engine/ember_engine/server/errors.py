@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from ember_engine.server.protocol import APIError
 
@@ -21,15 +22,30 @@ def add_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return _error_response(exc)
 
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        # FastAPI's own errors: an unknown route, a wrong method, a body it could not decode or parse
+        # (invalid UTF-8, nesting deeper than the parser's recursion).
+        message = str(exc.detail)
+        if exc.__cause__ is not None:
+            message = f"body: {message}: {type(exc.__cause__).__name__}: {exc.__cause__}"[:500]
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = APIError(exc.status_code, message, type=kind, headers=dict(exc.headers or {}))
+        return _error_response(err)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             return _error_response(APIError(400, f"body: malformed JSON ({first.get('msg')})"))
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return _error_response(
-            APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
-        )
+        msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        if (
+            param is None and first.get("type") == "value_error" and ": " in msg
+        ):  # a whole-body check names the field itself
+            param = msg.split(": ", 1)[0]
+            return _error_response(APIError(400, msg, param=param))
+        return _error_response(APIError(400, f"{param or 'body'}: {msg}", param=param))
 
 
 def _timeout_error(deadline: float) -> APIError:

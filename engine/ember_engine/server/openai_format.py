@@ -41,6 +41,9 @@ class Formatter:
     chat: bool
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices' text
+    n: int = 1  # choices per prompt (choice index // n is the prompt's)
+    token_ids_as_text: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -55,7 +58,12 @@ class Formatter:
         }
 
     def _token(self, token_id: int) -> str:
+        if self.token_ids_as_text:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _echoed(self, index: int, text: str) -> str:
+        return text if self.echo is None else self.echo[index // self.n] + text
 
     def logprobs(self, items: list[Logprob] | None, text_offset: int = 0) -> dict[str, Any] | None:
         if items is None:
@@ -102,7 +110,7 @@ class Formatter:
             return self._envelope("chat.completion.chunk", [choice])
         choice = {
             "index": index,
-            "text": out.delta_text,
+            "text": self._echoed(index, out.delta_text) if first else out.delta_text,
             "logprobs": self.logprobs(new_logprobs),
             "finish_reason": finish,
         }
@@ -132,7 +140,7 @@ class Formatter:
             else:
                 choice = {
                     "index": index,
-                    "text": out.text,
+                    "text": self._echoed(index, out.text),
                     "logprobs": self.logprobs(out.logprobs),
                     "finish_reason": finish,
                 }

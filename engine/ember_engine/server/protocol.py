@@ -1,6 +1,6 @@
 """The OpenAI request bodies ember accepts, and their translation into SamplingParams.
 
-Unknown fields are ignored (as OpenAI's server does for clients newer than it); ember's extensions
+Undeclared fields are kept aside (`model_extra`) for `unknown_fields`, which refuses or warns; ember's extensions
 (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `priority`, `timeout`, ...) travel
 as extra body fields, the way the `openai` client's `extra_body` sends them.
 """
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.server.text_checks import lone_surrogate
 
 MAX_N = 16
 
@@ -38,10 +39,25 @@ class APIError(Exception):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage so far in every chunk
+
+
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "bos_token", "eos_token", "raise_exception"})
+
+
+def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs, minus none of the names the server itself passes to the template."""
+    clash = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_NAMES)
+    if clash:
+        raise APIError(
+            400, f"chat_template_kwargs: {clash[0]!r} is set by the server", param="chat_template_kwargs"
+        )
+    return dict(kwargs or {})
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Undeclared fields are kept (model_extra) so the server can refuse or warn about them.
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -54,7 +70,6 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    user: str | None = None
     # ember / vLLM extensions
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -67,6 +82,17 @@ class _SamplingFields(BaseModel):
     priority: str | int | None = None  # a priority class name (or its number)
     timeout: float | None = Field(default=None, gt=0.0)  # seconds; the request's deadline
     cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
+    return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        problem = lone_surrogate(data)
+        if problem is not None:
+            raise ValueError(problem)
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -78,6 +104,8 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs: not supported by this server", param="prompt_logprobs")
         try:
             return SamplingParams(
                 n=self.n,
@@ -97,6 +125,7 @@ class _SamplingFields(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias=_logit_bias(self.logit_bias),
             )
         except ValueError as exc:
             field = str(exc).split(":", 1)[0]
@@ -106,11 +135,28 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit():
+            raise APIError(400, f"logit_bias: key {key!r} is not a token id", param="logit_bias")
+        out[int(key)] = value
+    return out
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -123,7 +169,20 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        if self.suffix:
+            raise APIError(
+                400, "suffix: not supported by this server (no fill-in-the-middle)", param="suffix"
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(
+                400,
+                f"best_of: only best_of == n ({self.n}) is supported, got {self.best_of}",
+                param="best_of",
+            )
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo: not supported together with logprobs (prompt logprobs)", param="echo")
+        # OpenAI's and vLLM's default for completions (chat runs to the context limit instead).
+        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
 
 
 class TextPart(BaseModel):
@@ -142,6 +201,10 @@ class ChatMessage(BaseModel):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def template_message(self) -> dict[str, str]:
+        # "developer" is the newer name of "system"; templates know only the latter.
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -149,15 +212,19 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, str]]:
-        # "developer" is the newer name of "system"; templates know only the latter.
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return [m.template_message() for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message: cannot be true while add_generation_prompt is (set it false)",
+                param="continue_final_message",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

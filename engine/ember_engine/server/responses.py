@@ -145,12 +145,15 @@ async def _stream(
     include_usage: bool,
     deadline: float | None,
     ticket: _Ticket,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     ends_at = None if deadline is None else loop.time() + deadline
     sent_logprobs: Counter[int] = Counter()
     started: set[int] = set()
+    ended: set[int] = set()
     usage = Usage()
+    so_far: dict[int, tuple[int, int]] = {}  # per prompt: (prompt tokens, completion tokens) so far
     try:
         while True:
             timeout = None if ends_at is None else max(0.0, ends_at - loop.time())
@@ -171,13 +174,21 @@ async def _stream(
                 return
             for o in out.outputs:
                 index = i * n + o.index
-                if not (o.delta_text or o.finish_reason or index not in started):
+                # A finished choice stays in every later update of its prompt: its end was sent once.
+                if index in ended or not (o.delta_text or o.finish_reason or index not in started):
                     continue
+                if o.finish_reason:
+                    ended.add(index)
                 new_lps = None
                 if o.logprobs is not None:
                     new_lps = o.logprobs[sent_logprobs[index] :]
                     sent_logprobs[index] = len(o.logprobs)
-                yield sse(fmt.chunk(index, o, new_lps, first=index not in started))
+                chunk = fmt.chunk(index, o, new_lps, first=index not in started)
+                if continuous_usage:
+                    so_far[i] = (len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+                    now = Usage(sum(p for p, _ in so_far.values()), sum(c for _, c in so_far.values()))
+                    chunk["usage"] = now.to_dict()
+                yield sse(chunk)
                 started.add(index)
             if out.finished:
                 usage.prompt_tokens += len(out.prompt_token_ids)

@@ -83,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--log-interval", type=float, default=5.0, help="seconds between load log lines while busy"
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 << 20,
+        help="larger request bodies are refused with 413 before they are read (default 16 MiB)",
+    )
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig
@@ -201,7 +207,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
             await asyncio.gather(*tasks, return_exceptions=True)
             await state.fallback.client.aclose()
 
-    app = build_app(state)
+    app = build_app(state, args.max_request_body_bytes)
     app.router.lifespan_context = lifespan
     uv_config = uvicorn.Config(
         app,

@@ -16,7 +16,7 @@ import torch
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
 from ember_engine.model.model_runner import ModelRunner, kv_block_bytes
 from ember_engine.sample.rejection_sampler import rejection_sample
-from ember_engine.sample.sampler import sampling_probs
+from ember_engine.sample.sampler import sample_probs, sampling_probs
 from ember_engine.spec.proposers import DraftProposer, NgramProposer
 from ember_engine.spec.spec_control import SpecController, updated_acceptance
 
@@ -49,6 +49,26 @@ class SpecStats:
         return SpecStats(
             self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_position)
         )
+
+
+def _seeded_winners(target: torch.Tensor, requests: list[Request], seeded: list[bool]) -> torch.Tensor:
+    """`target` with each seeded request's rows made one-hot on their exponential-race winner, drawn with
+    the noise of the row's output position."""
+    rows: list[int] = []
+    seeds: list[int | None] = []
+    gens: list[torch.Generator | None] = []
+    start = 0
+    for req, is_seeded in zip(requests, seeded, strict=True):
+        n = 1 + len(req.spec_token_ids)
+        if is_seeded:
+            rows.extend(range(start, start + n))
+            seeds.extend(req.noise_seed(j) for j in range(n))
+            gens.extend([req.generator] * n)
+        start += n
+    index = torch.tensor(rows, device=target.device)
+    winners = sample_probs(target.index_select(0, index), gens, seeds)
+    one_hot = torch.nn.functional.one_hot(winners, target.shape[1]).to(target.dtype)
+    return target.index_copy(0, index, one_hot)
 
 
 def draft_model_config(config: EngineConfig, target: ModelConfig, max_model_len: int) -> ModelConfig:
@@ -126,8 +146,8 @@ class SpecDecoder:
     def _request_lookahead(self, req: Request, k: int) -> int:
         p = req.params
         # Verification samples every position from the same distribution, so position-dependent sampling
-        # (penalties, min_tokens' suppression) and per-token logprobs stay on the plain path.
-        if p.logprobs is not None or p.penalized or req.num_output_tokens < p.min_tokens:
+        # (penalties, min_tokens' suppression), logit biases and per-token logprobs stay on the plain path.
+        if p.logprobs is not None or p.penalized or p.logit_bias or req.num_output_tokens < p.min_tokens:
             return 0
         k = self.controller.request_lookahead(k, req.recent_acceptance, req.num_draft_tokens)
         # Room for k proposals and the token after them, within max_tokens and the model length.
@@ -179,12 +199,17 @@ class SpecDecoder:
                     ids = torch.tensor(r.spec_token_ids, device=dev)
                     parts.append(torch.nn.functional.one_hot(ids, vocab).to(logits.dtype))
             draft_probs = torch.cat(parts)
+        # A seeded sampled request is verified like a greedy one, against the token its own position-keyed
+        # noise picks from p at each row: the rows' winners are exactly what plain sampling would emit.
+        seeded = [not r.params.greedy and r.seed is not None for r in requests]
+        if any(seeded):
+            target = _seeded_winners(target, requests, seeded)
         kept = rejection_sample(
             target,
             [r.spec_token_ids for r in requests],
             draft_probs,
-            [r.params.greedy for r in requests],
-            [r.generator for r in requests],
+            [r.params.greedy or s for r, s in zip(requests, seeded, strict=True)],
+            [None if s else r.generator for r, s in zip(requests, seeded, strict=True)],
         )
         for req, tokens in zip(requests, kept, strict=True):
             self._record_acceptance(req, len(tokens) - 1)

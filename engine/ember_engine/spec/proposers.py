@@ -81,7 +81,13 @@ class DraftProposer:
             return logits.argmax(dim=-1).tolist(), None
         probs = sampling_probs(logits, [r.params for r in requests])
         # A greedy request's generator is left alone: its draws must not depend on speculation.
-        drawn = sample_probs(probs, [None if r.params.greedy else r.generator for r in requests])
+        # A seeded request draws its proposal with the noise of that output position, the noise the target
+        # verifies it with: its tokens are then the ones plain sampling would pick.
+        drawn = sample_probs(
+            probs,
+            [None if r.params.greedy else r.generator for r in requests],
+            [r.noise_seed(len(r.spec_token_ids)) for r in requests],
+        )
         tokens = torch.where(
             torch.tensor([r.params.greedy for r in requests], device=logits.device),
             logits.argmax(dim=-1),

@@ -1,0 +1,126 @@
+"""The endpoints beside generation, as vLLM's server has them: /tokenize, /detokenize, /v1/models/{id} and
+/version."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from ember_engine import __version__
+from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.server.chat import ChatTemplateError, render_chat
+from ember_engine.server.protocol import APIError, ChatMessage, checked_template_kwargs
+from ember_engine.server.state import ServerState
+from ember_engine.server.text_checks import lone_surrogate
+
+
+class _Checked(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def model_post_init(self, _: Any) -> None:
+        problem = lone_surrogate(self.model_dump())
+        if problem is not None:
+            raise APIError(400, problem, param=problem.split(":", 1)[0])
+
+
+class TokenizeRequest(_Checked):
+    """Either `prompt` (text, tokenized as completions do) or `messages` (rendered as chat does)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Checked):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(
+            404 if model else 400,
+            f"model: {model!r} is not served here; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _tokenize(tok: Tokenizer, body: TokenizeRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "prompt: give either prompt or messages", param="prompt")
+    if body.messages is None:
+        assert body.prompt is not None
+        return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    messages = [m.template_message() for m in body.messages]
+    try:
+        text = render_chat(
+            tok,
+            messages,
+            body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            extra=checked_template_kwargs(body.chat_template_kwargs),
+        )
+    except ChatTemplateError as exc:
+        raise APIError(400, f"messages: {exc}", param="messages") from exc
+    return tok.encode(text, add_special_tokens=False)
+
+
+def add_tokenize_routes(app: FastAPI, state: ServerState) -> None:
+    def engine_tokenizer() -> tuple[Tokenizer, int]:
+        if state.engine is None:
+            raise APIError(503, "the model is still loading", type="unavailable", code="not_ready")
+        return state.engine.tokenizer, state.engine.engine.max_model_len
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        _check_model(state, body.model)
+        tok, max_len = engine_tokenizer()
+        ids = await asyncio.to_thread(_tokenize, tok, body)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": max_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        _check_model(state, body.model)
+        tok, _ = engine_tokenizer()
+        vocab = state.engine.engine.model_config.vocab_size if state.engine else 0
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(
+                400, f"tokens: token id {bad} is outside the vocabulary (size {vocab})", param="tokens"
+            )
+        return {"prompt": await asyncio.to_thread(tok.decode, body.tokens, False)}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != state.model_name:
+            raise APIError(
+                404, f"model: {model_id!r} is not served here", param="model", code="model_not_found"
+            )
+        return model_card(state)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+
+def model_card(state: ServerState) -> dict[str, Any]:
+    max_len = state.engine.engine.max_model_len if state.engine else None
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "ember",
+        "max_model_len": max_len,
+    }

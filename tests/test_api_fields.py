@@ -1,0 +1,256 @@
+"""Every field of the request models has an effect or is refused by name; undeclared fields are refused
+(structured outputs, tools) or ignored with a warning; the endpoints beside generation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_util import InProcessServer, running_server
+
+from ember_engine import __version__
+from ember_engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from ember_engine.server.unknown_fields import REFUSED
+
+MODEL = "tiny"
+COMPLETION = {
+    "model": MODEL,
+    "prompt": "The quick brown fox",
+    "max_tokens": 12,
+    "temperature": 1.0,
+    "seed": 5,
+}
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me a story"}],
+    "max_tokens": 12,
+    "temperature": 1.0,
+    "seed": 5,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path) -> Iterator[InProcessServer]:
+    with running_server(tiny_model, "--served-model-name", MODEL) as s:
+        yield s
+
+
+class Probe:
+    def __init__(self, server: InProcessServer, path: str, base: dict[str, Any]) -> None:
+        self.server, self.path, self.base = server, path, base
+        engine = server.state.engine.engine
+        self.eos = engine.model_config.eos_token_ids[0]
+
+    def post(self, **fields: Any) -> httpx.Response:
+        body = {**self.base, **fields}
+        return httpx.post(f"{self.server.url}{self.path}", json=body, timeout=60)
+
+    def ok(self, **fields: Any) -> dict[str, Any]:
+        r = self.post(**fields)
+        assert r.status_code == 200, r.text[:300]
+        if r.headers["content-type"].startswith("text/event-stream"):
+            return {"sse": r.text}
+        body = r.json()
+        body.pop("id"), body.pop("created")
+        return body
+
+    def changes(self, base: dict[str, Any], **fields: Any) -> None:
+        """Setting `fields` on top of `base` changes the response."""
+        assert self.ok(**base) != self.ok(**base, **fields), fields
+
+    def refused(self, field: str, value: Any) -> None:
+        r = self.post(**{field: value})
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == field or error["message"].startswith(f"{field}:"), error
+
+
+def text(body: dict[str, Any]) -> str:
+    c = body["choices"][0]
+    return c["text"] if "text" in c else c["message"]["content"]
+
+
+# Greedy text from a small random model repeats itself: what the penalties act on.
+GREEDY = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+
+
+def _forced(p: Probe) -> dict[str, Any]:
+    # One token pushed far above the rest: the output is that token again and again.
+    return {"logit_bias": {"65": 100}, "ignore_eos": True}
+
+
+COMMON: dict[str, Callable[[Probe], None]] = {
+    "model": lambda p: p.refused("model", "another"),
+    "max_tokens": lambda p: p.changes({}, max_tokens=3),
+    "temperature": lambda p: p.changes({}, temperature=0.0),
+    "top_p": lambda p: p.changes({}, top_p=0.05),
+    "n": lambda p: p.changes({}, n=2),
+    "stop": lambda p: p.changes(_forced(p), stop=text(p.ok(**_forced(p)))[:1]),
+    "seed": lambda p: p.changes({}, seed=6),
+    "stream": lambda p: p.changes({}, stream=True),
+    "stream_options": lambda p: p.changes({"stream": True}, stream_options={"include_usage": True}),
+    "presence_penalty": lambda p: p.changes(GREEDY, presence_penalty=-2.0),
+    "frequency_penalty": lambda p: p.changes(GREEDY, frequency_penalty=-2.0),
+    "top_k": lambda p: p.changes({}, top_k=1),
+    "min_p": lambda p: p.changes({}, min_p=0.9),
+    "repetition_penalty": lambda p: p.changes(GREEDY, repetition_penalty=5.0),
+    "ignore_eos": lambda p: p.changes({"logit_bias": {str(p.eos): 100}}, ignore_eos=True),
+    "min_tokens": lambda p: p.changes({"logit_bias": {str(p.eos): 100}}, min_tokens=4),
+    "stop_token_ids": lambda p: p.changes(_forced(p), stop_token_ids=[65]),
+    "include_stop_str_in_output": lambda p: p.changes(
+        {**_forced(p), "stop": text(p.ok(**_forced(p)))[:1]}, include_stop_str_in_output=True
+    ),
+    "skip_special_tokens": lambda p: p.changes(
+        {"logit_bias": {str(p.eos): 100}, "ignore_eos": True}, skip_special_tokens=False
+    ),
+    "priority": lambda p: p.refused("priority", "no-such-class"),
+    "timeout": lambda p: _assert_status(
+        p.post(timeout=1e-6, max_tokens=2000, ignore_eos=True, logit_bias=None), 504
+    ),
+    "cache_salt": lambda p: _cache_salt(p),
+    "logit_bias": lambda p: (p.changes({}, logit_bias={"65": 100}), p.refused("logit_bias", {"x": 1})),
+    "return_tokens_as_token_ids": lambda p: _token_ids_as_text(p),
+    "prompt_logprobs": lambda p: p.refused("prompt_logprobs", 1),
+    "logprobs": lambda p: p.changes({}, logprobs=1 if "prompt" in p.base else True),
+}
+COMPLETION_ONLY: dict[str, Callable[[Probe], None]] = {
+    "prompt": lambda p: p.changes({}, prompt="Something else entirely"),
+    "echo": lambda p: _assert_startswith(text(p.ok(echo=True)), p.base["prompt"]),
+    "suffix": lambda p: p.refused("suffix", "the end"),
+    "best_of": lambda p: p.refused("best_of", 3),
+}
+CHAT_ONLY: dict[str, Callable[[Probe], None]] = {
+    "messages": lambda p: p.changes({}, messages=[{"role": "user", "content": "Another request"}]),
+    "max_completion_tokens": lambda p: p.changes({}, max_completion_tokens=3),
+    "top_logprobs": lambda p: (p.changes({"logprobs": True}, top_logprobs=3), p.refused("top_logprobs", 2)),
+    "add_generation_prompt": lambda p: _prompt_tokens_change(p, {}, {"add_generation_prompt": False}),
+    "continue_final_message": lambda p: _continue_final(p),
+    "chat_template_kwargs": lambda p: (
+        _prompt_tokens_change(p, {}, {"chat_template_kwargs": {"add_generation_prompt": False}}),
+        p.refused("chat_template_kwargs", {"messages": []}),
+    ),
+}
+
+
+def _assert_status(r: httpx.Response, status: int) -> None:
+    assert r.status_code == status, r.text[:300]
+
+
+def _assert_startswith(value: str, prefix: str) -> None:
+    assert value.startswith(prefix) and len(value) > len(prefix), (value, prefix)
+
+
+def _cache_salt(p: Probe) -> None:
+    long = {"max_tokens": 1}
+    if "prompt" in p.base:
+        long["prompt"] = "a shared prefix that spans several blocks of the cache " * 8  # type: ignore[assignment]
+    else:
+        long["messages"] = [{"role": "user", "content": "a shared prefix of several blocks " * 8}]  # type: ignore[assignment]
+    p.ok(**long, cache_salt="one")
+
+    def cached(salt: str) -> int:
+        return p.ok(**long, cache_salt=salt)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("one") > 0 and cached("two") == 0
+
+
+def _token_ids_as_text(p: Probe) -> None:
+    lp = {"logprobs": 1} if "prompt" in p.base else {"logprobs": True}
+    body = p.ok(**lp, return_tokens_as_token_ids=True)
+    logprobs = body["choices"][0]["logprobs"]
+    tokens = logprobs["tokens"] if "tokens" in logprobs else [c["token"] for c in logprobs["content"]]
+    assert tokens and all(t.startswith("token_id:") for t in tokens), tokens
+
+
+def _prompt_tokens_change(p: Probe, base: dict[str, Any], fields: dict[str, Any]) -> None:
+    assert p.ok(**base)["usage"]["prompt_tokens"] != p.ok(**base, **fields)["usage"]["prompt_tokens"]
+
+
+def _continue_final(p: Probe) -> None:
+    messages = [*p.base["messages"], {"role": "assistant", "content": "Once upon"}]
+    plain = {"messages": messages, "add_generation_prompt": False}
+    _prompt_tokens_change(p, plain, {"continue_final_message": True})  # no end-of-turn after "Once upon"
+    p.refused("continue_final_message", True)  # with add_generation_prompt (the default): contradictory
+
+
+@pytest.mark.parametrize(
+    ("path", "model", "base", "cases"),
+    [
+        ("/v1/completions", CompletionRequest, COMPLETION, COMMON | COMPLETION_ONLY),
+        ("/v1/chat/completions", ChatCompletionRequest, CHAT, COMMON | CHAT_ONLY),
+    ],
+    ids=["completions", "chat"],
+)
+def test_every_field_has_an_effect_or_is_refused(
+    server: InProcessServer,
+    path: str,
+    model: type,
+    base: dict[str, Any],
+    cases: dict[str, Callable[[Probe], None]],
+) -> None:
+    # A field added to a request model without a case here fails this line.
+    assert set(model.model_fields) == set(cases)
+    probe = Probe(server, path, base)
+    for name, check in cases.items():
+        try:
+            check(probe)
+        except AssertionError as exc:
+            raise AssertionError(f"field {name!r}: {exc}") from exc
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_structured_output_and_tool_fields_are_refused_by_name(server: InProcessServer, field: str) -> None:
+    value: Any = {"type": "json_object"} if field == "response_format" else [{"type": "function"}]
+    for path, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        r = httpx.post(f"{server.url}{path}", json={**base, field: value}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:300]
+
+
+def test_unknown_fields_are_ignored_with_a_warning(server: InProcessServer) -> None:
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={**COMPLETION, "frobnicate": 1, "user": "u"}, timeout=30
+    )
+    assert r.status_code == 200
+    assert "frobnicate" in r.headers["warning"] and "user" in r.headers["warning"]
+    plain = httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=30)
+    assert "warning" not in plain.headers
+    assert plain.json()["choices"] == r.json()["choices"]
+
+
+def test_continuous_usage_stats(server: InProcessServer) -> None:
+    body = {
+        **COMPLETION,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(**body, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert len(counts) == len([c for c in chunks if c.choices]), "a chunk without usage"
+    assert counts == sorted(counts) and counts[-1] == 12 and len(set(counts)) > 1, counts
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_tokenize_detokenize_models_and_version(server: InProcessServer) -> None:
+    url = server.url
+    tok = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
+    back = httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json()
+    assert "hello world" in back["prompt"]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": CHAT["messages"]}).json()
+    completion = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 1}).json()
+    assert chat["count"] == completion["usage"]["prompt_tokens"]
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("another")
+    assert httpx.get(f"{url}/version").json() == {"version": __version__}
+    missing = httpx.get(f"{url}/no/such/route")
+    assert missing.status_code == 404 and set(missing.json()) == {"error"}
