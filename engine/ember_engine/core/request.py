@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember_engine.sample.grammar import GrammarState
 from ember_engine.sample.sampler import SamplingRow
 from ember_engine.sample.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class Request:
     cache_salt: str | None = None
     generator: torch.Generator | None = None
     index: int = 0  # n > 1: the samples of one prompt are told apart by index
+    grammar: GrammarState | None = None  # structured output: advanced by every token kept
 
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -86,4 +88,6 @@ class Request:
         suppress: list[int] = []
         if self.num_output_tokens < p.min_tokens:
             suppress = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
-        return SamplingRow(p, self.prompt_token_ids, self.output_token_ids, self.generator, suppress)
+        return SamplingRow(
+            p, self.prompt_token_ids, self.output_token_ids, self.generator, suppress, self.grammar
+        )

@@ -27,6 +27,8 @@ from ember_engine.server.policy import PolicyError
 from ember_engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ember_engine.server.responses import _complete, _merge, _stream, _TicketedStream, _tracked
 from ember_engine.server.state import ServerState, _Ticket
+from ember_engine.server.structured import CompileCache, request_constraint
+from ember_engine.server.tools import ToolPlan, plan_tools
 
 log = logging.getLogger("ember.server")
 
@@ -109,6 +111,16 @@ async def _serve(
             code="model_not_found",
         )
     params = body.to_sampling_params()
+    tools = None
+    if isinstance(body, ChatCompletionRequest):
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    constraint = request_constraint(body)
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise APIError(
+                400, f"tool_choice: a forced tool call excludes {constraint[0]}", param="tool_choice"
+            )
+        constraint = ("tool_choice", tools.constraint)
     policy = state.policy.policy
     class_name, priority = _priority(state, request, body.priority)
     client = request.headers.get("x-ember-client") or request.headers.get("authorization")
@@ -120,14 +132,16 @@ async def _serve(
     assert isinstance(verdict, Admit)
     engine = state.engine
     assert engine is not None  # decide() sheds while not ready
-    prompts = _prompt_token_ids(engine, body)
-    for ids in prompts:  # a bad prompt is a 400 before anything is queued
-        try:
-            engine.engine.check_prompt(ids, params)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
+    prompts = _prompt_token_ids(engine, body, tools)
+    if constraint is not None:  # compiled in a worker thread: other requests go on meanwhile
+        if state.grammars is None:
+            llm_engine = engine.engine
+            state.grammars = CompileCache(lambda: llm_engine.grammar_compiler)
+        params.constraint = constraint[1]
+        params.grammar = await state.grammars.compile(constraint[1], constraint[0])
     deadline = _deadline(request, body, policy.request_timeout_seconds)
     fmt = Formatter(state.model_name, engine.tokenizer, chat)
+    fmt.tool_calls = tools.parallel if tools is not None and tools.parse else None
     ticket = _Ticket(state, priority, class_name, client, len(prompts), params.n, queue.estimated_wait_s)
 
     def generators() -> list[AsyncIterator[RequestOutput]]:
@@ -161,12 +175,13 @@ def _priority(state: ServerState, request: Request, value: str | int | None) -> 
 
 
 def _prompt_token_ids(
-    engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest
+    engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None = None
 ) -> list[list[int]]:
     tok = engine.tokenizer
     if isinstance(body, ChatCompletionRequest):
         try:
-            text = render_chat(tok, body.template_messages(), body.add_generation_prompt)
+            rendered = None if tools is None else tools.tools
+            text = render_chat(tok, body.template_messages(), body.add_generation_prompt, rendered)
         except ChatTemplateError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from exc
         # The template writes the special tokens itself.

@@ -10,6 +10,7 @@ from typing import Any
 
 from ember_engine.core.outputs import CompletionOutput, Logprob
 from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.server.tools import ToolStream, parse_tool_calls
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -41,6 +42,8 @@ class Formatter:
     chat: bool
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_calls: bool | None = None  # chat with tools: None off, else whether parallel calls are kept
+    _tool_streams: dict[int, ToolStream] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -91,6 +94,14 @@ class Formatter:
         finish = _finish(out.finish_reason)
         if self.chat:
             delta: dict[str, Any] = {"content": out.delta_text}
+            if self.tool_calls is not None:
+                stream = self._tool_streams.setdefault(index, ToolStream(self.tool_calls))
+                before = len(stream.calls)
+                delta["content"], calls = stream.feed(out.delta_text, final=finish is not None)
+                if calls:
+                    delta["tool_calls"] = [c.to_dict(before + k) for k, c in enumerate(calls)]
+                if stream.calls and finish == "stop":
+                    finish = "tool_calls"
             if first:
                 delta["role"] = "assistant"
             choice = {
@@ -120,7 +131,16 @@ class Formatter:
         for index, out in sorted(outputs, key=lambda p: p[0]):
             finish = _finish(out.finish_reason)
             if self.chat:
-                message = {"role": "assistant", "content": out.text}
+                message: dict[str, Any] = {"role": "assistant", "content": out.text}
+                if self.tool_calls is not None:
+                    content, calls = parse_tool_calls(out.text, self.tool_calls)
+                    if calls:
+                        message = {
+                            "role": "assistant",
+                            "content": content or None,
+                            "tool_calls": [c.to_dict() for c in calls],
+                        }
+                        finish = "tool_calls" if finish == "stop" else finish
                 choices.append(
                     {
                         "index": index,

@@ -7,6 +7,7 @@ as extra body fields, the way the `openai` client's `extra_body` sends them.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -67,6 +68,14 @@ class _SamplingFields(BaseModel):
     priority: str | int | None = None  # a priority class name (or its number)
     timeout: float | None = Field(default=None, gt=0.0)  # seconds; the request's deadline
     cache_salt: str | None = None
+    # structured outputs (server/structured.py): OpenAI's response_format and vLLM's spellings
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -136,6 +145,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    # tool calling (server/tools.py): an assistant's earlier calls, and a tool message's answer
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -149,16 +162,41 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         # "developer" is the newer name of "system"; templates know only the latter.
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier tool call as templates read it: `function.arguments` as an object (the
+    OpenAI wire form is JSON text), also at the top level as Hugging Face templates expect."""
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args)
+        except json.JSONDecodeError:
+            raise APIError(
+                400, "messages: a tool call's function.arguments is not valid JSON", param="messages"
+            ) from None
+    return {**call, "function": fn, "name": fn.get("name"), "arguments": fn.get("arguments")}
