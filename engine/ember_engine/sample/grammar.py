@@ -132,7 +132,7 @@ def bitmask_words(vocab: int) -> int:
 
 
 def unpack_bitmask(packed: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, words] int32 -> [rows, vocab] bool, on packed's device."""
+    """[rows, words] int32 -> [rows, vocab] bool, on packed's device (token 32w + k is bit k of word w)."""
     shifts = torch.arange(32, device=packed.device, dtype=torch.int32)
     bits = (packed.unsqueeze(-1) >> shifts) & 1
     return bits.view(packed.shape[0], -1)[:, :vocab].bool()
@@ -147,6 +147,8 @@ def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], packed: np.ndarray)
     if dev.type == "cuda":
         host = host.pin_memory()
     allowed = unpack_bitmask(host.to(dev, non_blocking=True), vocab)
+    if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
+        return logits.masked_fill(~allowed, float("-inf"))
     index = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
     sub = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
     return logits.index_copy(0, index, sub)
