@@ -5,6 +5,7 @@ caching; speculation leaves constrained greedy output exactly as without it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -58,7 +59,7 @@ def test_every_bench_schema_validates_greedy_and_sampled(llm: LLM) -> None:
 def test_regex_choice_and_json_object(llm: LLM) -> None:
     params = [
         SamplingParams(
-            temperature=1.0, seed=3, max_tokens=40, constraint=Constraint("regex", r"[a-f]{4}-[0-9]{2}")
+            n=3, temperature=1.0, seed=3, max_tokens=40, constraint=Constraint("regex", r"[a-f]{4}-[0-9]{2}")
         ),
         SamplingParams(
             temperature=1.0, seed=4, max_tokens=40, constraint=Constraint("choice", ["red", "green"])
@@ -67,10 +68,12 @@ def test_regex_choice_and_json_object(llm: LLM) -> None:
         SamplingParams(temperature=0.0, max_tokens=20, constraint=Constraint("grammar", 'start: "a" "b"+')),
     ]
     outs = llm.generate([PROMPT] * 4, params, use_tqdm=False)
-    regex, choice, obj, lark = (o.outputs[0] for o in outs)
-    import re
+    _, choice, obj, lark = (o.outputs[0] for o in outs)
 
-    assert re.fullmatch(r"[a-f]{4}-[0-9]{2}", regex.text) and regex.finish_reason == "stop"
+    # n > 1: each sample has its own grammar state.
+    assert len(outs[0].outputs) == 3 and len({o.text for o in outs[0].outputs}) > 1
+    for sample in outs[0].outputs:
+        assert re.fullmatch(r"[a-f]{4}-[0-9]{2}", sample.text) and sample.finish_reason == "stop"
     assert choice.text in ("red", "green")
     if obj.finish_reason == "stop":
         assert isinstance(json.loads(obj.text), dict)
