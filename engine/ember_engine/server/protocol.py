@@ -7,6 +7,7 @@ as extra body fields, the way the `openai` client's `extra_body` sends them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, Literal
 
@@ -189,14 +190,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     """An assistant's earlier tool call as templates read it: `function.arguments` as an object (the
-    OpenAI wire form is JSON text), also at the top level as Hugging Face templates expect."""
+    OpenAI wire form is JSON text; text that is not JSON stays text), also at the top level."""
     fn = dict(call.get("function") or {})
     args = fn.get("arguments")
     if isinstance(args, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             fn["arguments"] = json.loads(args)
-        except json.JSONDecodeError:
-            raise APIError(
-                400, "messages: a tool call's function.arguments is not valid JSON", param="messages"
-            ) from None
     return {**call, "function": fn, "name": fn.get("name"), "arguments": fn.get("arguments")}
