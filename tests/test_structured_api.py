@@ -351,3 +351,24 @@ def test_tools_on_a_template_without_them_is_400(tiny_model: Path) -> None:
             timeout=30,
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+def test_openai_parse_helper_gets_a_parsed_model(client: openai.OpenAI) -> None:
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        city: str = Field(max_length=8)
+        unit: Literal["celsius", "fahrenheit"]
+        days: int = Field(ge=1, le=7)
+
+    r = client.chat.completions.parse(
+        model=MODEL,
+        messages=MESSAGES,
+        response_format=Forecast,
+        max_tokens=80,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Forecast) and 1 <= parsed.days <= 7
