@@ -29,8 +29,9 @@ def _fmt(schema: dict[str, Any], nonce: str | None = None) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
-def _prompt(i: int) -> str:
-    return f"Request {i}. Answer with JSON that fits: {json.dumps(SCHEMAS[i % len(SCHEMAS)])[:160]}\n"
+def _prompt(tag: str, i: int) -> str:
+    # The tag leads, so no round finds another's prompts in the server's prefix cache.
+    return f"[{tag}] Request {i}. Answer with JSON that fits: {json.dumps(SCHEMAS[i % len(SCHEMAS)])[:160]}\n"
 
 
 def _valid(text: str, schema: dict[str, Any]) -> bool:
@@ -50,7 +51,7 @@ async def _post(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _round(
-    client: Any, url: str, args: argparse.Namespace, batch: int, lengths: list[int] | None
+    client: Any, url: str, args: argparse.Namespace, batch: int, round_index: int, lengths: list[int] | None
 ) -> tuple[dict[str, float], list[int]]:
     """One round of max(2B, 8) requests: constrained when `lengths` is None, else free, each free request
     made to write exactly as many tokens as its constrained twin did (ignore_eos), so both rounds do the
@@ -61,7 +62,8 @@ async def _round(
     written = [0] * n
 
     async def one(i: int) -> None:
-        body: dict[str, Any] = {"model": args.model, "prompt": _prompt(i), "temperature": 1.0, "seed": i}
+        tag = f"{'free' if lengths is not None else 'constrained'} {batch} {round_index}"
+        body: dict[str, Any] = {"model": args.model, "prompt": _prompt(tag, i), "temperature": 1.0, "seed": i}
         if lengths is None:
             body["response_format"] = _fmt(SCHEMAS[i % len(SCHEMAS)])
             body["max_tokens"] = args.structured_max_tokens
@@ -170,10 +172,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         for batch in args.structured_batch:
             print(f"batch {batch}: free and constrained rounds", file=sys.stderr)
             free, cons = [], []
-            for _ in range(args.structured_rounds):
-                stats, lengths = await _round(client, url, args, batch, None)
+            for k in range(args.structured_rounds):
+                stats, lengths = await _round(client, url, args, batch, k, None)
                 cons.append(stats)
-                free.append((await _round(client, url, args, batch, lengths))[0])
+                free.append((await _round(client, url, args, batch, k, lengths))[0])
             free_tps = sum(r["tokens"] for r in free) / sum(r["seconds"] for r in free)
             cons_tps = sum(r["tokens"] for r in cons) / sum(r["seconds"] for r in cons)
             done = sum(r["valid"] + r["invalid"] for r in cons)
