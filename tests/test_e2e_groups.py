@@ -56,7 +56,9 @@ def complete(cp: ControlPlane, name: str) -> str:
 def test_a_two_node_group_serves_and_comes_back_whole_after_a_worker_dies(cp: ControlPlane) -> None:
     cp.create("duo", resources={"gpus": 1, "nodes": 2}, replicas={"min": 1, "max": 1})
     pods = wait_for(
-        lambda: group_serving(cp, "duo"), timeout=180, what=lambda: f"duo's group serving: {cp.describe('duo')}; {cp.describe_pods('duo')}"
+        lambda: group_serving(cp, "duo"),
+        timeout=180,
+        what=lambda: f"duo's group serving: {cp.describe('duo')}; {cp.describe_pods('duo')}",
     )
     leader, worker = pods["0"], pods["1"]
     # One pod per node, one rank per pod, one group.
@@ -85,7 +87,9 @@ def test_a_two_node_group_serves_and_comes_back_whole_after_a_worker_dies(cp: Co
 def test_a_split_the_model_cannot_take_stalls_with_the_engines_message(cp: ControlPlane) -> None:
     # Two nodes of three GPUs: six ranks, for a model of 4 attention heads.
     cp.create("sextet", resources={"gpus": 3, "nodes": 2}, replicas={"min": 1, "max": 1})
-    wait_for(lambda: cp.is_true("sextet", "Stalled"), timeout=180, what=lambda: f"Stalled: {cp.describe('sextet')}")
+    wait_for(
+        lambda: cp.is_true("sextet", "Stalled"), timeout=180, what=lambda: f"Stalled: {cp.describe('sextet')}"
+    )
     stalled = cp.condition("sextet", "Stalled")
     assert stalled["reason"] == "PodsCrashLooping"
     assert stalled["message"].endswith(
