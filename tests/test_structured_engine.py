@@ -134,3 +134,18 @@ def test_preemption_and_prefix_cache_keep_grammar_state(tiny_model: Path, llm: L
     assert small.engine.block_manager.stats.hits > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
     check_valid(outs, schemas)
+
+
+def test_host_and_device_unpacking_agree() -> None:
+    import numpy as np
+    import torch
+
+    from ember_engine.sample.grammar import apply_bitmask, unpack_bitmask
+
+    packed = np.random.default_rng(0).integers(-(2**31), 2**31 - 1, (3, 5), dtype=np.int32)
+    logits = torch.zeros(4, 150)
+    masked = apply_bitmask(logits, [0, 2, 3], packed)  # the host path (numpy)
+    allowed = unpack_bitmask(torch.from_numpy(packed), 150)  # the device path's unpacking (torch)
+    assert torch.equal(torch.isfinite(masked[[0, 2, 3]]), allowed) and torch.isfinite(masked[1]).all()
+    expected = [(int(packed[0, t // 32]) >> (t % 32)) & 1 == 1 for t in range(150)]
+    assert allowed[0].tolist() == expected
