@@ -1,8 +1,9 @@
 """Every field of the request models has an effect or is refused by name; undeclared fields are refused
-(structured outputs, tools) or ignored with a warning; the endpoints beside generation."""
+(the legacy function-calling fields) or ignored with a warning; the endpoints beside generation."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,18 @@ COMMON: dict[str, Callable[[Probe], None]] = {
     "return_tokens_as_token_ids": lambda p: _token_ids_as_text(p),
     "prompt_logprobs": lambda p: p.refused("prompt_logprobs", 1),
     "logprobs": lambda p: p.changes({}, logprobs=1 if "prompt" in p.base else True),
+    "response_format": lambda p: (
+        p.changes({}, response_format={"type": "json_object"}),
+        p.refused("response_format", {"type": "bogus"}),
+    ),
+    "structured_outputs": lambda p: _one_of(
+        p, {"structured_outputs": {"choice": ["yes", "no"]}}, ["yes", "no"]
+    ),
+    "guided_json": lambda p: (p.changes({}, guided_json={"type": "object"}), p.refused("guided_json", "{")),
+    "guided_regex": lambda p: _assert_match(text(p.ok(guided_regex="[0-9]{3}")), "[0-9]{3}"),
+    "guided_choice": lambda p: _one_of(p, {"guided_choice": ["red", "green"]}, ["red", "green"]),
+    "guided_grammar": lambda p: _one_of(p, {"guided_grammar": 'start: "up" | "down"'}, ["up", "down"]),
+    "guided_decoding_backend": lambda p: p.refused("guided_decoding_backend", "another-backend"),
 }
 COMPLETION_ONLY: dict[str, Callable[[Probe], None]] = {
     "prompt": lambda p: p.changes({}, prompt="Something else entirely"),
@@ -133,7 +146,26 @@ CHAT_ONLY: dict[str, Callable[[Probe], None]] = {
         _prompt_tokens_change(p, {}, {"chat_template_kwargs": {"add_generation_prompt": False}}),
         p.refused("chat_template_kwargs", {"messages": []}),
     ),
+    # The tiny model's template does not read `tools`: a 400 saying so (tests/test_structured_api.py serves
+    # tools with a template that does).
+    "tools": lambda p: _tools_refused(p),
+    "tool_choice": lambda p: p.refused("tool_choice", "required"),
+    "parallel_tool_calls": lambda p: p.refused("parallel_tool_calls", False),
 }
+
+
+def _one_of(p: Probe, fields: dict[str, Any], choices: list[str]) -> None:
+    assert text(p.ok(**fields)) in choices and text(p.ok()) not in choices
+
+
+def _assert_match(value: str, pattern: str) -> None:
+    assert re.fullmatch(pattern, value), value
+
+
+def _tools_refused(p: Probe) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = p.post(tools=[tool])
+    assert r.status_code == 400 and "does not support tools" in r.json()["error"]["message"], r.text[:300]
 
 
 def _assert_status(r: httpx.Response, status: int) -> None:
@@ -203,8 +235,8 @@ def test_every_field_has_an_effect_or_is_refused(
 
 
 @pytest.mark.parametrize("field", sorted(REFUSED))
-def test_structured_output_and_tool_fields_are_refused_by_name(server: InProcessServer, field: str) -> None:
-    value: Any = {"type": "json_object"} if field == "response_format" else [{"type": "function"}]
+def test_legacy_function_calling_fields_are_refused_by_name(server: InProcessServer, field: str) -> None:
+    value: Any = [{"name": "f"}] if field == "functions" else "auto"
     for path, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
         r = httpx.post(f"{server.url}{path}", json={**base, field: value}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:300]

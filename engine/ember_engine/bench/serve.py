@@ -69,6 +69,10 @@ async def run_rate(args: argparse.Namespace, rate: float, index: int) -> tuple[l
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.structured:
+        from ember_engine.bench import structured
+
+        return structured.main(args)
     if args.plot:
         try:  # fail before the run rather than after it
             _pyplot()
@@ -142,3 +146,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--header", type=_header, action="append", default=[], metavar="K:V", help="repeatable")
     add("--json", metavar="FILE", help="write the arguments and results here")
     add("--plot", metavar="FILE.png", help="plot TTFT and ITL against offered rate")
+    from ember_engine.bench.structured import add_arguments as add_structured
+
+    add_structured(add, _positive_int)

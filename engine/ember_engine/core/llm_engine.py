@@ -19,6 +19,7 @@ from ember_engine.distributed.workers import WorkerPool
 from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
 from ember_engine.model.parallel import SINGLE, check_tensor_parallel, refuse_quantized
+from ember_engine.sample.grammar import GrammarCompiler
 from ember_engine.sample.sampler import Sampler, child_seed, make_generator
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.spec.decoder import SpecDecoder, SpecStats, draft_cache_bytes, draft_model_config
@@ -106,6 +107,15 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
         self._last_step = (0.0, 0, 0)
         self.num_steps = 0
+        self._grammar_compiler: GrammarCompiler | None = None
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured output's compiler for this checkpoint's tokenizer, built on first use."""
+        if self._grammar_compiler is None:
+            vocab, eos = self.model_config.vocab_size, self.model_config.eos_token_ids
+            self._grammar_compiler = GrammarCompiler(self.config.model, vocab, eos)
+        return self._grammar_compiler
 
     @property
     def groups(self) -> dict[str, Group]:
@@ -131,6 +141,8 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self.check_prompt(token_ids, params)
+        if params.constraint is not None and params.grammar is None:
+            params.grammar = self.grammar_compiler.compile(params.constraint)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         requests = [
             Request(
@@ -145,6 +157,7 @@ class LLMEngine:
                 generator=None if params.seed is None else make_generator(0, self.runner.device),
                 seed=None if params.seed is None else child_seed(params.seed, i),
                 index=i,
+                grammar=None if params.grammar is None else params.grammar.state(),
             )
             for i in range(params.n)
         ]
@@ -289,6 +302,8 @@ class LLMEngine:
     ) -> None:
         """Append a request's new tokens, the first `num_accepted` of them verified proposals whose KV the
         step already wrote (a finished request's count no longer matters: its blocks are freed)."""
+        if req.grammar is not None and not req.grammar.accept(tokens):
+            log.warning("request %s: a kept token broke its grammar", req.request_id)
         group = self.outputs.append(req, tokens, now)
         if not req.finished:
             if num_accepted:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember_engine.sample.grammar import GrammarState
 from ember_engine.sample.sampler import SamplingRow, position_seed
 from ember_engine.sample.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class Request:
     generator: torch.Generator | None = None
     seed: int | None = None  # with a generator: this sample's seed, which keys each token's noise
     index: int = 0  # n > 1: the samples of one prompt are told apart by index
+    grammar: GrammarState | None = None  # structured output: advanced by every token kept
 
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -88,7 +90,13 @@ class Request:
         if self.num_output_tokens < p.min_tokens:
             suppress = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
         return SamplingRow(
-            p, self.prompt_token_ids, self.output_token_ids, self.generator, suppress, self.noise_seed(0)
+            p,
+            self.prompt_token_ids,
+            self.output_token_ids,
+            self.generator,
+            suppress,
+            self.noise_seed(0),
+            self.grammar,
         )
 
     def noise_seed(self, ahead: int) -> int | None:

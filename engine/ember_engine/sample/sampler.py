@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember_engine.sample.grammar import GrammarState, mask_rows
 from ember_engine.sample.sampling_params import SamplingParams
 
 
@@ -18,6 +19,7 @@ class SamplingRow:
     generator: torch.Generator | None  # set when params.seed is not None; owned by the request
     suppress_token_ids: Sequence[int] = ()  # e.g. EOS and stop ids while len(output) < min_tokens
     noise_seed: int | None = None  # with a generator: reseed it with this before drawing (position_seed)
+    grammar: GrammarState | None = None  # structured output: tokens it forbids are never sampled
 
 
 @dataclass(slots=True)
@@ -189,6 +191,7 @@ class Sampler:
             flat = logits.clone().view(-1)
             flat.index_fill_(0, _upload(suppressed, torch.long, dev), float("-inf"))
             logits = flat.view_as(logits)
+        logits = mask_rows(logits, [r.grammar for r in rows])
 
         tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]

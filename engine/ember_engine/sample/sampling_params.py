@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ember_engine.sample.grammar import Constraint, Grammar
 
 _GREEDY_EPS = 1e-5
 
@@ -27,6 +31,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; 0: the chosen token's; k: also the top k
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # Structured output: what the text must match; `grammar` is its compiled form (the engine compiles
+    # `constraint` when it is not given, the HTTP server compiles off its event loop and passes both).
+    constraint: Constraint | None = None
+    grammar: Grammar | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

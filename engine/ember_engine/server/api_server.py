@@ -35,7 +35,9 @@ from ember_engine.server.protocol import (
 )
 from ember_engine.server.responses import _complete, _merge, _stream, _TicketedStream, _tracked
 from ember_engine.server.state import ServerState, _Ticket
+from ember_engine.server.structured import CompileCache, request_constraint
 from ember_engine.server.tokenize_api import add_tokenize_routes, model_card
+from ember_engine.server.tools import ToolPlan, plan_tools
 from ember_engine.server.unknown_fields import check_unknown
 
 log = logging.getLogger("ember.server")
@@ -115,6 +117,16 @@ async def _serve(
         )
     warning = check_unknown(body.model_extra)
     params = body.to_sampling_params()
+    tools = None
+    if isinstance(body, ChatCompletionRequest):
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    constraint = request_constraint(body)
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise APIError(
+                400, f"tool_choice: a forced tool call excludes {constraint[0]}", param="tool_choice"
+            )
+        constraint = ("tool_choice", tools.constraint)
     policy = state.policy.policy
     class_name, priority = _priority(state, request, body.priority)
     client = request.headers.get("x-ember-client") or request.headers.get("authorization")
@@ -127,18 +139,25 @@ async def _serve(
     engine = state.engine
     assert engine is not None  # decide() sheds while not ready
     # Templating and tokenizing a long prompt take a while: the event loop serves others meanwhile.
-    prompts = await asyncio.to_thread(_prompt_token_ids, engine, body)
+    prompts = await asyncio.to_thread(_prompt_token_ids, engine, body, tools)
     arrival = arrival_of(request.scope)
     for ids in prompts:  # a bad prompt is a 400 before anything is queued
         try:
             engine.engine.check_prompt(ids, params)
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
+    if constraint is not None:  # compiled in a worker thread: other requests go on meanwhile
+        if state.grammars is None:
+            llm_engine = engine.engine
+            state.grammars = CompileCache(lambda: llm_engine.grammar_compiler)
+        params.constraint = constraint[1]
+        params.grammar = await state.grammars.compile(constraint[1], constraint[0])
     deadline = _deadline(request, body, policy.request_timeout_seconds)
     fmt = Formatter(state.model_name, engine.tokenizer, chat, n=params.n)
     fmt.token_ids_as_text = body.return_tokens_as_token_ids
     if isinstance(body, CompletionRequest) and body.echo:
         fmt.echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in body.prompts()]
+    fmt.tool_calls = tools.parallel if tools is not None and tools.parse else None
     ticket = _Ticket(state, priority, class_name, client, len(prompts), params.n, queue.estimated_wait_s)
 
     def generators() -> list[AsyncIterator[RequestOutput]]:
@@ -186,14 +205,17 @@ def _priority(state: ServerState, request: Request, value: str | int | None) -> 
 
 
 def _prompt_token_ids(
-    engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest
+    engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest, tools: ToolPlan | None = None
 ) -> list[list[int]]:
     tok = engine.tokenizer
     if isinstance(body, ChatCompletionRequest):
         try:
             extra = checked_template_kwargs(body.chat_template_kwargs)
             messages = body.template_messages()
-            text = render_chat(tok, messages, body.add_generation_prompt, body.continue_final_message, extra)
+            rendered = None if tools is None else tools.tools
+            text = render_chat(
+                tok, messages, body.add_generation_prompt, body.continue_final_message, extra, rendered
+            )
         except ChatTemplateError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from exc
         # The template writes the special tokens itself.

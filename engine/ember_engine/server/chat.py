@@ -6,6 +6,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ember_engine.core.tokenizer import Tokenizer
@@ -27,23 +28,36 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+@lru_cache(maxsize=8)
+def template_reads_tools(source: str) -> bool:
+    """Whether the template reads the `tools` variable, i.e. can show the model its tools."""
+    env = ImmutableSandboxedEnvironment()
+    return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+
+
 def render_chat(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     extra: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text. `continue_final_message`: end the text inside the last message (no end-of-turn
     after it, no generation prompt), so the model continues it; `extra`: the request's
-    chat_template_kwargs, as more template variables."""
+    chat_template_kwargs, as more template variables; `tools`: the request's tools, for a template that reads
+    them."""
     if not tokenizer.chat_template:
         raise ChatTemplateError("the model has no chat template (tokenizer_config.json has no chat_template)")
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
+    if tools and not template_reads_tools(tokenizer.chat_template):
+        raise ChatTemplateError("the model's chat template does not support tools (it never reads `tools`)")
     try:
         variables: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
         variables |= extra or {}  # as vLLM: the request's kwargs win, except the messages and tokens
+        if tools:
+            variables["tools"] = tools
         variables |= {
             "messages": messages,
             "bos_token": tokenizer.bos_token or "",

@@ -10,6 +10,7 @@ from typing import Any
 
 from ember_engine.core.outputs import CompletionOutput, Logprob
 from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.server.tools import ToolStream, parse_tool_calls
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -44,6 +45,8 @@ class Formatter:
     echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices' text
     n: int = 1  # choices per prompt (choice index // n is the prompt's)
     token_ids_as_text: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
+    tool_calls: bool | None = None  # chat with tools: None off, else whether parallel calls are kept
+    _tool_streams: dict[int, ToolStream] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -99,6 +102,14 @@ class Formatter:
         finish = _finish(out.finish_reason)
         if self.chat:
             delta: dict[str, Any] = {"content": out.delta_text}
+            if self.tool_calls is not None:
+                stream = self._tool_streams.setdefault(index, ToolStream(self.tool_calls))
+                before = len(stream.calls)
+                delta["content"], calls = stream.feed(out.delta_text, final=finish is not None)
+                if calls:
+                    delta["tool_calls"] = [c.to_dict(before + k) for k, c in enumerate(calls)]
+                if stream.calls and finish == "stop":
+                    finish = "tool_calls"
             if first:
                 delta["role"] = "assistant"
             choice = {
@@ -128,7 +139,16 @@ class Formatter:
         for index, out in sorted(outputs, key=lambda p: p[0]):
             finish = _finish(out.finish_reason)
             if self.chat:
-                message = {"role": "assistant", "content": out.text}
+                message: dict[str, Any] = {"role": "assistant", "content": out.text}
+                if self.tool_calls is not None:
+                    content, calls = parse_tool_calls(out.text, self.tool_calls)
+                    if calls:
+                        message = {
+                            "role": "assistant",
+                            "content": content or None,
+                            "tool_calls": [c.to_dict() for c in calls],
+                        }
+                        finish = "tool_calls" if finish == "stop" else finish
                 choices.append(
                     {
                         "index": index,

@@ -7,6 +7,8 @@ as extra body fields, the way the `openai` client's `extra_body` sends them.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -82,6 +84,14 @@ class _SamplingFields(BaseModel):
     priority: str | int | None = None  # a priority class name (or its number)
     timeout: float | None = Field(default=None, gt=0.0)  # seconds; the request's deadline
     cache_salt: str | None = None
+    # structured outputs (server/structured.py): OpenAI's response_format and vLLM's spellings
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: int | None = None
@@ -195,15 +205,29 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    # tool calling (server/tools.py): an assistant's earlier calls, and a tool message's answer
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
-    def template_message(self) -> dict[str, str]:
+    def template_message(self) -> dict[str, Any]:
         # "developer" is the newer name of "system"; templates know only the latter.
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        msg: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            msg["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -214,8 +238,11 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
@@ -229,3 +256,14 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's earlier tool call as templates read it: `function.arguments` as an object (the
+    OpenAI wire form is JSON text; text that is not JSON stays text), also at the top level."""
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            fn["arguments"] = json.loads(args)
+    return {**call, "function": fn, "name": fn.get("name"), "arguments": fn.get("arguments")}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from ember_engine.async_engine import AsyncEngine
 from ember_engine.core.llm_engine import LLMEngine
@@ -32,6 +33,7 @@ class ServerState:
     client_in_flight: Counter[str] = field(default_factory=Counter)
     forecast: ForecastObserver = field(default_factory=ForecastObserver)
     calibration: WaitCalibration = field(default_factory=WaitCalibration)
+    grammars: Any = None  # structured.CompileCache, made on the first constrained request
 
     @property
     def ready(self) -> bool:

@@ -1,5 +1,5 @@
 """Top-level request fields ember does not declare: refused by name when ignoring them would change what
-the client gets (structured outputs, tool calling), otherwise ignored with a log line and a `Warning`
+the client gets (OpenAI's legacy `functions`/`function_call`), otherwise ignored with a log line and a `Warning`
 header, as vLLM's server does."""
 
 from __future__ import annotations
@@ -10,21 +10,8 @@ from ember_engine.server.protocol import APIError
 
 log = logging.getLogger("ember.server")
 
-_STRUCTURED = "structured outputs are not supported by this server"
-_TOOLS = "tool calling is not supported by this server"
-REFUSED: dict[str, str] = {
-    "response_format": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "tools": _TOOLS,
-    "tool_choice": _TOOLS,
-    "parallel_tool_calls": _TOOLS,
-    "functions": _TOOLS,
-    "function_call": _TOOLS,
-}
+_LEGACY = "the legacy function-calling fields are not supported: use tools and tool_choice"
+REFUSED: dict[str, str] = {"functions": _LEGACY, "function_call": _LEGACY}
 
 
 def check_unknown(extra: dict[str, object] | None) -> dict[str, str]:

@@ -1,0 +1,374 @@
+"""Structured outputs and tool calling through the official `openai` client, against a real server with
+speculative decoding on: schema-valid JSON streamed or not, vLLM's guided_* fields, 400s that name the
+problem, parsed tool calls (also streamed as deltas), and tool history rendered by the chat template."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_util import InProcessServer, running_server
+
+from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.server.chat import render_chat
+from ember_engine.server.protocol import ChatCompletionRequest
+
+MODEL = "tiny"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{2,5}$"}, "maxItems": 2},
+    },
+    "required": ["city", "unit", "days", "tags"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": SCHEMA}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 3},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+            "required": ["zone"],
+        },
+    },
+}
+# A chat template that shows the model its tools and renders earlier calls and tool answers the way
+# ember parses calls (`<tool_call>` blocks).
+TOOL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>\nTools:\n{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}<|assistant|>\n"
+    "{% for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}<|end|>\n"
+    "{% elif m.role == 'tool' %}<|user|>\n<tool_response>\n{{ m.content }}\n</tool_response><|end|>\n"
+    "{% else %}{{ '<|' + m.role + '|>\n' + m.content + '<|end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tools") / "tiny-tools"
+    shutil.copytree(tiny_model, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tool_model: Path) -> Iterator[InProcessServer]:
+    args = ["--served-model-name", MODEL, "--speculative-method", "ngram", "--no-speculative-adaptive"]
+    with running_server(tool_model, *args) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server: InProcessServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _valid(text: str) -> None:
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chat_json_schema_streaming_and_not(client: openai.OpenAI, temperature: float) -> None:
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            response_format=RESPONSE_FORMAT,
+            max_tokens=120,  # type: ignore[arg-type]
+            temperature=temperature,
+            seed=seed,
+        )
+        assert r.choices[0].finish_reason == "stop"
+        _valid(r.choices[0].message.content or "")
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            response_format=RESPONSE_FORMAT,
+            max_tokens=120,  # type: ignore[arg-type]
+            temperature=temperature,
+            seed=seed,
+            stream=True,
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        _valid(text)
+        if temperature == 0.0:
+            assert text == r.choices[0].message.content
+
+
+def test_completions_json_object_and_guided_fields(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt="{", max_tokens=60, temperature=0, extra_body={"response_format": RESPONSE_FORMAT}
+    )
+    _valid(r.choices[0].text)
+    r = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=60, temperature=0, extra_body={"guided_json": SCHEMA}
+    )
+    _valid(r.choices[0].text)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="x",
+        max_tokens=20,
+        temperature=1.0,
+        seed=1,
+        extra_body={"guided_regex": r"[A-Z]{3}-[0-9]{4}"},
+    )
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", r.choices[0].text)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="x",
+        max_tokens=20,
+        temperature=1.0,
+        seed=2,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    assert r.choices[0].text in ("yes", "no")
+    r = client.completions.create(
+        model=MODEL,
+        prompt="x",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"structured_outputs": {"grammar": 'start: "ab" "c"*'}},
+    )
+    assert re.fullmatch(r"abc*", r.choices[0].text)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0, response_format={"type": "json_object"}
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+
+
+def test_truncated_output_says_length(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        response_format=RESPONSE_FORMAT,
+        max_tokens=4,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "foo"}},
+                }
+            },
+            "response_format",
+            "foo",
+        ),
+        ({"guided_regex": "(("}, "guided_regex", "unclosed group"),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "only one"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
+        ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "outlines"),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_problem(
+    server: InProcessServer, extra: dict, param: str, words: str
+) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 5, **extra}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_required_and_named_tool_calls_parse_against_the_schema(client: openai.OpenAI) -> None:
+    schema = WEATHER["function"]["parameters"]  # type: ignore[index]
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=[WEATHER, TIME],
+            tool_choice="required",  # type: ignore[list-item]
+            temperature=1.0,
+            seed=seed,
+            max_tokens=150,
+            parallel_tool_calls=False,
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        assert len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.function.name in ("get_weather", "get_time") and call.id
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            jsonschema.validate(args, schema)
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            temperature=1.0,
+            seed=seed,
+            max_tokens=150,
+        )
+        calls = r.choices[0].message.tool_calls
+        assert calls and [c.function.name for c in calls] == ["get_weather"]
+        jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+
+
+def test_tool_calls_stream_as_deltas(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,  # type: ignore[list-item]
+        max_tokens=150,
+        stream=True,
+        parallel_tool_calls=False,
+    )
+    chunks = list(stream)
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].index == 0 and deltas[0].id and deltas[0].function.name == "get_weather"
+    arguments = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])  # type: ignore[index]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    full = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=150,  # type: ignore[list-item]
+        parallel_tool_calls=False,
+    )
+    assert (
+        full.choices[0].message.tool_calls
+        and full.choices[0].message.tool_calls[0].function.arguments == arguments
+    )
+
+
+def test_auto_parses_calls_and_none_leaves_text(client: openai.OpenAI) -> None:
+    block = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(utc|cet)"\}\}\n</tool_call>'
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        temperature=0,  # type: ignore[list-item]
+        max_tokens=60,
+        extra_body={"guided_regex": block},
+    )
+    calls = r.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
+    assert json.loads(calls[0].function.arguments)["zone"] in ("utc", "cet")
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice="none",
+        temperature=0,  # type: ignore[list-item]
+        max_tokens=60,
+        extra_body={"guided_regex": block},
+    )
+    assert not r.choices[0].message.tool_calls and "<tool_call>" in (r.choices[0].message.content or "")
+
+
+def test_tool_history_renders_through_the_template(tool_model: Path, client: openai.OpenAI) -> None:
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    body = ChatCompletionRequest(model=MODEL, messages=messages, tools=[WEATHER])  # type: ignore[arg-type]
+    text = render_chat(Tokenizer(tool_model), body.template_messages(), tools=[WEATHER])
+    assert (
+        '<tool_call>\n{"arguments": {"city": "Paris", "days": 1}, "name": "get_weather"}\n</tool_call>'
+        in text
+    )
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text and '"name": "get_weather"' in text
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=5)  # type: ignore[arg-type, list-item]
+    assert r.usage is not None and r.usage.prompt_tokens == len(
+        Tokenizer(tool_model).encode(text, add_special_tokens=False)
+    )
+
+
+def test_tools_on_a_template_without_them_is_400(tiny_model: Path) -> None:
+    with running_server(tiny_model, "--served-model-name", MODEL) as s:
+        body = {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER], "max_tokens": 5}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400
+        assert "does not support tools" in r.json()["error"]["message"]
+        r = httpx.post(
+            f"{s.url}/v1/chat/completions",
+            json={**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            timeout=30,
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+def test_openai_parse_helper_gets_a_parsed_model(client: openai.OpenAI) -> None:
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        city: str = Field(max_length=8)
+        unit: Literal["celsius", "fahrenheit"]
+        days: int = Field(ge=1, le=7)
+
+    r = client.chat.completions.parse(
+        model=MODEL,
+        messages=MESSAGES,
+        response_format=Forecast,
+        max_tokens=80,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Forecast) and 1 <= parsed.days <= 7

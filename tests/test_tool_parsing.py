@@ -1,0 +1,55 @@
+"""Tool-call blocks in model text: whole responses and streams fed in arbitrary pieces agree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ember_engine.server.protocol import APIError
+from ember_engine.server.tools import ToolStream, parse_tool_calls, plan_tools
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+TEXT = f"Let me look.\n{CALL}\n{CALL.replace('f', 'g')}"
+
+
+def test_parse_whole_text() -> None:
+    content, calls = parse_tool_calls(TEXT)
+    assert content == "Let me look." and [c.name for c in calls] == ["f", "g"]
+    assert json.loads(calls[0].arguments) == {"x": 1} and calls[0].id != calls[1].id
+    content, calls = parse_tool_calls(TEXT, parallel=False)
+    assert [c.name for c in calls] == ["f"] and "<tool_call>" in content
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert parse_tool_calls(broken) == (broken, [])
+    assert parse_tool_calls("<tool_c") == ("<tool_c", [])
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 11, 1000])
+def test_stream_in_pieces_matches_whole(size: int) -> None:
+    stream = ToolStream()
+    content, names = "", []
+    for start in range(0, len(TEXT), size):
+        piece = TEXT[start : start + size]
+        text, calls = stream.feed(piece, final=start + size >= len(TEXT))
+        assert "<tool" not in text  # a block's start is held back until decided
+        content += text
+        names += [c.name for c in calls]
+    assert content.strip() == "Let me look." and names == ["f", "g"]
+
+
+def test_stream_releases_held_text_that_was_no_call() -> None:
+    stream = ToolStream()
+    assert stream.feed("a <tool") == ("a ", [])
+    assert stream.feed("box> b", final=True) == ("<toolbox> b", [])
+
+
+def test_plan_refuses_bad_tools_by_name() -> None:
+    with pytest.raises(APIError, match=r"tools\[0\]"):
+        plan_tools([{"type": "retrieval"}], None, None)
+    with pytest.raises(APIError, match="tool_choice: requires tools"):
+        plan_tools(None, "required", None)
+    fn = {"type": "function", "function": {"name": "f"}}
+    plan = plan_tools([fn], {"type": "function", "function": {"name": "f"}}, None)
+    assert plan is not None and plan.constraint is not None and not plan.parallel
+    none = plan_tools([fn], "none", None)
+    assert none is not None and not none.parse and none.constraint is None
