@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "train a small target/draft Llama pair for speculative decoding",
     ),
     "serve": ("ember_engine.server.serve", "serve a model over the OpenAI API"),
+    "quantize": (
+        "ember_engine.tools.quantize",
+        "write a quantized copy of a checkpoint (compressed-tensors: fp8, w8a16, w4a16)",
+    ),
     "fetch-model": (
         "ember_engine.fetch.cli",
         "fetch a checkpoint (hf://, s3://, a directory) into a directory, resumably, checking digests",

@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="priority (default) serves and keeps more important classes first; equal classes are FCFS",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantization",
+        help="quantize the weights at load: fp8, w8a16 or w4a16 (a quantized checkpoint needs no flag)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (E4M3, half the bytes)"
+    )
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-method",
@@ -113,6 +120,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
