@@ -58,11 +58,9 @@ def test_unsupported_scheme_is_named_with_the_supported_ones(tiny_model: Path) -
         LLM(str(tiny_model), quantization="awq")
 
 
-def test_quantization_and_fp8_kv_refuse_tensor_parallelism(tiny_model: Path) -> None:
+def test_quantization_refuses_tensor_parallelism(tiny_model: Path) -> None:
     with pytest.raises(ValueError, match="quantization: is not supported with tensor_parallel_size > 1"):
         EngineConfig(model=str(tiny_model), quantization="fp8", tensor_parallel_size=2).validate()
-    with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8' is not supported with tensor_parallel_size"):
-        EngineConfig(model=str(tiny_model), kv_cache_dtype="fp8", tensor_parallel_size=2).validate()
 
 
 def test_unsupported_checkpoint_format_is_named(tiny_model: Path, tmp_path: Path) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Weight quantization schemes (README "Quantization"); the KV cache's element types.
+# Weight quantization schemes (README "Quantization").
 QUANT_SCHEMES = ("fp8", "w8a16", "w4a16")
-KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(slots=True)
@@ -41,7 +40,6 @@ class EngineConfig:
     master_port: int = 29500
     # Weights quantized at load (a checkpoint that is already quantized is run in its own scheme).
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8: E4M3 with a scale per layer
 
     @property
     def speculation(self) -> str | None:
@@ -92,11 +90,7 @@ class EngineConfig:
                 "quantization",
                 f"unsupported scheme {self.quantization!r}; supported: {', '.join(QUANT_SCHEMES)}",
             )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            bad("kv_cache_dtype", f"unknown {self.kv_cache_dtype!r}; choose {' or '.join(KV_CACHE_DTYPES)}")
         if self.tensor_parallel_size > 1 and self.quantization is not None:
             bad("quantization", "is not supported with tensor_parallel_size > 1")
-        if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
-            bad("kv_cache_dtype", f"{self.kv_cache_dtype!r} is not supported with tensor_parallel_size > 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             bad("ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")

@@ -41,9 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quantization",
         help="quantize the weights at load: fp8, w8a16 or w4a16 (a quantized checkpoint needs no flag)",
     )
-    p.add_argument(
-        "--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 (E4M3, half the bytes)"
-    )
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-method",
@@ -121,7 +118,6 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
         master_addr=args.master_addr,
         master_port=args.master_port,
         quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
