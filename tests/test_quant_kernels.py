@@ -36,4 +36,6 @@ def test_kernel_matches_reference(scheme: str, shape: tuple[int, int, int], monk
     assert got.shape == expected.shape == (m, n)
     scale = expected.abs().max().item()
     assert (got - expected).abs().max().item() <= 1e-3 * scale, scheme
-    assert (torch_path - expected).abs().max().item() <= 1e-3 * scale, scheme
+    # The CPU w8a16 path multiplies bf16 activations (torch's int8 kernel is fast only for those).
+    torch_tolerance = 1e-2 if scheme == "w8a16" and DEVICE == "cpu" else 1e-3
+    assert (torch_path - expected).abs().max().item() <= torch_tolerance * scale, scheme

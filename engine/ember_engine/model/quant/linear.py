@@ -2,7 +2,8 @@
 
 Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, where the model has one,
 stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
-path uses torch: `w8a16` torch's int8 weight-pack matmul (per-channel scales; grouped ones dequantize), `fp8` its scaled matmul on per-token-quantized
+path uses torch: `w8a16` torch's int8 weight-pack matmul on bf16 activations (per-channel scales; grouped ones
+dequantize), `fp8` its scaled matmul on per-token-quantized
 activations, `w4a16` a dequantize-then-matmul. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
 """
 
@@ -117,8 +118,12 @@ class Int8Linear(QuantLinear):
 
             return triton_gemm.int8_matmul(x, self.weight, self.weight_scale, self.group_size)
         if self.group_size == self.in_features:
-            scale = self.weight_scale.reshape(-1).to(x.dtype)
-            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, scale)
+            # torch's CPU kernel is fast only for 16-bit activations (the "a16"); float32 scales are applied
+            # to its output, so they are not rounded to bf16.
+            xb = x.contiguous() if x.dtype != torch.float32 else x.to(torch.bfloat16)
+            ones = torch.ones(self.out_features, dtype=xb.dtype, device=x.device)
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.weight, ones)
+            return (y.float() * self.weight_scale.reshape(-1)).to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
