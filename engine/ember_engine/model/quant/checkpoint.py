@@ -140,7 +140,7 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Ten
     else:
         weight = tensors["weight"]
         out, inp = weight.shape
-    if spec.format == "hf-fp8" and scale.dim() == 2 and scale.shape[1] > 1:
+    if spec.format == "hf-fp8" and scale.dim() == 2 and tuple(scale.shape) != (out, 1) and scale.numel() > 1:
         return _from_blocks(weight, scale.float())
     if spec.scheme != "fp8" and scale.dim() == 2 and scale.shape[1] > 1:
         return weight, scale.float()  # grouped
@@ -157,6 +157,6 @@ def _from_blocks(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     bo, bi = -(-out // scale.shape[0]), -(-inp // scale.shape[1])
     full = scale.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
     dense = weight.float() * full
-    row_scale = dense.abs().amax(dim=1).clamp(min=1e-12) / schemes.FP8_MAX
+    row_scale = scale.repeat_interleave(bo, 0)[:out].amax(dim=1)
     q = (dense / row_scale[:, None]).clamp(-schemes.FP8_MAX, schemes.FP8_MAX).to(torch.float8_e4m3fn)
     return q, row_scale
