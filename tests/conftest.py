@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,27 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def small_model() -> Path:
     return _checkpoint("small")
+
+
+def quantized_checkpoint(size: str, preset: str) -> Path:
+    """The `size` test model quantized by llm-compressor with `preset` (FP8_DYNAMIC, W8A16, W4A16), built
+    once into the cache (keyed also by the build script, so a change to it rebuilds)."""
+    build = Path(__file__).with_name("quant_build.py")
+    key = hashlib.sha256(build.read_bytes()).hexdigest()[:8]
+    path = _cache_root() / f"{size}-{preset.lower()}-{key}"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        subprocess.run([sys.executable, str(build), str(_checkpoint(size)), str(tmp), preset], check=True)
+        if path.exists():
+            shutil.rmtree(tmp)
+        else:
+            tmp.replace(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def quantized_model():  # -> Callable[[str, str], Path]
+    return quantized_checkpoint
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

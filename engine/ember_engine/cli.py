@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "train a small target/draft Llama pair for speculative decoding",
     ),
     "serve": ("ember_engine.server.serve", "serve a model over the OpenAI API"),
+    "quantize": (
+        "ember_engine.tools.quantize",
+        "write a quantized copy of a checkpoint (compressed-tensors: fp8, w8a16, w4a16)",
+    ),
     "fetch-model": (
         "ember_engine.fetch.cli",
         "fetch a checkpoint (hf://, s3://, a directory) into a directory, resumably, checking digests",
@@ -48,6 +52,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("ember_engine.bench.throughput", "offline output tokens/s, ember vs transformers"),
     "serve": ("ember_engine.bench.serve", "serving latency and throughput against a running server"),
     "spec": ("ember_engine.bench.spec", "speculative decoding (draft, n-gram) against plain decoding"),
+    "quant": ("ember_engine.bench.quant", "quantized weights (fp8, w8a16, w4a16) against full precision"),
     "scale": (
         "ember_localcluster.bench_scale",
         "load spike to added capacity serving: warm pool vs cold start",

@@ -159,6 +159,8 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         args.append(f"--kv-cache-memory={quantity_bytes(e.kv_cache_memory)}")
     if spec.tensor_parallel_size > 1:
         args.append(f"--tensor-parallel-size={spec.tensor_parallel_size}")
+    if spec.model.quantization is not None:
+        args.append(f"--quantization={spec.model.quantization}")
     if spec.speculative is not None:
         s = spec.speculative
         if s.method == "draft":

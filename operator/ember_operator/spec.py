@@ -107,6 +107,13 @@ class Model(_Object):
         "PersistentVolumeClaim onto the cache).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["fp8", "w8a16", "w4a16"] | None = Field(
+        default=None,
+        description="Quantize the weights as the engine loads them (`ember serve --quantization`): fp8 "
+        "(FP8 weights and activations), w8a16 (int8 weights), w4a16 (int4 weights, groups of 128). A "
+        "checkpoint that is already quantized runs in its own scheme and needs none. Not with tensor "
+        "parallelism.",
+    )
     volume_claim: str | None = Field(
         default=None,
         max_length=253,
@@ -178,6 +185,7 @@ PROTECTED_FLAGS = {
     "speculative-method": "speculative.method",
     "num-speculative-tokens": "speculative.numTokens",
     "tensor-parallel-size": "engine.tensorParallelSize",
+    "quantization": "model.quantization",
     "nnodes": "resources.nodes",
     "node-rank": "the operator (the pod's place in its group)",
     "master-addr": "the operator (the group leader's address)",
@@ -499,6 +507,12 @@ _PARALLEL_RULES: list[dict[str, Any]] = [
         "message": "engine.tensorParallelSize must be a multiple of resources.nodes, with at most "
         "resources.gpus ranks on each node",
     },
+    {
+        # The engine's ranks: engine.tensorParallelSize, else one per GPU of the replica.
+        "rule": "!has(self.model.quantization) || (has(self.engine.tensorParallelSize) ? "
+        "self.engine.tensorParallelSize == 1 : self.resources.gpus * self.resources.nodes <= 1)",
+        "message": "model.quantization is not supported with tensor parallelism (more than one engine rank)",
+    },
 ]
 
 
@@ -566,6 +580,8 @@ class InferenceServiceSpec(_Object):
                 f"{_PARALLEL_RULES[1]['message']}: got tensorParallelSize {tp} for {r.nodes} node(s) "
                 f"of {r.gpus} GPU(s)"
             )
+        if self.model.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"{_PARALLEL_RULES[2]['message']}: got {self.tensor_parallel_size} ranks")
         return self
 
     @property

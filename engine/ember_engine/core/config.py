@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Weight quantization schemes (README "Quantization").
+QUANT_SCHEMES = ("fp8", "w8a16", "w4a16")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -35,6 +38,8 @@ class EngineConfig:
     # the other nodes connect to it.
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # Weights quantized at load (a checkpoint that is already quantized is run in its own scheme).
+    quantization: str | None = None
 
     @property
     def speculation(self) -> str | None:
@@ -80,5 +85,12 @@ class EngineConfig:
             bad("node_rank", f"must be in [0, nnodes {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not 0 < self.master_port < 65536:
             bad("master_port", f"must be a TCP port when nnodes > 1, got {self.master_port}")
+        if self.quantization is not None and self.quantization not in QUANT_SCHEMES:
+            bad(
+                "quantization",
+                f"unsupported scheme {self.quantization!r}; supported: {', '.join(QUANT_SCHEMES)}",
+            )
+        if self.tensor_parallel_size > 1 and self.quantization is not None:
+            bad("quantization", "is not supported with tensor_parallel_size > 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             bad("ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")

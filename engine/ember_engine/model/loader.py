@@ -14,6 +14,7 @@ from typing import Any
 from safetensors import safe_open
 
 from ember_engine.model.llama import LlamaForCausalLM
+from ember_engine.model.quant.apply import QuantCollector
 
 # checkpoint projection -> (merged parameter, which shard of it)
 _MERGED = {
@@ -59,8 +60,9 @@ def _shard_sizes(model: LlamaForCausalLM, merged: str) -> list[int]:
     return [s.intermediate_size, s.intermediate_size]
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
-    """Copy every checkpoint tensor into place; error naming any missing, unknown or mis-shaped one."""
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCollector | None = None) -> None:
+    """Copy every checkpoint tensor into place; error naming any missing, unknown or mis-shaped one.
+    `quant` takes the tensors of the quantized projections (a quantized checkpoint)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for name, tensor_slice in iter_slices(Path(model_dir)):
@@ -73,6 +75,10 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
         if len(parts) >= 2 and parts[-2] in _MERGED:
             merged, shard = _MERGED[parts[-2]]
             target = ".".join([*parts[:-2], merged, parts[-1]])
+        if quant is not None:
+            sizes = _shard_sizes(model, target.split(".")[-2]) if shard is not None else [0]
+            if quant.take(name, target, shard, sum(sizes[: shard or 0]), tensor_slice):
+                continue
         param = params.get(target)
         if param is None:
             raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (no such parameter)")
@@ -96,6 +102,6 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
             expected |= {".".join([*parts[:-2], shard_name, parts[-1]]) for shard_name in _SPLIT[parts[-2]]}
         elif not (pname == "lm_head.weight" and model.config.tie_word_embeddings):
             expected.add(pname)
-    missing = sorted(expected - loaded)
+    missing = sorted(expected - loaded) + (quant.missing() if quant is not None else [])
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:8])}")

@@ -18,6 +18,8 @@ from ember_engine.model.llama import LlamaForCausalLM
 from ember_engine.model.loader import load_weights
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
 from ember_engine.model.parallel import SINGLE, TPGroup
+from ember_engine.model.quant import apply as quant_apply
+from ember_engine.model.quant.checkpoint import resolve as resolve_quantization
 
 if TYPE_CHECKING:
     from ember_engine.distributed.workers import WorkerPool
@@ -89,7 +91,16 @@ class ModelRunner:
                 self.model = LlamaForCausalLM(model_config, tp)
         finally:
             torch.set_default_dtype(previous)
-        load_weights(self.model, Path(model_dir or config.model))
+        # Online quantization is the target's (a draft model runs as its checkpoint is).
+        weights_dir = Path(model_dir or config.model)
+        self.quant = resolve_quantization(weights_dir, config.quantization if model_dir is None else None)
+        if self.quant is not None and self.quant.prequantized:
+            quant_apply.prepare(self.model, self.quant)
+            load_weights(self.model, weights_dir, quant_apply.QuantCollector(self.model, self.quant))
+        else:
+            load_weights(self.model, weights_dir)
+            if self.quant is not None:
+                quant_apply.quantize_model(self.model, self.quant)
         self.model.eval()
         # One block table serves every rank: the cache is as large as the most constrained rank allows.
         self.num_blocks = tp.min_over_ranks(

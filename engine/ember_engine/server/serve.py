@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="priority (default) serves and keeps more important classes first; equal classes are FCFS",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantization",
+        help="quantize the weights at load: fp8, w8a16 or w4a16 (a quantized checkpoint needs no flag)",
+    )
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-method",
@@ -119,6 +123,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        quantization=args.quantization,
     )
 
 

@@ -1,0 +1,128 @@
+"""`ember bench quant`: each weight scheme side by side with full precision, in one run on one model.
+
+Per configuration: weight bytes (the whole model, and the decoder projections alone against the same
+projections in bf16), KV blocks at a fixed cache memory, decode tokens/s at batch 1 and 32, perplexity on
+held-out text, and greedy agreement with full precision over 64 tokens (the fraction of generated
+positions holding the same token). Default model: the packaged trained target, whose held-out split
+(files its training never saw) is the perplexity text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GEN_TOKENS = 64
+PROMPT_TOKENS = 64
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint (default: the packaged trained pair's target)")
+    p.add_argument("--schemes", default="fp8,w8a16,w4a16", help="comma-separated, run after full precision")
+    p.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes for the KV-block count")
+    p.add_argument("--ppl-windows", type=int, default=16, help="held-out windows of 512 tokens scored")
+    p.add_argument("--prompts", type=int, default=32, help="greedy-agreement prompts (also batch 32's)")
+    p.add_argument("--json", help="write the results here")
+
+
+def held_out(model_dir: Path) -> torch.Tensor:
+    from ember_engine.tools import testmodel
+    from ember_engine.tools.training import corpus_tokens
+
+    ids = json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]
+    eos = next(t["id"] for t in ids if t["content"] == testmodel.EOS)
+    return corpus_tokens(model_dir / "tokenizer.json", eos)[1]
+
+
+def perplexity(llm: Any, tokens: torch.Tensor, windows: int, length: int = 512) -> float:
+    from ember_engine.model.model_runner import Chunk
+
+    runner = llm.engine.runner
+    blocks = list(range(-(-length // runner.block_size)))
+    nll, count = 0.0, 0
+    for w in range(min(windows, (len(tokens) - 1) // length)):
+        seq = tokens[w * length : (w + 1) * length + 1]
+        logits = runner.forward([Chunk(blocks, 0, seq[:-1].tolist(), num_logits=length)])
+        nll += torch.nn.functional.cross_entropy(logits, seq[1:], reduction="sum").item()
+        count += length
+    return math.exp(nll / count)
+
+
+def _decode_rate(llm: Any, prompts: list[list[int]]) -> float:
+    from ember_engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=GEN_TOKENS, ignore_eos=True)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def measure(model: Path, scheme: str | None, args: argparse.Namespace, text: torch.Tensor) -> dict[str, Any]:
+    from ember_engine import LLM, SamplingParams
+    from ember_engine.model.quant.apply import PROJECTIONS, weight_bytes
+
+    llm = LLM(str(model), quantization=scheme, kv_cache_memory=args.kv_cache_memory, max_num_seqs=64)
+    runner = llm.engine.runner
+    proj_bytes = proj_numel = 0
+    for name, module in runner.model.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            proj_bytes += sum(t.numel() * t.element_size() for t in module.buffers())
+            proj_bytes += sum(t.numel() * t.element_size() for t in module.parameters())
+            proj_numel += getattr(module, "in_features", 0) * getattr(module, "out_features", 0)
+    stride = len(text) // (args.prompts + 1)
+    prompts = [text[i * stride : i * stride + PROMPT_TOKENS].tolist() for i in range(args.prompts)]
+    greedy = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=GEN_TOKENS, ignore_eos=True), use_tqdm=False
+    )
+    return {
+        "scheme": scheme or "full",
+        "weight_bytes": weight_bytes(runner.model),
+        "projection_bytes_vs_bf16": proj_bytes / (2 * proj_numel),
+        "kv_blocks": runner.num_blocks,
+        "decode_tok_s_b1": _decode_rate(llm, prompts[:1]),
+        "decode_tok_s_b32": _decode_rate(llm, prompts[:32]),
+        "perplexity": perplexity(llm, text, args.ppl_windows),
+        "outputs": [list(o.token_ids) for o in greedy],
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    from ember_engine.tools.spec_pair import packaged_pair
+
+    model = Path(args.model) if args.model else packaged_pair()[0]
+    text = held_out(model)
+    torch.set_num_threads(torch.get_num_threads())
+    rows = [measure(model, None, args, text)]
+    rows += [measure(model, s, args, text) for s in args.schemes.split(",") if s]
+    base = rows[0]
+    for row in rows:
+        pairs = [
+            (a, b)
+            for x, y in zip(row["outputs"], base["outputs"], strict=True)
+            for a, b in zip(x, y, strict=True)
+        ]
+        row["greedy_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+        row["perplexity_ratio"] = row["perplexity"] / base["perplexity"]
+        row["b1_speedup"] = row["decode_tok_s_b1"] / base["decode_tok_s_b1"]
+        row["b32_speedup"] = row["decode_tok_s_b32"] / base["decode_tok_s_b32"]
+        row["weight_ratio"] = row["weight_bytes"] / base["weight_bytes"]
+    head = "scheme  weight MB (x full) proj/bf16 KV blocks  b1 tok/s (x)   b32 tok/s (x)   ppl (x full)    agree64"
+    print(f"model: {model}\n{head}")
+    for r in rows:
+        print(
+            f"{r['scheme']:<7} {r['weight_bytes'] / 1e6:7.2f} ({r['weight_ratio']:.2f})  {r['projection_bytes_vs_bf16']:8.3f}"
+            f" {r['kv_blocks']:9d} {r['decode_tok_s_b1']:7.1f} ({r['b1_speedup']:.2f})"
+            f" {r['decode_tok_s_b32']:8.1f} ({r['b32_speedup']:.2f}) {r['perplexity']:7.3f} ({r['perplexity_ratio']:.3f})"
+            f" {r['greedy_agreement']:8.3f}"
+        )
+    if args.json:
+        clean = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
+        Path(args.json).write_text(json.dumps({"model": str(model), "rows": clean}, indent=2) + "\n")
+    return 0

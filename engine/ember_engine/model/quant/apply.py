@@ -1,0 +1,111 @@
+"""Putting a scheme into a model: swapping its projections for quantized layers, either empty ones that
+a quantized checkpoint fills (`QuantCollector`) or ones quantized from the loaded full-precision weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember_engine.model.quant.checkpoint import QuantSpec, decode
+from ember_engine.model.quant.linear import QuantLinear, make_layer, quantize_linear
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+
+# The decoder's projections; embeddings, norms and the LM head keep the model dtype.
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    found = []
+    for module in model.modules():
+        for name in PROJECTIONS:
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Linear):
+                found.append((module, name, child))
+    return found
+
+
+def prepare(model: nn.Module, spec: QuantSpec) -> None:
+    """Replace every projection by an empty quantized layer of the same shape (before loading)."""
+    for parent, name, linear in _projections(model):
+        layer = make_layer(
+            spec.scheme,
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            linear.weight.dtype,
+            spec.group_size,
+        )
+        setattr(parent, name, layer.to(linear.weight.device))
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, spec: QuantSpec) -> None:
+    """Quantize every projection of a loaded full-precision model in place (online quantization)."""
+    for parent, name, linear in _projections(model):
+        setattr(parent, name, quantize_linear(linear, spec.scheme, spec.group_size))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and persistent buffer, a tied weight counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+class QuantCollector:
+    """Gathers each quantized projection's checkpoint tensors as the loader meets them and places the
+    decoded weight once a projection's set is complete."""
+
+    def __init__(self, model: nn.Module, spec: QuantSpec) -> None:
+        self.spec = spec
+        self.layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+        self.pending: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
+        self.offsets: dict[tuple[str, int | None], int] = {}
+        self.done: set[tuple[str, int | None]] = set()
+
+    def take(self, name: str, target: str, part: int | None, offset: int, tensor_slice: Any) -> bool:
+        """Claim checkpoint tensor `name` (mapped to `target`, merged part `part` at row `offset`) if it
+        belongs to a quantized layer; False leaves it to the ordinary loader."""
+        module, _, suffix = target.rpartition(".")
+        if module not in self.layers or suffix == "bias":
+            return False
+        if suffix not in self.spec.required() and suffix not in ("input_scale", "weight_zero_point"):
+            raise UnsupportedQuantizationError(
+                f"unexpected tensor {name!r} in a {self.spec.format} checkpoint"
+            )
+        key = (module, part)
+        if suffix == "weight_zero_point":
+            zp = tensor_slice[:]
+            if torch.count_nonzero(zp):
+                raise UnsupportedQuantizationError(
+                    f"{name}: nonzero zero points (asymmetric) are not supported"
+                )
+            return True
+        if suffix == "input_scale":
+            return True  # dynamic activations only: a calibrated scale is not used
+        self.pending.setdefault(key, {})[suffix] = tensor_slice[:]
+        self.offsets[key] = offset
+        if self.spec.required() <= self.pending[key].keys():
+            weight, scale = decode(self.spec, self.pending.pop(key))
+            self.layers[module].set_rows(offset, weight.to(self.layers[module].weight_scale.device), scale)
+            self.done.add(key)
+        return True
+
+    def missing(self) -> list[str]:
+        """Projections the checkpoint did not (completely) provide."""
+        absent = []
+        for module in self.layers:
+            parts = _PARTS.get(module.rsplit(".", 1)[-1])
+            keys = [(module, None)] if parts is None else [(module, i) for i in range(parts)]
+            absent += [
+                f"{module}[{p}]" if p is not None else module for _, p in keys if (module, p) not in self.done
+            ]
+        return absent

@@ -1,0 +1,162 @@
+"""Quantized checkpoints: which scheme a `quantization_config` describes, and its tensors decoded into the
+engine's canonical forms (`schemes.py`).
+
+Formats read:
+- compressed-tensors (what llm-compressor writes; `quant_method: compressed-tensors`):
+  `float-quantized` (FP8 `weight` + `weight_scale`, per channel or per tensor), `pack-quantized`
+  (`weight_packed` int32 words + `weight_scale` + `weight_shape`, 4- or 8-bit) and `int-quantized`
+  (int8 `weight` + `weight_scale`). Symmetric weights only; activations dynamic per token (FP8) or none.
+- Hugging Face `fp8` (`quant_method: fp8`): FP8 `weight` with `weight_scale_inv` per tensor, per channel
+  or per block.
+Anything else is refused by name, with what is supported.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ember_engine.model.quant import schemes
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+
+_CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSpec:
+    scheme: str  # fp8 | w8a16 | w4a16
+    format: str  # online | float-quantized | pack-quantized | int-quantized | hf-fp8
+    group_size: int = schemes.DEFAULT_GROUP_SIZE
+    num_bits: int = 8
+
+    @property
+    def prequantized(self) -> bool:
+        return self.format != "online"
+
+    def required(self) -> frozenset[str]:
+        """The tensor suffixes one projection needs before it can be decoded."""
+        return {
+            "float-quantized": frozenset({"weight", "weight_scale"}),
+            "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"}),
+            "int-quantized": frozenset({"weight", "weight_scale"}),
+            "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
+        }[self.format]
+
+
+def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
+    path = Path(model_dir) / "config.json"
+    raw = json.loads(path.read_text()) if path.exists() else {}
+    qc = raw.get("quantization_config")
+    return qc if isinstance(qc, dict) else None
+
+
+def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
+    """The scheme to run: the checkpoint's own when it is quantized (a different `requested` one is an
+    error), else `requested` applied at load, else None (full precision)."""
+    qc = read_quantization_config(model_dir)
+    if qc is None:
+        if requested is None:
+            return None
+        schemes.check_scheme(requested)
+        # Online: int8 per output channel (torch's int8 matmul takes those), int4 in groups of 128.
+        group = schemes.DEFAULT_GROUP_SIZE if requested == "w4a16" else 0
+        return QuantSpec(requested, "online", group_size=group, num_bits=4 if requested == "w4a16" else 8)
+    spec = parse_quantization_config(qc)
+    if requested is not None and requested != spec.scheme:
+        schemes.check_scheme(requested)
+        raise UnsupportedQuantizationError(
+            f"quantization: {requested!r} requested, but {model_dir} is already quantized as {spec.scheme!r}"
+        )
+    return spec
+
+
+def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise UnsupportedQuantizationError(
+                f"fp8 checkpoint: activation_scheme {qc.get('activation_scheme')!r} is not supported; "
+                "supported: dynamic"
+            )
+        return QuantSpec("fp8", "hf-fp8")
+    if method != "compressed-tensors":
+        raise UnsupportedQuantizationError(
+            f"quantization_config: quant_method {method!r} is not supported; supported: compressed-tensors "
+            f"({', '.join(_CT_FORMATS)}), fp8"
+        )
+    fmt = qc.get("format")
+    if fmt not in _CT_FORMATS:
+        raise UnsupportedQuantizationError(
+            f"compressed-tensors: format {fmt!r} is not supported; supported: {', '.join(_CT_FORMATS)}"
+        )
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        raise UnsupportedQuantizationError("compressed-tensors: config_groups is empty")
+    first = groups[0]
+    if any(g.get("weights") != first.get("weights") for g in groups):
+        raise UnsupportedQuantizationError("compressed-tensors: config groups with different weight schemes")
+    weights = first.get("weights") or {}
+    acts = first.get("input_activations")
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    what = f"{kind} {bits}-bit weights, strategy {strategy!r}"
+    if not weights.get("symmetric", True):
+        raise UnsupportedQuantizationError(f"compressed-tensors: asymmetric {what} are not supported")
+    if kind == "float" and bits == 8 and strategy in ("channel", "tensor"):
+        if acts and not (acts.get("dynamic") and acts.get("strategy") == "token"):
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors: FP8 input activations {acts.get('strategy')!r} "
+                f"(dynamic={acts.get('dynamic')}) are not supported; supported: dynamic per token"
+            )
+        return QuantSpec("fp8", fmt)
+    if acts:
+        raise UnsupportedQuantizationError(
+            f"compressed-tensors: quantized activations with {what} are not supported; "
+            "supported: fp8 (W8A8-FP8), w8a16, w4a16"
+        )
+    if kind == "int" and bits == 8 and strategy in ("channel", "tensor"):
+        return QuantSpec("w8a16", fmt, group_size=0, num_bits=8)
+    if kind == "int" and bits == 8 and strategy == "group":
+        return QuantSpec("w8a16", fmt, group_size=int(weights["group_size"]), num_bits=8)
+    if kind == "int" and bits == 4 and strategy == "group":
+        return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4)
+    raise UnsupportedQuantizationError(
+        f"compressed-tensors: {what} are not supported; supported: FP8 per channel/tensor (fp8), "
+        "int8 per channel (w8a16), int4 per group (w4a16)"
+    )
+
+
+def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's checkpoint tensors -> (canonical weight, scale): FP8/int8 weight [out, in] and scale
+    [out]; for w4a16 int4 values as int8 [out, in] and scale [out, in / group]."""
+    scale = tensors.get("weight_scale", tensors.get("weight_scale_inv"))
+    assert scale is not None
+    if spec.format == "pack-quantized":
+        out, inp = (int(v) for v in tensors["weight_shape"].tolist())
+        weight = schemes.unpack_int32(tensors["weight_packed"], spec.num_bits, inp)
+    else:
+        weight = tensors["weight"]
+        out, inp = weight.shape
+    if spec.format == "hf-fp8" and scale.dim() == 2 and tuple(scale.shape) != (out, 1) and scale.numel() > 1:
+        return _from_blocks(weight, scale.float())
+    if spec.scheme != "fp8" and scale.dim() == 2 and scale.shape[1] > 1:
+        return weight, scale.float()  # grouped
+    if spec.scheme == "fp8":
+        return weight, scale.float().reshape(-1).expand(out).contiguous()
+    return weight, scale.float().reshape(-1).expand(out).reshape(out, 1).contiguous()
+
+
+def _from_blocks(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 (one scale per [bo, bi] tile) re-expressed per output channel: each row's blocks
+    are rescaled to that row's largest block scale (exact when a row's scales agree, else within one FP8
+    rounding)."""
+    out, inp = weight.shape
+    bo, bi = -(-out // scale.shape[0]), -(-inp // scale.shape[1])
+    full = scale.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
+    dense = weight.float() * full
+    row_scale = scale.repeat_interleave(bo, 0)[:out].amax(dim=1)
+    q = (dense / row_scale[:, None]).clamp(-schemes.FP8_MAX, schemes.FP8_MAX).to(torch.float8_e4m3fn)
+    return q, row_scale

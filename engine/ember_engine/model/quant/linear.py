@@ -1,0 +1,205 @@
+"""Linear layers over quantized weights, drop-in replacements for the model's `nn.Linear`s.
+
+Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, where the model has one,
+stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
+path uses torch: `w8a16` torch's int8 weight-pack matmul on bf16 activations (per-channel scales; grouped ones
+dequantize), `fp8` its scaled matmul on per-token-quantized
+activations, `w4a16` a dequantize-then-matmul. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember_engine.model.quant import schemes
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    mode = os.environ.get("EMBER_QUANT_GEMM", "")
+    if mode == "torch":
+        return False
+    return mode == "triton" or x.is_cuda
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W held quantized. Subclasses set the scheme and the buffers."""
+
+    scheme = ""
+    weight_scale: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.matmul(x.reshape(-1, shape[-1]))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the scheme stands for, [out, in] (tests, oracles)."""
+        raise NotImplementedError
+
+    def set_rows(self, start: int, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Place a projection's canonical weight and scale at output rows start.. (merged projections)."""
+        n = weight.shape[0]
+        self.weight_data().narrow(0, start, n).copy_(weight)
+        self.weight_scale.narrow(0, start, n).copy_(scale.reshape(self.weight_scale[start : start + n].shape))
+
+    def weight_data(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self.scheme}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class Fp8Linear(QuantLinear):
+    scheme = "fp8"
+    weight: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
+
+    def weight_data(self) -> torch.Tensor:
+        return self.weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_triton(x):
+            from ember_engine.model.quant import triton_gemm
+
+            return triton_gemm.fp8_matmul(x, self.weight, self.weight_scale)
+        xq, x_scale = schemes.quantize_activation_fp8(x)
+        return torch._scaled_mm(
+            xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=x.dtype
+        )
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+
+class Int8Linear(QuantLinear):
+    """int8 weights with a scale per output channel (`group_size` 0) or per group of input columns."""
+
+    scheme = "w8a16"
+    weight: torch.Tensor
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int = 0
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        if group_size and in_features % group_size:
+            raise schemes.UnsupportedQuantizationError(
+                f"w8a16: input size {in_features} is not a multiple of the group size {group_size}"
+            )
+        self.group_size = group_size or in_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer(
+            "weight_scale", torch.ones(out_features, in_features // self.group_size, dtype=torch.float32)
+        )
+
+    def weight_data(self) -> torch.Tensor:
+        return self.weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_triton(x):
+            from ember_engine.model.quant import triton_gemm
+
+            return triton_gemm.int8_matmul(x, self.weight, self.weight_scale, self.group_size)
+        if self.group_size == self.in_features:
+            # torch's CPU kernel is fast only for 16-bit activations (the "a16"); float32 scales are applied
+            # to its output, so they are not rounded to bf16.
+            xb = x.contiguous() if x.dtype != torch.float32 else x.to(torch.bfloat16)
+            ones = torch.ones(self.out_features, dtype=xb.dtype, device=x.device)
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.weight, ones)
+            return (y.float() * self.weight_scale.reshape(-1)).to(x.dtype)
+        return F.linear(x, self.dequantized(x.dtype))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scale = self.weight_scale.repeat_interleave(self.group_size, dim=1)
+        return (self.weight.float() * scale).to(dtype)
+
+
+class Int4Linear(QuantLinear):
+    scheme = "w4a16"
+    weight_packed: torch.Tensor
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        group_size: int = schemes.DEFAULT_GROUP_SIZE,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        if in_features % group_size or group_size % 2:
+            raise schemes.UnsupportedQuantizationError(
+                f"w4a16: input size {in_features} is not a multiple of the group size {group_size}"
+            )
+        self.group_size = group_size
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer(
+            "weight_scale", torch.ones(out_features, in_features // group_size, dtype=torch.float32)
+        )
+
+    def weight_data(self) -> torch.Tensor:
+        return self.weight_packed
+
+    def set_rows(self, start: int, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """`weight` is int4 values as int8 [rows, in]; they are packed here."""
+        super().set_rows(start, schemes.pack_int4(weight), scale.float())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_triton(x):
+            from ember_engine.model.quant import triton_gemm
+
+            return triton_gemm.int4_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
+        return F.linear(x, self.dequantized(x.dtype))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return schemes.dequantize_int4(self.weight_packed, self.weight_scale, dtype)
+
+
+LAYERS: dict[str, type[QuantLinear]] = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear}
+
+
+def make_layer(
+    scheme: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int
+) -> QuantLinear:
+    """`group_size`: input columns per scale (w4a16; w8a16, where 0 means one scale per output channel)."""
+    if schemes.check_scheme(scheme) == "w4a16":
+        return Int4Linear(in_features, out_features, bias, dtype, group_size)
+    if scheme == "w8a16":
+        return Int8Linear(in_features, out_features, bias, dtype, group_size)
+    return Fp8Linear(in_features, out_features, bias, dtype)
+
+
+def quantize_linear(linear: nn.Linear, scheme: str, group_size: int) -> QuantLinear:
+    """A full-precision layer's quantized counterpart (online quantization)."""
+    w = linear.weight.detach()
+    layer = make_layer(
+        scheme, linear.in_features, linear.out_features, linear.bias is not None, w.dtype, group_size
+    )
+    layer.to(w.device)
+    quantize = {
+        "fp8": schemes.quantize_fp8,
+        "w8a16": lambda t: schemes.quantize_int8(t, group_size),
+        "w4a16": lambda t: schemes.quantize_int4(t, group_size),
+    }[scheme]
+    q, scale = quantize(w)
+    layer.set_rows(0, q, scale)
+    if linear.bias is not None and layer.bias is not None:
+        layer.bias.data.copy_(linear.bias.detach())
+    return layer

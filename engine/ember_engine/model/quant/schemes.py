@@ -1,0 +1,118 @@
+"""The weight schemes as pure tensor arithmetic: quantize, pack, unpack, dequantize.
+
+Canonical forms held by the engine's layers (whatever the checkpoint's own layout):
+- `fp8`: E4M3 weight `[out, in]`, float32 scale per output channel `[out]`; activations are quantized
+  per token at run time (W8A8-FP8).
+- `w8a16`: int8 weight `[out, in]`, float32 scale per output channel `[out, 1]` (or per group of input
+  columns, as llm-compressor's W8A16 preset writes, `[out, in / group_size]`); activations stay as they are.
+- `w4a16`: int4 values packed two to a byte `[out, in / 2]` (low nibble first, stored as value + 8),
+  float32 scale per group of `group_size` input columns `[out, in / group_size]`.
+All are symmetric: zero is exactly representable and no zero point is stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember_engine.core.config import QUANT_SCHEMES as SCHEMES
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+DEFAULT_GROUP_SIZE = 128
+_TINY = 1e-12
+
+
+class UnsupportedQuantizationError(ValueError):
+    pass
+
+
+def check_scheme(scheme: str) -> str:
+    if scheme not in SCHEMES:
+        raise UnsupportedQuantizationError(
+            f"quantization: unsupported scheme {scheme!r}; supported: {', '.join(SCHEMES)}"
+        )
+    return scheme
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel E4M3: (weight [out, in], scale [out])."""
+    scale = w.float().abs().amax(dim=1).clamp(min=_TINY) / FP8_MAX
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_int8(w: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 in [-127, 127], one scale per output channel (`group_size` 0) or per group of
+    input columns: (weight [out, in], scale [out, in / group_size])."""
+    out, inp = w.shape
+    g = group_size or inp
+    groups = w.float().reshape(out, inp // g, g)
+    scale = groups.abs().amax(dim=2).clamp(min=_TINY) / 127.0
+    q = torch.round(groups / scale[:, :, None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(out, inp), scale
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise symmetric int4 in [-8, 7] (scale = absmax / 7.5, the compressed-tensors rule):
+    (values as int8 [out, in], scale [out, in / group_size])."""
+    out, inp = w.shape
+    if inp % group_size:
+        raise UnsupportedQuantizationError(
+            f"w4a16: input size {inp} is not a multiple of the group size {group_size}"
+        )
+    groups = w.float().reshape(out, inp // group_size, group_size)
+    scale = groups.abs().amax(dim=2).clamp(min=_TINY) / 7.5
+    q = torch.round(groups / scale[:, :, None]).clamp(-8, 7).to(torch.int8)
+    return q.reshape(out, inp), scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int4 values [out, in] (in [-8, 7]) -> bytes [out, in / 2], column 2j in the low nibble."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: int8 values [out, 2 * packed columns]."""
+    low = (packed & 0xF).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    q = unpack_int4(packed)
+    group_size = q.shape[1] // scale.shape[1]
+    return (q.float() * scale.float().repeat_interleave(group_size, dim=1)).to(dtype)
+
+
+def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (row) dynamic E4M3: (values [n, in], float32 scale [n, 1])."""
+    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
+    """compressed-tensors `pack-quantized`: `32 / num_bits` unsigned values per int32 along the last
+    dimension, value k of a word in bits [k*num_bits, (k+1)*num_bits), each stored as value + 2^(bits-1).
+    Returns signed int8 values [rows, columns]."""
+    per_word = 32 // num_bits
+    mask = (1 << num_bits) - 1
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+    values = (words[:, :, None] >> shifts) & mask
+    values = values.reshape(packed.shape[0], -1)[:, :columns]
+    return (values - (1 << (num_bits - 1))).to(torch.int8)
+
+
+def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """The inverse of `unpack_int32`: signed values [rows, columns] -> int32 words [rows, ceil(columns *
+    num_bits / 32)] (the last word zero-padded)."""
+    per_word = 32 // num_bits
+    rows, columns = values.shape
+    u = values.to(torch.int64) + (1 << (num_bits - 1))
+    pad = -columns % per_word
+    if pad:
+        u = torch.cat((u, torch.zeros(rows, pad, dtype=torch.int64)), dim=1)
+    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
+    words = (u.reshape(rows, -1, per_word) << shifts).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)

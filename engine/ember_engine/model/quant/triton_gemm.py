@@ -1,0 +1,152 @@
+"""Triton GEMM kernels for the quantized layers (CUDA; tests run them under TRITON_INTERPRET=1).
+
+One kernel shape serves the three schemes: a program computes a [BLOCK_M, BLOCK_N] tile of y = x W^T,
+walking K in BLOCK_K steps with a float32 accumulator. The weight tile is loaded in its stored form and
+widened in registers, so only the quantized bytes cross memory:
+- w8a16: int8 widened and scaled per (channel, group) in the loop (per channel: one group of K);
+- w4a16: two int4 per byte, unpacked by shift and mask, scaled the same way;
+- fp8: activations quantized per token beforehand; E4M3 × E4M3 dots where the device has them (compute
+  capability ≥ 8.9), widened otherwise, both scales applied after the K loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ember_engine.model.quant.schemes import quantize_activation_fp8
+
+# WEIGHT: 0 int8, 1 packed int4, 2 fp8 (stored as bytes, reinterpreted in the kernel).
+_INT8, _INT4, _FP8 = 0, 1, 2
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    x_scale_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    GROUP: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0,
+        )
+        wmask = mask_k[:, None] & mask_n[None, :]
+        if WEIGHT != 2:
+            if WEIGHT == 1:
+                # [BLOCK_K, BLOCK_N]: column k of the weight is nibble k % 2 of byte k // 2.
+                ptrs = w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
+                packed = tl.load(ptrs, mask=wmask, other=0).to(tl.int32)
+                q = ((packed >> ((offs_k % 2) * 4)[:, None]) & 0xF) - 8
+            else:
+                q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
+            sptrs = scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None]
+            s = tl.load(sptrs, mask=wmask, other=0)
+            acc += tl.dot(x, (q.to(tl.float32) * s).to(x.dtype))
+        else:
+            raw = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
+            w8 = raw.to(tl.float8e4nv, bitcast=True)
+            x8 = x.to(tl.float8e4nv, bitcast=True)
+            if FP8_DOT:
+                acc += tl.dot(x8, w8)
+            else:
+                acc += tl.dot(x8.to(tl.float32), w8.to(tl.float32))
+    if WEIGHT == 2:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0)[None, :]
+        acc = acc * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0)[:, None]
+    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _blocks(m: int) -> tuple[int, int, int]:
+    # Decode-sized batches take thin M tiles; tl.dot needs every tile side >= 16.
+    return (16 if m <= 16 else 32 if m <= 32 else 64), 64, 64
+
+
+def _launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    n: int,
+    weight: int,
+    group: int = 1,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    bm, bn, bk = _blocks(m)
+    fp8_dot = weight == _FP8 and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _gemm_kernel[grid](
+        x,
+        w,
+        scale,
+        x_scale if x_scale is not None else scale,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        scale.stride(0),
+        y.stride(0),
+        GROUP=group,
+        WEIGHT=weight,
+        FP8_DOT=fp8_dot,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+    )
+    return y
+
+
+def int8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [M, K] @ (int8 w [N, K] * scale [N, K / group_size])^T, in x's dtype."""
+    return _launch(x, w, scale.float().contiguous(), w.shape[0], _INT8, group=group_size)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [M, K] @ (int4 w [N, K] packed as [N, K / 2], scale [N, K / group_size])^T, in x's dtype."""
+    return _launch(x, packed, scale.float().contiguous(), packed.shape[0], _INT4, group=group_size)
+
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] quantized per token to E4M3, @ (E4M3 w [N, K] * scale [N])^T, in x's dtype."""
+    xq, x_scale = quantize_activation_fp8(x)
+    return _launch(
+        xq.view(torch.uint8),
+        w.view(torch.uint8),
+        scale.float().contiguous(),
+        w.shape[0],
+        _FP8,
+        x_scale=x_scale.reshape(-1).contiguous(),
+        out_dtype=x.dtype,
+    )

@@ -1,0 +1,128 @@
+"""`ember quantize SRC DST --scheme fp8|w8a16|w4a16`: write a quantized copy of a checkpoint in the
+compressed-tensors format (what llm-compressor writes, and what transformers, vLLM and ember load).
+
+Round-to-nearest, no calibration data: every decoder projection is quantized (symmetric; FP8 and int8 per
+output channel, int4 per group of `--group-size` input columns); embeddings, norms and the LM head are
+copied as they are. FP8 is written `float-quantized` with dynamic per-token activations (FP8_DYNAMIC),
+int8 and int4 `pack-quantized` (W8A16, W4A16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ember_engine.core.config import QUANT_SCHEMES
+
+    p.add_argument("src", help="a full-precision Hugging Face checkpoint directory")
+    p.add_argument("dst", help="where to write the quantized checkpoint (must not exist)")
+    p.add_argument("--scheme", required=True, choices=QUANT_SCHEMES)
+    p.add_argument("--group-size", type=int, default=128, help="w4a16: input columns per scale")
+
+
+def quantization_config(scheme: str, group_size: int) -> dict[str, Any]:
+    """The compressed-tensors `quantization_config` for a scheme, as llm-compressor's presets spell it."""
+    weights: dict[str, Any] = {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": None,
+        "num_bits": 8,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "strategy": "channel",
+        "symmetric": True,
+        "type": "int",
+    }
+    acts = None
+    fmt = "pack-quantized"
+    if scheme == "fp8":
+        weights["type"], fmt = "float", "float-quantized"
+        acts = {**weights, "dynamic": True, "observer": None, "strategy": "token"}
+    elif scheme == "w4a16":
+        weights.update(num_bits=4, strategy="group", group_size=group_size)
+    group = {"input_activations": acts, "output_activations": None, "targets": ["Linear"], "weights": weights}
+    return {
+        "config_groups": {"group_0": group},
+        "format": fmt,
+        "global_compression_ratio": None,
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+
+
+def quantize_tensor(name: str, w: torch.Tensor, scheme: str, group_size: int) -> dict[str, torch.Tensor]:
+    """One projection weight -> its compressed-tensors tensors (scales in the weight's dtype)."""
+    from ember_engine.model.quant import schemes
+
+    base = name.removesuffix(".weight")
+    if scheme == "fp8":
+        q, scale = schemes.quantize_fp8(w)
+        return {f"{base}.weight": q, f"{base}.weight_scale": scale[:, None].to(w.dtype)}
+    if scheme == "w8a16":
+        q, scale = schemes.quantize_int8(w)
+        bits = 8
+    else:
+        q, scale = schemes.quantize_int4(w, group_size)
+        bits = 4
+    return {
+        f"{base}.weight_packed": schemes.pack_int32(q, bits),
+        f"{base}.weight_scale": scale.to(w.dtype),
+        f"{base}.weight_shape": torch.tensor(list(w.shape), dtype=torch.int64),
+    }
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str, group_size: int = 128) -> Path:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ember_engine.model.loader import checkpoint_files
+    from ember_engine.model.quant.schemes import check_scheme
+
+    check_scheme(scheme)
+    src, dst = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    if "quantization_config" in config:
+        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    dst.mkdir(parents=True, exist_ok=False)
+    out: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(src):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                t = f.get_tensor(name)
+                out.update(
+                    quantize_tensor(name, t, scheme, group_size) if _PROJECTION.match(name) else {name: t}
+                )
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = quantization_config(scheme, group_size)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for other in src.iterdir():
+        if (
+            other.is_file()
+            and other.suffix != ".safetensors"
+            and other.name
+            not in (
+                "config.json",
+                "model.safetensors.index.json",
+            )
+        ):
+            shutil.copy(other, dst / other.name)
+    return dst
+
+
+def main(args: argparse.Namespace) -> int:
+    dst = quantize_checkpoint(args.src, args.dst, args.scheme, args.group_size)
+    print(f"wrote {args.scheme} checkpoint to {dst}")
+    return 0

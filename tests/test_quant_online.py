@@ -1,0 +1,96 @@
+"""Online quantization at load, refusals naming the scheme, and `ember quantize`, whose output
+transformers (with compressed-tensors) loads and computes as ember does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ember_engine import LLM
+from ember_engine.cli import main as ember
+from ember_engine.core.config import EngineConfig
+from ember_engine.model.model_runner import Chunk
+from ember_engine.model.quant.apply import weight_bytes
+from ember_engine.model.quant.linear import Fp8Linear, Int4Linear, Int8Linear
+
+LAYERS = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear}
+PROMPT = list(range(20, 60))
+
+
+def _logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    out = llm.engine.runner.forward([Chunk([0, 1, 2, 3], 0, prompt, num_logits=len(prompt))])
+    assert out is not None
+    return out
+
+
+@pytest.fixture(scope="module")
+def full(tiny_model: Path) -> LLM:
+    return LLM(str(tiny_model), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("scheme", list(LAYERS))
+def test_online_quantization_replaces_every_projection(scheme: str, tiny_model: Path, full: LLM) -> None:
+    llm = LLM(str(tiny_model), quantization=scheme, num_kv_blocks=16)
+    model = llm.engine.runner.model
+    for layer in model.model.layers:
+        for proj in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
+            assert isinstance(proj, LAYERS[scheme])
+    # Embeddings and the LM head keep the model dtype; the projections shrink.
+    assert model.lm_head.weight.dtype == torch.float32
+    assert weight_bytes(model) < weight_bytes(full.engine.runner.model)
+    ours, theirs = _logits(llm, PROMPT), _logits(full, PROMPT)
+    span = (theirs.max() - theirs.min()).item()
+    assert (ours - theirs).abs().max().item() < 0.25 * span  # quantized, yet the same model
+    assert not torch.equal(ours, theirs)
+
+
+def test_unsupported_scheme_is_named_with_the_supported_ones(tiny_model: Path) -> None:
+    with pytest.raises(ValueError, match=r"unsupported scheme 'awq'; supported: fp8, w8a16, w4a16"):
+        LLM(str(tiny_model), quantization="awq")
+
+
+def test_quantization_refuses_tensor_parallelism(tiny_model: Path) -> None:
+    with pytest.raises(ValueError, match="quantization: is not supported with tensor_parallel_size > 1"):
+        EngineConfig(model=str(tiny_model), quantization="fp8", tensor_parallel_size=2).validate()
+
+
+def test_unsupported_checkpoint_format_is_named(tiny_model: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "awq"
+    ckpt.mkdir()
+    for f in tiny_model.iterdir():
+        (ckpt / f.name).symlink_to(f)
+    config = json.loads((tiny_model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"quant_method 'awq' is not supported; supported: compressed-tensors"
+    ):
+        LLM(str(ckpt))
+
+
+@pytest.mark.parametrize("scheme", list(LAYERS))
+def test_ember_quantize_writes_what_transformers_loads(scheme: str, tiny_model: Path, tmp_path: Path) -> None:
+    dst = tmp_path / scheme
+    assert ember(["quantize", str(tiny_model), str(dst), "--scheme", scheme, "--group-size", "64"]) == 0
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    hf = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([PROMPT])).logits[0].float()
+    llm = LLM(str(dst), num_kv_blocks=16)
+    assert llm.engine.runner.quant is not None and llm.engine.runner.quant.scheme == scheme
+    ours = _logits(llm, PROMPT)
+    span = (theirs.max() - theirs.min()).item()
+    # fp8: activations may round to a neighbouring E4M3 step; w8a16 per channel: bf16 activations on CPU.
+    tolerance = {"fp8": 2e-2, "w8a16": 1e-2, "w4a16": 1e-4}[scheme]
+    assert (ours - theirs).abs().max().item() <= tolerance * span
