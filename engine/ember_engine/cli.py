@@ -44,6 +44,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("ember_engine.bench.throughput", "offline output tokens/s, ember vs transformers"),
     "serve": ("ember_engine.bench.serve", "serving latency and throughput against a running server"),
     "spec": ("ember_engine.bench.spec", "speculative decoding (draft, n-gram) against plain decoding"),
+    "step": ("ember_engine.bench.step", "host time per engine step, model forward stubbed, by component"),
     "scale": (
         "ember_localcluster.bench_scale",
         "load spike to added capacity serving: warm pool vs cold start",
