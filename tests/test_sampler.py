@@ -234,7 +234,8 @@ def test_suppressed_tokens_are_never_sampled() -> None:
     masked = logits.clone()
     masked[banned] = float("-inf")
     assert out.token_ids[-1] == int(masked.argmax())
-    assert out.logprobs is not None and all(math.isfinite(lp) for lp in out.logprobs)
+    assert out.logprobs is not None and all(math.isfinite(lp) for lp in out.logprobs[:-1])
+    assert out.logprobs[-1] is None  # the last row did not ask
 
 
 def test_logprobs_are_taken_before_temperature_and_truncation() -> None:
@@ -252,6 +253,9 @@ def test_logprobs_are_taken_before_temperature_and_truncation() -> None:
     reference = logits.log_softmax(-1)
     assert out.logprobs is not None and out.top_logprobs is not None
     for i, k in enumerate(wants):
+        if k is None:  # computed only for the rows that ask
+            assert out.logprobs[i] is None and out.top_logprobs[i] == []
+            continue
         assert out.logprobs[i] == pytest.approx(float(reference[i, out.token_ids[i]]), abs=1e-6)
         top = out.top_logprobs[i]
         assert len(top) == (k or 0)

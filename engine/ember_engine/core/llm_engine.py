@@ -21,6 +21,7 @@ from ember_engine.model.model_runner import ModelRunner
 from ember_engine.model.parallel import SINGLE, check_tensor_parallel, refuse_quantized
 from ember_engine.sample.sampler import Sampler, child_seed, make_generator
 from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.sample.sampling_state import SamplingState
 from ember_engine.spec.decoder import SpecDecoder, SpecStats, draft_cache_bytes, draft_model_config
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ class EngineStats:
     num_steps: int  # steps run so far
     spec: SpecStats | None = None  # a copy; None without speculative decoding
     spec_enabled: bool = False  # the adaptive controller's latest decision
+
+
+def _describe(req: Request) -> tuple[SamplingParams, torch.Generator | None, list[int], list[int]]:
+    """What the sampling state needs of a request the first time it samples."""
+    return req.params, req.generator, req.prompt_token_ids, req.output_token_ids
 
 
 class LLMEngine:
@@ -89,7 +95,11 @@ class LLMEngine:
             if failure is None:
                 raise
             raise failure from exc
-        self.sampler = Sampler()
+        # Per-request sampling parameters and penalty counts, kept on the device across steps.
+        self.sampling_state = SamplingState(
+            config.max_num_seqs, self.model_config.vocab_size, self.runner.device
+        )
+        self.sampler = Sampler(self.sampling_state)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
             log.warning(
@@ -190,6 +200,7 @@ class LLMEngine:
         group.pending.clear()
         for s in group.samples:
             self.scheduler.abort(s.request)
+            self.sampling_state.release(s.request)
         return self.outputs.make_output(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -269,14 +280,18 @@ class LLMEngine:
             row += n
         if plain:
             rows = logits if not spec else logits[torch.tensor(plain_rows, device=logits.device)]
-            # The rows read each request's output so far (penalties, min_tokens): this step's token is
-            # appended only after sampling.
-            out = self.sampler(rows, [r.sampling_row() for r in plain])
+            state = self.sampling_state
+            view = state.view(plain, _describe)
+            # min_tokens reads each request's output so far: this step's token is appended after sampling.
+            suppress = {i: ids for i in view.min_tokens_rows if (ids := plain[i].suppressed_token_ids())}
+            out = self.sampler.sample(rows, state, view, suppress)
             for k, req in enumerate(plain):
                 if out.logprobs is not None and out.top_logprobs is not None:
-                    self.outputs.record_logprob(
-                        req, Logprob(out.token_ids[k], out.logprobs[k], out.top_logprobs[k])
-                    )
+                    value = out.logprobs[k]
+                    if value is not None:
+                        self.outputs.record_logprob(
+                            req, Logprob(out.token_ids[k], value, out.top_logprobs[k])
+                        )
                 self._emit(req, [out.token_ids[k]], 0, now, touched)
         if spec:
             assert self.spec is not None
@@ -290,7 +305,9 @@ class LLMEngine:
         """Append a request's new tokens, the first `num_accepted` of them verified proposals whose KV the
         step already wrote (a finished request's count no longer matters: its blocks are freed)."""
         group = self.outputs.append(req, tokens, now)
-        if not req.finished:
+        if req.finished:
+            self.sampling_state.release(req)
+        else:
             if num_accepted:
                 self._advance(req, num_accepted)
             # The draft's KV past the accepted tokens belongs to rejected proposals.

@@ -92,7 +92,7 @@ class OutputProcessor:
         return group
 
     def _append_token(self, req: Request, sample: _Sample, token: int, now: float) -> None:
-        req.all_token_ids.append(token)
+        req.append_token(token)
         self.generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
@@ -120,13 +120,15 @@ class OutputProcessor:
         outs = []
         for s in group.samples:
             req = s.request
-            new_ids = req.output_token_ids[s.emitted_tokens :]
-            s.emitted_tokens = req.num_output_tokens
+            output = req.output_token_ids
+            new_ids = output[s.emitted_tokens :]
+            s.emitted_tokens = len(output)
             outs.append(
                 CompletionOutput(
                     index=req.index,
                     text=s.detok.text,
-                    token_ids=req.output_token_ids,
+                    # While running, the request's own list (it grows); a copy once it is final.
+                    token_ids=list(output) if req.finished else output,
                     delta_text=s.detok.take_delta(req.finished),
                     delta_token_ids=new_ids,
                     finish_reason=req.finish_reason,

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ember_engine.sample.sampler import SamplingRow
 from ember_engine.sample.sampling_params import SamplingParams
 
 
@@ -32,6 +31,7 @@ class Request:
     index: int = 0  # n > 1: the samples of one prompt are told apart by index
 
     all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(init=False)  # the generated tail of all_token_ids, kept beside it
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
@@ -56,6 +56,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,12 +67,13 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids) :]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    def append_token(self, token: int) -> None:
+        """The one way a generated token joins the request (both lists grow together)."""
+        self.all_token_ids.append(token)
+        self.output_token_ids.append(token)
 
     @property
     def finished(self) -> bool:
@@ -80,10 +82,9 @@ class Request:
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)
 
-    def sampling_row(self) -> SamplingRow:
-        """What the sampler needs of this request for its next token (read before it is appended)."""
+    def suppressed_token_ids(self) -> list[int]:
+        """Tokens the sampler must not pick next: EOS and stop ids while the output is short of min_tokens."""
         p = self.params
-        suppress: list[int] = []
-        if self.num_output_tokens < p.min_tokens:
-            suppress = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
-        return SamplingRow(p, self.prompt_token_ids, self.output_token_ids, self.generator, suppress)
+        if self.num_output_tokens >= p.min_tokens:
+            return []
+        return [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]

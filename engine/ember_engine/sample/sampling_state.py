@@ -1,0 +1,226 @@
+"""Per-request sampling state kept on the device between steps.
+
+Each request that samples holds a slot. A slot's parameters (temperature, top-k, top-p, min-p, the three
+penalties) live in one persistent parameter tensor, written when the request takes the slot, uploaded
+only when some slot changed. With penalties, the slot also owns a row of output-token counts on the device,
+updated by scattering each step's sampled tokens, and a row marking its prompt's tokens (built once), so
+a step never re-reads a request's token lists. `view` describes one step's rows; it is rebuilt only when
+the batch's slots differ from the previous step's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from ember_engine.sample.sampling_params import SamplingParams
+
+K = TypeVar("K", bound=Hashable)
+
+# Columns of the parameter tensor.
+TEMPERATURE, TOP_K, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE = range(7)
+
+
+@dataclass(slots=True)
+class SlotInfo:
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class BatchView:
+    """One step's rows, in batch order, and what their parameters ask for (host-side flags decided once
+    per batch composition)."""
+
+    slots: list[int]
+    slot_index: torch.Tensor  # [rows] long on the device
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    random_rows: list[int]
+    random_index: torch.Tensor | None  # the random rows, on the device
+    penalized_rows: list[int]
+    penalized_index: torch.Tensor | None  # the penalized rows, on the device
+    penalized_slots: torch.Tensor | None
+    penalized_all: bool  # every row is penalized
+    penalized_from: int | None  # the first penalized slot, when they are consecutive
+    repetition: bool  # some penalized row has a repetition penalty
+    truncating: bool  # some random row has top-k or top-p
+    max_top_k: int  # the largest top-k among truncating rows (0 when some row truncates by top-p alone)
+    min_p: bool
+    logprob_rows: list[int]  # rows that asked for logprobs
+    min_tokens_rows: list[int]  # rows whose params have min_tokens > 0
+
+
+def _upload(
+    values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    # From pinned memory the copy queues behind the forward instead of waiting for it.
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+class SamplingState:
+    def __init__(self, capacity: int, vocab: int, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.vocab = vocab
+        self.capacity = max(1, capacity)
+        self.host_params = torch.zeros(self.capacity, 7, dtype=torch.float32)
+        self.params = self.host_params.to(self.device)
+        self.slot_of: dict[Hashable, int] = {}
+        self.info: list[SlotInfo | None] = [None] * self.capacity
+        self.free = list(range(self.capacity - 1, -1, -1))
+        # [capacity, vocab], with penalties only (see _penalty_rows)
+        self.counts: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
+        self._dirty = False
+        self._view: BatchView | None = None
+
+    # -- slots ----------------------------------------------------------------------------------------
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.slot_of
+
+    def add(
+        self,
+        key: Hashable,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int] = (),
+    ) -> int:
+        """Give `key` a slot holding its parameters (and, with penalties, counts of the output so far)."""
+        if not self.free:
+            self._grow()
+        slot = self.free.pop()
+        self.slot_of[key] = slot
+        self.info[slot] = SlotInfo(params, generator)
+        self._view = None  # a slot's rows may now mean another request
+        p = params
+        top_k = min(p.top_k, self.vocab) if p.top_k > 0 else self.vocab
+        row = [p.temperature if p.temperature > 0 else 1.0, top_k, p.top_p, p.min_p]
+        self.host_params[slot] = torch.tensor(
+            [*row, p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+        )
+        self._dirty = True
+        if p.penalized:
+            counts, bias, seen = self._penalty_rows()
+            counts[slot].zero_()
+            seen[slot].zero_()
+            if output_token_ids:
+                ids = _upload(list(output_token_ids), torch.long, self.device)
+                counts[slot].index_add_(0, ids, torch.ones(len(ids), device=self.device))
+            if prompt_token_ids and p.repetition_penalty != 1.0:
+                seen[slot].index_fill_(0, _upload(list(prompt_token_ids), torch.long, self.device), True)
+            seen[slot] |= counts[slot] > 0
+            bias[slot] = p.frequency_penalty * counts[slot] + p.presence_penalty * (counts[slot] > 0).float()
+        return slot
+
+    def release(self, key: Hashable) -> None:
+        slot = self.slot_of.pop(key, None)
+        if slot is not None:
+            self.info[slot] = None
+            self.free.append(slot)
+            self._view = None
+
+    def _penalty_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Output-token counts, the bias they put on the logits (frequency x count + presence x seen) and
+        the tokens seen in prompt or output, per slot; allocated when a penalized request first comes."""
+        if self.counts is None or self.bias is None or self.seen is None:
+            self.counts = torch.zeros(self.capacity, self.vocab, device=self.device)
+            self.bias = torch.zeros(self.capacity, self.vocab, device=self.device)
+            self.seen = torch.zeros(self.capacity, self.vocab, dtype=torch.bool, device=self.device)
+        return self.counts, self.bias, self.seen
+
+    def _grow(self) -> None:
+        old = self.capacity
+        self.capacity = old * 2
+        self.host_params = torch.cat([self.host_params, torch.zeros_like(self.host_params)])
+        self.info += [None] * old
+        self.free = list(range(self.capacity - 1, old - 1, -1))
+        if self.counts is not None and self.bias is not None and self.seen is not None:
+            self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+            self.bias = torch.cat([self.bias, torch.zeros_like(self.bias)])
+            self.seen = torch.cat([self.seen, torch.zeros_like(self.seen)])
+        self._dirty = True
+
+    # -- a step ---------------------------------------------------------------------------------------
+
+    def view(
+        self,
+        keys: Sequence[K],
+        describe: Callable[[K], tuple[SamplingParams, torch.Generator | None, Sequence[int], Sequence[int]]],
+    ) -> BatchView:
+        """The step's rows for `keys` (in order); a key without a slot gets one from `describe(key)`:
+        (params, generator, prompt token ids, output token ids so far)."""
+        slot_of = self.slot_of
+        for key in keys:
+            if key not in slot_of:
+                self.add(key, *describe(key))
+        slots = [slot_of[k] for k in keys]
+        if self._dirty:
+            self.params = self.host_params.to(self.device, non_blocking=True)
+            self._dirty = False
+        view = self._view
+        if view is None or view.slots != slots:
+            view = self._view = self._describe(slots)
+        return view
+
+    def _describe(self, slots: list[int]) -> BatchView:
+        infos = [self.info[s] for s in slots]
+        params = [i.params for i in infos if i is not None]
+        dev = self.device
+        random_rows = [r for r, p in enumerate(params) if not p.greedy]
+        penalized = [r for r, p in enumerate(params) if p.penalized]
+        pen_slots = [slots[r] for r in penalized]
+        trunc = [params[r] for r in random_rows if params[r].top_k > 0 or params[r].top_p < 1.0]
+        max_k = 0 if any(p.top_k <= 0 for p in trunc) else max((p.top_k for p in trunc), default=0)
+        return BatchView(
+            slots=slots,
+            slot_index=_upload(slots, torch.long, dev),
+            params=params,
+            generators=[i.generator for i in infos if i is not None],
+            all_greedy=not random_rows,
+            random_rows=random_rows,
+            random_index=_upload(random_rows, torch.long, dev) if random_rows else None,
+            penalized_rows=penalized,
+            penalized_index=_upload(penalized, torch.long, dev) if penalized else None,
+            penalized_slots=_upload(pen_slots, torch.long, dev) if penalized else None,
+            penalized_all=len(penalized) == len(slots),
+            penalized_from=pen_slots[0]
+            if pen_slots and pen_slots == list(range(pen_slots[0], pen_slots[0] + len(pen_slots)))
+            else None,
+            repetition=any(params[r].repetition_penalty != 1.0 for r in penalized),
+            truncating=bool(trunc),
+            max_top_k=min(max_k, self.vocab),
+            min_p=any(params[r].min_p > 0.0 for r in random_rows),
+            logprob_rows=[r for r, p in enumerate(params) if p.logprobs is not None],
+            min_tokens_rows=[r for r, p in enumerate(params) if p.min_tokens > 0],
+        )
+
+    def record(self, view: BatchView, tokens: torch.Tensor) -> None:
+        """Count the step's sampled tokens into the penalized rows' counts, bias and seen marks: a few
+        scatters of one element per row on the device."""
+        if view.penalized_index is None or view.penalized_slots is None:
+            return
+        counts, bias, seen = self._penalty_rows()
+        slots = view.penalized_slots
+        picked = tokens if view.penalized_all else tokens.index_select(0, view.penalized_index)
+        at = (slots, picked)
+        p = self.params.index_select(0, slots)
+        first = (counts[at] == 0).float()
+        bias.index_put_(at, p[:, FREQUENCY] + p[:, PRESENCE] * first, accumulate=True)
+        counts.index_put_(at, torch.ones_like(first), accumulate=True)
+        seen.index_put_(at, torch.ones_like(first, dtype=torch.bool))
+
+    def penalty_rows(self, view: BatchView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The view's penalized rows of (bias, seen): a slice when their slots are consecutive."""
+        assert view.penalized_slots is not None
+        _, bias, seen = self._penalty_rows()
+        if view.penalized_from is not None:
+            end = view.penalized_from + len(view.penalized_rows)
+            return bias[view.penalized_from : end], seen[view.penalized_from : end]
+        return bias.index_select(0, view.penalized_slots), seen.index_select(0, view.penalized_slots)
