@@ -16,8 +16,10 @@ from ember_engine.model.context import ForwardContext, set_context
 from ember_engine.model.input_buffers import InputBuffers
 from ember_engine.model.llama import LlamaForCausalLM
 from ember_engine.model.loader import load_weights
+from ember_engine.model.memory import MemoryReport, kv_cache_blocks, read_memory
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
 from ember_engine.model.parallel import SINGLE, TPGroup
+from ember_engine.sample.sampler import sampler_peak_probe
 
 if TYPE_CHECKING:
     from ember_engine.distributed.workers import WorkerPool
@@ -81,6 +83,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.extra_block_bytes = extra_block_bytes
         self.reserved_bytes = reserved_bytes
+        if self.device.type == "cuda":
+            # Kernels, allocations and memory reports without an explicit device go to this one.
+            torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -125,29 +130,33 @@ class ModelRunner:
         return max(1, min(wanted, _CPU_DEFAULT_KV_BYTES // self.block_bytes()))
 
     def _profile_kv_blocks(self) -> int:
-        """Run the largest prefill the scheduler can produce, then give the cache what memory is left."""
+        """Run the largest step the scheduler can produce (a full prefill, then the sampler over its most
+        rows: every sequence, K + 1 rows each with speculation), then give the cache what memory is left.
+        Everything is read from this runner's own device."""
+        dev = self.device
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(dev)
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         self.num_blocks = -(-n // self.block_size)
         self._allocate_kv_cache()
         self.execute_dummy(n)
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        peak = torch.cuda.max_memory_allocated()
+        rows = self.config.max_num_seqs * (
+            1 + (self.config.num_speculative_tokens if self.config.speculation else 0)
+        )
+        sampler_peak_probe(min(rows, self.config.max_num_batched_tokens), self.model_config.vocab_size, dev)
+        report = read_memory(dev)
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
         torch.cuda.empty_cache()
-        used_elsewhere = total - free - torch.cuda.memory_reserved()
-        budget = (
-            total * self.config.gpu_memory_utilization - peak - max(used_elsewhere, 0) - self.reserved_bytes
+        report = MemoryReport(report.total, report.free, torch.cuda.memory_reserved(dev), report.peak)
+        blocks = kv_cache_blocks(
+            report, self.config.gpu_memory_utilization, self.reserved_bytes, self.block_bytes()
         )
-        blocks = int(budget // self.block_bytes())
         if blocks < 1:
             raise RuntimeError(
-                f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); "
-                "lower max_num_batched_tokens or raise gpu_memory_utilization"
+                f"no GPU memory left for the KV cache (peak {report.peak / 2**30:.1f} GiB of "
+                f"{report.total / 2**30:.1f} GiB); lower max_num_batched_tokens or raise gpu_memory_utilization"
             )
         return blocks
 

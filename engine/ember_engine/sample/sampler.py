@@ -163,6 +163,16 @@ def sample_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | Non
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
+def sampler_peak_probe(rows: int, vocab: int, device: torch.device) -> None:
+    """The sampler's most memory-hungry pass over `rows` x `vocab` (a full-row sort for top-p, noise,
+    logprobs), for the memory profile before the KV cache is sized."""
+    logits = torch.zeros(rows, vocab, device=device)
+    top_k = torch.full((rows,), vocab, dtype=torch.long, device=device)
+    probs = _truncate_sorted(logits, top_k, torch.full((rows,), 0.5, device=device)).softmax(dim=-1)
+    sample_probs(probs, [None] * rows)
+    logits.log_softmax(dim=-1).topk(min(20, vocab), dim=-1)
+
+
 class Sampler:
     def __init__(self, state: SamplingState | None = None) -> None:
         self.state = state  # the engine's persistent state; None for row-by-row calls
