@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.kernel_launch import LEDGER
@@ -15,6 +16,16 @@ from ember_engine.model.kernel_launch import LEDGER
 
 def _variants() -> int:
     return sum(len(v) for v in LEDGER.variants.values())
+
+
+def _triton_cache_entries() -> int | None:
+    """On a GPU, the kernels Triton really compiled (its per-device caches); None in the interpreter."""
+    if not torch.cuda.is_available():
+        return None
+    from ember_engine.model import triton_attention as ta
+
+    kernels = (ta._attention_kernel, ta._merge_splits_kernel, ta._store_kv_kernel)
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
 
 def test_a_long_mixed_run_compiles_nothing_after_warm_up(
@@ -29,7 +40,7 @@ def test_a_long_mixed_run_compiles_nothing_after_warm_up(
         speculative_method="ngram",
         speculative_adaptive=False,
     )
-    warmed = LEDGER.compiles
+    warmed, compiled = LEDGER.compiles, _triton_cache_entries()
     assert _variants() > 0
     merge = LEDGER.variants.get("_merge_splits_kernel", set())
     assert {dict(key)["SPLITS_P2"] for key in merge} >= {2, 4}  # split-KV merges at each power of two
@@ -48,3 +59,4 @@ def test_a_long_mixed_run_compiles_nothing_after_warm_up(
     # A second wave at another batch size, one request alone at the end.
     llm.generate([list(range(60, 75))], [SamplingParams(temperature=0.0, max_tokens=6)], use_tqdm=False)
     assert LEDGER.compiles == warmed, "kernel variants first launched while serving"
+    assert _triton_cache_entries() == compiled

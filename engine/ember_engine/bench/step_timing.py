@@ -19,14 +19,15 @@ class StubModel:
     """Stands in for the model: hidden states of one column, logits taken in turn from a pool of random
     rows (so sampled tokens vary from step to step)."""
 
-    def __init__(self, vocab: int, rows: int, seed: int = 0) -> None:
+    def __init__(self, vocab: int, rows: int, device: torch.device, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.pool = torch.randn(rows + 7, vocab, generator=gen) * 4.0
+        self.pool = (torch.randn(rows + 7, vocab, generator=gen) * 4.0).to(device)
+        self.device = device
         self.rows = rows
         self.offset = 0
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(input_ids.shape[0], 1)
+        return torch.zeros(input_ids.shape[0], 1, device=self.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         n = hidden.shape[0]

@@ -142,25 +142,40 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return _probs(logits, state.params[: len(params)], params)
 
 
+def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverting the cumulative distribution at a uniform draw: one random number a
+    row instead of one a token."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, device=probs.device) * cdf[:, -1:]
+    # The first token whose cumulative mass passes u has mass of its own; the clamp guards rounding.
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max_(probs.shape[1] - 1)
+
+
 def sample_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row drawn from `probs` (unnormalised is fine) by the exponential race,
-    argmax(p / E) with E ~ Exp(1). Each seeded row gets exactly V draws from its own generator, so its
-    sample sequence is the same whatever else shares the batch; the other rows share one draw from the
-    default generator."""
-    dev, vocab = probs.device, probs.shape[1]
+    """One token per row drawn from `probs` (unnormalised is fine). A seeded row runs the exponential
+    race, argmax(p / E) with E ~ Exp(1), on exactly V draws from its own generator, so its sample sequence
+    is the same whatever else shares the batch; the other rows invert their cumulative distribution at one
+    uniform draw each from the default generator."""
+    dev = probs.device
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if not seeded:
+        return _inverse_cdf(probs)
     shared = [i for i, g in enumerate(generators) if g is None]
-    if len(shared) == len(generators):
-        noise = torch.empty_like(probs).exponential_()
-    else:
-        noise = torch.empty_like(probs)
-        if shared:
-            draw = torch.empty(len(shared), vocab, device=dev).exponential_()
-            noise.index_copy_(0, _upload(shared, torch.long, dev), draw)
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
+    noise = torch.empty(len(seeded), probs.shape[1], device=dev, dtype=probs.dtype)
+    for j, i in enumerate(seeded):
+        gen = generators[i]
+        noise[j].exponential_(generator=gen)
+    seeded_index = _upload(seeded, torch.long, dev)
     # exponential_ may return an exact 0; 0/0 would be NaN, which argmax prefers over everything.
-    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    picked = (probs.index_select(0, seeded_index) / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(
+        dim=-1
+    )
+    if not shared:
+        return picked
+    tokens = torch.empty(probs.shape[0], dtype=torch.long, device=dev)
+    tokens.index_copy_(0, seeded_index, picked)
+    shared_index = _upload(shared, torch.long, dev)
+    return tokens.index_copy_(0, shared_index, _inverse_cdf(probs.index_select(0, shared_index)))
 
 
 def sampler_peak_probe(rows: int, vocab: int, device: torch.device) -> None:
@@ -169,7 +184,7 @@ def sampler_peak_probe(rows: int, vocab: int, device: torch.device) -> None:
     logits = torch.zeros(rows, vocab, device=device)
     top_k = torch.full((rows,), vocab, dtype=torch.long, device=device)
     probs = _truncate_sorted(logits, top_k, torch.full((rows,), 0.5, device=device)).softmax(dim=-1)
-    sample_probs(probs, [None] * rows)
+    sample_probs(probs, [make_generator(0, device)] * rows)  # seeded rows: a row of noise each
     logits.log_softmax(dim=-1).topk(min(20, vocab), dim=-1)
 
 
