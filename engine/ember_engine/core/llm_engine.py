@@ -46,11 +46,6 @@ class EngineStats:
     spec_enabled: bool = False  # the adaptive controller's latest decision
 
 
-def _describe(req: Request) -> tuple[SamplingParams, torch.Generator | None, list[int], list[int]]:
-    """What the sampling state needs of a request the first time it samples."""
-    return req.params, req.generator, req.prompt_token_ids, req.output_token_ids
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
@@ -281,7 +276,7 @@ class LLMEngine:
         if plain:
             rows = logits if not spec else logits[torch.tensor(plain_rows, device=logits.device)]
             state = self.sampling_state
-            view = state.view(plain, _describe)
+            view = state.view(plain, Request.sampling_inputs)
             # min_tokens reads each request's output so far: this step's token is appended after sampling.
             suppress = {i: ids for i in view.min_tokens_rows if (ids := plain[i].suppressed_token_ids())}
             out = self.sampler.sample(rows, state, view, suppress)

@@ -82,6 +82,10 @@ class Request:
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)
 
+    def sampling_inputs(self) -> tuple[SamplingParams, torch.Generator | None, list[int], list[int]]:
+        """What the sampler's persistent state needs of this request when it first samples."""
+        return self.params, self.generator, self.prompt_token_ids, self.output_token_ids
+
     def suppressed_token_ids(self) -> list[int]:
         """Tokens the sampler must not pick next: EOS and stop ids while the output is short of min_tokens."""
         p = self.params
