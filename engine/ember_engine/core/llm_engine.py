@@ -21,7 +21,7 @@ from ember_engine.model.model_runner import ModelRunner
 from ember_engine.model.parallel import SINGLE, check_tensor_parallel, refuse_quantized
 from ember_engine.sample.sampler import Sampler, child_seed, make_generator
 from ember_engine.sample.sampling_params import SamplingParams
-from ember_engine.sample.sampling_state import SamplingState
+from ember_engine.sample.sampling_state import SamplingState, upload_ids
 from ember_engine.spec.decoder import SpecDecoder, SpecStats, draft_cache_bytes, draft_model_config
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,7 @@ class LLMEngine:
                 spec.append(req)
             row += n
         if plain:
-            rows = logits if not spec else logits[torch.tensor(plain_rows, device=logits.device)]
+            rows = logits if not spec else logits.index_select(0, upload_ids(plain_rows, logits.device))
             state = self.sampling_state
             view = state.view(plain, Request.sampling_inputs)
             # min_tokens reads each request's output so far: this step's token is appended after sampling.
@@ -290,7 +290,7 @@ class LLMEngine:
                 self._emit(req, [out.token_ids[k]], 0, now, touched)
         if spec:
             assert self.spec is not None
-            rows = logits if not plain else logits[torch.tensor(spec_rows, device=logits.device)]
+            rows = logits if not plain else logits.index_select(0, upload_ids(spec_rows, logits.device))
             for req, tokens in zip(spec, self.spec.verify(rows, spec), strict=True):
                 self._emit(req, tokens, len(tokens) - 1, now, touched)
 

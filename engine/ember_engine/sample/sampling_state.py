@@ -62,12 +62,20 @@ def _upload(
     return host.to(device, non_blocking=True)
 
 
+def upload_ids(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Row indices on the device, without making the host wait for the queued work."""
+    return _upload(values, torch.long, device)
+
+
 class SamplingState:
     def __init__(self, capacity: int, vocab: int, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.vocab = vocab
         self.capacity = max(1, capacity)
-        self.host_params = torch.zeros(self.capacity, 7, dtype=torch.float32)
+        # Pinned on a GPU, so the (rare) upload after a change queues behind the forward pass.
+        self.host_params = torch.zeros(
+            self.capacity, 7, dtype=torch.float32, pin_memory=self.device.type == "cuda"
+        )
         self.params = self.host_params.to(self.device)
         self.slot_of: dict[Hashable, int] = {}
         self.info: list[SlotInfo | None] = [None] * self.capacity
@@ -138,7 +146,8 @@ class SamplingState:
     def _grow(self) -> None:
         old = self.capacity
         self.capacity = old * 2
-        self.host_params = torch.cat([self.host_params, torch.zeros_like(self.host_params)])
+        grown = torch.cat([self.host_params, torch.zeros_like(self.host_params)])
+        self.host_params = grown.pin_memory() if self.device.type == "cuda" else grown
         self.info += [None] * old
         self.free = list(range(self.capacity - 1, old - 1, -1))
         if self.counts is not None and self.bias is not None and self.seen is not None:
