@@ -136,20 +136,24 @@ def run_case(model: str, scenario: str, batch: int, args: argparse.Namespace) ->
 
 
 def _table(results: list[dict[str, Any]], baseline: dict[tuple[str, int], dict[str, Any]]) -> str:
-    head = f"{'scenario':<11} {'batch':>5} {'step ms':>8} {'µs/req':>7} {'x greedy':>8}"
+    """Medians (steadier than means on a shared machine); the components are the instrumented pass's means."""
+    head = f"{'scenario':<11} {'batch':>5} {'p50 ms':>8} {'µs/req':>7} {'x greedy':>8}"
     head += "".join(f" {c:>9}" for c in COMPONENTS)
     if baseline:
-        head += f" {'before ms':>9} {'speed-up':>8}"
+        head += f" {'before':>9} {'speed-up':>8}"
     lines = [head, "-" * len(head)]
-    greedy = {r["batch"]: r["step_ms"] for r in results if r["scenario"] == "greedy"}
+    greedy = {r["batch"]: r["step_p50_ms"] for r in results if r["scenario"] == "greedy"}
     for r in results:
-        ratio = r["step_ms"] / greedy[r["batch"]] if r["batch"] in greedy else float("nan")
-        line = f"{r['scenario']:<11} {r['batch']:>5} {r['step_ms']:>8.3f} {r['per_request_us']:>7.1f} {ratio:>8.2f}"
+        step = r["step_p50_ms"]
+        ratio = step / greedy[r["batch"]] if r["batch"] in greedy else float("nan")
+        line = (
+            f"{r['scenario']:<11} {r['batch']:>5} {step:>8.3f} {step / r['batch'] * 1e3:>7.1f} {ratio:>8.2f}"
+        )
         line += "".join(f" {r['components_ms'].get(c, 0.0):>9.3f}" for c in COMPONENTS)
         old = baseline.get((r["scenario"], r["batch"]))
         if baseline:
             line += (
-                f" {old['step_ms']:>9.3f} {old['step_ms'] / r['step_ms']:>7.2f}x"
+                f" {old['step_p50_ms']:>9.3f} {old['step_p50_ms'] / step:>7.2f}x"
                 if old
                 else f" {'-':>9} {'-':>8}"
             )

@@ -13,7 +13,9 @@ import torch
 
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.sample.sampling_state import (
+    FREQUENCY,
     MIN_P,
+    PRESENCE,
     REPETITION,
     TEMPERATURE,
     TOP_K,
@@ -55,15 +57,14 @@ def child_seed(seed: int, index: int) -> int:
 
 
 def _apply_penalties(x: torch.Tensor, state: SamplingState, view: BatchView) -> torch.Tensor:
-    """Repetition (over prompt and output), then frequency and presence (over the output), from the
-    state's persistent rows."""
-    assert view.penalized_index is not None and view.penalized_slots is not None
-    bias, seen = state.penalty_rows(view)
+    """Repetition (over prompt and output), then frequency and presence (over the output), reading and
+    rewriting only the tokens each row has seen."""
+    assert view.penalized_index is not None and view.penalized_slots is not None and state.penalties
+    p = state.params.index_select(0, view.penalized_slots)
+    rep = p[:, REPETITION : REPETITION + 1] if view.repetition else None
     sub = x if view.penalized_all else x.index_select(0, view.penalized_index)
-    if view.repetition:
-        rep = state.params.index_select(0, view.penalized_slots)[:, REPETITION : REPETITION + 1]
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - bias
+    freq, pres = p[:, FREQUENCY : FREQUENCY + 1], p[:, PRESENCE : PRESENCE + 1]
+    sub = state.penalties.apply(sub, view.penalized_slot_list, view.penalized_slots, rep, freq, pres)
     return sub if view.penalized_all else x.index_copy(0, view.penalized_index, sub)
 
 

@@ -2,9 +2,9 @@
 
 Each request that samples holds a slot. A slot's parameters (temperature, top-k, top-p, min-p, the three
 penalties) live in one persistent parameter tensor, written when the request takes the slot, uploaded
-only when some slot changed. With penalties, the slot also owns a row of output-token counts on the device,
-updated by scattering each step's sampled tokens, and a row marking its prompt's tokens (built once), so
-a step never re-reads a request's token lists. `view` describes one step's rows; it is rebuilt only when
+only when some slot changed. With penalties, the slot also owns its penalty state on the device
+(`PenaltyState`: counts and the distinct tokens seen), updated by scattering each step's sampled tokens,
+so a step never re-reads a request's token lists. `view` describes one step's rows; it is rebuilt only when
 the batch's slots differ from the previous step's."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch
 
+from ember_engine.sample.penalty_state import PenaltyState
 from ember_engine.sample.sampling_params import SamplingParams
 
 K = TypeVar("K", bound=Hashable)
@@ -45,7 +46,7 @@ class BatchView:
     penalized_index: torch.Tensor | None  # the penalized rows, on the device
     penalized_slots: torch.Tensor | None
     penalized_all: bool  # every row is penalized
-    penalized_from: int | None  # the first penalized slot, when they are consecutive
+    penalized_slot_list: list[int]
     repetition: bool  # some penalized row has a repetition penalty
     truncating: bool  # some random row has top-k or top-p
     max_top_k: int  # the largest top-k among truncating rows (0 when some row truncates by top-p alone)
@@ -80,10 +81,7 @@ class SamplingState:
         self.slot_of: dict[Hashable, int] = {}
         self.info: list[SlotInfo | None] = [None] * self.capacity
         self.free = list(range(self.capacity - 1, -1, -1))
-        # [capacity, vocab], with penalties only (see _penalty_rows)
-        self.counts: torch.Tensor | None = None
-        self.bias: torch.Tensor | None = None
-        self.seen: torch.Tensor | None = None
+        self.penalties: PenaltyState | None = None  # made when a penalized request first comes
         self._dirty = False
         self._view: BatchView | None = None
 
@@ -115,16 +113,11 @@ class SamplingState:
         )
         self._dirty = True
         if p.penalized:
-            counts, bias, seen = self._penalty_rows()
-            counts[slot].zero_()
-            seen[slot].zero_()
-            if output_token_ids:
-                ids = _upload(list(output_token_ids), torch.long, self.device)
-                counts[slot].index_add_(0, ids, torch.ones(len(ids), device=self.device))
-            if prompt_token_ids and p.repetition_penalty != 1.0:
-                seen[slot].index_fill_(0, _upload(list(prompt_token_ids), torch.long, self.device), True)
-            seen[slot] |= counts[slot] > 0
-            bias[slot] = p.frequency_penalty * counts[slot] + p.presence_penalty * (counts[slot] > 0).float()
+            if self.penalties is None:
+                self.penalties = PenaltyState(self.capacity, self.vocab, self.device)
+            self.penalties.reset(
+                slot, prompt_token_ids if p.repetition_penalty != 1.0 else (), output_token_ids
+            )
         return slot
 
     def release(self, key: Hashable) -> None:
@@ -134,15 +127,6 @@ class SamplingState:
             self.free.append(slot)
             self._view = None
 
-    def _penalty_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Output-token counts, the bias they put on the logits (frequency x count + presence x seen) and
-        the tokens seen in prompt or output, per slot; allocated when a penalized request first comes."""
-        if self.counts is None or self.bias is None or self.seen is None:
-            self.counts = torch.zeros(self.capacity, self.vocab, device=self.device)
-            self.bias = torch.zeros(self.capacity, self.vocab, device=self.device)
-            self.seen = torch.zeros(self.capacity, self.vocab, dtype=torch.bool, device=self.device)
-        return self.counts, self.bias, self.seen
-
     def _grow(self) -> None:
         old = self.capacity
         self.capacity = old * 2
@@ -150,10 +134,8 @@ class SamplingState:
         self.host_params = grown.pin_memory() if self.device.type == "cuda" else grown
         self.info += [None] * old
         self.free = list(range(self.capacity - 1, old - 1, -1))
-        if self.counts is not None and self.bias is not None and self.seen is not None:
-            self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
-            self.bias = torch.cat([self.bias, torch.zeros_like(self.bias)])
-            self.seen = torch.cat([self.seen, torch.zeros_like(self.seen)])
+        if self.penalties is not None:
+            self.penalties.grow(self.capacity)
         self._dirty = True
 
     # -- a step ---------------------------------------------------------------------------------------
@@ -199,9 +181,7 @@ class SamplingState:
             penalized_index=_upload(penalized, torch.long, dev) if penalized else None,
             penalized_slots=_upload(pen_slots, torch.long, dev) if penalized else None,
             penalized_all=len(penalized) == len(slots),
-            penalized_from=pen_slots[0]
-            if pen_slots and pen_slots == list(range(pen_slots[0], pen_slots[0] + len(pen_slots)))
-            else None,
+            penalized_slot_list=pen_slots,
             repetition=any(params[r].repetition_penalty != 1.0 for r in penalized),
             truncating=bool(trunc),
             max_top_k=min(max_k, self.vocab),
@@ -211,25 +191,8 @@ class SamplingState:
         )
 
     def record(self, view: BatchView, tokens: torch.Tensor) -> None:
-        """Count the step's sampled tokens into the penalized rows' counts, bias and seen marks: a few
-        scatters of one element per row on the device."""
-        if view.penalized_index is None or view.penalized_slots is None:
+        """Append the step's sampled tokens to the penalized rows' state (a few one-element scatters)."""
+        if view.penalized_index is None or view.penalized_slots is None or self.penalties is None:
             return
-        counts, bias, seen = self._penalty_rows()
-        slots = view.penalized_slots
         picked = tokens if view.penalized_all else tokens.index_select(0, view.penalized_index)
-        at = (slots, picked)
-        p = self.params.index_select(0, slots)
-        first = (counts[at] == 0).float()
-        bias.index_put_(at, p[:, FREQUENCY] + p[:, PRESENCE] * first, accumulate=True)
-        counts.index_put_(at, torch.ones_like(first), accumulate=True)
-        seen.index_put_(at, torch.ones_like(first, dtype=torch.bool))
-
-    def penalty_rows(self, view: BatchView) -> tuple[torch.Tensor, torch.Tensor]:
-        """The view's penalized rows of (bias, seen): a slice when their slots are consecutive."""
-        assert view.penalized_slots is not None
-        _, bias, seen = self._penalty_rows()
-        if view.penalized_from is not None:
-            end = view.penalized_from + len(view.penalized_rows)
-            return bias[view.penalized_from : end], seen[view.penalized_from : end]
-        return bias.index_select(0, view.penalized_slots), seen.index_select(0, view.penalized_slots)
+        self.penalties.record(view.penalized_slot_list, view.penalized_slots, picked)
