@@ -53,6 +53,7 @@ class InputBuffers:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs - 1
         n64, n32 = 4 * max_tokens, 2 * max_seqs + max_seqs * self.width
         nbytes = 8 * n64 + 4 * n32
+        self._tables_at = 8 * n64 + 4 * 2 * max_seqs  # byte offset of the block tables, the last section
         cuda = self.device.type == "cuda"
         self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
         self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device) if cuda else self.host
@@ -103,7 +104,9 @@ class InputBuffers:
                 ends - wanted - (np.cumsum(wanted) - wanted), wanted
             )
         if self.dev is not self.host:
-            self.dev.copy_(self.host, non_blocking=True)
+            # Everything up to the last used block-table row: one copy, the unused rows left behind.
+            end = self._tables_at + 4 * b * w
+            self.dev[:end].copy_(self.host[:end], non_blocking=True)
             self.uploads += 1
         return StepInputs(
             input_ids=self.d_ids[:t],
