@@ -7,6 +7,7 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pytest import MonkeyPatch
 
 from ember_engine.core.block_manager import BlockManager
 from ember_engine.core.request import Request, RequestStatus
@@ -91,7 +92,7 @@ def test_blocks_are_always_accounted_for(events: list, policy: str, budget: int,
                     req.num_computed_tokens += n
                     bm.cache_full_blocks(req)
                     if req.num_computed_tokens == req.num_tokens:  # sampled: a new token
-                        req.all_token_ids.append(len(req.all_token_ids) % 5)
+                        req.append_token(len(req.all_token_ids) % 5)
                         if req.num_output_tokens >= req.max_tokens:
                             sched.finish(req, "length")
                 check_invariants(bm, sched)
@@ -106,7 +107,7 @@ def test_blocks_are_always_accounted_for(events: list, policy: str, budget: int,
             req.num_computed_tokens += n
             bm.cache_full_blocks(req)
             if req.num_computed_tokens == req.num_tokens:
-                req.all_token_ids.append(1)
+                req.append_token(1)
                 if req.num_output_tokens >= req.max_tokens:
                     sched.finish(req, "length")
         check_invariants(bm, sched)
@@ -165,3 +166,24 @@ def test_decodes_and_prefill_chunks_share_a_step() -> None:
     out = sched.schedule()
     # The running decode gets its token and the long prompt's first chunk fills the rest of the budget.
     assert out.requests == [short, long] and out.num_tokens == [1, 9]
+
+
+def test_priority_insertion_reads_logarithmically_many_keys(monkeypatch: MonkeyPatch) -> None:
+    calls = 0
+    original = Request.sort_key
+
+    def counted(self: Request) -> tuple[int, float]:
+        nonlocal calls
+        calls += 1
+        return original(self)
+
+    monkeypatch.setattr(Request, "sort_key", counted)
+    sched = Scheduler(
+        BlockManager(NUM_BLOCKS, BLOCK), max_num_seqs=8, max_num_batched_tokens=64, policy="priority"
+    )
+    n = 2000
+    for i in range(n):
+        sched.add(Request(f"r{i}", [1], SamplingParams(), arrival_time=float(i), priority=(i * 7919) % 13))
+    assert calls <= n * (n.bit_length() + 2)  # a sorted insert reads O(log n) keys, not every waiting one
+    keys = [r.sort_key() for r in sched.waiting]
+    assert keys == sorted(keys) and len(keys) == n

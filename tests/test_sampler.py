@@ -12,6 +12,7 @@ import torch
 
 from ember_engine.sample.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.sample.sampling_state import SamplingState
 
 VOCAB = 64
 
@@ -234,7 +235,8 @@ def test_suppressed_tokens_are_never_sampled() -> None:
     masked = logits.clone()
     masked[banned] = float("-inf")
     assert out.token_ids[-1] == int(masked.argmax())
-    assert out.logprobs is not None and all(math.isfinite(lp) for lp in out.logprobs)
+    assert out.logprobs is not None and all(math.isfinite(lp) for lp in out.logprobs[:-1])
+    assert out.logprobs[-1] is None  # the last row did not ask
 
 
 def test_logprobs_are_taken_before_temperature_and_truncation() -> None:
@@ -252,6 +254,9 @@ def test_logprobs_are_taken_before_temperature_and_truncation() -> None:
     reference = logits.log_softmax(-1)
     assert out.logprobs is not None and out.top_logprobs is not None
     for i, k in enumerate(wants):
+        if k is None:  # computed only for the rows that ask
+            assert out.logprobs[i] is None and out.top_logprobs[i] == []
+            continue
         assert out.logprobs[i] == pytest.approx(float(reference[i, out.token_ids[i]]), abs=1e-6)
         top = out.top_logprobs[i]
         assert len(top) == (k or 0)
@@ -271,3 +276,33 @@ def test_empty_batch_and_shape_mismatch() -> None:
     assert sample(torch.empty(0, VOCAB), []) == SamplerOutput([], None, None)
     with pytest.raises(ValueError, match="rows"):
         sample(torch.randn(2, VOCAB), [make_row()])
+
+
+def test_persistent_state_matches_recounting_the_tokens_every_step() -> None:
+    """The engine's state keeps penalty counts on the device, scattering each step's tokens; it must pick
+    what recounting every prompt and output token each step picks, through batch changes and slot reuse."""
+    torch.manual_seed(5)
+    state = SamplingState(2, VOCAB)  # fewer slots than requests: it grows
+    sampler = Sampler(state)
+    kinds = [
+        dict(temperature=0.0, repetition_penalty=1.4),
+        dict(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.3),
+        dict(temperature=0.0),
+        dict(temperature=0.0, repetition_penalty=0.8, frequency_penalty=-0.2),
+    ]
+    prompts = {name: [name * 3 % VOCAB, (name * 7 + 1) % VOCAB] for name in range(6)}
+    outputs: dict[int, list[int]] = {name: [] for name in prompts}
+    params = {name: SamplingParams(**kinds[name % len(kinds)]) for name in prompts}  # type: ignore[arg-type]
+    batches = [[0, 1, 2], [0, 1, 2], [1, 2, 3, 4], [4, 3, 2, 1], [5, 4, 3], [5, 4, 3], [3, 5]]
+    for step, batch in enumerate(batches):
+        logits = torch.randn(len(batch), VOCAB) * 0.5
+        logits[:, 1] += 3.0  # a favourite, so repeats happen and the penalties have work to do
+        view = state.view(batch, lambda name: (params[name], None, prompts[name], outputs[name]))
+        ours = sampler.sample(logits, state, view).token_ids
+        rows = [SamplingRow(params[n], prompts[n], list(outputs[n]), None) for n in batch]
+        assert ours == sample(logits, rows).token_ids, f"step {step}"
+        for name, token in zip(batch, ours, strict=True):
+            outputs[name].append(token)
+        if step == 4:
+            state.release(0)  # finished: its slot goes to whoever comes next
+    assert all(len(set(o)) < len(o) for o in outputs.values() if len(o) > 2)  # repeats were penalized

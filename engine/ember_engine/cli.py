@@ -53,6 +53,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("ember_engine.bench.serve", "serving latency and throughput against a running server"),
     "spec": ("ember_engine.bench.spec", "speculative decoding (draft, n-gram) against plain decoding"),
     "quant": ("ember_engine.bench.quant", "quantized weights (fp8, w8a16, w4a16) against full precision"),
+    "step": ("ember_engine.bench.step", "host time per engine step, model forward stubbed, by component"),
     "scale": (
         "ember_localcluster.bench_scale",
         "load spike to added capacity serving: warm pool vs cold start",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -11,7 +12,8 @@ import torch
 from ember_engine.core.block_manager import BlockManager, PrefixCacheStats
 from ember_engine.core.config import EngineConfig
 from ember_engine.core.output_processor import Group, OutputProcessor
-from ember_engine.core.outputs import Logprob, RequestOutput
+from ember_engine.core.outputs import RequestOutput
+from ember_engine.core.plain_sampling import row_logprob, sample_plain
 from ember_engine.core.request import Request
 from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
@@ -20,8 +22,10 @@ from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
 from ember_engine.model.parallel import SINGLE, check_tensor_parallel, refuse_quantized
 from ember_engine.sample.grammar import GrammarCompiler
-from ember_engine.sample.sampler import Sampler, child_seed, make_generator
+from ember_engine.sample.sampler import Sampler
 from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.sample.sampling_state import SamplingState, upload_ids
+from ember_engine.sample.seeds import child_seed, make_generator
 from ember_engine.spec.decoder import SpecDecoder, SpecStats, draft_cache_bytes, draft_model_config
 
 log = logging.getLogger(__name__)
@@ -90,7 +94,11 @@ class LLMEngine:
             if failure is None:
                 raise
             raise failure from exc
-        self.sampler = Sampler()
+        # Per-request sampling parameters and penalty counts, kept on the device across steps.
+        self.sampling_state = SamplingState(
+            config.max_num_seqs, self.model_config.vocab_size, self.runner.device
+        )
+        self.sampler = Sampler(self.sampling_state)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
             log.warning(
@@ -107,15 +115,12 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
         self._last_step = (0.0, 0, 0)
         self.num_steps = 0
-        self._grammar_compiler: GrammarCompiler | None = None
 
-    @property
+    @functools.cached_property
     def grammar_compiler(self) -> GrammarCompiler:
         """Structured output's compiler for this checkpoint's tokenizer, built on first use."""
-        if self._grammar_compiler is None:
-            vocab, eos = self.model_config.vocab_size, self.model_config.eos_token_ids
-            self._grammar_compiler = GrammarCompiler(self.config.model, vocab, eos)
-        return self._grammar_compiler
+        mc = self.model_config
+        return GrammarCompiler(self.config.model, mc.vocab_size, mc.eos_token_ids)
 
     @property
     def groups(self) -> dict[str, Group]:
@@ -203,6 +208,7 @@ class LLMEngine:
         group.pending.clear()
         for s in group.samples:
             self.scheduler.abort(s.request)
+            self.sampling_state.release(s.request)
         return self.outputs.make_output(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -281,19 +287,15 @@ class LLMEngine:
                 spec.append(req)
             row += n
         if plain:
-            rows = logits if not spec else logits[torch.tensor(plain_rows, device=logits.device)]
-            # The rows read each request's output so far (penalties, min_tokens): this step's token is
-            # appended only after sampling.
-            out = self.sampler(rows, [r.sampling_row() for r in plain])
+            rows = logits if not spec else logits.index_select(0, upload_ids(plain_rows, logits.device))
+            out = sample_plain(self.sampler, self.sampling_state, rows, plain)
             for k, req in enumerate(plain):
-                if out.logprobs is not None and out.top_logprobs is not None:
-                    self.outputs.record_logprob(
-                        req, Logprob(out.token_ids[k], out.logprobs[k], out.top_logprobs[k])
-                    )
+                if (logprob := row_logprob(out, k)) is not None:
+                    self.outputs.record_logprob(req, logprob)
                 self._emit(req, [out.token_ids[k]], 0, now, touched)
         if spec:
             assert self.spec is not None
-            rows = logits if not plain else logits[torch.tensor(spec_rows, device=logits.device)]
+            rows = logits if not plain else logits.index_select(0, upload_ids(spec_rows, logits.device))
             for req, tokens in zip(spec, self.spec.verify(rows, spec), strict=True):
                 self._emit(req, tokens, len(tokens) - 1, now, touched)
 
@@ -305,7 +307,9 @@ class LLMEngine:
         if req.grammar is not None and not req.grammar.accept(tokens):
             log.warning("request %s: a kept token broke its grammar", req.request_id)
         group = self.outputs.append(req, tokens, now)
-        if not req.finished:
+        if req.finished:
+            self.sampling_state.release(req)
+        else:
             if num_accepted:
                 self._advance(req, num_accepted)
             # The draft's KV past the accepted tokens belongs to rejected proposals.

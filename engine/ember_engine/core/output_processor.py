@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ember_engine.core.detokenizer import Detokenizer
 from ember_engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ember_engine.core.request import Request
+from ember_engine.core.request import Request, RequestStatus
 from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
 
@@ -92,7 +92,7 @@ class OutputProcessor:
         return group
 
     def _append_token(self, req: Request, sample: _Sample, token: int, now: float) -> None:
-        req.all_token_ids.append(token)
+        req.append_token(token)
         self.generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
@@ -117,40 +117,50 @@ class OutputProcessor:
             self.scheduler.finish(req, reason)
 
     def make_output(self, group: Group) -> RequestOutput:
+        """The group's update: O(new tokens) per sample (the token list itself is shared while running)."""
         outs = []
-        for s in group.samples:
+        samples = group.samples
+        for s in samples:
             req = s.request
-            new_ids = req.output_token_ids[s.emitted_tokens :]
-            s.emitted_tokens = req.num_output_tokens
+            done = req.status is RequestStatus.FINISHED
+            output = req.output_token_ids
+            new_ids = output[s.emitted_tokens :]
+            s.emitted_tokens = len(output)
             outs.append(
                 CompletionOutput(
                     index=req.index,
                     text=s.detok.text,
-                    token_ids=req.output_token_ids,
-                    delta_text=s.detok.take_delta(req.finished),
+                    # While running, the request's own list (it grows); a copy once it is final.
+                    token_ids=list(output) if done else output,
+                    delta_text=s.detok.take_delta(done),
                     delta_token_ids=new_ids,
                     finish_reason=req.finish_reason,
                     stop_reason=req.stop_reason,
                     logprobs=s.logprobs,
                 )
             )
-        first = group.samples[0].request
+        first = samples[0].request
+        single = len(samples) == 1
         metrics = RequestMetrics(
             arrival_time=first.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,
             last_token_time=first.last_token_time,
             num_prompt_tokens=first.num_prompt_tokens,
-            num_generation_tokens=sum(s.request.num_output_tokens for s in group.samples),
+            num_generation_tokens=(
+                first.num_output_tokens if single else sum(s.request.num_output_tokens for s in samples)
+            ),
             num_cached_tokens=first.num_prompt_cached_tokens,
-            num_preemptions=sum(s.request.num_preemptions for s in group.samples),
+            num_preemptions=first.num_preemptions
+            if single
+            else sum(s.request.num_preemptions for s in samples),
         )
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
             outputs=outs,
-            finished=group.finished,
+            finished=done if single and not group.pending else group.finished,
             num_cached_tokens=first.num_prompt_cached_tokens,
             metrics=metrics,
         )

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ember_engine.sample.grammar import GrammarState
-from ember_engine.sample.sampler import SamplingRow, position_seed
 from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.sample.seeds import position_seed
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +35,7 @@ class Request:
     grammar: GrammarState | None = None  # structured output: advanced by every token kept
 
     all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(init=False)  # the generated tail of all_token_ids, kept beside it
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
@@ -59,6 +60,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -69,12 +71,13 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids) :]
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    def append_token(self, token: int) -> None:
+        """The one way a generated token joins the request (both lists grow together)."""
+        self.all_token_ids.append(token)
+        self.output_token_ids.append(token)
 
     @property
     def finished(self) -> bool:
@@ -83,21 +86,16 @@ class Request:
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)
 
-    def sampling_row(self) -> SamplingRow:
-        """What the sampler needs of this request for its next token (read before it is appended)."""
+    def sampling_inputs(self) -> tuple[SamplingParams, torch.Generator | None, list[int], list[int]]:
+        """What the sampler's persistent state needs of this request when it first samples."""
+        return self.params, self.generator, self.prompt_token_ids, self.output_token_ids
+
+    def suppressed_token_ids(self) -> list[int]:
+        """Tokens the sampler must not pick next: EOS and stop ids while the output is short of min_tokens."""
         p = self.params
-        suppress: list[int] = []
-        if self.num_output_tokens < p.min_tokens:
-            suppress = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
-        return SamplingRow(
-            p,
-            self.prompt_token_ids,
-            self.output_token_ids,
-            self.generator,
-            suppress,
-            self.noise_seed(0),
-            self.grammar,
-        )
+        if self.num_output_tokens >= p.min_tokens:
+            return []
+        return [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
 
     def noise_seed(self, ahead: int) -> int | None:
         """The noise seed of the output token `ahead` places after those known (proposals count)."""

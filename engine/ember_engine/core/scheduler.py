@@ -56,8 +56,9 @@ class Scheduler:
     def add(self, request: Request, front: bool = False) -> None:
         request.status = RequestStatus.WAITING
         if self.policy == "priority":
-            keys = [r.sort_key() for r in self.waiting]
-            self.waiting.insert(bisect.bisect_right(keys, request.sort_key()), request)
+            # A binary search reads O(log n) keys; the insert itself is one memmove.
+            at = bisect.bisect_right(self.waiting, request.sort_key(), key=Request.sort_key)
+            self.waiting.insert(at, request)
         elif front:
             self.waiting.insert(0, request)
         else:

@@ -7,19 +7,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from ember_engine.core.config import EngineConfig
 from ember_engine.core.request import Request
 from ember_engine.core.scheduler import SchedulerOutput
 from ember_engine.model.context import ForwardContext, set_context
+from ember_engine.model.input_buffers import InputBuffers
 from ember_engine.model.llama import LlamaForCausalLM
 from ember_engine.model.loader import load_weights
+from ember_engine.model.memory import MemoryReport, kv_cache_blocks, read_memory
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
 from ember_engine.model.parallel import SINGLE, TPGroup
 from ember_engine.model.quant import apply as quant_apply
 from ember_engine.model.quant.checkpoint import resolve as resolve_quantization
+from ember_engine.sample.sampler import sampler_peak_probe
 
 if TYPE_CHECKING:
     from ember_engine.distributed.workers import WorkerPool
@@ -83,6 +85,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.extra_block_bytes = extra_block_bytes
         self.reserved_bytes = reserved_bytes
+        if self.device.type == "cuda":
+            # Kernels, allocations and memory reports without an explicit device go to this one.
+            torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -107,6 +112,15 @@ class ModelRunner:
             self._num_kv_blocks() if num_blocks is None else num_blocks, self.device
         )
         self._allocate_kv_cache()
+        self.inputs = InputBuffers(
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            -(-max_model_len // self.block_size),
+            self.block_size,
+            self.device,
+        )
+        # Every attention kernel variant compiles now, before the server reports ready.
+        self.warm_up()
 
     # -- KV cache -------------------------------------------------------------------------------------
 
@@ -127,29 +141,33 @@ class ModelRunner:
         return max(1, min(wanted, _CPU_DEFAULT_KV_BYTES // self.block_bytes()))
 
     def _profile_kv_blocks(self) -> int:
-        """Run the largest prefill the scheduler can produce, then give the cache what memory is left."""
+        """Run the largest step the scheduler can produce (a full prefill, then the sampler over its most
+        rows: every sequence, K + 1 rows each with speculation), then give the cache what memory is left.
+        Everything is read from this runner's own device."""
+        dev = self.device
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(dev)
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         self.num_blocks = -(-n // self.block_size)
         self._allocate_kv_cache()
         self.execute_dummy(n)
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        peak = torch.cuda.max_memory_allocated()
+        rows = self.config.max_num_seqs * (
+            1 + (self.config.num_speculative_tokens if self.config.speculation else 0)
+        )
+        sampler_peak_probe(min(rows, self.config.max_num_batched_tokens), self.model_config.vocab_size, dev)
+        report = read_memory(dev)
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
         torch.cuda.empty_cache()
-        used_elsewhere = total - free - torch.cuda.memory_reserved()
-        budget = (
-            total * self.config.gpu_memory_utilization - peak - max(used_elsewhere, 0) - self.reserved_bytes
+        report = MemoryReport(report.total, report.free, torch.cuda.memory_reserved(dev), report.peak)
+        blocks = kv_cache_blocks(
+            report, self.config.gpu_memory_utilization, self.reserved_bytes, self.block_bytes()
         )
-        blocks = int(budget // self.block_bytes())
         if blocks < 1:
             raise RuntimeError(
-                f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); "
-                "lower max_num_batched_tokens or raise gpu_memory_utilization"
+                f"no GPU memory left for the KV cache (peak {report.peak / 2**30:.1f} GiB of "
+                f"{report.total / 2**30:.1f} GiB); lower max_num_batched_tokens or raise gpu_memory_utilization"
             )
         return blocks
 
@@ -193,42 +211,59 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: Sequence[Chunk]) -> torch.Tensor | None:
         """`forward` on this rank alone (other ranks than 0 get None: only rank 0 gathers logits)."""
-        bs = self.block_size
-        ids, pos, slots, q_loc, seq_lens = [], [], [], [0], []
-        logit_rows: list[int] = []
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            n = len(c.token_ids)
-            positions = np.arange(c.start, c.start + n)
-            block_ids = np.asarray(c.block_ids, dtype=np.int64)
-            tables[i, : len(block_ids)] = block_ids
-            ids.append(np.asarray(c.token_ids, dtype=np.int64))
-            pos.append(positions)
-            slots.append(block_ids[positions // bs] * bs + positions % bs)
-            q_loc.append(q_loc[-1] + n)
-            seq_lens.append(c.start + n)
-            logit_rows.extend(range(q_loc[-1] - c.num_logits, q_loc[-1]))
-        dev = self.device
-        input_ids = torch.from_numpy(np.concatenate(ids)).to(dev, non_blocking=True)
-        positions_t = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
+        step = self.inputs.prepare(chunks)
         set_context(
             ForwardContext(
-                slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
-                query_start_loc=torch.tensor(q_loc, dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-                max_query_len=max(len(c.token_ids) for c in chunks),
-                max_seq_len=max(seq_lens),
+                slot_mapping=step.slot_mapping,
+                query_start_loc=step.query_start_loc,
+                seq_lens=step.seq_lens,
+                block_tables=step.block_tables,
+                max_query_len=step.max_query_len,
+                max_seq_len=step.max_seq_len,
             )
         )
         try:
-            hidden = self.model(input_ids, positions_t)
+            hidden = self.model(step.input_ids, step.positions)
         finally:
             set_context(None)
-        if not logit_rows:
+        if not step.num_logits:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        rows = hidden if step.logit_rows is None else hidden.index_select(0, step.logit_rows)
+        return self.model.compute_logits(rows)
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Launch every attention kernel variant serving can reach (prefill, decode, each split-KV count
+        the model length allows), so none compiles mid-serving; returns how many were new. A no-op on the
+        torch attention path."""
+        from ember_engine.model import attention, triton_attention
+        from ember_engine.model.kernel_launch import LEDGER
+
+        if not attention._use_triton(torch.empty(0, device=self.device)):
+            return 0
+        before = LEDGER.compiles
+        self.run([Chunk([0], 0, [0, 0], 2)])  # a prefill (also speculation's multi-token queries)
+        self.run([Chunk([0], 1, [0], 1)])  # a decode
+        layer = next(iter(self.model.attention_layers()))
+        heads, dim = self.model.shard.num_heads, self.model_config.head_dim
+        q = torch.zeros(1, heads, dim, dtype=self.dtype, device=self.device)
+        longest = min(triton_attention.MAX_SPLITS, self.max_model_len // triton_attention.MIN_KEYS_PER_SPLIT)
+        for splits in range(2, longest + 1):
+            seq_len = splits * 64  # one 64-key segment each
+            step = self.inputs.prepare([Chunk([0] * -(-seq_len // self.block_size), seq_len - 1, [0], 1)])
+            triton_attention.paged_attention(
+                q,
+                layer.k_cache,
+                layer.v_cache,
+                step.block_tables,
+                step.seq_lens,
+                step.query_start_loc,
+                1,
+                seq_len,
+                1.0,
+                num_splits=splits,
+            )
+        return LEDGER.compiles - before
 
     @torch.inference_mode()
     def execute_dummy(self, num_tokens: int) -> None:

@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ember_engine.model.kernel_launch import jit, launch
+
 # A segment shorter than this costs more in partial writes and merging than its parallelism earns.
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 16
@@ -86,7 +88,9 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens,)](
+    launch(
+        _store_kv_kernel,
+        (num_tokens,),
         key,
         value,
         k_cache,
@@ -103,7 +107,9 @@ def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     )
 
 
-@triton.jit
+# Integer arguments that change while serving (batch size, segment length, the partials' strides, which
+# follow the split count): specializing on them would compile variants mid-serving.
+@jit(do_not_specialize=["num_seqs", "segment_len", "stride_on", "stride_oh", "stride_os", "stride_bt"])
 def _attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -213,7 +219,7 @@ def _attention_kernel(
         tl.store(lse_ptr + out_rows // HEAD_P2, lse, mask=row_ok)
 
 
-@triton.jit
+@jit(do_not_specialize=["num_seqs", "num_splits"])
 def _merge_splits_kernel(
     part_ptr,
     lse_ptr,
@@ -295,7 +301,9 @@ def paged_attention(
         target, part_strides = out, (out.stride(0), out.stride(1), 0, out.stride(2))
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    _attention_kernel[grid](
+    launch(
+        _attention_kernel,
+        grid,
         q,
         k_cache,
         v_cache,
@@ -323,7 +331,9 @@ def paged_attention(
         SEARCH_BLOCK=128,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
+        launch(
+            _merge_splits_kernel,
+            (num_tokens, num_heads),
             part,
             lse,
             out,

@@ -1,14 +1,38 @@
-"""One batched sampling pass per engine step: penalties, logprobs, greedy and (seeded) random sampling."""
+"""One batched sampling pass per engine step: penalties, logit biases, min_tokens' suppression, grammar
+masks, logprobs, greedy and (seeded) random sampling.
+
+The engine's sampler reads every request's parameters, penalty counts and prompt marks from a persistent
+`SamplingState` on the device, so a step uploads nothing per request once the batch is unchanged. Calling
+a `Sampler` with `SamplingRow`s (each with its token lists) builds a throwaway state for those rows. What
+changes every step comes beside the view, only for the rows it concerns: min_tokens' suppressed ids, the
+grammar states of structured-output rows and the position-keyed noise seeds of seeded rows."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ember_engine.sample.grammar import GrammarState, mask_rows
 from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.sample.sampling_state import (
+    FREQUENCY,
+    MIN_P,
+    PRESENCE,
+    REPETITION,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    BatchView,
+    SamplingState,
+    _upload,
+)
+from ember_engine.sample.seeds import make_generator
+
+# Top-k/top-p look at this many leading candidates (topk, not a full sort); a row whose nucleus is not
+# inside them (its candidates' mass is short of top_p) falls back to sorting its whole row.
+CANDIDATES = 256
 
 
 @dataclass(slots=True)
@@ -25,83 +49,24 @@ class SamplingRow:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float] | None  # None when no row asked for logprobs
+    logprobs: list[float | None] | None  # None when no row asked; per row None where that row did not
     top_logprobs: list[list[tuple[int, float]]] | None  # per row its own top-k; [] for k 0 or None
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator must live on the logits' device: exponential_ refuses a generator from another one."""
-    return torch.Generator(device=device).manual_seed(seed)
+def _apply_penalties(x: torch.Tensor, state: SamplingState, view: BatchView) -> torch.Tensor:
+    """Repetition (over prompt and output), then frequency and presence (over the output), reading and
+    rewriting only the tokens each row has seen."""
+    assert view.penalized_index is not None and view.penalized_slots is not None and state.penalties
+    p = state.params.index_select(0, view.penalized_slots)
+    rep = p[:, REPETITION : REPETITION + 1] if view.repetition else None
+    sub = x if view.penalized_all else x.index_select(0, view.penalized_index)
+    freq, pres = p[:, FREQUENCY : FREQUENCY + 1], p[:, PRESENCE : PRESENCE + 1]
+    sub = state.penalties.apply(sub, view.penalized_slot_list, view.penalized_slots, rep, freq, pres)
+    return sub if view.penalized_all else x.index_copy(0, view.penalized_index, sub)
 
 
-_U64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """SplitMix64's finalizer: a bijection of 64-bit integers that spreads every input bit."""
-    x = (x + 0x9E3779B97F4A7C15) & _U64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
-    return x ^ (x >> 31)
-
-
-def child_seed(seed: int, index: int) -> int:
-    """Distinct, reproducible streams for the n samples of one seeded request (sample 0 keeps the seed's
-    64 bits; a negative seed is its two's complement)."""
-    return seed & _U64 if index == 0 else _mix64((seed & _U64) ^ _mix64(index))
-
-
-def position_seed(seed: int, position: int) -> int:
-    """The seed of the noise a seeded sample's output token at `position` is drawn with. Keyed by position,
-    not drawn from a running stream, so the token does not depend on how many draws came before it: a
-    speculative step (proposals, verification) and a plain step pick the same token."""
-    return _mix64(seed ^ _mix64(position + (1 << 40)))
-
-
-def _upload(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # A plain host->GPU copy makes torch synchronize the stream, i.e. wait for the queued forward pass;
-    # staging through pinned memory lets the whole sampling pass queue behind it instead.
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
-
-
-def _counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(token_lists), vocab] occurrence counts, built on the device from one flat upload."""
-    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
-    flat = [r * vocab + t for r, toks in enumerate(token_lists) for t in toks]
-    if flat:
-        index = _upload(flat, torch.long, device)
-        counts.view(-1).scatter_add_(0, index, torch.ones(len(flat), device=device))
-    return counts
-
-
-def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    picked = [i for i, r in enumerate(rows) if r.params.penalized]
-    if not picked:
-        return logits
-    dev, vocab = logits.device, logits.shape[1]
-    sub_rows = [rows[i] for i in picked]
-
-    def column(values: list[float]) -> torch.Tensor:
-        return _upload(values, torch.float32, dev).unsqueeze(1)
-
-    out_counts = _counts([r.output_token_ids for r in sub_rows], vocab, dev)
-    # The prompt only matters to the repetition penalty; skip uploading it for rows that do not use one.
-    prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in sub_rows]
-    seen = (_counts(prompts, vocab, dev) + out_counts) > 0
-    rep = column([r.params.repetition_penalty for r in sub_rows])
-    freq = column([r.params.frequency_penalty for r in sub_rows])
-    pres = column([r.params.presence_penalty for r in sub_rows])
-
-    index = _upload(picked, torch.long, dev)
-    sub = logits.index_select(0, index)
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - freq * out_counts - pres * (out_counts > 0).float()
-    return logits.index_copy(0, index, sub)
-
-
-def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k then top-p with one descending sort; positions outside either set become -inf."""
+def _truncate_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p with one descending sort of the whole row; positions outside become -inf."""
     vocab = logits.shape[1]
     values, ids = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
@@ -115,30 +80,73 @@ def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     return torch.empty_like(logits).scatter_(1, ids, values)
 
 
-def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The distribution each (non-greedy) row samples from: temperature, then top-k and top-p, then min-p.
-    Speculative decoding's draft (q) and target (p) distributions are both this."""
-    dev, vocab = logits.device, logits.shape[1]
+def _truncate(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int
+) -> torch.Tensor:
+    """Top-k then top-p over the `candidates` largest logits of each row (top-k of them, no full sort).
+    Rows asking for top-k at most `candidates` are exact; a top-p-only row is exact when its candidates hold
+    at least top_p of its mass, and is otherwise redone with a full sort (a rare, data-dependent check)."""
+    vocab = logits.shape[1]
+    if candidates >= vocab:
+        return _truncate_sorted(logits, top_k, top_p)
+    values, ids = logits.topk(candidates, dim=-1)
+    rank = torch.arange(candidates, device=logits.device).unsqueeze(0)
+    values = values.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    has_k = top_k < vocab
+    # Normalised as the full-row computation would: over the top-k set, or over the whole row.
+    norm = torch.where(has_k, values.logsumexp(dim=-1), logits.logsumexp(dim=-1)).unsqueeze(1)
+    probs = (values - norm).exp()
+    before = probs.cumsum(dim=-1) - probs
+    drop = (before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    out = torch.full_like(logits, float("-inf")).scatter_(1, ids, values.masked_fill(drop, float("-inf")))
+    covered = has_k | (probs.sum(dim=-1) >= top_p)
+    if not bool(covered.all()):
+        short = (~covered).nonzero().squeeze(1)
+        out[short] = _truncate_sorted(logits[short], top_k[short], top_p[short])
+    return out
 
-    def vector(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return _upload(values, dtype, dev)
 
-    # A greedy row (temperature 0) keeps its logits: its distribution only needs the right argmax.
-    x = logits / vector([p.temperature if p.temperature > 0 else 1.0 for p in params]).unsqueeze(1)
+def _candidates(params: Sequence[SamplingParams], vocab: int) -> int:
+    ks = [p.top_k for p in params if p.top_k > 0 or p.top_p < 1.0]
+    if ks and all(k > 0 for k in ks):
+        return min(max(ks), vocab)
+    return min(max([CANDIDATES, *ks]), vocab)
 
-    truncating = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+
+def _probs(x: torch.Tensor, p: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from (`p` its rows of the parameter tensor): temperature, then
+    top-k and top-p, then min-p. A greedy row (temperature 0) keeps its logits: only its argmax matters."""
+    vocab = x.shape[1]
+    x = x / p[:, TEMPERATURE : TEMPERATURE + 1]
+    truncating = [i for i, q in enumerate(params) if q.top_k > 0 or q.top_p < 1.0]
     if truncating:
-        index = vector(truncating, torch.long)
-        ks = [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in truncating]
-        top_k = vector(ks, torch.long)
-        top_p = vector([params[i].top_p for i in truncating])
-        x = x.index_copy(0, index, _truncate(x.index_select(0, index), top_k, top_p))
-
+        rows = p if len(truncating) == len(params) else p[truncating]
+        top_k, top_p = rows[:, TOP_K].long(), rows[:, TOP_P]
+        cut = _truncate(x if rows is p else x[truncating], top_k, top_p, _candidates(params, vocab))
+        x = cut if rows is p else x.index_copy(0, _upload(truncating, torch.long, x.device), cut)
     probs = x.softmax(dim=-1)
-    if any(p.min_p > 0.0 for p in params):
-        floor = vector([p.min_p for p in params]).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    if any(q.min_p > 0.0 for q in params):
+        floor = p[:, MIN_P : MIN_P + 1] * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`_probs` for rows described by their parameters alone (speculative decoding's q and p)."""
+    state = SamplingState(len(params), logits.shape[1], logits.device)
+    for i, q in enumerate(params):
+        state.add(i, q, None, ())
+    state.params = state.host_params.to(logits.device)
+    return _probs(logits, state.params[: len(params)], params)
+
+
+def _inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverting the cumulative distribution at a uniform draw: one random number a
+    row instead of one a token."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, device=probs.device) * cdf[:, -1:]
+    # The first token whose cumulative mass passes u has mass of its own; the clamp guards rounding.
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max_(probs.shape[1] - 1)
 
 
 def sample_probs(
@@ -146,78 +154,127 @@ def sample_probs(
     generators: Sequence[torch.Generator | None],
     seeds: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
-    """One token per row drawn from `probs` (unnormalised is fine) by the exponential race,
-    argmax(p / E) with E ~ Exp(1). Each seeded row gets exactly V draws from its own generator (first reseeded
-    with `seeds[i]` when given), so its sample sequence is the same whatever else shares the batch; the other
-    rows share one draw from the default generator."""
-    dev, vocab = probs.device, probs.shape[1]
-    noise = torch.empty_like(probs)
+    """One token per row drawn from `probs` (unnormalised is fine). A seeded row runs the exponential
+    race, argmax(p / E) with E ~ Exp(1), on exactly V draws from its own generator (first reseeded with
+    `seeds[i]` when given: the noise of that row's output position), so its token is the same whatever else
+    shares the batch; the other rows invert their cumulative distribution at one uniform draw each from the
+    default generator."""
+    dev = probs.device
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if not seeded:
+        return _inverse_cdf(probs)
     shared = [i for i, g in enumerate(generators) if g is None]
-    if shared:
-        draw = torch.empty(len(shared), vocab, device=dev).exponential_()
-        noise.index_copy_(0, _upload(shared, torch.long, dev), draw)
-    for i, g in enumerate(generators):
-        if g is not None:
-            seed = None if seeds is None else seeds[i]
-            if seed is not None:
-                g.manual_seed(seed)
-            noise[i].exponential_(generator=g)
+    noise = torch.empty(len(seeded), probs.shape[1], device=dev, dtype=probs.dtype)
+    for j, i in enumerate(seeded):
+        gen = generators[i]
+        seed = None if seeds is None else seeds[i]
+        if seed is not None and gen is not None:
+            gen.manual_seed(seed)
+        noise[j].exponential_(generator=gen)
+    seeded_index = _upload(seeded, torch.long, dev)
     # exponential_ may return an exact 0; 0/0 would be NaN, which argmax prefers over everything.
-    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    picked = (probs.index_select(0, seeded_index) / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(
+        dim=-1
+    )
+    if not shared:
+        return picked
+    tokens = torch.empty(probs.shape[0], dtype=torch.long, device=dev)
+    tokens.index_copy_(0, seeded_index, picked)
+    shared_index = _upload(shared, torch.long, dev)
+    return tokens.index_copy_(0, shared_index, _inverse_cdf(probs.index_select(0, shared_index)))
 
 
-def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    probs = sampling_probs(logits, [r.params for r in rows])
-    return sample_probs(probs, [r.generator for r in rows], [r.noise_seed for r in rows])
+def sampler_peak_probe(rows: int, vocab: int, device: torch.device) -> None:
+    """The sampler's most memory-hungry pass over `rows` x `vocab` (a full-row sort for top-p, noise,
+    logprobs), for the memory profile before the KV cache is sized."""
+    logits = torch.zeros(rows, vocab, device=device)
+    top_k = torch.full((rows,), vocab, dtype=torch.long, device=device)
+    probs = _truncate_sorted(logits, top_k, torch.full((rows,), 0.5, device=device)).softmax(dim=-1)
+    sample_probs(probs, [make_generator(0, device)] * rows)  # seeded rows: a row of noise each
+    logits.log_softmax(dim=-1).topk(min(20, vocab), dim=-1)
 
 
 class Sampler:
+    def __init__(self, state: SamplingState | None = None) -> None:
+        self.state = state  # the engine's persistent state; None for row-by-row calls
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        if not rows:
+            return SamplerOutput([], None, None)
+        state = SamplingState(len(rows), logits.shape[1], logits.device)
+        for i, r in enumerate(rows):
+            state.add(i, r.params, r.generator, r.prompt_token_ids, r.output_token_ids)
+        view = state.view(range(len(rows)), lambda key: (rows[0].params, None, (), ()))
+        suppress = {i: r.suppress_token_ids for i, r in enumerate(rows) if r.suppress_token_ids}
+        grammars = {i: r.grammar for i, r in enumerate(rows) if r.grammar is not None}
+        seeds = {i: r.noise_seed for i, r in enumerate(rows) if r.noise_seed is not None}
+        return self.sample(logits, state, view, suppress, grammars, seeds)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        state: SamplingState,
+        view: BatchView,
+        suppress: Mapping[int, Sequence[int]] | None = None,
+        grammars: Mapping[int, GrammarState] | None = None,
+        noise_seeds: Mapping[int, int] | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row of `view`, then count the tokens into the state's penalty rows. Keyed by
+        row: `suppress` the ids a row must not pick, `grammars` the structured-output rows' states, and
+        `noise_seeds` the seeds a seeded row's noise is drawn with this step (its output position's)."""
         dev, vocab = logits.device, logits.shape[1]
-        logits = _apply_penalties(logits.float(), rows)
-        biased = [
-            (i * vocab + t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
-        ]
-        if biased:
-            flat = logits.clone().view(-1)
-            index = _upload([k for k, _ in biased], torch.long, dev)
-            flat.index_add_(0, index, _upload([b for _, b in biased], torch.float32, dev))
-            logits = flat.view_as(logits)
-
-        suppressed = [i * vocab + t for i, r in enumerate(rows) for t in r.suppress_token_ids]
-        if suppressed:
-            flat = logits.clone().view(-1)
-            flat.index_fill_(0, _upload(suppressed, torch.long, dev), float("-inf"))
-            logits = flat.view_as(logits)
-        logits = mask_rows(logits, [r.grammar for r in rows])
-
-        tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        if greedy:
-            index = _upload(greedy, torch.long, dev)
-            tokens.index_copy_(0, index, logits.index_select(0, index).argmax(dim=-1))
-        random = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random:
-            index = _upload(random, torch.long, dev)
-            picked = _sample_random(logits.index_select(0, index), [rows[i] for i in random])
-            tokens.index_copy_(0, index, picked)
-
-        wants = [r.params.logprobs for r in rows]
-        if all(k is None for k in wants):
+        x = logits.float()
+        if view.penalized_index is not None:
+            x = _apply_penalties(x, state, view)
+        if view.bias_index is not None and view.bias_values is not None:
+            # logit_bias, sparse: one flat scatter-add of every biased row's (token, bias) pairs.
+            x = x.clone().view(-1).index_add_(0, view.bias_index, view.bias_values).view_as(x)
+        if suppress:
+            flat_ids = [i * vocab + t for i, ts in suppress.items() for t in ts]
+            flat = x.clone().view(-1)
+            flat.index_fill_(0, _upload(flat_ids, torch.long, dev), float("-inf"))
+            x = flat.view_as(x)
+        if grammars:
+            x = mask_rows(x, [grammars.get(i) for i in range(len(view.slots))])
+        if view.all_greedy:
+            tokens = x.argmax(dim=-1)
+        else:
+            assert view.random_index is not None
+            random = view.random_index
+            p = state.params.index_select(0, view.slot_index.index_select(0, random))
+            sub = x if len(view.random_rows) == len(view.slots) else x.index_select(0, random)
+            probs = _probs(sub, p, [view.params[i] for i in view.random_rows])
+            seeds = [noise_seeds.get(i) for i in view.random_rows] if noise_seeds else None
+            picked = sample_probs(probs, [view.generators[i] for i in view.random_rows], seeds)
+            tokens = picked if sub is x else x.argmax(dim=-1).index_copy(0, random, picked)
+        state.record(view, tokens)
+        if not view.logprob_rows:
             return SamplerOutput(tokens.tolist(), None, None)
+        return _with_logprobs(x, tokens, view)
 
-        # Logprobs describe the model's distribution after penalties, before temperature and truncation.
-        logprobs = logits.log_softmax(dim=-1)
-        columns = [tokens.double().unsqueeze(1), logprobs.gather(1, tokens.unsqueeze(1)).double()]
-        k_max = min(max(k or 0 for k in wants), vocab)
-        if k_max:
-            top_values, top_ids = logprobs.topk(k_max, dim=-1)
-            columns += [top_ids.double(), top_values.double()]
-        # One packed transfer: float64 holds every token id and float32 logprob exactly.
-        host = torch.cat(columns, dim=1).tolist()
-        top: list[list[tuple[int, float]]] = []
-        for want, line in zip(wants, host, strict=True):
-            top.append([(int(line[2 + j]), line[2 + k_max + j]) for j in range(min(want or 0, k_max))])
-        return SamplerOutput([int(line[0]) for line in host], [line[1] for line in host], top)
+
+def _with_logprobs(x: torch.Tensor, tokens: torch.Tensor, view: BatchView) -> SamplerOutput:
+    """Logprobs (after penalties, before temperature and truncation) for the rows that asked, packed with
+    every row's token into one transfer: float64 holds every token id and float32 logprob exactly."""
+    rows = view.logprob_rows
+    wants = [view.params[r].logprobs or 0 for r in rows]
+    index = _upload(rows, torch.long, x.device)
+    logprobs = x.index_select(0, index).log_softmax(dim=-1)
+    chosen = tokens.index_select(0, index).unsqueeze(1)
+    columns = [logprobs.gather(1, chosen).double()]
+    k_max = min(max(wants), x.shape[1])
+    if k_max:
+        top_values, top_ids = logprobs.topk(k_max, dim=-1)
+        columns += [top_ids.double(), top_values.double()]
+    packed = torch.cat([tokens.double(), torch.cat(columns, dim=1).flatten()]).tolist()
+    n, width = len(view.slots), 1 + 2 * k_max
+    token_ids = [int(t) for t in packed[:n]]
+    values: list[float | None] = [None] * n
+    top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    for j, (r, want) in enumerate(zip(rows, wants, strict=True)):
+        line = packed[n + j * width : n + (j + 1) * width]
+        values[r] = line[0]
+        top[r] = [(int(line[1 + i]), line[1 + k_max + i]) for i in range(min(want, k_max))]
+    return SamplerOutput(token_ids, values, top)
