@@ -57,6 +57,8 @@ TIME = {
             "type": "object",
             "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
             "required": ["zone"],
+            # Closed, as WEATHER is: an open object lets a random model write one extra key forever.
+            "additionalProperties": False,
         },
     },
 }
