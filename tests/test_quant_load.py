@@ -15,11 +15,14 @@ from ember_engine.model.quant.linear import Fp8Linear, Int4Linear, Int8Linear
 
 PRESETS = {"fp8": "FP8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16"}
 LAYERS = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear}
-# Largest |ember - transformers| logit difference allowed, as a fraction of the logits' own range. Weight-only
-# schemes compute the same dequantized products (float rounding apart); FP8 activations may round a value
-# to the neighbouring E4M3 step where the two orders of operations differ by an ulp.
-TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4}
-GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 1.0, "w4a16": 1.0}  # prompts whose 12 greedy tokens all match
+# Largest |ember - transformers| logit difference allowed, as a fraction of the logits' own range. w4a16
+# computes the same dequantized products (float rounding apart); w8a16 with one scale per row multiplies
+# bf16 activations on CPU (torch's int8 kernel); FP8 activations may round a value to the neighbouring
+# E4M3 step where the two orders of operations differ by an ulp.
+TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-2, "w4a16": 1e-4}
+# Prompts whose 12 greedy tokens all match; the random-weight test model has many near-tied logits, which
+# the schemes with rounded activations (fp8; w8a16's bf16 on CPU) may break the other way.
+GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 0.75, "w4a16": 1.0}
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:
