@@ -61,9 +61,9 @@ def main(args: argparse.Namespace) -> int:
     dev = ["--dir", str(directory)]
     say(
         "1. The local control plane",
-        "An API server, the scheduler, a kubelet that runs each pod as local processes (engines on the CPU),",
-        "a service proxy that gives each Service a local address, and the operator (kopf) watching",
-        "InferenceServices.",
+        "An API server, the scheduler, the deployment controllers, a kubelet that runs each pod as local",
+        "processes (engines on the CPU), a service proxy that gives each Service a local address, and the",
+        "operator (kopf) watching InferenceServices.",
     )
     example = Path(args.example)
     if not example.is_file():
@@ -121,8 +121,9 @@ class Demo:
         k.show("apply", "-f", str(self.example))
         say(
             "3. Ready",
-            "The operator creates each one's pods, Service and policy ConfigMap; the kubelet starts the",
-            "engines; each is Ready when its engines answer /ready.",
+            "The operator creates each one's engine pods, its routers (a Deployment of `ember router`), its",
+            "Service (which selects the routers) and policy ConfigMap; the kubelet starts the processes; each",
+            "is Ready when its engines answer /ready (ROUTERS: Ready routers / wanted).",
         )
         with self.watch.running():
             self.wait(lambda: self.ready("tiny", warm=True) and self.ready("tiny-fallback"), "both Ready")
@@ -130,8 +131,9 @@ class Demo:
         base = self.endpoint("tiny")
         say(
             "4. A streamed chat through the Service",
-            f"POST {base}/v1/chat/completions (stream), the address in tiny's status.endpoint. The model",
-            "is a random-weight test checkpoint: its words are noise; they arrive token by token.",
+            f"POST {base}/v1/chat/completions (stream), the address in tiny's status.endpoint; a router",
+            "picks the engine. The model is a random-weight test checkpoint: its words are noise; they",
+            "arrive token by token.",
         )
         self.stream_chat(base)
         self.spike(base)
@@ -201,9 +203,9 @@ class Demo:
         say(
             "6. An overload",
             "40 requests at once. Each of tiny's pods runs 2 and queues a few (loadShedding.maxQueueDepth);",
-            "beyond that it hands the request to tiny-fallback (whose reply carries x-ember-served-by:",
-            "fallback); what the fallback cannot queue either is shed: a 503 with Retry-After, so that",
-            "clients back off instead of piling up.",
+            "beyond that the request goes to tiny-fallback (whose reply carries x-ember-served-by:",
+            "fallback); what neither can take is shed at once: a 503 with Retry-After (fleet_overloaded",
+            "from a router, queue_full from an engine), so that clients back off instead of piling up.",
         )
         barrier = threading.Barrier(40)
         with ThreadPoolExecutor(40) as pool:

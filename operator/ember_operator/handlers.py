@@ -512,9 +512,7 @@ class Reconciler:
             return dict(actual)
         try:
             actual = await asyncio.to_thread(kube.ensure, desired, fields)
-            # A Service's address may yet be published in its status: read it again soon until it is.
-            published = desired["kind"] != "Service" or load_balancer_address(actual) is not None
-            known.put(key, desired, actual, settled=published)
+            known.put(key, desired, actual, settled=_settled(desired["kind"], actual))
             return dict(actual)
         except NameConflict as e:
             troubles.append(Trouble("NameConflict", str(e)))
@@ -599,3 +597,15 @@ def _no_finalizer_for(registry: kopf.OperatorRegistry, handler_id: str) -> None:
     spawning[:] = [
         dataclasses.replace(h, requires_finalizer=False) if h.id == handler_id else h for h in spawning
     ]
+
+
+def _settled(kind: str, actual: dict[str, Any]) -> bool:
+    """Whether a child's status, as read, is what it will stay: a Service whose address is yet to be
+    published, or a Deployment (the routers) whose pods are not all Ready, is read again soon."""
+    if kind == "Service":
+        return load_balancer_address(actual) is not None
+    if kind == "Deployment":
+        status = actual.get("status") or {}
+        wanted = int((actual.get("spec") or {}).get("replicas") or 0)
+        return int(status.get("readyReplicas") or 0) >= wanted
+    return True

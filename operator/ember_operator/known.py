@@ -8,7 +8,8 @@ again, which is how long an edit to a child by someone else can stand (kube-cont
 controllers resync their caches the same way). A fallback Service's endpoint is kept the same way.
 
 Something else may still be about to fill in what a pass reads: a load balancer publishes the Service's
-address in its status some time after it is created. A result put as not settled is read again sooner,
+address in its status some time after it is created, and the routers' Deployment counts its pods Ready as
+they start (a router that dies later shows at the next resync). A result put as not settled is read again sooner,
 after 1 s, then 2, 4, 8 and 16 s, so a published address shows within seconds; after that it waits for the
 resync like a settled one, so a Service that never gets an address costs no more than one that did.
 """
