@@ -138,27 +138,33 @@ async def _serve(
     assert isinstance(verdict, Admit)
     engine = state.engine
     assert engine is not None  # decide() sheds while not ready
-    # Templating and tokenizing a long prompt take a while: the event loop serves others meanwhile.
-    prompts = await asyncio.to_thread(_prompt_token_ids, engine, body, tools)
-    arrival = arrival_of(request.scope)
-    for ids in prompts:  # a bad prompt is a 400 before anything is queued
-        try:
-            engine.engine.check_prompt(ids, params)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
-    if constraint is not None:  # compiled in a worker thread: other requests go on meanwhile
-        if state.grammars is None:
-            llm_engine = engine.engine
-            state.grammars = CompileCache(lambda: llm_engine.grammar_compiler)
-        params.constraint = constraint[1]
-        params.grammar = await state.grammars.compile(constraint[1], constraint[0])
-    deadline = _deadline(request, body, policy.request_timeout_seconds)
-    fmt = Formatter(state.model_name, engine.tokenizer, chat, n=params.n)
-    fmt.token_ids_as_text = body.return_tokens_as_token_ids
-    if isinstance(body, CompletionRequest) and body.echo:
-        fmt.echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in body.prompts()]
-    fmt.tool_calls = tools.parallel if tools is not None and tools.parse else None
-    ticket = _Ticket(state, priority, class_name, client, len(prompts), params.n, queue.estimated_wait_s)
+    # Admitted: its share of the counters is taken now, before the first await, so requests arriving
+    # while this one is templated and tokenized are admitted against it (or shed).
+    ticket = _Ticket(state, priority, class_name, client, num_prompts, params.n, queue.estimated_wait_s)
+    try:
+        # Templating and tokenizing a long prompt take a while: the event loop serves others meanwhile.
+        prompts = await asyncio.to_thread(_prompt_token_ids, engine, body, tools)
+        arrival = arrival_of(request.scope)
+        for ids in prompts:  # a bad prompt is a 400 before anything is queued
+            try:
+                engine.engine.check_prompt(ids, params)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
+        if constraint is not None:  # compiled in a worker thread: other requests go on meanwhile
+            if state.grammars is None:
+                llm_engine = engine.engine
+                state.grammars = CompileCache(lambda: llm_engine.grammar_compiler)
+            params.constraint = constraint[1]
+            params.grammar = await state.grammars.compile(constraint[1], constraint[0])
+        deadline = _deadline(request, body, policy.request_timeout_seconds)
+        fmt = Formatter(state.model_name, engine.tokenizer, chat, n=params.n)
+        fmt.token_ids_as_text = body.return_tokens_as_token_ids
+        if isinstance(body, CompletionRequest) and body.echo:
+            fmt.echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in body.prompts()]
+        fmt.tool_calls = tools.parallel if tools is not None and tools.parse else None
+    except BaseException:
+        ticket.release()
+        raise
 
     def generators() -> list[AsyncIterator[RequestOutput]]:
         return [
