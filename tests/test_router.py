@@ -123,6 +123,33 @@ def test_an_overloaded_engine_is_skipped_and_a_full_fleet_sheds_at_once(
             engines[0].state.draining = engines[1].state.draining = False
 
 
+def test_a_client_over_its_own_limit_gets_the_engines_429_and_the_engine_stays_in_rotation(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    # A 429 is about the client, not the engine: relayed as it is, neither retried elsewhere (which would
+    # lift the client's limit) nor taken as the engine being overloaded for everyone else.
+    watcher = engines[0].state.policy
+    before = watcher.policy
+    shedding = before.load_shedding.model_copy(update={"max_concurrent_per_client": 1})
+    watcher.policy = before.model_copy(update={"load_shedding": shedding})
+    engines[0].state.client_in_flight["alice"] += 1  # one request of alice's already in flight
+    try:
+        with running_router(tiny_model, [engines[0].url], poll_interval=3600) as (url, router):
+            model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "prompt": "hello", "max_tokens": 1}
+            r = httpx.post(
+                f"{url}/v1/completions", json=body, headers={"x-ember-client": "alice"}, timeout=60
+            )
+            assert r.status_code == 429 and r.headers["Retry-After"], r.text
+            assert r.json()["error"]["code"] == "client_limit"
+            assert router.pool.engines[engines[0].url].state.overloaded_until <= time.monotonic()
+            r = httpx.post(f"{url}/v1/completions", json=body, headers={"x-ember-client": "bob"}, timeout=60)
+            assert r.status_code == 200 and r.headers[ROUTED_TO] == engines[0].url
+    finally:
+        engines[0].state.client_in_flight["alice"] -= 1
+        watcher.policy = before
+
+
 def test_a_client_that_goes_away_aborts_its_request_in_the_engine(
     tiny_model: Path, engines: list[InProcessServer]
 ) -> None:

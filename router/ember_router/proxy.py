@@ -7,7 +7,7 @@ With `hold_seconds`, a request that finds no engine Ready waits (up to that long
 `ember_router:pending_requests`) for one, so that the demand is visible while engines start from zero.
 Before that, the routing rules (`rules.py`) may send the request to another InferenceService instead
 (`x-ember-routed-to: <that service>`, `x-ember-route-reason: rule:<name>`). An
-engine that answers 503 or 429 before the response begins is skipped for its Retry-After and the request
+engine that answers 503 before the response begins is skipped for its Retry-After and the request
 goes to one other engine; with no engine to take it the request goes to the fallback server if one is set
 (`x-ember-served-by: fallback`), else the router sheds at once (503, Retry-After). A client
 that disconnects closes the upstream connection, which aborts the request in the engine.
@@ -316,7 +316,9 @@ class Router:
                 )
             finished = False
             try:
-                if upstream.status in (429, 503) and retry:
+                # 503: the engine is overloaded (or not serving): another may take it. A 429 is the client's
+                # own limit at that engine: relayed, so the limit holds and no one else is turned away.
+                if upstream.status == 503 and retry:
                     wait = _retry_after(upstream.headers.get("Retry-After"), self.settings.retry_after)
                     state.overloaded_until = time.monotonic() + wait
                     await upstream.read()
