@@ -8,7 +8,7 @@ What it speaks, as the hub does (and as `huggingface_hub` expects):
   `X-Repo-Commit`, ranges); an LFS file as a 302 to the storage origin (another port, like the hub's CDN)
   carrying `X-Repo-Commit`, `X-Linked-Etag: "<sha256>"`, `X-Linked-Size` and the pointer's `ETag`;
 - errors with `X-Error-Code` (`RepoNotFound` — also for a private repository without a valid token, 401 —,
-  `RevisionNotFound`, `EntryNotFound`) and `X-Error-Message`;
+  `RevisionNotFound`, `EntryNotFound`, which also carries `X-Repo-Commit`) and `X-Error-Message`;
 - a renamed repository answers 307 with a relative Location to its new name.
 
 The storage origin serves LFS content with ranges, records whether a request carried an Authorization header
@@ -108,13 +108,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _error(self, status: int, code: str, message: str) -> None:
+    def _error(self, status: int, code: str, message: str, extra: dict[str, str] | None = None) -> None:
         body = json.dumps({"error": message}).encode()
-        self._send(
-            status,
-            body,
-            {"X-Error-Code": code, "X-Error-Message": message, "Content-Type": "application/json"},
-        )
+        headers = {"X-Error-Code": code, "X-Error-Message": message, "Content-Type": "application/json"}
+        self._send(status, body, {**headers, **(extra or {})})
 
     def do_HEAD(self) -> None:
         self.do_GET()
@@ -218,7 +215,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _resolve(self, repo: Repo, path: str) -> None:
         data = repo.files.get(path)
         if data is None:
-            self._error(404, "EntryNotFound", f"{path} does not exist")
+            # The revision exists: the hub names its commit (huggingface_hub caches the miss under it).
+            self._error(404, "EntryNotFound", f"{path} does not exist", {"X-Repo-Commit": repo.commit})
             return
         common = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes"}
         if repo.is_lfs(path):
@@ -272,17 +270,19 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class HubServer:
-    """The hub and its storage origin, each on its own port, in background threads."""
+    """The hub and its storage origin in background threads, on hosts of their own (127.0.0.1 and
+    127.0.0.2): the hub's LFS content comes from another host (its CDN), and huggingface_hub follows a
+    redirect to the same host as the hub, so a storage origin there would hide the redirect's headers."""
 
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
-        self._servers = [self._serve("hub"), self._serve("storage")]
+        self._servers = [self._serve("hub", "127.0.0.1"), self._serve("storage", "127.0.0.2")]
         hub.hub_url = f"http://127.0.0.1:{self._servers[0].server_address[1]}"
-        hub.storage_url = f"http://127.0.0.1:{self._servers[1].server_address[1]}"
+        hub.storage_url = f"http://127.0.0.2:{self._servers[1].server_address[1]}"
 
-    def _serve(self, origin: str) -> ThreadingHTTPServer:
+    def _serve(self, origin: str, host: str) -> ThreadingHTTPServer:
         handler = type(f"{origin}Handler", (_Handler,), {"hub": self.hub, "origin": origin})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server = ThreadingHTTPServer((host, 0), handler)
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, daemon=True).start()
         return server

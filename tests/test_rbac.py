@@ -48,6 +48,7 @@ from ember_operator.spec import GROUP, PLURAL, VERSION
 API_VERSION = f"{GROUP}/{VERSION}"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 TICK = 0.25
+RESYNC = 3.0
 EMBER = Path(sys.executable).with_name("ember")
 
 # Grants that no request can show, each with the reason it is needed all the same. Nothing else may be
@@ -212,8 +213,17 @@ def running_operator(
     kubeconfig.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
     env["KUBECONFIG"] = str(kubeconfig)
-    # Later flags win: the manifest's ports would collide with whatever else runs here.
-    command = [str(EMBER), "operator", *args, "--health-port=0", "--metrics-port=0", f"--tick={TICK}"]
+    # Later flags win: the manifest's ports would collide with whatever else runs here. Children edited by
+    # hand are put back at the resync (60 s by default): a short one here, as the tick is.
+    command = [
+        str(EMBER),
+        "operator",
+        *args,
+        "--health-port=0",
+        "--metrics-port=0",
+        f"--tick={TICK}",
+        f"--resync={RESYNC}",
+    ]
     log = tmp / "operator.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
