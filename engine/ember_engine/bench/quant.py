@@ -49,7 +49,8 @@ def perplexity(llm: Any, tokens: torch.Tensor, windows: int, length: int = 512) 
     for w in range(min(windows, (len(tokens) - 1) // length)):
         seq = tokens[w * length : (w + 1) * length + 1]
         logits = runner.forward([Chunk(blocks, 0, seq[:-1].tolist(), num_logits=length)])
-        nll += torch.nn.functional.cross_entropy(logits, seq[1:], reduction="sum").item()
+        target = seq[1:].to(logits.device)
+        nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
         count += length
     return math.exp(nll / count)
 

@@ -86,6 +86,8 @@ class ModelRunner:
         self.extra_block_bytes = extra_block_bytes
         self.reserved_bytes = reserved_bytes
         if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda": the current device, named, so set_device takes it
+                self.device = torch.device("cuda", torch.cuda.current_device())
             # Kernels, allocations and memory reports without an explicit device go to this one.
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)

@@ -81,6 +81,10 @@ class Fp8Linear(QuantLinear):
 
             return triton_gemm.fp8_matmul(x, self.weight, self.weight_scale)
         xq, x_scale = schemes.quantize_activation_fp8(x)
+        n, k = self.weight.shape
+        if x.device.type == "cuda" and (n % 16 or k % 16):
+            # cuBLAS's FP8 matmul takes only sizes divisible by 16: the same product, dequantized.
+            return ((xq.float() * x_scale) @ self.dequantized().t()).to(x.dtype)
         return torch._scaled_mm(
             xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=x.dtype
         )
