@@ -258,17 +258,7 @@ def desired_pod(owner: Owner, spec: InferenceServiceSpec, role: str, pod_hash: s
             *modelsource.volumes(spec),
         ],
     }
-    fetch = modelsource.init_containers(spec, security)
-    if fetch:
-        pod_spec["initContainers"] = fetch
-    if spec.model.volume_claim is not None:
-        container["volumeMounts"].append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
-        pod_spec["volumes"].append(
-            {
-                "name": "models",
-                "persistentVolumeClaim": {"claimName": spec.model.volume_claim, "readOnly": True},
-            }
-        )
+    attach_model(pod_spec, container, spec, security)
     # A container's /dev/shm is 64Mi unless mounted: too small for torch's inter-process buffers and for
     # NCCL between the pod's ranks.
     shm = r.shared_memory or f"{max(1, spec.tensor_parallel_size // r.nodes)}Gi"
@@ -397,3 +387,21 @@ def desired_policy_configmap(
 
 def service_endpoint(name: str, namespace: str, cluster_domain: str) -> str:
     return f"http://{name}.{namespace}.svc.{cluster_domain}"
+
+
+def attach_model(
+    pod_spec: dict[str, Any], container: dict[str, Any], spec: InferenceServiceSpec, security: dict[str, Any]
+) -> None:
+    """The model's way into a pod: the init containers that fetch it, and the claim holding a path source
+    mounted read-only at /models. Engine and router pods read the same checkpoint."""
+    fetch = modelsource.init_containers(spec, security)
+    if fetch:
+        pod_spec["initContainers"] = fetch
+    if spec.model.volume_claim is not None:
+        container["volumeMounts"].append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+        pod_spec["volumes"].append(
+            {
+                "name": "models",
+                "persistentVolumeClaim": {"claimName": spec.model.volume_claim, "readOnly": True},
+            }
+        )

@@ -21,11 +21,11 @@ from typing import Any
 from ember_operator import modelsource
 from ember_operator.desired import (
     MANAGED_BY_LABEL,
-    MODELS_DIR,
     NAME_LABEL,
     ROLE_LABEL,
     Owner,
     active_selector,
+    attach_model,
     instance_labels,
     selector_string,
 )
@@ -155,17 +155,7 @@ def desired_router_deployment(
         "securityContext": pod_security,
         "volumes": modelsource.volumes(spec),
     }
-    fetch = modelsource.init_containers(spec, security)
-    if fetch:
-        pod_spec["initContainers"] = fetch
-    if spec.model.volume_claim is not None:
-        container["volumeMounts"].append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
-        pod_spec["volumes"].append(
-            {
-                "name": "models",
-                "persistentVolumeClaim": {"claimName": spec.model.volume_claim, "readOnly": True},
-            }
-        )
+    attach_model(pod_spec, container, spec, security)
     if placement.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in placement.image_pull_secrets]
     labels = {**placement.labels, **router_selector(owner.name), MANAGED_BY_LABEL: "ember-operator"}
