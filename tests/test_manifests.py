@@ -359,6 +359,7 @@ def test_monitoring_overlay_ships_the_monitors_the_rules_and_the_dashboard() -> 
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == [
         ("ConfigMap", "ember-grafana-dashboard"),
         ("PodMonitor", "ember-engines"),
+        ("PodMonitor", "ember-routers"),
         ("PrometheusRule", "ember"),
         ("ServiceMonitor", "ember-operator"),
     ]

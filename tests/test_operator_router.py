@@ -67,6 +67,28 @@ def test_router_args_parse_with_ember_routers_own_command_line() -> None:
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
 
 
+def test_the_routers_send_what_no_engine_takes_to_the_specs_fallback_by_its_conditions() -> None:
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+
+    def parsed(spec: Any, fallback_url: str | None) -> argparse.Namespace:
+        (deploy,) = [
+            o for o in router.desired_objects(OWNER, spec, {}, fallback_url) if o["kind"] == "Deployment"
+        ]
+        (container,) = deploy["spec"]["template"]["spec"]["containers"]
+        return parser.parse_args([a.replace("$(POD_NAMESPACE)", "prod") for a in container["args"]])
+
+    url = "http://chat-small.prod.svc.cluster.local"
+    spec = make_spec(fallback={"service": "chat-small", "model": "small", "when": ["Unavailable"]})
+    args = parsed(spec, url)
+    assert (args.fallback_url, args.fallback_model, args.fallback_when) == (url, "small", "Unavailable")
+    args = parsed(make_spec(fallback={"service": "chat-small"}), url)
+    assert (args.fallback_url, args.fallback_model) == (url, None)
+    assert set(args.fallback_when.split(",")) == {"Overloaded", "Unavailable"}
+    # Not resolved yet (the fallback service has no endpoint), or none: the routers shed.
+    assert parsed(spec, None).fallback_url is None and parsed(make_spec(), None).fallback_url is None
+
+
 def test_routers_drain_like_engines_take_identity_but_no_gpu_placement() -> None:
     spec = make_spec(
         resources={

@@ -1,9 +1,10 @@
 """Monitoring with real parts. The shipped alerts (manifests/monitoring/prometheusrule.yaml) pass `promtool
-check rules` and promtool's unit tests; `ember dev up --prometheus`'s real Prometheus scrapes real engines and
-the operator with the shipped scrape jobs while real traffic runs (speculative decoding, shedding, the
-fallback, a scale-up), and then every PromQL query of the Grafana dashboard returns data, the alerts load and
-evaluate (the stalled, shed-rate and fallback alerts go pending), and the KEDA ScaledObject's query returns
-the single value KEDA needs."""
+check rules` and promtool's unit tests; `ember dev up --prometheus`'s real Prometheus scrapes real engines,
+their routers and the operator with the shipped scrape jobs while real traffic runs through a router
+(speculative decoding, shedding at the engine and the router, the fallback, a scale-up), and then the
+counters add up to what the clients saw, every PromQL query of the Grafana dashboard returns data, the
+alerts load and evaluate (the stalled, shed-rate and fallback alerts go pending), and the KEDA
+ScaledObject's query returns the single value KEDA needs."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _alert(labels: dict[str, str], summary: str, description: str) -> dict[str, 
 
 
 def _description(alert: str) -> str:
-    (rule,) = [r for g in shipped_rules()["groups"] for r in g["rules"] if r["alert"] == alert]
+    (rule,) = [r for g in shipped_rules()["groups"] for r in g["rules"] if r.get("alert") == alert]
     return (
         str(rule["annotations"]["description"])
         .replace("{{ $labels.namespace }}", "prod")
@@ -59,6 +60,10 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
     assert checked.returncode == 0, checked.stdout + checked.stderr
     chat = {"namespace": "prod", "inferenceservice": "chat"}
     calm = {"namespace": "prod", "inferenceservice": "calm"}
+    # Behind routers: `edge`'s routers send to the fallback and shed themselves; `retry`'s engines shed, but
+    # its routers sent every one of those requests to another engine, which served it.
+    edge = {"namespace": "prod", "inferenceservice": "edge"}
+    retry = {"namespace": "prod", "inferenceservice": "retry"}
 
     def series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
         body = ", ".join(f'{k}="{v}"' for k, v in labels.items())
@@ -117,6 +122,39 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
                     series(
                         "ember:requests_shed_total", {**calm, "pod": "calm-a", "reason": "queue_full"}, "0x30"
                     ),
+                    # 1 request/s to the fallback from edge's router; half of edge's requests shed by it.
+                    series(
+                        "ember_router:fallback_requests_total",
+                        {**edge, "pod": "edge-router-a", "role": "router", "outcome": "served"},
+                        "0+60x30",
+                    ),
+                    series(
+                        "ember_router:shed_requests_total",
+                        {**edge, "pod": "edge-router-a", "role": "router", "reason": "fleet_overloaded"},
+                        "0+30x30",
+                    ),
+                    series(
+                        "vllm:request_success_total",
+                        {**edge, "pod": "edge-a", "finished_reason": "stop"},
+                        "0+30x30",
+                    ),
+                    # retry's engine sheds 30 requests a minute, each one retried by the router and served
+                    # by the other engine: its clients saw no shed.
+                    series(
+                        "ember:requests_shed_total",
+                        {**retry, "pod": "retry-a", "reason": "queue_full"},
+                        "0+30x30",
+                    ),
+                    series(
+                        "ember_router:engine_sheds_retried_total",
+                        {**retry, "pod": "retry-router-a", "role": "router"},
+                        "0+30x30",
+                    ),
+                    series(
+                        "vllm:request_success_total",
+                        {**retry, "pod": "retry-b", "finished_reason": "stop"},
+                        "0+60x30",
+                    ),
                     # A serving pod at 97 % KV-cache use; a warm pod's cache does not count.
                     series(
                         "vllm:kv_cache_usage_perc", {**chat, "pod": "chat-a", "role": "active"}, "0.97x30"
@@ -156,7 +194,12 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
                                 {"severity": "warning", **chat},
                                 "prod/chat sends 1 requests/s to its fallback",
                                 _description("EmberFallbackActive"),
-                            )
+                            ),
+                            _alert(
+                                {"severity": "warning", **edge},
+                                "prod/edge sends 1 requests/s to its fallback",
+                                _description("EmberFallbackActive"),
+                            ),
                         ],
                     },
                     {
@@ -167,7 +210,12 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
                                 {"severity": "warning", **chat},
                                 "prod/chat sheds 50% of its requests",
                                 _description("EmberHighShedRate"),
-                            )
+                            ),
+                            _alert(
+                                {"severity": "warning", **edge},
+                                "prod/edge sheds 50% of its requests",
+                                _description("EmberHighShedRate"),
+                            ),
                         ],
                     },
                     {
@@ -203,22 +251,67 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
-def test_the_pod_monitor_gives_the_same_labels_as_the_scrape_config() -> None:
+def test_the_pod_monitors_give_the_same_labels_as_the_scrape_configs() -> None:
     jobs = {j["job_name"]: j for j in yaml.safe_load((MONITORING / "scrape-configs.yaml").read_text())}
-    monitor = yaml.safe_load((MONITORING / "podmonitor.yaml").read_text())
-    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    # The Prometheus Operator adds namespace and pod itself; the rest must match the hand-written job.
-    relabel = {
-        (tuple(r["source_labels"]), r["target_label"])
-        for r in jobs["ember-engines"]["relabel_configs"]
-        if "target_label" in r
+    monitors = {
+        m["metadata"]["name"]: m for m in yaml.safe_load_all((MONITORING / "podmonitor.yaml").read_text())
     }
-    assert {(tuple(r["sourceLabels"]), r["targetLabel"]) for r in endpoint["relabelings"]} <= relabel
-    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "ember-operator"}
-    assert endpoint["port"] == "http"
+    assert set(monitors) == {"ember-engines", "ember-routers"}
+    for name, monitor in monitors.items():
+        job = jobs[name]
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+        # The Prometheus Operator adds namespace and pod itself; the rest must match the hand-written job.
+        relabel = {
+            (tuple(r.get("source_labels", ())), r["target_label"], r.get("replacement", "$1"))
+            for r in job["relabel_configs"]
+            if "target_label" in r
+        }
+        assert {
+            (tuple(r.get("sourceLabels", ())), r["targetLabel"], r.get("replacement", "$1"))
+            for r in endpoint["relabelings"]
+        } <= relabel
+        assert {"namespace", "pod", "inferenceservice", "role"} <= {t for _, t, _ in relabel}
+        # The job keeps exactly the pods the monitor selects, at the monitor's port.
+        (keep,) = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+        wanted = dict(monitor["spec"]["selector"]["matchLabels"])
+        sources = [s.removeprefix("__meta_kubernetes_pod_label_") for s in keep["source_labels"]]
+        assert sources[-1] == "__meta_kubernetes_pod_container_port_name"
+        assert dict(zip(sources[:-1], keep["regex"].split(";")[:-1], strict=True)) == {
+            k.replace(".", "_").replace("/", "_").replace("-", "_"): v for k, v in wanted.items()
+        }
+        assert keep["regex"].split(";")[-1] == endpoint["port"] == "http"
+    engines, routers = monitors["ember-engines"], monitors["ember-routers"]
+    assert engines["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/managed-by": "ember-operator",
+        "app.kubernetes.io/name": "ember",
+    }
+    assert routers["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/managed-by": "ember-operator",
+        "app.kubernetes.io/name": "ember-router",
+    }
     service_monitor = yaml.safe_load((MONITORING / "servicemonitor.yaml").read_text())
     assert service_monitor["spec"]["endpoints"][0]["honorLabels"] is True
     assert jobs["ember-operator"]["honor_labels"] is True
+
+
+def test_the_pod_monitors_select_the_operators_engine_and_router_pods() -> None:
+    """The labels the monitors select by are the ones the operator puts on its pods, and no pod is both."""
+    from ember_operator import router
+    from ember_operator.desired import Owner, desired_pod
+
+    spec = InferenceServiceSpec.model_validate(_eis("chat")["spec"])
+    owner = Owner("chat", "prod", "uid-1")
+    engine = desired_pod(owner, spec, "active", "hash")["metadata"]["labels"]
+    routers = router.desired_router_deployment(owner, spec)["spec"]["template"]["metadata"]["labels"]
+    selects = {
+        m["metadata"]["name"]: m["spec"]["selector"]["matchLabels"]
+        for m in yaml.safe_load_all((MONITORING / "podmonitor.yaml").read_text())
+    }
+    assert selects["ember-engines"].items() <= engine.items()
+    assert not selects["ember-engines"].items() <= routers.items()
+    assert selects["ember-routers"].items() <= routers.items()
+    assert not selects["ember-routers"].items() <= engine.items()
+    assert routers["ember.dev/router"] == "chat"  # the job's inferenceservice label
 
 
 def test_the_operator_serves_its_metric_names_as_they_are_to_prometheus() -> None:
@@ -306,7 +399,7 @@ def test_the_local_discovery_gives_kubernetes_sd_meta_labels() -> None:
 class Observed:
     cluster: DevCluster
     prometheus: str
-    outcomes: dict[int, int]
+    outcomes: dict[int | str, int]
 
 
 def _eis(name: str, **spec: Any) -> dict[str, Any]:
@@ -344,9 +437,10 @@ def _service_url(cluster: DevCluster, name: str) -> str:
     return str((obj.get("status") or {})["endpoint"])
 
 
-def _load(base: str, seconds: float) -> dict[int, int]:
-    """Streams from 8 clients at once for `seconds`; half of them as one client, over its per-client limit."""
-    outcomes: dict[int, int] = {}
+def _load(base: str, seconds: float) -> dict[int | str, int]:
+    """Streams from 8 clients at once for `seconds`; half of them as one client, over its per-client limit.
+    Counts the answers by status, and those the fallback served (`x-ember-served-by: fallback`)."""
+    outcomes: dict[int | str, int] = {}
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
 
@@ -365,6 +459,10 @@ def _load(base: str, seconds: float) -> dict[int, int]:
                         pass
                 with lock:
                     outcomes[response.status_code] = outcomes.get(response.status_code, 0) + 1
+                    if response.headers.get("x-ember-served-by") == "fallback":
+                        outcomes["fallback"] = outcomes.get("fallback", 0) + 1
+                if response.status_code == 503:  # as a client should: back off for Retry-After
+                    time.sleep(min(float(response.headers.get("Retry-After", 1)), 1.0))
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(client, range(8)))
@@ -379,7 +477,16 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iter
     (root / "dev" / "models" / "tiny").symlink_to(tiny_model)
     with cluster:
         api = cluster.api
-        api.create(_eis("small", replicas={"min": 1, "max": 1}))
+        # The fallback: one request at a time and one waiting, so that it too refuses some of chat's overflow.
+        api.create(
+            _eis(
+                "small",
+                replicas={"min": 1, "max": 1},
+                engine={"maxNumSeqs": 1},
+                loadShedding={"maxQueueDepth": 1},
+                router={"replicas": 1},
+            )
+        )
         api.create(
             _eis(
                 "chat",
@@ -389,11 +496,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iter
                 speculative={"method": "ngram", "numTokens": 3},
                 loadShedding={"maxQueueDepth": 1, "maxConcurrentPerClient": 2},
                 fallback={"service": "small"},
-                # The shipped alerts read the engines' own counters: without a router in front, every overflow
-                # is the engine's and shows in ember:fallback_requests_total. Behind a router, what no engine
-                # takes goes to the fallback from the router (ember_router:fallback_requests_total), which
-                # neither the scrape jobs nor the alerts read yet (README, Monitoring).
-                router={"enabled": False},
+                # Behind a router: what the engine refuses (its fallback full too) the router sends to the
+                # fallback itself or sheds; the alerts count both, and the engine's refusals once.
+                router={"replicas": 1},
                 # With one request running and one waiting (all the queue takes) the autoscaler wants more.
                 autoscaling={
                     "intervalSeconds": 1,
@@ -439,7 +544,8 @@ def _concrete(expr: str) -> str:
 
 
 def test_the_traffic_was_served_shed_and_overflowed(observed: Observed) -> None:
-    assert observed.outcomes.get(200, 0) > 0 and observed.outcomes.get(429, 0) > 0, observed.outcomes
+    outcomes = observed.outcomes
+    assert outcomes.get(200, 0) > 0 and outcomes.get(429, 0) > 0 and outcomes.get("fallback", 0) > 0, outcomes
 
 
 def test_every_target_is_up(observed: Observed) -> None:
@@ -449,6 +555,43 @@ def test_every_target_is_up(observed: Observed) -> None:
     }
     assert up[("ember-operator", "")] == "1"
     assert up[("ember-engines", "chat")] == "1" and up[("ember-engines", "small")] == "1"
+    assert up[("ember-routers", "chat")] == "1" and up[("ember-routers", "small")] == "1"
+    roles = {r["metric"]["role"] for r in _query(observed.prometheus, 'up{job="ember-routers"}')}
+    assert roles == {"router"}
+
+
+def test_the_routers_and_engines_count_each_shed_and_fallback_once(observed: Observed) -> None:
+    """What chat's clients saw, from the series the alerts read: the engine's sheds less those its router
+    did not pass on, plus the router's own; the fallback's answers from the engine and from the router."""
+    chat = 'namespace="default", inferenceservice="chat"'
+
+    def total(series: str) -> float:
+        return sum(float(r["value"][1]) for r in _query(observed.prometheus, series))
+
+    def counted() -> tuple[float, float]:
+        shed = (
+            total(f"ember:requests_shed_total{{{chat}}}")
+            - total(f"ember_router:engine_sheds_retried_total{{{chat}}}")
+            + total(f"ember_router:shed_requests_total{{{chat}}}")
+        )
+        served = f'{chat}, outcome="served"'
+        fallback = total(f"ember:fallback_requests_total{{{served}}}") + total(
+            f"ember_router:fallback_requests_total{{{served}}}"
+        )
+        return shed, fallback
+
+    outcomes = observed.outcomes
+    seen = (outcomes.get(429, 0) + outcomes.get(503, 0), outcomes.get("fallback", 0))
+    wait_for(
+        lambda: counted() == seen,
+        timeout=15,
+        what=lambda: f"the counts {counted()} to match what the clients saw, {seen}",
+    )
+    # The routers took part: they passed on none of some engine refusals, and the fallback served some of
+    # what they sent it or they shed it themselves.
+    assert total(f"ember_router:engine_sheds_retried_total{{{chat}}}") > 0
+    routers_own = f'ember_router:fallback_requests_total{{{chat}, outcome="served"}}'
+    assert total(routers_own) + total(f"ember_router:shed_requests_total{{{chat}}}") > 0
 
 
 def test_every_dashboard_query_returns_data(observed: Observed) -> None:
@@ -472,7 +615,7 @@ def test_every_dashboard_query_returns_data(observed: Observed) -> None:
 def test_the_alerts_load_evaluate_and_fire_on_what_happened(observed: Observed) -> None:
     groups = httpx.get(f"{observed.prometheus}/api/v1/rules", timeout=30).json()["data"]["groups"]
     rules = {r["name"]: r for g in groups for r in g["rules"]}
-    shipped = {r["alert"] for g in shipped_rules()["groups"] for r in g["rules"]}
+    shipped = {r.get("alert") or r["record"] for g in shipped_rules()["groups"] for r in g["rules"]}
     assert set(rules) == shipped
     for name, rule in rules.items():
         assert rule["health"] == "ok" and not rule.get("lastError"), (name, rule)

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_util import InProcessServer, running_server
 from waiting import wait_for
 
@@ -22,6 +23,15 @@ from ember_router.embedded import serving
 from ember_router.pool import EnginePool
 from ember_router.proxy import ROUTE_REASON, ROUTED_TO, Router, RouterSettings
 from ember_router.rules import Rule
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A /metrics page as (sample name, sorted labels without model_name) -> value."""
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 @contextmanager
@@ -185,7 +195,17 @@ def test_what_no_engine_can_take_goes_to_the_fallback(
             engines[1].state.draining = True
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded"
-            assert "ember_router:fallback_requests_total 1.0" in httpx.get(f"{url}/metrics").text
+            # Each outcome counted once, where the monitoring's alerts read it: the draining engine counted
+            # its 503 as a shed, which the router did not pass on (the fallback served that request); the
+            # second request the router shed itself after the fallback failed.
+            routed = _samples(httpx.get(f"{url}/metrics").text)
+            assert routed[("ember_router:fallback_requests_total", (("outcome", "served"),))] == 1
+            assert routed[("ember_router:fallback_requests_total", (("outcome", "failed"),))] == 1
+            assert routed[("ember_router:shed_requests_total", (("reason", "fleet_overloaded"),))] == 1
+            assert routed[("ember_router:engine_sheds_retried_total", ())] == 1
+            engine = _samples(httpx.get(f"{engines[0].url}/metrics").text)
+            shed = sum(v for (name, _), v in engine.items() if name == "ember:requests_shed_total")
+            assert shed == 1
         finally:
             engines[0].state.draining = engines[1].state.draining = False
 

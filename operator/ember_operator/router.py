@@ -4,7 +4,8 @@ With `spec.router.enabled` (the default) the operator runs `<name>-router`, a De
 --kube-selector <the service's Ready active engine pods>`, whose pods watch those engines through the
 ServiceAccount `<name>-router`, bound by a RoleBinding to the `ember-router` ClusterRole (get, list and
 watch pods, nothing else; shipped in manifests/). The InferenceService's Service then selects the router
-pods; disabled, it selects the engines directly and the router's objects are deleted.
+pods; disabled, it selects the engines directly and the router's objects are deleted. With spec.fallback,
+the routers send what no engine takes to the same fallback under the same conditions.
 
 A router pod runs the engine image (which carries `ember router`), reads the same checkpoint for its
 tokenizer and chat template (the same model volumes and fetch init containers as an engine), drains for as
@@ -96,7 +97,23 @@ def route_args(spec: InferenceServiceSpec, urls: dict[str, str]) -> list[str]:
     return out
 
 
-def router_args(owner: Owner, spec: InferenceServiceSpec, urls: dict[str, str] | None = None) -> list[str]:
+def fallback_args(spec: InferenceServiceSpec, fallback_url: str | None) -> list[str]:
+    """What no engine takes goes from the routers to spec.fallback (resolved to `fallback_url`) under the
+    same conditions (`when`) as from the engines."""
+    if spec.fallback is None or fallback_url is None:
+        return []
+    out = [f"--fallback-url={fallback_url}", f"--fallback-when={','.join(spec.fallback.when)}"]
+    if spec.fallback.model:
+        out.append(f"--fallback-model={spec.fallback.model}")
+    return out
+
+
+def router_args(
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    urls: dict[str, str] | None = None,
+    fallback_url: str | None = None,
+) -> list[str]:
     return [
         f"--model={modelsource.engine_path(spec.model.source)}",
         f"--kube-selector={selector_string(active_selector(owner.name))}",
@@ -107,6 +124,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec, urls: dict[str, str] |
         f"--hold-seconds={spec.router.hold_seconds}",
         f"--drain-timeout={spec.lifecycle.drain_seconds}",
         *route_args(spec, urls or {}),
+        *fallback_args(spec, fallback_url),
     ]
 
 
@@ -120,7 +138,10 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 
 def desired_router_deployment(
-    owner: Owner, spec: InferenceServiceSpec, urls: dict[str, str] | None = None
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    urls: dict[str, str] | None = None,
+    fallback_url: str | None = None,
 ) -> dict[str, Any]:
     r, life, placement = spec.resources, spec.lifecycle, spec.pod
     security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
@@ -131,7 +152,7 @@ def desired_router_deployment(
         "image": r.image,
         "imagePullPolicy": r.image_pull_policy,
         "command": list(COMMAND),
-        "args": router_args(owner, spec, urls),
+        "args": router_args(owner, spec, urls, fallback_url),
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": _probe("/ready", life.readiness_period_seconds, life.readiness_failure_threshold),
@@ -182,16 +203,19 @@ KINDS = ("Deployment", "RoleBinding", "ServiceAccount")
 
 
 def desired_objects(
-    owner: Owner, spec: InferenceServiceSpec, urls: dict[str, str] | None = None
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    urls: dict[str, str] | None = None,
+    fallback_url: str | None = None,
 ) -> list[dict[str, Any]]:
     """The router's objects, in the order they are made (the Deployment's pods need the ServiceAccount);
-    `urls`: the addresses of the InferenceServices spec.routing names."""
+    `urls`: the addresses of the InferenceServices spec.routing names; `fallback_url`: spec.fallback's."""
     if not spec.router.enabled:
         return []
     return [
         desired_service_account(owner),
         desired_role_binding(owner),
-        desired_router_deployment(owner, spec, urls),
+        desired_router_deployment(owner, spec, urls, fallback_url),
     ]
 
 

@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--fallback-model", help="the model name to send to the fallback (default: the request's)")
     p.add_argument(
+        "--fallback-when",
+        default="Overloaded,Unavailable",
+        help="when the fallback takes a request, comma-separated: Overloaded (the engines refused it), "
+        "Unavailable (no engine Ready) (default both)",
+    )
+    p.add_argument(
         "--route",
         action="append",
         default=[],
@@ -87,6 +93,11 @@ def main(args: argparse.Namespace) -> int:
         routes = tuple(parse_route(text) for text in args.route)
     except ValueError as e:  # json.JSONDecodeError included
         raise SystemExit(f"ember router: --route: {e}") from None
+    when = frozenset(w.strip() for w in args.fallback_when.split(",") if w.strip())
+    if not when <= {"Overloaded", "Unavailable"}:
+        raise SystemExit(
+            f"ember router: --fallback-when: {args.fallback_when!r}: each must be Overloaded or Unavailable"
+        )
     if not args.endpoint and not args.kube_selector:
         raise SystemExit("ember router: give --endpoint (one per engine) or --kube-selector")
     discovery = None
@@ -107,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
             session_header=args.session_header.lower(),
             fallback_url=args.fallback_url,
             fallback_model=args.fallback_model,
+            fallback_when=when,
             routes=routes,
             hold_seconds=max(0.0, args.hold_seconds),
         ),

@@ -18,11 +18,27 @@ class RouterMetrics:
             registry=r,
         )
         self.shed = Counter(
-            "ember_router:shed_requests", "Requests shed: no engine could take them", registry=r
+            "ember_router:shed_requests",
+            "Requests the router shed itself: no engine could take them (fleet_overloaded) or none became "
+            "ready in time (no_engine_ready)",
+            ["reason"],
+            registry=r,
         )
         self.fallback = Counter(
             "ember_router:fallback_requests",
-            "Requests no engine could take, served by the fallback",
+            "Requests no engine could take, sent to the fallback by the router (outcome: served or failed)",
+            ["outcome"],
+            registry=r,
+        )
+        # Every series from the start, at 0: a rate over a series that appears with its first event misses it.
+        for reason in ("fleet_overloaded", "no_engine_ready"):
+            self.shed.labels(reason)
+        for outcome in ("served", "failed"):
+            self.fallback.labels(outcome)
+        self.engine_sheds_retried = Counter(
+            "ember_router:engine_sheds_retried",
+            "Engine sheds (503 overloaded, counted in that engine's ember:requests_shed_total) the router "
+            "did not pass on: it sent the request to another engine or the fallback, or shed it itself",
             registry=r,
         )
         self.retries = Counter(

@@ -56,6 +56,8 @@ class RouterSettings:
         None  # where requests go that no engine can take (any OpenAI-compatible server)
     )
     fallback_model: str | None = None  # the model name to send there (default: the request's own)
+    # When the fallback takes a request: Overloaded (the engines refused it), Unavailable (none Ready).
+    fallback_when: frozenset[str] = frozenset({"Overloaded", "Unavailable"})
     # Model routing: (rule, the target's base URL), in order; the first rule a request meets sends it there.
     routes: tuple[tuple[Rule, str], ...] = ()
     # With no engine Ready, hold a request this long for one to become Ready (0: shed at once).
@@ -155,7 +157,7 @@ class Router:
             if routed is not None:
                 return routed
         if self.settings.hold_seconds > 0 and not await self._hold():
-            self.metrics.shed.inc()
+            self.metrics.shed.labels("no_engine_ready").inc()
             return _error(
                 503,
                 f"no engine became ready within {self.settings.hold_seconds:g} s; retry later",
@@ -181,7 +183,10 @@ class Router:
                 next(self._turns),
             )
             if decision.engine is None:
-                return await self._shed(request, body, arrived, "every engine is overloaded or unavailable")
+                ready = any(st.ready for st in self.pool.states())
+                condition = "Overloaded" if ready else "Unavailable"
+                why = "every engine is overloaded" if ready else "no engine is ready"
+                return await self._shed(request, body, arrived, why, condition)
             engine = self.pool.engines[decision.engine]
             self.metrics.decisions.labels(decision.engine, decision.reason).inc()
             log.debug(
@@ -214,7 +219,7 @@ class Router:
                 return response
             tried.add(decision.engine)
             self.metrics.retries.inc()
-        return await self._shed(request, body, arrived, "the engines tried were overloaded")
+        return await self._shed(request, body, arrived, "the engines tried were overloaded", "Overloaded")
 
     async def _hold(self) -> bool:
         """Wait, counted in `ember_router:pending_requests`, until an engine is Ready; False when
@@ -260,19 +265,25 @@ class Router:
             routed_to=rule.target,
         )
 
-    async def _shed(self, request: web.Request, body: Any, arrived: float, why: str) -> web.StreamResponse:
-        """No engine takes the request: the fallback serves it if one is set and answers, else a 503 now."""
-        if self.settings.fallback_url and isinstance(body, dict):
+    async def _shed(
+        self, request: web.Request, body: Any, arrived: float, why: str, condition: str
+    ) -> web.StreamResponse:
+        """No engine takes the request: the fallback serves it if one is set for this `condition` (Overloaded
+        or Unavailable) and answers, else a 503 now."""
+        fallback = self.settings.fallback_url and condition in self.settings.fallback_when
+        if fallback and isinstance(body, dict):
             if self.settings.fallback_model:
                 body = {**body, "model": self.settings.fallback_model}
+            assert self.settings.fallback_url is not None
             response = await self._forward(
                 request, self.settings.fallback_url.rstrip("/"), json.dumps(body).encode(), "POST", "fallback", 0,
                 arrived, retry=True,
             )  # fmt: skip
             if response is not None:
-                self.metrics.fallback.inc()
+                self.metrics.fallback.labels("served").inc()
                 return response
-        self.metrics.shed.inc()
+            self.metrics.fallback.labels("failed").inc()
+        self.metrics.shed.labels("fleet_overloaded").inc()
         return _error(503, f"{why}; retry later", "overloaded", "fleet_overloaded", self.settings.retry_after)
 
     async def _forward(
@@ -321,7 +332,8 @@ class Router:
                 if upstream.status == 503 and retry:
                     wait = _retry_after(upstream.headers.get("Retry-After"), self.settings.retry_after)
                     state.overloaded_until = time.monotonic() + wait
-                    await upstream.read()
+                    if engine is not None and _is_shed(await upstream.read()):
+                        self.metrics.engine_sheds_retried.inc()  # the engine counted it; the client won't see it
                     finished = True
                     return None
                 out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -351,6 +363,16 @@ class Router:
                 await upstream_cm.__aexit__(None, None, None)
         finally:
             state.in_flight -= 1
+
+
+def _is_shed(body: bytes) -> bool:
+    """Whether an engine's 503 body is a load-shedding refusal (`type: "overloaded"`), which the engine counts
+    in `ember:requests_shed_total`; a 503 of another kind (a model still loading) is not."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("type") == "overloaded"
 
 
 def _retry_after(value: str | None, default: int) -> float:
