@@ -71,6 +71,23 @@ def test_the_chosen_engine_stays_within_the_bound(
         assert d.matched_blocks == best
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 20), min_size=2, max_size=6),
+    matched=st.lists(st.integers(0, 8), min_size=6, max_size=6),
+)
+def test_a_request_spills_exactly_when_an_engine_over_the_bound_holds_more_of_it(
+    loads: list[int], matched: list[int]
+) -> None:
+    engines = [EngineState(f"e{i}", in_flight=load) for i, load in enumerate(loads)]
+    held = {e.name: matched[i] for i, e in enumerate(engines)}
+    d = choose(engines, held, now=0, epsilon=0.25)
+    assert d.engine is not None and d.matched_blocks == held[d.engine]
+    assert (d.reason == "spill") == (max(held.values()) > d.matched_blocks)
+    if d.reason != "spill":
+        assert d.reason == ("prefix" if d.matched_blocks else "load")
+
+
 def test_without_prefixes_requests_take_turns() -> None:
     engines = [EngineState(n) for n in "abcd"]
     placed = Counter(

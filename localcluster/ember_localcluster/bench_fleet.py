@@ -139,6 +139,17 @@ def _summarize(
     }
 
 
+def _decisions(router: Any) -> dict[str, float]:
+    """The router's decisions so far, by reason (summed over engines)."""
+    out: dict[str, float] = {}
+    for family in router.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == "ember_router:decisions_total":
+                reason = sample.labels["reason"]
+                out[reason] = out.get(reason, 0.0) + sample.value
+    return out
+
+
 @contextmanager
 def _router(model_dir: Path, urls: list[str]) -> Any:
     """`ember router` in this process, once it sees every engine Ready with its events."""
@@ -154,7 +165,7 @@ def _router(model_dir: Path, urls: list[str]) -> Any:
             if time.monotonic() > deadline:
                 raise TimeoutError("the router never saw every engine Ready")
             time.sleep(0.05)
-        yield url
+        yield url, router
 
 
 async def _overhead(router_url: str, engine_url: str, model: str, n: int) -> float:
@@ -228,7 +239,7 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             await asyncio.sleep(0.1)
         ingress = api.get("v1", "Service", "default", name)["status"]["loadBalancer"]["ingress"][0]
         service_url = f"http://{ingress['ip']}:{ingress['ports'][0]['port']}"
-        with _router(models / "bench", urls) as router_url:
+        with _router(models / "bench", urls) as (router_url, router):
             async with httpx.AsyncClient() as scraper:
                 seed = 0
                 for kind in ("shared", "random"):
@@ -236,11 +247,15 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                     for policy, base in (("round_robin", service_url), ("router", router_url)):
                         seed += 1
                         prompts = workload(kind, args.requests, seed, args.tenants, args.system_words)
-                        before = await _scrape(scraper, urls)
+                        before, decided = await _scrape(scraper, urls), _decisions(router)
                         run = await _run(
                             base, name, prompts, args.rate, args.connections, args.max_tokens, seed
                         )
                         runs[policy] = _summarize(run, before, await _scrape(scraper, urls))
+                        if policy == "router":  # why it chose as it did, over this run
+                            runs[policy]["decisions"] = {
+                                k: v - decided.get(k, 0.0) for k, v in sorted(_decisions(router).items())
+                            }
                         print(f"{kind}/{policy}: " + json.dumps({k: v for k, v in runs[policy].items() if k != "ttfts"}),
                               file=sys.stderr, flush=True)  # fmt: skip
                     if kind == "shared":

@@ -33,7 +33,7 @@ class EngineState:
 @dataclass(frozen=True, slots=True)
 class Decision:
     engine: str | None  # None: shed
-    reason: str  # prefix | load | session | only | shed
+    reason: str  # prefix | load | spill (the prefix's engine was over the bound) | session | only | shed
     matched_blocks: int = 0
 
 
@@ -71,4 +71,7 @@ def choose(
     }
     best = min(eligible, key=lambda e: (-matched.get(e.name, 0), e.load, order[e.name]))
     blocks = matched.get(best.name, 0)
+    if max(matched.get(e.name, 0) for e in candidates) > blocks:
+        # An engine over the bound holds more of the prompt: the request spills, its prefix computed again.
+        return Decision(best.name, "spill", blocks)
     return Decision(best.name, "prefix" if blocks > 0 else "load", blocks)
