@@ -88,6 +88,28 @@ def test_a_request_spills_exactly_when_an_engine_over_the_bound_holds_more_of_it
         assert d.reason == ("prefix" if d.matched_blocks else "load")
 
 
+@given(
+    in_flight=st.integers(0, 30),
+    running=st.integers(0, 30),
+    waiting=st.integers(0, 30),
+)
+def test_an_engines_load_counts_each_outstanding_request_once(
+    in_flight: int, running: int, waiting: int
+) -> None:
+    state = EngineState("e", in_flight=in_flight, running=running, waiting=waiting)
+    # The engine's own count includes the router's requests: the load is the larger view, never the sum.
+    assert state.load == max(in_flight, running + waiting)
+    assert state.load >= in_flight and state.load >= running + waiting
+    assert state.load <= in_flight + running + waiting
+
+
+def test_requests_queued_at_an_engine_are_not_counted_twice() -> None:
+    # a: the router's 2 requests, both still queued there; b: the router's 3 requests, all running.
+    a = EngineState("a", in_flight=2, waiting=2)
+    b = EngineState("b", in_flight=3, running=3)
+    assert choose([a, b], {}, now=0).engine == "a"
+
+
 def test_without_prefixes_requests_take_turns() -> None:
     engines = [EngineState(n) for n in "abcd"]
     placed = Counter(
@@ -117,7 +139,11 @@ def test_reading_the_engines_gauges() -> None:
         'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
         'vllm:num_requests_running{model_name="m"} 7.0\n'
     )
-    assert read_gauges(page) == {"vllm:num_requests_waiting": 3.0, "vllm:kv_cache_usage_perc": 0.25}
+    assert read_gauges(page) == {
+        "vllm:num_requests_waiting": 3.0,
+        "vllm:kv_cache_usage_perc": 0.25,
+        "vllm:num_requests_running": 7.0,
+    }
 
 
 def test_discovery_follows_ready_active_pods_through_a_watch(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """The routing decision, as a pure function: prefix affinity within a bounded load.
 
-Each engine's load is what the router has in flight there plus the requests the engine itself reports
-waiting. An engine is eligible when taking one more request keeps its load within (1 + epsilon) times the
+Each engine's load is the requests outstanding there: what the router has in flight, or what the engine
+itself last reported running and waiting when that is more (other routers' requests). An engine is eligible when taking one more request keeps its load within (1 + epsilon) times the
 fleet's mean load after the request (consistent hashing with bounded loads, applied to prefix scores), so
 one hot tenant cannot pile onto one engine however well its prefix is cached there. Among eligible
 engines the longest cached prefix wins, then the lightest load, then whose turn it is (round robin). A session id
@@ -21,13 +21,17 @@ class EngineState:
     name: str
     in_flight: int = 0  # requests the router has sent there and not yet finished
     waiting: float = 0.0  # the engine's own vllm:num_requests_waiting, last scraped
+    running: float = 0.0  # the engine's own vllm:num_requests_running, last scraped
     kv_usage: float = 0.0
     ready: bool = True
     overloaded_until: float = 0.0  # monotonic time before which it is skipped (after a 503/429)
 
     @property
     def load(self) -> float:
-        return self.in_flight + self.waiting
+        """Requests outstanding at the engine: the router's own count, or what the engine last reported
+        holding (running and waiting) when that is more, as with other routers in front of it. Not their
+        sum: the engine's count includes this router's requests."""
+        return max(float(self.in_flight), self.running + self.waiting)
 
 
 @dataclass(frozen=True, slots=True)

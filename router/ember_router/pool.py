@@ -23,6 +23,7 @@ from ember_router.policy import EngineState
 log = logging.getLogger("ember.router")
 
 _WAITING = "vllm:num_requests_waiting"
+_RUNNING = "vllm:num_requests_running"
 _KV = "vllm:kv_cache_usage_perc"
 
 
@@ -30,7 +31,7 @@ def read_gauges(text: str) -> dict[str, float]:
     """The router's few series from a Prometheus text page (summed over label sets)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith((_WAITING, _KV)):
+        if line.startswith((_WAITING, _RUNNING, _KV)):
             name = line.split("{", 1)[0].split(" ", 1)[0]
             with contextlib.suppress(ValueError, IndexError):
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -105,6 +106,7 @@ class EnginePool:
             if status == 200:
                 gauges = read_gauges(text)
                 engine.state.waiting = gauges.get(_WAITING, 0.0)
+                engine.state.running = gauges.get(_RUNNING, 0.0)
                 engine.state.kv_usage = gauges.get(_KV, 0.0)
         except (aiohttp.ClientError, TimeoutError):
             engine.state.ready = False
