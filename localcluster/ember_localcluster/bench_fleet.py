@@ -3,7 +3,7 @@ Service (the service proxy balances connections round robin, as kube-proxy does)
 (prefix- and load-aware), side by side in one run.
 
 Two workloads, each run once per policy with fresh prompt content (so that no run inherits another's
-cache): `shared` — T tenants, each with its own long system prompt, short questions — and `random` —
+cache) and the same arrival times (so that the policies meet the same bursts): `shared` — T tenants, each with its own long system prompt, short questions — and `random` —
 prompts that share nothing. Arrivals are open-loop Poisson at a fixed rate from a pool of keep-alive
 connections (httpx's default, as most clients), streaming, so time to first token is measured at the
 client. Engine-side figures are deltas of the engines' own counters over the run: prefix-cache hit rate
@@ -74,7 +74,8 @@ async def _scrape(client: Any, urls: list[str]) -> dict[str, dict[str, float]]:
 async def _run(
     base: str, model: str, prompts: list[str], rate: float, connections: int, max_tokens: int, seed: int
 ) -> dict[str, Any]:
-    """Open-loop Poisson arrivals over a pool of keep-alive connections; streams, TTFT at the client."""
+    """Open-loop Poisson arrivals over a pool of keep-alive connections; streams, TTFT at the client. The
+    arrival times follow `seed`: both policies of a workload get the same ones."""
     import httpx
 
     rng = random.Random(seed)
@@ -242,14 +243,14 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         with _router(models / "bench", urls) as (router_url, router):
             async with httpx.AsyncClient() as scraper:
                 seed = 0
-                for kind in ("shared", "random"):
+                for arrivals, kind in enumerate(("shared", "random"), start=1000):
                     runs: dict[str, Any] = {}
                     for policy, base in (("round_robin", service_url), ("router", router_url)):
                         seed += 1
                         prompts = workload(kind, args.requests, seed, args.tenants, args.system_words)
                         before, decided = await _scrape(scraper, urls), _decisions(router)
                         run = await _run(
-                            base, name, prompts, args.rate, args.connections, args.max_tokens, seed
+                            base, name, prompts, args.rate, args.connections, args.max_tokens, arrivals
                         )
                         runs[policy] = _summarize(run, before, await _scrape(scraper, urls))
                         if policy == "router":  # why it chose as it did, over this run
@@ -305,27 +306,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, kind in zip(axes, ("shared", "random"), strict=True):
-        for policy in ("round_robin", "router"):
-            ttfts = sorted(result["workloads"][kind][policy]["ttfts"])
-            if ttfts:
-                ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=policy)
-        ax.set_xscale("log")
-        ax.set_xlabel("time to first token (s)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{kind} prompts")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-
-
 def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ember-bench-fleet-") as tmp:
         result = asyncio.run(_bench(args, Path(tmp)))
@@ -335,6 +315,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:
+        from ember_localcluster.bench_fleet_plot import plot
+
         plot(result, Path(args.plot))
     return 0
 
