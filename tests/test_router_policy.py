@@ -34,6 +34,46 @@ def test_the_index_answers_the_longest_leading_run_each_engine_holds() -> None:
     assert index.matched_blocks("c", [7, 8], events_live=False) == 0  # a snapshot replaces assumptions
 
 
+def test_a_prompt_just_sent_counts_as_held_until_the_engines_events_can_say_so() -> None:
+    index = PrefixIndex()
+    index.sent("a", [1, 2, 3], now=10.0, hold_for=5.0)
+    assert index.matched_blocks("a", [1, 2, 3, 4], now=10.0) == 3  # before any event
+    assert index.matched_blocks("a", [1, 2, 3, 4], now=15.0) == 3
+    assert index.matched_blocks("a", [1, 2, 3], now=15.1) == 0  # never announced: it no longer counts
+    assert index.matched_blocks("a", [1, 2, 3]) == 0  # without `now`, only what the engine reported
+    index.sent("a", [1, 2, 3], now=20.0, hold_for=5.0)
+    index.stored("a", 1)
+    index.removed("a", 2)  # evicted meanwhile: the event wins
+    assert index.matched_blocks("a", [1, 2, 3], now=21.0) == 1
+    assert index.matched_blocks("a", [1, 2, 3], now=99.0) == 1  # announced, it stays
+    index.forget("a")
+    assert index.matched_blocks("a", [1, 2, 3], now=21.0) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    held=st.sets(st.integers(0, 9)),
+    sent=st.lists(st.tuples(st.lists(st.integers(0, 9), max_size=6), st.floats(0, 10)), max_size=5),
+    prompt=st.lists(st.integers(0, 9), max_size=8),
+    now=st.floats(0, 20),
+)
+def test_a_match_is_the_leading_run_of_blocks_announced_or_sent_and_not_expired(
+    held: set[int], sent: list[tuple[list[int], float]], prompt: list[int], now: float
+) -> None:
+    index = PrefixIndex()
+    index.reset("e", held)
+    until: dict[int, float] = {}
+    for hashes, at in sent:
+        index.sent("e", hashes, now=at, hold_for=5.0)
+        until.update(dict.fromkeys(hashes, at + 5.0))
+    known = held | {h for h, t in until.items() if t >= now}
+    expected = next((i for i, h in enumerate(prompt) if h not in known), len(prompt))
+    assert index.matched_blocks("e", prompt, now=now) == expected
+    assert index.matched_blocks("e", prompt) == next(
+        (i for i, h in enumerate(prompt) if h not in held), len(prompt)
+    )
+
+
 def test_the_longest_cached_prefix_wins_at_equal_load() -> None:
     engines = [EngineState("a"), EngineState("b"), EngineState("c")]
     d = choose(engines, {"a": 1, "b": 5, "c": 0}, now=0)

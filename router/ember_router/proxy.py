@@ -44,6 +44,8 @@ ROUTE_REASON = "x-ember-route-reason"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 MAX_BODY = 32 * 1024 * 1024
 HOLD_POLL = 0.05  # seconds between looks at the pool while a request is held
+# Seconds a prompt just sent to an engine counts as cached there before the engine's events confirm it.
+SENT_HOLD = 5.0
 
 
 @dataclass
@@ -170,7 +172,7 @@ class Router:
         for attempt in range(2):
             now = time.monotonic()
             matched = {
-                url: self.pool.index.matched_blocks(url, hashes, e.events_live)
+                url: self.pool.index.matched_blocks(url, hashes, e.events_live, now)
                 for url, e in self.pool.engines.items()
             }
             decision = choose(
@@ -205,6 +207,8 @@ class Router:
                 self.sessions[session_id] = decision.engine
             if not engine.events_live and hashes:
                 self.pool.index.assume(decision.engine, hashes)
+            elif hashes:  # held from now on, though the engine announces the blocks only once computed
+                self.pool.index.sent(decision.engine, hashes, now, SENT_HOLD)
             response = await self._forward(
                 request,
                 decision.engine,
