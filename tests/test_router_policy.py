@@ -15,7 +15,7 @@ from waiting import wait_for
 from ember_localcluster.apiserver import APIServer
 from ember_router.discovery import PodDiscovery
 from ember_router.index import PrefixIndex
-from ember_router.policy import EngineState, bounded_capacity, choose
+from ember_router.policy import EngineState, bounded_capacity, choose, within_bound
 from ember_router.pool import read_gauges
 
 
@@ -80,35 +80,54 @@ def test_the_longest_cached_prefix_wins_at_equal_load() -> None:
     assert (d.engine, d.reason, d.matched_blocks) == ("b", "prefix", 5)
 
 
-def test_a_hot_prefix_spreads_once_its_engine_is_over_the_bound() -> None:
+def test_a_hot_prefix_spreads_once_its_engine_queues_past_the_bound() -> None:
+    # Engines that run 4 requests at once and queue the rest (reported at once, as if polled every request).
     engines = {n: EngineState(n) for n in "abcd"}
     placed = Counter()
     for _ in range(40):  # nothing finishes: load accumulates
+        loads = [e.load for e in engines.values()]
         d = choose(list(engines.values()), {"a": 10}, now=0, epsilon=0.25)
         assert d.engine is not None
-        engines[d.engine].in_flight += 1
+        chosen = engines[d.engine]
+        assert within_bound(chosen, bounded_capacity(loads, 0.25))
+        chosen.in_flight += 1
+        chosen.waiting = max(0, chosen.in_flight - 4)
         placed[d.engine] += 1
-    assert max(placed.values()) <= bounded_capacity([0] * 4, 0.25) + 40 * 1.25 / 4
     assert placed["a"] >= placed["b"] and set(placed) == set("abcd")
+    assert placed["a"] <= 40 * 1.25 / 4 + 2  # queueing, it kept to the bound
 
 
-@settings(max_examples=200, deadline=None)
+def test_an_engine_without_a_queue_keeps_its_prefix_up_to_twice_the_bound() -> None:
+    # 3 requests in flight over 4 engines, all on a: the bound is 2, and a runs its 3 without a queue.
+    engines = [EngineState("a", in_flight=3), EngineState("b"), EngineState("c"), EngineState("d")]
+    assert bounded_capacity([e.load for e in engines], 0.25) == 2
+    assert choose(engines, {"a": 10}, now=0).engine == "a"
+    engines[0].waiting = 1  # it queues: the bound holds, and the request spills
+    d = choose(engines, {"a": 10}, now=0)
+    assert d.engine != "a" and d.reason == "spill"
+    engines[0].waiting, engines[0].in_flight = 0, 4  # no queue, but past twice the bound
+    assert choose(engines, {"a": 10}, now=0).reason == "spill"
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     loads=st.lists(st.integers(0, 20), min_size=2, max_size=6),
+    queues=st.lists(st.integers(0, 3), min_size=6, max_size=6),
     matched=st.lists(st.integers(0, 8), min_size=6, max_size=6),
     epsilon=st.sampled_from([0.0, 0.1, 0.25, 1.0]),
 )
 def test_the_chosen_engine_stays_within_the_bound(
-    loads: list[int], matched: list[int], epsilon: float
+    loads: list[int], queues: list[int], matched: list[int], epsilon: float
 ) -> None:
-    engines = [EngineState(f"e{i}", in_flight=load) for i, load in enumerate(loads)]
+    engines = [EngineState(f"e{i}", in_flight=load, waiting=queues[i]) for i, load in enumerate(loads)]
     d = choose(engines, {e.name: matched[i] for i, e in enumerate(engines)}, now=0, epsilon=epsilon)
     chosen = next(e for e in engines if e.name == d.engine)
-    cap = bounded_capacity(loads, epsilon)
-    if any(load + 1 <= cap for load in loads):  # some engine is within the bound: the choice is one of them
-        assert chosen.load + 1 <= cap
-        best = max(matched[i] for i, load in enumerate(loads) if load + 1 <= cap)
-        assert d.matched_blocks == best
+    cap = bounded_capacity([e.load for e in engines], epsilon)
+    eligible = [i for i, e in enumerate(engines) if within_bound(e, cap)]
+    if eligible:  # some engine is within the bound: the choice is one of them, the longest prefix among them
+        assert d.matched_blocks == max(matched[i] for i in eligible)
+        # Within the bound: under it, or no queue and under twice it.
+        assert chosen.load + 1 <= cap or (chosen.waiting == 0 and chosen.load + 1 <= 2 * cap)
 
 
 @settings(max_examples=200, deadline=None)
@@ -161,7 +180,7 @@ def test_without_prefixes_requests_take_turns() -> None:
 def test_sessions_stick_while_within_the_bound() -> None:
     engines = [EngineState("a", in_flight=1), EngineState("b", in_flight=1)]
     assert choose(engines, {"a": 3}, now=0, session_engine="b").engine == "b"
-    engines[1].in_flight = 9
+    engines[1].in_flight, engines[1].waiting = 9, 3  # over the bound and queueing
     assert choose(engines, {}, now=0, session_engine="b").engine == "a"
 
 

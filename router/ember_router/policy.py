@@ -1,12 +1,13 @@
 """The routing decision, as a pure function: prefix affinity within a bounded load.
 
 Each engine's load is the requests outstanding there: what the router has in flight, or what the engine
-itself last reported running and waiting when that is more (other routers' requests). An engine is eligible when taking one more request keeps its load within (1 + epsilon) times the
-fleet's mean load after the request (consistent hashing with bounded loads, applied to prefix scores), so
-one hot tenant cannot pile onto one engine however well its prefix is cached there. Among eligible
-engines the longest cached prefix wins, then the lightest load, then whose turn it is (round robin). A session id
-keeps a client on its engine while that engine is eligible. Engines that answered "overloaded" recently,
-or are not Ready, are not candidates; none left is a fleet-level shed.
+itself last reported running and waiting when that is more (other routers' requests). An engine is
+eligible when taking one more request keeps its load within (1 + epsilon) times the fleet's mean load
+after the request (consistent hashing with bounded loads, applied to prefix scores), or within twice that
+while it reports no queue, so one hot tenant cannot pile onto one engine however well its prefix is cached
+there. Among eligible engines the longest cached prefix wins, then the lightest load, then whose turn it
+is (round robin). A session id keeps a client on its engine while that engine is eligible. Engines that
+answered "overloaded" recently, or are not Ready, are not candidates; none left is a fleet-level shed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# How far past the bound an engine with no queue may go (a multiple of the bound).
+QUEUELESS_FACTOR = 2
 
 
 @dataclass(slots=True)
@@ -47,6 +51,16 @@ def bounded_capacity(loads: Sequence[float], epsilon: float) -> float:
     return math.ceil(mean * (1 + epsilon))
 
 
+def within_bound(engine: EngineState, cap: float) -> bool:
+    """Whether `engine` may take one more request under the bound `cap`. An engine that reported no queue
+    at its last poll starts the request at once, in its running batch: it may go to twice the bound (at
+    the few requests per engine of a light load the bound is a request or two, and skipping an engine
+    that holds the prompt costs the whole prefill elsewhere); one with a queue keeps to the bound."""
+    if engine.load + 1 <= cap:
+        return True
+    return engine.waiting == 0 and engine.load + 1 <= QUEUELESS_FACTOR * cap
+
+
 def choose(
     engines: Sequence[EngineState],
     matched: dict[str, int],
@@ -64,7 +78,7 @@ def choose(
         only = candidates[0]
         return Decision(only.name, "only", matched.get(only.name, 0))
     cap = bounded_capacity([e.load for e in candidates], epsilon)
-    eligible = [e for e in candidates if e.load + 1 <= cap] or candidates
+    eligible = [e for e in candidates if within_bound(e, cap)] or candidates
     if session_engine is not None:
         for e in eligible:
             if e.name == session_engine:
