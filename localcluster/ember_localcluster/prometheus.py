@@ -1,6 +1,6 @@
 """`ember dev up --prometheus`: a real Prometheus (the `prometheus` binary; Debian's package) that scrapes the
-local control plane's engines and its operator with ember's shipped scrape jobs
-(`manifests/monitoring/scrape-configs.yaml`) and evaluates the shipped alerts
+local control plane's engines, routers and operator with ember's shipped scrape jobs
+(`manifests/monitoring/scrape-configs.yaml`, read as they are) and evaluates the shipped rules and alerts
 (`manifests/monitoring/prometheusrule.yaml`).
 
 Debian builds Prometheus without its Kubernetes service discovery, so each job's `kubernetes_sd_configs` is
