@@ -41,7 +41,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy -p ember_engine -p ember_operator -p ember_localcluster -p ember_router
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 crds: $(STAMP)
 	$(BIN)/python -m ember_operator.crd > crds/inferenceservice.yaml

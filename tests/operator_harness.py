@@ -134,7 +134,9 @@ def _metrics_server(ip: str, page: EnginePage, port: int = 8000) -> ThreadingHTT
             pass
 
     server = ThreadingHTTPServer((ip, port), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # shutdown() waits for the serving loop to notice, which polls every poll_interval (0.5 s by default):
+    # stopping a runner that served a module's worth of pods one by one took half a minute.
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return server
 
 
@@ -156,15 +158,19 @@ class PodRunner:
     _servers: dict[str, ThreadingHTTPServer] = field(default_factory=dict)
     _ips: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
     failed: set[str] = field(default_factory=set)  # pods whose engine died and stays down
     _subnet: int = field(default_factory=lambda: int(time.time() * 1000) % 200 + 20)
 
     def start(self) -> PodRunner:
-        threading.Thread(target=self._loop, daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join()  # its pass may still be adding or removing servers
         for server in self._servers.values():
             server.shutdown()
             server.server_close()

@@ -117,9 +117,10 @@ class S3Server:
         }
 
     def close(self) -> None:
+        # weed's graceful stop can take its servers' full shutdown grace (over 10 s); the data is thrown away.
         self.process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(timeout=15)
+            self.process.wait(timeout=2)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()

@@ -476,3 +476,44 @@ def test_a_crash_loop_stays_stalled_between_crashes_until_ready_for_a_while() ->
     assert held_troubles(held, [ready_since(31)], {}, now) == []
     held_troubles(held, [crashing], {name: trouble(crashing)}, now)
     assert held_troubles(held, [], {}, now) == []  # the pod is gone (e.g. replaced by a fixed template)
+
+
+def test_a_fetch_failure_clears_once_the_fetch_has_completed() -> None:
+    """An init container never runs again in the same pod, so a fetch that completed has fixed its own
+    failure: the hold against flapping that a crash loop gets does not apply."""
+    now = T0 + timedelta(minutes=5)
+    backoff = {"waiting": {"reason": "CrashLoopBackOff"}}
+    failed = {"terminated": {"exitCode": 1, "message": "ember fetch-model: fatal: repository not found"}}
+    fetching = pod_dict(
+        phase="Pending",
+        initContainerStatuses=[
+            {"name": "fetch-model", "restartCount": 4, "state": backoff, "lastState": failed}
+        ],
+    )
+    name = fetching["metadata"]["name"]
+    held: dict[str, Any] = {}
+    assert [t.reason for t in held_troubles(held, [fetching], {name: trouble(fetching)}, now)] == [
+        "ModelFetchFailed"
+    ]
+    # Running again (the next try): not found, and held as before.
+    retrying = pod_dict(
+        phase="Pending",
+        initContainerStatuses=[{"name": "fetch-model", "restartCount": 5, "state": {"running": {}}}],
+    )
+    assert [t.reason for t in held_troubles(held, [retrying], {}, now)] == ["ModelFetchFailed"]
+    done = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+    fetched = pod_dict(
+        phase="Running",
+        initContainerStatuses=[
+            {"name": "fetch-model", "restartCount": 5, "state": done, "lastState": failed}
+        ],
+        conditions=[{"type": "Ready", "status": "True", "lastTransitionTime": _stamp(now)}],
+    )
+    assert held_troubles(held, [fetched], {}, now) == []
+    # A crash loop of the engine in that same pod is still held for the while it needs.
+    held_troubles(held, [fetching], {name: trouble(fetching)}, now)
+    crashing = _crashed(ENGINE_LOG_TAIL)
+    crashing["status"]["initContainerStatuses"] = [{"name": "fetch-model", "state": done}]
+    assert [t.reason for t in held_troubles(held, [crashing], {name: trouble(crashing)}, now)] == [
+        "PodsCrashLooping"
+    ]

@@ -6,12 +6,11 @@ and after each change takes one step for the object concerned. A ReplicaSet's st
 pods and writes its status; a Deployment's step creates the ReplicaSet of its current template (a name
 taken by a ReplicaSet of another template raises `status.collisionCount`, as upstream does), sets the
 ReplicaSets' replicas for the rollout, and writes its status. A pod's change wakes its ReplicaSet, a
-ReplicaSet's its Deployment. A call that fails is retried a second later.
+ReplicaSet's its Deployment. A step that fails is retried a second later (`workqueue.py`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -23,14 +22,13 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ember_localcluster import deployment as d
-from ember_localcluster.informer import API_TIMEOUT
-from ember_localcluster.runtime import BackgroundRuntime
+from ember_localcluster.informer import Informer
+from ember_localcluster.workqueue import KeyedController
 
 __all__ = ["DeploymentController"]
 
 log = logging.getLogger("ember.deployments")
 
-RETRY_SECONDS = 1.0
 Key = tuple[str, str, str]  # (kind, namespace, name)
 
 
@@ -45,28 +43,18 @@ def _owner(obj: dict[str, Any], kind: str) -> str | None:
     return None
 
 
-class DeploymentController:
+class DeploymentController(KeyedController[Key]):
     def __init__(self, kubeconfig: str | Path) -> None:
-        self.kubeconfig = Path(kubeconfig)
+        super().__init__(kubeconfig, "deployments", log)
         self._objects: dict[Key, dict[str, Any]] = {}
-        self._dirty: set[Key] = set()
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
         self._apps: Any = None
-        self._runtime = BackgroundRuntime("deployments", api_workers=2)
 
-    def __enter__(self) -> DeploymentController:
-        return self.start()
+    def _opened(self) -> None:
+        self._apps = client.AppsV1Api(self._runtime.core.api_client)
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def start(self) -> DeploymentController:
+    def _informers(self) -> list[Informer]:
         runtime = self._runtime
-        runtime.start(self.kubeconfig)
-        self._apps = client.AppsV1Api(runtime.core.api_client)
-        runtime.run(self._begin(), timeout=10)
-        informers = [
+        return [
             runtime.informer(
                 self._apps.list_deployment_for_all_namespaces,
                 functools.partial(self._on_event, "Deployment"),
@@ -83,26 +71,11 @@ class DeploymentController:
                 name="deployment-pods",
             ),
         ]
-        runtime.sync(*informers)
-        return self
 
-    def stop(self) -> None:
-        self._runtime.stop(self._shutdown)
+    def _describe(self, key: Key) -> str:
+        return f"{key[0]} {key[1]}/{key[2]}"
 
     # -- on the controller's loop ----------------------------------------------------------------------
-
-    async def _begin(self) -> None:
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.create_task(self._work())
-
-    async def _shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    def _mark(self, key: Key) -> None:
-        self._dirty.add(key)
-        if self._wakeup is not None:
-            self._wakeup.set()
 
     def _on_event(self, kind: str, event: str, obj: dict[str, Any]) -> None:
         key = _key(kind, obj)
@@ -117,26 +90,11 @@ class DeploymentController:
         if parent and owner:
             self._mark((parent, key[1], owner))
 
-    async def _work(self) -> None:
-        assert self._wakeup is not None
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._dirty:
-                key = self._dirty.pop()
-                try:
-                    if key[0] == "Deployment":
-                        await self._sync_deployment(key)
-                    else:
-                        await self._sync_replicaset(key)
-                except Exception as error:  # the API server went away or refused: try again soon
-                    log.warning("%s %s/%s: %s; retrying", *key, error)
-                    asyncio.get_running_loop().call_later(RETRY_SECONDS, self._mark, key)
-
-    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        call = functools.partial(fn, *args, _request_timeout=API_TIMEOUT, **kwargs)
-        return await loop.run_in_executor(self._runtime.executor, call)
+    async def _step(self, key: Key) -> None:
+        if key[0] == "Deployment":
+            await self._sync_deployment(key)
+        else:
+            await self._sync_replicaset(key)
 
     def _children(self, kind: str, owner: dict[str, Any]) -> list[dict[str, Any]]:
         namespace = owner["metadata"].get("namespace") or "default"

@@ -10,7 +10,6 @@ later; a create that meets an existing name (an old pod still going) waits for t
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from datetime import UTC, datetime
@@ -20,7 +19,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from ember_localcluster.informer import API_TIMEOUT
+from ember_localcluster.informer import Informer
 from ember_localcluster.leaderworkerset import (
     GROUP,
     NAME,
@@ -30,69 +29,45 @@ from ember_localcluster.leaderworkerset import (
     group_actions,
     headless_service,
 )
-from ember_localcluster.runtime import BackgroundRuntime
+from ember_localcluster.workqueue import KeyedController
 
 __all__ = ["LeaderWorkerSetController"]
 
 log = logging.getLogger("ember.lws")
 
-RETRY_SECONDS = 1.0
 Key = tuple[str, str]
 
 
-class LeaderWorkerSetController:
+class LeaderWorkerSetController(KeyedController[Key]):
     def __init__(self, kubeconfig: str | Path) -> None:
-        self.kubeconfig = Path(kubeconfig)
+        super().__init__(kubeconfig, "lws", log)
         self._sets: dict[Key, dict[str, Any]] = {}
         self._pods: dict[Key, dict[str, Any]] = {}
-        self._dirty: set[Key] = set()
         self._services: set[str] = set()  # uids of sets whose Service exists
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
         self._custom: Any = None
-        self._runtime = BackgroundRuntime("lws", api_workers=2)
 
-    def __enter__(self) -> LeaderWorkerSetController:
-        return self.start()
+    def _opened(self) -> None:
+        self._custom = client.CustomObjectsApi(self._runtime.core.api_client)
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def start(self) -> LeaderWorkerSetController:
+    def _informers(self) -> list[Informer]:
         runtime = self._runtime
-        runtime.start(self.kubeconfig)
-        self._custom = client.CustomObjectsApi(runtime.core.api_client)
-        runtime.run(self._begin(), timeout=10)
-        sets = runtime.informer(
-            functools.partial(self._custom.list_cluster_custom_object, GROUP, VERSION, PLURAL),
-            self._on_set,
-            name="lws-sets",
-        )
-        pods = runtime.informer(
-            functools.partial(runtime.core.list_pod_for_all_namespaces, label_selector=NAME),
-            self._on_pod,
-            name="lws-pods",
-        )
-        runtime.sync(sets, pods)
-        return self
+        return [
+            runtime.informer(
+                functools.partial(self._custom.list_cluster_custom_object, GROUP, VERSION, PLURAL),
+                self._on_set,
+                name="lws-sets",
+            ),
+            runtime.informer(
+                functools.partial(runtime.core.list_pod_for_all_namespaces, label_selector=NAME),
+                self._on_pod,
+                name="lws-pods",
+            ),
+        ]
 
-    def stop(self) -> None:
-        self._runtime.stop(self._shutdown)
+    def _describe(self, key: Key) -> str:
+        return f"LeaderWorkerSet {key[0]}/{key[1]}"
 
     # -- on the controller's loop ----------------------------------------------------------------------
-
-    async def _begin(self) -> None:
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.create_task(self._work())
-
-    async def _shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    def _mark(self, key: Key) -> None:
-        self._dirty.add(key)
-        if self._wakeup is not None:
-            self._wakeup.set()
 
     def _on_set(self, kind: str, obj: dict[str, Any]) -> None:
         key = (obj["metadata"].get("namespace") or "default", obj["metadata"]["name"])
@@ -113,24 +88,6 @@ class LeaderWorkerSetController:
         owner = (meta.get("labels") or {}).get(NAME)
         if owner:
             self._mark((key[0], owner))
-
-    async def _work(self) -> None:
-        assert self._wakeup is not None
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._dirty:
-                key = self._dirty.pop()
-                try:
-                    await self._step(key)
-                except Exception as error:  # the API server went away or refused: try again soon
-                    log.warning("LeaderWorkerSet %s/%s: %s; retrying", *key, error)
-                    asyncio.get_running_loop().call_later(RETRY_SECONDS, self._mark, key)
-
-    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        call = functools.partial(fn, *args, _request_timeout=API_TIMEOUT, **kwargs)
-        return await loop.run_in_executor(self._runtime.executor, call)
 
     async def _step(self, key: Key) -> None:
         lws = self._sets.get(key)

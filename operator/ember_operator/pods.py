@@ -162,7 +162,8 @@ def held_troubles(
     held: dict[str, Trouble], pods: list[dict[str, Any]], found: dict[str, Trouble], now: datetime
 ) -> list[Trouble]:
     """Crash troubles with hysteresis: one seen on a pod stays (in `held`, updated in place) until that pod
-    has been Ready for RECOVERED_AFTER_SECONDS or is gone; other troubles are reported as found."""
+    has been Ready for RECOVERED_AFTER_SECONDS or is gone, or, for a failed fetch, until the fetch has
+    completed (an init container never runs again in its pod); other troubles are reported as found."""
     by_name = {p["metadata"]["name"]: p for p in pods}
     for name, t in found.items():
         if t.reason in HELD_REASONS:
@@ -171,10 +172,24 @@ def held_troubles(
         pod = by_name.get(name)
         seconds = ready_for(pod, now) if pod is not None else None
         if name not in found and (
-            pod is None or (seconds is not None and seconds >= RECOVERED_AFTER_SECONDS)
+            pod is None
+            or (seconds is not None and seconds >= RECOVERED_AFTER_SECONDS)
+            or (held[name].reason == "ModelFetchFailed" and _fetched(pod))
         ):
             del held[name]
     return [*held.values(), *(t for name, t in found.items() if name not in held)]
+
+
+def _fetched(pod: dict[str, Any]) -> bool:
+    """Whether every fetch init container of the pod has completed."""
+    fetches = [
+        s
+        for s in (pod.get("status") or {}).get("initContainerStatuses") or []
+        if s.get("name") in FETCH_CONTAINERS
+    ]
+    return bool(fetches) and all(
+        ((s.get("state") or {}).get("terminated") or {}).get("exitCode") == 0 for s in fetches
+    )
 
 
 def waiting_for_capacity(pod: dict[str, Any], now: datetime, grace: float) -> str | None:
