@@ -372,7 +372,7 @@ class Router(_Object):
         ge=0,
         le=10,
         description="Bounded load: an engine above (1 + epsilon) x the mean load is skipped even when it "
-        "holds the prompt's prefix.",
+        "holds the prompt's prefix (above twice that, while the engine reports no queue).",
     )
     hold_seconds: float = Field(
         default=30,
