@@ -149,3 +149,27 @@ def test_host_and_device_unpacking_agree() -> None:
     assert torch.equal(torch.isfinite(masked[[0, 2, 3]]), allowed) and torch.isfinite(masked[1]).all()
     expected = [(int(packed[0, t // 32]) >> (t % 32)) & 1 == 1 for t in range(150)]
     assert allowed[0].tolist() == expected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_ends_before_min_tokens_ends_the_request(llm: LLM, temperature: float) -> None:
+    # min_tokens keeps EOS out while the grammar, once complete, allows nothing but EOS: the grammar wins
+    # and the request ends there, short of min_tokens, with no token outside the grammar.
+    eos = llm.engine.model_config.eos_token_ids
+    params = [
+        SamplingParams(temperature=temperature, seed=1, min_tokens=12, max_tokens=30, constraint=c)
+        for c in (Constraint("choice", ["yes", "no"]), Constraint("json_schema", {"type": "boolean"}))
+    ]
+    outs = llm.generate([PROMPT] * 2, params, use_tqdm=False)
+    for out, allowed in zip(outs, (["yes", "no"], ["true", "false"]), strict=True):
+        sample = out.outputs[0]
+        assert sample.text in allowed and sample.finish_reason == "stop"
+        *body, last = sample.token_ids
+        assert last in eos and len(body) < 12
+        assert llm.tokenizer.decode(body, skip_special_tokens=False) == sample.text
+    # A grammar that may go on keeps min_tokens: EOS stays out while another allowed token exists.
+    longer = SamplingParams(
+        temperature=temperature, seed=2, min_tokens=8, max_tokens=30, constraint=Constraint("regex", "a+")
+    )
+    sample = llm.generate(PROMPT, longer, use_tqdm=False)[0].outputs[0]
+    assert len(sample.token_ids) >= 8 and re.fullmatch("a+", sample.text)

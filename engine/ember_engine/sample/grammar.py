@@ -159,17 +159,44 @@ def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], packed: np.ndarray)
     return logits.index_copy(0, index, sub)
 
 
-def mask_rows(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
-    """The sampler's one grammar call: mask each row whose request has a grammar by its current state."""
+@dataclass(slots=True)
+class StepMasks:
+    """One step's grammar masks: `packed[k]` is logits row `rows[k]`'s allowed tokens."""
+
+    rows: list[int]
+    packed: np.ndarray  # [len(rows), words] int32
+
+    def allows_only(self, k: int, token_ids: Sequence[int]) -> bool:
+        """Whether every token row rows[k]'s grammar allows is among token_ids (say, it allows only EOS)."""
+        rest = self.packed[k].view(np.uint32).copy()
+        for t in token_ids:
+            if 0 <= t < 32 * rest.size:
+                rest[t // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (t % 32)))
+        return not rest.any()
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return apply_bitmask(logits, self.rows, self.packed)
+
+
+def compute_masks(states: Sequence[GrammarState | None]) -> StepMasks | None:
+    """The masks of the rows whose request has a grammar, by each one's current state; None if none has."""
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
-        return logits
-    packed = np.full((len(rows), bitmask_words(logits.shape[1])), -1, dtype=np.int32)
+        return None
+    first = states[rows[0]]
+    assert first is not None
+    packed = np.full((len(rows), bitmask_words(first.vocab_size)), -1, dtype=np.int32)
     for k, i in enumerate(rows):
         state = states[i]
         assert state is not None
         state.fill(packed[k])
-    return apply_bitmask(logits, rows, packed)
+    return StepMasks(rows, packed)
+
+
+def mask_rows(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+    """Mask each row whose request has a grammar by its current state."""
+    masks = compute_masks(states)
+    return logits if masks is None else masks.apply(logits)
 
 
 def mask_draft_rows(
