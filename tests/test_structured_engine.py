@@ -173,3 +173,45 @@ def test_a_grammar_that_ends_before_min_tokens_ends_the_request(llm: LLM, temper
     )
     sample = llm.generate(PROMPT, longer, use_tqdm=False)[0].outputs[0]
     assert len(sample.token_ids) >= 8 and re.fullmatch("a+", sample.text)
+
+
+def test_prefetched_masks_are_the_rows_own_masks(llm: LLM) -> None:
+    from ember_engine.sample.grammar import compute_masks
+    from ember_engine.sample.mask_prefetch import MaskPrefetcher
+
+    compiler = llm.engine.grammar_compiler
+    states = [compiler.compile(Constraint("json_schema", s)).state() for s in SCHEMAS[:6]]
+    for k, state in enumerate(states):  # each somewhere else in its grammar
+        assert state.accept(compiler.tokenizer.tokenize_str('{"' if k % 2 else "{"))
+    prefetcher = MaskPrefetcher(8, llm.engine.model_config.vocab_size)
+    try:
+        prefetcher.start(states[:5])  # the sixth was not started: computed when asked for
+        rows = [None, states[2], states[0], None, states[5], states[4]]
+        got = prefetcher.masks(rows)
+        want = compute_masks(rows)
+        assert got is not None and want is not None and got.rows == want.rows == [1, 2, 4, 5]
+        assert (got.packed == want.packed).all()
+        assert not (want.packed[0] == want.packed[2]).all()  # different states: different masks
+        prefetcher.start(states[:3])  # in order: the buffer's own rows
+        same = prefetcher.masks(states[:3])
+        assert same is not None and (same.packed == compute_masks(states[:3]).packed).all()  # type: ignore[union-attr]
+    finally:
+        prefetcher.close()
+
+
+def test_grammars_that_end_mid_batch_beside_free_rows_match_each_alone(llm: LLM) -> None:
+    # Constrained rows end at different steps while free rows go on: each row keeps its own mask (or none)
+    # whatever the rows beside it, so each output is what the request gives alone.
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, constraint=Constraint("choice", ["yes", "no"])),
+        SamplingParams(temperature=0.0, max_tokens=24),
+        constrained(SCHEMAS[2], max_tokens=40),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=30, ignore_eos=True),
+        constrained(SCHEMAS[0], temperature=1.0, seed=3, max_tokens=40),
+        SamplingParams(temperature=0.0, max_tokens=8, constraint=Constraint("regex", "[0-9]{3}")),
+    ]
+    together = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    alone = [llm.generate(PROMPT, p, use_tqdm=False)[0] for p in params]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    lengths = {len(o.outputs[0].token_ids) for o in together}
+    assert len(lengths) > 2  # the rows did end at different steps
