@@ -215,3 +215,34 @@ def test_grammars_that_end_mid_batch_beside_free_rows_match_each_alone(llm: LLM)
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
     lengths = {len(o.outputs[0].token_ids) for o in together}
     assert len(lengths) > 2  # the rows did end at different steps
+
+
+def test_prefetched_verification_masks_are_the_walked_ones(llm: LLM) -> None:
+    # Proposals the grammar allows, one it refuses, and one that ends the grammar (EOS): the masks computed
+    # ahead in one call are those the state's own walk gives, and the states are left where they were.
+    from ember_engine.sample.grammar import compute_masks, draft_masks
+    from ember_engine.sample.mask_prefetch import MaskPrefetcher
+
+    compiler = llm.engine.grammar_compiler
+    tok = compiler.tokenizer
+    eos = llm.engine.model_config.eos_token_ids[0]
+    states = [compiler.compile(c).state() for c in (Constraint("choice", ["yes", "no"]),) * 3]
+    states.append(compiler.compile(Constraint("json_schema", SCHEMAS[0])).state())
+    drafts = [tok.tokenize_str("yes"), [*tok.tokenize_str("no"), eos], tok.tokenize_str("yeah"), []]
+    drafts[3] = tok.tokenize_str('{"name":"a')
+    prefetcher = MaskPrefetcher(2, llm.engine.model_config.vocab_size)  # grows to the rows asked for
+    try:
+        rows: list = [states[0], None, states[1], states[2], states[3]]
+        proposals = [drafts[0], [5, 6], drafts[1], drafts[2], drafts[3]]
+        prefetcher.start([], [(s, p) for s, p in zip(rows, proposals, strict=True) if s is not None])
+        got = prefetcher.draft_masks(rows, proposals)
+        want = draft_masks(rows, proposals, lambda i: None)
+        assert got is not None and want is not None and got.rows == want.rows
+        assert len(got.rows) == sum(1 + len(p) for s, p in zip(rows, proposals, strict=True) if s is not None)
+        assert (got.packed == want.packed).all()
+        for state in states:  # nothing was kept
+            assert not state.finished
+            fresh = compute_masks([state])
+            assert fresh is not None and not (fresh.packed == 0).all()
+    finally:
+        prefetcher.close()

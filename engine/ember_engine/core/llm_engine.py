@@ -236,7 +236,7 @@ class LLMEngine:
                 req.first_scheduled_time = now
             all_decoding = all_decoding and req.num_tokens - req.num_computed_tokens == 1
         proposed = self.spec.propose(batch) if self.spec is not None and speculate else []
-        self.masks.start(sampling_grammars(batch.requests, batch.num_tokens))  # during the forward pass
+        self.masks.start(*sampling_grammars(batch.requests, batch.num_tokens))  # during the forward pass
         try:
             result = self.runner.execute(batch)
         except RuntimeError as exc:
@@ -297,7 +297,7 @@ class LLMEngine:
         if spec:
             assert self.spec is not None
             rows = logits if not plain else logits.index_select(0, upload_ids(spec_rows, logits.device))
-            for req, tokens in zip(spec, self.spec.verify(rows, spec), strict=True):
+            for req, tokens in zip(spec, self.spec.verify(rows, spec, self.masks), strict=True):
                 self._emit(req, tokens, len(tokens) - 1, now, touched)
 
     def _emit(
