@@ -1,6 +1,8 @@
 """Structured outputs in the engine: every constrained sample parses and validates against its schema,
 whether tokens come from plain sampling or from speculative verification, through preemption and prefix
-caching; speculation leaves constrained greedy output exactly as without it."""
+caching; speculation leaves constrained greedy output exactly as without it; the masks are the same
+whether computed after the forward pass (a CPU engine) or during it on a worker thread (as on a GPU); a
+grammar that is complete wins over min_tokens."""
 
 from __future__ import annotations
 
@@ -41,6 +43,16 @@ def check_valid(outs: list[RequestOutput], schemas: list[dict]) -> int:
             assert sample.finish_reason == "stop", sample
             jsonschema.validate(json.loads(sample.text), schema)
     return truncated
+
+
+def overlapped(llm: LLM) -> LLM:
+    """The engine with its grammar masks computed on a worker thread during the forward pass, as on a GPU
+    (a CPU engine computes them after it)."""
+    from ember_engine.sample.mask_prefetch import MaskPrefetcher
+
+    engine = llm.engine
+    engine.masks = MaskPrefetcher(engine.config.max_num_seqs, engine.model_config.vocab_size, "cuda")
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +119,7 @@ def test_speculation_keeps_constrained_output_exact(tiny_model: Path, llm: LLM, 
     # Earlier answers in the prompt give the n-gram proposer something to propose.
     prompt = PROMPT + '{"name":"ab","age":3} {"city":"x","temperature":1.5,"unit":"celsius"} {"ok":true} '
     plain = llm.generate([prompt] * len(params), params, use_tqdm=False)
-    spec_llm = LLM(str(tiny_model), dtype="float32", **options)
+    spec_llm = overlapped(LLM(str(tiny_model), dtype="float32", **options))
     again = [constrained(s, max_tokens=64) for s in schemas]
     spec = spec_llm.generate([prompt] * len(params), again, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
@@ -127,7 +139,7 @@ def test_preemption_and_prefix_cache_keep_grammar_state(tiny_model: Path, llm: L
     expected = llm.generate(
         [prompt] * len(schemas), [constrained(s, max_tokens=48) for s in schemas], use_tqdm=False
     )
-    small = LLM(str(tiny_model), dtype="float32", num_kv_blocks=10)
+    small = overlapped(LLM(str(tiny_model), dtype="float32", num_kv_blocks=10))
     again = [constrained(s, max_tokens=48) for s in schemas]
     outs = small.generate([prompt] * len(schemas), again, use_tqdm=False)
     assert small.engine.stats().num_preemptions > 0
@@ -199,9 +211,10 @@ def test_prefetched_masks_are_the_rows_own_masks(llm: LLM) -> None:
         prefetcher.close()
 
 
-def test_grammars_that_end_mid_batch_beside_free_rows_match_each_alone(llm: LLM) -> None:
+def test_grammars_that_end_mid_batch_beside_free_rows_match_each_alone(tiny_model: Path, llm: LLM) -> None:
     # Constrained rows end at different steps while free rows go on: each row keeps its own mask (or none)
-    # whatever the rows beside it, so each output is what the request gives alone.
+    # whatever the rows beside it, so each output is what the request gives alone, with the masks
+    # computed after the forward pass or during it.
     params = [
         SamplingParams(temperature=0.0, max_tokens=12, constraint=Constraint("choice", ["yes", "no"])),
         SamplingParams(temperature=0.0, max_tokens=24),
@@ -210,8 +223,11 @@ def test_grammars_that_end_mid_batch_beside_free_rows_match_each_alone(llm: LLM)
         constrained(SCHEMAS[0], temperature=1.0, seed=3, max_tokens=40),
         SamplingParams(temperature=0.0, max_tokens=8, constraint=Constraint("regex", "[0-9]{3}")),
     ]
-    together = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
     alone = [llm.generate(PROMPT, p, use_tqdm=False)[0] for p in params]
+    both = LLM(str(tiny_model), dtype="float32")
+    together = both.generate([PROMPT] * len(params), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    together = overlapped(both).generate([PROMPT] * len(params), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
     lengths = {len(o.outputs[0].token_ids) for o in together}
     assert len(lengths) > 2  # the rows did end at different steps

@@ -96,11 +96,10 @@ class LLMEngine:
                 raise
             raise failure from exc
         # Per-request sampling parameters and penalty counts, kept on the device across steps.
-        self.sampling_state = SamplingState(
-            config.max_num_seqs, self.model_config.vocab_size, self.runner.device
-        )
+        vocab, device = self.model_config.vocab_size, self.runner.device
+        self.sampling_state = SamplingState(config.max_num_seqs, vocab, device)
         self.sampler = Sampler(self.sampling_state)
-        self.masks = MaskPrefetcher(config.max_num_seqs, self.model_config.vocab_size)
+        self.masks = MaskPrefetcher(config.max_num_seqs, vocab, device.type)  # grammar masks
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
             log.warning(

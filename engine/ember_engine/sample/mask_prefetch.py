@@ -23,7 +23,12 @@ Drafted = tuple[GrammarState, Sequence[int]]  # a constrained request's state an
 
 
 class MaskPrefetcher:
-    def __init__(self, max_rows: int, vocab: int) -> None:
+    """`device_type` is the forward pass's. On the CPU, whose every core the forward pass already keeps busy
+    (a thread beside it only contends: measured slower), `start` does nothing and the masks are computed
+    when asked for, into the same buffer."""
+
+    def __init__(self, max_rows: int, vocab: int, device_type: str = "cuda") -> None:
+        self.overlap = device_type != "cpu"
         self.buffer = np.full((max_rows, bitmask_words(vocab)), -1, dtype=np.int32)
         self._worker: ThreadPoolExecutor | None = None
         self._executor: Any = None  # llguidance's LLExecutor, made on first use
@@ -34,8 +39,8 @@ class MaskPrefetcher:
         """Begin the masks of the requests that will sample with a grammar this step: `plain` without
         proposals, `drafted` with theirs."""
         self.wait()
-        self._row_of = {id(s): k for k, s in enumerate(plain)}
-        if not plain and not drafted:
+        self._row_of = {id(s): k for k, s in enumerate(plain)} if self.overlap else {}
+        if not self.overlap or (not plain and not drafted):
             return
         jobs = [(s.matcher, k) for k, s in enumerate(plain)]
         draft_jobs, row = [], len(plain)
@@ -77,7 +82,10 @@ class MaskPrefetcher:
         where = [self._row_of.get(id(states[i]), -1) for i in rows]
         if where == list(range(len(rows))):
             return StepMasks(rows, self.buffer[: len(rows)])
-        packed = np.empty((len(rows), self.buffer.shape[1]), dtype=np.int32)
+        if not self._row_of and len(rows) <= self.buffer.shape[0]:
+            packed = self.buffer[: len(rows)]  # nothing was started: computed here, into the buffer
+        else:
+            packed = np.empty((len(rows), self.buffer.shape[1]), dtype=np.int32)
         for k, (i, w) in enumerate(zip(rows, where, strict=True)):
             if w >= 0:
                 packed[k] = self.buffer[w]
