@@ -374,3 +374,45 @@ def test_openai_parse_helper_gets_a_parsed_model(client: openai.OpenAI) -> None:
     )
     parsed = r.choices[0].message.parsed
     assert isinstance(parsed, Forecast) and 1 <= parsed.days <= 7
+
+
+def test_the_router_renders_the_prompt_the_engine_serves(tool_model: Path, server: InProcessServer) -> None:
+    """The router scores prefixes on the prompt it renders: with tools, template kwargs or a continued final
+    message it must be the engine's token for token, or its block hashes match nothing the engines cache."""
+    from types import SimpleNamespace
+
+    from ember_engine.server.api_server import _prompt_token_ids
+    from ember_engine.server.tools import plan_tools
+    from ember_router.prompts import prompt_token_ids
+
+    tok = Tokenizer(tool_model)
+    continued = [*MESSAGES, {"role": "assistant", "content": "Let me check"}]
+    bodies = [
+        {"messages": MESSAGES, "tools": [WEATHER, TIME]},
+        {"messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required"},
+        {
+            "messages": MESSAGES,
+            "tools": [TIME],
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        },
+        {"messages": continued, "continue_final_message": True, "add_generation_prompt": False},
+        {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}},
+    ]
+    for extra in bodies:
+        body = {"model": MODEL, "max_tokens": 1, **extra}
+        routed = prompt_token_ids(tok, body, chat=True)
+        request = ChatCompletionRequest.model_validate(body)
+        tools = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
+        served = _prompt_token_ids(SimpleNamespace(tokenizer=tok), request, tools)[0]  # type: ignore[arg-type]
+        assert routed == served, extra
+        usage = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        assert usage["prompt_tokens"] == len(routed), extra
+        keys = (
+            "messages",
+            "tools",
+            "continue_final_message",
+            "add_generation_prompt",
+            "chat_template_kwargs",
+        )
+        shown = {k: v for k, v in body.items() if k in keys}
+        assert httpx.post(f"{server.url}/tokenize", json=shown).json()["tokens"] == routed, extra

@@ -1,6 +1,8 @@
 """Structured outputs in the engine: every constrained sample parses and validates against its schema,
 whether tokens come from plain sampling or from speculative verification, through preemption and prefix
-caching; speculation leaves constrained greedy output exactly as without it."""
+caching; speculation leaves constrained greedy output exactly as without it; the masks are the same
+whether computed after the forward pass (a CPU engine) or during it on a worker thread (as on a GPU); a
+grammar that is complete wins over min_tokens."""
 
 from __future__ import annotations
 
@@ -41,6 +43,16 @@ def check_valid(outs: list[RequestOutput], schemas: list[dict]) -> int:
             assert sample.finish_reason == "stop", sample
             jsonschema.validate(json.loads(sample.text), schema)
     return truncated
+
+
+def overlapped(llm: LLM) -> LLM:
+    """The engine with its grammar masks computed on a worker thread during the forward pass, as on a GPU
+    (a CPU engine computes them after it)."""
+    from ember_engine.sample.mask_prefetch import MaskPrefetcher
+
+    engine = llm.engine
+    engine.masks = MaskPrefetcher(engine.config.max_num_seqs, engine.model_config.vocab_size, "cuda")
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +119,7 @@ def test_speculation_keeps_constrained_output_exact(tiny_model: Path, llm: LLM, 
     # Earlier answers in the prompt give the n-gram proposer something to propose.
     prompt = PROMPT + '{"name":"ab","age":3} {"city":"x","temperature":1.5,"unit":"celsius"} {"ok":true} '
     plain = llm.generate([prompt] * len(params), params, use_tqdm=False)
-    spec_llm = LLM(str(tiny_model), dtype="float32", **options)
+    spec_llm = overlapped(LLM(str(tiny_model), dtype="float32", **options))
     again = [constrained(s, max_tokens=64) for s in schemas]
     spec = spec_llm.generate([prompt] * len(params), again, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
@@ -127,7 +139,7 @@ def test_preemption_and_prefix_cache_keep_grammar_state(tiny_model: Path, llm: L
     expected = llm.generate(
         [prompt] * len(schemas), [constrained(s, max_tokens=48) for s in schemas], use_tqdm=False
     )
-    small = LLM(str(tiny_model), dtype="float32", num_kv_blocks=10)
+    small = overlapped(LLM(str(tiny_model), dtype="float32", num_kv_blocks=10))
     again = [constrained(s, max_tokens=48) for s in schemas]
     outs = small.generate([prompt] * len(schemas), again, use_tqdm=False)
     assert small.engine.stats().num_preemptions > 0
@@ -149,3 +161,104 @@ def test_host_and_device_unpacking_agree() -> None:
     assert torch.equal(torch.isfinite(masked[[0, 2, 3]]), allowed) and torch.isfinite(masked[1]).all()
     expected = [(int(packed[0, t // 32]) >> (t % 32)) & 1 == 1 for t in range(150)]
     assert allowed[0].tolist() == expected
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_ends_before_min_tokens_ends_the_request(llm: LLM, temperature: float) -> None:
+    # min_tokens keeps EOS out while the grammar, once complete, allows nothing but EOS: the grammar wins
+    # and the request ends there, short of min_tokens, with no token outside the grammar.
+    eos = llm.engine.model_config.eos_token_ids
+    params = [
+        SamplingParams(temperature=temperature, seed=1, min_tokens=12, max_tokens=30, constraint=c)
+        for c in (Constraint("choice", ["yes", "no"]), Constraint("json_schema", {"type": "boolean"}))
+    ]
+    outs = llm.generate([PROMPT] * 2, params, use_tqdm=False)
+    for out, allowed in zip(outs, (["yes", "no"], ["true", "false"]), strict=True):
+        sample = out.outputs[0]
+        assert sample.text in allowed and sample.finish_reason == "stop"
+        *body, last = sample.token_ids
+        assert last in eos and len(body) < 12
+        assert llm.tokenizer.decode(body, skip_special_tokens=False) == sample.text
+    # A grammar that may go on keeps min_tokens: EOS stays out while another allowed token exists.
+    longer = SamplingParams(
+        temperature=temperature, seed=2, min_tokens=8, max_tokens=30, constraint=Constraint("regex", "a+")
+    )
+    sample = llm.generate(PROMPT, longer, use_tqdm=False)[0].outputs[0]
+    assert len(sample.token_ids) >= 8 and re.fullmatch("a+", sample.text)
+
+
+def test_prefetched_masks_are_the_rows_own_masks(llm: LLM) -> None:
+    from ember_engine.sample.grammar import compute_masks
+    from ember_engine.sample.mask_prefetch import MaskPrefetcher
+
+    compiler = llm.engine.grammar_compiler
+    states = [compiler.compile(Constraint("json_schema", s)).state() for s in SCHEMAS[:6]]
+    for k, state in enumerate(states):  # each somewhere else in its grammar
+        assert state.accept(compiler.tokenizer.tokenize_str('{"' if k % 2 else "{"))
+    prefetcher = MaskPrefetcher(8, llm.engine.model_config.vocab_size)
+    try:
+        prefetcher.start(states[:5])  # the sixth was not started: computed when asked for
+        rows = [None, states[2], states[0], None, states[5], states[4]]
+        got = prefetcher.masks(rows)
+        want = compute_masks(rows)
+        assert got is not None and want is not None and got.rows == want.rows == [1, 2, 4, 5]
+        assert (got.packed == want.packed).all()
+        assert not (want.packed[0] == want.packed[2]).all()  # different states: different masks
+        prefetcher.start(states[:3])  # in order: the buffer's own rows
+        same = prefetcher.masks(states[:3])
+        assert same is not None and (same.packed == compute_masks(states[:3]).packed).all()  # type: ignore[union-attr]
+    finally:
+        prefetcher.close()
+
+
+def test_grammars_that_end_mid_batch_beside_free_rows_match_each_alone(tiny_model: Path, llm: LLM) -> None:
+    # Constrained rows end at different steps while free rows go on: each row keeps its own mask (or none)
+    # whatever the rows beside it, so each output is what the request gives alone, with the masks
+    # computed after the forward pass or during it.
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, constraint=Constraint("choice", ["yes", "no"])),
+        SamplingParams(temperature=0.0, max_tokens=24),
+        constrained(SCHEMAS[2], max_tokens=40),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=30, ignore_eos=True),
+        constrained(SCHEMAS[0], temperature=1.0, seed=3, max_tokens=40),
+        SamplingParams(temperature=0.0, max_tokens=8, constraint=Constraint("regex", "[0-9]{3}")),
+    ]
+    alone = [llm.generate(PROMPT, p, use_tqdm=False)[0] for p in params]
+    both = LLM(str(tiny_model), dtype="float32")
+    together = both.generate([PROMPT] * len(params), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    together = overlapped(both).generate([PROMPT] * len(params), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    lengths = {len(o.outputs[0].token_ids) for o in together}
+    assert len(lengths) > 2  # the rows did end at different steps
+
+
+def test_prefetched_verification_masks_are_the_walked_ones(llm: LLM) -> None:
+    # Proposals the grammar allows, one it refuses, and one that ends the grammar (EOS): the masks computed
+    # ahead in one call are those the state's own walk gives, and the states are left where they were.
+    from ember_engine.sample.grammar import compute_masks, draft_masks
+    from ember_engine.sample.mask_prefetch import MaskPrefetcher
+
+    compiler = llm.engine.grammar_compiler
+    tok = compiler.tokenizer
+    eos = llm.engine.model_config.eos_token_ids[0]
+    states = [compiler.compile(c).state() for c in (Constraint("choice", ["yes", "no"]),) * 3]
+    states.append(compiler.compile(Constraint("json_schema", SCHEMAS[0])).state())
+    drafts = [tok.tokenize_str("yes"), [*tok.tokenize_str("no"), eos], tok.tokenize_str("yeah"), []]
+    drafts[3] = tok.tokenize_str('{"name":"a')
+    prefetcher = MaskPrefetcher(2, llm.engine.model_config.vocab_size)  # grows to the rows asked for
+    try:
+        rows: list = [states[0], None, states[1], states[2], states[3]]
+        proposals = [drafts[0], [5, 6], drafts[1], drafts[2], drafts[3]]
+        prefetcher.start([], [(s, p) for s, p in zip(rows, proposals, strict=True) if s is not None])
+        got = prefetcher.draft_masks(rows, proposals)
+        want = draft_masks(rows, proposals, lambda i: None)
+        assert got is not None and want is not None and got.rows == want.rows
+        assert len(got.rows) == sum(1 + len(p) for s, p in zip(rows, proposals, strict=True) if s is not None)
+        assert (got.packed == want.packed).all()
+        for state in states:  # nothing was kept
+            assert not state.finished
+            fresh = compute_masks([state])
+            assert fresh is not None and not (fresh.packed == 0).all()
+    finally:
+        prefetcher.close()

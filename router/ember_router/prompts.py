@@ -9,8 +9,10 @@ from pydantic import ValidationError
 
 from ember_engine.core.kv_events import prefix_hashes
 from ember_engine.core.tokenizer import Tokenizer
-from ember_engine.server.chat import ChatTemplateError, render_chat
-from ember_engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from ember_engine.server.chat import ChatTemplateError
+from ember_engine.server.chat_prompt import chat_prompt_ids
+from ember_engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from ember_engine.server.tools import plan_tools
 
 
 def prompt_token_ids(tokenizer: Tokenizer, body: Any, chat: bool) -> list[int] | None:
@@ -19,15 +21,15 @@ def prompt_token_ids(tokenizer: Tokenizer, body: Any, chat: bool) -> list[int] |
     try:
         if chat:
             request = ChatCompletionRequest.model_validate(body)
-            text = render_chat(tokenizer, request.template_messages(), request.add_generation_prompt)
-            return tokenizer.encode(text, add_special_tokens=False)
+            tools = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
+            return chat_prompt_ids(tokenizer, request, tools)
         completion = CompletionRequest.model_validate(body)
         prompts = completion.prompts()
         if not prompts:
             return None
         first = prompts[0]
         return tokenizer.encode(first) if isinstance(first, str) else list(first)
-    except (ValidationError, ChatTemplateError, ValueError, TypeError):
+    except (ValidationError, ChatTemplateError, APIError, ValueError, TypeError):
         return None
 
 

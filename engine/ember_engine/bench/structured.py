@@ -2,8 +2,11 @@
 requests unconstrained, against a running server.
 
 At each batch size B (closed loop: B requests in flight), the same prompts and sampling run once free and
-once with `response_format` set to one of `schemas.SCHEMAS` (round robin), alternating free/constrained
-rounds so drift hits both alike. Reported: the share of outputs that end `stop` and validate against their
+once with `response_format` set to one of `schemas.SCHEMAS` (round robin). An unmeasured pair of rounds
+warms each batch size up (and compiles its schemas); then pairs alternate which kind goes first
+(constrained-free, free-constrained, ...), so warm-up and drift hit both alike. With `--server-pid` (a
+server on this machine) each round also reads the server process's CPU seconds, a measure that other
+load on the machine disturbs far less than wall time. Reported: the share of outputs that end `stop` and validate against their
 schema (truncated ones, `length`, are counted apart), output tokens/s of each and the overhead, the
 compile time of a schema as the client sees it (a new schema's 1-token request less the same request
 once the schema is cached), and whether a compiling request holds up others (`/health` latency while a
@@ -15,9 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from ember_engine.bench.schemas import SCHEMAS
@@ -50,8 +55,21 @@ async def _post(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
     return r.json()
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (Linux /proc); 0 without a pid."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pair_order(k: int) -> tuple[str, str]:
+    """Which kind of round goes first in measured pair k: constrained first in even pairs, free in odd."""
+    return ("constrained", "free") if k % 2 == 0 else ("free", "constrained")
+
+
 async def _round(
-    client: Any, url: str, args: argparse.Namespace, batch: int, round_index: int, lengths: list[int] | None
+    client: Any, url: str, args: argparse.Namespace, batch: int, tag: str, lengths: list[int] | None
 ) -> tuple[dict[str, float], list[int]]:
     """One round of max(2B, 8) requests: constrained when `lengths` is None, else free, each free request
     made to write exactly as many tokens as its constrained twin did (ignore_eos), so both rounds do the
@@ -62,8 +80,13 @@ async def _round(
     written = [0] * n
 
     async def one(i: int) -> None:
-        tag = f"{'free' if lengths is not None else 'constrained'} {batch} {round_index}"
-        body: dict[str, Any] = {"model": args.model, "prompt": _prompt(tag, i), "temperature": 1.0, "seed": i}
+        kind = "free" if lengths is not None else "constrained"
+        body: dict[str, Any] = {
+            "model": args.model,
+            "prompt": _prompt(f"{kind} {batch} {tag}", i),
+            "temperature": 1.0,
+            "seed": i,
+        }
         if lengths is None:
             body["response_format"] = _fmt(SCHEMAS[i % len(SCHEMAS)])
             body["max_tokens"] = args.structured_max_tokens
@@ -83,10 +106,29 @@ async def _round(
         else:
             stats["invalid"] += 1
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds(args.server_pid)
     await asyncio.gather(*(one(i) for i in range(n)))
     stats["seconds"] = time.perf_counter() - start
+    stats["cpu"] = cpu_seconds(args.server_pid) - cpu
     return stats, written
+
+
+async def _pairs(
+    client: Any, url: str, args: argparse.Namespace, batch: int
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """The warm-up pair, then the measured pairs in alternating order. A free round writes exactly what the
+    latest constrained round wrote, request by request."""
+    _, lengths = await _round(client, url, args, batch, "warm-up", None)
+    await _round(client, url, args, batch, "warm-up", lengths)
+    free, cons = [], []
+    for k in range(args.structured_rounds):
+        for kind in pair_order(k):
+            if kind == "constrained":
+                stats, lengths = await _round(client, url, args, batch, str(k), None)
+                cons.append(stats)
+            else:
+                free.append((await _round(client, url, args, batch, str(k), lengths))[0])
+    return free, cons
 
 
 async def _compile_times(client: Any, url: str, args: argparse.Namespace) -> list[float]:
@@ -171,14 +213,19 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         rows = []
         for batch in args.structured_batch:
             print(f"batch {batch}: free and constrained rounds", file=sys.stderr)
-            free, cons = [], []
-            for k in range(args.structured_rounds):
-                stats, lengths = await _round(client, url, args, batch, k, None)
-                cons.append(stats)
-                free.append((await _round(client, url, args, batch, k, lengths))[0])
+            free, cons = await _pairs(client, url, args, batch)
             free_tps = sum(r["tokens"] for r in free) / sum(r["seconds"] for r in free)
             cons_tps = sum(r["tokens"] for r in cons) / sum(r["seconds"] for r in cons)
             done = sum(r["valid"] + r["invalid"] for r in cons)
+            cpu: dict[str, Any] = {}
+            if args.server_pid is not None:
+                free_cpu = 1e3 * sum(r["cpu"] for r in free) / sum(r["tokens"] for r in free)
+                cons_cpu = 1e3 * sum(r["cpu"] for r in cons) / sum(r["tokens"] for r in cons)
+                cpu = {
+                    "free_cpu_ms_per_token": round(free_cpu, 2),
+                    "constrained_cpu_ms_per_token": round(cons_cpu, 2),
+                    "cpu_overhead_pct": round(100 * (cons_cpu / free_cpu - 1), 1),
+                }
             rows.append(
                 {
                     "batch": batch,
@@ -191,6 +238,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     "valid_pct_of_finished": round(100 * sum(r["valid"] for r in cons) / done, 1)
                     if done
                     else None,
+                    **cpu,
                 }
             )
     return {
@@ -211,6 +259,11 @@ def main(args: argparse.Namespace) -> int:
             f"{row['constrained_tok_s']:8.1f} tok/s  overhead {row['overhead_pct']:5.1f} %  valid "
             f"{row['valid']}/{row['valid'] + row['invalid']} finished ({row['truncated']} truncated)"
         )
+        if "cpu_overhead_pct" in row:
+            print(
+                f"           server CPU per token: free {row['free_cpu_ms_per_token']:.2f} ms  constrained "
+                f"{row['constrained_cpu_ms_per_token']:.2f} ms  overhead {row['cpu_overhead_pct']:5.1f} %"
+            )
     print(
         f"compile (client-side, {result['schemas']} schemas): p50 {result['compile_p50_ms']} ms, "
         f"p99 {result['compile_p99_ms']} ms"
@@ -232,3 +285,4 @@ def add_arguments(add: Any, positive_int: Any) -> None:
     add("--structured-batch", type=positive_int, nargs="+", default=[1, 32], metavar="B")
     add("--structured-rounds", type=positive_int, default=2, metavar="N", help="free/constrained pairs")
     add("--structured-max-tokens", type=positive_int, default=96, metavar="N")
+    add("--server-pid", type=positive_int, metavar="PID", help="the server's process: also its CPU per token")

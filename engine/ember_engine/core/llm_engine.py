@@ -22,6 +22,7 @@ from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
 from ember_engine.model.parallel import SINGLE, check_tensor_parallel, refuse_quantized
 from ember_engine.sample.grammar import GrammarCompiler
+from ember_engine.sample.mask_prefetch import MaskPrefetcher, sampling_grammars
 from ember_engine.sample.sampler import Sampler
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.sample.sampling_state import SamplingState, upload_ids
@@ -95,10 +96,10 @@ class LLMEngine:
                 raise
             raise failure from exc
         # Per-request sampling parameters and penalty counts, kept on the device across steps.
-        self.sampling_state = SamplingState(
-            config.max_num_seqs, self.model_config.vocab_size, self.runner.device
-        )
+        vocab, device = self.model_config.vocab_size, self.runner.device
+        self.sampling_state = SamplingState(config.max_num_seqs, vocab, device)
         self.sampler = Sampler(self.sampling_state)
+        self.masks = MaskPrefetcher(config.max_num_seqs, vocab, device.type)  # grammar masks
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:
             log.warning(
@@ -176,8 +177,7 @@ class LLMEngine:
                 self.scheduler.add(req)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> int:
-        """The request's effective max_tokens; ValueError naming the field if it can never be served.
-        Reads only configuration, so any thread may call it."""
+        """The effective max_tokens; ValueError naming the field if never servable (any thread may call)."""
         if not token_ids:
             raise ValueError("prompt: must not be empty")
         vocab = self.model_config.vocab_size
@@ -200,8 +200,7 @@ class LLMEngine:
         return params.max_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output (finish_reason "abort" for
-        samples still running), or None if it is unknown or already done."""
+        """Stop a request now, free its blocks; its final output ("abort" for samples running) or None."""
         group = self.outputs.remove(request_id)
         if group is None:
             return None
@@ -215,7 +214,8 @@ class LLMEngine:
         return bool(self.groups)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (nothing else holds resources beyond this object)."""
+        """Stop the tensor-parallel workers, if any, and the grammar-mask thread."""
+        self.masks.close()
         if self.workers is not None:
             self.workers.stop()
 
@@ -235,6 +235,7 @@ class LLMEngine:
                 req.first_scheduled_time = now
             all_decoding = all_decoding and req.num_tokens - req.num_computed_tokens == 1
         proposed = self.spec.propose(batch) if self.spec is not None and speculate else []
+        self.masks.start(*sampling_grammars(batch.requests, batch.num_tokens))  # during the forward pass
         try:
             result = self.runner.execute(batch)
         except RuntimeError as exc:
@@ -270,8 +271,7 @@ class LLMEngine:
     def _sample(
         self, logits: torch.Tensor, sampled: list[Request], now: float, touched: dict[str, Group]
     ) -> None:
-        """Turn the step's logits into tokens: plain sampling for requests without proposals (one row each),
-        verification for the others (1 + proposals rows each)."""
+        """Plain sampling for requests without proposals (a row each), verification for others (1 + k)."""
         plain_rows: list[int] = []
         spec_rows: list[int] = []
         plain: list[Request] = []
@@ -288,7 +288,7 @@ class LLMEngine:
             row += n
         if plain:
             rows = logits if not spec else logits.index_select(0, upload_ids(plain_rows, logits.device))
-            out = sample_plain(self.sampler, self.sampling_state, rows, plain)
+            out = sample_plain(self.sampler, self.sampling_state, rows, plain, self.masks)
             for k, req in enumerate(plain):
                 if (logprob := row_logprob(out, k)) is not None:
                     self.outputs.record_logprob(req, logprob)
@@ -296,14 +296,13 @@ class LLMEngine:
         if spec:
             assert self.spec is not None
             rows = logits if not plain else logits.index_select(0, upload_ids(spec_rows, logits.device))
-            for req, tokens in zip(spec, self.spec.verify(rows, spec), strict=True):
+            for req, tokens in zip(spec, self.spec.verify(rows, spec, self.masks), strict=True):
                 self._emit(req, tokens, len(tokens) - 1, now, touched)
 
     def _emit(
         self, req: Request, tokens: list[int], num_accepted: int, now: float, touched: dict[str, Group]
     ) -> None:
-        """Append a request's new tokens, the first `num_accepted` of them verified proposals whose KV the
-        step already wrote (a finished request's count no longer matters: its blocks are freed)."""
+        """Append a request's tokens, the first `num_accepted` verified proposals whose KV is written."""
         if req.grammar is not None and not req.grammar.accept(tokens):
             log.warning("request %s: a kept token broke its grammar", req.request_id)
         group = self.outputs.append(req, tokens, now)

@@ -99,8 +99,9 @@ class OutputProcessor:
             self.prompt_tokens += req.num_prompt_tokens
         req.last_token_time = now
         p = req.params
-        # Below min_tokens nothing may end the request (the sampler already kept EOS and stop ids out).
-        may_stop = req.num_output_tokens >= p.min_tokens
+        # Below min_tokens nothing may end the request (the sampler already kept EOS and stop ids out),
+        # unless its grammar is complete: the grammar then allowed only EOS, and wins.
+        may_stop = req.num_output_tokens >= p.min_tokens or (req.grammar is not None and req.grammar.finished)
         reason: str | None = None
         if may_stop and token in p.stop_token_ids:
             reason, req.stop_reason = "stop", token

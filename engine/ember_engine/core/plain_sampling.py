@@ -9,21 +9,30 @@ import torch
 
 from ember_engine.core.outputs import Logprob
 from ember_engine.core.request import Request
+from ember_engine.sample.mask_prefetch import MaskPrefetcher
 from ember_engine.sample.sampler import Sampler, SamplerOutput
 from ember_engine.sample.sampling_state import SamplingState
 
 
 def sample_plain(
-    sampler: Sampler, state: SamplingState, logits: torch.Tensor, requests: Sequence[Request]
+    sampler: Sampler,
+    state: SamplingState,
+    logits: torch.Tensor,
+    requests: Sequence[Request],
+    prefetched: MaskPrefetcher | None = None,
 ) -> SamplerOutput:
     """One token per request (one row of `logits` each), read before this step's token is appended:
     min_tokens' suppression, the grammar states of structured-output rows, and each seeded row's noise seed
-    (its output position's, the seed speculation would use for the same token)."""
+    (its output position's, the seed speculation would use for the same token). `prefetched`: the grammar
+    masks started before the forward pass."""
     view = state.view(requests, Request.sampling_inputs)
     suppress = {i: ids for i in view.min_tokens_rows if (ids := requests[i].suppressed_token_ids())}
     grammars = {i: g for i in view.grammar_rows if (g := requests[i].grammar) is not None}
     seeds = {i: s for i in view.seeded_rows if (s := requests[i].noise_seed(0)) is not None}
-    return sampler.sample(logits, state, view, suppress, grammars, seeds)
+    masks = None
+    if prefetched is not None and grammars:
+        masks = prefetched.masks([grammars.get(i) for i in range(len(requests))])
+    return sampler.sample(logits, state, view, suppress, grammars, seeds, masks)
 
 
 def row_logprob(out: SamplerOutput, row: int) -> Logprob | None:

@@ -13,7 +13,7 @@ logits' device: one upload for the whole batch, only for the rows that have a gr
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -68,20 +68,22 @@ class Constraint:
 class Grammar:
     """A compiled constraint; `state()` gives a fresh per-sample state."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def state(self) -> GrammarState:
-        return GrammarState(self._matcher.deep_copy(), self.vocab_size)
+        return GrammarState(self._matcher.deep_copy(), self.vocab_size, self.eos_token_ids)
 
 
 class GrammarState:
     """One sample's place in its grammar."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
 
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into one packed bitmask row (int32, contiguous)."""
@@ -114,6 +116,7 @@ class GrammarCompiler:
         from llguidance import LLTokenizer
 
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
         path = str(Path(model_dir) / "tokenizer.json")
         self.tokenizer = LLTokenizer(path, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
 
@@ -124,7 +127,12 @@ class GrammarCompiler:
         matcher = LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Grammar(matcher, self.vocab_size)
+        return Grammar(matcher, self.vocab_size, self.eos_token_ids)
+
+
+def allows(row: np.ndarray, token: int) -> bool:
+    """Whether a packed mask row allows the token."""
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
 
 
 def bitmask_words(vocab: int) -> int:
@@ -159,47 +167,89 @@ def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], packed: np.ndarray)
     return logits.index_copy(0, index, sub)
 
 
-def mask_rows(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
-    """The sampler's one grammar call: mask each row whose request has a grammar by its current state."""
+@dataclass(slots=True)
+class StepMasks:
+    """One step's grammar masks: `packed[k]` is logits row `rows[k]`'s allowed tokens."""
+
+    rows: list[int]
+    packed: np.ndarray  # [len(rows), words] int32
+
+    def allows_only(self, k: int, token_ids: Sequence[int]) -> bool:
+        """Whether every token row rows[k]'s grammar allows is among token_ids (say, it allows only EOS)."""
+        rest = self.packed[k].view(np.uint32).copy()
+        for t in token_ids:
+            if 0 <= t < 32 * rest.size:
+                rest[t // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (t % 32)))
+        return not rest.any()
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return apply_bitmask(logits, self.rows, self.packed)
+
+
+def compute_masks(states: Sequence[GrammarState | None]) -> StepMasks | None:
+    """The masks of the rows whose request has a grammar, by each one's current state; None if none has."""
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
-        return logits
-    packed = np.full((len(rows), bitmask_words(logits.shape[1])), -1, dtype=np.int32)
+        return None
+    first = states[rows[0]]
+    assert first is not None
+    packed = np.full((len(rows), bitmask_words(first.vocab_size)), -1, dtype=np.int32)
     for k, i in enumerate(rows):
         state = states[i]
         assert state is not None
         state.fill(packed[k])
-    return apply_bitmask(logits, rows, packed)
+    return StepMasks(rows, packed)
+
+
+def mask_rows(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+    """Mask each row whose request has a grammar by its current state."""
+    masks = compute_masks(states)
+    return logits if masks is None else masks.apply(logits)
+
+
+def draft_block(state: GrammarState, proposal: Sequence[int]) -> np.ndarray:
+    """Verification's masks for one request: 1 + len(proposal) rows, the state before each proposal and
+    after the last. The state walks the proposals and is rolled back, so nothing is kept yet; rows past the
+    first proposal the mask refuses keep that refusal's mask (the proposal there is rejected, since its
+    probability is 0, and the rows after it are never read)."""
+    n = 1 + len(proposal)
+    block = np.full((n, bitmask_words(state.vocab_size)), -1, dtype=np.int32)
+    walked = 0
+    for j in range(n):
+        state.fill(block[j])
+        if j == len(proposal):
+            break
+        if not allows(block[j], proposal[j]) or state.try_accept([proposal[j]]) != 1:
+            block[j + 1 :] = block[j]
+            break
+        walked += 1
+    state.rollback(walked)
+    return block
 
 
 def mask_draft_rows(
     logits: torch.Tensor, states: Sequence[GrammarState | None], drafts: Sequence[Sequence[int]]
 ) -> torch.Tensor:
-    """Verification's masks: request i owns 1 + len(drafts[i]) rows, the state before each proposal and
-    after the last. The state walks the proposals and is rolled back, so nothing is kept yet; rows past the
-    first proposal the grammar refuses keep that refusal's mask (the proposal there is rejected, since its
-    probability is 0, and the rows after it are never read)."""
+    """Verification's masks: request i owns 1 + len(drafts[i]) rows (`draft_block`)."""
+    masks = draft_masks(states, drafts, lambda i: None)
+    return logits if masks is None else masks.apply(logits)
+
+
+def draft_masks(
+    states: Sequence[GrammarState | None],
+    drafts: Sequence[Sequence[int]],
+    computed: Callable[[int], np.ndarray | None],
+) -> StepMasks | None:
+    """The masks of every constrained request's 1 + k rows; `computed(i)` gives request i's block when it
+    was computed already (else None: it is walked here)."""
     rows: list[int] = []
-    masks: list[np.ndarray] = []
-    words = bitmask_words(logits.shape[1])
+    blocks: list[np.ndarray] = []
     base = 0
-    for state, proposal in zip(states, drafts, strict=True):
+    for i, (state, proposal) in enumerate(zip(states, drafts, strict=True)):
         n = 1 + len(proposal)
         if state is not None:
-            block = np.full((n, words), -1, dtype=np.int32)
-            walked = 0
-            for j in range(n):
-                state.fill(block[j])
-                if j == len(proposal):
-                    break
-                if state.try_accept([proposal[j]]) != 1:
-                    block[j + 1 :] = block[j]
-                    break
-                walked += 1
-            state.rollback(walked)
+            block = computed(i)
+            blocks.append(draft_block(state, proposal) if block is None else block)
             rows.extend(range(base, base + n))
-            masks.append(block)
         base += n
-    if not rows:
-        return logits
-    return apply_bitmask(logits, rows, np.concatenate(masks))
+    return StepMasks(rows, np.concatenate(blocks)) if rows else None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember_engine.sample.grammar import GrammarState, mask_rows
+from ember_engine.sample.grammar import GrammarState, StepMasks, compute_masks
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.sample.sampling_state import (
     FREQUENCY,
@@ -220,11 +220,22 @@ class Sampler:
         suppress: Mapping[int, Sequence[int]] | None = None,
         grammars: Mapping[int, GrammarState] | None = None,
         noise_seeds: Mapping[int, int] | None = None,
+        masks: StepMasks | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of `view`, then count the tokens into the state's penalty rows. Keyed by
         row: `suppress` the ids a row must not pick, `grammars` the structured-output rows' states, and
-        `noise_seeds` the seeds a seeded row's noise is drawn with this step (its output position's)."""
+        `noise_seeds` the seeds a seeded row's noise is drawn with this step (its output position's).
+        `masks`: the grammar rows' masks when already computed (else computed here from `grammars`).
+
+        A grammar wins over min_tokens: a row whose grammar allows nothing but ids it should suppress (a
+        complete answer allows only EOS) keeps them, so the request ends there rather than leave the grammar."""
         dev, vocab = logits.device, logits.shape[1]
+        if masks is None and grammars:
+            masks = compute_masks([grammars.get(i) for i in range(len(view.slots))])
+        if masks is not None and suppress:
+            row_of = {r: k for k, r in enumerate(masks.rows)}
+            lifted = {i for i, ids in suppress.items() if i in row_of and masks.allows_only(row_of[i], ids)}
+            suppress = {i: ids for i, ids in suppress.items() if i not in lifted}
         x = logits.float()
         if view.penalized_index is not None:
             x = _apply_penalties(x, state, view)
@@ -236,8 +247,8 @@ class Sampler:
             flat = x.clone().view(-1)
             flat.index_fill_(0, _upload(flat_ids, torch.long, dev), float("-inf"))
             x = flat.view_as(x)
-        if grammars:
-            x = mask_rows(x, [grammars.get(i) for i in range(len(view.slots))])
+        if masks is not None:
+            x = masks.apply(x)
         if view.all_greedy:
             tokens = x.argmax(dim=-1)
         else:

@@ -22,7 +22,8 @@ from ember_engine.async_engine import AsyncEngine
 from ember_engine.core.outputs import RequestOutput
 from ember_engine.server.admission import Admit, Shed, decide
 from ember_engine.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, arrival_of
-from ember_engine.server.chat import ChatTemplateError, render_chat
+from ember_engine.server.chat import ChatTemplateError
+from ember_engine.server.chat_prompt import chat_prompt_ids
 from ember_engine.server.errors import _error_response, add_error_handlers
 from ember_engine.server.fallback import FallbackFailed
 from ember_engine.server.openai_format import Formatter
@@ -31,7 +32,6 @@ from ember_engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    checked_template_kwargs,
 )
 from ember_engine.server.responses import _complete, _merge, _stream, _TicketedStream, _tracked
 from ember_engine.server.state import ServerState, _Ticket
@@ -216,16 +216,9 @@ def _prompt_token_ids(
     tok = engine.tokenizer
     if isinstance(body, ChatCompletionRequest):
         try:
-            extra = checked_template_kwargs(body.chat_template_kwargs)
-            messages = body.template_messages()
-            rendered = None if tools is None else tools.tools
-            text = render_chat(
-                tok, messages, body.add_generation_prompt, body.continue_final_message, extra, rendered
-            )
+            return [chat_prompt_ids(tok, body, tools)]
         except ChatTemplateError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from exc
-        # The template writes the special tokens itself.
-        return [tok.encode(text, add_special_tokens=False)]
     return [tok.encode(p) if isinstance(p, str) else p for p in body.prompts()]
 
 

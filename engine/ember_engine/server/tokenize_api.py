@@ -15,6 +15,7 @@ from ember_engine.server.chat import ChatTemplateError, render_chat
 from ember_engine.server.protocol import APIError, ChatMessage, checked_template_kwargs
 from ember_engine.server.state import ServerState
 from ember_engine.server.text_checks import lone_surrogate
+from ember_engine.server.tools import plan_tools
 
 
 class _Checked(BaseModel):
@@ -36,6 +37,7 @@ class TokenizeRequest(_Checked):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # rendered as chat renders them
     return_token_strs: bool = False
 
 
@@ -61,6 +63,7 @@ def _tokenize(tok: Tokenizer, body: TokenizeRequest) -> list[int]:
         assert body.prompt is not None
         return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     messages = [m.template_message() for m in body.messages]
+    plan = plan_tools(body.tools, None, None)
     try:
         text = render_chat(
             tok,
@@ -68,6 +71,7 @@ def _tokenize(tok: Tokenizer, body: TokenizeRequest) -> list[int]:
             body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             extra=checked_template_kwargs(body.chat_template_kwargs),
+            tools=None if plan is None else plan.tools,
         )
     except ChatTemplateError as exc:
         raise APIError(400, f"messages: {exc}", param="messages") from exc

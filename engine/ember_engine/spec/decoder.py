@@ -16,6 +16,7 @@ import torch
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
 from ember_engine.model.model_runner import ModelRunner, kv_block_bytes
 from ember_engine.sample.grammar import mask_draft_rows
+from ember_engine.sample.mask_prefetch import MaskPrefetcher
 from ember_engine.sample.rejection_sampler import rejection_sample
 from ember_engine.sample.sampler import sample_probs, sampling_probs
 from ember_engine.spec.proposers import DraftProposer, NgramProposer
@@ -172,13 +173,22 @@ class SpecDecoder:
 
     # -- after the forward ----------------------------------------------------------------------------
 
-    def verify(self, logits: torch.Tensor, requests: list[Request]) -> list[list[int]]:
+    def verify(
+        self, logits: torch.Tensor, requests: list[Request], prefetched: MaskPrefetcher | None = None
+    ) -> list[list[int]]:
         """The exact rejection rule over each request's 1 + k rows of target logits: each request's kept
-        proposals and the token sampled after them. Records acceptance."""
+        proposals and the token sampled after them. Records acceptance. `prefetched`: where the rows'
+        grammar masks were started before the forward pass."""
         row_params = [r.params for r in requests for _ in range(1 + len(r.spec_token_ids))]
         dev = logits.device
         # Structured output: a proposal the grammar forbids has probability 0 and so is rejected.
-        logits = mask_draft_rows(logits, [r.grammar for r in requests], [r.spec_token_ids for r in requests])
+        masks = None if prefetched is None else prefetched.verifying(requests)
+        if masks is not None:
+            logits = masks.apply(logits)
+        else:
+            logits = mask_draft_rows(
+                logits, [r.grammar for r in requests], [r.spec_token_ids for r in requests]
+            )
         greedy_rows = [i for i, p in enumerate(row_params) if p.greedy]
         random_rows = [i for i, p in enumerate(row_params) if not p.greedy]
         if not random_rows:
