@@ -5,6 +5,7 @@ leaving greedy output unchanged with the same FP8 cache."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -156,3 +157,28 @@ def test_bad_kv_scales_are_refused_by_name(
     save_file({**tensors, name: value}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"{re.escape(repr(name))}.*{error}|{error}.*{re.escape(name)}"):
         LLM(str(tmp_path), kv_cache_dtype="fp8")
+
+
+def test_a_kv_cache_only_checkpoint_runs_its_weights_unquantized(
+    quantized_model: Callable[..., Path], tiny_model: Path, tmp_path: Path
+) -> None:
+    # llm-compressor's output for a recipe with only kv_cache_scheme: no config groups, format "dense".
+    path = quantized_model("tiny", "KV", "kv_scales_build.py")
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization_config"]["config_groups"] == {}
+    runner = LLM(str(path), kv_cache_dtype="fp8").engine.runner
+    assert runner.quant is None and runner.kv_cache.dtype == FP8
+    assert all(layer.k_scale != 1.0 for layer in runner.model.attention_layers())
+    # The weights are the plain model's.
+    plain = LLM(str(tiny_model)).engine.runner.model.state_dict()
+    assert all(torch.equal(t, plain[name]) for name, t in runner.model.state_dict().items())
+    # A KV scheme whose scales an FP8 cache cannot use is refused by name.
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"kv_cache_scheme: float 8-bit, strategy 'attn_head'.*not supported"
+    ):
+        LLM(str(tmp_path), kv_cache_dtype="fp8")
+    assert LLM(str(tmp_path)).engine.runner.kv_cache.dtype == torch.float32  # unused without an FP8 cache

@@ -188,12 +188,11 @@ def plan_gather(
     return GatherPlan(rows, valid, slots, mask, prefills)
 
 
-def _gather(cache: Tensor, slots: Tensor, scale: float) -> Tensor:
-    """Cache rows at `slots` (any shape) as float32 `[*slots.shape, num_kv_heads, head_dim]`, dequantized
-    with `scale` when the cache is FP8."""
+def _gather(cache: Tensor, slots: Tensor) -> Tensor:
+    """Cache rows at `slots` (any shape) as float32 `[*slots.shape, num_kv_heads, head_dim]` (an FP8
+    cache's stored values, before its scale)."""
     flat = cache.flatten(0, 1)
-    rows = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
-    return kv_quant.dequantize(rows, scale) if kv_quant.is_fp8(cache) else rows.float()
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:]).float()
 
 
 def paged_attention_reference(
@@ -210,24 +209,33 @@ def paged_attention_reference(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> Tensor:
-    """Float32 math in torch: the CPU path and the kernels' oracle."""
+    """Float32 math in torch: the CPU path and the kernels' oracle. An FP8 cache is dequantized by folding
+    its scales into the math: the K scale into the score factor, the V scale into the output."""
+    fp8 = kv_quant.is_fp8(k_cache)
+    score_scale = scale * k_scale if fp8 else scale
     if plan is None:
         plan = plan_gather(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
     if plan.short_rows is not None and plan.short_slots is not None and plan.short_valid is not None:
         # One padded batch for all short queries: per-sequence kernels would dominate decode steps.
         rows, valid = plan.short_rows, plan.short_valid
-        k = _gather(k_cache, plan.short_slots, k_scale).transpose(1, 2)  # [B, Hk, L, D]
-        v = _gather(v_cache, plan.short_slots, v_scale).transpose(1, 2)
+        k = _gather(k_cache, plan.short_slots).transpose(1, 2)  # [B, Hk, L, D]
+        v = _gather(v_cache, plan.short_slots).transpose(1, 2)
         qs = q[rows].float().transpose(1, 2)  # [B, H, Q, D]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=plan.short_mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=plan.short_mask, scale=score_scale, enable_gqa=True
+        )
+        if fp8:
+            o = o * v_scale
         out[rows[valid]] = o.transpose(1, 2)[valid].to(q.dtype)
     for start, end, slots, causal in plan.prefills:
-        k = _gather(k_cache, slots, k_scale).transpose(0, 1)
-        v = _gather(v_cache, slots, v_scale).transpose(0, 1)
+        k = _gather(k_cache, slots).transpose(0, 1)
+        v = _gather(v_cache, slots).transpose(0, 1)
         qs = q[start:end].float().transpose(0, 1)
         o = F.scaled_dot_product_attention(
-            qs, k, v, attn_mask=causal, is_causal=causal is None, scale=scale, enable_gqa=True
+            qs, k, v, attn_mask=causal, is_causal=causal is None, scale=score_scale, enable_gqa=True
         )
+        if fp8:
+            o = o * v_scale
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out

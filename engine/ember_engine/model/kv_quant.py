@@ -10,6 +10,8 @@ and in the Triton kernels alike, so both store the same bytes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -28,6 +30,25 @@ _SCALE_SUFFIXES = {
     "v_proj.v_scale": "v",
     "kv_scale": "kv",
 }
+
+
+def check_checkpoint_scheme(quantization_config: dict[str, Any] | None) -> None:
+    """Refuse, by name, a checkpoint's KV-cache scheme (compressed-tensors `kv_cache_scheme`) whose scales
+    an FP8 cache cannot use: only static, symmetric FP8 with one scale per tensor is."""
+    scheme = (quantization_config or {}).get("kv_cache_scheme")
+    if not scheme:
+        return
+    kind, bits, strategy = scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy")
+    if (
+        (kind, bits, strategy) != ("float", 8, "tensor")
+        or scheme.get("dynamic")
+        or not scheme.get("symmetric")
+    ):
+        raise ValueError(
+            f"kv_cache_scheme: {kind} {bits}-bit, strategy {strategy!r}, dynamic={scheme.get('dynamic')}, "
+            f"symmetric={scheme.get('symmetric')} is not supported with kv_cache_dtype fp8; supported: float "
+            "8-bit, strategy 'tensor', static, symmetric"
+        )
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -21,6 +21,7 @@ from ember_engine.model.memory import MemoryReport, kv_cache_blocks, read_memory
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
 from ember_engine.model.parallel import SINGLE, TPGroup
 from ember_engine.model.quant import apply as quant_apply
+from ember_engine.model.quant.checkpoint import read_quantization_config
 from ember_engine.model.quant.checkpoint import resolve as resolve_quantization
 from ember_engine.sample.sampler import sampler_peak_probe
 
@@ -84,6 +85,8 @@ class ModelRunner:
         )
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.kv_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_dtype == kv_quant.FP8:
+            kv_quant.check_checkpoint_scheme(read_quantization_config(model_dir or config.model))
         self.block_size = config.block_size
         self.extra_block_bytes = extra_block_bytes
         self.reserved_bytes = reserved_bytes
