@@ -146,3 +146,21 @@ def test_fp8_attention_stays_close_to_full_precision(use_triton: None) -> None:
         err = (out - expected)[: fp8.num_tokens].abs()
         assert 0 < err.max().item() < MAX_ERR  # not exact (the cache is quantized), but close
         assert err.mean().item() < MEAN_ERR
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_gpu_bfloat16_queries_over_an_fp8_cache(num_splits: int | None) -> None:
+    contexts = torch.randint(1, 4096, (48,), generator=torch.Generator().manual_seed(7)).tolist()
+    specs = [(n, 1) for n in contexts] + [(0, 512), (1000, 256), (17, 1), (4000, 95)]
+    b = make_batch(specs, 16, 32, 8, 128, dtype=torch.bfloat16, device="cuda", seed=8)
+    b = quantized(b, 0.5, 0.25)
+    store_kv(b.key, b.value, b.k_cache, b.v_cache, b.slot_mapping, k_scale=0.5, v_scale=0.25)
+    expected_k = kv_quant.quantize(b.key.float(), 0.5)
+    written = b.k_cache.view(-1, 8, 128)[b.slot_mapping[: b.num_tokens]]
+    assert torch.equal(written.view(torch.uint8), expected_k[: b.num_tokens].view(torch.uint8))
+    out = triton_attention.paged_attention(
+        *b.attention_args(), num_splits=num_splits, k_scale=0.5, v_scale=0.25
+    )
+    expected = paged_attention_reference(*_dequantized(b, 0.5, 0.25))
+    torch.testing.assert_close(out[: b.num_tokens], expected[: b.num_tokens].bfloat16(), atol=2e-2, rtol=2e-2)
