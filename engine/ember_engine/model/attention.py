@@ -120,9 +120,9 @@ def store_kv_reference(
     slots = slot_mapping[rows]
     # Index by (block, offset) rather than through a flattened view so non-contiguous caches work too.
     blocks, offsets = slots // block_size, slots % block_size
-    if kv_quant.is_fp8(k_cache):
-        k_cache[blocks, offsets] = kv_quant.quantize(key[rows], k_scale)
-        v_cache[blocks, offsets] = kv_quant.quantize(value[rows], v_scale)
+    if kv_quant.is_fp8(k_cache):  # written as bytes: indexed writes into float8 need not exist on a device
+        k_cache.view(torch.uint8)[blocks, offsets] = kv_quant.quantize(key[rows], k_scale).view(torch.uint8)
+        v_cache.view(torch.uint8)[blocks, offsets] = kv_quant.quantize(value[rows], v_scale).view(torch.uint8)
         return
     k_cache[blocks, offsets] = key[rows].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[rows].to(v_cache.dtype)
@@ -191,8 +191,10 @@ def plan_gather(
 def _gather(cache: Tensor, slots: Tensor) -> Tensor:
     """Cache rows at `slots` (any shape) as float32 `[*slots.shape, num_kv_heads, head_dim]` (an FP8
     cache's stored values, before its scale)."""
-    flat = cache.flatten(0, 1)
-    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:]).float()
+    fp8 = kv_quant.is_fp8(cache)
+    flat = (cache.view(torch.uint8) if fp8 else cache).flatten(0, 1)  # FP8 rows are selected as bytes
+    rows = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
+    return (rows.view(kv_quant.FP8) if fp8 else rows).float()
 
 
 def paged_attention_reference(
