@@ -48,10 +48,11 @@ def small_model() -> Path:
     return _checkpoint("small")
 
 
-def quantized_checkpoint(size: str, preset: str) -> Path:
+def quantized_checkpoint(size: str, preset: str, script: str = "quant_build.py") -> Path:
     """The `size` test model quantized by llm-compressor with `preset` (FP8_DYNAMIC, W8A16, W4A16), built
-    once into the cache (keyed also by the build script, so a change to it rebuilds)."""
-    build = Path(__file__).with_name("quant_build.py")
+    once into the cache (keyed also by the build script, so a change to it rebuilds). `script`
+    kv_scales_build.py adds static KV-cache scales (preset FP8_KV: to FP8 weights; KV: alone)."""
+    build = Path(__file__).with_name(script)
     key = hashlib.sha256(build.read_bytes()).hexdigest()[:8]
     path = _cache_root() / f"{size}-{preset.lower()}-{key}"
     if not (path / "config.json").exists():

@@ -274,8 +274,8 @@ def test_choose_num_splits() -> None:
 
 def test_dispatch_follows_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(triton_attention, "paged_attention", lambda *a: calls.append("triton"))
-    monkeypatch.setattr(attention, "paged_attention_reference", lambda *a: calls.append("torch"))
+    monkeypatch.setattr(triton_attention, "paged_attention", lambda *a, **kw: calls.append("triton"))
+    monkeypatch.setattr(attention, "paged_attention_reference", lambda *a, **kw: calls.append("torch"))
     b = make_batch([(0, 1)])
     for mode, expected in [("triton", "triton"), ("torch", "torch"), ("", "torch")]:
         monkeypatch.setenv("EMBER_ATTENTION", mode)

@@ -23,8 +23,9 @@ def _triton_cache_entries() -> int | None:
     if not torch.cuda.is_available():
         return None
     from ember_engine.model import triton_attention as ta
+    from ember_engine.model import triton_kv_store
 
-    kernels = (ta._attention_kernel, ta._merge_splits_kernel, ta._store_kv_kernel)
+    kernels = (ta._attention_kernel, ta._merge_splits_kernel, triton_kv_store._store_kv_kernel)
     return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
 

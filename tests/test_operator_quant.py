@@ -60,3 +60,38 @@ def test_quantization_with_several_ranks_is_refused_by_cel_and_pydantic() -> Non
 def test_extra_args_cannot_set_quantization() -> None:
     with pytest.raises(ValidationError, match=r"model\.quantization"):
         InferenceServiceSpec.model_validate({**_spec(), "engine": {"extraArgs": ["--quantization=fp8"]}})
+
+
+def _engine_spec(**engine: Any) -> InferenceServiceSpec:
+    return InferenceServiceSpec.model_validate({**_spec(), "engine": engine})
+
+
+def test_kv_cache_dtype_reaches_the_engine_and_rolls_the_pods_only_when_set() -> None:
+    from ember_engine.cli import build_parser
+    from ember_engine.server import serve
+
+    fp8 = _engine_spec(kvCacheDtype="fp8")
+    args = engine_args(fp8)
+    assert "--kv-cache-dtype=fp8" in args
+    parsed = build_parser().parse_args(["serve", *args])
+    assert serve.engine_config(parsed).kv_cache_dtype == "fp8"
+    plain, auto = InferenceServiceSpec.model_validate(_spec()), _engine_spec(kvCacheDtype="auto")
+    assert not any(a.startswith("--kv-cache-dtype") for a in engine_args(plain) + engine_args(auto))
+    # Written out at its default, the field leaves the hash as it was (an operator upgrade rolls nothing).
+    assert template_hash(auto) == template_hash(plain) != template_hash(fp8)
+
+
+def test_unknown_kv_cache_dtype_is_refused_by_the_schema_enum() -> None:
+    prop = _schema()["properties"]["engine"]["properties"]["kvCacheDtype"]
+    assert prop["enum"] == ["auto", "fp8"] and prop["default"] == "auto"
+    with pytest.raises(ValidationError, match="kvCacheDtype"):
+        _engine_spec(kvCacheDtype="int8")
+
+
+def test_extra_args_cannot_set_kv_cache_dtype() -> None:
+    with pytest.raises(ValidationError, match=r"engine\.kvCacheDtype"):
+        _engine_spec(extraArgs=["--kv-cache-dtype=fp8"])
+    rule = _schema()["properties"]["engine"]["properties"]["extraArgs"]["x-kubernetes-validations"]
+    where = "spec.engine.extraArgs"
+    assert check_rules(rule, ["--kv-cache-dtype=fp8"], None, where, "InferenceService")
+    assert not check_rules(rule, ["--log-level=debug"], None, where, "InferenceService")

@@ -63,6 +63,8 @@ CASES = {
     # Prompts in chunks of at most 64 tokens, and 36 blocks for all of them: longer outputs outgrow the
     # cache and requests are preempted.
     "chunked-preempted": dict(max_num_batched_tokens=64, num_kv_blocks=36),
+    # Each rank's FP8 cache holds its heads' K/V, quantized with the layer's scales.
+    "fp8-kv-cache-prefix-hits": dict(max_num_seqs=2, kv_cache_dtype="fp8"),
 }
 
 
@@ -80,7 +82,7 @@ def test_two_ranks_match_one(tiny_model: Path, case: str) -> None:
     assert split.prefix_cache_hits == plain.prefix_cache_hits
     if case == "chunked-preempted":
         assert split.num_preemptions > 0
-    if case == "batch-2-prefix-hits":
+    if case in ("batch-2-prefix-hits", "fp8-kv-cache-prefix-hits"):
         assert split.prefix_cache_hits > 0
 
 

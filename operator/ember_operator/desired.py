@@ -157,6 +157,8 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         args.append(f"--max-model-len={e.max_model_len}")
     if e.kv_cache_memory is not None:
         args.append(f"--kv-cache-memory={quantity_bytes(e.kv_cache_memory)}")
+    if e.kv_cache_dtype != "auto":
+        args.append(f"--kv-cache-dtype={e.kv_cache_dtype}")
     if spec.tensor_parallel_size > 1:
         args.append(f"--tensor-parallel-size={spec.tensor_parallel_size}")
     if spec.model.quantization is not None:

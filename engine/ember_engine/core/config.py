@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 # Weight quantization schemes (README "Quantization").
 QUANT_SCHEMES = ("fp8", "w8a16", "w4a16")
+# KV cache element types (README "FP8 KV cache"): auto is the model's dtype.
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(slots=True)
@@ -40,6 +42,8 @@ class EngineConfig:
     master_port: int = 29500
     # Weights quantized at load (a checkpoint that is already quantized is run in its own scheme).
     quantization: str | None = None
+    # The KV cache's element type: "auto" (the model's dtype) or "fp8" (E4M3 with per-layer scales).
+    kv_cache_dtype: str = "auto"
 
     @property
     def speculation(self) -> str | None:
@@ -92,5 +96,10 @@ class EngineConfig:
             )
         if self.tensor_parallel_size > 1 and self.quantization is not None:
             bad("quantization", "is not supported with tensor_parallel_size > 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad(
+                "kv_cache_dtype",
+                f"unsupported {self.kv_cache_dtype!r}; supported: {', '.join(KV_CACHE_DTYPES)}",
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             bad("ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")

@@ -9,6 +9,9 @@ them (slot -1) and their attention output is left unspecified.
 The torch reference here is the CPU production path; the Triton kernels in `triton_attention` serve
 CUDA tensors. `EMBER_ATTENTION=triton` or `=torch` overrides the choice (tests use the former with
 `TRITON_INTERPRET=1` to run the kernels on CPU).
+
+A cache may be FP8 (`kv_quant`): writes then quantize with the layer's `k_scale`/`v_scale`, reads
+dequantize with them; both are ignored for a cache in the model's dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ember_engine.model import kv_quant
 from ember_engine.model.context import ForwardContext
 
 
@@ -31,14 +35,22 @@ def _use_triton(t: Tensor) -> bool:
     return mode == "triton" or t.is_cuda
 
 
-def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def store_kv(
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Write each row of key/value `[N, num_kv_heads, head_dim]` into the caches at its slot; slot -1 skips."""
     if _use_triton(key):
-        from ember_engine.model import triton_attention
+        from ember_engine.model import triton_kv_store
 
-        triton_attention.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        triton_kv_store.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -52,22 +64,27 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     plan: GatherPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """Causal attention of q `[N, num_heads, head_dim]` over each sequence's cached keys; same shape and dtype.
     `plan` (the reference path's gather plan for this batch layout) saves rebuilding it per layer."""
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale)
     if _use_triton(q):
         from ember_engine.model import triton_attention
 
-        return triton_attention.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale
-        )
-    return paged_attention_reference(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, scale, plan
-    )
+        return triton_attention.paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_reference(*args, plan, k_scale=k_scale, v_scale=v_scale)
 
 
 def context_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, ctx: ForwardContext, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    ctx: ForwardContext,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """`paged_attention` over the step's forward context. On the reference path the gather plan is
     built by the first layer and reused by the others (it depends only on the batch layout)."""
@@ -84,17 +101,29 @@ def context_attention(
         ctx.max_seq_len,
         scale,
         plan=ctx.gather_plan,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
 def store_kv_reference(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     block_size = k_cache.shape[1]
     rows = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[rows]
     # Index by (block, offset) rather than through a flattened view so non-contiguous caches work too.
     blocks, offsets = slots // block_size, slots % block_size
+    if kv_quant.is_fp8(k_cache):  # written as bytes: indexed writes into float8 need not exist on a device
+        k_cache.view(torch.uint8)[blocks, offsets] = kv_quant.quantize(key[rows], k_scale).view(torch.uint8)
+        v_cache.view(torch.uint8)[blocks, offsets] = kv_quant.quantize(value[rows], v_scale).view(torch.uint8)
+        return
     k_cache[blocks, offsets] = key[rows].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[rows].to(v_cache.dtype)
 
@@ -160,9 +189,12 @@ def plan_gather(
 
 
 def _gather(cache: Tensor, slots: Tensor) -> Tensor:
-    """Cache rows at `slots` (any shape) as float32 `[*slots.shape, num_kv_heads, head_dim]`."""
-    flat = cache.flatten(0, 1)
-    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:]).float()
+    """Cache rows at `slots` (any shape) as float32 `[*slots.shape, num_kv_heads, head_dim]` (an FP8
+    cache's stored values, before its scale)."""
+    fp8 = kv_quant.is_fp8(cache)
+    flat = (cache.view(torch.uint8) if fp8 else cache).flatten(0, 1)  # FP8 rows are selected as bytes
+    rows = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
+    return (rows.view(kv_quant.FP8) if fp8 else rows).float()
 
 
 def paged_attention_reference(
@@ -176,8 +208,13 @@ def paged_attention_reference(
     max_seq_len: int,
     scale: float,
     plan: GatherPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
-    """Float32 math in torch: the CPU path and the kernels' oracle."""
+    """Float32 math in torch: the CPU path and the kernels' oracle. An FP8 cache is dequantized by folding
+    its scales into the math: the K scale into the score factor, the V scale into the output."""
+    fp8 = kv_quant.is_fp8(k_cache)
+    score_scale = scale * k_scale if fp8 else scale
     if plan is None:
         plan = plan_gather(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
@@ -187,14 +224,20 @@ def paged_attention_reference(
         k = _gather(k_cache, plan.short_slots).transpose(1, 2)  # [B, Hk, L, D]
         v = _gather(v_cache, plan.short_slots).transpose(1, 2)
         qs = q[rows].float().transpose(1, 2)  # [B, H, Q, D]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=plan.short_mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=plan.short_mask, scale=score_scale, enable_gqa=True
+        )
+        if fp8:
+            o = o * v_scale
         out[rows[valid]] = o.transpose(1, 2)[valid].to(q.dtype)
     for start, end, slots, causal in plan.prefills:
         k = _gather(k_cache, slots).transpose(0, 1)
         v = _gather(v_cache, slots).transpose(0, 1)
         qs = q[start:end].float().transpose(0, 1)
         o = F.scaled_dot_product_attention(
-            qs, k, v, attn_mask=causal, is_causal=causal is None, scale=scale, enable_gqa=True
+            qs, k, v, attn_mask=causal, is_causal=causal is None, scale=score_scale, enable_gqa=True
         )
+        if fp8:
+            o = o * v_scale
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out

@@ -95,6 +95,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)
+        # An FP8 cache's per-layer scales (stored = x / scale): the checkpoint's, else 1.0.
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         n = x.shape[0]
@@ -106,8 +108,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         ctx = get_context()
-        store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        out = context_attention(q.contiguous(), self.k_cache, self.v_cache, ctx, self.scale)
+        store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
+        out = context_attention(
+            q.contiguous(), self.k_cache, self.v_cache, ctx, self.scale, self.k_scale, self.v_scale
+        )
         return self.tp.all_reduce(self.o_proj(out.reshape(n, self.q_size)))
 
 

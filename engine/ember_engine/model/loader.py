@@ -1,7 +1,8 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into the engine's model.
 
 Each tensor is read through a safetensors slice, so a tensor-parallel rank reads only the bytes of its
-own shard (`Shard.read`), never the whole tensor.
+own shard (`Shard.read`), never the whole tensor. KV-cache scales (`kv_quant.scale_target`) go to their
+attention layer's `k_scale`/`v_scale`, used when the cache is FP8.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 from safetensors import safe_open
 
-from ember_engine.model.llama import LlamaForCausalLM
+from ember_engine.model import kv_quant
+from ember_engine.model.llama import Attention, LlamaForCausalLM
 from ember_engine.model.quant.apply import QuantCollector
 
 # checkpoint projection -> (merged parameter, which shard of it)
@@ -60,6 +62,21 @@ def _shard_sizes(model: LlamaForCausalLM, merged: str) -> list[int]:
     return [s.intermediate_size, s.intermediate_size]
 
 
+def _set_kv_scale(model: LlamaForCausalLM, name: str, target: tuple[str, str], tensor_slice: Any) -> None:
+    module_name, which = target
+    try:
+        attn = model.get_submodule(module_name)
+    except AttributeError:
+        attn = None
+    if not isinstance(attn, Attention):
+        raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (no such attention layer)")
+    value = kv_quant.read_scale(name, tensor_slice[...])
+    if "k" in which:
+        attn.k_scale = value
+    if "v" in which:
+        attn.v_scale = value
+
+
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCollector | None = None) -> None:
     """Copy every checkpoint tensor into place; error naming any missing, unknown or mis-shaped one.
     `quant` takes the tensors of the quantized projections (a quantized checkpoint)."""
@@ -69,6 +86,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCol
         if "rotary_emb" in name:
             continue  # derived buffers some checkpoints carry
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if (kv := kv_quant.scale_target(name)) is not None:
+            _set_kv_scale(model, name, kv, tensor_slice)
             continue
         parts = name.split(".")
         target, shard = name, None

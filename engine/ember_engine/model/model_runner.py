@@ -12,6 +12,7 @@ import torch
 from ember_engine.core.config import EngineConfig
 from ember_engine.core.request import Request
 from ember_engine.core.scheduler import SchedulerOutput
+from ember_engine.model import kv_quant
 from ember_engine.model.context import ForwardContext, set_context
 from ember_engine.model.input_buffers import InputBuffers
 from ember_engine.model.llama import LlamaForCausalLM
@@ -20,6 +21,7 @@ from ember_engine.model.memory import MemoryReport, kv_cache_blocks, read_memory
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
 from ember_engine.model.parallel import SINGLE, TPGroup
 from ember_engine.model.quant import apply as quant_apply
+from ember_engine.model.quant.checkpoint import read_quantization_config
 from ember_engine.model.quant.checkpoint import resolve as resolve_quantization
 from ember_engine.sample.sampler import sampler_peak_probe
 
@@ -82,6 +84,9 @@ class ModelRunner:
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
         )
         self.dtype = resolve_dtype(config.dtype, model_config)
+        self.kv_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_dtype == kv_quant.FP8:
+            kv_quant.check_checkpoint_scheme(read_quantization_config(model_dir or config.model))
         self.block_size = config.block_size
         self.extra_block_bytes = extra_block_bytes
         self.reserved_bytes = reserved_bytes
@@ -129,7 +134,9 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """What one block costs: this model's K and V for block_size tokens, plus a draft model's."""
         heads = self.model.shard.num_kv_heads
-        return kv_block_bytes(self.model_config, self.dtype, self.block_size, heads) + self.extra_block_bytes
+        return (
+            kv_block_bytes(self.model_config, self.kv_dtype, self.block_size, heads) + self.extra_block_bytes
+        )
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -177,7 +184,7 @@ class ModelRunner:
         c = self.model_config
         heads = self.model.shard.num_kv_heads
         shape = (2, c.num_layers, self.num_blocks, self.block_size, heads, c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -264,6 +271,8 @@ class ModelRunner:
                 seq_len,
                 1.0,
                 num_splits=splits,
+                k_scale=layer.k_scale,
+                v_scale=layer.v_scale,
             )
         return LEDGER.compiles - before
 

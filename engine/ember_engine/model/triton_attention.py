@@ -6,6 +6,9 @@ K/V tile it loads serves the whole group, and walks that sequence's keys through
 an online softmax. Decode-heavy batches with long contexts occupy few programs, so they also split the
 keys into segments ("flash-decoding"): each segment writes a normalized partial output and its
 log-sum-exp, and a second kernel merges the segments.
+
+An FP8 cache is read as bytes and decoded in registers (`triton_kv_store.decode_e4m3`); its K scale is
+folded into the score factor and its V scale into the output's normalization.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ember_engine.model import kv_quant
 from ember_engine.model.kernel_launch import jit, launch
+from ember_engine.model.triton_kv_store import as_kernel_cache, decode_e4m3
+from ember_engine.model.triton_kv_store import store_kv as store_kv
 
 # A segment shorter than this costs more in partial writes and merging than its parallelism earns.
 MIN_KEYS_PER_SPLIT = 256
@@ -41,72 +47,6 @@ def choose_num_splits(
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-@triton.jit
-def _store_kv_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    stride_kn,
-    stride_kh,
-    stride_kd,
-    stride_vn,
-    stride_vh,
-    stride_vd,
-    stride_cb,
-    stride_co,
-    stride_ch,
-    stride_cd,
-    BLOCK_SIZE: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS_P2: tl.constexpr,
-    HEAD_P2: tl.constexpr,
-):
-    row = tl.program_id(0)
-    slot = tl.load(slot_ptr + row)
-    if slot < 0:
-        return
-    heads = tl.arange(0, HEADS_P2)[:, None]
-    dims = tl.arange(0, HEAD_P2)[None, :]
-    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
-    dst = (
-        (slot // BLOCK_SIZE) * stride_cb
-        + (slot % BLOCK_SIZE) * stride_co
-        + heads * stride_ch
-        + dims * stride_cd
-    )
-    k = tl.load(key_ptr + row * stride_kn + heads * stride_kh + dims * stride_kd, mask=mask)
-    v = tl.load(value_ptr + row * stride_vn + heads * stride_vh + dims * stride_vd, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout"
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    launch(
-        _store_kv_kernel,
-        (num_tokens,),
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        *key.stride(),
-        *value.stride(),
-        *k_cache.stride(),
-        BLOCK_SIZE=k_cache.shape[1],
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        HEADS_P2=triton.next_power_of_2(num_kv_heads),
-        HEAD_P2=triton.next_power_of_2(head_dim),
-    )
-
-
 # Integer arguments that change while serving (batch size, segment length, the partials' strides, which
 # follow the split count): specializing on them would compile variants mid-serving.
 @jit(do_not_specialize=["num_seqs", "segment_len", "stride_on", "stride_oh", "stride_os", "stride_bt"])
@@ -120,6 +60,7 @@ def _attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     scale_log2,
+    v_scale,
     num_seqs,
     segment_len,
     stride_qn,
@@ -144,6 +85,7 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -194,8 +136,11 @@ def _attention_kernel(
         block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0)
         kv_off = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_co + kv_head * stride_ch
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :] * stride_cd, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :] * stride_cd, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :] * stride_cd, mask=kv_mask, other=0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :] * stride_cd, mask=kv_mask, other=0)
+        if KV_FP8:  # exact in q's dtype: every E4M3 value is a bfloat16, float16 and float32 value
+            k = decode_e4m3(k).to(q_ptr.dtype.element_ty)
+            v = decode_e4m3(v).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -209,6 +154,8 @@ def _attention_kernel(
     seen = denom > 0
     denom = tl.where(seen, denom, 1.0)
     acc = acc / denom[:, None]
+    if KV_FP8:
+        acc = acc * v_scale
     out_rows = (q_start + tok) * stride_on + head * stride_oh + segment * stride_os
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + out_rows[:, None] + dims[None, :] * stride_od, out, mask=q_mask)
@@ -271,10 +218,17 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
-    """`num_splits` forces the number of key segments; by default `choose_num_splits` picks it."""
+    """`num_splits` forces the number of key segments; by default `choose_num_splits` picks it.
+    `k_scale`/`v_scale` dequantize an FP8 cache (and are ignored for any other)."""
     assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share one dtype"
+    assert k_cache.dtype == v_cache.dtype, "the caches must share one dtype"
+    fp8 = kv_quant.is_fp8(k_cache)
+    assert fp8 or q.dtype == k_cache.dtype, "q and the caches must share one dtype"
+    if not fp8:
+        k_scale = v_scale = 1.0
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -305,14 +259,15 @@ def paged_attention(
         _attention_kernel,
         grid,
         q,
-        k_cache,
-        v_cache,
+        as_kernel_cache(k_cache),
+        as_kernel_cache(v_cache),
         target,
         lse,
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * _LOG2_E,
+        scale * _LOG2_E * k_scale,
+        v_scale,
         num_seqs,
         segment_len,
         *q.stride(),
@@ -329,6 +284,7 @@ def paged_attention(
         SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SEARCH_BLOCK=128,
+        KV_FP8=fp8,
     )
     if num_splits > 1:
         launch(

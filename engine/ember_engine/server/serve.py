@@ -11,6 +11,8 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from ember_engine.core.config import KV_CACHE_DTYPES
+
 log = logging.getLogger("ember.serve")
 
 
@@ -40,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         help="quantize the weights at load: fp8, w8a16 or w4a16 (a quantized checkpoint needs no flag)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's element type: auto (the model's dtype) or fp8 (E4M3, per-layer scales)",
     )
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
@@ -124,6 +132,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
         master_addr=args.master_addr,
         master_port=args.master_port,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ember_engine.model import kv_quant
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
 from ember_engine.model.model_runner import ModelRunner, kv_block_bytes
 from ember_engine.sample.grammar import mask_draft_rows
@@ -96,7 +97,8 @@ def draft_model_config(config: EngineConfig, target: ModelConfig, max_model_len:
 
 def draft_cache_bytes(config: EngineConfig, draft: ModelConfig) -> tuple[int, int]:
     """What a draft model adds to the memory plan: KV bytes per block, and its weights' bytes."""
-    per_block = kv_block_bytes(draft, resolve_dtype(config.dtype, draft), config.block_size)
+    kv_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, draft))
+    per_block = kv_block_bytes(draft, kv_dtype, config.block_size)
     weights = sum(f.stat().st_size for f in Path(str(config.draft_model)).glob("*.safetensors"))
     return per_block, weights
 

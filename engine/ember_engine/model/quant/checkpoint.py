@@ -54,10 +54,19 @@ def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
     return qc if isinstance(qc, dict) else None
 
 
+def weights_quantized(qc: dict[str, Any]) -> bool:
+    """False for a compressed-tensors config that quantizes only the KV cache (a `kv_cache_scheme` and no
+    config groups: llm-compressor's output for a KV-cache-only recipe)."""
+    kv_only = qc.get("quant_method") == "compressed-tensors" and not qc.get("config_groups")
+    return not (kv_only and qc.get("kv_cache_scheme"))
+
+
 def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
     """The scheme to run: the checkpoint's own when it is quantized (a different `requested` one is an
     error), else `requested` applied at load, else None (full precision)."""
     qc = read_quantization_config(model_dir)
+    if qc is not None and not weights_quantized(qc):
+        qc = None
     if qc is None:
         if requested is None:
             return None

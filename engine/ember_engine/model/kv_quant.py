@@ -1,0 +1,96 @@
+"""The FP8 KV cache: what the cache stores, how values are quantized into it and read back, and where a
+checkpoint keeps the per-layer scales.
+
+A cache with `kv_cache_dtype="fp8"` holds float8_e4m3fn. Each attention layer has one K scale and one V
+scale (floats; 1.0 unless the checkpoint carries them): a write stores `x / scale`, saturated to ±448
+(E4M3's largest finite value) and rounded to the nearest E4M3 value (ties to even); a read gives
+`stored * scale`. The division is done as a multiplication by the float32 reciprocal, in the torch path
+and in the Triton kernels alike, so both store the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+# Checkpoint tensors holding KV scales, by the suffix after `...self_attn.`: compressed-tensors (what
+# llm-compressor's kv_cache_scheme writes), its older output-activation form, ModelOpt's, and the single
+# shared scale of older FP8 checkpoints.
+_SCALE_SUFFIXES = {
+    "k_scale": "k",
+    "v_scale": "v",
+    "k_proj.output_scale": "k",
+    "v_proj.output_scale": "v",
+    "k_proj.k_scale": "k",
+    "v_proj.v_scale": "v",
+    "kv_scale": "kv",
+}
+
+
+def check_checkpoint_scheme(quantization_config: dict[str, Any] | None) -> None:
+    """Refuse, by name, a checkpoint's KV-cache scheme (compressed-tensors `kv_cache_scheme`) whose scales
+    an FP8 cache cannot use: only static, symmetric FP8 with one scale per tensor is."""
+    scheme = (quantization_config or {}).get("kv_cache_scheme")
+    if not scheme:
+        return
+    kind, bits, strategy = scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy")
+    if (
+        (kind, bits, strategy) != ("float", 8, "tensor")
+        or scheme.get("dynamic")
+        or not scheme.get("symmetric")
+    ):
+        raise ValueError(
+            f"kv_cache_scheme: {kind} {bits}-bit, strategy {strategy!r}, dynamic={scheme.get('dynamic')}, "
+            f"symmetric={scheme.get('symmetric')} is not supported with kv_cache_dtype fp8; supported: float "
+            "8-bit, strategy 'tensor', static, symmetric"
+        )
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type: `auto` keeps the model's dtype."""
+    return FP8 if kv_cache_dtype == "fp8" else model_dtype
+
+
+def is_fp8(cache: Tensor) -> bool:
+    return cache.dtype == FP8
+
+
+def reciprocal(scale: float) -> float:
+    """1 / scale rounded to float32, the factor a write multiplies by."""
+    return float(torch.tensor(1.0 / scale, dtype=torch.float32))
+
+
+def quantize(x: Tensor, scale: float) -> Tensor:
+    """x / scale as E4M3 (saturating; ties to even)."""
+    return (x.float() * reciprocal(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(x: Tensor, scale: float) -> Tensor:
+    """Stored E4M3 values back to float32."""
+    return x.float() * scale
+
+
+def scale_target(name: str) -> tuple[str, str] | None:
+    """For a checkpoint tensor holding a KV scale: (the attention module's name, "k", "v" or "kv");
+    None for any other tensor."""
+    head, sep, tail = name.partition(".self_attn.")
+    if not sep or tail not in _SCALE_SUFFIXES:
+        return None
+    return head + ".self_attn", _SCALE_SUFFIXES[tail]
+
+
+def read_scale(name: str, tensor: Tensor) -> float:
+    """A per-tensor scale as a float. Scales per head or per channel are refused by name."""
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"KV scale {name!r} has shape {tuple(tensor.shape)}; only one scale per layer is supported"
+        )
+    value = float(tensor.float().reshape(()))
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"KV scale {name!r} is {value}; it must be a positive finite number")
+    return value

@@ -1,0 +1,40 @@
+"""Writes a copy of a test checkpoint with static FP8 KV-cache scales, as llm-compressor writes them
+(`kv_cache_scheme`: one K and one V scale per attention layer, calibrated on a few fixed random-token
+rows): `python kv_scales_build.py SRC DST PRESET`, PRESET FP8_KV (FP8_DYNAMIC weights too) or KV (the
+weights left as they are). Run in its own process, like quant_build.py."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def build(src: Path, dst: Path, preset: str) -> None:
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(10, 4000, (64,), generator=gen).tolist() for _ in range(8)]
+    data = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * 64 for _ in rows]})
+    if preset == "FP8_KV":
+        recipe = QuantizationModifier(
+            targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"], kv_cache_scheme=KV_SCHEME
+        )
+    else:
+        recipe = QuantizationModifier(kv_cache_scheme=KV_SCHEME)
+    oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=8, max_seq_length=64)
+    model.save_pretrained(dst, save_compressed=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).exists() and not (dst / name).exists():
+            shutil.copy(src / name, dst / name)
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
