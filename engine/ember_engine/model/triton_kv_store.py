@@ -21,11 +21,11 @@ from ember_engine.model.kernel_launch import launch
 @triton.jit
 def encode_e4m3(x):
     """float32 -> E4M3 byte (uint8): saturating at ±448, ties to even; nan -> 0x7f (sign kept)."""
-    is_nan = x != x
+    raw = x.to(tl.int32, bitcast=True)
+    sign = (raw >> 24) & 0x80
+    is_nan = (raw & 0x7FFFFFFF) > 0x7F800000  # from the bits: no float comparison for a compiler to fold
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag_bits = bits & 0x7FFFFFFF
+    mag_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     mag = mag_bits.to(tl.float32, bitcast=True)
     # Normal range (>= 2**-6): keep 3 mantissa bits, rounding to nearest-even on the 20 dropped ones; a
     # carry rolls into the exponent, which is rebiased from 127 to 7.
@@ -41,15 +41,16 @@ def encode_e4m3(x):
 
 @triton.jit
 def decode_e4m3(byte):
-    """E4M3 byte (uint8) -> float32, exactly."""
+    """E4M3 byte (uint8) -> float32, exactly; built as float32 bits throughout, since a float negation
+    compiles to 0 - x on a GPU, which turns -0.0 into +0.0."""
     b = byte.to(tl.int32)
     sign = (b & 0x80) << 24
     mag = b & 0x7F
-    normal = ((mag << 20) + (120 << 23) | sign).to(tl.float32, bitcast=True)
-    sub = mag.to(tl.float32) * 0.001953125
-    sub = tl.where(sign != 0, -sub, sub)
-    out = tl.where(mag < 8, sub, normal)
-    return tl.where(mag == 0x7F, float("nan"), out)
+    normal = (mag << 20) + (120 << 23)
+    sub = (mag.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # multiples of 2**-9
+    bits = tl.where(mag < 8, sub, normal)
+    bits = tl.where(mag == 0x7F, 0x7FC00000, bits)  # the quiet NaN
+    return (bits | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
