@@ -123,7 +123,8 @@ class Demo:
             "3. Ready",
             "The operator creates each one's engine pods, its routers (a Deployment of `ember router`), its",
             "Service (which selects the routers) and policy ConfigMap; the kubelet starts the processes; each",
-            "is Ready when its engines answer /ready (ROUTERS: Ready routers / wanted).",
+            "is Ready when its engines answer /ready, and reachable once its routers are Ready too (ROUTERS:",
+            "Ready routers / wanted).",
         )
         with self.watch.running():
             self.wait(lambda: self.ready("tiny", warm=True) and self.ready("tiny-fallback"), "both Ready")
@@ -273,8 +274,10 @@ class Demo:
     def ready(self, name: str, warm: bool = False, active: int = 1) -> bool:
         status = self.eis(name).get("status") or {}
         conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+        # The Service selects the routers: until they are Ready too, nothing reaches the engines.
         return (
             conditions.get("Ready") == "True"
+            and conditions.get("RouterReady") == "True"
             and (not warm or conditions.get("WarmPoolReady") == "True")
             and (status.get("readyReplicas") or 0) >= active
             and bool(status.get("endpoint"))
