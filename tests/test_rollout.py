@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ember_operator.desired import ACTIVE, WARM
-from ember_operator.rollout import PodPlan, PodView, plan_pods
+from ember_operator.rollout import PodPlan, PodView, Releases, plan_pods
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -245,15 +245,22 @@ def test_failures_are_covered_from_the_pool_as_far_as_it_goes(active: int, warm:
 
 class FullPool(Cluster):
     """A cluster with room for `capacity` pods: the others stay Pending (Unschedulable) and do not start
-    until a pod is gone; a deleted pod terminates for one pass, holding its slot."""
+    until a pod is gone; a deleted pod terminates for one pass, holding its slot. The scheduler places a
+    waiting pod `lag` passes after a slot frees (kube-scheduler retries an unschedulable pod after a
+    back-off, and its binding reaches the operator through a watch); until then the pod still shows
+    Unschedulable."""
 
-    def __init__(self, startup: int, capacity: int) -> None:
+    def __init__(self, startup: int, capacity: int, lag: int = 0) -> None:
         super().__init__(startup)
         self.capacity = capacity
+        self.lag = lag
         self.dying: dict[str, SimPod] = {}
+        self.freed: list[int] = []  # the clock when each slot was freed
+        self.releases = Releases()
 
     def placed(self) -> set[str]:
-        room = self.capacity - len(self.dying)
+        settling = sum(self.clock - t < self.lag for t in self.freed)
+        room = self.capacity - len(self.dying) - settling
         return {p.name for p in sorted(self.pods.values(), key=lambda p: p.created)[: max(0, room)]}
 
     def views(self) -> list[PodView]:
@@ -272,13 +279,22 @@ class FullPool(Cluster):
 
     def roll_step(self, template_hash: str, active: int, warm: int, surge: int, unavailable: int) -> PodPlan:
         placed = self.placed()
+        views = self.views()
+        rescheduling = self.releases.observe([v.name for v in views], float(self.clock))
         plan = plan_pods(
-            self.views(), template_hash, active, warm, max_surge=surge, max_unavailable=unavailable
+            views,
+            template_hash,
+            active,
+            warm,
+            max_surge=surge,
+            max_unavailable=unavailable,
+            rescheduling=rescheduling,
         )
         for name in plan.promote:
             self.pods[name].role = ACTIVE
         for name in plan.demote:
             self.pods[name].role = WARM
+        self.freed += [self.clock] * len(self.dying)
         self.dying = {name: self.pods.pop(name) for name in plan.delete}
         for _ in range(plan.create_warm):
             name = next(self.names)
@@ -300,15 +316,16 @@ class FullPool(Cluster):
     startup=st.integers(1, 3),
     surge=st.integers(0, 2),
     unavailable=st.integers(0, 2),
+    lag=st.integers(0, 3),
 )
 def test_a_roll_completes_on_a_pool_with_no_spare_gpu(
-    active: int, warm: int, startup: int, surge: int, unavailable: int
+    active: int, warm: int, startup: int, surge: int, unavailable: int, lag: int
 ) -> None:
     assume(surge > 0 or unavailable > 0)  # the CRD refuses both 0
     # With neither a pool nor room to go below the target, a full pool cannot roll: by design it waits
     # (WaitingForCapacity, then Stalled), as a Deployment with maxUnavailable 0 would.
     assume(warm > 0 or unavailable > 0)
-    c = FullPool(startup, capacity=active + warm)  # exactly full
+    c = FullPool(startup, capacity=active + warm, lag=lag)  # exactly full
     c.settle("old", active, warm)
     floor = active if warm > 0 or unavailable == 0 else active - unavailable
     for _ in range(200):

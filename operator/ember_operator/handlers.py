@@ -260,6 +260,7 @@ class Reconciler:
             spec.warm_pool.failover_after_seconds,
             spec.rollout.max_surge,
             spec.rollout.max_unavailable,
+            memory.releases.observe((v.name for v in views), time.monotonic()),
         )
         if groups is None and spec.resources.nodes > 1:
             # Nothing changes until the API is there: a roll from pods to groups would only take pods away.

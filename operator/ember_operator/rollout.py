@@ -10,7 +10,9 @@ sees the outcome. Three rules make it safe to repeat:
 - Pods that are not Ready serve nothing, so retiring them never costs capacity.
 - A roll (pods of an older template remain) keeps to `max_surge` extra pods and, when no new pod can make
   progress (none starting that a node can take), retires up to `max_unavailable` Ready active old pods to
-  free room: on a cluster with no spare GPU it still completes, one pod (or the warm pool) at a time.
+  free room: on a cluster with no spare GPU it still completes, one pod (or the warm pool) at a time. A
+  waiting pod is judged stuck only once the scheduler has had time to retry it since a pod last went away
+  (`RESCHEDULE_SECONDS`): before that, its Unschedulable condition may predate the room just freed.
 - An active pod that fails (its engine container is down, or it has not been Ready for `failover_after`
   seconds) is replaced by a Ready warm pod in the same pass: the failed pod is deleted, the warm pod
   promoted, and the pool refilled. Without a Ready warm pod the failed one stays: its own restart is then
@@ -19,10 +21,16 @@ sees the outcome. Three rules make it safe to repeat:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from ember_operator.desired import ACTIVE, WARM
+
+# How long after one of its pods is gone the plan still expects a waiting (Unschedulable) pod to be placed
+# in the room it left: kube-scheduler retries an unschedulable pod when a pod is deleted, but only once its
+# back-off has passed, and that back-off grows to podMaxBackoffDuration, 10 s by default.
+RESCHEDULE_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +69,24 @@ class PodPlan:
         return not (self.create_warm or self.promote or self.demote or self.delete)
 
 
+@dataclass(slots=True)
+class Releases:
+    """When a pod (or group) of one InferenceService last went away, from the names each pass sees."""
+
+    grace: float = RESCHEDULE_SECONDS
+    seen: set[str] = field(default_factory=set)
+    last: float | None = None
+
+    def observe(self, names: Iterable[str], now: float) -> bool:
+        """Record this pass's names (`now` in seconds, monotonic); True while room a pod left may still be
+        taken by a pod the scheduler has yet to retry."""
+        current = set(names)
+        if self.seen - current:
+            self.last = now
+        self.seen = current
+        return self.last is not None and now - self.last < self.grace
+
+
 def _retire_order(pod: PodView) -> tuple[bool, float]:
     # Not-ready pods first (they serve nothing), then the youngest (the least likely to have warm caches).
     return (pod.ready, -pod.created.timestamp())
@@ -75,13 +101,15 @@ def plan_pods(
     failover_after: float = 5.0,
     max_surge: int | None = None,
     max_unavailable: int = 0,
+    rescheduling: bool = False,
 ) -> PodPlan:
     """One step toward `active` Ready active pods and `warm` warm pods, all of `template_hash`.
 
     `now` (with `failover_after`) lets failed active pods be replaced by Ready warm ones. While pods of
     another template remain, at most `active + warm + max_surge` pods live (None: no limit), and when no new
     pod can make progress (none starting that a node can take), up to `max_unavailable` Ready active pods
-    of the old template are retired to make room.
+    of the old template are retired to make room. `rescheduling` (from `Releases`) says room was freed too
+    lately to know yet whether the scheduler will place a waiting pod in it: no old pod is retired then.
     """
     plan = PodPlan()
     live = []
@@ -159,9 +187,9 @@ def plan_pods(
     alive = sum(p.name not in gone for p in live)
     room = max(0, active + warm + max_surge - alive)
     in_flight = [p for p in current if not p.ready and not p.unschedulable and p.name not in gone]
-    # Pods of ours terminating (or retired in this pass) are about to free their resources: wait for them
-    # before retiring more.
-    releasing = bool(gone) or any(p.deleting for p in pods)
+    # Pods of ours terminating (or retired in this pass) are about to free their resources, and room freed
+    # lately may yet go to a waiting pod (`rescheduling`): wait for them before retiring more.
+    releasing = bool(gone) or any(p.deleting for p in pods) or rescheduling
     if min(wanted, room) == 0 and not in_flight and not releasing:
         # New pods that no node can take, and new pods the surge leaves no room for: each retired old pod
         # frees room for one (its place in the count, and its resources once it is gone).

@@ -20,7 +20,7 @@ from ember_operator.desired import ACTIVE, Owner
 from ember_operator.known import Known
 from ember_operator.podcache import Pending
 from ember_operator.pods import metrics_url
-from ember_operator.rollout import PodView
+from ember_operator.rollout import PodView, Releases
 from ember_operator.scrape import PodSample, Scraper
 from ember_operator.spec import InferenceServiceSpec
 from ember_operator.status import Condition
@@ -53,6 +53,7 @@ class Memory:
     pending: Pending = field(default_factory=Pending)  # pod writes the pod index may not show yet
     has_groups: bool | None = None  # whether the last LeaderWorkerSet LIST found any (None: not listed)
     known: Known = field(default_factory=Known)  # children made sure of, until the next resync
+    releases: Releases = field(default_factory=Releases)  # when a pod of its last went away
 
     @classmethod
     def restored(cls, status: dict[str, Any]) -> Memory:
