@@ -21,9 +21,13 @@ pods already bound there request). Then, as kube-scheduler does:
   message (once per distinct message).
 
 Pods are taken highest `spec.priority` first, then oldest, as the scheduling queue's PrioritySort does.
-Every change to a pod or a node (a pod ending or going away, a node added, relabelled, uncordoned or
-untainted) runs a new pass over all pending pods, which stands in for the scheduling queue's
-unschedulable pods moving back to the active queue; there is no back-off.
+A pod that found no node waits, as in the scheduling queue's unschedulable pool, until a change that could
+make room: a pod going away (or ending), a bound pod changing, a node added or changed (relabelled,
+uncordoned, untainted); a new pending pod or a pending pod's own update is not one. It is then retried once
+its back-off has passed: 1 s after its first failed attempt, doubling with each further one up to 10 s
+(`podInitialBackoffDuration`, `podMaxBackoffDuration`). A pod no change has moved is retried after 5 min
+(`podMaxInUnschedulablePodsDuration`). A pod retried too early would bind sooner than on a real cluster, and
+a controller judging from a stale `Unschedulable` condition would go untested.
 
 Not modelled (besides what `fit.py` lists): preemption, nominated nodes, multiple profiles, extenders,
 binding cycles that wait (permit, volume binding), pod groups.
@@ -35,6 +39,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,6 +52,7 @@ from ember_localcluster import fit
 from ember_localcluster.events import pod_event
 from ember_localcluster.informer import API_TIMEOUT
 from ember_localcluster.runtime import BackgroundRuntime
+from ember_localcluster.schedqueue import Backoff, placement
 
 __all__ = ["SCHEDULER_NAME", "Scheduler"]
 
@@ -84,6 +90,8 @@ class Scheduler:
         self._nodes: dict[str, dict[str, Any]] = {}
         self._assumed: dict[str, str] = {}  # pod uid -> node, bound here and not yet seen bound
         self._reported: dict[str, str] = {}  # pod uid -> the last FailedScheduling message sent
+        self._backoff: dict[str, Backoff] = {}  # pod uid -> its wait after failed attempts
+        self._timer: asyncio.TimerHandle | None = None
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -133,22 +141,34 @@ class Scheduler:
             self._wakeup.set()
 
     def _on_node(self, kind: str, node: dict[str, Any]) -> None:
+        name = node["metadata"]["name"]
         if kind == "DELETED":
-            self._nodes.pop(node["metadata"]["name"], None)
+            self._nodes.pop(name, None)
         else:
-            self._nodes[node["metadata"]["name"]] = node
+            before = self._nodes.get(name)
+            self._nodes[name] = node
+            if before is None or placement(before) != placement(node):  # not a heartbeat
+                self._move()
         self._wake()
+
+    def _move(self) -> None:
+        """A change that may make room: every waiting pod becomes due once its back-off has passed."""
+        for waiting in self._backoff.values():
+            waiting.moved = True
 
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         uid = pod["metadata"]["uid"]
         if kind == "DELETED":
             self._pods.pop(_key(pod), None)
-            self._assumed.pop(uid, None)
+            if (pod.get("spec") or {}).get("nodeName") or self._assumed.pop(uid, None):
+                self._move()  # its node has room again
             self._reported.pop(uid, None)
+            self._backoff.pop(uid, None)
         else:
             self._pods[_key(pod)] = pod
             if (pod.get("spec") or {}).get("nodeName"):
                 self._assumed.pop(uid, None)
+                self._backoff.pop(uid, None)
         self._wake()
 
     async def _loop(self) -> None:
@@ -197,8 +217,25 @@ class Scheduler:
                 infos[node].pods.append(pod)
         return infos
 
+    def _due(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The pending pods not waiting out a back-off; a wake-up is set for the first that is."""
+        now = time.monotonic()
+        due, soonest = [], None
+        for pod in pending:
+            waiting = self._backoff.get(pod["metadata"]["uid"])
+            if waiting is None or waiting.retry_at() <= now:
+                due.append(pod)
+            else:
+                soonest = waiting.retry_at() if soonest is None else min(soonest, waiting.retry_at())
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if soonest is not None:
+            self._timer = asyncio.get_running_loop().call_later(soonest - now, self._wake)
+        return due
+
     async def _schedule_pending(self) -> None:
-        pending = self._pending()
+        pending = self._due(self._pending())
         if not pending:
             return
         infos = self._node_infos()
@@ -212,6 +249,10 @@ class Scheduler:
                 if await self._bind(pod, best.name):
                     best.pods.append(pod)
             else:
+                uid = pod["metadata"]["uid"]
+                previous = self._backoff.get(uid)
+                attempts = 1 if previous is None else previous.attempts + 1
+                self._backoff[uid] = Backoff(attempts, time.monotonic())
                 await self._unschedulable(pod, fit.failure_message(pod, results))
 
     async def _api(self, method: Any, *args: Any, **kwargs: Any) -> Any:
