@@ -14,6 +14,7 @@ elsewhere (llm-compressor's, `ember quantize`'s) of the same model, loaded in it
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -56,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the results here")
 
 
+@functools.lru_cache(maxsize=2)
 def held_out(model_dir: Path) -> torch.Tensor:
+    """The pair's held-out token ids (tokenizing the corpus takes seconds; kept per model directory)."""
     from ember_engine.tools import testmodel
     from ember_engine.tools.training import corpus_tokens
 
