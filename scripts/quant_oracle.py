@@ -1,11 +1,13 @@
 """ember against transformers + compressed-tensors on llm-compressor's checkpoints of the packaged trained
 target, layer by layer and token by token, with the quality each scheme costs the oracle itself:
 
-    python scripts/quant_oracle.py [WORKDIR]
+    python scripts/quant_oracle.py [WORKDIR] [DTYPE]
 
-writes FP8_DYNAMIC and W8A16 checkpoints of the target with `tests/quant_build.py` into WORKDIR (kept and
+(DTYPE: float32, the default, or bfloat16: both models, quantized and not, run in it) writes FP8_DYNAMIC and W8A16 checkpoints of the target with `tests/quant_build.py` into WORKDIR (kept and
 reused), then prints, per scheme:
-- every projection fed the input the oracle's layer saw: the largest relative L2 difference of outputs;
+- every projection fed the input the oracle's layer saw: the largest relative L2 difference of outputs,
+  ember against the oracle and each against the exact product (float64 arithmetic on the checkpoint's
+  quantized weights and scales, activations quantized per token in float64 for fp8);
 - each decoder layer's output, ember against the oracle, on one 256-token held-out window (relative L2);
 - logits over held-out windows: ember against the oracle, and each against its own full precision
   (largest and mean |difference|, teacher-forced argmax agreement);
@@ -45,12 +47,36 @@ def build(src: Path, workdir: Path, preset: str) -> Path:
     return dst
 
 
+DTYPE = sys.argv[2] if len(sys.argv) > 2 else "float32"
+
+
 def oracle(path: Path) -> Any:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPE))
 
 
-def projections(hf: Any, llm: LLM, seq: torch.Tensor) -> float:
-    """Each of ember's projections on the input the oracle's layer saw: worst relative L2 difference."""
+def engine(path: Path, **options: Any) -> LLM:
+    return LLM(str(path), dtype=DTYPE, max_num_seqs=64, **options)
+
+
+def exact(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """The projection's product in float64, from the weights and scales ember holds."""
+    w = module.dequantized(torch.float32).double()
+    x = x.double()
+    if isinstance(module, Fp8Linear):
+        scale = x.abs().amax(dim=-1, keepdim=True) / schemes.FP8_MAX
+        x = (x / scale).clamp(-schemes.FP8_MAX, schemes.FP8_MAX).float().to(
+            torch.float8_e4m3fn
+        ).double() * scale
+    return x @ w.t()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def projections(hf: Any, llm: LLM, seq: torch.Tensor) -> tuple[float, float, float]:
+    """Each of ember's projections on the input the oracle's layer saw: the worst relative L2 difference,
+    ember against the oracle, ember against the exact product, the oracle against it."""
     seen: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = []
     for i, layer in enumerate(hf.model.layers):
@@ -64,7 +90,7 @@ def projections(hf: Any, llm: LLM, seq: torch.Tensor) -> float:
     hf(seq[None])
     for hook in hooks:
         hook.remove()
-    worst = 0.0
+    worst = [0.0, 0.0, 0.0]
     for i, layer in enumerate(llm.engine.runner.model.model.layers):
         for module, parts in (
             (layer.self_attn.qkv_proj, ATTN[:3]),
@@ -73,9 +99,11 @@ def projections(hf: Any, llm: LLM, seq: torch.Tensor) -> float:
             (layer.mlp.down_proj, ("down_proj",)),
         ):
             want = torch.cat([seen[(i, p)][1] for p in parts], dim=-1)
-            got = module(seen[(i, parts[0])][0])
-            worst = max(worst, ((got - want).norm() / want.norm()).item())
-    return worst
+            x = seen[(i, parts[0])][0]
+            got, ref = module(x), exact(module, x)
+            for k, d in enumerate((rel(got, want), rel(got, ref), rel(want, ref))):
+                worst[k] = max(worst[k], d)
+    return worst[0], worst[1], worst[2]
 
 
 def layer_outputs(hf: Any, llm: LLM, seq: torch.Tensor) -> list[float]:
@@ -94,9 +122,7 @@ def layer_outputs(hf: Any, llm: LLM, seq: torch.Tensor) -> list[float]:
     llm.engine.runner.forward([Chunk(list(range(len(seq) // 16 + 1)), 0, seq.tolist(), num_logits=1)])
     for hook in hooks:
         hook.remove()
-    return [
-        ((got[i] - hidden[i + 1][0]).norm() / hidden[i + 1][0].norm()).item() for i in range(len(layers) - 1)
-    ]
+    return [rel(got[i], hidden[i + 1][0]) for i in range(len(layers) - 1)]
 
 
 def logits_ember(llm: LLM, windows: list[torch.Tensor]) -> torch.Tensor:
@@ -141,14 +167,14 @@ def ablations(target: Path, prompts: list[list[int]], reference: list[list[int]]
     """fp8 with only one side quantized, and whole-model 16-bit dtypes, against float32 greedy output."""
     full = {
         n: m.weight.detach()
-        for n, m in LLM(str(target), max_num_seqs=64).engine.runner.model.named_modules()
+        for n, m in engine(target).engine.runner.model.named_modules()
         if hasattr(m, "weight") and n.endswith("_proj")
     }
     scaled_mm = Fp8Linear.matmul
     try:
         Fp8Linear.matmul = lambda self, x: x @ self.dequantized(x.dtype).t()  # type: ignore[method-assign]
-        weights_only = greedy_ember(LLM(str(target), quantization="fp8", max_num_seqs=64), prompts)
-        llm = LLM(str(target), quantization="fp8", max_num_seqs=64)
+        weights_only = greedy_ember(engine(target, quantization="fp8"), prompts)
+        llm = engine(target, quantization="fp8")
         for name, module in llm.engine.runner.model.named_modules():
             if isinstance(module, Fp8Linear):
                 module.full_weight = full[name]
@@ -181,7 +207,7 @@ def main() -> None:
     windows = [text[w * WINDOW : (w + 1) * WINDOW] for w in range(WINDOWS)]
     stride = len(text) // (PROMPTS + 1)
     prompts = [text[i * stride : i * stride + PROMPT_TOKENS].tolist() for i in range(PROMPTS)]
-    hf_full, llm_full = oracle(target), LLM(str(target), max_num_seqs=64)
+    hf_full, llm_full = oracle(target), engine(target)
     ref_hf, ref_ember = logits_oracle(hf_full, windows), logits_ember(llm_full, windows)
     greedy_hf_full, greedy_ember_full = greedy_oracle(hf_full, prompts), greedy_ember(llm_full, prompts)
     print(
@@ -190,10 +216,12 @@ def main() -> None:
     )
     for scheme, preset in PRESETS.items():
         path = build(target, workdir, preset)
-        hf, llm = oracle(path), LLM(str(path), max_num_seqs=64)
-        print(f"\n{scheme} ({preset}, {path})")
+        hf, llm = oracle(path), engine(path)
+        print(f"\n{scheme} ({preset}, {path}, {DTYPE})")
+        worst = projections(hf, llm, windows[0])
         print(
-            f"  projections on the oracle's inputs: worst relative L2 {projections(hf, llm, windows[0]):.2e}"
+            f"  projections on the oracle's inputs, worst relative L2: ember against the oracle {worst[0]:.2e},"
+            f" ember against the exact product {worst[1]:.2e}, the oracle against it {worst[2]:.2e}"
         )
         layers = " ".join(f"{d:.1e}" for d in layer_outputs(hf, llm, windows[0]))
         print(f"  decoder layer outputs, relative L2: {layers}")
@@ -207,8 +235,9 @@ def main() -> None:
             f" ember against its full precision {agreement(g_ember, greedy_ember_full):.3f},"
             f" ember against the oracle {agreement(g_ember, g_hf):.3f}"
         )
-    print()
-    ablations(target, prompts, greedy_ember_full)
+    if DTYPE == "float32":  # the ablations compare with float32 output
+        print()
+        ablations(target, prompts, greedy_ember_full)
 
 
 if __name__ == "__main__":
