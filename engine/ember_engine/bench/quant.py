@@ -3,10 +3,10 @@ run on one model.
 
 Per configuration: weight bytes (the whole model, and the decoder projections alone against the same
 projections in bf16), KV blocks at a fixed cache memory, decode tokens/s at batch 1 and 32, perplexity on
-held-out text, and greedy agreement with full precision over 64 tokens (the fraction of generated
-positions holding the same token) and teacher-forced next-token agreement (the fraction of held-out positions
-where the argmax matches full precision's, each position given the true text before it). The FP8 KV cache's row (`kv-fp8`) keeps full-precision weights and
-stores K and V as E4M3. Default model: the packaged trained target, whose held-out split (files its
+held-out text, greedy agreement with full precision over 64 tokens (the fraction of generated positions
+holding the same token) and teacher-forced next-token agreement (the fraction of held-out positions where
+the argmax is full precision's, each position given the true text before it). The FP8 KV cache's row
+(`kv-fp8`) keeps full-precision weights and stores K and V as E4M3. Default model: the packaged trained target, whose held-out split (files its
 training never saw) is the perplexity text. `--checkpoint LABEL=DIR` adds a row for a checkpoint quantized
 elsewhere (llm-compressor's, `ember quantize`'s) of the same model, loaded in its own scheme.
 """
