@@ -49,15 +49,22 @@ def small_model() -> Path:
 
 
 def quantized_checkpoint(size: str, preset: str, script: str = "quant_build.py") -> Path:
-    """The `size` test model quantized by llm-compressor with `preset` (FP8_DYNAMIC, W8A16, W4A16), built
-    once into the cache (keyed also by the build script, so a change to it rebuilds). `script`
+    """The `size` test model (or, for "trained", the packaged trained target) quantized by llm-compressor
+    with `preset` (FP8_DYNAMIC, W8A16, W4A16), built once into the cache (keyed also by the build script,
+    so a change to it rebuilds). `script`
     kv_scales_build.py adds static KV-cache scales (preset FP8_KV: to FP8 weights; KV: alone)."""
     build = Path(__file__).with_name(script)
     key = hashlib.sha256(build.read_bytes()).hexdigest()[:8]
     path = _cache_root() / f"{size}-{preset.lower()}-{key}"
     if not (path / "config.json").exists():
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        subprocess.run([sys.executable, str(build), str(_checkpoint(size)), str(tmp), preset], check=True)
+        if size == "trained":
+            from ember_engine.tools.spec_pair import packaged_pair
+
+            source = packaged_pair()[0]
+        else:
+            source = _checkpoint(size)
+        subprocess.run([sys.executable, str(build), str(source), str(tmp), preset], check=True)
         if path.exists():
             shutil.rmtree(tmp)
         else:

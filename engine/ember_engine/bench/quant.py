@@ -3,15 +3,18 @@ run on one model.
 
 Per configuration: weight bytes (the whole model, and the decoder projections alone against the same
 projections in bf16), KV blocks at a fixed cache memory, decode tokens/s at batch 1 and 32, perplexity on
-held-out text, and greedy agreement with full precision over 64 tokens (the fraction of generated
-positions holding the same token). The FP8 KV cache's row (`kv-fp8`) keeps full-precision weights and
-stores K and V as E4M3. Default model: the packaged trained target, whose held-out split (files its
-training never saw) is the perplexity text.
+held-out text, greedy agreement with full precision over 64 tokens (the fraction of generated positions
+holding the same token) and teacher-forced next-token agreement (the fraction of held-out positions where
+the argmax is full precision's, each position given the true text before it). The FP8 KV cache's row
+(`kv-fp8`) keeps full-precision weights and stores K and V as E4M3. Default model: the packaged trained target, whose held-out split (files its
+training never saw) is the perplexity text. `--checkpoint LABEL=DIR` adds a row for a checkpoint quantized
+elsewhere (llm-compressor's, `ember quantize`'s) of the same model, loaded in its own scheme.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -39,14 +42,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=3,
-        help="decode rates are measured this many times, round-robin over the configurations; best kept",
+        help="decode rates are measured this many times, round-robin over the configurations; best kept"
+        " (0: quality and sizes only, no rates)",
     )
     p.add_argument("--ppl-windows", type=int, default=16, help="held-out windows of 512 tokens scored")
     p.add_argument("--prompts", type=int, default=32, help="greedy-agreement prompts (also batch 32's)")
+    p.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="a row for a quantized checkpoint of the same model (repeatable)",
+    )
     p.add_argument("--json", help="write the results here")
 
 
+@functools.lru_cache(maxsize=2)
 def held_out(model_dir: Path) -> torch.Tensor:
+    """The pair's held-out token ids (tokenizing the corpus takes seconds; kept per model directory)."""
     from ember_engine.tools import testmodel
     from ember_engine.tools.training import corpus_tokens
 
@@ -55,19 +68,21 @@ def held_out(model_dir: Path) -> torch.Tensor:
     return corpus_tokens(model_dir / "tokenizer.json", eos)[1]
 
 
-def perplexity(llm: Any, tokens: torch.Tensor, windows: int, length: int = 512) -> float:
+def score(llm: Any, tokens: torch.Tensor, windows: int, length: int = 512) -> tuple[float, torch.Tensor]:
+    """Perplexity over `windows` held-out windows, and the argmax next token at each of their positions."""
     from ember_engine.model.model_runner import Chunk
 
     runner = llm.engine.runner
     blocks = list(range(-(-length // runner.block_size)))
-    nll, count = 0.0, 0
+    nll, count, argmax = 0.0, 0, []
     for w in range(min(windows, (len(tokens) - 1) // length)):
         seq = tokens[w * length : (w + 1) * length + 1]
         logits = runner.forward([Chunk(blocks, 0, seq[:-1].tolist(), num_logits=length)])
         target = seq[1:].to(logits.device)
         nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
         count += length
-    return math.exp(nll / count)
+        argmax.append(logits.argmax(-1).cpu())
+    return math.exp(nll / count), torch.cat(argmax)
 
 
 def _decode_rate(llm: Any, prompts: list[list[int]]) -> float:
@@ -86,6 +101,7 @@ def measure(
     args: argparse.Namespace,
     text: torch.Tensor,
     kv_cache_dtype: str = "auto",
+    label: str = "",
 ) -> tuple[dict[str, Any], Any, list[list[int]]]:
     """One configuration's row (all but its decode rates), its engine, and the prompts it decodes."""
     from ember_engine import LLM, SamplingParams
@@ -111,15 +127,17 @@ def measure(
     greedy = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=GEN_TOKENS, ignore_eos=True), use_tqdm=False
     )
+    ppl, next_tokens = score(llm, text, args.ppl_windows)
     row = {
-        "scheme": "kv-fp8" if kv_cache_dtype == "fp8" else scheme or "full",
+        "scheme": label or ("kv-fp8" if kv_cache_dtype == "fp8" else scheme or "full"),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "weight_bytes": weight_bytes(runner.model),
         "projection_bytes_vs_bf16": proj_bytes / (2 * proj_numel),
         "kv_blocks": runner.num_blocks,
-        "perplexity": perplexity(llm, text, args.ppl_windows),
+        "perplexity": ppl,
         "outputs": [list(o.token_ids) for o in greedy],
+        "next_tokens": next_tokens,
         "decode_tok_s_b1": 0.0,
         "decode_tok_s_b32": 0.0,
     }
@@ -129,7 +147,7 @@ def measure(
 def measure_rates(configs: list[tuple[dict[str, Any], Any, list[list[int]]]], repeats: int) -> None:
     """Decode tokens/s at batch 1 and 32 for every configuration, taken round-robin `repeats` times and
     the best kept: a change in the machine's load then touches every configuration alike."""
-    for _ in range(max(1, repeats)):
+    for _ in range(repeats):
         for row, llm, prompts in configs:
             row["decode_tok_s_b1"] = max(row["decode_tok_s_b1"], _decode_rate(llm, prompts[:1]))
             row["decode_tok_s_b32"] = max(row["decode_tok_s_b32"], _decode_rate(llm, prompts[:32]))
@@ -145,6 +163,11 @@ def main(args: argparse.Namespace) -> int:
     configs += [measure(model, s, args, text) for s in args.schemes.split(",") if s]
     if args.kv_fp8:
         configs.append(measure(model, None, args, text, kv_cache_dtype="fp8"))
+    for spec in args.checkpoint:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise SystemExit(f"--checkpoint: expected LABEL=DIR, got {spec!r}")
+        configs.append(measure(Path(path), None, args, text, label=label))
     measure_rates(configs, args.repeats)
     rows = [row for row, _, _ in configs]
     base = rows[0]
@@ -155,21 +178,25 @@ def main(args: argparse.Namespace) -> int:
             for a, b in zip(x, y, strict=True)
         ]
         row["greedy_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+        row["next_token_agreement"] = (row["next_tokens"] == base["next_tokens"]).float().mean().item()
         row["perplexity_ratio"] = row["perplexity"] / base["perplexity"]
-        row["b1_speedup"] = row["decode_tok_s_b1"] / base["decode_tok_s_b1"]
-        row["b32_speedup"] = row["decode_tok_s_b32"] / base["decode_tok_s_b32"]
+        for key, rate in (("b1_speedup", "decode_tok_s_b1"), ("b32_speedup", "decode_tok_s_b32")):
+            row[key] = row[rate] / base[rate] if base[rate] else 0.0
         row["weight_ratio"] = row["weight_bytes"] / base["weight_bytes"]
         row["kv_blocks_ratio"] = row["kv_blocks"] / base["kv_blocks"]
-    head = "scheme  weight MB (x full) proj/bf16 KV blocks (x)    b1 tok/s (x)   b32 tok/s (x)   ppl (x full)    agree64"
+    head = (
+        "scheme      weight MB (x full) proj/bf16 KV blocks (x)    b1 tok/s (x)   b32 tok/s (x)   ppl (x full)"
+        "    agree64 next-token"
+    )
     print(f"model: {model} ({base['dtype']}; KV cache memory {args.kv_cache_memory} bytes)\n{head}")
     for r in rows:
         print(
-            f"{r['scheme']:<7} {r['weight_bytes'] / 1e6:7.2f} ({r['weight_ratio']:.2f})  {r['projection_bytes_vs_bf16']:8.3f}"
+            f"{r['scheme']:<11} {r['weight_bytes'] / 1e6:7.2f} ({r['weight_ratio']:.2f})  {r['projection_bytes_vs_bf16']:8.3f}"
             f" {r['kv_blocks']:9d} ({r['kv_blocks_ratio']:.2f}) {r['decode_tok_s_b1']:7.1f} ({r['b1_speedup']:.2f})"
             f" {r['decode_tok_s_b32']:8.1f} ({r['b32_speedup']:.2f}) {r['perplexity']:7.3f} ({r['perplexity_ratio']:.3f})"
-            f" {r['greedy_agreement']:8.3f}"
+            f" {r['greedy_agreement']:8.3f} {r['next_token_agreement']:10.4f}"
         )
     if args.json:
-        clean = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
+        clean = [{k: v for k, v in r.items() if k not in ("outputs", "next_tokens")} for r in rows]
         Path(args.json).write_text(json.dumps({"model": str(model), "rows": clean}, indent=2) + "\n")
     return 0

@@ -1,0 +1,34 @@
+"""`ember bench quant` on the packaged trained pair, cut down to seconds: its rows, teacher-forced next-token
+agreement beside greedy agreement, and a pre-quantized checkpoint as a row of its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ember_engine.cli import main as ember
+from ember_engine.tools.quantize import quantize_checkpoint
+from ember_engine.tools.spec_pair import packaged_pair
+
+
+def test_rows_report_teacher_forced_agreement_and_a_checkpoint_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = quantize_checkpoint(packaged_pair()[0], tmp_path / "fp8", "fp8")
+    out = tmp_path / "quant.json"
+    args = ["bench", "quant", "--schemes", "fp8", "--no-kv-fp8", "--ppl-windows", "2", "--prompts", "4"]
+    args += ["--repeats", "0", "--checkpoint", f"fp8-file={ckpt}", "--json", str(out)]
+    assert ember(args) == 0
+    rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["full", "fp8", "fp8-file"]
+    full, fp8, file = rows["full"], rows["fp8"], rows["fp8-file"]
+    assert full["next_token_agreement"] == 1.0 and full["greedy_agreement"] == 1.0
+    # FP8 weights and activations move some argmaxes, and few: 2 windows are 1024 positions.
+    assert 0.95 <= fp8["next_token_agreement"] < 1.0
+    # The checkpoint ember wrote holds what online quantization holds: the same model, row for row.
+    for key in ("next_token_agreement", "greedy_agreement", "perplexity", "weight_bytes"):
+        assert file[key] == fp8[key], key
+    assert full["decode_tok_s_b1"] == fp8["b1_speedup"] == 0.0  # --repeats 0: no rates taken
+    assert "next-token" in capsys.readouterr().out
