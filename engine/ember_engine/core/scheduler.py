@@ -92,6 +92,11 @@ class Scheduler:
                 out.num_tokens.append(n + extra)
                 budget -= n + extra
                 continue
+            if request.num_computed_tokens + n <= len(request.block_ids) * bm.block_size:
+                out.requests.append(request)  # its blocks already hold the tokens (most decodes)
+                out.num_tokens.append(n)
+                budget -= n
+                continue
             while not self.block_manager.allocate(request, n):
                 victim = self._pick_victim()
                 if victim in out.requests:  # under the priority policy it may already be scheduled
