@@ -188,9 +188,10 @@ def test_unseeded_draws_repeat_under_the_same_global_seed() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 9), st.sampled_from([64, 100, 256, 1024, 4096]), st.integers(0, 2**31 - 1))
+@given(st.integers(1, 40), st.sampled_from([64, 100, 256, 1024, 4096]), st.integers(0, 2**31 - 1))
 def test_two_level_argmax_is_argmax(rows: int, vocab: int, seed: int) -> None:
-    """The first largest, as torch's argmax, with ties, -inf rows and a row of NaN among them."""
+    """The first largest, as torch's argmax (two levels past a few rows), with ties, -inf rows and a row of
+    NaN among them."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(-3, 3, (rows, vocab), generator=gen).float()  # many ties
     x[0] = float("-inf")

@@ -56,10 +56,11 @@ def block_width(vocab: int) -> int:
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` for a 2-D `x` (the first largest, as argmax picks). On a CPU torch's argmax is
-    several times slower than its max, so the block maxima come first, then the argmax of the one block."""
+    several times slower than its max, so the block maxima come first, then the argmax of the one block
+    (for more than a few rows: for a few the extra operations cost more than they save)."""
     rows, vocab = x.shape
     width = block_width(vocab)
-    if x.device.type != "cpu" or width == vocab or not x.is_contiguous() or rows == 0:
+    if x.device.type != "cpu" or width == vocab or not x.is_contiguous() or rows <= FEW_ROWS:
         return x.argmax(dim=-1)
     block = x.view(rows, vocab // width, width).amax(dim=-1).argmax(dim=-1, keepdim=True)
     cols = block * width + torch.arange(width)
