@@ -5,7 +5,9 @@ The engine's sampler reads every request's parameters, penalty counts and prompt
 `SamplingState` on the device, so a step uploads nothing per request once the batch is unchanged. Calling
 a `Sampler` with `SamplingRow`s (each with its token lists) builds a throwaway state for those rows. What
 changes every step comes beside the view, only for the rows it concerns: min_tokens' suppressed ids, the
-grammar states of structured-output rows and the position-keyed noise seeds of seeded rows."""
+grammar states of structured-output rows and the position-keyed noise seeds of seeded rows. Unseeded rows
+with top-p, top-k or min-p are drawn by rejection against a pivot (`nucleus`); seeded rows, and rows with
+both top-k and top-p, from the truncated distribution built over the top-k candidates (`_probs`)."""
 
 from __future__ import annotations
 
