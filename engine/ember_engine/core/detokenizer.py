@@ -42,7 +42,7 @@ class Detokenizer:
         start = len(self.text)
         self.text += after[len(before) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._find_stop(start) if detect_stop else None
+        return self._find_stop(start) if detect_stop and self.params.stop else None
 
     def _find_stop(self, new_from: int) -> str | None:
         if not self.params.stop:
