@@ -2,7 +2,8 @@
 
 A stub model returns logits of the right shape from a pool of random rows at next to no cost, so what is
 timed is everything else a step does: scheduling, laying out the inputs, sampling, appending tokens and
-stop checks, detokenizing. Each scenario (greedy, top-p, seeded, penalties, logprobs, n-gram speculation)
+stop checks, detokenizing. Each scenario (greedy, top-p, seeded, penalties, logprobs, n-gram speculation,
+and top-p-topk: top-p on the sampler's top-k-candidate path, for comparison)
 runs at each batch size with the batch held constant (long outputs, ignore_eos) after a warm-up; the
 result is a JSON document and a table with a per-component breakdown. `--baseline FILE` (an earlier run's
 JSON, e.g. from before a change) puts that run's figures beside this one's."""
@@ -24,6 +25,8 @@ from ember_engine.bench.step_timing import COMPONENTS, ComponentTimer, StubModel
 SCENARIOS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "top-p": {"temperature": 1.0, "top_p": 0.9},
+    # The same rows on the top-k-candidate path that the pivot replaced (`Sampler(pivot=False)`).
+    "top-p-topk": {"temperature": 1.0, "top_p": 0.9},
     "seeded": {"temperature": 1.0, "seed": 0},
     "penalties": {
         "temperature": 0.0,
@@ -93,6 +96,7 @@ def run_case(model: str, scenario: str, batch: int, args: argparse.Namespace) ->
     )
     engine = LLMEngine(config)
     vocab = engine.model_config.vocab_size
+    engine.sampler.pivot = scenario != "top-p-topk"
     engine.runner.model = StubModel(vocab, batch * (k + 1) + 1, engine.runner.device, seed=args.seed)  # type: ignore[assignment]
     rng = random.Random(args.seed)
     for i in range(batch):

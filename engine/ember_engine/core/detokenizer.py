@@ -31,14 +31,18 @@ class Detokenizer:
         cut at the stop, or just after it with include_stop_str_in_output)."""
         skip = self.params.skip_special_tokens
         self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip)
+        start, read = self.prefix_offset, self.read_offset
+        if read - start == 1:  # the usual window: the previous token alone
+            before = self.tokenizer.decode_one(self.ids[start], skip)
+        else:
+            before = self.tokenizer.decode(self.ids[start:read], skip)
         after = self.tokenizer.decode(self.ids[self.prefix_offset :], skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return None  # an incomplete character: wait for the next token
         start = len(self.text)
         self.text += after[len(before) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._find_stop(start) if detect_stop else None
+        return self._find_stop(start) if detect_stop and self.params.stop else None
 
     def _find_stop(self, new_from: int) -> str | None:
         if not self.params.stop:

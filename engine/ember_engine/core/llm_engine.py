@@ -258,9 +258,9 @@ class LLMEngine:
             # A step in which nobody got proposals ran plainly, whatever the decision was.
             tokens = self.outputs.generation_tokens - generated
             self.spec.record_step(len(batch), bool(proposed), tokens, elapsed)
-        for g in touched.values():
-            if g.finished:
-                self.outputs.remove(g.request_id)
+        for out in outputs:
+            if out.finished:
+                self.outputs.remove(out.request_id)
         return outputs
 
     def _advance(self, req: Request, n: int) -> None:
@@ -289,10 +289,11 @@ class LLMEngine:
         if plain:
             rows = logits if not spec else logits.index_select(0, upload_ids(plain_rows, logits.device))
             out = sample_plain(self.sampler, self.sampling_state, rows, plain, self.masks)
-            for k, req in enumerate(plain):
-                if (logprob := row_logprob(out, k)) is not None:
+            with_logprobs = out.logprobs is not None
+            for k, (req, token) in enumerate(zip(plain, out.token_ids, strict=True)):
+                if with_logprobs and (logprob := row_logprob(out, k)) is not None:
                     self.outputs.record_logprob(req, logprob)
-                self._emit(req, [out.token_ids[k]], 0, now, touched)
+                self._emit(req, [token], 0, now, touched)
         if spec:
             assert self.spec is not None
             rows = logits if not plain else logits.index_select(0, upload_ids(spec_rows, logits.device))

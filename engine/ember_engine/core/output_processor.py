@@ -99,11 +99,12 @@ class OutputProcessor:
             self.prompt_tokens += req.num_prompt_tokens
         req.last_token_time = now
         p = req.params
+        num_output = len(req.output_token_ids)
         # Below min_tokens nothing may end the request (the sampler already kept EOS and stop ids out),
         # unless its grammar is complete: the grammar then allowed only EOS, and wins.
-        may_stop = req.num_output_tokens >= p.min_tokens or (req.grammar is not None and req.grammar.finished)
+        may_stop = num_output >= p.min_tokens or (req.grammar is not None and req.grammar.finished)
         reason: str | None = None
-        if may_stop and token in p.stop_token_ids:
+        if may_stop and p.stop_token_ids and token in p.stop_token_ids:
             reason, req.stop_reason = "stop", token
         elif may_stop and not p.ignore_eos and token in req.eos_token_ids:
             reason = "stop"
@@ -111,7 +112,7 @@ class OutputProcessor:
             stop = sample.detok.append(token, detect_stop=may_stop)
             if stop is not None:
                 reason, req.stop_reason = "stop", stop
-            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            elif num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
                 reason = "length"
         if reason is not None:
             sample.detok.flush()
@@ -127,41 +128,42 @@ class OutputProcessor:
             output = req.output_token_ids
             new_ids = output[s.emitted_tokens :]
             s.emitted_tokens = len(output)
+            # Positional, in field order: index, text, token_ids (while running the request's own list,
+            # which grows; a copy once final), delta_text, delta_token_ids, finish_reason, stop_reason,
+            # logprobs.
             outs.append(
                 CompletionOutput(
-                    index=req.index,
-                    text=s.detok.text,
-                    # While running, the request's own list (it grows); a copy once it is final.
-                    token_ids=list(output) if done else output,
-                    delta_text=s.detok.take_delta(done),
-                    delta_token_ids=new_ids,
-                    finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason,
-                    logprobs=s.logprobs,
+                    req.index,
+                    s.detok.text,
+                    list(output) if done else output,
+                    s.detok.take_delta(done),
+                    new_ids,
+                    req.finish_reason,
+                    req.stop_reason,
+                    s.logprobs,
                 )
             )
         first = samples[0].request
-        single = len(samples) == 1
+        if len(samples) == 1:
+            generated, preemptions = len(first.output_token_ids), first.num_preemptions
+            finished = done and not group.pending
+        else:
+            generated = sum(len(s.request.output_token_ids) for s in samples)
+            preemptions = sum(s.request.num_preemptions for s in samples)
+            finished = group.finished
+        cached = first.num_prompt_cached_tokens
+        # Field order: arrival, first scheduled, first token, last token, prompt tokens, generated
+        # tokens, cached tokens, preemptions.
         metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            first_scheduled_time=first.first_scheduled_time,
-            first_token_time=first.first_token_time,
-            last_token_time=first.last_token_time,
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_generation_tokens=(
-                first.num_output_tokens if single else sum(s.request.num_output_tokens for s in samples)
-            ),
-            num_cached_tokens=first.num_prompt_cached_tokens,
-            num_preemptions=first.num_preemptions
-            if single
-            else sum(s.request.num_preemptions for s in samples),
+            first.arrival_time,
+            first.first_scheduled_time,
+            first.first_token_time,
+            first.last_token_time,
+            len(first.prompt_token_ids),
+            generated,
+            cached,
+            preemptions,
         )
         return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outs,
-            finished=done if single and not group.pending else group.finished,
-            num_cached_tokens=first.num_prompt_cached_tokens,
-            metrics=metrics,
+            group.request_id, group.prompt, group.prompt_token_ids, outs, finished, cached, None, metrics
         )

@@ -76,11 +76,12 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            left = len(request.all_token_ids) - request.num_computed_tokens
+            n = min(left, budget)
             # A decode may also reserve slots for speculative tokens, but only from spare budget and
             # from blocks no one else running could need this step (one each): lookahead never causes a
             # preemption.
-            decoding = request.num_tokens - request.num_computed_tokens == 1
+            decoding = left == 1
             extra = min(request.spec_lookahead, budget - 1) if decoding else 0
             bm = self.block_manager
             if (
@@ -91,6 +92,11 @@ class Scheduler:
                 out.requests.append(request)
                 out.num_tokens.append(n + extra)
                 budget -= n + extra
+                continue
+            if request.num_computed_tokens + n <= len(request.block_ids) * bm.block_size:
+                out.requests.append(request)  # its blocks already hold the tokens (most decodes)
+                out.num_tokens.append(n)
+                budget -= n
                 continue
             while not self.block_manager.allocate(request, n):
                 victim = self._pick_victim()

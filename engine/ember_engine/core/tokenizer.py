@@ -24,6 +24,7 @@ class Tokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.chat_template: str | None = self.config.get("chat_template")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._single: dict[tuple[int, bool], str] = {}  # decode_one's texts
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -39,6 +40,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """`decode([token_id])`, remembered: incremental detokenization asks for it once a token."""
+        key = (token_id, skip_special_tokens)
+        text = self._single.get(key)
+        if text is None:
+            text = self._single[key] = self._tok.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -91,7 +91,8 @@ class PenaltyState:
         num = self.num.index_select(0, slots).unsqueeze(1)
         valid = torch.arange(width, device=logits.device).unsqueeze(0) < num
         vals = logits.gather(1, ids)
-        counts = self.counts.view(-1).take(slots.unsqueeze(1) * self.vocab + ids)
+        flat = ids.add(slots.unsqueeze(1), alpha=self.vocab).view(-1)  # index_select: faster than take
+        counts = self.counts.view(-1).index_select(0, flat).view_as(ids)
         new = vals if rep is None else torch.where(vals > 0, vals / rep, vals * rep)
         new = new - freq * counts - pres * (counts > 0).float()
         # Padding repeats the first listed token with its new value (or, in an empty list, token 0's own),

@@ -5,7 +5,9 @@ The engine's sampler reads every request's parameters, penalty counts and prompt
 `SamplingState` on the device, so a step uploads nothing per request once the batch is unchanged. Calling
 a `Sampler` with `SamplingRow`s (each with its token lists) builds a throwaway state for those rows. What
 changes every step comes beside the view, only for the rows it concerns: min_tokens' suppressed ids, the
-grammar states of structured-output rows and the position-keyed noise seeds of seeded rows."""
+grammar states of structured-output rows and the position-keyed noise seeds of seeded rows. Unseeded rows
+with top-p, top-k or min-p are drawn by rejection against a pivot (`nucleus`); seeded rows, and rows with
+both top-k and top-p, from the truncated distribution built over the top-k candidates (`_probs`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ember_engine.sample.grammar import GrammarState, StepMasks, compute_masks
+from ember_engine.sample.nucleus import Scratch, first_argmax, sample_truncated
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.sample.sampling_state import (
     FREQUENCY,
@@ -195,8 +198,12 @@ def sampler_peak_probe(rows: int, vocab: int, device: torch.device) -> None:
 
 
 class Sampler:
-    def __init__(self, state: SamplingState | None = None) -> None:
+    def __init__(self, state: SamplingState | None = None, pivot: bool = True) -> None:
         self.state = state  # the engine's persistent state; None for row-by-row calls
+        # Unseeded rows drawn by rejection against a pivot (`nucleus`); False: every random row takes the
+        # top-k candidates and the inverse CDF (what seeded rows and speculation use), for comparison.
+        self.pivot = pivot
+        self.scratch = Scratch()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -250,20 +257,59 @@ class Sampler:
         if masks is not None:
             x = masks.apply(x)
         if view.all_greedy:
-            tokens = x.argmax(dim=-1)
+            tokens = first_argmax(x)
         else:
             assert view.random_index is not None
             random = view.random_index
-            p = state.params.index_select(0, view.slot_index.index_select(0, random))
             sub = x if len(view.random_rows) == len(view.slots) else x.index_select(0, random)
-            probs = _probs(sub, p, [view.params[i] for i in view.random_rows])
-            seeds = [noise_seeds.get(i) for i in view.random_rows] if noise_seeds else None
-            picked = sample_probs(probs, [view.generators[i] for i in view.random_rows], seeds)
-            tokens = picked if sub is x else x.argmax(dim=-1).index_copy(0, random, picked)
+            picked = self._random(
+                sub, state.params.index_select(0, view.slot_index.index_select(0, random)), view, noise_seeds
+            )
+            tokens = picked if sub is x else first_argmax(x).index_copy(0, random, picked)
         state.record(view, tokens)
         if not view.logprob_rows:
             return SamplerOutput(tokens.tolist(), None, None)
         return _with_logprobs(x, tokens, view)
+
+    def _random(
+        self, x: torch.Tensor, p: torch.Tensor, view: BatchView, noise_seeds: Mapping[int, int] | None
+    ) -> torch.Tensor:
+        """The random rows' tokens (`x` and `p` their logits and parameter rows, in `view.random_rows`'
+        order): by rejection against a pivot where it applies, else from the top-k-candidate
+        distribution (`_probs`), seeded rows by their exponential race."""
+        if not self.pivot or not view.pivot_rows:
+            return _drawn(x, p, view, list(range(len(view.random_rows))), noise_seeds)
+        if view.pivot_index is None or view.other_index is None:
+            return _pivoted(x, p, view, self.scratch)
+        picked = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+        pi, oi = view.pivot_index, view.other_index
+        picked.index_copy_(0, pi, _pivoted(x.index_select(0, pi), p.index_select(0, pi), view, self.scratch))
+        others = _drawn(x.index_select(0, oi), p.index_select(0, oi), view, view.other_rows, noise_seeds)
+        return picked.index_copy_(0, oi, others)
+
+
+def _pivoted(x: torch.Tensor, p: torch.Tensor, view: BatchView, scratch: Scratch) -> torch.Tensor:
+    top_k, top_p, min_p, temperature = view.pivot_cuts
+    if temperature:
+        x = torch.div(x, p[:, TEMPERATURE : TEMPERATURE + 1], out=scratch.get("scaled", x))
+    return sample_truncated(
+        x,
+        p[:, TOP_K].long() if top_k else None,
+        p[:, TOP_P] if top_p else None,
+        p[:, MIN_P] if min_p else None,
+        scratch,
+    )
+
+
+def _drawn(
+    x: torch.Tensor, p: torch.Tensor, view: BatchView, among: list[int], noise_seeds: Mapping[int, int] | None
+) -> torch.Tensor:
+    """Rows `among` the random rows: the truncated distribution in full, then the inverse CDF (or a seeded
+    row's race)."""
+    rows = [view.random_rows[j] for j in among]
+    probs = _probs(x, p, [view.params[i] for i in rows])
+    seeds = [noise_seeds.get(i) for i in rows] if noise_seeds else None
+    return sample_probs(probs, [view.generators[i] for i in rows], seeds)
 
 
 def _with_logprobs(x: torch.Tensor, tokens: torch.Tensor, view: BatchView) -> SamplerOutput:

@@ -56,6 +56,13 @@ class BatchView:
     min_tokens_rows: list[int]  # rows whose params have min_tokens > 0
     grammar_rows: list[int]  # structured-output rows (their grammar states come with each step)
     seeded_rows: list[int]  # random rows with their own generator (their noise seeds come with each step)
+    # Random rows drawn by rejection against a pivot (`nucleus.sample_truncated`): unseeded, not both top-k
+    # and top-p. Positions among the random rows; the index tensors are None when all or none are.
+    pivot_rows: list[int]
+    pivot_index: torch.Tensor | None
+    other_rows: list[int]  # the random rows that are not
+    other_index: torch.Tensor | None
+    pivot_cuts: tuple[bool, bool, bool, bool]  # some pivot row has top-k, top-p, min-p, temperature != 1
     bias_index: torch.Tensor | None  # logit_bias: flat (row * vocab + token) positions, on the device
     bias_values: torch.Tensor | None  # and the biases added there
 
@@ -175,6 +182,13 @@ class SamplingState:
         trunc = [params[r] for r in random_rows if params[r].top_k > 0 or params[r].top_p < 1.0]
         max_k = 0 if any(p.top_k <= 0 for p in trunc) else max((p.top_k for p in trunc), default=0)
         generators = [i.generator for i in infos if i is not None]
+        drawn_by_pivot = [
+            generators[r] is None and not (params[r].top_k > 0 and params[r].top_p < 1.0) for r in random_rows
+        ]
+        pivot = [j for j, yes in enumerate(drawn_by_pivot) if yes]
+        other = [j for j, yes in enumerate(drawn_by_pivot) if not yes]
+        split = bool(pivot) and bool(other)
+        drawn = [params[random_rows[j]] for j in pivot]
         vocab = self.vocab
         bias = [(r * vocab + t, b) for r, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
         return BatchView(
@@ -198,6 +212,16 @@ class SamplingState:
             min_tokens_rows=[r for r, p in enumerate(params) if p.min_tokens > 0],
             grammar_rows=[r for r, p in enumerate(params) if p.grammar is not None],
             seeded_rows=[r for r in random_rows if generators[r] is not None],
+            pivot_rows=pivot,
+            pivot_index=_upload(pivot, torch.long, dev) if split else None,
+            other_rows=other,
+            other_index=_upload(other, torch.long, dev) if split else None,
+            pivot_cuts=(
+                any(0 < p.top_k < vocab for p in drawn),
+                any(p.top_p < 1.0 for p in drawn),
+                any(p.min_p > 0.0 for p in drawn),
+                any(p.temperature != 1.0 for p in drawn),
+            ),
             bias_index=_upload([k for k, _ in bias], torch.long, dev) if bias else None,
             bias_values=_upload([b for _, b in bias], torch.float32, dev) if bias else None,
         )

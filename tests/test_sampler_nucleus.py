@@ -1,0 +1,235 @@
+"""Top-p, top-k and min-p sampling against a sort-based reference: the sampled distribution is the truncated
+distribution (a chi-square test with the power to tell a neighbouring distribution apart), every drawn token
+lies in the truncated set, and seeded rows keep their tokens whatever the rows beside them do."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ember_engine.sample import nucleus
+from ember_engine.sample.nucleus import first_argmax
+from ember_engine.sample.sampler import Sampler, SamplingRow, make_generator
+from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.sample.sampling_state import SamplingState
+from ember_engine.sample.seeds import position_seed
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Large batches of small tensor operations: on a shared machine, more threads only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """The truncated distribution worked out in float64 with one full sort: top-k, then top-p over what
+    top-k kept (keep a token while the mass before it is short of top_p), then min-p."""
+    x = logits.double() / temperature
+    order = x.argsort(descending=True, stable=True)
+    xs = x[order]
+    keep = torch.ones_like(xs, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    probs = xs.masked_fill(~keep, float("-inf")).softmax(0)
+    if top_p < 1.0:
+        keep &= probs.cumsum(0) - probs < top_p
+    probs = xs.masked_fill(~keep, float("-inf")).softmax(0)
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max()
+    out = torch.zeros_like(xs)
+    out[order] = xs.masked_fill(~keep, float("-inf")).softmax(0)
+    return out
+
+
+def chi_square(seen: Counter[int], expected: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom; tokens expected fewer than 5 times share one bin,
+    and a token drawn where the expected count is 0 makes the statistic infinite."""
+    n = sum(seen.values())
+    counts = expected * n
+    stat, bins, small_obs, small_exp = 0.0, 0, 0, 0.0
+    for token in set(seen) | set(torch.nonzero(counts).flatten().tolist()):
+        e, o = float(counts[token]), seen.get(token, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            bins += 1
+        else:
+            small_obs, small_exp = small_obs + o, small_exp + e
+    if small_obs and small_exp == 0:
+        return math.inf, bins
+    if small_exp > 0:
+        stat += (small_obs - small_exp) ** 2 / small_exp
+        bins += 1
+    return stat, max(bins - 1, 1)
+
+
+def bound(df: int) -> float:
+    """Far in the chi-square tail (about six standard deviations above the mean)."""
+    return df + 6 * math.sqrt(2 * df)
+
+
+def draw(
+    sampler: Sampler, logits: torch.Tensor, params: SamplingParams, n: int, chunk: int = 2000
+) -> Counter[int]:
+    seen: Counter[int] = Counter()
+    for start in range(0, n, chunk):
+        rows = min(chunk, n - start)
+        batch = logits.expand(rows, -1).contiguous()
+        seen.update(sampler(batch, [SamplingRow(params, (), (), None)] * rows).token_ids)
+    return seen
+
+
+# Vocabularies over the top-k path's 256 candidates, so that path takes topk rather than a sort.
+CASES = [
+    (512, dict(temperature=1.0, top_p=0.9)),
+    (512, dict(temperature=0.7, top_p=0.5)),
+    (500, dict(temperature=1.3, top_p=0.95)),  # no block width divides the vocabulary
+    (512, dict(temperature=1.0, min_p=0.05)),
+    (512, dict(temperature=1.0, top_k=20)),
+    (512, dict(temperature=0.9, top_k=50, top_p=0.8)),
+    (512, dict(temperature=1.0, top_p=0.9, min_p=0.02)),
+    (4096, dict(temperature=1.2)),
+]
+
+
+def _logits(vocab: int, seed: int) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 2.5
+
+
+@pytest.mark.parametrize("pivot", [True, False], ids=["pivot", "topk"])
+def test_sampled_distribution_is_the_sorted_reference(pivot: bool) -> None:
+    sampler = Sampler(pivot=pivot)
+    for i, (vocab, fields) in enumerate(CASES):
+        torch.manual_seed(100 + i)
+        logits = _logits(vocab, i)
+        seen = draw(sampler, logits, SamplingParams(**fields), 15000)  # type: ignore[arg-type]
+        ref = reference(logits, **fields)  # type: ignore[arg-type]
+        assert set(seen) <= set(torch.nonzero(ref).flatten().tolist()), fields
+        stat, df = chi_square(seen, ref)
+        assert stat < bound(df), (fields, stat, df)
+        # The same draws against a slightly hotter distribution: the test can tell them apart.
+        hotter = {**fields, "temperature": fields["temperature"] * 1.15}
+        stat, df = chi_square(seen, reference(logits, **hotter))  # type: ignore[arg-type]
+        assert stat > bound(df), (fields, stat, df)
+
+
+# Few distinct values, so ties (and ties at the nucleus' edge) are common; -inf for masked tokens.
+_values = st.sampled_from([-math.inf, -3.0, -1.0, 0.0, 0.0, 0.5, 1.0, 2.0, 4.0])
+
+
+@st.composite
+def _rows(draw_: st.DrawFn) -> tuple[list[float], dict[str, float]]:
+    vocab = draw_(st.integers(2, 160))
+    logits = draw_(st.lists(_values, min_size=vocab, max_size=vocab))
+    if all(v == -math.inf for v in logits):
+        logits[draw_(st.integers(0, vocab - 1))] = 0.0
+    fields: dict[str, float] = {"temperature": draw_(st.sampled_from([0.5, 1.0, 2.0]))}
+    if draw_(st.booleans()):
+        fields["top_p"] = draw_(st.floats(0.01, 1.0))
+    if draw_(st.booleans()):
+        fields["top_k"] = draw_(st.integers(1, vocab))
+    if draw_(st.booleans()):
+        fields["min_p"] = draw_(st.floats(0.0, 1.0))
+    return logits, fields
+
+
+@settings(max_examples=150, deadline=None)
+@given(_rows(), st.integers(0, 2**31 - 1))
+def test_every_drawn_token_is_in_the_truncated_set(
+    row: tuple[list[float], dict[str, float]], seed: int
+) -> None:
+    """Each drawn token is one the reference keeps, or tied with one it keeps (a sort keeps some of a tie at
+    the edge and not others); the reference is loosened by 1e-5 in top_p and min_p for float32 rounding."""
+    values, fields = row
+    logits = torch.tensor(values)
+    torch.manual_seed(seed)
+    params = SamplingParams(**fields)  # type: ignore[arg-type]
+    tokens = draw(Sampler(), logits, params, 64)
+    loose = dict(fields)
+    loose["top_p"] = min(1.0, fields.get("top_p", 1.0) + 1e-5)
+    loose["min_p"] = max(0.0, fields.get("min_p", 0.0) - 1e-5)
+    ref = reference(logits, **loose)  # type: ignore[arg-type]
+    lowest_kept = float(logits[ref > 0].min())
+    for token in tokens:
+        assert math.isfinite(values[token]), (token, fields)
+        assert values[token] >= lowest_kept, (token, values[token], lowest_kept, fields)
+
+
+def test_rows_out_of_draws_are_settled_by_a_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no redraws allowed, every rejected row takes the sorted path: the same distribution."""
+    monkeypatch.setattr(nucleus, "MAX_ROUNDS", 0)
+    torch.manual_seed(7)
+    logits = _logits(512, 7)
+    fields = dict(temperature=1.0, top_p=0.6, min_p=0.01)
+    seen = draw(Sampler(), logits, SamplingParams(**fields), 15000)  # type: ignore[arg-type]
+    stat, df = chi_square(seen, reference(logits, **fields))  # type: ignore[arg-type]
+    assert stat < bound(df), (stat, df)
+
+
+def test_unseeded_draws_repeat_under_the_same_global_seed() -> None:
+    logits = torch.randn(64, 1024) * 2
+    rows = [SamplingRow(SamplingParams(temperature=0.8, top_p=0.7), (), (), None)] * 64
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append(Sampler()(logits, rows).token_ids)
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) > 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([64, 100, 256, 1024, 4096]), st.integers(0, 2**31 - 1))
+def test_two_level_argmax_is_argmax(rows: int, vocab: int, seed: int) -> None:
+    """The first largest, as torch's argmax (two levels past a few rows), with ties, -inf rows and a row of
+    NaN among them."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 3, (rows, vocab), generator=gen).float()  # many ties
+    x[0] = float("-inf")
+    if rows > 2:
+        x[1, torch.randint(0, vocab, (2,), generator=gen)] = float("nan")
+        x[2] = torch.randn(vocab, generator=gen)
+    assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+
+
+def _seeded_token(seed: int, position: int, logits: torch.Tensor, pivot: bool, neighbours: int) -> int:
+    """A seeded row's token at `position`, last in a batch of unseeded top-p/min-p/top-k rows."""
+    vocab = logits.shape[0]
+    state = SamplingState(neighbours + 1, vocab)
+    kinds = [dict(top_p=0.3), dict(min_p=0.2), dict(top_k=3), dict(top_p=0.95, temperature=0.7)]
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=seed)
+    generator = make_generator(seed)
+    view = state.view(
+        list(range(neighbours + 1)),
+        lambda k: (
+            (seeded, generator, (), ())
+            if k == neighbours
+            else (SamplingParams(**kinds[k % len(kinds)]), None, (), ())  # type: ignore[arg-type]
+        ),
+    )
+    batch = torch.randn(neighbours + 1, vocab) * 3
+    batch[neighbours] = logits
+    noise = {neighbours: position_seed(seed, position)}
+    return Sampler(state, pivot=pivot).sample(batch, state, view, noise_seeds=noise).token_ids[neighbours]
+
+
+def test_seeded_rows_keep_their_tokens_beside_pivot_rows() -> None:
+    """A seeded row's token depends on its seed, position and logits alone: the same alone, beside rows
+    that redraw against a pivot any number of times, and beside the same rows on the top-k path."""
+    torch.manual_seed(9)
+    logits = torch.randn(1024) * 2
+    for position in range(5):
+        alone = _seeded_token(3, position, logits, pivot=True, neighbours=0)
+        for neighbours in (1, 6):
+            assert _seeded_token(3, position, logits, pivot=True, neighbours=neighbours) == alone
+            assert _seeded_token(3, position, logits, pivot=False, neighbours=neighbours) == alone
+    assert len({_seeded_token(3, p, logits, pivot=True, neighbours=2) for p in range(12)}) > 1
