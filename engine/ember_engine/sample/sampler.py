@@ -6,8 +6,9 @@ The engine's sampler reads every request's parameters, penalty counts and prompt
 a `Sampler` with `SamplingRow`s (each with its token lists) builds a throwaway state for those rows. What
 changes every step comes beside the view, only for the rows it concerns: min_tokens' suppressed ids, the
 grammar states of structured-output rows and the position-keyed noise seeds of seeded rows. Unseeded rows
-with top-p, top-k or min-p are drawn by rejection against a pivot (`nucleus`); seeded rows, and rows with
-both top-k and top-p, from the truncated distribution built over the top-k candidates (`_probs`)."""
+with top-p, top-k or min-p are drawn on a CPU by rejection against a pivot (`nucleus`); seeded rows, rows
+with both top-k and top-p, and every random row on an accelerator, from the truncated distribution built
+over the top-k candidates (`_probs`)."""
 
 from __future__ import annotations
 
@@ -277,7 +278,9 @@ class Sampler:
         """The random rows' tokens (`x` and `p` their logits and parameter rows, in `view.random_rows`'
         order): by rejection against a pivot where it applies, else from the top-k-candidate
         distribution (`_probs`), seeded rows by their exponential race."""
-        if not self.pivot or not view.pivot_rows:
+        # Each rejection round is checked on the host: on an accelerator that is a wait for the device per
+        # round, so there every random row takes the top-k candidates, which need no sync.
+        if not self.pivot or not view.pivot_rows or x.device.type != "cpu":
             return _drawn(x, p, view, list(range(len(view.random_rows))), noise_seeds)
         if view.pivot_index is None or view.other_index is None:
             return _pivoted(x, p, view, self.scratch)
