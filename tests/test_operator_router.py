@@ -9,9 +9,19 @@ from typing import Any
 
 import pytest
 
+from ember_engine.server.policy import parse_policy
 from ember_localcluster.apiserver.podsecurity import violations
 from ember_operator import router
-from ember_operator.desired import ROLE_LABEL, Owner, active_selector, desired_service
+from ember_operator.desired import (
+    POLICY_DIR,
+    POLICY_FILE,
+    ROLE_LABEL,
+    Owner,
+    active_selector,
+    desired_policy_configmap,
+    desired_service,
+    policy_configmap_name,
+)
 from ember_operator.scrape import parse_pending
 from ember_operator.spec import InferenceServiceSpec
 from ember_router import main as router_main
@@ -67,26 +77,33 @@ def test_router_args_parse_with_ember_routers_own_command_line() -> None:
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
 
 
-def test_the_routers_send_what_no_engine_takes_to_the_specs_fallback_by_its_conditions() -> None:
+def test_a_new_fallback_leaves_the_router_deployment_as_it_was() -> None:
+    """spec.fallback (its address, published a moment after its user is applied, its model, its conditions)
+    reaches the routers through the policy ConfigMap, read live, as it reaches the engines: no new pod."""
+    first, second = "http://chat-small.prod.svc.cluster.local", "https://small.example.com"
+    spec = make_spec(fallback={"service": "chat-small", "model": "small", "when": ["Unavailable"]})
+    others = [make_spec(fallback={"url": second}), make_spec(fallback={"service": "chat-small"}), make_spec()]
+
+    def deployment(spec: InferenceServiceSpec) -> dict[str, Any]:
+        (deploy,) = [o for o in router.desired_objects(OWNER, spec, {}) if o["kind"] == "Deployment"]
+        return deploy
+
+    assert all(deployment(other) == deployment(spec) for other in others)
+    # Where the fallback goes instead: the ConfigMap mounted in the router pods, the file `--policy` names.
+    assert desired_policy_configmap(OWNER, spec, first) != desired_policy_configmap(OWNER, spec, second)
+    pod = deployment(spec)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
     parser = argparse.ArgumentParser()
     router_main.add_arguments(parser)
-
-    def parsed(spec: Any, fallback_url: str | None) -> argparse.Namespace:
-        (deploy,) = [
-            o for o in router.desired_objects(OWNER, spec, {}, fallback_url) if o["kind"] == "Deployment"
-        ]
-        (container,) = deploy["spec"]["template"]["spec"]["containers"]
-        return parser.parse_args([a.replace("$(POD_NAMESPACE)", "prod") for a in container["args"]])
-
-    url = "http://chat-small.prod.svc.cluster.local"
-    spec = make_spec(fallback={"service": "chat-small", "model": "small", "when": ["Unavailable"]})
-    args = parsed(spec, url)
-    assert (args.fallback_url, args.fallback_model, args.fallback_when) == (url, "small", "Unavailable")
-    args = parsed(make_spec(fallback={"service": "chat-small"}), url)
-    assert (args.fallback_url, args.fallback_model) == (url, None)
-    assert set(args.fallback_when.split(",")) == {"Overloaded", "Unavailable"}
-    # Not resolved yet (the fallback service has no endpoint), or none: the routers shed.
-    assert parsed(spec, None).fallback_url is None and parsed(make_spec(), None).fallback_url is None
+    args = parser.parse_args([a.replace("$(POD_NAMESPACE)", "prod") for a in container["args"]])
+    assert args.fallback_url is None and args.policy == f"{POLICY_DIR}/{POLICY_FILE}"
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == POLICY_DIR]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    # The whole directory, not a subPath: a ConfigMap update reaches a subPath mount only on a restart.
+    assert "subPath" not in mount and volume["configMap"]["name"] == policy_configmap_name("chat")
+    text = desired_policy_configmap(OWNER, spec, second)["data"][POLICY_FILE]
+    fallback = parse_policy(text).fallback
+    assert (fallback.url, fallback.model, fallback.when) == (second, "small", ["Unavailable"])
 
 
 def test_routers_drain_like_engines_take_identity_but_no_gpu_placement() -> None:

@@ -232,7 +232,7 @@ class Reconciler:
             kube, desired_service(owner, selector), ("spec",), troubles, memory.known
         )
         routers = await self._routers(
-            kube, owner, spec, troubles, status.get("router") is not None, memory.known, fallback_url
+            kube, owner, spec, troubles, status.get("router") is not None, memory.known
         )
 
         listed = memory.pending.pods(indexed(pod_index, namespace, name))
@@ -459,7 +459,6 @@ class Reconciler:
         troubles: list[Trouble],
         had: bool,
         known: Known,
-        fallback_url: str | None,
     ) -> dict[str, Any] | None:
         """Make the router's objects match (or, when it is off and status still shows one (`had`), delete
         them); returns its Deployment."""
@@ -473,7 +472,7 @@ class Reconciler:
         if problem is not None:
             troubles.append(Trouble("RoutingInvalid", problem))
         deployment = None
-        for obj in router.desired_objects(owner, spec, urls, fallback_url):
+        for obj in router.desired_objects(owner, spec, urls):
             deployment = await self._ensure(kube, obj, router.ENSURED_FIELDS[obj["kind"]], troubles, known)
         if not spec.router.enabled and had:
             name = router.router_name(owner.name)

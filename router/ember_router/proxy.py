@@ -9,7 +9,8 @@ Before that, the routing rules (`rules.py`) may send the request to another Infe
 (`x-ember-routed-to: <that service>`, `x-ember-route-reason: rule:<name>`). An
 engine that answers 503 before the response begins is skipped for its Retry-After and the request
 goes to one other engine; with no engine to take it the request goes to the fallback server if one is set
-(`x-ember-served-by: fallback`), else the router sheds at once (503, Retry-After). A client
+(the policy file's, read live, or the flags'; `x-ember-served-by: fallback`), else the router sheds at once
+(503, Retry-After). A client
 that disconnects closes the upstream connection, which aborts the request in the engine.
 """
 
@@ -29,7 +30,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.server.policy import PolicyWatcher
 from ember_router.discovery import PodDiscovery
+from ember_router.fallback import FallbackTarget, ModelNames, from_policy
 from ember_router.metrics import RouterMetrics
 from ember_router.policy import EngineState, choose
 from ember_router.pool import EnginePool
@@ -46,6 +49,7 @@ MAX_BODY = 32 * 1024 * 1024
 HOLD_POLL = 0.05  # seconds between looks at the pool while a request is held
 # Seconds a prompt just sent to an engine counts as cached there before the engine's events confirm it.
 SENT_HOLD = 5.0
+POLICY_POLL = 1.0  # seconds between looks at the policy file, as in the engines
 
 
 @dataclass
@@ -54,12 +58,9 @@ class RouterSettings:
     session_header: str = "x-session-id"
     retry_after: int = 1  # seconds, when the whole fleet is overloaded or an engine gave none
     upstream_timeout: float = 600.0
-    fallback_url: str | None = (
-        None  # where requests go that no engine can take (any OpenAI-compatible server)
-    )
-    fallback_model: str | None = None  # the model name to send there (default: the request's own)
-    # When the fallback takes a request: Overloaded (the engines refused it), Unavailable (none Ready).
-    fallback_when: frozenset[str] = frozenset({"Overloaded", "Unavailable"})
+    # Where requests go that no engine can take (any OpenAI-compatible server), when the router has no policy
+    # file (whose fallback then applies instead).
+    fallback: FallbackTarget | None = None
     # Model routing: (rule, the target's base URL), in order; the first rule a request meets sends it there.
     routes: tuple[tuple[Rule, str], ...] = ()
     # With no engine Ready, hold a request this long for one to become Ready (0: shed at once).
@@ -74,6 +75,8 @@ class Router:
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     sessions: dict[str, str] = field(default_factory=dict)  # session id -> engine
     discovery: PodDiscovery | None = None  # engines from Kubernetes, instead of a fixed list
+    policy: PolicyWatcher | None = None  # the policy file, re-read while serving: its fallback applies
+    fallback_models: ModelNames = field(default_factory=ModelNames)
     _turns: itertools.count[int] = field(default_factory=itertools.count)
     session: aiohttp.ClientSession | None = None
 
@@ -99,7 +102,10 @@ class Router:
             self.discovery.on_change = self._engines_changed
             self.discovery.start(asyncio.get_running_loop())
         poller = asyncio.create_task(self.pool.run(self.session))
+        watcher = asyncio.create_task(self.policy.run(POLICY_POLL)) if self.policy is not None else None
         yield
+        if watcher is not None:
+            watcher.cancel()
         if self.discovery is not None:
             self.discovery.stop()
         poller.cancel()
@@ -274,14 +280,15 @@ class Router:
     ) -> web.StreamResponse:
         """No engine takes the request: the fallback serves it if one is set for this `condition` (Overloaded
         or Unavailable) and answers, else a 503 now."""
-        fallback = self.settings.fallback_url and condition in self.settings.fallback_when
-        if fallback and isinstance(body, dict):
-            if self.settings.fallback_model:
-                body = {**body, "model": self.settings.fallback_model}
-            assert self.settings.fallback_url is not None
+        target = from_policy(self.policy) if self.policy is not None else self.settings.fallback
+        if target is not None and condition in target.when and isinstance(body, dict):
+            assert self.session is not None
+            model = await self.fallback_models.name(self.session, target)
+            if model:
+                body = {**body, "model": model}
             response = await self._forward(
-                request, self.settings.fallback_url.rstrip("/"), json.dumps(body).encode(), "POST", "fallback", 0,
-                arrived, retry=True,
+                request, target.url, json.dumps(body).encode(), "POST", "fallback", 0, arrived, retry=True,
+                timeout=target.timeout,
             )  # fmt: skip
             if response is not None:
                 self.metrics.fallback.labels("served").inc()
@@ -301,6 +308,7 @@ class Router:
         arrived: float | None = None,
         retry: bool = False,
         routed_to: str | None = None,
+        timeout: float | None = None,
     ) -> web.StreamResponse | None:
         """Send the request to one engine and relay its answer; None when it answered overloaded before the
         response began and `retry` allows another engine."""
@@ -314,7 +322,12 @@ class Router:
         try:
             try:
                 upstream_cm = self.session.request(
-                    method, engine_url + request.path_qs, data=raw or None, headers=headers
+                    method,
+                    engine_url + request.path_qs,
+                    data=raw or None,
+                    headers=headers,
+                    # A deadline of its own (the fallback's) bounds the connect and each wait for data.
+                    timeout=self.session.timeout if timeout is None else _between_reads(timeout),
                 )
                 upstream = await upstream_cm.__aenter__()
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -367,6 +380,10 @@ class Router:
                 await upstream_cm.__aexit__(None, None, None)
         finally:
             state.in_flight -= 1
+
+
+def _between_reads(seconds: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
 
 
 def _is_shed(body: bytes) -> bool:
