@@ -152,12 +152,15 @@ def main(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request.
+    # A line per request only at debug, beside the decision's: formatting and writing it on every request
+    # would cost more than the routing itself.
     web.run_app(
         router.app(),
         host=args.host,
         port=args.port,
         handler_cancellation=True,
         shutdown_timeout=args.drain_timeout,
+        access_log=logging.getLogger("aiohttp.access") if args.log_level == "debug" else None,
         print=None,
     )
     return 0
