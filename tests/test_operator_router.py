@@ -8,10 +8,12 @@ import argparse
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from ember_engine.server.policy import parse_policy
 from ember_localcluster.apiserver.podsecurity import violations
 from ember_operator import router
+from ember_operator.autoscaler import PodLoad
 from ember_operator.desired import (
     POLICY_DIR,
     POLICY_FILE,
@@ -22,9 +24,11 @@ from ember_operator.desired import (
     desired_service,
     policy_configmap_name,
 )
-from ember_operator.scrape import parse_pending
+from ember_operator.scaling import Memory, fallback_condition
+from ember_operator.scrape import PodSample, parse_pending, parse_router_fallback
 from ember_operator.spec import InferenceServiceSpec
 from ember_router import main as router_main
+from ember_router.metrics import RouterMetrics
 from ember_router.rules import Rule, parse_route
 
 OWNER = Owner("chat", "prod", "uid-1")
@@ -247,3 +251,42 @@ def test_scale_from_zero_reads_the_ready_routers_held_requests() -> None:
     assert not router.wakes(make_spec(replicas={"min": 0, "max": 2}, router={"enabled": False}), 0, 5)
     (container,) = _pod_spec(make_spec(router={"holdSeconds": 12}))["containers"]
     assert "--hold-seconds=12.0" in container["args"]
+
+
+def test_fallback_active_counts_what_the_routers_and_the_engines_sent_each_once() -> None:
+    """An engine counts what it hands to the fallback, a router what it sends there itself (an engine's
+    fallback answer it relays is not the router's): the condition adds both, as deltas since the last
+    scrape, per pod."""
+    spec = make_spec(fallback={"url": "http://elsewhere:8000"})
+    memory = Memory()
+
+    def engines(**served: float) -> dict[str, PodSample]:
+        return {pod: PodSample(PodLoad(0, 0, 0), n) for pod, n in served.items()}
+
+    first = fallback_condition(spec, memory, engines(e1=4), 5, {"r1": 10, "r2": 1})
+    assert first.status is False and first.reason == "Idle"  # the first reading of each counter is its base
+    second = fallback_condition(spec, memory, engines(e1=6), 5, {"r1": 13, "r2": 1})
+    assert second.status is True and second.reason == "Overflowing"
+    assert second.message == (
+        "5 requests served by the fallback in the last 5 s (2 handed on by the engines, 3 sent by the routers)"
+    )
+    # A router that restarted (its counter went back) counts from zero; one gone is forgotten.
+    third = fallback_condition(spec, memory, engines(e1=6), 5, {"r1": 2})
+    assert (
+        third.status is True
+        and third.message.startswith("2 requests")
+        and "r2" not in memory.fallback_counters
+    )
+    assert fallback_condition(spec, memory, engines(e1=6), 5, {"r1": 2}).status is False
+    # With no fallback there is no traffic to tell of.
+    assert fallback_condition(make_spec(), memory, engines(e1=9), 5, {"r1": 2}).reason == "NoFallback"
+
+
+def test_the_operator_reads_a_routers_own_fallback_counter() -> None:
+    metrics = RouterMetrics()
+    metrics.fallback.labels("served").inc(2)
+    metrics.fallback.labels("failed").inc()
+    page = generate_latest(metrics.registry).decode()
+    assert parse_router_fallback(page) == 2.0
+    with pytest.raises(ValueError, match="no ember_router:fallback_requests_total"):
+        parse_router_fallback("vllm:num_requests_waiting 1\n")

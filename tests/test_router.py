@@ -21,6 +21,7 @@ from waiting import free_port, wait_for
 
 from ember_engine.core.kv_events import prefix_hashes
 from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.server.policy import Fallback, Policy
 from ember_router import main as router_main
 from ember_router.embedded import serving
 from ember_router.fallback import from_flags
@@ -216,6 +217,37 @@ def test_what_no_engine_can_take_goes_to_the_fallback(
             assert engine_sheds() == sheds_before + 1
         finally:
             engines[0].state.draining = engines[1].state.draining = False
+
+
+def test_an_engines_fallback_answer_is_counted_by_that_engine_and_not_by_the_router(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    """What reads both counters (FallbackActive, the monitoring rules) counts each request once."""
+    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+    watcher = engines[0].state.policy
+    kept = watcher.policy
+    # The engine hands what it will not serve (it is draining) to the fallback itself.
+    watcher.policy = Policy(fallback=Fallback(url=engines[1].url, model=model, when=["Unavailable"]))
+
+    def engine_served() -> float:
+        page = _samples(httpx.get(f"{engines[0].url}/metrics").text)
+        return page[("ember:fallback_requests_total", (("outcome", "served"),))]
+
+    with running_router(tiny_model, [engines[0].url], poll_interval=3600) as (url, _router):
+        before = engine_served()
+        engines[0].state.draining = True
+        try:
+            r = httpx.post(
+                f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1}, timeout=60
+            )
+            assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
+            assert r.headers[ROUTED_TO] == engines[0].url  # the engine's answer, relayed
+            routed = _samples(httpx.get(f"{url}/metrics").text)
+            assert routed[("ember_router:fallback_requests_total", (("outcome", "served"),))] == 0
+            assert engine_served() == before + 1
+        finally:
+            engines[0].state.draining = False
+            watcher.policy = kept
 
 
 def test_a_fallback_rewritten_in_the_policy_file_takes_effect_while_the_router_runs(

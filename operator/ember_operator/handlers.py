@@ -54,7 +54,7 @@ from ember_operator.groups import (
 )
 from ember_operator.known import Known
 from ember_operator.kube import Kube, NameConflict, load_balancer_address, new_api_client
-from ember_operator.podcache import INDEX, index_pod, indexed
+from ember_operator.podcache import INDEX, index_pod, indexed, indexed_names
 from ember_operator.podpatch import PodTemplateError
 from ember_operator.pods import (
     Trouble,
@@ -246,7 +246,8 @@ class Reconciler:
             self._crashes.record(p)
         views = units.views
 
-        await autoscale(body, spec, owner, units.serving, views, memory, now, self._scraper)
+        router_pages = router.router_metrics_targets(indexed(pod_index, namespace, name, router.ROUTER))
+        await autoscale(body, spec, owner, units.serving, views, memory, now, self._scraper, router_pages)
         assert memory.desired is not None
         if spec.router.enabled and memory.desired == 0:
             await self._wake(body, kube, spec, owner, memory, now)
@@ -580,7 +581,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> Reconciler:
         reconciler.pod_event
     )
     # Filled from the same pod watch; kopf starts no other handler before its first listing is in.
-    kopf.index("v1", "pods", id=INDEX, labels={NAME_LABEL: "ember"}, registry=registry)(index_pod)
+    kopf.index("v1", "pods", id=INDEX, labels={NAME_LABEL: indexed_names}, registry=registry)(index_pod)
     kopf.on.event(*resource, registry=registry)(reconciler.resource_event)
     kopf.on.cleanup(registry=registry)(reconciler.cleanup)
     _no_finalizer_for(registry, "reconcile-tick")

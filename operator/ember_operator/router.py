@@ -254,17 +254,22 @@ def router_condition(spec: InferenceServiceSpec, status: dict[str, Any] | None) 
     return Condition("RouterReady", False, "RouterUnavailable", message)
 
 
-def router_metrics_urls(pods: list[dict[str, Any]]) -> list[str]:
-    """The /metrics of the Ready router pods among `pods`."""
-    urls = []
+def router_metrics_targets(pods: list[dict[str, Any]]) -> dict[str, str]:
+    """The /metrics of the Ready router pods among `pods`, by pod name."""
+    urls = {}
     for p in pods:
         status = p.get("status") or {}
         ready = any(
             c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
         )
         if ready and status.get("podIP") and not p["metadata"].get("deletionTimestamp"):
-            urls.append(f"http://{status['podIP']}:{ROUTER_PORT}/metrics")
+            urls[p["metadata"]["name"]] = f"http://{status['podIP']}:{ROUTER_PORT}/metrics"
     return urls
+
+
+def router_metrics_urls(pods: list[dict[str, Any]]) -> list[str]:
+    """The /metrics of the Ready router pods among `pods`."""
+    return list(router_metrics_targets(pods).values())
 
 
 def wakes(spec: InferenceServiceSpec, desired: int, pending: float) -> bool:
