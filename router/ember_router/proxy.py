@@ -50,10 +50,10 @@ MAX_BODY = 32 * 1024 * 1024
 HOLD_POLL = 0.05  # seconds between looks at the pool while a request is held
 # Seconds a prompt just sent to an engine counts as cached there before the engine's events confirm it.
 SENT_HOLD = 5.0
-POLICY_POLL = 1.0
+POLICY_POLL = 1.0  # seconds between looks at the policy file, as in the engines
 # Bodies up to this many bytes are tokenized on the event loop (tens of microseconds, less than handing the
 # work to a thread); larger ones on a worker thread, where a long prompt holds up no request in flight.
-INLINE_TOKENIZE = 256  # seconds between looks at the policy file, as in the engines
+INLINE_TOKENIZE = 256
 
 
 @dataclass
