@@ -44,7 +44,7 @@ class ModelNames:
         if target.model:
             return target.model
         if target.url not in self._known:
-            timeout = aiohttp.ClientTimeout(total=target.timeout or 5.0)
+            timeout = aiohttp.ClientTimeout(total=target.timeout or 5.0, sock_connect=2.0)
             try:
                 async with session.get(f"{target.url}/v1/models", timeout=timeout) as response:
                     listed = (await response.json()).get("data") or [] if response.status == 200 else []

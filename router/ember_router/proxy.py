@@ -50,6 +50,8 @@ MAX_BODY = 32 * 1024 * 1024
 HOLD_POLL = 0.05  # seconds between looks at the pool while a request is held
 # Seconds a prompt just sent to an engine counts as cached there before the engine's events confirm it.
 SENT_HOLD = 5.0
+# Seconds to connect to an engine or the fallback: a request for one that cannot be reached is shed soon.
+CONNECT_TIMEOUT = 2.0
 POLICY_POLL = 1.0  # seconds between looks at the policy file, as in the engines
 # Bodies up to this many bytes are tokenized on the event loop (tens of microseconds, less than handing the
 # work to a thread); larger ones on a worker thread, where a long prompt holds up no request in flight.
@@ -99,7 +101,7 @@ class Router:
 
     async def _background(self, _app: web.Application) -> Any:
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.settings.upstream_timeout, sock_connect=2),
+            timeout=aiohttp.ClientTimeout(total=self.settings.upstream_timeout, sock_connect=CONNECT_TIMEOUT),
             connector=aiohttp.TCPConnector(limit=0),
             # A proxy: bodies pass as the engine encoded them (with its Content-Encoding), and no cookie
             # one client's answer set is sent on with another client's request.
@@ -337,7 +339,7 @@ class Router:
                     engine_url + request.path_qs,
                     data=raw or None,
                     headers=headers,
-                    # A deadline of its own (the fallback's) bounds the connect and each wait for data.
+                    # A deadline of its own (the fallback's) bounds each wait for data.
                     timeout=self.session.timeout if timeout is None else _between_reads(timeout),
                 )
                 upstream = await upstream_cm.__aenter__()
@@ -406,7 +408,7 @@ def _is_sse(content_type: str) -> bool:
 
 
 def _between_reads(seconds: float) -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+    return aiohttp.ClientTimeout(total=None, sock_connect=min(seconds, CONNECT_TIMEOUT), sock_read=seconds)
 
 
 def _is_shed(body: bytes) -> bool:
