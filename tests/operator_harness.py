@@ -105,10 +105,15 @@ class EnginePage:
     fallback_served: float = 0.0
     broken: bool = False  # answer 500
     pending: float | None = None  # a router's held requests (ember_router:pending_requests)
+    router_fallback_served: float | None = None  # a router's ember_router:fallback_requests{outcome="served"}
 
     def text(self) -> str:
-        if self.pending is not None:
-            return f"ember_router:pending_requests {self.pending}\n"
+        if self.pending is not None or self.router_fallback_served is not None:
+            return (
+                f"ember_router:pending_requests {self.pending or 0.0}\n"
+                f'ember_router:fallback_requests_total{{outcome="failed"}} 7.0\n'
+                f'ember_router:fallback_requests_total{{outcome="served"}} {self.router_fallback_served or 0.0}\n'
+            )
         return (
             f'vllm:num_requests_waiting{{model_name="m"}} {self.waiting}\n'
             f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'

@@ -73,6 +73,15 @@ def test_the_index_files_ember_pods_by_namespace_and_instance() -> None:
     assert podcache.index_pod("ns", {"app.kubernetes.io/instance": "chat"}, body) is None
     assert podcache.indexed({("ns", "chat"): [body]}, "ns", "chat") == [body]
     assert podcache.indexed({}, "ns", "other") == []
+    # Router pods (no instance label: nothing that selects engines sees them) under their own key.
+    router_labels = {"app.kubernetes.io/name": "ember-router", "ember.dev/router": "chat"}
+    router_body = {"metadata": {"name": "chat-router-x", "labels": router_labels}}
+    assert podcache.index_pod("ns", router_labels, router_body) == {("ns", "chat", "router"): router_body}
+    store = {("ns", "chat"): [body], ("ns", "chat", "router"): [router_body]}
+    assert podcache.indexed(store, "ns", "chat") == [body]
+    assert podcache.indexed(store, "ns", "chat", "router") == [router_body]
+    assert podcache.indexed_names("ember") and podcache.indexed_names("ember-router")
+    assert not podcache.indexed_names("other") and not podcache.indexed_names(None)
 
 
 def test_known_holds_until_the_desired_object_changes_or_a_resync(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -411,6 +411,34 @@ def test_fallback_traffic_shows_in_status(cluster: Any) -> None:
     wait_for(lambda: condition(api, "spill", "FallbackActive").get("status") == "False", what="idle again")
 
 
+def test_what_the_routers_send_to_the_fallback_shows_in_status(cluster: Any) -> None:
+    api, runner, custom = cluster
+    create(
+        custom,
+        service("relay", fallback={"url": "http://elsewhere:8000"}, autoscaling={"intervalSeconds": 1}),
+    )
+    wait_for(lambda: converged(api, "relay", 1, 0), what="1 active")
+    selector = "app.kubernetes.io/name=ember-router,ember.dev/router=relay"
+
+    def routers() -> list[dict[str, Any]]:
+        return [p for p in api.list("v1", "Pod", NAMESPACE, label_selector=selector) if ready(p)]
+
+    wait_for(lambda: len(routers()) == 2, what="two Ready router pods")
+    for p in routers():
+        runner.pages[p["metadata"]["name"]].router_fallback_served = 0
+    wait_for(
+        lambda: condition(api, "relay", "MetricsAvailable").get("status") == "True", what="a first scrape"
+    )
+    time.sleep(3 * TICK)  # the routers' counters read once at 0
+    assert condition(api, "relay", "FallbackActive").get("status") == "False"
+    # The engines handed nothing on; a router sent 3 requests there itself (its failed ones do not count).
+    runner.pages[routers()[0]["metadata"]["name"]].router_fallback_served = 3
+    wait_for(lambda: condition(api, "relay", "FallbackActive").get("status") == "True", what="FallbackActive")
+    assert "3 requests" in condition(api, "relay", "FallbackActive")["message"]
+    assert "3 sent by the routers" in condition(api, "relay", "FallbackActive")["message"]
+    wait_for(lambda: condition(api, "relay", "FallbackActive").get("status") == "False", what="idle again")
+
+
 def test_deleting_the_service_garbage_collects_every_child(cluster: Any) -> None:
     api, _runner, custom = cluster
     create(custom, service("gone", warmPool={"size": 1}))

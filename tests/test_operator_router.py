@@ -8,13 +8,27 @@ import argparse
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
+from ember_engine.server.policy import parse_policy
 from ember_localcluster.apiserver.podsecurity import violations
 from ember_operator import router
-from ember_operator.desired import ROLE_LABEL, Owner, active_selector, desired_service
-from ember_operator.scrape import parse_pending
+from ember_operator.autoscaler import PodLoad
+from ember_operator.desired import (
+    POLICY_DIR,
+    POLICY_FILE,
+    ROLE_LABEL,
+    Owner,
+    active_selector,
+    desired_policy_configmap,
+    desired_service,
+    policy_configmap_name,
+)
+from ember_operator.scaling import Memory, fallback_condition
+from ember_operator.scrape import PodSample, parse_pending, parse_router_fallback
 from ember_operator.spec import InferenceServiceSpec
 from ember_router import main as router_main
+from ember_router.metrics import RouterMetrics
 from ember_router.rules import Rule, parse_route
 
 OWNER = Owner("chat", "prod", "uid-1")
@@ -67,26 +81,33 @@ def test_router_args_parse_with_ember_routers_own_command_line() -> None:
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
 
 
-def test_the_routers_send_what_no_engine_takes_to_the_specs_fallback_by_its_conditions() -> None:
+def test_a_new_fallback_leaves_the_router_deployment_as_it_was() -> None:
+    """spec.fallback (its address, published a moment after its user is applied, its model, its conditions)
+    reaches the routers through the policy ConfigMap, read live, as it reaches the engines: no new pod."""
+    first, second = "http://chat-small.prod.svc.cluster.local", "https://small.example.com"
+    spec = make_spec(fallback={"service": "chat-small", "model": "small", "when": ["Unavailable"]})
+    others = [make_spec(fallback={"url": second}), make_spec(fallback={"service": "chat-small"}), make_spec()]
+
+    def deployment(spec: InferenceServiceSpec) -> dict[str, Any]:
+        (deploy,) = [o for o in router.desired_objects(OWNER, spec, {}) if o["kind"] == "Deployment"]
+        return deploy
+
+    assert all(deployment(other) == deployment(spec) for other in others)
+    # Where the fallback goes instead: the ConfigMap mounted in the router pods, the file `--policy` names.
+    assert desired_policy_configmap(OWNER, spec, first) != desired_policy_configmap(OWNER, spec, second)
+    pod = deployment(spec)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
     parser = argparse.ArgumentParser()
     router_main.add_arguments(parser)
-
-    def parsed(spec: Any, fallback_url: str | None) -> argparse.Namespace:
-        (deploy,) = [
-            o for o in router.desired_objects(OWNER, spec, {}, fallback_url) if o["kind"] == "Deployment"
-        ]
-        (container,) = deploy["spec"]["template"]["spec"]["containers"]
-        return parser.parse_args([a.replace("$(POD_NAMESPACE)", "prod") for a in container["args"]])
-
-    url = "http://chat-small.prod.svc.cluster.local"
-    spec = make_spec(fallback={"service": "chat-small", "model": "small", "when": ["Unavailable"]})
-    args = parsed(spec, url)
-    assert (args.fallback_url, args.fallback_model, args.fallback_when) == (url, "small", "Unavailable")
-    args = parsed(make_spec(fallback={"service": "chat-small"}), url)
-    assert (args.fallback_url, args.fallback_model) == (url, None)
-    assert set(args.fallback_when.split(",")) == {"Overloaded", "Unavailable"}
-    # Not resolved yet (the fallback service has no endpoint), or none: the routers shed.
-    assert parsed(spec, None).fallback_url is None and parsed(make_spec(), None).fallback_url is None
+    args = parser.parse_args([a.replace("$(POD_NAMESPACE)", "prod") for a in container["args"]])
+    assert args.fallback_url is None and args.policy == f"{POLICY_DIR}/{POLICY_FILE}"
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == POLICY_DIR]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    # The whole directory, not a subPath: a ConfigMap update reaches a subPath mount only on a restart.
+    assert "subPath" not in mount and volume["configMap"]["name"] == policy_configmap_name("chat")
+    text = desired_policy_configmap(OWNER, spec, second)["data"][POLICY_FILE]
+    fallback = parse_policy(text).fallback
+    assert (fallback.url, fallback.model, fallback.when) == (second, "small", ["Unavailable"])
 
 
 def test_routers_drain_like_engines_take_identity_but_no_gpu_placement() -> None:
@@ -230,3 +251,42 @@ def test_scale_from_zero_reads_the_ready_routers_held_requests() -> None:
     assert not router.wakes(make_spec(replicas={"min": 0, "max": 2}, router={"enabled": False}), 0, 5)
     (container,) = _pod_spec(make_spec(router={"holdSeconds": 12}))["containers"]
     assert "--hold-seconds=12.0" in container["args"]
+
+
+def test_fallback_active_counts_what_the_routers_and_the_engines_sent_each_once() -> None:
+    """An engine counts what it hands to the fallback, a router what it sends there itself (an engine's
+    fallback answer it relays is not the router's): the condition adds both, as deltas since the last
+    scrape, per pod."""
+    spec = make_spec(fallback={"url": "http://elsewhere:8000"})
+    memory = Memory()
+
+    def engines(**served: float) -> dict[str, PodSample]:
+        return {pod: PodSample(PodLoad(0, 0, 0), n) for pod, n in served.items()}
+
+    first = fallback_condition(spec, memory, engines(e1=4), 5, {"r1": 10, "r2": 1})
+    assert first.status is False and first.reason == "Idle"  # the first reading of each counter is its base
+    second = fallback_condition(spec, memory, engines(e1=6), 5, {"r1": 13, "r2": 1})
+    assert second.status is True and second.reason == "Overflowing"
+    assert second.message == (
+        "5 requests served by the fallback in the last 5 s (2 handed on by the engines, 3 sent by the routers)"
+    )
+    # A router that restarted (its counter went back) counts from zero; one gone is forgotten.
+    third = fallback_condition(spec, memory, engines(e1=6), 5, {"r1": 2})
+    assert (
+        third.status is True
+        and third.message.startswith("2 requests")
+        and "r2" not in memory.fallback_counters
+    )
+    assert fallback_condition(spec, memory, engines(e1=6), 5, {"r1": 2}).status is False
+    # With no fallback there is no traffic to tell of.
+    assert fallback_condition(make_spec(), memory, engines(e1=9), 5, {"r1": 2}).reason == "NoFallback"
+
+
+def test_the_operator_reads_a_routers_own_fallback_counter() -> None:
+    metrics = RouterMetrics()
+    metrics.fallback.labels("served").inc(2)
+    metrics.fallback.labels("failed").inc()
+    page = generate_latest(metrics.registry).decode()
+    assert parse_router_fallback(page) == 2.0
+    with pytest.raises(ValueError, match="no ember_router:fallback_requests_total"):
+        parse_router_fallback("vllm:num_requests_waiting 1\n")

@@ -4,6 +4,7 @@ shedding, and a client that goes away aborting its request in the engine."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,13 +14,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from server_util import InProcessServer, running_server
-from waiting import wait_for
+from waiting import free_port, wait_for
 
 from ember_engine.core.kv_events import prefix_hashes
 from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.server.policy import Fallback, Policy
+from ember_router import main as router_main
 from ember_router.embedded import serving
+from ember_router.fallback import from_flags
 from ember_router.pool import EnginePool
 from ember_router.proxy import ROUTE_REASON, ROUTED_TO, Router, RouterSettings
 from ember_router.rules import Rule
@@ -181,7 +186,7 @@ def test_what_no_engine_can_take_goes_to_the_fallback(
     tiny_model: Path, engines: list[InProcessServer]
 ) -> None:
     model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
-    settings = RouterSettings(fallback_url=engines[1].url, fallback_model=model)
+    settings = RouterSettings(fallback=from_flags(engines[1].url, model, frozenset({"Overloaded"})))
     with running_router(tiny_model, [engines[0].url], poll_interval=3600, settings=settings) as (
         url,
         _router,
@@ -212,6 +217,96 @@ def test_what_no_engine_can_take_goes_to_the_fallback(
             assert engine_sheds() == sheds_before + 1
         finally:
             engines[0].state.draining = engines[1].state.draining = False
+
+
+def test_an_engines_fallback_answer_is_counted_by_that_engine_and_not_by_the_router(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    """What reads both counters (FallbackActive, the monitoring rules) counts each request once."""
+    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+    watcher = engines[0].state.policy
+    kept = watcher.policy
+    # The engine hands what it will not serve (it is draining) to the fallback itself.
+    watcher.policy = Policy(fallback=Fallback(url=engines[1].url, model=model, when=["Unavailable"]))
+
+    def engine_served() -> float:
+        page = _samples(httpx.get(f"{engines[0].url}/metrics").text)
+        return page[("ember:fallback_requests_total", (("outcome", "served"),))]
+
+    with running_router(tiny_model, [engines[0].url], poll_interval=3600) as (url, _router):
+        before = engine_served()
+        engines[0].state.draining = True
+        try:
+            r = httpx.post(
+                f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1}, timeout=60
+            )
+            assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
+            assert r.headers[ROUTED_TO] == engines[0].url  # the engine's answer, relayed
+            routed = _samples(httpx.get(f"{url}/metrics").text)
+            assert routed[("ember_router:fallback_requests_total", (("outcome", "served"),))] == 0
+            assert engine_served() == before + 1
+        finally:
+            engines[0].state.draining = False
+            watcher.policy = kept
+
+
+def test_a_fallback_rewritten_in_the_policy_file_takes_effect_while_the_router_runs(
+    tiny_model: Path, engines: list[InProcessServer], tmp_path: Path
+) -> None:
+    """`ember router --policy FILE` reads spec.fallback live, as the engines do: the operator's ConfigMap
+    changes, the running router follows (address, model and conditions)."""
+    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+    policy = tmp_path / "policy.yaml"
+
+    def write(fallback: dict[str, object]) -> None:
+        # As the kubelet updates a ConfigMap volume: the new file appears whole, by a rename.
+        staged = tmp_path / "policy.staged"
+        staged.write_text(yaml.safe_dump({"fallback": fallback}))
+        staged.replace(policy)
+
+    nobody = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    write({"url": nobody, "model": model})
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--model",
+            str(tiny_model),
+            "--endpoint",
+            engines[0].url,
+            "--policy",
+            str(policy),
+            "--poll-interval",
+            "3600",
+        ]
+    )
+    router = router_main.build(args)
+    body = {"model": model, "prompt": "hello", "max_tokens": 1}
+    with serving(router) as url:
+        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+        engines[0].state.draining = True  # it answers 503; no engine takes a request
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded"
+            write({"url": engines[1].url, "model": model, "when": ["Overloaded"]})
+
+            def served_by_the_new_fallback() -> bool:
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                return r.status_code == 200 and r.headers[ROUTED_TO] == engines[1].url
+
+            wait_for(served_by_the_new_fallback, timeout=10, what="the new fallback serving")
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.headers["x-ember-served-by"] == "fallback" and r.json()["model"] == model
+            # The conditions too: only with no engine Ready; these engines are Ready but refuse.
+            write({"url": engines[1].url, "model": model, "when": ["Unavailable"]})
+
+            def shed() -> bool:
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                return r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded"
+
+            wait_for(shed, timeout=10, what="the router shedding, the fallback now for Unavailable only")
+        finally:
+            engines[0].state.draining = False
 
 
 def test_a_routing_rule_sends_a_request_to_another_service_and_says_so(

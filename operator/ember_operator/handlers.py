@@ -54,7 +54,7 @@ from ember_operator.groups import (
 )
 from ember_operator.known import Known
 from ember_operator.kube import Kube, NameConflict, load_balancer_address, new_api_client
-from ember_operator.podcache import INDEX, index_pod, indexed
+from ember_operator.podcache import INDEX, index_pod, indexed, indexed_names
 from ember_operator.podpatch import PodTemplateError
 from ember_operator.pods import (
     Trouble,
@@ -232,7 +232,7 @@ class Reconciler:
             kube, desired_service(owner, selector), ("spec",), troubles, memory.known
         )
         routers = await self._routers(
-            kube, owner, spec, troubles, status.get("router") is not None, memory.known, fallback_url
+            kube, owner, spec, troubles, status.get("router") is not None, memory.known
         )
 
         listed = memory.pending.pods(indexed(pod_index, namespace, name))
@@ -246,7 +246,8 @@ class Reconciler:
             self._crashes.record(p)
         views = units.views
 
-        await autoscale(body, spec, owner, units.serving, views, memory, now, self._scraper)
+        router_pages = router.router_metrics_targets(indexed(pod_index, namespace, name, router.ROUTER))
+        await autoscale(body, spec, owner, units.serving, views, memory, now, self._scraper, router_pages)
         assert memory.desired is not None
         if spec.router.enabled and memory.desired == 0:
             await self._wake(body, kube, spec, owner, memory, now)
@@ -459,7 +460,6 @@ class Reconciler:
         troubles: list[Trouble],
         had: bool,
         known: Known,
-        fallback_url: str | None,
     ) -> dict[str, Any] | None:
         """Make the router's objects match (or, when it is off and status still shows one (`had`), delete
         them); returns its Deployment."""
@@ -473,7 +473,7 @@ class Reconciler:
         if problem is not None:
             troubles.append(Trouble("RoutingInvalid", problem))
         deployment = None
-        for obj in router.desired_objects(owner, spec, urls, fallback_url):
+        for obj in router.desired_objects(owner, spec, urls):
             deployment = await self._ensure(kube, obj, router.ENSURED_FIELDS[obj["kind"]], troubles, known)
         if not spec.router.enabled and had:
             name = router.router_name(owner.name)
@@ -581,7 +581,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> Reconciler:
         reconciler.pod_event
     )
     # Filled from the same pod watch; kopf starts no other handler before its first listing is in.
-    kopf.index("v1", "pods", id=INDEX, labels={NAME_LABEL: "ember"}, registry=registry)(index_pod)
+    kopf.index("v1", "pods", id=INDEX, labels={NAME_LABEL: indexed_names}, registry=registry)(index_pod)
     kopf.on.event(*resource, registry=registry)(reconciler.resource_event)
     kopf.on.cleanup(registry=registry)(reconciler.cleanup)
     _no_finalizer_for(registry, "reconcile-tick")

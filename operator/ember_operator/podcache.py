@@ -2,7 +2,7 @@
 
 kopf keeps an index of the pods labelled as ember's (`index_pod`), filled from the one pod watch it runs
 anyway, and holds every other handler until the first listing is in it. A pass reads an InferenceService's
-pods from that index.
+pods from that index, and its router pods (whose /metrics it reads on the autoscaler's ticks).
 
 The index lags the operator's own writes by one watch event: a pass that ran before the event of a pod it
 created, relabelled or deleted would plan from the state before, and create the pod twice. `Pending` keeps
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember_operator.desired import INSTANCE_LABEL, NAME_LABEL
+from ember_operator.router import ROUTER, ROUTER_LABEL
 
 INDEX = "ember_pods"  # the index's handler id: handlers receive it as a keyword argument of that name
 LAPSE = 30.0
@@ -27,8 +28,16 @@ LAPSE = 30.0
 Obj = dict[str, Any]
 
 
+def indexed_names(value: str | None, **_: Any) -> bool:
+    """kopf's label filter for the index: engine pods (`ember`) and router pods (`ember-router`)."""
+    return value in ("ember", "ember-router")
+
+
 def index_pod(namespace: str | None, labels: Mapping[str, str], body: Mapping[str, Any], **_: Any) -> Any:
-    """kopf's indexing function: each ember pod under (namespace, its instance label)."""
+    """kopf's indexing function: each engine pod under (namespace, its instance label), each router pod
+    under (namespace, the InferenceService it routes for, "router")."""
+    if labels.get(NAME_LABEL) == "ember-router" and labels.get(ROUTER_LABEL):
+        return {(namespace, labels[ROUTER_LABEL], ROUTER): dict(body)}
     instance = labels.get(INSTANCE_LABEL)
     if labels.get(NAME_LABEL) != "ember" or instance is None:
         return None
@@ -80,8 +89,10 @@ class Pending:
         return sorted(indexed.values(), key=lambda p: p["metadata"]["name"])
 
 
-def indexed(index: Any, namespace: str, instance: str) -> list[Obj]:
-    """The pods kopf's index holds for one InferenceService (its store: a list of bodies per key)."""
+def indexed(index: Any, namespace: str, instance: str, role: str | None = None) -> list[Obj]:
+    """The engine pods (or with `role` "router", the router pods) kopf's index holds for one
+    InferenceService (its store: a list of bodies per key)."""
     if index is None:
         raise RuntimeError(f"the {INDEX!r} index was not passed to the handler")
-    return [dict(p) for p in index.get((namespace, instance), [])]
+    key = (namespace, instance) if role is None else (namespace, instance, role)
+    return [dict(p) for p in index.get(key, [])]

@@ -4,8 +4,10 @@ With `spec.router.enabled` (the default) the operator runs `<name>-router`, a De
 --kube-selector <the service's Ready active engine pods>`, whose pods watch those engines through the
 ServiceAccount `<name>-router`, bound by a RoleBinding to the `ember-router` ClusterRole (get, list and
 watch pods, nothing else; shipped in manifests/). The InferenceService's Service then selects the router
-pods; disabled, it selects the engines directly and the router's objects are deleted. With spec.fallback,
-the routers send what no engine takes to the same fallback under the same conditions.
+pods; disabled, it selects the engines directly and the router's objects are deleted. The router pods mount
+the engines' policy ConfigMap (`--policy`) and re-read it while they run, so what no engine takes goes to
+spec.fallback under the same conditions as from the engines, and a new fallback address (the fallback
+publishing its endpoint after its user was applied) reaches the routers without a new pod.
 
 A router pod runs the engine image (which carries `ember router`), reads the same checkpoint for its
 tokenizer and chat template (the same model volumes and fetch init containers as an engine), drains for as
@@ -23,11 +25,14 @@ from ember_operator import modelsource
 from ember_operator.desired import (
     MANAGED_BY_LABEL,
     NAME_LABEL,
+    POLICY_DIR,
+    POLICY_FILE,
     ROLE_LABEL,
     Owner,
     active_selector,
     attach_model,
     instance_labels,
+    policy_configmap_name,
     selector_string,
 )
 from ember_operator.podsettings import PRESTOP_SECONDS
@@ -97,22 +102,10 @@ def route_args(spec: InferenceServiceSpec, urls: dict[str, str]) -> list[str]:
     return out
 
 
-def fallback_args(spec: InferenceServiceSpec, fallback_url: str | None) -> list[str]:
-    """What no engine takes goes from the routers to spec.fallback (resolved to `fallback_url`) under the
-    same conditions (`when`) as from the engines."""
-    if spec.fallback is None or fallback_url is None:
-        return []
-    out = [f"--fallback-url={fallback_url}", f"--fallback-when={','.join(spec.fallback.when)}"]
-    if spec.fallback.model:
-        out.append(f"--fallback-model={spec.fallback.model}")
-    return out
-
-
 def router_args(
     owner: Owner,
     spec: InferenceServiceSpec,
     urls: dict[str, str] | None = None,
-    fallback_url: str | None = None,
 ) -> list[str]:
     return [
         f"--model={modelsource.engine_path(spec.model.source)}",
@@ -123,8 +116,8 @@ def router_args(
         f"--epsilon={spec.router.epsilon}",
         f"--hold-seconds={spec.router.hold_seconds}",
         f"--drain-timeout={spec.lifecycle.drain_seconds}",
+        f"--policy={POLICY_DIR}/{POLICY_FILE}",
         *route_args(spec, urls or {}),
-        *fallback_args(spec, fallback_url),
     ]
 
 
@@ -141,7 +134,6 @@ def desired_router_deployment(
     owner: Owner,
     spec: InferenceServiceSpec,
     urls: dict[str, str] | None = None,
-    fallback_url: str | None = None,
 ) -> dict[str, Any]:
     r, life, placement = spec.resources, spec.lifecycle, spec.pod
     security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
@@ -152,14 +144,17 @@ def desired_router_deployment(
         "image": r.image,
         "imagePullPolicy": r.image_pull_policy,
         "command": list(COMMAND),
-        "args": router_args(owner, spec, urls, fallback_url),
+        "args": router_args(owner, spec, urls),
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": _probe("/ready", life.readiness_period_seconds, life.readiness_failure_threshold),
         "livenessProbe": _probe("/health", life.liveness_period_seconds, life.liveness_failure_threshold),
         # The Service's endpoints drop the pod before the router stops taking requests.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
-        "volumeMounts": modelsource.engine_mounts(spec),
+        "volumeMounts": [
+            {"name": "policy", "mountPath": POLICY_DIR, "readOnly": True},
+            *modelsource.engine_mounts(spec),
+        ],
         "securityContext": security,
     }
     amounts = {k: v for k, v in (("cpu", spec.router.cpu), ("memory", spec.router.memory)) if v}
@@ -174,7 +169,11 @@ def desired_router_deployment(
         "serviceAccountName": router_name(owner.name),
         "terminationGracePeriodSeconds": life.grace_seconds,
         "securityContext": pod_security,
-        "volumes": modelsource.volumes(spec),
+        # The engines' policy ConfigMap, the whole directory (a subPath mount would never see an update).
+        "volumes": [
+            {"name": "policy", "configMap": {"name": policy_configmap_name(owner.name)}},
+            *modelsource.volumes(spec),
+        ],
     }
     attach_model(pod_spec, container, spec, security)
     if placement.image_pull_secrets:
@@ -206,16 +205,15 @@ def desired_objects(
     owner: Owner,
     spec: InferenceServiceSpec,
     urls: dict[str, str] | None = None,
-    fallback_url: str | None = None,
 ) -> list[dict[str, Any]]:
     """The router's objects, in the order they are made (the Deployment's pods need the ServiceAccount);
-    `urls`: the addresses of the InferenceServices spec.routing names; `fallback_url`: spec.fallback's."""
+    `urls`: the addresses of the InferenceServices spec.routing names."""
     if not spec.router.enabled:
         return []
     return [
         desired_service_account(owner),
         desired_role_binding(owner),
-        desired_router_deployment(owner, spec, urls, fallback_url),
+        desired_router_deployment(owner, spec, urls),
     ]
 
 
@@ -256,17 +254,22 @@ def router_condition(spec: InferenceServiceSpec, status: dict[str, Any] | None) 
     return Condition("RouterReady", False, "RouterUnavailable", message)
 
 
-def router_metrics_urls(pods: list[dict[str, Any]]) -> list[str]:
-    """The /metrics of the Ready router pods among `pods`."""
-    urls = []
+def router_metrics_targets(pods: list[dict[str, Any]]) -> dict[str, str]:
+    """The /metrics of the Ready router pods among `pods`, by pod name."""
+    urls = {}
     for p in pods:
         status = p.get("status") or {}
         ready = any(
             c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
         )
         if ready and status.get("podIP") and not p["metadata"].get("deletionTimestamp"):
-            urls.append(f"http://{status['podIP']}:{ROUTER_PORT}/metrics")
+            urls[p["metadata"]["name"]] = f"http://{status['podIP']}:{ROUTER_PORT}/metrics"
     return urls
+
+
+def router_metrics_urls(pods: list[dict[str, Any]]) -> list[str]:
+    """The /metrics of the Ready router pods among `pods`."""
+    return list(router_metrics_targets(pods).values())
 
 
 def wakes(spec: InferenceServiceSpec, desired: int, pending: float) -> bool:

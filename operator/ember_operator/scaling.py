@@ -84,8 +84,10 @@ async def autoscale(
     memory: Memory,
     now: datetime,
     scraper: Scraper,
+    routers: dict[str, str] | None = None,
 ) -> None:
-    """Update memory.desired: the External target, or (when due) the Builtin autoscaler's decision."""
+    """Update memory.desired: the External target, or (when due) the Builtin autoscaler's decision.
+    `routers`: the Ready router pods' /metrics by pod name, read on the same ticks for FallbackActive."""
     replicas = spec.replicas
     if memory.desired is None:  # first pass, or a restart without status: keep what is there
         memory.desired = clamp(sum(v.role == ACTIVE and not v.deleting for v in views), replicas)
@@ -129,12 +131,13 @@ async def autoscale(
         if v.role == ACTIVE and v.ready and not v.deleting and (url := metrics_url(p))
     }
     results = await scraper.scrape(targets) if targets else {}
+    routed = await scraper.router_fallback(routers) if routers and spec.fallback is not None else {}
     samples = {n: r for n, r in results.items() if isinstance(r, PodSample)}
     failed = [f"{n}: {r}" for n, r in results.items() if isinstance(r, str)]
     if failed:
         metrics.SCRAPE_FAILURES.labels(owner.namespace, owner.name).inc(len(failed))
     seen = Observation([s.load for s in samples.values()], failed)
-    memory.fallback = fallback_condition(spec, memory, samples, spec.autoscaling.interval_seconds)
+    memory.fallback = fallback_condition(spec, memory, samples, spec.autoscaling.interval_seconds, routed)
     inputs = {
         "queueDepth": seen.queue_per_pod,
         "kvCacheUtilization": seen.kv_cache,
@@ -186,23 +189,33 @@ def record(body: kopf.Body, owner: Owner, memory: Memory, decision: Decision, no
 
 
 def fallback_condition(
-    spec: InferenceServiceSpec, memory: Memory, samples: dict[str, PodSample], interval: float
+    spec: InferenceServiceSpec,
+    memory: Memory,
+    samples: dict[str, PodSample],
+    interval: float,
+    routers: dict[str, float] | None = None,
 ) -> Condition:
-    """FallbackActive from the engines' served-by-fallback counters since the last scrape."""
-    sent = 0.0
-    for pod, s in samples.items():
+    """FallbackActive from the served-by-fallback counters since the last scrape: the engines' (requests
+    an engine handed on) and the routers' (requests a router sent there itself, `routers` by pod name). A
+    request is in one of them only: a router does not count an engine's fallback answer that it relays."""
+    counters = {pod: s.fallback_served for pod, s in samples.items()}
+    counters.update(routers or {})
+    sent = {pod: 0.0 for pod in counters}
+    for pod, now in counters.items():
         before = memory.fallback_counters.get(pod)
         if before is not None:
-            sent += s.fallback_served - before if s.fallback_served >= before else s.fallback_served
-        memory.fallback_counters[pod] = s.fallback_served
-    memory.fallback_counters = {p: c for p, c in memory.fallback_counters.items() if p in samples}
+            sent[pod] = now - before if now >= before else now  # gone back: the process restarted
+    memory.fallback_counters = counters
     if spec.fallback is None:
         return Condition("FallbackActive", False, "NoFallback", "no fallback configured")
-    if sent > 0:
+    by_engines = sum(n for pod, n in sent.items() if pod in samples)
+    total = sum(sent.values())
+    if total > 0:
         return Condition(
             "FallbackActive",
             True,
             "Overflowing",
-            f"{sent:g} requests served by the fallback in the last {interval:g} s",
+            f"{total:g} requests served by the fallback in the last {interval:g} s ({by_engines:g} handed on "
+            f"by the engines, {total - by_engines:g} sent by the routers)",
         )
     return Condition("FallbackActive", False, "Idle", "no requests sent to the fallback recently")

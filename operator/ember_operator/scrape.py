@@ -1,4 +1,5 @@
-"""Reading engine pods' Prometheus /metrics: the three autoscaling gauges and the fallback counter.
+"""Reading engine pods' Prometheus /metrics: the three autoscaling gauges and the fallback counter; and the
+router pods': requests held (scale from zero) and sent to the fallback.
 
 An engine's page is ~30 KB, nearly all histograms the autoscaler never reads. `parse_sample` looks only at
 the lines of the four series it needs (a prefix test per line) instead of parsing every family, and runs in
@@ -101,6 +102,20 @@ class Scraper:
         results = await asyncio.to_thread(_parse_all, list(zip(urls.values(), pages, strict=True)))
         return dict(zip(urls, results, strict=True))
 
+    async def router_fallback(self, urls: dict[str, str]) -> dict[str, float]:
+        """What each router pod at `urls` (by pod name) has sent to the fallback itself and had served
+        (`ember_router:fallback_requests_total{outcome="served"}`); a router that cannot be read is left out."""
+        pages = await asyncio.gather(*(self._page(u) for u in urls.values()))
+        out = {}
+        for pod, page in zip(urls, pages, strict=True):
+            if isinstance(page, Exception):
+                continue
+            try:
+                out[pod] = parse_router_fallback(page)
+            except ValueError:
+                continue
+        return out
+
     async def pending(self, urls: list[str]) -> float:
         """Requests held by the routers at `urls` (their /metrics pages), summed; a router that cannot be
         read counts nothing."""
@@ -132,6 +147,25 @@ def parse_pending(text: str) -> float:
             if series is not None and series[0] == PENDING:
                 return series[2]
     raise ValueError(f"no {PENDING} in /metrics")
+
+
+ROUTER_FALLBACK = "ember_router:fallback_requests_total"
+
+
+def parse_router_fallback(text: str) -> float:
+    """A router's requests served by the fallback it sent them to, from its /metrics page; ValueError when
+    the counter is not there."""
+    served, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(ROUTER_FALLBACK):
+            series = _series(line)
+            if series is not None and series[0] == ROUTER_FALLBACK:
+                found = True
+                if 'outcome="served"' in series[1]:
+                    served += series[2]
+    if not found:
+        raise ValueError(f"no {ROUTER_FALLBACK} in /metrics")
+    return served
 
 
 def _pending_or_nothing(page: str | Exception) -> float:

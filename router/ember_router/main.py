@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ember_router.proxy import Router
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,10 +50,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--session-header", default="x-session-id", help="header that keeps a client on its engine"
     )
     p.add_argument(
-        "--fallback-url",
-        help="an OpenAI-compatible server for requests no engine can take (e.g. a smaller model's Service)",
+        "--policy",
+        help="the engines' policy file (YAML); its fallback takes what no engine can, and the file is re-read "
+        "while the router runs (the operator mounts the InferenceService's policy ConfigMap here)",
     )
-    p.add_argument("--fallback-model", help="the model name to send to the fallback (default: the request's)")
+    p.add_argument(
+        "--fallback-url",
+        help="without --policy: an OpenAI-compatible server for requests no engine can take (e.g. a smaller "
+        "model's Service)",
+    )
+    p.add_argument(
+        "--fallback-model",
+        help="the model name to send to the fallback (default: the first one its /v1/models lists)",
+    )
     p.add_argument(
         "--fallback-when",
         default="Overloaded,Unavailable",
@@ -79,10 +92,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def main(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
+def build(args: argparse.Namespace) -> Router:
+    """The router the command line describes (not yet serving); SystemExit names a bad option."""
     from ember_engine.core.tokenizer import Tokenizer
+    from ember_engine.server.policy import PolicyError, PolicyWatcher
+    from ember_router.fallback import from_flags
     from ember_router.pool import EnginePool
     from ember_router.proxy import Router, RouterSettings
     from ember_router.rules import parse_route
@@ -98,8 +112,16 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"ember router: --fallback-when: {args.fallback_when!r}: each must be Overloaded or Unavailable"
         )
+    if args.policy and (args.fallback_url or args.fallback_model):
+        raise SystemExit("ember router: --policy names the fallback; give it or --fallback-url, not both")
     if not args.endpoint and not args.kube_selector:
         raise SystemExit("ember router: give --endpoint (one per engine) or --kube-selector")
+    policy = None
+    if args.policy:
+        try:
+            policy = PolicyWatcher(args.policy)
+        except PolicyError as e:
+            raise SystemExit(f"ember router: invalid policy file {args.policy}: {e}") from None
     discovery = None
     if args.kube_selector:
         from ember_router.discovery import PodDiscovery
@@ -107,30 +129,38 @@ def main(args: argparse.Namespace) -> int:
         discovery = PodDiscovery(
             args.kube_namespace, args.kube_selector, args.engine_port, lambda _: None, args.kubeconfig
         )
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    router = Router(
+    return Router(
         EnginePool(args.endpoint, poll_interval=args.poll_interval),
         Tokenizer(args.model),
         RouterSettings(
             epsilon=args.epsilon,
             session_header=args.session_header.lower(),
-            fallback_url=args.fallback_url,
-            fallback_model=args.fallback_model,
-            fallback_when=when,
+            fallback=from_flags(args.fallback_url, args.fallback_model, when),
             routes=routes,
             hold_seconds=max(0.0, args.hold_seconds),
         ),
         discovery=discovery,
+        policy=policy,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    router = build(args)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request.
+    # A line per request only at debug, beside the decision's: formatting and writing it on every request
+    # would cost more than the routing itself.
     web.run_app(
         router.app(),
         host=args.host,
         port=args.port,
         handler_cancellation=True,
         shutdown_timeout=args.drain_timeout,
+        access_log=logging.getLogger("aiohttp.access") if args.log_level == "debug" else None,
         print=None,
     )
     return 0

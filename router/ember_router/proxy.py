@@ -9,7 +9,8 @@ Before that, the routing rules (`rules.py`) may send the request to another Infe
 (`x-ember-routed-to: <that service>`, `x-ember-route-reason: rule:<name>`). An
 engine that answers 503 before the response begins is skipped for its Retry-After and the request
 goes to one other engine; with no engine to take it the request goes to the fallback server if one is set
-(`x-ember-served-by: fallback`), else the router sheds at once (503, Retry-After). A client
+(the policy file's, read live, or the flags'; `x-ember-served-by: fallback`), else the router sheds at once
+(503, Retry-After). A client
 that disconnects closes the upstream connection, which aborts the request in the engine.
 """
 
@@ -26,10 +27,13 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.server.policy import PolicyWatcher
 from ember_router.discovery import PodDiscovery
+from ember_router.fallback import FallbackTarget, ModelNames, from_policy
 from ember_router.metrics import RouterMetrics
 from ember_router.policy import EngineState, choose
 from ember_router.pool import EnginePool
@@ -46,6 +50,12 @@ MAX_BODY = 32 * 1024 * 1024
 HOLD_POLL = 0.05  # seconds between looks at the pool while a request is held
 # Seconds a prompt just sent to an engine counts as cached there before the engine's events confirm it.
 SENT_HOLD = 5.0
+# Seconds to connect to an engine or the fallback: a request for one that cannot be reached is shed soon.
+CONNECT_TIMEOUT = 2.0
+POLICY_POLL = 1.0  # seconds between looks at the policy file, as in the engines
+# Bodies up to this many bytes are tokenized on the event loop (tens of microseconds, less than handing the
+# work to a thread); larger ones on a worker thread, where a long prompt holds up no request in flight.
+INLINE_TOKENIZE = 256
 
 
 @dataclass
@@ -54,12 +64,9 @@ class RouterSettings:
     session_header: str = "x-session-id"
     retry_after: int = 1  # seconds, when the whole fleet is overloaded or an engine gave none
     upstream_timeout: float = 600.0
-    fallback_url: str | None = (
-        None  # where requests go that no engine can take (any OpenAI-compatible server)
-    )
-    fallback_model: str | None = None  # the model name to send there (default: the request's own)
-    # When the fallback takes a request: Overloaded (the engines refused it), Unavailable (none Ready).
-    fallback_when: frozenset[str] = frozenset({"Overloaded", "Unavailable"})
+    # Where requests go that no engine can take (any OpenAI-compatible server), when the router has no policy
+    # file (whose fallback then applies instead).
+    fallback: FallbackTarget | None = None
     # Model routing: (rule, the target's base URL), in order; the first rule a request meets sends it there.
     routes: tuple[tuple[Rule, str], ...] = ()
     # With no engine Ready, hold a request this long for one to become Ready (0: shed at once).
@@ -74,6 +81,8 @@ class Router:
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     sessions: dict[str, str] = field(default_factory=dict)  # session id -> engine
     discovery: PodDiscovery | None = None  # engines from Kubernetes, instead of a fixed list
+    policy: PolicyWatcher | None = None  # the policy file, re-read while serving: its fallback applies
+    fallback_models: ModelNames = field(default_factory=ModelNames)
     _turns: itertools.count[int] = field(default_factory=itertools.count)
     session: aiohttp.ClientSession | None = None
 
@@ -92,14 +101,21 @@ class Router:
 
     async def _background(self, _app: web.Application) -> Any:
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.settings.upstream_timeout, sock_connect=2),
+            timeout=aiohttp.ClientTimeout(total=self.settings.upstream_timeout, sock_connect=CONNECT_TIMEOUT),
             connector=aiohttp.TCPConnector(limit=0),
+            # A proxy: bodies pass as the engine encoded them (with its Content-Encoding), and no cookie
+            # one client's answer set is sent on with another client's request.
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         if self.discovery is not None:
             self.discovery.on_change = self._engines_changed
             self.discovery.start(asyncio.get_running_loop())
         poller = asyncio.create_task(self.pool.run(self.session))
+        watcher = asyncio.create_task(self.policy.run(POLICY_POLL)) if self.policy is not None else None
         yield
+        if watcher is not None:
+            watcher.cancel()
         if self.discovery is not None:
             self.discovery.stop()
         poller.cancel()
@@ -151,9 +167,12 @@ class Router:
             body = json.loads(raw)
         except ValueError:
             body = None  # the engine answers the error in its own words
-        hashes, num_tokens = await asyncio.to_thread(
-            request_hashes, self.tokenizer, body, chat, self.pool.block_size
-        )
+        if len(raw) <= INLINE_TOKENIZE:
+            hashes, num_tokens = request_hashes(self.tokenizer, body, chat, self.pool.block_size)
+        else:
+            hashes, num_tokens = await asyncio.to_thread(
+                request_hashes, self.tokenizer, body, chat, self.pool.block_size
+            )
         if self.settings.routes:
             routed = await self._by_rule(request, body, raw, num_tokens, arrived)
             if routed is not None:
@@ -274,14 +293,15 @@ class Router:
     ) -> web.StreamResponse:
         """No engine takes the request: the fallback serves it if one is set for this `condition` (Overloaded
         or Unavailable) and answers, else a 503 now."""
-        fallback = self.settings.fallback_url and condition in self.settings.fallback_when
-        if fallback and isinstance(body, dict):
-            if self.settings.fallback_model:
-                body = {**body, "model": self.settings.fallback_model}
-            assert self.settings.fallback_url is not None
+        target = from_policy(self.policy) if self.policy is not None else self.settings.fallback
+        if target is not None and condition in target.when and isinstance(body, dict):
+            assert self.session is not None
+            model = await self.fallback_models.name(self.session, target)
+            if model:
+                body = {**body, "model": model}
             response = await self._forward(
-                request, self.settings.fallback_url.rstrip("/"), json.dumps(body).encode(), "POST", "fallback", 0,
-                arrived, retry=True,
+                request, target.url, json.dumps(body).encode(), "POST", "fallback", 0, arrived, retry=True,
+                timeout=target.timeout,
             )  # fmt: skip
             if response is not None:
                 self.metrics.fallback.labels("served").inc()
@@ -301,6 +321,7 @@ class Router:
         arrived: float | None = None,
         retry: bool = False,
         routed_to: str | None = None,
+        timeout: float | None = None,
     ) -> web.StreamResponse | None:
         """Send the request to one engine and relay its answer; None when it answered overloaded before the
         response began and `retry` allows another engine."""
@@ -314,7 +335,12 @@ class Router:
         try:
             try:
                 upstream_cm = self.session.request(
-                    method, engine_url + request.path_qs, data=raw or None, headers=headers
+                    method,
+                    engine_url + request.path_qs,
+                    data=raw or None,
+                    headers=headers,
+                    # A deadline of its own (the fallback's) bounds each wait for data.
+                    timeout=self.session.timeout if timeout is None else _between_reads(timeout),
                 )
                 upstream = await upstream_cm.__aenter__()
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -340,14 +366,22 @@ class Router:
                         self.metrics.engine_sheds_retried.inc()  # the engine counted it; the client won't see it
                     finished = True
                     return None
-                out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-                for k, v in upstream.headers.items():
-                    if k.lower() not in _HOP:
-                        out.headers[k] = v
-                out.headers[ROUTED_TO] = routed_to or engine_url
-                out.headers[ROUTE_REASON] = reason
+                answer = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP)
+                answer[ROUTED_TO] = routed_to or engine_url
+                answer[ROUTE_REASON] = reason
                 if reason == "fallback":
-                    out.headers["x-ember-served-by"] = "fallback"
+                    answer["x-ember-served-by"] = "fallback"
+                if upstream.content_length is not None and not _is_sse(upstream.content_type):
+                    # A whole answer of known length (not a stream): passed on in one piece, headers and
+                    # body in one write, instead of chunk by chunk.
+                    body = await upstream.read()
+                    self.metrics.ttft.observe(time.perf_counter() - arrived)
+                    finished = True
+                    self.metrics.e2e.observe(time.perf_counter() - arrived)
+                    return web.Response(
+                        body=body, status=upstream.status, reason=upstream.reason, headers=answer
+                    )
+                out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=answer)
                 await out.prepare(request)
                 first = True
                 async for chunk in upstream.content.iter_any():
@@ -367,6 +401,14 @@ class Router:
                 await upstream_cm.__aexit__(None, None, None)
         finally:
             state.in_flight -= 1
+
+
+def _is_sse(content_type: str) -> bool:
+    return content_type == "text/event-stream"
+
+
+def _between_reads(seconds: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=None, sock_connect=min(seconds, CONNECT_TIMEOUT), sock_read=seconds)
 
 
 def _is_shed(body: bytes) -> bool:
