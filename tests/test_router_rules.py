@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -104,3 +106,9 @@ def test_a_route_parses_from_json_and_a_bad_one_is_refused_by_name() -> None:
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_route(text)
+
+
+def test_the_router_imports_no_torch() -> None:
+    # Its install extra has no torch: reading tools and response formats must not pull it in.
+    code = "import sys, ember_router.main, ember_router.proxy; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

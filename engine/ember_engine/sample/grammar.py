@@ -1,7 +1,8 @@
 """Constrained decoding with llguidance: a request's grammar, its per-token state and the token mask.
 
-`Constraint` says what the output must match (a JSON schema, any JSON object, a regex, one of some
-strings, or a Lark grammar). `GrammarCompiler` turns it into a `Grammar` once (the costly part, run off
+`Constraint` (`constraint.py`, which needs no torch, so the router can read requests without it) says what
+the output must match (a JSON schema, any JSON object, a regex, one of some strings, or a Lark grammar).
+`GrammarCompiler` turns it into a `Grammar` once (the costly part, run off
 the server's event loop); each sample of the request then gets its own `GrammarState`, which advances by
 every token the request accepts, whether sampled or a verified speculative proposal. Preemption recomputes
 KV but keeps a request's tokens, so its state stays as it is.
@@ -12,57 +13,17 @@ logits' device: one upload for the whole batch, only for the rows that have a gr
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+from ember_engine.sample.constraint import Constraint, ConstraintKind, GrammarError
 
-_ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
-# No free whitespace between JSON tokens: a model cannot pad its answer until max_tokens runs out.
-_COMPACT: Any = {"whitespace_flexible": False}
-
-
-class GrammarError(ValueError):
-    """The constraint cannot be compiled; the message names the problem."""
-
-
-@dataclass(frozen=True, slots=True)
-class Constraint:
-    kind: ConstraintKind
-    value: Any = None  # a schema (dict or JSON text), a regex, a list of strings, or Lark source
-
-    def lark(self) -> str:
-        """The constraint as llguidance's grammar text; GrammarError when it is malformed."""
-        from llguidance import LLMatcher
-
-        try:
-            if self.kind == "json_object":
-                return LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT, defaults=_COMPACT)
-            if self.kind == "json_schema":
-                schema = json.loads(self.value) if isinstance(self.value, str) else self.value
-                if not isinstance(schema, dict):
-                    raise GrammarError("a JSON schema must be an object")
-                return LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
-            if self.kind == "regex":
-                return LLMatcher.grammar_from_regex(str(self.value))
-            if self.kind == "choice":
-                choices = list(self.value or [])
-                if not choices or not all(isinstance(c, str) for c in choices):
-                    raise GrammarError("choice must be a non-empty list of strings")
-                return LLMatcher.grammar_from_lark(
-                    "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-                )
-            return LLMatcher.grammar_from_lark(str(self.value))
-        except (ValueError, TypeError) as exc:
-            if isinstance(exc, GrammarError):
-                raise
-            raise GrammarError(str(exc)) from exc
+__all__ = ["Constraint", "ConstraintKind", "Grammar", "GrammarCompiler", "GrammarError", "GrammarState"]
 
 
 class Grammar:

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember_engine.sample.grammar import Constraint
+from ember_engine.sample.constraint import Constraint
 from ember_engine.server.protocol import APIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
