@@ -245,7 +245,7 @@ def test_scale_from_zero_reads_the_ready_routers_held_requests() -> None:
             "status": {"podIP": "10.0.0.3", "conditions": [ready]},
         },
     ]
-    assert router.router_metrics_urls(pods) == ["http://10.0.0.1:8080/metrics"]
+    assert router.router_metrics_targets(pods) == {"a": "http://10.0.0.1:8080/metrics"}
     spec = make_spec(replicas={"min": 0, "max": 2})
     assert router.wakes(spec, 0, 1) and not router.wakes(spec, 0, 0) and not router.wakes(spec, 1, 5)
     assert not router.wakes(make_spec(replicas={"min": 0, "max": 2}, router={"enabled": False}), 0, 5)

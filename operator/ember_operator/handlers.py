@@ -250,7 +250,7 @@ class Reconciler:
         await autoscale(body, spec, owner, units.serving, views, memory, now, self._scraper, router_pages)
         assert memory.desired is not None
         if spec.router.enabled and memory.desired == 0:
-            await self._wake(body, kube, spec, owner, memory, now)
+            await self._wake(body, spec, owner, memory, now, router_pages)
         pod_hash = template_hash(spec)
         plan = plan_pods(
             views,
@@ -484,16 +484,15 @@ class Reconciler:
     async def _wake(
         self,
         body: kopf.Body,
-        kube: Kube,
         spec: InferenceServiceSpec,
         owner: Owner,
         memory: Memory,
         now: datetime,
+        router_pages: dict[str, str],
     ) -> None:
-        """Scale from zero: read what the routers hold, and raise the target to 1 if they hold anything."""
-        selector = selector_string(router.router_selector(owner.name))
-        pods = await asyncio.to_thread(kube.list_pods, owner.namespace, selector)
-        pending = await self._scraper.pending(router.router_metrics_urls(pods))
+        """Scale from zero: read what the routers (their /metrics by pod name, from the pod index) hold,
+        and raise the target to 1 if they hold anything."""
+        pending = await self._scraper.pending(list(router_pages.values()))
         if router.wakes(spec, memory.desired or 0, pending):
             why = f"{pending:g} requests held by the routers with no engine (scale from zero)"
             record(body, owner, memory, Decision(1, why, memory.metrics_ok is not False, ""), now)

@@ -89,12 +89,6 @@ class Kube:
         self.apps: Any = AppsV1Api(api)
         self.rbac: Any = RbacAuthorizationV1Api(api)
 
-    def list_pods(self, namespace: str, selector: str) -> list[Obj]:
-        listed = _json(
-            self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
-        )
-        return list(listed.get("items") or [])
-
     def create_pod(self, pod: Obj) -> Obj:
         return _json(
             self.core.create_namespaced_pod(pod["metadata"]["namespace"], pod, _preload_content=False)

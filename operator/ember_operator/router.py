@@ -267,11 +267,6 @@ def router_metrics_targets(pods: list[dict[str, Any]]) -> dict[str, str]:
     return urls
 
 
-def router_metrics_urls(pods: list[dict[str, Any]]) -> list[str]:
-    """The /metrics of the Ready router pods among `pods`."""
-    return list(router_metrics_targets(pods).values())
-
-
 def wakes(spec: InferenceServiceSpec, desired: int, pending: float) -> bool:
     """Scale from zero: requests held at the routers while the target is 0 raise it to 1."""
     return spec.router.enabled and desired == 0 and pending > 0 and spec.replicas.max >= 1
