@@ -233,3 +233,13 @@ def test_seeded_rows_keep_their_tokens_beside_pivot_rows() -> None:
             assert _seeded_token(3, position, logits, pivot=True, neighbours=neighbours) == alone
             assert _seeded_token(3, position, logits, pivot=False, neighbours=neighbours) == alone
     assert len({_seeded_token(3, p, logits, pivot=True, neighbours=2) for p in range(12)}) > 1
+
+
+def test_rows_are_drawn_against_a_pivot_on_a_cpu_only() -> None:
+    """Each rejection round is checked on the host, a wait per round on an accelerator: a state on another
+    device (here the meta device, which allocates nothing) sends every random row to the top-k path."""
+    for device, pivot in (("cpu", [0, 1]), ("meta", [])):
+        state = SamplingState(2, 64, device)
+        view = state.view(["a", "b"], lambda k: (SamplingParams(temperature=0.8, top_p=0.9), None, (), ()))
+        assert view.pivot_rows == pivot
+        assert view.other_rows == [0, 1][len(pivot) :]

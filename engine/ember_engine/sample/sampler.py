@@ -278,9 +278,7 @@ class Sampler:
         """The random rows' tokens (`x` and `p` their logits and parameter rows, in `view.random_rows`'
         order): by rejection against a pivot where it applies, else from the top-k-candidate
         distribution (`_probs`), seeded rows by their exponential race."""
-        # Each rejection round is checked on the host: on an accelerator that is a wait for the device per
-        # round, so there every random row takes the top-k candidates, which need no sync.
-        if not self.pivot or not view.pivot_rows or x.device.type != "cpu":
+        if not self.pivot or not view.pivot_rows:  # none on an accelerator (`BatchView.pivot_rows`)
             return _drawn(x, p, view, list(range(len(view.random_rows))), noise_seeds)
         if view.pivot_index is None or view.other_index is None:
             return _pivoted(x, p, view, self.scratch)

@@ -56,8 +56,8 @@ class BatchView:
     min_tokens_rows: list[int]  # rows whose params have min_tokens > 0
     grammar_rows: list[int]  # structured-output rows (their grammar states come with each step)
     seeded_rows: list[int]  # random rows with their own generator (their noise seeds come with each step)
-    # Random rows drawn by rejection against a pivot (`nucleus.sample_truncated`): unseeded, not both top-k
-    # and top-p. Positions among the random rows; the index tensors are None when all or none are.
+    # Random rows drawn by rejection against a pivot (`nucleus.sample_truncated`): on a CPU, unseeded, not
+    # both top-k and top-p. Positions among the random rows; the index tensors are None when all or none are.
     pivot_rows: list[int]
     pivot_index: torch.Tensor | None
     other_rows: list[int]  # the random rows that are not
@@ -182,8 +182,12 @@ class SamplingState:
         trunc = [params[r] for r in random_rows if params[r].top_k > 0 or params[r].top_p < 1.0]
         max_k = 0 if any(p.top_k <= 0 for p in trunc) else max((p.top_k for p in trunc), default=0)
         generators = [i.generator for i in infos if i is not None]
+        # Each rejection round is checked on the host: on an accelerator a wait for the device per round, so
+        # there no row is drawn that way (the top-k candidates need no sync).
+        on_cpu = dev.type == "cpu"
         drawn_by_pivot = [
-            generators[r] is None and not (params[r].top_k > 0 and params[r].top_p < 1.0) for r in random_rows
+            on_cpu and generators[r] is None and not (params[r].top_k > 0 and params[r].top_p < 1.0)
+            for r in random_rows
         ]
         pivot = [j for j, yes in enumerate(drawn_by_pivot) if yes]
         other = [j for j, yes in enumerate(drawn_by_pivot) if not yes]
