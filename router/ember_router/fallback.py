@@ -30,7 +30,7 @@ def from_policy(policy: PolicyWatcher) -> FallbackTarget | None:
     f = policy.policy.fallback
     if f.url is None:
         return None
-    return FallbackTarget(f.url, f.model, frozenset(f.when), f.timeout_seconds)
+    return FallbackTarget(f.url.rstrip("/"), f.model, frozenset(f.when), f.timeout_seconds)
 
 
 class ModelNames:
