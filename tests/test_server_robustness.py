@@ -305,3 +305,22 @@ def test_sigterm_drains_then_exits_zero(tiny_model: Path) -> None:
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert lines[-1] == "data: [DONE]" if lines[-1] else [x for x in lines if x][-1] == "data: [DONE]"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the in-flight request finished whole
+
+
+def test_log_interval_zero_turns_the_load_log_off_and_a_negative_one_is_refused(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import resource
+
+    from server_util import serve_args
+
+    with pytest.raises(SystemExit):
+        serve_args(tiny_model, "--log-interval", "-1")
+    assert "--log-interval: must be 0 (off) or more seconds, not -1" in capsys.readouterr().err
+    with running_server(tiny_model, "--log-interval", "0"):
+        # Idle, the server sleeps: no loop that wakes with nothing to wait for.
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(1.0)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        busy = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        assert busy < 0.2, f"an idle server used {busy:.2f} s of CPU in 1 s"

@@ -92,7 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM"
     )
     p.add_argument(
-        "--log-interval", type=float, default=5.0, help="seconds between load log lines while busy"
+        "--log-interval",
+        type=_log_interval,
+        default=5.0,
+        help="seconds between load log lines while busy; 0 turns them off (default 5)",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(
@@ -101,6 +104,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16 << 20,
         help="larger request bodies are refused with 413 before they are read (default 16 MiB)",
     )
+
+
+def _log_interval(text: str) -> float:
+    seconds = float(text)
+    if not seconds >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or more seconds, not {text}")
+    return seconds
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig
@@ -208,11 +218,9 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
                 if line:
                     log.info(line)
 
-        tasks = [
-            asyncio.create_task(loader()),
-            asyncio.create_task(policy.run(1.0)),
-            asyncio.create_task(log_load()),
-        ]
+        tasks = [asyncio.create_task(loader()), asyncio.create_task(policy.run(1.0))]
+        if args.log_interval > 0:
+            tasks.append(asyncio.create_task(log_load()))
         try:
             yield
         finally:
