@@ -1,9 +1,11 @@
 """The engines behind the router and what it knows of each: readiness, queue, KV use, cached prefixes.
 
-`EnginePool` polls every engine concurrently on one reused HTTP client: `/ready`, the few series it needs
-from `/metrics`, and the prefix cache's changes since the last poll (`/v1/kv_events?since=N`, a snapshot
-when it fell behind or the engine restarted). An engine whose events cannot be read (an older engine,
-prefix caching off) is routed by the router's own record of what it sent there.
+`EnginePool` polls every engine concurrently on one reused HTTP client. An ember engine answers it all in
+one short request, `/v1/load?since=N`: ready or not, its queue and KV use, and the prefix cache's changes
+since the last poll (a snapshot when the router fell behind or the engine restarted). Any other
+OpenAI-compatible engine (a 404 there, asked again now and then) is polled as vLLM's are: `/ready`, the few
+series the router needs from `/metrics`, and `/v1/kv_events` if it has one; an engine whose events cannot
+be read (prefix caching off, no such endpoint) is routed by the router's own record of what it sent there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ log = logging.getLogger("ember.router")
 _WAITING = "vllm:num_requests_waiting"
 _RUNNING = "vllm:num_requests_running"
 _KV = "vllm:kv_cache_usage_perc"
+# Polls of an engine without `/v1/load` between two tries of it (an engine may be upgraded in place).
+REPROBE_POLLS = 50
 
 
 def read_gauges(text: str) -> dict[str, float]:
@@ -45,6 +49,8 @@ class Engine:
     seq: int = 0
     events_live: bool = False
     block_size: int | None = None
+    load_api: bool | None = None  # whether it answers `/v1/load`; None: not known yet
+    polls_without_load_api: int = 0
 
 
 @dataclass
@@ -100,6 +106,41 @@ class EnginePool:
 
     async def _poll(self, session: aiohttp.ClientSession, engine: Engine) -> None:
         try:
+            asks = engine.load_api is not False or engine.polls_without_load_api >= REPROBE_POLLS
+            if asks and await self._poll_load(session, engine):
+                return
+            engine.polls_without_load_api += 1
+            await self._poll_separately(session, engine)
+        except (ValueError, KeyError, TypeError) as exc:  # an answer that is not what it should be
+            log.warning("engine %s answered a poll with something unreadable: %s", engine.url, exc)
+            engine.events_live = False
+            if engine.load_api:  # its readiness came in that answer too
+                engine.state.ready = False
+
+    async def _poll_load(self, session: aiohttp.ClientSession, engine: Engine) -> bool:
+        """One request: `/v1/load`. False if the engine has no such endpoint (poll it the other way)."""
+        try:
+            status, text = await self._get(session, f"{engine.url}/v1/load", since=str(engine.seq))
+        except (aiohttp.ClientError, TimeoutError):
+            engine.state.ready = False
+            return True
+        if status == 404:
+            engine.load_api = False
+            engine.polls_without_load_api = 0
+            return False
+        engine.load_api = True
+        engine.state.ready = status == 200
+        if status != 200:
+            return True
+        body = json.loads(text)
+        engine.state.waiting = float(body["num_requests_waiting"])
+        engine.state.running = float(body["num_requests_running"])
+        engine.state.kv_usage = float(body["kv_cache_usage_perc"])
+        self._take_events(engine, body["kv_events"])
+        return True
+
+    async def _poll_separately(self, session: aiohttp.ClientSession, engine: Engine) -> None:
+        try:
             status, _ = await self._get(session, f"{engine.url}/ready")
             engine.state.ready = status == 200
             status, text = await self._get(session, f"{engine.url}/metrics")
@@ -119,7 +160,10 @@ class EnginePool:
         if status != 200:
             engine.events_live = False
             return
-        body = json.loads(text)
+        self._take_events(engine, json.loads(text))
+
+    def _take_events(self, engine: Engine, body: dict[str, Any]) -> None:
+        """Apply an engine's prefix-cache changes (a `/v1/kv_events` answer) to the index."""
         if not body.get("enabled", True):
             engine.events_live = False
             return

@@ -26,6 +26,7 @@ from ember_engine.server.chat import ChatTemplateError
 from ember_engine.server.chat_prompt import chat_prompt_ids
 from ember_engine.server.errors import _error_response, add_error_handlers
 from ember_engine.server.fallback import FallbackFailed
+from ember_engine.server.load_api import add_load_routes
 from ember_engine.server.openai_format import Formatter
 from ember_engine.server.policy import PolicyError
 from ember_engine.server.protocol import (
@@ -69,24 +70,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/kv_events")
-    async def kv_events(since: int = 0) -> JSONResponse:
-        """The prefix cache's changes after event `since` (0: a snapshot of every cached block hash), for
-        routers that send a request where its prefix is cached."""
-        if state.engine is None:
-            raise APIError(503, "the model is still loading", type="unavailable", code="not_ready")
-        engine = state.engine.engine
-        bm = engine.block_manager
-        batch = bm.events.since(since, lambda: tuple(bm.cached))
-        body: dict[str, Any] = {
-            "block_size": bm.block_size,
-            "enabled": bm.enable_prefix_caching,
-            "seq": batch.seq,
-            "events": [[kind, h] for kind, h in batch.events],
-        }
-        if batch.snapshot is not None:
-            body["snapshot"] = batch.snapshot
-        return JSONResponse(body)
+    add_load_routes(app, state)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
