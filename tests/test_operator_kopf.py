@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 from operator_harness import NAMESPACE, TICK, PodRunner, operator_cluster, wait_for
 
 from ember_localcluster.apiserver import APIServer
@@ -605,21 +606,36 @@ def test_a_routing_rule_naming_a_missing_service_stalls_until_it_exists(cluster:
     )
     assert "no InferenceService 'smaller'" in condition(api, "picky", "Stalled")["message"]
 
-    def route_args() -> list[str]:
+    def template() -> dict[str, Any]:
         deploy = api.get("apps/v1", "Deployment", NAMESPACE, "picky-router")
-        args = deploy["spec"]["template"]["spec"]["containers"][0]["args"] if deploy else []
-        return [a for a in args if a.startswith("--route=")]
+        return deploy["spec"]["template"] if deploy else {}
 
-    assert route_args() == []
+    def routes() -> list[dict[str, Any]]:
+        cm = api.get("v1", "ConfigMap", NAMESPACE, "picky-policy") or {}
+        return yaml.safe_load((cm.get("data") or {}).get("routes.yaml") or "[]")
+
+    wait_for(lambda: template() != {}, what="picky's router Deployment")
+    before = template()
+    assert routes() == []
+    args = before["spec"]["containers"][0]["args"]
+    assert "--routes=/etc/ember/policy/routes.yaml" in args and not [
+        a for a in args if a.startswith("--route=")
+    ]
     create(custom, service("smaller", router={"enabled": False}))
     wait_for(
         lambda: condition(api, "picky", "Stalled").get("status") == "False", what="picky no longer stalled"
     )
-    wait_for(lambda: len(route_args()) == 1, what="the route in the router's arguments")
-    assert (
-        '"target":"smaller"' in route_args()[0]
-        and '"url":"http://smaller.default.svc.cluster.local"' in (route_args()[0])
-    )
+    wait_for(lambda: len(routes()) == 1, what="the route in the routers' routes file")
+    assert routes() == [
+        {
+            "name": "short",
+            "target": "smaller",
+            "url": "http://smaller.default.svc.cluster.local",
+            "maxMaxTokens": 16,
+        }
+    ]
+    # The routers read the file live (the ConfigMap is mounted whole): the target's address rolled no pod.
+    assert template() == before
 
 
 def test_requests_held_at_the_routers_wake_a_service_scaled_to_zero(cluster: Any) -> None:

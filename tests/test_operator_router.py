@@ -18,6 +18,7 @@ from ember_operator.desired import (
     POLICY_DIR,
     POLICY_FILE,
     ROLE_LABEL,
+    ROUTES_FILE,
     Owner,
     active_selector,
     desired_policy_configmap,
@@ -29,7 +30,7 @@ from ember_operator.scrape import PodSample, parse_pending, parse_router_fallbac
 from ember_operator.spec import InferenceServiceSpec
 from ember_router import main as router_main
 from ember_router.metrics import RouterMetrics
-from ember_router.rules import Rule, parse_route
+from ember_router.rules import Rule, parse_routes
 
 OWNER = Owner("chat", "prod", "uid-1")
 
@@ -89,7 +90,7 @@ def test_a_new_fallback_leaves_the_router_deployment_as_it_was() -> None:
     others = [make_spec(fallback={"url": second}), make_spec(fallback={"service": "chat-small"}), make_spec()]
 
     def deployment(spec: InferenceServiceSpec) -> dict[str, Any]:
-        (deploy,) = [o for o in router.desired_objects(OWNER, spec, {}) if o["kind"] == "Deployment"]
+        (deploy,) = [o for o in router.desired_objects(OWNER, spec) if o["kind"] == "Deployment"]
         return deploy
 
     assert all(deployment(other) == deployment(spec) for other in others)
@@ -184,7 +185,7 @@ def test_status_and_condition_follow_the_deployments_ready_pods() -> None:
     assert (ready.status, ready.reason, ready.message) == (True, "RouterAvailable", "1/3 router pods Ready")
 
 
-def test_routing_rules_become_route_options_that_ember_router_parses() -> None:
+def test_routing_rules_become_a_routes_file_that_ember_router_parses() -> None:
     spec = make_spec(
         routing=[
             {
@@ -199,19 +200,26 @@ def test_routing_rules_become_route_options_that_ember_router_parses() -> None:
         ]
     )
     urls = {"small": "http://small.prod.svc.cluster.local", "tiny": "http://127.0.0.1:9"}
-    args = router.route_args(spec, urls)
-    assert len(args) == 2  # a rule whose service is not there is left out
-    parsed = [parse_route(a.removeprefix("--route=")) for a in args]
-    assert parsed == [
+    cm = desired_policy_configmap(OWNER, spec, None, router.routes_document(spec, urls))
+    parsed = parse_routes(cm["data"][ROUTES_FILE])
+    assert parsed == (  # a rule whose service is not there is left out
         (Rule("short", "small", max_max_tokens=64, header="X-Tier", header_value="free"), urls["small"]),
         (Rule("mini", "tiny", models=("mini",)), urls["tiny"]),
-    ]
-    (container,) = _pod_spec_with(spec, urls)["containers"]
-    assert container["args"][-2:] == args
-
-
-def _pod_spec_with(spec: InferenceServiceSpec, urls: dict[str, str]) -> dict[str, Any]:
-    return dict(router.desired_router_deployment(OWNER, spec, urls)["spec"]["template"]["spec"])
+    )
+    # The router reads that file, from the ConfigMap mounted whole; the Deployment holds no address, so
+    # a target's address (status.endpoint, published later) or a rule's change rolls no router pod.
+    (container,) = router.desired_router_deployment(OWNER, spec)["spec"]["template"]["spec"]["containers"]
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+    args = parser.parse_args([a.replace("$(POD_NAMESPACE)", "prod") for a in container["args"]])
+    assert args.routes == f"{POLICY_DIR}/{ROUTES_FILE}" and args.route == []
+    assert router.desired_router_deployment(OWNER, spec) == router.desired_router_deployment(
+        OWNER, make_spec(routing=[{"name": "other", "service": "elsewhere"}])
+    )
+    # Without spec.routing: no file, no option.
+    assert ROUTES_FILE not in desired_policy_configmap(OWNER, make_spec(), None, [])["data"]
+    (plain,) = router.desired_router_deployment(OWNER, make_spec())["spec"]["template"]["spec"]["containers"]
+    assert not [a for a in plain["args"] if a.startswith("--route")]
 
 
 def test_a_routing_rule_naming_no_service_or_itself_is_a_problem_naming_it() -> None:

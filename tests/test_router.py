@@ -371,3 +371,47 @@ def test_a_hold_that_runs_out_answers_503_naming_it(tiny_model: Path, engines: l
             assert "Retry-After" in r.headers
     finally:
         engines[0].state.draining = False
+
+
+def test_routes_rewritten_in_the_routes_file_take_effect_while_the_router_runs(
+    tiny_model: Path, engines: list[InProcessServer], tmp_path: Path
+) -> None:
+    """`ember router --routes FILE` (the operator's ConfigMap): rules and their targets' addresses change
+    while the router runs; an unreadable file keeps the last good rules; a bad one at start is refused."""
+    routes = tmp_path / "routes.yaml"
+
+    def write(text: str) -> None:
+        staged = tmp_path / "routes.staged"  # as the kubelet updates a ConfigMap volume: whole, by a rename
+        staged.write_text(text)
+        staged.replace(routes)
+
+    write(yaml.safe_dump([{"name": "short", "target": "first", "url": engines[1].url, "maxMaxTokens": 2}]))
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+    argv = ["--model", str(tiny_model), "--endpoint", engines[0].url, "--poll-interval", "3600"]
+    router = router_main.build(parser.parse_args([*argv, "--routes", str(routes)]))
+    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+
+    def routed_to(max_tokens: int) -> str:
+        body = {"model": model, "prompt": "x", "max_tokens": max_tokens}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return str(r.headers[ROUTED_TO])
+
+    with serving(router) as url:
+        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+        assert routed_to(2) == "first" and routed_to(3) == engines[0].url
+        write(
+            yaml.safe_dump([{"name": "tight", "target": "second", "url": engines[1].url, "maxMaxTokens": 1}])
+        )
+        wait_for(lambda: routed_to(2) == engines[0].url, timeout=10, what="the new rules in effect")
+        assert routed_to(1) == "second"
+        write("- {name: broken")  # not YAML: the last good rules stay
+        time.sleep(2.5)
+        assert routed_to(1) == "second"
+    write(yaml.safe_dump([{"name": "a", "target": "t", "url": engines[1].url, "minTokens": 1}]))
+    with pytest.raises(SystemExit, match=r"--routes .*routes.yaml.*unknown route field\(s\): minTokens"):
+        router_main.build(parser.parse_args([*argv, "--routes", str(routes)]))
+    route = '--route={"name": "a", "target": "t", "url": "http://x"}'
+    with pytest.raises(SystemExit, match="give --routes or --route, not both"):
+        router_main.build(parser.parse_args([*argv, "--routes", str(routes), route]))

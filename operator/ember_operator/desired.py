@@ -30,6 +30,7 @@ ENGINE_PORT = 8000
 SERVICE_PORT = 80
 POLICY_DIR = "/etc/ember/policy"
 POLICY_FILE = "policy.yaml"
+ROUTES_FILE = "routes.yaml"  # beside the policy: the routers' model-routing rules
 MODELS_DIR = "/models"
 SHM_DIR = "/dev/shm"
 
@@ -376,14 +377,21 @@ def policy_document(spec: InferenceServiceSpec, fallback_url: str | None) -> dic
 
 
 def desired_policy_configmap(
-    owner: Owner, spec: InferenceServiceSpec, fallback_url: str | None
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    fallback_url: str | None,
+    routes: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    text = yaml.safe_dump(policy_document(spec, fallback_url), sort_keys=True)
+    """The policy file the engines and routers read live, and with spec.routing the routers' routes file
+    (`routes`: its rules, with their targets' addresses)."""
+    data = {POLICY_FILE: yaml.safe_dump(policy_document(spec, fallback_url), sort_keys=True)}
+    if spec.routing:
+        data[ROUTES_FILE] = yaml.safe_dump(routes or [], sort_keys=True)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _child_meta(owner, policy_configmap_name(owner.name)),
-        "data": {POLICY_FILE: text},
+        "data": data,
     }
 
 

@@ -225,7 +225,8 @@ class Reconciler:
         troubles: list[Trouble] = []
         memory.known.begin(self.settings.resync)
         fallback_url = await self._fallback_url(kube, spec, owner, troubles, memory.known)
-        cm = desired_policy_configmap(owner, spec, fallback_url)
+        route_urls = await self._routing_urls(kube, spec, owner, troubles)
+        cm = desired_policy_configmap(owner, spec, fallback_url, router.routes_document(spec, route_urls))
         await self._ensure(kube, cm, ("data",), troubles, memory.known)
         selector = router.service_selector(name, spec)
         service = await self._ensure(
@@ -463,6 +464,20 @@ class Reconciler:
     ) -> dict[str, Any] | None:
         """Make the router's objects match (or, when it is off and status still shows one (`had`), delete
         them); returns its Deployment."""
+        deployment = None
+        for obj in router.desired_objects(owner, spec):
+            deployment = await self._ensure(kube, obj, router.ENSURED_FIELDS[obj["kind"]], troubles, known)
+        if not spec.router.enabled and had:
+            name = router.router_name(owner.name)
+            for kind in router.KINDS:
+                await asyncio.to_thread(kube.delete_owned, kind, owner.namespace, name, owner.uid)
+        return deployment
+
+    async def _routing_urls(
+        self, kube: Kube, spec: InferenceServiceSpec, owner: Owner, troubles: list[Trouble]
+    ) -> dict[str, str]:
+        """The address of each InferenceService spec.routing names that exists (RoutingInvalid names
+        the rest)."""
         urls: dict[str, str] = {}
         for name in {r.service for r in spec.routing} - {owner.name}:
             other = await asyncio.to_thread(kube.get_inference_service, owner.namespace, name)
@@ -472,14 +487,7 @@ class Reconciler:
         problem = router.routing_problem(spec, owner, {n: True for n in urls})
         if problem is not None:
             troubles.append(Trouble("RoutingInvalid", problem))
-        deployment = None
-        for obj in router.desired_objects(owner, spec, urls):
-            deployment = await self._ensure(kube, obj, router.ENSURED_FIELDS[obj["kind"]], troubles, known)
-        if not spec.router.enabled and had:
-            name = router.router_name(owner.name)
-            for kind in router.KINDS:
-                await asyncio.to_thread(kube.delete_owned, kind, owner.namespace, name, owner.uid)
-        return deployment
+        return urls
 
     async def _wake(
         self,

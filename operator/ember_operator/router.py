@@ -18,7 +18,6 @@ affinity or spreading of the engines).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ember_operator import modelsource
@@ -28,6 +27,7 @@ from ember_operator.desired import (
     POLICY_DIR,
     POLICY_FILE,
     ROLE_LABEL,
+    ROUTES_FILE,
     Owner,
     active_selector,
     attach_model,
@@ -87,9 +87,9 @@ def desired_role_binding(owner: Owner) -> dict[str, Any]:
     }
 
 
-def route_args(spec: InferenceServiceSpec, urls: dict[str, str]) -> list[str]:
-    """`--route` options for the rules of spec.routing whose target has an address in `urls` (by
-    InferenceService name), in order."""
+def routes_document(spec: InferenceServiceSpec, urls: dict[str, str]) -> list[dict[str, Any]]:
+    """The routers' routes file (`ember router --routes`, in the policy ConfigMap): the rules of
+    spec.routing whose target has an address in `urls` (by InferenceService name), in order."""
     out = []
     for rule in spec.routing:
         if rule.service not in urls:
@@ -98,15 +98,14 @@ def route_args(spec: InferenceServiceSpec, urls: dict[str, str]) -> list[str]:
         if not doc.get("models"):
             doc.pop("models", None)
         doc.update(target=rule.service, url=urls[rule.service])
-        out.append("--route=" + json.dumps(doc, sort_keys=True, separators=(",", ":")))
+        out.append(doc)
     return out
 
 
-def router_args(
-    owner: Owner,
-    spec: InferenceServiceSpec,
-    urls: dict[str, str] | None = None,
-) -> list[str]:
+def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
+    # What changes with other objects (the fallback's and the routing targets' addresses) is in files the
+    # router re-reads, not here: a change to these arguments rolls the routers.
+    routes = [f"--routes={POLICY_DIR}/{ROUTES_FILE}"] if spec.routing else []
     return [
         f"--model={modelsource.engine_path(spec.model.source)}",
         f"--kube-selector={selector_string(active_selector(owner.name))}",
@@ -117,7 +116,7 @@ def router_args(
         f"--hold-seconds={spec.router.hold_seconds}",
         f"--drain-timeout={spec.lifecycle.drain_seconds}",
         f"--policy={POLICY_DIR}/{POLICY_FILE}",
-        *route_args(spec, urls or {}),
+        *routes,
     ]
 
 
@@ -130,11 +129,7 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def desired_router_deployment(
-    owner: Owner,
-    spec: InferenceServiceSpec,
-    urls: dict[str, str] | None = None,
-) -> dict[str, Any]:
+def desired_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     r, life, placement = spec.resources, spec.lifecycle, spec.pod
     security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     if placement.container_security_context is not None:
@@ -144,7 +139,7 @@ def desired_router_deployment(
         "image": r.image,
         "imagePullPolicy": r.image_pull_policy,
         "command": list(COMMAND),
-        "args": router_args(owner, spec, urls),
+        "args": router_args(owner, spec),
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": _probe("/ready", life.readiness_period_seconds, life.readiness_failure_threshold),
@@ -201,19 +196,14 @@ ENSURED_FIELDS: dict[str, tuple[str, ...]] = {
 KINDS = ("Deployment", "RoleBinding", "ServiceAccount")
 
 
-def desired_objects(
-    owner: Owner,
-    spec: InferenceServiceSpec,
-    urls: dict[str, str] | None = None,
-) -> list[dict[str, Any]]:
-    """The router's objects, in the order they are made (the Deployment's pods need the ServiceAccount);
-    `urls`: the addresses of the InferenceServices spec.routing names."""
+def desired_objects(owner: Owner, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The router's objects, in the order they are made (the Deployment's pods need the ServiceAccount)."""
     if not spec.router.enabled:
         return []
     return [
         desired_service_account(owner),
         desired_role_binding(owner),
-        desired_router_deployment(owner, spec, urls),
+        desired_router_deployment(owner, spec),
     ]
 
 

@@ -77,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         '"http://small.default.svc", "maxMaxTokens": 64} (repeat; the first rule a request meets wins)',
     )
     p.add_argument(
+        "--routes",
+        metavar="FILE",
+        help="model-routing rules as a YAML list of what --route takes, re-read every second while the "
+        "router runs (the operator's ConfigMap); instead of --route",
+    )
+    p.add_argument(
         "--hold-seconds",
         type=float,
         default=0.0,
@@ -99,6 +105,7 @@ def build(args: argparse.Namespace) -> Router:
     from ember_router.fallback import from_flags
     from ember_router.pool import EnginePool
     from ember_router.proxy import Router, RouterSettings
+    from ember_router.routes_file import RoutesFile
     from ember_router.rules import parse_route
 
     if args.epsilon < 0:
@@ -107,6 +114,14 @@ def build(args: argparse.Namespace) -> Router:
         routes = tuple(parse_route(text) for text in args.route)
     except ValueError as e:  # json.JSONDecodeError included
         raise SystemExit(f"ember router: --route: {e}") from None
+    routes_file = None
+    if args.routes:
+        if routes:
+            raise SystemExit("ember router: give --routes or --route, not both")
+        try:
+            routes_file = RoutesFile(args.routes)
+        except ValueError as e:
+            raise SystemExit(f"ember router: --routes {e}") from None
     when = frozenset(w.strip() for w in args.fallback_when.split(",") if w.strip())
     if not when <= {"Overloaded", "Unavailable"}:
         raise SystemExit(
@@ -141,6 +156,7 @@ def build(args: argparse.Namespace) -> Router:
         ),
         discovery=discovery,
         policy=policy,
+        routes_file=routes_file,
     )
 
 

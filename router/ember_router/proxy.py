@@ -38,6 +38,7 @@ from ember_router.metrics import RouterMetrics
 from ember_router.policy import EngineState, choose
 from ember_router.pool import EnginePool
 from ember_router.prompts import request_hashes
+from ember_router.routes_file import RoutesFile
 from ember_router.rules import Request, Rule, decide, requested_max_tokens
 
 log = logging.getLogger("ember.router")
@@ -82,6 +83,7 @@ class Router:
     sessions: dict[str, str] = field(default_factory=dict)  # session id -> engine
     discovery: PodDiscovery | None = None  # engines from Kubernetes, instead of a fixed list
     policy: PolicyWatcher | None = None  # the policy file, re-read while serving: its fallback applies
+    routes_file: RoutesFile | None = None  # model-routing rules re-read while serving, instead of settings'
     fallback_models: ModelNames = field(default_factory=ModelNames)
     _turns: itertools.count[int] = field(default_factory=itertools.count)
     session: aiohttp.ClientSession | None = None
@@ -112,9 +114,11 @@ class Router:
             self.discovery.on_change = self._engines_changed
             self.discovery.start(asyncio.get_running_loop())
         poller = asyncio.create_task(self.pool.run(self.session))
-        watcher = asyncio.create_task(self.policy.run(POLICY_POLL)) if self.policy is not None else None
+        watchers = [asyncio.create_task(self.policy.run(POLICY_POLL))] if self.policy is not None else []
+        if self.routes_file is not None:
+            watchers.append(asyncio.create_task(self.routes_file.run(POLICY_POLL)))
         yield
-        if watcher is not None:
+        for watcher in watchers:
             watcher.cancel()
         if self.discovery is not None:
             self.discovery.stop()
@@ -173,7 +177,7 @@ class Router:
             hashes, num_tokens = await asyncio.to_thread(
                 request_hashes, self.tokenizer, body, chat, self.pool.block_size
             )
-        if self.settings.routes:
+        if self._routes():
             routed = await self._by_rule(request, body, raw, num_tokens, arrived)
             if routed is not None:
                 return routed
@@ -260,6 +264,9 @@ class Router:
         finally:
             self.metrics.pending.dec()
 
+    def _routes(self) -> tuple[tuple[Rule, str], ...]:
+        return self.routes_file.routes if self.routes_file is not None else self.settings.routes
+
     async def _by_rule(
         self, request: web.Request, body: Any, raw: bytes, num_tokens: int, arrived: float
     ) -> web.StreamResponse | None:
@@ -271,15 +278,16 @@ class Router:
             {k.lower(): v for k, v in request.headers.items()},
             model if isinstance(model, str) else None,
         )
-        urls = {rule.name: url for rule, url in self.settings.routes}
-        rule = decide([rule for rule, _ in self.settings.routes], ask)
+        routes = self._routes()
+        rule = decide([rule for rule, _ in routes], ask)
         if rule is None:
             return None
+        url = next(url for r, url in routes if r is rule)
         self.metrics.routed.labels(rule.name, rule.target).inc()
         log.debug("route %s -> %s (rule %s)", request.path, rule.target, rule.name)
         return await self._forward(
             request,
-            urls[rule.name].rstrip("/"),
+            url.rstrip("/"),
             raw,
             "POST",
             f"rule:{rule.name}",

@@ -15,6 +15,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import yaml
+
 
 @dataclass(frozen=True, slots=True)
 class Rule:
@@ -76,7 +78,30 @@ def parse_route(text: str) -> tuple[Rule, str]:
     """`ember router --route` JSON: {"name", "target", "url", and conditions: minPromptTokens,
     maxPromptTokens, minMaxTokens, maxMaxTokens, header, headerValue, models}; ValueError naming what is
     wrong."""
-    doc = json.loads(text)
+    return route_from(json.loads(text))
+
+
+def parse_routes(text: str) -> tuple[tuple[Rule, str], ...]:
+    """A routes file (`ember router --routes`): a YAML (or JSON) list of the objects `--route` takes, in
+    order, with distinct names; ValueError naming what is wrong."""
+    try:
+        docs = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"not YAML: {e}") from None
+    if docs is None:
+        return ()
+    if not isinstance(docs, list):
+        raise ValueError("a routes file is a list of routes")
+    routes = tuple(route_from(doc) for doc in docs)
+    names = [rule.name for rule, _ in routes]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"route names must be distinct: {', '.join(twice)}")
+    return routes
+
+
+def route_from(doc: object) -> tuple[Rule, str]:
+    """One route from its decoded object (see `parse_route`)."""
     if not isinstance(doc, dict):
         raise ValueError("a route is a JSON object")
     unknown = set(doc) - {"name", "target", "url", "models", *_FIELDS}
