@@ -3,7 +3,7 @@
 Each request that samples holds a slot. A slot's parameters (temperature, top-k, top-p, min-p, the three
 penalties) live in one persistent parameter tensor, written when the request takes the slot, uploaded
 only when some slot changed. With penalties, the slot also owns its penalty state on the device
-(`PenaltyState`: counts and the distinct tokens seen), updated by scattering each step's sampled tokens,
+(`PenaltyState`: the distinct tokens seen and what the penalties take off each), updated by scattering each step's sampled tokens,
 so a step never re-reads a request's token lists. A request's logit_bias is fixed too: the view holds the
 batch's (row * vocab + token, bias) pairs on the device, built with the view. `view` describes one step's rows; it is rebuilt only when
 the batch's slots differ from the previous step's."""
@@ -128,7 +128,11 @@ class SamplingState:
             if self.penalties is None:
                 self.penalties = PenaltyState(self.capacity, self.vocab, self.device)
             self.penalties.reset(
-                slot, prompt_token_ids if p.repetition_penalty != 1.0 else (), output_token_ids
+                slot,
+                prompt_token_ids if p.repetition_penalty != 1.0 else (),
+                output_token_ids,
+                p.frequency_penalty,
+                p.presence_penalty,
             )
         return slot
 
