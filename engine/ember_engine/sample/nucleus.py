@@ -18,6 +18,7 @@ a draw cannot know without finding that set."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +29,7 @@ MAX_ROUNDS = 32
 # Rows at most this many are drawn in one level: fewer tensor operations, each over the whole row.
 FEW_ROWS = 8
 _ZERO = torch.tensor(0.0)
+LOG2E = 1.4426950408889634
 
 
 class Scratch:
@@ -129,7 +131,7 @@ def _kept(
 def _draw_in_blocks(
     probs: torch.Tensor, width: int, u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A draw from each row of `probs` at `u` in two levels over strided blocks (block b holds tokens b,
+    """A draw from each row of `probs` (unnormalised weights) at `u` in two levels over strided blocks (block b holds tokens b,
     b + nb, b + 2nb, ... of nb blocks, so that the reductions run along memory): the tokens ([rows, 1]),
     their probabilities, and each block's mass and largest probability ([rows, nb])."""
     rows, vocab = probs.shape
@@ -156,25 +158,25 @@ def _bounded(
     min_p: torch.Tensor | None,
     width: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The check from the blocks alone, for tokens of probability `p` ([rows, 1]): whether each is surely
+    """The check from the blocks alone (CPU), for tokens of weight `p` ([rows, 1]): whether each is surely
     kept, and whether the blocks cannot tell (then the tokens must be counted). Only a block whose largest
-    probability is above p holds tokens more likely than the drawn one: at least that one, at most all
-    of the block (its mass, and every one of its tokens)."""
-    likelier = torch.sub(peaks, p).sign_().clamp_min_(0.0)  # 1 for such a block (sign: no comparison)
-    kept = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
-    unsure = torch.zeros_like(kept)
+    weight is above p holds tokens more likely than the drawn one: at least that one, at most all of the
+    block (its mass, and every one of its tokens)."""
+    pv, pk, sm = p.numpy()[:, 0], peaks.numpy(), sums.numpy()
+    likelier = pk > pv[:, None]
+    kept = np.ones(len(pv), dtype=bool)
+    unsure = np.zeros_like(kept)
     if min_p is not None:
-        kept &= p.squeeze(1) >= min_p * peaks.amax(dim=-1)  # exact: the largest peak is the row's maximum
+        kept &= pv >= min_p.numpy() * pk.max(axis=1)  # exact: the largest peak is the row's maximum
     if top_k is not None:
-        fewest = likelier.sum(dim=-1)
-        unsure |= fewest * width >= top_k  # each such block holds at most `width` of them
+        fewest, k = likelier.sum(axis=1), top_k.numpy()
+        unsure |= fewest * width >= k  # each such block holds at most `width` of them
+        kept &= fewest < k
     if top_p is not None:
-        least, most = (likelier * peaks).sum(dim=-1), (likelier * sums).sum(dim=-1)
-        kept &= least < top_p
-        unsure |= most >= top_p
-    if top_k is not None:
-        kept &= fewest < top_k
-    return kept, unsure & kept
+        least, most, q = (pk * likelier).sum(axis=1), (sm * likelier).sum(axis=1), top_p.numpy()
+        kept &= least < q
+        unsure |= most >= q
+    return torch.from_numpy(kept), torch.from_numpy(unsure & kept)
 
 
 def _sorted_draw(
@@ -196,42 +198,65 @@ def _sorted_draw(
     return draw(weights, torch.rand(probs.shape[0], 1, device=probs.device))
 
 
+def _weights(
+    x: torch.Tensor, temperature: torch.Tensor | None, shared: float | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    """exp((x - max) / temperature) for each row, unnormalised, computed as a power of 2 (on a CPU exp2
+    costs half what exp does): with one temperature for every row (`shared`, 1 when None) the shift and
+    the scale are one pass."""
+    peak = x.amax(dim=-1, keepdim=True)
+    if temperature is None:
+        scale = LOG2E / (shared or 1.0)
+        w = torch.add(peak * -scale, x, alpha=scale, out=out)
+    else:
+        w = torch.sub(x, peak, out=out).mul_(LOG2E / temperature)
+    return w.exp2_()
+
+
 def sample_truncated(
     x: torch.Tensor,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
     min_p: torch.Tensor | None = None,
     scratch: Scratch | None = None,
+    temperature: torch.Tensor | None = None,
+    shared: float | None = None,
 ) -> torch.Tensor:
-    """One token per row of `x` (logits already divided by the temperature), from the distribution cut by
-    top-k ([rows] long), top-p and min-p ([rows] float); None for a cut no row makes (a row that does not
-    make it: top_k the vocabulary size, top_p 1, min_p 0). Draws use the default generator. `scratch`: the
-    buffers to reuse for the full-size intermediates (x may be one of them: it is read first).
+    """One token per row of logits `x` at its temperature (`temperature`, [rows, 1], or one `shared` by
+    every row; None for 1), from the distribution cut by top-k ([rows] long), top-p and min-p ([rows]
+    float); None for a cut no row makes (a row that does not make it: top_k the vocabulary size, top_p 1,
+    min_p 0). Draws use the default generator. `scratch`: the buffers to reuse for the full-size
+    intermediates (x may be one of them: it is read first).
 
-    Past a few rows on a CPU the draw also finds, from the blocks' largest probabilities, the blocks that
-    hold a token more likely than the drawn one; the check and every redraw then read those blocks alone
-    (usually a small part of the row: the drawn token tends to be among the likeliest)."""
+    Past a few rows on a CPU the rows' weights are left unnormalised (top-p compares with top_p times
+    their total), drawn in strided blocks, and judged from the blocks first."""
     scratch = scratch or Scratch()
-    probs = torch.softmax(x, dim=-1, out=scratch.get("probs", x))
-    rows, vocab = probs.shape
+    rows, vocab = x.shape
     if top_p is not None:
         top_p = top_p.masked_fill(top_p >= 1.0, 2.0)  # no float sum of the rest reaches 2
-    u = torch.rand(rows, 1, device=probs.device)
-    if top_k is None and top_p is None and min_p is None:
-        return draw(probs, u)
+    u = torch.rand(rows, 1, device=x.device)
     width = block_width(vocab)
-    if rows > FEW_ROWS and width < vocab and probs.device.type == "cpu" and probs.is_contiguous():
+    cut = top_k is not None or top_p is not None or min_p is not None
+    if cut and rows > FEW_ROWS and width < vocab and x.device.type == "cpu" and x.is_contiguous():
+        probs = _weights(x, temperature, shared, scratch.get("probs", x))
         tokens, p, sums, peaks = _draw_in_blocks(probs, width, u)
         tokens = tokens.squeeze(1)
+        if top_p is not None:
+            top_p = top_p * sums.sum(dim=-1)
         keep, unsure = _bounded(p, sums, peaks, top_k, top_p, min_p, width)
         if bool(unsure.any()):
             at = unsure.nonzero().squeeze(1)
-            cut = [None if c is None else c.index_select(0, at) for c in (top_k, top_p, min_p)]
-            counted = _kept(probs.index_select(0, at), p.index_select(0, at), *cut)[0]
+            cuts = [None if c is None else c.index_select(0, at) for c in (top_k, top_p, min_p)]
+            counted = _kept(probs.index_select(0, at), p.index_select(0, at), *cuts)[0]
             keep.index_copy_(0, at, counted)
         above = None
     else:
+        if temperature is not None or shared not in (None, 1.0):
+            x = torch.div(x, shared if temperature is None else temperature, out=scratch.get("scaled", x))
+        probs = torch.softmax(x, dim=-1, out=scratch.get("probs", x))
         tokens = draw(probs, u)
+        if not cut:
+            return tokens
         p = probs.gather(1, tokens.unsqueeze(1))
         keep, above = _kept(probs, p, top_k, top_p, min_p, scratch.get("scaled", x))
     if bool(keep.all()):

@@ -296,14 +296,15 @@ class Sampler:
 
 def _pivoted(x: torch.Tensor, p: torch.Tensor, view: BatchView, scratch: Scratch) -> torch.Tensor:
     top_k, top_p, min_p, temperature = view.pivot_cuts
-    if temperature:
-        x = torch.div(x, p[:, TEMPERATURE : TEMPERATURE + 1], out=scratch.get("scaled", x))
+    shared = view.pivot_temperature
     return sample_truncated(
         x,
         p[:, TOP_K].long() if top_k else None,
         p[:, TOP_P] if top_p else None,
         p[:, MIN_P] if min_p else None,
         scratch,
+        p[:, TEMPERATURE : TEMPERATURE + 1] if temperature and shared is None else None,
+        shared,
     )
 
 

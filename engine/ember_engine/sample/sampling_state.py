@@ -63,6 +63,7 @@ class BatchView:
     other_rows: list[int]  # the random rows that are not
     other_index: torch.Tensor | None
     pivot_cuts: tuple[bool, bool, bool, bool]  # some pivot row has top-k, top-p, min-p, temperature != 1
+    pivot_temperature: float | None  # the pivot rows' one temperature (None: they differ)
     bias_index: torch.Tensor | None  # logit_bias: flat (row * vocab + token) positions, on the device
     bias_values: torch.Tensor | None  # and the biases added there
 
@@ -230,6 +231,7 @@ class SamplingState:
                 any(p.min_p > 0.0 for p in drawn),
                 any(p.temperature != 1.0 for p in drawn),
             ),
+            pivot_temperature=temps.pop() if len(temps := {p.temperature for p in drawn}) == 1 else None,
             bias_index=_upload([k for k, _ in bias], torch.long, dev) if bias else None,
             bias_values=_upload([b for _, b in bias], torch.float32, dev) if bias else None,
         )
