@@ -251,8 +251,9 @@ def sample_truncated(
             keep.index_copy_(0, at, counted)
         above = None
     else:
-        if temperature is not None or shared not in (None, 1.0):
-            x = torch.div(x, shared if temperature is None else temperature, out=scratch.get("scaled", x))
+        divisor = temperature if temperature is not None else shared
+        if divisor is not None and not (isinstance(divisor, float) and divisor == 1.0):
+            x = torch.div(x, divisor, out=scratch.get("scaled", x))
         probs = torch.softmax(x, dim=-1, out=scratch.get("probs", x))
         tokens = draw(probs, u)
         if not cut:
