@@ -36,6 +36,7 @@ class PenaltyState:
         self.freq = torch.zeros(capacity, device=device)
         self.pres = torch.zeros(capacity, device=device)
         self.bound = [0] * capacity  # host: at least each list's length
+        self._base = torch.zeros(0, 1, dtype=torch.long, device=device)  # row r: r * vocab
 
     def grow(self, capacity: int) -> None:
         extra = capacity - self.num.shape[0]
@@ -112,10 +113,12 @@ class PenaltyState:
         slots: torch.Tensor,
         rep: torch.Tensor | None,
         out: torch.Tensor | None = None,
+        span: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """The penalized logits: repetition (`rep`, [rows, 1]) over every listed token, frequency and
         presence over the output's. Written into `out` (one element longer than `logits` has, flat) when
-        given, else into a new tensor; `logits` itself is left as it was."""
+        given, else into a new tensor; `logits` itself is left as it was. `span`: (first, end) when the
+        slots are consecutive (their rows are then read as a slice)."""
         rows, vocab = logits.shape
         size = rows * vocab
         out = torch.empty(size + 1, device=logits.device) if out is None else out
@@ -124,10 +127,16 @@ class PenaltyState:
         width = max(self.bound[s] for s in slot_list)
         if width == 0:
             return penalized
-        base = torch.arange(0, size, vocab, device=logits.device).unsqueeze(1)
-        flat = self.ids[:, :width].index_select(0, slots).add_(base).clamp_max_(size).view(-1)
+        if self._base.numel() < rows:
+            self._base = torch.arange(0, rows * vocab, vocab, device=logits.device).unsqueeze(1)
+        ids, off = self.ids[:, :width], self.off[:, :width]
+        if span is None:
+            ids, off = ids.index_select(0, slots), off.index_select(0, slots)
+        else:
+            ids, off = ids[span[0] : span[1]], off[span[0] : span[1]]
+        flat = torch.add(ids, self._base[:rows]).clamp_max_(size).view(-1)
         vals = out.index_select(0, flat).view(rows, width)
         new = vals if rep is None else vals.clamp_min(0.0).div_(rep).add_(vals.clamp_max(0.0).mul_(rep))
-        new = new - self.off[:, :width].index_select(0, slots)
+        new = new - off
         out.scatter_(0, flat, new.view(-1))
         return penalized

@@ -67,8 +67,10 @@ def _apply_penalties(
         rep = state.params.index_select(0, view.penalized_slots)[:, REPETITION : REPETITION + 1]
     penalties, slot_list, slots = state.penalties, view.penalized_slot_list, view.penalized_slots
     if view.penalized_all:
-        return penalties.apply(x, slot_list, slots, rep, scratch.flat("penalized", x, 1))
-    sub = penalties.apply(x.index_select(0, view.penalized_index), slot_list, slots, rep)
+        return penalties.apply(x, slot_list, slots, rep, scratch.flat("penalized", x, 1), view.penalized_span)
+    sub = penalties.apply(
+        x.index_select(0, view.penalized_index), slot_list, slots, rep, None, view.penalized_span
+    )
     out = scratch.get("penalized", x)
     out = x.clone() if out is None else out.copy_(x)
     return out.index_copy_(0, view.penalized_index, sub)

@@ -48,6 +48,7 @@ class BatchView:
     penalized_slots: torch.Tensor | None
     penalized_all: bool  # every row is penalized
     penalized_slot_list: list[int]
+    penalized_span: tuple[int, int] | None  # (first, end) when the penalized slots are first, first + 1, ...
     repetition: bool  # some penalized row has a repetition penalty
     truncating: bool  # some random row has top-k or top-p
     max_top_k: int  # the largest top-k among truncating rows (0 when some row truncates by top-p alone)
@@ -213,6 +214,11 @@ class SamplingState:
             penalized_slots=_upload(pen_slots, torch.long, dev) if penalized else None,
             penalized_all=len(penalized) == len(slots),
             penalized_slot_list=pen_slots,
+            penalized_span=(
+                (pen_slots[0], pen_slots[0] + len(pen_slots))
+                if pen_slots and pen_slots == list(range(pen_slots[0], pen_slots[0] + len(pen_slots)))
+                else None
+            ),
             repetition=any(params[r].repetition_penalty != 1.0 for r in penalized),
             truncating=bool(trunc),
             max_top_k=min(max_k, self.vocab),
