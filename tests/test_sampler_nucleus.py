@@ -99,6 +99,7 @@ CASES = [
     (512, dict(temperature=0.9, top_k=50, top_p=0.8)),
     (512, dict(temperature=1.0, top_p=0.9, min_p=0.02)),
     (4096, dict(temperature=1.2)),
+    (2048, dict(temperature=1.0, top_p=0.9)),  # drawn and judged in 32 strided blocks
 ]
 
 
@@ -243,3 +244,30 @@ def test_rows_are_drawn_against_a_pivot_on_a_cpu_only() -> None:
         view = state.view(["a", "b"], lambda k: (SamplingParams(temperature=0.8, top_p=0.9), None, (), ()))
         assert view.pivot_rows == pivot
         assert view.other_rows == [0, 1][len(pivot) :]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([64, 256, 1024]), st.floats(0.5, 4.0), st.integers(0, 2**31 - 1))
+def test_the_blocks_never_misjudge_a_draw(vocab: int, spread: float, seed: int) -> None:
+    """Past a few rows a draw is first judged from its blocks' masses and largest probabilities: a token
+    they call kept, or reject, is one the count over every token keeps, or rejects; and the draws follow
+    the probabilities (a token of probability 0 is never drawn)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 48
+    x = torch.randn(rows, vocab, generator=gen) * spread
+    x[:, torch.randint(0, vocab, (vocab // 4,), generator=gen)] = float("-inf")
+    x[0] = float("-inf")
+    x[0, 3] = 1.0  # one token left
+    probs = x.softmax(dim=-1)
+    width = nucleus.block_width(vocab)
+    tokens, p, sums, peaks = nucleus._draw_in_blocks(probs, width, torch.rand(rows, 1, generator=gen))
+    assert bool((p > 0).all()) and torch.equal(p, probs.gather(1, tokens))
+    top_k = torch.randint(1, vocab // 2, (rows,), generator=gen)
+    top_p = torch.rand(rows, generator=gen) * 0.9 + 0.05
+    min_p = torch.rand(rows, generator=gen) * 0.2
+    for cuts in ((top_k, None, None), (None, top_p, None), (None, None, min_p), (top_k, top_p, min_p)):
+        kept, unsure = nucleus._bounded(p, sums, peaks, *cuts, width)
+        exact = nucleus._kept(probs, p, *cuts)[0]
+        sure = ~unsure
+        assert torch.equal(kept[sure], exact[sure]), cuts
+        assert bool(kept[unsure].all())  # rows the blocks cannot settle are ones they did not reject

@@ -19,6 +19,7 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.params = params
+        self.skip = params.skip_special_tokens
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -29,19 +30,19 @@ class Detokenizer:
     def append(self, token_id: int, detect_stop: bool = True) -> str | None:
         """Add one generated token's text; returns the stop string it completed, if any (text is then
         cut at the stop, or just after it with include_stop_str_in_output)."""
-        skip = self.params.skip_special_tokens
-        self.ids.append(token_id)
+        skip, ids, tokenizer = self.skip, self.ids, self.tokenizer
+        ids.append(token_id)
         start, read = self.prefix_offset, self.read_offset
         if read - start == 1:  # the usual window: the previous token alone
-            before = self.tokenizer.decode_one(self.ids[start], skip)
+            before = tokenizer.decode_one(ids[start], skip)
         else:
-            before = self.tokenizer.decode(self.ids[start:read], skip)
-        after = self.tokenizer.decode(self.ids[self.prefix_offset :], skip)
+            before = tokenizer.decode(ids[start:read], skip)
+        after = tokenizer.decode(ids[start:], skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return None  # an incomplete character: wait for the next token
         start = len(self.text)
         self.text += after[len(before) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = read, len(ids)
         return self._find_stop(start) if detect_stop and self.params.stop else None
 
     def _find_stop(self, new_from: int) -> str | None:

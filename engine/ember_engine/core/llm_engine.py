@@ -289,11 +289,11 @@ class LLMEngine:
         if plain:
             rows = logits if not spec else logits.index_select(0, upload_ids(plain_rows, logits.device))
             out = sample_plain(self.sampler, self.sampling_state, rows, plain, self.masks)
-            with_logprobs = out.logprobs is not None
-            for k, (req, token) in enumerate(zip(plain, out.token_ids, strict=True)):
-                if with_logprobs and (logprob := row_logprob(out, k)) is not None:
-                    self.outputs.record_logprob(req, logprob)
-                self._emit(req, [token], 0, now, touched)
+            if out.logprobs is not None:
+                for k, req in enumerate(plain):
+                    if (logprob := row_logprob(out, k)) is not None:
+                        self.outputs.record_logprob(req, logprob)
+            self.outputs.append_plain(plain, out.token_ids, now, touched, self.sampling_state.release)
         if spec:
             assert self.spec is not None
             rows = logits if not plain else logits.index_select(0, upload_ids(spec_rows, logits.device))

@@ -8,6 +8,8 @@ previous one.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ember_engine.core.detokenizer import Detokenizer
@@ -15,6 +17,8 @@ from ember_engine.core.outputs import CompletionOutput, Logprob, RequestMetrics,
 from ember_engine.core.request import Request, RequestStatus
 from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -91,15 +95,44 @@ class OutputProcessor:
                 break
         return group
 
+    def append_plain(
+        self,
+        requests: Sequence[Request],
+        tokens: Sequence[int],
+        now: float,
+        touched: dict[str, Group],
+        release: Callable[[Request], None],
+    ) -> None:
+        """Each request's one new token (sampled without proposals; this runs for every request every
+        step): its grammar advanced, its group marked `touched`, `release` called for one that finished,
+        and a first sample's siblings queued (at the front, to share its blocks) once it has prefilled."""
+        group_of = self._group_of
+        for req, token in zip(requests, tokens, strict=True):
+            if req.grammar is not None and not req.grammar.accept([token]):
+                log.warning("request %s: a kept token broke its grammar", req.request_id)
+            group = group_of[req]
+            self._append_token(req, group.samples[req.index], token, now)
+            if req.status is RequestStatus.FINISHED:
+                release(req)
+            elif req.num_draft_computed > req.num_computed_tokens:
+                req.num_draft_computed = req.num_computed_tokens
+            touched[group.request_id] = group
+            if group.pending and req.index == 0:
+                for sibling in group.pending:
+                    self.scheduler.add(sibling, front=True)
+                group.pending = []
+
     def _append_token(self, req: Request, sample: _Sample, token: int, now: float) -> None:
-        req.append_token(token)
+        req.all_token_ids.append(token)  # `Request.append_token`, inline
+        output = req.output_token_ids
+        output.append(token)
         self.generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
             self.prompt_tokens += req.num_prompt_tokens
         req.last_token_time = now
         p = req.params
-        num_output = len(req.output_token_ids)
+        num_output = len(output)
         # Below min_tokens nothing may end the request (the sampler already kept EOS and stop ids out),
         # unless its grammar is complete: the grammar then allowed only EOS, and wins.
         may_stop = num_output >= p.min_tokens or (req.grammar is not None and req.grammar.finished)

@@ -21,9 +21,7 @@ from ember_engine.sample.grammar import GrammarState, StepMasks, compute_masks
 from ember_engine.sample.nucleus import Scratch, first_argmax, sample_truncated
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.sample.sampling_state import (
-    FREQUENCY,
     MIN_P,
-    PRESENCE,
     REPETITION,
     TEMPERATURE,
     TOP_K,
@@ -57,16 +55,25 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None  # per row its own top-k; [] for k 0 or None
 
 
-def _apply_penalties(x: torch.Tensor, state: SamplingState, view: BatchView) -> torch.Tensor:
+def _apply_penalties(
+    x: torch.Tensor, state: SamplingState, view: BatchView, scratch: Scratch
+) -> torch.Tensor:
     """Repetition (over prompt and output), then frequency and presence (over the output), reading and
-    rewriting only the tokens each row has seen."""
+    rewriting only the tokens each row has seen. The result is a copy of `x` (in a reused buffer on a CPU,
+    where a fresh batch-by-vocabulary tensor each step costs more in page faults than the copy itself)."""
     assert view.penalized_index is not None and view.penalized_slots is not None and state.penalties
-    p = state.params.index_select(0, view.penalized_slots)
-    rep = p[:, REPETITION : REPETITION + 1] if view.repetition else None
-    sub = x if view.penalized_all else x.index_select(0, view.penalized_index)
-    freq, pres = p[:, FREQUENCY : FREQUENCY + 1], p[:, PRESENCE : PRESENCE + 1]
-    sub = state.penalties.apply(sub, view.penalized_slot_list, view.penalized_slots, rep, freq, pres)
-    return sub if view.penalized_all else x.index_copy(0, view.penalized_index, sub)
+    rep = None
+    if view.repetition:
+        rep = state.params.index_select(0, view.penalized_slots)[:, REPETITION : REPETITION + 1]
+    penalties, slot_list, slots = state.penalties, view.penalized_slot_list, view.penalized_slots
+    if view.penalized_all:
+        return penalties.apply(x, slot_list, slots, rep, scratch.flat("penalized", x, 1), view.penalized_span)
+    sub = penalties.apply(
+        x.index_select(0, view.penalized_index), slot_list, slots, rep, None, view.penalized_span
+    )
+    out = scratch.get("penalized", x)
+    out = x.clone() if out is None else out.copy_(x)
+    return out.index_copy_(0, view.penalized_index, sub)
 
 
 def _truncate_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -246,7 +253,7 @@ class Sampler:
             suppress = {i: ids for i, ids in suppress.items() if i not in lifted}
         x = logits.float()
         if view.penalized_index is not None:
-            x = _apply_penalties(x, state, view)
+            x = _apply_penalties(x, state, view, self.scratch)
         if view.bias_index is not None and view.bias_values is not None:
             # logit_bias, sparse: one flat scatter-add of every biased row's (token, bias) pairs.
             x = x.clone().view(-1).index_add_(0, view.bias_index, view.bias_values).view_as(x)
@@ -291,14 +298,15 @@ class Sampler:
 
 def _pivoted(x: torch.Tensor, p: torch.Tensor, view: BatchView, scratch: Scratch) -> torch.Tensor:
     top_k, top_p, min_p, temperature = view.pivot_cuts
-    if temperature:
-        x = torch.div(x, p[:, TEMPERATURE : TEMPERATURE + 1], out=scratch.get("scaled", x))
+    shared = view.pivot_temperature
     return sample_truncated(
         x,
         p[:, TOP_K].long() if top_k else None,
         p[:, TOP_P] if top_p else None,
         p[:, MIN_P] if min_p else None,
         scratch,
+        p[:, TEMPERATURE : TEMPERATURE + 1] if temperature and shared is None else None,
+        shared,
     )
 
 

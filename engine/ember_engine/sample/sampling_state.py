@@ -3,7 +3,7 @@
 Each request that samples holds a slot. A slot's parameters (temperature, top-k, top-p, min-p, the three
 penalties) live in one persistent parameter tensor, written when the request takes the slot, uploaded
 only when some slot changed. With penalties, the slot also owns its penalty state on the device
-(`PenaltyState`: counts and the distinct tokens seen), updated by scattering each step's sampled tokens,
+(`PenaltyState`: the distinct tokens seen and what the penalties take off each), updated by scattering each step's sampled tokens,
 so a step never re-reads a request's token lists. A request's logit_bias is fixed too: the view holds the
 batch's (row * vocab + token, bias) pairs on the device, built with the view. `view` describes one step's rows; it is rebuilt only when
 the batch's slots differ from the previous step's."""
@@ -48,6 +48,7 @@ class BatchView:
     penalized_slots: torch.Tensor | None
     penalized_all: bool  # every row is penalized
     penalized_slot_list: list[int]
+    penalized_span: tuple[int, int] | None  # (first, end) when the penalized slots are first, first + 1, ...
     repetition: bool  # some penalized row has a repetition penalty
     truncating: bool  # some random row has top-k or top-p
     max_top_k: int  # the largest top-k among truncating rows (0 when some row truncates by top-p alone)
@@ -63,6 +64,7 @@ class BatchView:
     other_rows: list[int]  # the random rows that are not
     other_index: torch.Tensor | None
     pivot_cuts: tuple[bool, bool, bool, bool]  # some pivot row has top-k, top-p, min-p, temperature != 1
+    pivot_temperature: float | None  # the pivot rows' one temperature (None: they differ)
     bias_index: torch.Tensor | None  # logit_bias: flat (row * vocab + token) positions, on the device
     bias_values: torch.Tensor | None  # and the biases added there
 
@@ -128,7 +130,11 @@ class SamplingState:
             if self.penalties is None:
                 self.penalties = PenaltyState(self.capacity, self.vocab, self.device)
             self.penalties.reset(
-                slot, prompt_token_ids if p.repetition_penalty != 1.0 else (), output_token_ids
+                slot,
+                prompt_token_ids if p.repetition_penalty != 1.0 else (),
+                output_token_ids,
+                p.frequency_penalty,
+                p.presence_penalty,
             )
         return slot
 
@@ -208,6 +214,11 @@ class SamplingState:
             penalized_slots=_upload(pen_slots, torch.long, dev) if penalized else None,
             penalized_all=len(penalized) == len(slots),
             penalized_slot_list=pen_slots,
+            penalized_span=(
+                (pen_slots[0], pen_slots[0] + len(pen_slots))
+                if pen_slots and pen_slots == list(range(pen_slots[0], pen_slots[0] + len(pen_slots)))
+                else None
+            ),
             repetition=any(params[r].repetition_penalty != 1.0 for r in penalized),
             truncating=bool(trunc),
             max_top_k=min(max_k, self.vocab),
@@ -226,6 +237,7 @@ class SamplingState:
                 any(p.min_p > 0.0 for p in drawn),
                 any(p.temperature != 1.0 for p in drawn),
             ),
+            pivot_temperature=temps.pop() if len(temps := {p.temperature for p in drawn}) == 1 else None,
             bias_index=_upload([k for k, _ in bias], torch.long, dev) if bias else None,
             bias_values=_upload([b for _, b in bias], torch.float32, dev) if bias else None,
         )
