@@ -40,8 +40,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy -p ember_engine -p ember_operator -p ember_localcluster -p ember_router
 
+# Two workers, each test module whole on one of them (its module-scoped control plane, server or engine
+# starts once). `--dist loadfile`, not loadgroup: on pytest 9.2 loadgroup ignores xdist_group marks.
 pytest: $(STAMP)
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q --durations=25 -n 2 --dist loadfile
 
 crds: $(STAMP)
 	$(BIN)/python -m ember_operator.crd > crds/inferenceservice.yaml
