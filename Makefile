@@ -40,8 +40,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy -p ember_engine -p ember_operator -p ember_localcluster -p ember_router
 
+# Two workers, each test module whole on one of them (its module-scoped control plane, server or engine
+# starts once). `--dist loadfile`, not loadgroup: on pytest 9.2 loadgroup ignores xdist_group marks.
+# Modules are handed out in collection order, the longest first (tests/conftest.py: LONGEST_FIRST).
 pytest: $(STAMP)
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
 
 crds: $(STAMP)
 	$(BIN)/python -m ember_operator.crd > crds/inferenceservice.yaml

@@ -18,6 +18,12 @@ os.environ["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "0" if torch
 
 import ember_engine.tools.testmodel as testmodel
 
+# Under `make pytest` two pytest-xdist workers share the machine's cores: each runs torch on one thread, or
+# the two workers' thread pools (each as wide as the machine) spin against each other. Processes the tests
+# start (engines, benchmarks) keep torch's own default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def _cache_root() -> Path:
     root = os.environ.get("EMBER_TEST_CACHE") or Path.home() / ".cache" / "ember-tests"
@@ -77,7 +83,34 @@ def quantized_model():  # -> Callable[[str, str], Path]
     return quantized_checkpoint
 
 
+# The longest test modules, longest first (seconds each took alone on two cores). `make pytest` hands whole
+# modules to its two pytest-xdist workers in collection order (`--no-loadscope-reorder`; xdist's own order,
+# most tests first, would leave these few-test, long modules to the end, one worker busy and one idle), so
+# these start first and the many short modules fill in behind them.
+LONGEST_FIRST = (
+    "test_bench_scale.py",
+    "test_e2e_lifecycle.py",
+    "test_e2e.py",
+    "test_fp8_kv_engine.py",
+    "test_operator_kopf.py",
+    "test_prometheus.py",
+    "test_engine_greedy.py",
+    "test_demo.py",
+    "test_e2e_groups.py",
+    "test_rbac.py",
+    "test_e2e_podspec.py",
+    "test_fetch_model.py",
+    "test_e2e_router.py",
+    "test_devcluster.py",
+    "test_bench_quant.py",
+    "test_api_defects.py",
+    "test_kubelet.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's own order stays
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

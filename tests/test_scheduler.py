@@ -318,9 +318,14 @@ def node(
 class Bare:
     api: APIServer
     kubeconfig: Path
+    scheduler: Scheduler
 
     def add_node(self, manifest: dict[str, Any]) -> None:
         self.api.create(manifest)  # with its status, as a kubelet registers a node
+        # Nodes and pods come to the scheduler on separate watches: a pod created next could reach it before
+        # the node does (so could kube-scheduler's informers); the scenarios here place pods on known nodes.
+        name = manifest["metadata"]["name"]
+        wait_for(lambda: name in self.scheduler._nodes, what=f"the scheduler seeing node {name}")
 
     def placed(self, name: str) -> str:
         return str(wait_for(lambda: get(self.api, name)["spec"].get("nodeName"), what=f"{name} bound"))
@@ -336,8 +341,8 @@ def bare(tmp_path: Path) -> Iterator[Bare]:
     """An API server and the scheduler, no kubelet: pods are bound but never run."""
     with APIServer(pod_graceful_deletion=True, bookmark_interval=1) as api:
         kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
-        with Scheduler(kubeconfig):
-            yield Bare(api, kubeconfig)
+        with Scheduler(kubeconfig) as scheduler:
+            yield Bare(api, kubeconfig, scheduler)
 
 
 def test_without_nodes_nothing_is_available(bare: Bare) -> None:
