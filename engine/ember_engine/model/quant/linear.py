@@ -2,9 +2,9 @@
 
 Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, where the model has one,
 stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
-path uses torch: `w8a16` torch's int8 weight-pack matmul on bf16 activations (per-channel scales; grouped ones
-dequantize), `fp8` its scaled matmul on per-token-quantized
-activations, `w4a16` a dequantize-then-matmul. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
+path uses torch: `w8a16` its exact int8 matmul on the activations split into int8 digits (`cpu_int8.py`;
+bf16 activations with one scale per channel take torch's int8 weight-pack matmul instead), `fp8` its
+scaled matmul on per-token-quantized activations, `w4a16` a dequantize-then-matmul. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_engine.model.quant import schemes
+from ember_engine.model.quant import cpu_int8, schemes
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -121,14 +121,15 @@ class Int8Linear(QuantLinear):
             from ember_engine.model.quant import triton_gemm
 
             return triton_gemm.int8_matmul(x, self.weight, self.weight_scale, self.group_size)
-        if self.group_size == self.in_features:
-            # torch's CPU kernel is fast only for 16-bit activations (the "a16"); float32 scales are applied
-            # to its output, so they are not rounded to bf16.
-            xb = x.contiguous() if x.dtype != torch.float32 else x.to(torch.bfloat16)
-            ones = torch.ones(self.out_features, dtype=xb.dtype, device=x.device)
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.weight, ones)
+        if x.device.type != "cpu":
+            return F.linear(x, self.dequantized(x.dtype))
+        if x.dtype == torch.bfloat16 and self.group_size == self.in_features:
+            # torch's int8 weight-pack matmul, fast for bf16 activations; float32 scales are applied to
+            # its output, so they are not rounded to bf16.
+            ones = torch.ones(self.out_features, dtype=x.dtype, device=x.device)
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, ones)
             return (y.float() * self.weight_scale.reshape(-1)).to(x.dtype)
-        return F.linear(x, self.dequantized(x.dtype))
+        return cpu_int8.int8_matmul(x, self.weight, self.weight_scale)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scale = self.weight_scale.repeat_interleave(self.group_size, dim=1)
