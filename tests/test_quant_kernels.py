@@ -14,8 +14,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 128, 64), (5, 256, 96), (33, 128, 200)]
 
 
-# (scheme, group size): w8a16 both per group (llm-compressor's W8A16) and per output channel (online).
-LAYOUTS = [(scheme, 64) for scheme in schemes.SCHEMES] + [("w8a16", 0)]
+# (scheme, group size): w8a16 both per group (llm-compressor's W8A16) and per output channel (online);
+# fp8 per output channel (online, compressed-tensors) and block-scaled in 64x64 tiles (Hugging Face's
+# `weight_block_size` checkpoints), its activations quantized per token and group of 64 columns.
+LAYOUTS = [(scheme, 64) for scheme in schemes.SCHEMES] + [("w8a16", 0), ("fp8", 0)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: f"{s[0]}-g{s[1]}")
@@ -29,7 +31,10 @@ def test_kernel_matches_reference(layout: tuple[str, int], shape: tuple[int, int
         linear.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
     layer = quantize_linear(linear, scheme, group_size=group_size).to(DEVICE)
     x = torch.randn(m, k, generator=g).to(DEVICE)
-    if scheme == "fp8":  # the reference quantizes activations the same way
+    if scheme == "fp8" and group_size:  # the reference quantizes activations the same way
+        xq, xs = schemes.quantize_activation_fp8_groups(x, group_size)
+        expected = (xq.float() * xs.repeat_interleave(group_size, dim=1)) @ layer.dequantized().t()
+    elif scheme == "fp8":
         xq, xs = schemes.quantize_activation_fp8(x)
         expected = (xq.float() * xs) @ layer.dequantized().t()
     else:
