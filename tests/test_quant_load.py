@@ -1,5 +1,6 @@
-"""Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC float-quantized, W8A16 and W4A16
-pack-quantized) load into ember and compute what transformers computes on the same checkpoint."""
+"""Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC and FP8_BLOCK float-quantized, W8A16
+and W4A16 pack-quantized) load into ember and compute what transformers computes on the same checkpoint.
+The keys below are ember's schemes, "fp8-block" being fp8 with block-scaled weights."""
 
 from __future__ import annotations
 
@@ -11,18 +12,18 @@ from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.model_runner import Chunk
-from ember_engine.model.quant.linear import Fp8Linear, Int4Linear, Int8Linear
+from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear, Int8Linear
 
-PRESETS = {"fp8": "FP8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16"}
-LAYERS = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear}
+PRESETS = {"fp8": "FP8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16", "fp8-block": "FP8_BLOCK"}
+LAYERS = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear, "fp8-block": Fp8BlockLinear}
 # Largest |ember - transformers| logit difference allowed, as a fraction of the logits' own range. w8a16
 # and w4a16 compute the same dequantized products in the model's dtype (float rounding apart); FP8
 # activations may round a value to the neighbouring E4M3 step where the two orders of operations differ
 # by an ulp.
-TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4}
+TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4, "fp8-block": 2e-2}
 # Prompts whose 12 greedy tokens all match; the random-weight test model has many near-tied logits, which
 # rounded activations (fp8) may break the other way.
-GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 1.0, "w4a16": 1.0}
+GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 1.0, "w4a16": 1.0, "fp8-block": 0.75}
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:
@@ -42,7 +43,7 @@ def test_logits_match_transformers(pair) -> None:  # type: ignore[no-untyped-def
     scheme, path, hf = pair
     llm = LLM(str(path), num_kv_blocks=64)
     runner = llm.engine.runner
-    assert runner.quant is not None and runner.quant.scheme == scheme
+    assert runner.quant is not None and runner.quant.scheme == scheme.removesuffix("-block")
     layers = runner.model.model.layers
     assert all(isinstance(layer.mlp.down_proj, LAYERS[scheme]) for layer in layers)
     for prompt in _prompts(4, 40):
@@ -96,11 +97,12 @@ def _projection_inputs_and_outputs(
     return seen
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "w8a16"])
+@pytest.mark.parametrize("scheme", ["fp8", "w8a16", "fp8-block"])
 def test_projections_compute_what_the_oracles_layers_compute(scheme: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
-    """Each FP8_DYNAMIC (W8A16) projection, given the very input the transformers + compressed-tensors
-    layer saw, gives that layer's output: for fp8 the same per-token activation scales, the same E4M3
-    rounding and saturation, the same per-channel weight scales; for w8a16 the same int8 weights and
+    """Each FP8_DYNAMIC (W8A16, FP8_BLOCK) projection, given the very input the transformers +
+    compressed-tensors layer saw, gives that layer's output: for fp8 the same per-token activation scales
+    (per token and group of 128 columns for FP8_BLOCK), the same E4M3 rounding and saturation, the same
+    per-channel (per 128x128 tile) weight scales; for w8a16 the same int8 weights and
     per-group scales, multiplied with the float32 activations as they are. (Whole-model fp8 logits differ
     a little more, because a float rounding difference elsewhere can move an activation across an E4M3
     rounding boundary.)"""

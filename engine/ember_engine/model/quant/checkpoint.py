@@ -3,7 +3,8 @@ engine's canonical forms (`schemes.py`).
 
 Formats read:
 - compressed-tensors (what llm-compressor writes; `quant_method: compressed-tensors`):
-  `float-quantized` (FP8 `weight` + `weight_scale`, per channel or per tensor), `pack-quantized`
+  `float-quantized` (FP8 `weight` + `weight_scale`, per channel or per tensor, or per block with
+  activations per group: the FP8_BLOCK preset, run like Hugging Face's block-scaled `fp8`), `pack-quantized`
   (`weight_packed` int32 words + `weight_scale` + `weight_shape`, 4- or 8-bit) and `int-quantized`
   (int8 `weight` + `weight_scale`). Symmetric weights only; activations dynamic per token (FP8) or none.
 - Hugging Face `fp8` (`quant_method: fp8`): FP8 `weight` with `weight_scale_inv` per tensor or per channel,
@@ -136,6 +137,20 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
                 f"(dynamic={acts.get('dynamic')}) are not supported; supported: dynamic per token"
             )
         return QuantSpec("fp8", fmt, group_size=0)
+    if kind == "float" and bits == 8 and strategy == "block":
+        block = weights.get("block_structure") or []
+        columns = block[1] if len(block) == 2 else None
+        if not (
+            acts
+            and acts.get("dynamic")
+            and acts.get("strategy") == "group"
+            and acts.get("group_size") == columns
+        ):
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors: FP8 weights in {block} blocks with input activations {acts!r} are not "
+                "supported; supported: dynamic per group of the block's columns"
+            )
+        return QuantSpec("fp8", fmt, group_size=int(block[1]), block_rows=int(block[0]))
     if acts:
         raise UnsupportedQuantizationError(
             f"compressed-tensors: quantized activations with {what} are not supported; "
@@ -148,7 +163,7 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     if kind == "int" and bits == 4 and strategy == "group":
         return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4)
     raise UnsupportedQuantizationError(
-        f"compressed-tensors: {what} are not supported; supported: FP8 per channel/tensor (fp8), "
+        f"compressed-tensors: {what} are not supported; supported: FP8 per channel/tensor/block (fp8), "
         "int8 per channel (w8a16), int4 per group (w4a16)"
     )
 
