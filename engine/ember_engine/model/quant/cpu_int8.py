@@ -24,21 +24,20 @@ MAX_INPUT = (2**31 - 1) // (127 * 127)  # input columns whose exact int32 sum ca
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [n, k] -> (digits int8 [3n, k], digit i of row j at row i * n + j; scale float32 [n, 1])."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny).div_(127.0)
     rest = xf / scale
-    digits = torch.empty(DIGITS, *x.shape, dtype=torch.int8, device=x.device)
+    digits = torch.empty(DIGITS, *x.shape, dtype=torch.float32, device=x.device)
     for i in range(DIGITS):
-        d = torch.round(rest)
-        digits[i] = d.to(torch.int8)
+        torch.round(rest, out=digits[i])
         if i + 1 < DIGITS:
-            rest = (rest - d).mul_(BASE)
-    return digits.reshape(DIGITS * x.shape[0], x.shape[1]), scale
+            rest.sub_(digits[i]).mul_(BASE)
+    return digits.to(torch.int8).reshape(DIGITS * x.shape[0], x.shape[1]), scale
 
 
 def _combine(sums: torch.Tensor, rows: int) -> torch.Tensor:
     """int32 digit sums [3n, out] -> their value in units of the activation scale, float32 [n, out]."""
-    s = sums.reshape(DIGITS, rows, -1).float()
-    return s[0] + s[1] * (1.0 / BASE) + s[2] * (1.0 / (BASE * BASE))
+    weights = torch.tensor([[1.0, 1.0 / BASE, 1.0 / (BASE * BASE)]], device=sums.device)
+    return (weights @ sums.reshape(DIGITS, -1).float()).reshape(rows, -1)
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -51,7 +50,7 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
         raise ValueError(f"w8a16: {g} input columns per scale overflow int32 sums (at most {MAX_INPUT})")
     digits, x_scale = split(x)
     if groups == 1:
-        y = _combine(torch._int_mm(digits, weight.t()), n) * scale.reshape(1, -1)
+        y = _combine(torch._int_mm(digits, weight.t()), n).mul_(scale.reshape(1, -1))
     else:
         y = torch.zeros(n, weight.shape[0], dtype=torch.float32, device=x.device)
         for j in range(groups):

@@ -4,7 +4,8 @@ Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, w
 stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
 path uses torch: `w8a16` its exact int8 matmul on the activations split into int8 digits (`cpu_int8.py`;
 bf16 activations with one scale per channel take torch's int8 weight-pack matmul instead), `fp8` its
-scaled matmul on per-token-quantized activations, `w4a16` a dequantize-then-matmul. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
+scaled matmul on per-token-quantized activations (block-scaled: activations quantized per token and group,
+both sides dequantized, a float32 matmul), `w4a16` a dequantize-then-matmul. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
 """
 
 from __future__ import annotations
