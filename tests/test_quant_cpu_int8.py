@@ -38,7 +38,7 @@ def test_product_is_as_precise_as_a_float32_matmul(rows: int, group_size: int) -
     q, scale = schemes.quantize_int8(w, group_size)
     x = torch.randn(rows, 256, generator=g)
     exact = _float64_product(x, q, scale)
-    got = cpu_int8.int8_matmul(x, q, scale)
+    got = cpu_int8.digit_matmul(x, q, scale)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     dense = (q.float() * scale.repeat_interleave(256 // scale.shape[1], dim=1)).t()
     float32_error = (x @ dense - exact).abs().max().item()
@@ -50,7 +50,20 @@ def test_other_dtypes_come_back_in_their_own() -> None:
     g = torch.Generator().manual_seed(3)
     q, scale = schemes.quantize_int8(torch.randn(32, 128, generator=g), 0)
     x = torch.randn(3, 128, generator=g).to(torch.float16)
-    got = cpu_int8.int8_matmul(x, q, scale)
+    got = cpu_int8.digit_matmul(x, q, scale)
     assert got.dtype == torch.float16
     exact = _float64_product(x.float(), q, scale)
     assert (got.double() - exact).abs().max().item() <= 2**-10 * exact.abs().max().item()
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (640, 512)], ids=["dequantized", "digits"])
+def test_small_weights_are_widened_large_ones_split(shape: tuple[int, int]) -> None:
+    """Either path the layer takes (by weight size) gives the float32-precision product."""
+    out, k = shape
+    assert (out * k < cpu_int8.DEQUANTIZE_BELOW) == (shape == (64, 128))
+    g = torch.Generator().manual_seed(out)
+    q, scale = schemes.quantize_int8(torch.randn(out, k, generator=g), 128)
+    x = torch.randn(2, k, generator=g)
+    exact = _float64_product(x, q, scale)
+    got = cpu_int8.int8_matmul(x, q, scale)
+    assert (got.double() - exact).norm() <= 1e-6 * exact.norm()
