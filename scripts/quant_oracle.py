@@ -3,7 +3,7 @@ target, layer by layer and token by token, with the quality each scheme costs th
 
     python scripts/quant_oracle.py [WORKDIR] [DTYPE]
 
-(DTYPE: float32, the default, or bfloat16: both models, quantized and not, run in it) writes FP8_DYNAMIC and W8A16 checkpoints of the target with `tests/quant_build.py` into WORKDIR (kept and
+(DTYPE: float32, the default, or bfloat16: both models, quantized and not, run in it) writes FP8_DYNAMIC, W8A16 and FP8_BLOCK checkpoints of the target with `tests/quant_build.py` into WORKDIR (kept and
 reused), then prints, per scheme:
 - every projection fed the input the oracle's layer saw: the largest relative L2 difference of outputs,
   ember against the oracle and each against the exact product (float64 arithmetic on the checkpoint's
@@ -31,10 +31,10 @@ from ember_engine import LLM, SamplingParams
 from ember_engine.bench.quant import GEN_TOKENS, PROMPT_TOKENS, held_out
 from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant import schemes
-from ember_engine.model.quant.linear import Fp8Linear
+from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear
 from ember_engine.tools.spec_pair import packaged_pair
 
-PRESETS = {"fp8": "FP8_DYNAMIC", "w8a16": "W8A16"}
+PRESETS = {"fp8": "FP8_DYNAMIC", "w8a16": "W8A16", "fp8-block": "FP8_BLOCK"}
 WINDOW, WINDOWS, PROMPTS = 256, 6, 32
 ATTN, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 
@@ -62,11 +62,15 @@ def exact(module: Any, x: torch.Tensor) -> torch.Tensor:
     """The projection's product in float64, from the weights and scales ember holds."""
     w = module.dequantized(torch.float32).double()
     x = x.double()
-    if isinstance(module, Fp8Linear):
-        scale = x.abs().amax(dim=-1, keepdim=True) / schemes.FP8_MAX
-        x = (x / scale).clamp(-schemes.FP8_MAX, schemes.FP8_MAX).float().to(
+    if isinstance(module, Fp8Linear | Fp8BlockLinear):
+        # per token (and group of the block's columns, block-scaled)
+        g = module.group_size if isinstance(module, Fp8BlockLinear) else x.shape[-1]
+        xg = x.reshape(*x.shape[:-1], -1, g)
+        scale = xg.abs().amax(dim=-1, keepdim=True) / schemes.FP8_MAX
+        xg = (xg / scale).clamp(-schemes.FP8_MAX, schemes.FP8_MAX).float().to(
             torch.float8_e4m3fn
         ).double() * scale
+        x = xg.reshape(x.shape)
     return x @ w.t()
 
 

@@ -1,5 +1,6 @@
-"""Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC float-quantized, W8A16 and W4A16
-pack-quantized) load into ember and compute what transformers computes on the same checkpoint."""
+"""Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC and FP8_BLOCK float-quantized, W8A16
+and W4A16 pack-quantized) load into ember and compute what transformers computes on the same checkpoint.
+The keys below are ember's schemes, "fp8-block" being fp8 with block-scaled weights."""
 
 from __future__ import annotations
 
@@ -11,18 +12,18 @@ from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.model_runner import Chunk
-from ember_engine.model.quant.linear import Fp8Linear, Int4Linear, Int8Linear
+from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear, Int8Linear
 
-PRESETS = {"fp8": "FP8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16"}
-LAYERS = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear}
-# Largest |ember - transformers| logit difference allowed, as a fraction of the logits' own range. w4a16
-# computes the same dequantized products (float rounding apart); w8a16 with one scale per row multiplies
-# bf16 activations on CPU (torch's int8 kernel); FP8 activations may round a value to the neighbouring
-# E4M3 step where the two orders of operations differ by an ulp.
-TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-2, "w4a16": 1e-4}
+PRESETS = {"fp8": "FP8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16", "fp8-block": "FP8_BLOCK"}
+LAYERS = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear, "fp8-block": Fp8BlockLinear}
+# Largest |ember - transformers| logit difference allowed, as a fraction of the logits' own range. w8a16
+# and w4a16 compute the same dequantized products in the model's dtype (float rounding apart); FP8
+# activations may round a value to the neighbouring E4M3 step where the two orders of operations differ
+# by an ulp.
+TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4, "fp8-block": 2e-2}
 # Prompts whose 12 greedy tokens all match; the random-weight test model has many near-tied logits, which
-# the schemes with rounded activations (fp8; w8a16's bf16 on CPU) may break the other way.
-GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 0.75, "w4a16": 1.0}
+# rounded activations (fp8) may break the other way.
+GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 1.0, "w4a16": 1.0, "fp8-block": 0.75}
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:
@@ -42,7 +43,7 @@ def test_logits_match_transformers(pair) -> None:  # type: ignore[no-untyped-def
     scheme, path, hf = pair
     llm = LLM(str(path), num_kv_blocks=64)
     runner = llm.engine.runner
-    assert runner.quant is not None and runner.quant.scheme == scheme
+    assert runner.quant is not None and runner.quant.scheme == scheme.removesuffix("-block")
     layers = runner.model.model.layers
     assert all(isinstance(layer.mlp.down_proj, LAYERS[scheme]) for layer in layers)
     for prompt in _prompts(4, 40):
@@ -72,13 +73,10 @@ def test_greedy_agrees_with_transformers(pair) -> None:  # type: ignore[no-untyp
     assert agree >= GREEDY_AGREEMENT[scheme], (scheme, agree)
 
 
-def test_fp8_projections_compute_exactly_what_the_oracles_layers_compute(quantized_model) -> None:  # type: ignore[no-untyped-def]
-    """Each FP8_DYNAMIC projection, given the very input the transformers + compressed-tensors layer saw,
-    gives that layer's output: the same per-token activation scales, the same E4M3 rounding and
-    saturation, the same per-channel weight scales. (Whole-model logits differ a little more, because a
-    float rounding difference elsewhere can move an activation across an E4M3 rounding boundary.)"""
-    path = quantized_model("tiny", "FP8_DYNAMIC")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def _projection_inputs_and_outputs(
+    hf, prompt: list[int]
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    """What each of the oracle's projections was given and gave, by (layer, name), on one prompt."""
     seen: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = []
     for i, layer in enumerate(hf.model.layers):
@@ -93,9 +91,24 @@ def test_fp8_projections_compute_exactly_what_the_oracles_layers_compute(quantiz
 
                 hooks.append(getattr(parent, name).register_forward_hook(keep))
     with torch.inference_mode():
-        hf(torch.tensor([_prompts(1, 48)[0]]))
+        hf(torch.tensor([prompt]))
     for hook in hooks:
         hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "w8a16", "fp8-block"])
+def test_projections_compute_what_the_oracles_layers_compute(scheme: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
+    """Each FP8_DYNAMIC (W8A16, FP8_BLOCK) projection, given the very input the transformers +
+    compressed-tensors layer saw, gives that layer's output: for fp8 the same per-token activation scales
+    (per token and group of 128 columns for FP8_BLOCK), the same E4M3 rounding and saturation, the same
+    per-channel (per 128x128 tile) weight scales; for w8a16 the same int8 weights and
+    per-group scales, multiplied with the float32 activations as they are. (Whole-model fp8 logits differ
+    a little more, because a float rounding difference elsewhere can move an activation across an E4M3
+    rounding boundary.)"""
+    path = quantized_model("tiny", PRESETS[scheme])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    seen = _projection_inputs_and_outputs(hf, _prompts(1, 48)[0])
     ours = LLM(str(path), num_kv_blocks=64).engine.runner.model.model.layers
     assert len(seen) == 7 * len(ours)
     for i, layer in enumerate(ours):
@@ -106,13 +119,13 @@ def test_fp8_projections_compute_exactly_what_the_oracles_layers_compute(quantiz
             (layer.mlp.down_proj, "down_proj", ("down_proj",)),
         )
         for module, source, parts in checks:
-            assert isinstance(module, Fp8Linear)
+            assert isinstance(module, LAYERS[scheme])
             x = seen[(i, source)][0]
             expected = torch.cat([seen[(i, p)][1] for p in parts], dim=-1)
             with torch.inference_mode():
                 got = module(x)
-            # float32 rounding of the dot products only: one activation moved by an E4M3 step would be
-            # a change of about 1e-2 of the output's norm.
+            # float32 rounding of the dot products only: one activation moved by an E4M3 step, or
+            # rounded to bfloat16, would be a change of about 1e-3 to 1e-2 of the output's norm.
             assert (got - expected).norm() <= 1e-6 * expected.norm(), (i, source)
 
 

@@ -91,6 +91,7 @@ def test_ember_quantize_writes_what_transformers_loads(scheme: str, tiny_model: 
     assert llm.engine.runner.quant is not None and llm.engine.runner.quant.scheme == scheme
     ours = _logits(llm, PROMPT)
     span = (theirs.max() - theirs.min()).item()
-    # fp8: activations may round to a neighbouring E4M3 step; w8a16 per channel: bf16 activations on CPU.
-    tolerance = {"fp8": 2e-2, "w8a16": 1e-2, "w4a16": 1e-4}[scheme]
+    # fp8: activations may round to a neighbouring E4M3 step; the weight-only schemes multiply the
+    # activations as they are (float32 here), so only float rounding separates the two.
+    tolerance = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4}[scheme]
     assert (ours - theirs).abs().max().item() <= tolerance * span

@@ -3,11 +3,13 @@ engine's canonical forms (`schemes.py`).
 
 Formats read:
 - compressed-tensors (what llm-compressor writes; `quant_method: compressed-tensors`):
-  `float-quantized` (FP8 `weight` + `weight_scale`, per channel or per tensor), `pack-quantized`
+  `float-quantized` (FP8 `weight` + `weight_scale`, per channel or per tensor, or per block with
+  activations per group: the FP8_BLOCK preset, run like Hugging Face's block-scaled `fp8`), `pack-quantized`
   (`weight_packed` int32 words + `weight_scale` + `weight_shape`, 4- or 8-bit) and `int-quantized`
   (int8 `weight` + `weight_scale`). Symmetric weights only; activations dynamic per token (FP8) or none.
-- Hugging Face `fp8` (`quant_method: fp8`): FP8 `weight` with `weight_scale_inv` per tensor, per channel
-  or per block.
+- Hugging Face `fp8` (`quant_method: fp8`): FP8 `weight` with `weight_scale_inv` per tensor or per channel,
+  or per tile of `weight_block_size` [rows, columns] (block-scaled: the tiles' scales are kept, and
+  activations are quantized per token and group of `columns` input columns).
 Anything else is refused by name, with what is supported.
 """
 
@@ -30,8 +32,9 @@ _CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized")
 class QuantSpec:
     scheme: str  # fp8 | w8a16 | w4a16
     format: str  # online | float-quantized | pack-quantized | int-quantized | hf-fp8
-    group_size: int = schemes.DEFAULT_GROUP_SIZE
+    group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
     num_bits: int = 8
+    block_rows: int = 0  # block-scaled fp8: output rows per tile of the checkpoint's scales
 
     @property
     def prequantized(self) -> bool:
@@ -71,7 +74,7 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
         if requested is None:
             return None
         schemes.check_scheme(requested)
-        # Online: int8 per output channel (torch's int8 matmul takes those), int4 in groups of 128.
+        # Online: fp8 and int8 per output channel, int4 in groups of 128.
         group = schemes.DEFAULT_GROUP_SIZE if requested == "w4a16" else 0
         return QuantSpec(requested, "online", group_size=group, num_bits=4 if requested == "w4a16" else 8)
     spec = parse_quantization_config(qc)
@@ -91,7 +94,20 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
                 f"fp8 checkpoint: activation_scheme {qc.get('activation_scheme')!r} is not supported; "
                 "supported: dynamic"
             )
-        return QuantSpec("fp8", "hf-fp8")
+        block = qc.get("weight_block_size")
+        if block is None:
+            return QuantSpec("fp8", "hf-fp8", group_size=0)
+        if not (
+            isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
+        ):
+            raise UnsupportedQuantizationError(
+                f"fp8 checkpoint: weight_block_size {block!r} is not supported; supported: [rows, columns]"
+            )
+        if block[1] % 16:
+            raise UnsupportedQuantizationError(
+                f"fp8 checkpoint: weight_block_size {block!r}: columns per block must be a multiple of 16"
+            )
+        return QuantSpec("fp8", "hf-fp8", group_size=block[1], block_rows=block[0])
     if method != "compressed-tensors":
         raise UnsupportedQuantizationError(
             f"quantization_config: quant_method {method!r} is not supported; supported: compressed-tensors "
@@ -120,7 +136,21 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
                 f"compressed-tensors: FP8 input activations {acts.get('strategy')!r} "
                 f"(dynamic={acts.get('dynamic')}) are not supported; supported: dynamic per token"
             )
-        return QuantSpec("fp8", fmt)
+        return QuantSpec("fp8", fmt, group_size=0)
+    if kind == "float" and bits == 8 and strategy == "block":
+        block = weights.get("block_structure") or []
+        columns = block[1] if len(block) == 2 else None
+        if not (
+            acts
+            and acts.get("dynamic")
+            and acts.get("strategy") == "group"
+            and acts.get("group_size") == columns
+        ):
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors: FP8 weights in {block} blocks with input activations {acts!r} are not "
+                "supported; supported: dynamic per group of the block's columns"
+            )
+        return QuantSpec("fp8", fmt, group_size=int(block[1]), block_rows=int(block[0]))
     if acts:
         raise UnsupportedQuantizationError(
             f"compressed-tensors: quantized activations with {what} are not supported; "
@@ -133,14 +163,15 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     if kind == "int" and bits == 4 and strategy == "group":
         return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4)
     raise UnsupportedQuantizationError(
-        f"compressed-tensors: {what} are not supported; supported: FP8 per channel/tensor (fp8), "
+        f"compressed-tensors: {what} are not supported; supported: FP8 per channel/tensor/block (fp8), "
         "int8 per channel (w8a16), int4 per group (w4a16)"
     )
 
 
 def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """One projection's checkpoint tensors -> (canonical weight, scale): FP8/int8 weight [out, in] and scale
-    [out]; for w4a16 int4 values as int8 [out, in] and scale [out, in / group]."""
+    [out] (per channel), or [out, in / group] (grouped; block-scaled fp8: each row its tile's scales); for
+    w4a16 int4 values as int8 [out, in] and scale [out, in / group]."""
     scale = tensors.get("weight_scale", tensors.get("weight_scale_inv"))
     assert scale is not None
     if spec.format == "pack-quantized":
@@ -149,23 +180,22 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Ten
     else:
         weight = tensors["weight"]
         out, inp = weight.shape
-    if spec.format == "hf-fp8" and scale.dim() == 2 and tuple(scale.shape) != (out, 1) and scale.numel() > 1:
-        return _from_blocks(weight, scale.float())
+    if spec.block_rows:
+        tiles = (-(-out // spec.block_rows), -(-inp // spec.group_size))
+        if tuple(scale.shape) != tiles:
+            raise UnsupportedQuantizationError(
+                f"fp8 checkpoint: weight [{out}, {inp}] in blocks of [{spec.block_rows}, {spec.group_size}] "
+                f"needs scales {list(tiles)}, found {list(scale.shape)}"
+            )
+        return weight, schemes.block_scales_per_row(scale, out, spec.block_rows)
     if spec.scheme != "fp8" and scale.dim() == 2 and scale.shape[1] > 1:
         return weight, scale.float()  # grouped
+    if scale.numel() not in (1, out):
+        raise UnsupportedQuantizationError(
+            f"{spec.scheme} checkpoint: {list(scale.shape)} scales for a [{out}, {inp}] weight; supported: "
+            "one per tensor or per output channel"
+            + (", or weight_block_size tiles" if spec.scheme == "fp8" else "")
+        )
     if spec.scheme == "fp8":
         return weight, scale.float().reshape(-1).expand(out).contiguous()
     return weight, scale.float().reshape(-1).expand(out).reshape(out, 1).contiguous()
-
-
-def _from_blocks(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled FP8 (one scale per [bo, bi] tile) re-expressed per output channel: each row's blocks
-    are rescaled to that row's largest block scale (exact when a row's scales agree, else within one FP8
-    rounding)."""
-    out, inp = weight.shape
-    bo, bi = -(-out // scale.shape[0]), -(-inp // scale.shape[1])
-    full = scale.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
-    dense = weight.float() * full
-    row_scale = scale.repeat_interleave(bo, 0)[:out].amax(dim=1)
-    q = (dense / row_scale[:, None]).clamp(-schemes.FP8_MAX, schemes.FP8_MAX).to(torch.float8_e4m3fn)
-    return q, row_scale

@@ -2,9 +2,10 @@
 
 Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, where the model has one,
 stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
-path uses torch: `w8a16` torch's int8 weight-pack matmul on bf16 activations (per-channel scales; grouped ones
-dequantize), `fp8` its scaled matmul on per-token-quantized
-activations, `w4a16` a dequantize-then-matmul. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
+path uses torch: `w8a16` its exact int8 matmul on the activations split into int8 digits (`cpu_int8.py`;
+bf16 activations with one scale per channel take torch's int8 weight-pack matmul instead), `fp8` its
+scaled matmul on per-token-quantized activations (block-scaled: activations quantized per token and group,
+both sides dequantized, a float32 matmul), `w4a16` a dequantize-then-matmul. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_engine.model.quant import schemes
+from ember_engine.model.quant import cpu_int8, schemes
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -93,6 +94,45 @@ class Fp8Linear(QuantLinear):
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
 
 
+class Fp8BlockLinear(QuantLinear):
+    """Block-scaled FP8 (Hugging Face's `weight_block_size` checkpoints): E4M3 weight [out, in] with a scale
+    per (output row, group of `group_size` input columns), each row holding its tile's scale; activations
+    quantized per token and group at run time. y = sum over groups of (x_g . w_g) * x_scale_g * w_scale_g."""
+
+    scheme = "fp8"
+    weight: torch.Tensor
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        if in_features % group_size:
+            raise schemes.UnsupportedQuantizationError(
+                f"fp8: input size {in_features} is not a multiple of the block's {group_size} columns"
+            )
+        self.group_size = group_size
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer(
+            "weight_scale", torch.ones(out_features, in_features // group_size, dtype=torch.float32)
+        )
+
+    def weight_data(self) -> torch.Tensor:
+        return self.weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_triton(x):
+            from ember_engine.model.quant import triton_gemm
+
+            return triton_gemm.fp8_block_matmul(x, self.weight, self.weight_scale, self.group_size)
+        xq, x_scale = schemes.quantize_activation_fp8_groups(x, self.group_size)
+        xd = xq.float() * x_scale.repeat_interleave(self.group_size, dim=1)
+        return (xd @ self.dequantized().t()).to(x.dtype)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scale = self.weight_scale.repeat_interleave(self.group_size, dim=1)
+        return (self.weight.float() * scale).to(dtype)
+
+
 class Int8Linear(QuantLinear):
     """int8 weights with a scale per output channel (`group_size` 0) or per group of input columns."""
 
@@ -121,14 +161,15 @@ class Int8Linear(QuantLinear):
             from ember_engine.model.quant import triton_gemm
 
             return triton_gemm.int8_matmul(x, self.weight, self.weight_scale, self.group_size)
-        if self.group_size == self.in_features:
-            # torch's CPU kernel is fast only for 16-bit activations (the "a16"); float32 scales are applied
-            # to its output, so they are not rounded to bf16.
-            xb = x.contiguous() if x.dtype != torch.float32 else x.to(torch.bfloat16)
-            ones = torch.ones(self.out_features, dtype=xb.dtype, device=x.device)
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.weight, ones)
+        if x.device.type != "cpu":
+            return F.linear(x, self.dequantized(x.dtype))
+        if x.dtype == torch.bfloat16 and self.group_size == self.in_features:
+            # torch's int8 weight-pack matmul, fast for bf16 activations; float32 scales are applied to
+            # its output, so they are not rounded to bf16.
+            ones = torch.ones(self.out_features, dtype=x.dtype, device=x.device)
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, ones)
             return (y.float() * self.weight_scale.reshape(-1)).to(x.dtype)
-        return F.linear(x, self.dequantized(x.dtype))
+        return cpu_int8.int8_matmul(x, self.weight, self.weight_scale)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scale = self.weight_scale.repeat_interleave(self.group_size, dim=1)
@@ -182,23 +223,27 @@ LAYERS: dict[str, type[QuantLinear]] = {"fp8": Fp8Linear, "w8a16": Int8Linear, "
 def make_layer(
     scheme: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int
 ) -> QuantLinear:
-    """`group_size`: input columns per scale (w4a16; w8a16, where 0 means one scale per output channel)."""
+    """`group_size`: input columns per scale (w4a16; w8a16 and fp8, where 0 means one scale per output
+    channel; fp8 with groups is block-scaled)."""
     if schemes.check_scheme(scheme) == "w4a16":
         return Int4Linear(in_features, out_features, bias, dtype, group_size)
     if scheme == "w8a16":
         return Int8Linear(in_features, out_features, bias, dtype, group_size)
+    if group_size:
+        return Fp8BlockLinear(in_features, out_features, bias, dtype, group_size)
     return Fp8Linear(in_features, out_features, bias, dtype)
 
 
 def quantize_linear(linear: nn.Linear, scheme: str, group_size: int) -> QuantLinear:
-    """A full-precision layer's quantized counterpart (online quantization)."""
+    """A full-precision layer's quantized counterpart (online quantization; fp8 with `group_size` in
+    square tiles of that side)."""
     w = linear.weight.detach()
     layer = make_layer(
         scheme, linear.in_features, linear.out_features, linear.bias is not None, w.dtype, group_size
     )
     layer.to(w.device)
     quantize = {
-        "fp8": schemes.quantize_fp8,
+        "fp8": lambda t: _fp8_blocks(t, group_size) if group_size else schemes.quantize_fp8(t),
         "w8a16": lambda t: schemes.quantize_int8(t, group_size),
         "w4a16": lambda t: schemes.quantize_int4(t, group_size),
     }[scheme]
@@ -207,3 +252,8 @@ def quantize_linear(linear: nn.Linear, scheme: str, group_size: int) -> QuantLin
     if linear.bias is not None and layer.bias is not None:
         layer.bias.data.copy_(linear.bias.detach())
     return layer
+
+
+def _fp8_blocks(w: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = schemes.quantize_fp8_blocks(w, (side, side))
+    return q, schemes.block_scales_per_row(scale, w.shape[0], side)

@@ -40,6 +40,37 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 with one scale per [rows, columns] tile (the last tiles partial), as Hugging Face's `fp8`
+    checkpoints store it: (weight [out, in], scale [ceil(out / rows), ceil(in / columns)]), weight * scale
+    (broadcast over each tile) being the weight it stands for (the checkpoint's `weight_scale_inv`)."""
+    out, inp = w.shape
+    bo, bi = block
+    po, pi = -out % bo, -inp % bi
+    tiles = torch.nn.functional.pad(w.float(), (0, pi, 0, po)).reshape(
+        (out + po) // bo, bo, (inp + pi) // bi, bi
+    )
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=_TINY) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(out + po, inp + pi)[:out, :inp].contiguous(), scale
+
+
+def block_scales_per_row(scale: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
+    """Tile scales [ceil(rows / block_rows), groups] -> each row's [rows, groups] (the layers' form,
+    which keeps a merged projection's parts apart whatever their row offsets)."""
+    return scale.float().repeat_interleave(block_rows, dim=0)[:rows].contiguous()
+
+
+def quantize_activation_fp8_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and group of `group_size` columns, dynamic E4M3: (values [n, in], float32 scale
+    [n, in / group_size]) (what block-scaled FP8 checkpoints are run with)."""
+    n, k = x.shape
+    groups = x.float().reshape(n, k // group_size, group_size)
+    scale = groups.abs().amax(dim=-1).clamp(min=_TINY) / FP8_MAX
+    q = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(n, k), scale
+
+
 def quantize_int8(w: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 in [-127, 127], one scale per output channel (`group_size` 0) or per group of
     input columns: (weight [out, in], scale [out, in / group_size])."""

@@ -6,7 +6,9 @@ widened in registers, so only the quantized bytes cross memory:
 - w8a16: int8 widened and scaled per (channel, group) in the loop (per channel: one group of K);
 - w4a16: two int4 per byte, unpacked by shift and mask, scaled the same way;
 - fp8: activations quantized per token beforehand; E4M3 × E4M3 dots where the device has them (compute
-  capability ≥ 8.9), widened otherwise, both scales applied after the K loop.
+  capability ≥ 8.9), widened otherwise, both scales applied after the K loop;
+- block-scaled fp8: activations quantized per token and group of GROUP columns beforehand; the same dots,
+  each BLOCK_K step (which lies in one group) scaled by its activation and weight scales as it is added.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ember_engine.model.quant.schemes import quantize_activation_fp8
+from ember_engine.model.quant.schemes import quantize_activation_fp8, quantize_activation_fp8_groups
 
-# WEIGHT: 0 int8, 1 packed int4, 2 fp8 (stored as bytes, reinterpreted in the kernel).
-_INT8, _INT4, _FP8 = 0, 1, 2
+# WEIGHT: 0 int8, 1 packed int4, 2 fp8, 3 block-scaled fp8 (fp8 stored as bytes, reinterpreted in the kernel).
+_INT8, _INT4, _FP8, _FP8_BLOCK = 0, 1, 2, 3
 
 
 @triton.jit
@@ -34,6 +36,7 @@ def _gemm_kernel(
     stride_xm,
     stride_wn,
     stride_sn,
+    stride_xsm,
     stride_ym,
     GROUP: tl.constexpr,
     WEIGHT: tl.constexpr,
@@ -58,7 +61,7 @@ def _gemm_kernel(
             other=0,
         )
         wmask = mask_k[:, None] & mask_n[None, :]
-        if WEIGHT != 2:
+        if WEIGHT < 2:
             if WEIGHT == 1:
                 # [BLOCK_K, BLOCK_N]: column k of the weight is nibble k % 2 of byte k // 2.
                 ptrs = w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
@@ -73,10 +76,17 @@ def _gemm_kernel(
             raw = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
             w8 = raw.to(tl.float8e4nv, bitcast=True)
             x8 = x.to(tl.float8e4nv, bitcast=True)
-            if FP8_DOT:
-                acc += tl.dot(x8, w8)
+            if FP8_DOT:  # noqa: SIM108 (a constexpr branch in the kernel)
+                part = tl.dot(x8, w8)
             else:
-                acc += tl.dot(x8.to(tl.float32), w8.to(tl.float32))
+                part = tl.dot(x8.to(tl.float32), w8.to(tl.float32))
+            if WEIGHT == 3:
+                g = k0 // GROUP
+                xs = tl.load(x_scale_ptr + offs_m * stride_xsm + g, mask=mask_m, other=0)
+                ws = tl.load(scale_ptr + offs_n * stride_sn + g, mask=mask_n, other=0)
+                acc += part * xs[:, None] * ws[None, :]
+            else:
+                acc += part
     if WEIGHT == 2:
         acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0)[None, :]
         acc = acc * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0)[:, None]
@@ -103,7 +113,11 @@ def _launch(
     m, k = x.shape
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     bm, bn, bk = _blocks(m)
-    fp8_dot = weight == _FP8 and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    if weight == _FP8_BLOCK:  # a BLOCK_K step must lie within one group of scales
+        bk = next(b for b in (64, 32, 16) if group % b == 0)
+    fp8_dot = (
+        weight in (_FP8, _FP8_BLOCK) and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    )
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _gemm_kernel[grid](
         x,
@@ -117,6 +131,7 @@ def _launch(
         x.stride(0),
         w.stride(0),
         scale.stride(0),
+        x_scale.stride(0) if x_scale is not None else 0,
         y.stride(0),
         GROUP=group,
         WEIGHT=weight,
@@ -148,5 +163,21 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.T
         w.shape[0],
         _FP8,
         x_scale=x_scale.reshape(-1).contiguous(),
+        out_dtype=x.dtype,
+    )
+
+
+def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [M, K] quantized per token and group of `group_size` columns to E4M3, @ (E4M3 w [N, K] * scale
+    [N, K / group_size])^T, in x's dtype."""
+    xq, x_scale = quantize_activation_fp8_groups(x, group_size)
+    return _launch(
+        xq.view(torch.uint8),
+        w.view(torch.uint8),
+        scale.float().contiguous(),
+        w.shape[0],
+        _FP8_BLOCK,
+        group=group_size,
+        x_scale=x_scale.contiguous(),
         out_dtype=x.dtype,
     )
