@@ -599,17 +599,23 @@ def test_the_routers_and_engines_count_each_shed_and_fallback_once(observed: Obs
 
 def test_every_dashboard_query_returns_data(observed: Observed) -> None:
     dashboard = json.loads((MONITORING / "dashboard.json").read_text())
-    empty = []
-    count = 0
-    for panel in dashboard["panels"]:
-        for target in panel["targets"]:
-            count += 1
-            result = _query(observed.prometheus, _concrete(target["expr"]))
+    targets = [(panel["title"], t["expr"]) for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(targets) >= 20
+
+    def empty() -> list[str]:
+        out = []
+        for title, expr in targets:
+            result = _query(observed.prometheus, _concrete(expr))
             values = [float(r["value"][1]) for r in result]
             if not values or all(math.isnan(v) for v in values):
-                empty.append(f"{panel['title']}: {target['expr']} -> {result}")
-    assert count >= 20
-    assert not empty, "queries without data:\n" + "\n".join(empty)
+                out.append(f"{title}: {expr} -> {result}")
+        return out
+
+    # A rate or increase needs two scrapes of its series in the window; a series first written late in
+    # the traffic (one more scaling decision) has its second a scrape interval (1 s) later.
+    wait_for(
+        lambda: not empty(), timeout=15, what=lambda: "queries with data; without:\n" + "\n".join(empty())
+    )
     for variable in dashboard["templating"]["list"][1:]:
         series = variable["query"]["query"].removeprefix("label_values(").rsplit(",", 1)[0]
         assert _query(observed.prometheus, _concrete(series)), variable["name"]
