@@ -9,43 +9,41 @@ be read or parsed is logged and the last good rules stay.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from pathlib import Path
 
+from ember_engine.server.content_watch import ContentWatch
 from ember_router.rules import Rule, parse_routes
 
 log = logging.getLogger("ember.router")
+
+
+def _parse(data: bytes | None, error: OSError | None) -> tuple[tuple[Rule, str], ...]:
+    if data is None:
+        raise ValueError(f"cannot read it: {error}")
+    return parse_routes(data.decode())  # a UnicodeDecodeError is a ValueError
 
 
 class RoutesFile:
     def __init__(self, path: str | Path) -> None:
         """Read the file; ValueError naming the file and what is wrong with it."""
         self.path = Path(path)
-        self._seen, routes, problem = self._look()
-        if routes is None:
-            raise ValueError(f"{self.path}: {problem}")
-        self.routes: tuple[tuple[Rule, str], ...] = routes
-
-    def _look(self) -> tuple[str, tuple[tuple[Rule, str], ...] | None, str]:
+        self._watch = ContentWatch(self.path)
+        _, data, error = self._watch.look()
         try:
-            data = self.path.read_bytes()
-        except OSError as e:
-            return f"unreadable: {e}", None, f"cannot read it: {e}"
-        seen = hashlib.sha256(data).hexdigest()
-        try:
-            return seen, parse_routes(data.decode()), ""
-        except (ValueError, UnicodeDecodeError) as e:
-            return seen, None, str(e)
+            self.routes = _parse(data, error)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: {e}") from None
 
     def check(self) -> bool:
         """Re-read the file; True when different rules took effect."""
-        seen, routes, problem = self._look()
-        if seen == self._seen:  # also keeps a bad file from being reported on every look
+        changed, data, error = self._watch.look()
+        if not changed:  # also keeps a bad file from being reported on every look
             return False
-        self._seen = seen
-        if routes is None:
-            log.warning("routes file %s: %s; keeping the last good rules", self.path, problem)
+        try:
+            routes = _parse(data, error)
+        except ValueError as e:
+            log.warning("routes file %s: %s; keeping the last good rules", self.path, e)
             return False
         if routes == self.routes:
             return False

@@ -8,7 +8,6 @@ silently ignored or coerced: a typo in a shedding limit should be loud, not a li
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import ErrorDetails
+
+from ember_engine.server.content_watch import ContentWatch
 
 logger = logging.getLogger("ember.policy")
 
@@ -177,32 +178,22 @@ class PolicyWatcher:
         self.path = Path(path) if path is not None else None
         self.on_change = on_change
         self.policy = Policy()
-        self._seen = ""  # what the file held at the last look: a content hash, or why it could not be read
-        if self.path is not None:
-            self._seen, data = self._look()
+        self._watch = ContentWatch(self.path) if self.path is not None else None
+        if self._watch is not None:
+            _, data, error = self._watch.look()
             if data is None:
-                raise PolicyError(self._seen)
+                raise PolicyError(f"cannot read policy file {self.path}: {error}")
             self.policy = _decode(data)
-
-    def _look(self) -> tuple[str, bytes | None]:
-        assert self.path is not None
-        try:
-            data = self.path.read_bytes()
-        except OSError as e:
-            return f"cannot read policy file {self.path}: {e}", None
-        return hashlib.sha256(data).hexdigest(), data
 
     def check(self) -> bool:
         """Re-read the file; True when a different policy took effect (and on_change was called)."""
-        if self.path is None:
+        if self._watch is None:
             return False
-        # By content, not mtime or inode: a ConfigMap update swaps a symlink and may keep the mtime.
-        seen, data = self._look()
-        if seen == self._seen:  # also keeps a bad file from being reported on every poll
+        changed, data, error = self._watch.look()
+        if not changed:  # also keeps a bad file from being reported on every poll
             return False
-        self._seen = seen
         if data is None:
-            logger.warning("%s; keeping the last good policy", seen)
+            logger.warning("cannot read policy file %s: %s; keeping the last good policy", self.path, error)
             return False
         try:
             policy = _decode(data)
