@@ -7,8 +7,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 import torch
 
+from ember_engine.sample import penalty_state
 from ember_engine.sample.sampler import Sampler
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.sample.sampling_state import SamplingState
@@ -29,7 +31,12 @@ def _by_hand(base: list[float], params: SamplingParams, prompt: list[int], outpu
     return torch.tensor(values).log_softmax(-1)
 
 
-def test_penalized_logits_follow_the_token_lists_through_many_steps() -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_penalized_logits_follow_the_token_lists_through_many_steps(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU the state's steps are compiled loops; the torch operations a GPU runs are checked too."""
+    monkeypatch.setattr(penalty_state, "COMPILED", compiled)
     rng = random.Random(3)
     torch.manual_seed(3)
     kinds = [
@@ -71,3 +78,28 @@ def test_penalized_logits_follow_the_token_lists_through_many_steps() -> None:
             done = running.pop(rng.randrange(len(running)))
             state.release(done)
     assert max(len(set(o)) for o in outputs.values()) > 32  # lists outgrew two widths
+
+
+def test_the_compiled_loops_give_torch_s_logits_to_the_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's compiled rewrite against the torch operations, bit for bit, with masked logits and a
+    repetition penalty so small that float32 holds it as 0 (a division by zero is an infinity in both)."""
+    torch.manual_seed(4)
+    logits = torch.randn(3, VOCAB) * 3
+    logits[1, :5] = float("-inf")
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1e-46),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4),
+        SamplingParams(temperature=0.0, presence_penalty=-0.6),
+    ]
+    prompts = [[1, 2, 3, 3], [4, 9, 2], [7]]
+    outputs = [[5, 5, 6], [0, 1, 2, 2], [7, 8]]
+    got = []
+    for compiled in (True, False):
+        monkeypatch.setattr(penalty_state, "COMPILED", compiled)
+        state = SamplingState(3, VOCAB)
+        view = state.view([0, 1, 2], lambda n: (params[n], None, prompts[n], outputs[n]))
+        assert state.penalties is not None and view.penalized_slots is not None
+        rep = state.params.index_select(0, view.penalized_slots)[:, 4:5]
+        got.append(state.penalties.apply(logits, view.penalized_slot_list, view.penalized_slots, rep).clone())
+    assert torch.isinf(got[0][0]).any()
+    assert torch.equal(got[0].nan_to_num(), got[1].nan_to_num())

@@ -7,13 +7,16 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember_engine.sample import nucleus
+from ember_engine import LLM
+from ember_engine.sample import cpu_kernels, nucleus
 from ember_engine.sample.nucleus import first_argmax
 from ember_engine.sample.sampler import Sampler, SamplingRow, make_generator
 from ember_engine.sample.sampling_params import SamplingParams
@@ -246,28 +249,111 @@ def test_rows_are_drawn_against_a_pivot_on_a_cpu_only() -> None:
         assert view.other_rows == [0, 1][len(pivot) :]
 
 
+def _compiled(
+    x: torch.Tensor, cuts: nucleus.Cuts, seed: int, draws: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled draws' tokens and weights for logits `x`."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    weights = torch.empty_like(x)
+    peaks = x.amax(dim=-1).numpy()
+    cpu_kernels.truncated_draws(
+        x.numpy(),
+        peaks,
+        cuts.scale,
+        seed,
+        draws,
+        cuts.top_k,
+        cuts.top_p,
+        cuts.min_p,
+        weights.numpy(),
+        out.numpy(),
+    )
+    return out, weights
+
+
+def _cuts(
+    rows: int, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, temperature: float
+) -> nucleus.Cuts:
+    scale = np.full(rows, nucleus.LOG2E / temperature, dtype=np.float32)
+    return nucleus.Cuts(top_k.numpy(), top_p.numpy(), min_p.numpy(), scale)
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([64, 256, 1024]), st.floats(0.5, 4.0), st.integers(0, 2**31 - 1))
-def test_the_blocks_never_misjudge_a_draw(vocab: int, spread: float, seed: int) -> None:
-    """Past a few rows a draw is first judged from its blocks' masses and largest probabilities: a token
-    they call kept, or reject, is one the count over every token keeps, or rejects; and the draws follow
-    the probabilities (a token of probability 0 is never drawn)."""
+@given(
+    st.sampled_from([7, 64, 100, 1024]),
+    st.floats(0.5, 40.0),
+    st.sampled_from([0.3, 1.0, 1.7]),
+    st.integers(0, 2**31 - 1),
+)
+def test_the_compiled_draws_keep_to_the_truncated_set_at_the_edges(
+    vocab: int, spread: float, temperature: float, seed: int
+) -> None:
+    """The compiled draws (`cpu_kernels.truncated_draws`) weigh each token 2^((x - max) log2(e) / T) to
+    float32's precision (torch's exp2 the reference; weights under 2^-126 of the likeliest are 0) and take
+    tokens of weight in the truncated set, also with masked tokens, ties and one token left. A row
+    without weight gets its first largest logit, NaN the largest (as argmax has it): logits all -inf, a
+    NaN among them, or +inf."""
     gen = torch.Generator().manual_seed(seed)
-    rows = 48
+    rows = 16
     x = torch.randn(rows, vocab, generator=gen) * spread
     x[:, torch.randint(0, vocab, (vocab // 4,), generator=gen)] = float("-inf")
+    x[5:8] = x[5:8].round()  # ties
     x[0] = float("-inf")
     x[0, 3] = 1.0  # one token left
-    probs = x.softmax(dim=-1)
-    width = nucleus.block_width(vocab)
-    tokens, p, sums, peaks = nucleus._draw_in_blocks(probs, width, torch.rand(rows, 1, generator=gen))
-    assert bool((p > 0).all()) and torch.equal(p, probs.gather(1, tokens))
-    top_k = torch.randint(1, vocab // 2, (rows,), generator=gen)
+    x[1] = float("-inf")
+    x[2, 4:] = 0.0
+    x[2, 5] = x[2, 6] = float("nan")
+    x[3, 2] = x[3, 4] = float("inf")
+    x[4, 1] = 3.0e38  # a finite logit far above the rest
+    top_k = torch.randint(0, vocab + 1, (rows,), generator=gen)
     top_p = torch.rand(rows, generator=gen) * 0.9 + 0.05
-    min_p = torch.rand(rows, generator=gen) * 0.2
-    for cuts in ((top_k, None, None), (None, top_p, None), (None, None, min_p), (top_k, top_p, min_p)):
-        kept, unsure = nucleus._bounded(p, sums, peaks, *cuts, width)
-        exact = nucleus._kept(probs, p, *cuts)[0]
-        sure = ~unsure
-        assert torch.equal(kept[sure], exact[sure]), cuts
-        assert bool(kept[unsure].all())  # rows the blocks cannot settle are ones they did not reject
+    top_p[::3] = 1.0
+    min_p = torch.rand(rows, generator=gen) * 0.3
+    out, weights = _compiled(x, _cuts(rows, top_k, top_p, min_p, temperature), seed, 8)
+    assert out[:5].tolist() == [3, 0, 5, 2, 1]
+    ok = slice(4, rows)
+    reference = torch.exp2(
+        (x[ok] - x[ok].amax(dim=-1, keepdim=True)) * np.float32(nucleus.LOG2E / temperature)
+    )
+    reference = reference.masked_fill(reference < 2.0**-126, 0.0)
+    assert torch.allclose(weights[ok], reference, rtol=1e-6, atol=0.0)
+    for r in range(4, rows):
+        if out[r] < 0:  # out of draws, which only a narrow cut makes likely
+            continue
+        w = weights[r].double()
+        p = w[out[r]]
+        heavier = w[w > p]
+        assert p > 0, r
+        assert top_p[r] >= 1.0 or float(heavier.sum()) < float(top_p[r]) * float(w.sum()) * (1 + 1e-5), r
+        assert top_k[r] <= 0 or len(heavier) < int(top_k[r]), r
+        assert float(p) >= float(min_p[r]) * float(w.max()) * (1 - 1e-6), r
+
+
+def test_rows_out_of_draws_get_minus_one() -> None:
+    """One draw each, with only the likeliest of 51 nearly equal tokens allowed: most rows miss it."""
+    rows = 1000
+    x = torch.zeros(rows, 51)
+    x[:, 50] = 0.01
+    cuts = _cuts(rows, torch.ones(rows, dtype=torch.long), torch.ones(rows), torch.zeros(rows), 1.0)
+    out, _ = _compiled(x, cuts, 1, 1)
+    assert set(out.tolist()) == {-1, 50}
+    assert out.tolist().count(-1) > 900
+
+
+def test_a_serving_run_with_every_cut_compiles_the_draws_once(tiny_model: Path) -> None:
+    """The engine compiles the CPU's draws while starting (or loads them from numba's cache): rows with
+    top-p, top-k, min-p and temperatures, at changing batch sizes, add no compiled signature."""
+    llm = LLM(str(tiny_model), max_model_len=256, max_num_seqs=8)
+    signatures = list(cpu_kernels.truncated_draws.signatures)
+    assert signatures  # compiled while starting
+    kinds = [
+        dict(temperature=0.8, top_p=0.9),
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=1.3, min_p=0.1),
+        dict(temperature=0.7, top_p=0.5, min_p=0.05),
+    ]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, **kinds[i % 4]) for i in range(7)]  # type: ignore[arg-type]
+    outs = llm.generate([[5 + i, 9, 11] for i in range(7)], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [6] * 7
+    llm.generate([[3, 4]], [SamplingParams(temperature=0.9, top_p=0.8, max_tokens=3)], use_tqdm=False)
+    assert list(cpu_kernels.truncated_draws.signatures) == signatures

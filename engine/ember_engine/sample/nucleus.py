@@ -2,33 +2,39 @@
 by rejection against a rising pivot.
 
 A row draws a token from its whole (temperature-scaled) distribution by inverting its cumulative
-distribution in two levels (block sums, then the one block the draw falls in), and keeps the token when it
-lies in the row's truncated set: top-p keeps a token while the mass of the tokens more likely than it is
-short of top_p, top-k while fewer than k tokens are more likely, min-p while it is at least min_p times as
-likely as the likeliest. Each of these sets holds every token more likely than any token it holds, so a
-rejected token tells that it and every token no more likely are out: the row draws again from the tokens
-more likely than it (the pivot). The proposal is always the distribution restricted to a superset of the
-truncated set, so an accepted token is distributed exactly as the truncated distribution; a row's expected
-number of draws is small (one with probability at least top_p), and the likeliest token is always kept, so
-it ends. A token tied with the least likely kept token is kept too (a sort keeps some of a tie at the edge
-and not others, in whatever order it left them).
+distribution, and keeps the token when it lies in the row's truncated set: top-p keeps a token while the
+mass of the tokens more likely than it is short of top_p, top-k while fewer than k tokens are more likely,
+min-p while it is at least min_p times as likely as the likeliest. Each of these sets holds every token
+more likely than any token it holds, so a rejected token tells that it and every token no more likely are
+out: the row draws again from the tokens more likely than it (the pivot). The proposal is always the
+distribution restricted to a superset of the truncated set, so an accepted token is distributed exactly as
+the truncated distribution; a row's expected number of draws is small (one with probability at least
+top_p), and the likeliest token is always kept, so it ends. A token tied with the least likely kept token
+is kept too (a sort keeps some of a tie at the edge and not others, in whatever order it left them).
+
+Every row's weights, draws and checks run in one compiled call (`cpu_kernels`): a tensor operation
+per step of the draw costs more than the step's arithmetic.
 
 One row with both top-k and top-p is not drawn here: top-p's mass is then relative to the top-k set, which
 a draw cannot know without finding that set."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from ember_engine.sample.cpu_kernels import truncated_draws
+from ember_engine.sample.sampling_params import SamplingParams
 
 # The widths a vocabulary is cut into, widest first; a vocabulary none of them divides is one block.
 BLOCK_WIDTHS = (64, 32, 16)
-# Draws a row may make before the rows still drawing are settled with a sort (never needed in practice).
+# Draws a row may make after its first before it is settled with a sort (never needed in practice).
 MAX_ROUNDS = 32
-# Rows at most this many are drawn in one level: fewer tensor operations, each over the whole row.
+# Rows at most this many take torch's argmax: fewer tensor operations, each over the whole row.
 FEW_ROWS = 8
-_ZERO = torch.tensor(0.0)
 LOG2E = 1.4426950408889634
 
 
@@ -76,215 +82,80 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     return cols.gather(1, x.gather(1, cols).argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
-def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of non-negative `weights` at uniform draws `u` ([rows, 1] in [0, 1)): the first
-    whose cumulative weight passes u times the total, found in two levels (the block, then the token in
-    it) unless the rows are few. A token of weight 0 is never drawn: each level's target stays strictly
-    below that level's total, so some entry passes it, and the first one to pass has weight of its own."""
-    rows, vocab = weights.shape
-    width = block_width(vocab)
-    if rows <= FEW_ROWS or width == vocab:
-        cum = weights.cumsum(dim=-1)
-        total = cum[:, -1:]
-        target = torch.minimum(u * total, total.nextafter(_ZERO))
-        return torch.searchsorted(cum, target, right=True).clamp_max_(vocab - 1).squeeze(1)
-    # Cumulative block sums after a 0, so that a block's start is the very value the search compared.
-    cum = F.pad(weights.view(rows, vocab // width, width).sum(dim=-1), (1, 0)).cumsum_(dim=-1)
-    total = cum[:, -1:]
-    target = torch.minimum(u * total, total.nextafter(_ZERO))
-    block = torch.searchsorted(cum, target, right=True).sub_(1).clamp_(0, vocab // width - 1)  # NaN rows
-    cols = torch.arange(width, device=weights.device).add(block, alpha=width)
-    inner = weights.gather(1, cols).cumsum_(dim=-1)
-    rest = torch.minimum(target - cum.gather(1, block), inner[:, -1:].nextafter(_ZERO))
-    j = torch.searchsorted(inner, rest, right=True).clamp_max_(width - 1)
-    return cols.gather(1, j).squeeze(1)
-
-
-def _kept(
-    vals: torch.Tensor,
-    p: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Whether each row's drawn token (of probability `p`, [rows, 1]) is in its truncated set, and, when
-    top-k or top-p asked for it, the probabilities of the tokens more likely than it (0 elsewhere): the
-    row's next proposal should the token be rejected. `vals`: each row's probabilities, or a part of them
-    that holds every token more likely than the drawn one and the likeliest token."""
-    keep = None if min_p is None else p.squeeze(1) >= min_p * vals.amax(dim=-1)
-    above = None
-    if top_k is not None or top_p is not None:
-        # Elementwise comparisons are slow on a CPU: sign(p_j - p)+ is 1 exactly where p_j > p.
-        above = torch.sub(vals, p, out=out).sign_().clamp_min_(0.0)
-        if top_k is not None:
-            fewer = above.sum(dim=-1) < top_k  # fewer than k tokens more likely
-            keep = fewer if keep is None else keep & fewer
-        above.mul_(vals)
-        if top_p is not None:
-            short = above.sum(dim=-1) < top_p  # their mass short of top_p (a row without top-p has 2)
-            keep = short if keep is None else keep & short
-    assert keep is not None
-    return keep, above
-
-
-def _draw_in_blocks(
-    probs: torch.Tensor, width: int, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A draw from each row of `probs` (unnormalised weights) at `u` in two levels over strided blocks (block b holds tokens b,
-    b + nb, b + 2nb, ... of nb blocks, so that the reductions run along memory): the tokens ([rows, 1]),
-    their probabilities, and each block's mass and largest probability ([rows, nb])."""
-    rows, vocab = probs.shape
-    nb = vocab // width
-    strided = probs.view(rows, width, nb)
-    sums, peaks = strided.sum(dim=1), strided.amax(dim=1)
-    cum = F.pad(sums, (1, 0)).cumsum_(dim=-1)
-    total = cum[:, -1:]
-    target = torch.minimum(u * total, total.nextafter(_ZERO))
-    block = torch.searchsorted(cum, target, right=True).sub_(1).clamp_(0, nb - 1)  # NaN rows
-    cols = torch.arange(0, vocab, nb, device=probs.device).add(block)
-    inner = probs.gather(1, cols).cumsum_(dim=-1)
-    rest = torch.minimum(target - cum.gather(1, block), inner[:, -1:].nextafter(_ZERO))
-    tokens = cols.gather(1, torch.searchsorted(inner, rest, right=True).clamp_max_(width - 1))
-    return tokens, probs.gather(1, tokens), sums, peaks
-
-
-def _bounded(
-    p: torch.Tensor,
-    sums: torch.Tensor,
-    peaks: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-    width: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The check from the blocks alone (CPU), for tokens of weight `p` ([rows, 1]): whether each is surely
-    kept, and whether the blocks cannot tell (then the tokens must be counted). Only a block whose largest
-    weight is above p holds tokens more likely than the drawn one: at least that one, at most all of the
-    block (its mass, and every one of its tokens)."""
-    pv, pk, sm = p.numpy()[:, 0], peaks.numpy(), sums.numpy()
-    likelier = pk > pv[:, None]
-    kept = np.ones(len(pv), dtype=bool)
-    unsure = np.zeros_like(kept)
-    if min_p is not None:
-        kept &= pv >= min_p.numpy() * pk.max(axis=1)  # exact: the largest peak is the row's maximum
-    if top_k is not None:
-        fewest, k = likelier.sum(axis=1), top_k.numpy()
-        unsure |= fewest * width >= k  # each such block holds at most `width` of them
-        kept &= fewest < k
-    if top_p is not None:
-        least, most, q = (pk * likelier).sum(axis=1), (sm * likelier).sum(axis=1), top_p.numpy()
-        kept &= least < q
-        unsure |= most >= q
-    return torch.from_numpy(kept), torch.from_numpy(unsure & kept)
-
-
-def _sorted_draw(
-    probs: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-) -> torch.Tensor:
-    """The same sets found with a full sort, for rows that used up their draws."""
+def _sorted_draw(probs: torch.Tensor, cuts: Cuts) -> torch.Tensor:
+    """The same sets found with a full sort, for rows that used up their draws (`probs` unnormalised)."""
     values, ids = probs.sort(dim=-1, descending=True)
-    keep = torch.ones_like(values, dtype=torch.bool)
-    if top_k is not None:
-        keep &= torch.arange(values.shape[1], device=values.device).unsqueeze(0) < top_k.unsqueeze(1)
-    if top_p is not None:
-        keep &= values.cumsum(dim=-1) - values < top_p.unsqueeze(1)
-    if min_p is not None:
-        keep &= values >= (min_p * values[:, 0]).unsqueeze(1)
-    weights = torch.zeros_like(probs).scatter_(1, ids, values * keep)
-    return draw(weights, torch.rand(probs.shape[0], 1, device=probs.device))
+    vocab = values.shape[1]
+    top_k = torch.from_numpy(cuts.top_k).masked_fill(torch.from_numpy(cuts.top_k) <= 0, vocab)
+    top_p = torch.from_numpy(cuts.top_p)
+    limit = (top_p * values.sum(dim=-1)).masked_fill(top_p >= 1.0, float("inf"))
+    keep = torch.arange(vocab).unsqueeze(0) < top_k.unsqueeze(1)
+    keep &= values.cumsum(dim=-1) - values < limit.unsqueeze(1)
+    keep &= values >= (torch.from_numpy(cuts.min_p) * values[:, 0]).unsqueeze(1)
+    cum = (values * keep).cumsum(dim=-1)
+    target = torch.rand(probs.shape[0], 1) * cum[:, -1:]
+    rank = torch.searchsorted(cum, target, right=True).clamp_max_(vocab - 1)
+    return ids.gather(1, rank).squeeze(1)
 
 
-def _weights(
-    x: torch.Tensor, temperature: torch.Tensor | None, shared: float | None, out: torch.Tensor | None
-) -> torch.Tensor:
-    """exp((x - max) / temperature) for each row, unnormalised, computed as a power of 2 (on a CPU exp2
-    costs half what exp does): with one temperature for every row (`shared`, 1 when None) the shift and
-    the scale are one pass."""
-    peak = x.amax(dim=-1, keepdim=True)
-    if temperature is None:
-        scale = LOG2E / (shared or 1.0)
-        w = torch.add(peak * -scale, x, alpha=scale, out=out)
-    else:
-        w = torch.sub(x, peak, out=out).mul_(LOG2E / temperature)
-    return w.exp2_()
+@dataclass(frozen=True, slots=True)
+class Cuts:
+    """Rows' cuts as the compiled draws take them, built once per batch: contiguous numpy columns (top_k
+    int64, 0 for none; top_p float32, 1 for none; min_p float32, 0 for none; scale, log2(e) over the
+    temperature, float32)."""
 
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    scale: np.ndarray
 
-def sample_truncated(
-    x: torch.Tensor,
-    top_k: torch.Tensor | None = None,
-    top_p: torch.Tensor | None = None,
-    min_p: torch.Tensor | None = None,
-    scratch: Scratch | None = None,
-    temperature: torch.Tensor | None = None,
-    shared: float | None = None,
-) -> torch.Tensor:
-    """One token per row of logits `x` at its temperature (`temperature`, [rows, 1], or one `shared` by
-    every row; None for 1), from the distribution cut by top-k ([rows] long), top-p and min-p ([rows]
-    float); None for a cut no row makes (a row that does not make it: top_k the vocabulary size, top_p 1,
-    min_p 0). Draws use the default generator. `scratch`: the buffers to reuse for the full-size
-    intermediates (x may be one of them: it is read first).
-
-    Past a few rows on a CPU the rows' weights are left unnormalised (top-p compares with top_p times
-    their total), drawn in strided blocks, and judged from the blocks first."""
-    scratch = scratch or Scratch()
-    rows, vocab = x.shape
-    if top_p is not None:
-        top_p = top_p.masked_fill(top_p >= 1.0, 2.0)  # no float sum of the rest reaches 2
-    u = torch.rand(rows, 1, device=x.device)
-    width = block_width(vocab)
-    cut = top_k is not None or top_p is not None or min_p is not None
-    if cut and rows > FEW_ROWS and width < vocab and x.device.type == "cpu" and x.is_contiguous():
-        probs = _weights(x, temperature, shared, scratch.get("probs", x))
-        tokens, p, sums, peaks = _draw_in_blocks(probs, width, u)
-        tokens = tokens.squeeze(1)
-        if top_p is not None:
-            top_p = top_p * sums.sum(dim=-1)
-        keep, unsure = _bounded(p, sums, peaks, top_k, top_p, min_p, width)
-        if bool(unsure.any()):
-            at = unsure.nonzero().squeeze(1)
-            cuts = [None if c is None else c.index_select(0, at) for c in (top_k, top_p, min_p)]
-            counted = _kept(probs.index_select(0, at), p.index_select(0, at), *cuts)[0]
-            keep.index_copy_(0, at, counted)
-        above = None
-    else:
-        divisor = temperature if temperature is not None else shared
-        if divisor is not None and not (isinstance(divisor, float) and divisor == 1.0):
-            x = torch.div(x, divisor, out=scratch.get("scaled", x))
-        probs = torch.softmax(x, dim=-1, out=scratch.get("probs", x))
-        tokens = draw(probs, u)
-        if not cut:
-            return tokens
-        p = probs.gather(1, tokens.unsqueeze(1))
-        keep, above = _kept(probs, p, top_k, top_p, min_p, scratch.get("scaled", x))
-    if bool(keep.all()):
-        return tokens
-    cuts = [top_k, top_p, min_p]
-    where = torch.arange(rows, device=probs.device)  # each drawing row's place in `tokens`
-    pending = (~keep).nonzero().squeeze(1)  # the rejected among the rows drawing
-    vals = probs
-    for _ in range(MAX_ROUNDS):
-        where, vals, p = (
-            where.index_select(0, pending),
-            vals.index_select(0, pending),
-            p.index_select(0, pending),
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], vocab: int) -> Cuts:
+        return cls(
+            top_k=np.array([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=np.int64),
+            top_p=np.array([p.top_p for p in params], dtype=np.float32),
+            min_p=np.array([p.min_p for p in params], dtype=np.float32),
+            scale=np.array([LOG2E / p.temperature for p in params], dtype=np.float32),
         )
-        cuts = [None if c is None else c.index_select(0, pending) for c in cuts]
-        # Only tokens more likely than the rejected one can be in the set.
-        if above is None:
-            weights = torch.sub(vals, p).sign_().clamp_min_(0.0).mul_(vals)
-        else:
-            weights = above.index_select(0, pending)
-        redrawn = draw(weights, torch.rand(len(where), 1, device=probs.device))
-        tokens.index_copy_(0, where, redrawn)
-        p = vals.gather(1, redrawn.unsqueeze(1))
-        keep, above = _kept(vals, p, *cuts)
-        if bool(keep.all()):
-            return tokens
-        pending = (~keep).nonzero().squeeze(1)
-    where = where[pending]
-    cuts = [None if c is None else c[pending] for c in cuts]
-    return tokens.index_copy_(0, where, _sorted_draw(probs.index_select(0, where), *cuts))
+
+    def take(self, rows: np.ndarray) -> Cuts:
+        return Cuts(self.top_k[rows], self.top_p[rows], self.min_p[rows], self.scale[rows])
+
+
+def sample_truncated(x: torch.Tensor, cuts: Cuts, scratch: Scratch | None = None) -> torch.Tensor:
+    """One token per row of logits `x` (on a CPU) at its temperature, from its distribution cut by its
+    top-k, top-p and min-p (`cuts`). Draws follow torch's default generator. `scratch`: the buffers to
+    reuse for the full-size weights."""
+    if x.device.type != "cpu":
+        raise ValueError(f"rows are drawn against a pivot on a CPU only, not on {x.device}")
+    scratch = scratch or Scratch()
+    x = x.float().contiguous()
+    weights = scratch.get("weights", x)
+    assert weights is not None  # float32 on a CPU
+    tokens = torch.empty(x.shape[0], dtype=torch.long)
+    out = tokens.numpy()
+    seed = int(torch.randint(0, 2**32, ()))  # the draws follow torch's default generator
+    peaks = x.amax(dim=-1).numpy()
+    truncated_draws(
+        x.numpy(),
+        peaks,
+        cuts.scale,
+        seed,
+        MAX_ROUNDS + 1,
+        cuts.top_k,
+        cuts.top_p,
+        cuts.min_p,
+        weights.numpy(),
+        out,
+    )
+    if out.min() < 0:
+        left = np.flatnonzero(out < 0)
+        at = torch.from_numpy(left)
+        tokens.index_copy_(0, at, _sorted_draw(weights.index_select(0, at), cuts.take(left)))
+    return tokens
+
+
+def warm_up() -> None:
+    """Compile the draws (or load them from numba's cache) before any request waits on them."""
+    params = [SamplingParams(temperature=0.5, top_k=1), SamplingParams(top_p=0.5, min_p=0.1)]
+    sample_truncated(torch.zeros(2, 8), Cuts.of(params, 8))

@@ -7,14 +7,20 @@ A dense map from token to its place in the list (-1: not listed) lets a step fin
 with one gather. A step reads and rewrites only the listed logits, O(tokens seen) a row whatever the
 vocabulary, with arithmetic alone (no comparisons, which are slow on a CPU): entries past a list's end
 hold an id that lands on one spare element after the logits. Only the lists' width is known on the host
-(an upper bound on their lengths)."""
+(an upper bound on their lengths). On a CPU the two steps are compiled loops over the same arrays
+(`cpu_kernels`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from ember_engine.sample.cpu_kernels import count, penalize
+
+# On a CPU, the compiled loops (False: the torch operations a GPU runs, there too).
+COMPILED = True
 # Token id of the entries past a list's end: far past any flat position, clamped onto the spare element.
 _PAST = 1 << 40
 
@@ -95,6 +101,10 @@ class PenaltyState:
         for s in slot_list:
             bound[s] += 1
         self._widen(max(bound[s] for s in slot_list))
+        if COMPILED and self.device.type == "cpu":
+            arrays = (self.where, self.ids, self.off, self.pend, self.num, self.freq, slots, tokens)
+            count(*(a.numpy() for a in arrays))
+            return
         flat = slots * self.vocab + tokens
         at = self.where.view(-1).index_select(0, flat).long()
         fresh = at < 0
@@ -123,9 +133,15 @@ class PenaltyState:
         size = rows * vocab
         out = torch.empty(size + 1, device=logits.device) if out is None else out
         penalized = out[:size].view(rows, vocab)
-        penalized.copy_(logits)
+        penalized.copy_(logits)  # torch's copy vectorises; one beside the scattered updates would not
         width = max(self.bound[s] for s in slot_list)
         if width == 0:
+            return penalized
+        if COMPILED and self.device.type == "cpu":
+            scale = (
+                np.ones(rows, dtype=np.float32) if rep is None else np.ascontiguousarray(rep.numpy()[:, 0])
+            )
+            penalize(slots.numpy(), self.ids.numpy(), self.off.numpy(), width, scale, penalized.numpy())
             return penalized
         if self._base.numel() < rows:
             self._base = torch.arange(0, rows * vocab, vocab, device=logits.device).unsqueeze(1)
@@ -140,3 +156,12 @@ class PenaltyState:
         new = new - off
         out.scatter_(0, flat, new.view(-1))
         return penalized
+
+
+def warm_up() -> None:
+    """Compile the CPU's loops (or load them from numba's cache) before any request waits on them."""
+    state = PenaltyState(1, 8, torch.device("cpu"))
+    state.reset(0, [1], [2], 0.5, 0.5)
+    slots = torch.zeros(1, dtype=torch.long)
+    state.apply(torch.zeros(1, 8), [0], slots, torch.ones(1, 1))
+    state.record([0], slots, torch.ones(1, dtype=torch.long))

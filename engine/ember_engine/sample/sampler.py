@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember_engine.sample import nucleus, penalty_state
 from ember_engine.sample.grammar import GrammarState, StepMasks, compute_masks
 from ember_engine.sample.nucleus import Scratch, first_argmax, sample_truncated
 from ember_engine.sample.sampling_params import SamplingParams
@@ -212,6 +213,9 @@ class Sampler:
         # top-k candidates and the inverse CDF (what seeded rows and speculation use), for comparison.
         self.pivot = pivot
         self.scratch = Scratch()
+        if state is not None and state.device.type == "cpu":  # the engine's: compile its loops before serving
+            nucleus.warm_up()
+            penalty_state.warm_up()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -270,9 +274,7 @@ class Sampler:
             assert view.random_index is not None
             random = view.random_index
             sub = x if len(view.random_rows) == len(view.slots) else x.index_select(0, random)
-            picked = self._random(
-                sub, state.params.index_select(0, view.slot_index.index_select(0, random)), view, noise_seeds
-            )
+            picked = self._random(sub, state, view, noise_seeds)
             tokens = picked if sub is x else first_argmax(x).index_copy(0, random, picked)
         state.record(view, tokens)
         if not view.logprob_rows:
@@ -280,34 +282,23 @@ class Sampler:
         return _with_logprobs(x, tokens, view)
 
     def _random(
-        self, x: torch.Tensor, p: torch.Tensor, view: BatchView, noise_seeds: Mapping[int, int] | None
+        self, x: torch.Tensor, state: SamplingState, view: BatchView, noise_seeds: Mapping[int, int] | None
     ) -> torch.Tensor:
-        """The random rows' tokens (`x` and `p` their logits and parameter rows, in `view.random_rows`'
-        order): by rejection against a pivot where it applies, else from the top-k-candidate
-        distribution (`_probs`), seeded rows by their exponential race."""
+        """The random rows' tokens (`x` their logits, in `view.random_rows`' order): by rejection against a
+        pivot where it applies, else from the top-k-candidate distribution (`_probs`), seeded rows by their
+        exponential race."""
+        if self.pivot and view.pivot_rows and view.pivot_index is None:
+            return sample_truncated(x, view.pivot, self.scratch)  # every random row
+        assert view.random_index is not None
+        p = state.params.index_select(0, view.slot_index.index_select(0, view.random_index))
         if not self.pivot or not view.pivot_rows:  # none on an accelerator (`BatchView.pivot_rows`)
             return _drawn(x, p, view, list(range(len(view.random_rows))), noise_seeds)
-        if view.pivot_index is None or view.other_index is None:
-            return _pivoted(x, p, view, self.scratch)
+        assert view.pivot_index is not None and view.other_index is not None
         picked = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
         pi, oi = view.pivot_index, view.other_index
-        picked.index_copy_(0, pi, _pivoted(x.index_select(0, pi), p.index_select(0, pi), view, self.scratch))
+        picked.index_copy_(0, pi, sample_truncated(x.index_select(0, pi), view.pivot, self.scratch))
         others = _drawn(x.index_select(0, oi), p.index_select(0, oi), view, view.other_rows, noise_seeds)
         return picked.index_copy_(0, oi, others)
-
-
-def _pivoted(x: torch.Tensor, p: torch.Tensor, view: BatchView, scratch: Scratch) -> torch.Tensor:
-    top_k, top_p, min_p, temperature = view.pivot_cuts
-    shared = view.pivot_temperature
-    return sample_truncated(
-        x,
-        p[:, TOP_K].long() if top_k else None,
-        p[:, TOP_P] if top_p else None,
-        p[:, MIN_P] if min_p else None,
-        scratch,
-        p[:, TEMPERATURE : TEMPERATURE + 1] if temperature and shared is None else None,
-        shared,
-    )
 
 
 def _drawn(

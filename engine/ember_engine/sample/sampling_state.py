@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 
+from ember_engine.sample.nucleus import Cuts
 from ember_engine.sample.penalty_state import PenaltyState
 from ember_engine.sample.sampling_params import SamplingParams
 
@@ -63,8 +64,7 @@ class BatchView:
     pivot_index: torch.Tensor | None
     other_rows: list[int]  # the random rows that are not
     other_index: torch.Tensor | None
-    pivot_cuts: tuple[bool, bool, bool, bool]  # some pivot row has top-k, top-p, min-p, temperature != 1
-    pivot_temperature: float | None  # the pivot rows' one temperature (None: they differ)
+    pivot: Cuts  # the pivot rows' cuts and temperatures
     bias_index: torch.Tensor | None  # logit_bias: flat (row * vocab + token) positions, on the device
     bias_values: torch.Tensor | None  # and the biases added there
 
@@ -231,13 +231,7 @@ class SamplingState:
             pivot_index=_upload(pivot, torch.long, dev) if split else None,
             other_rows=other,
             other_index=_upload(other, torch.long, dev) if split else None,
-            pivot_cuts=(
-                any(0 < p.top_k < vocab for p in drawn),
-                any(p.top_p < 1.0 for p in drawn),
-                any(p.min_p > 0.0 for p in drawn),
-                any(p.temperature != 1.0 for p in drawn),
-            ),
-            pivot_temperature=temps.pop() if len(temps := {p.temperature for p in drawn}) == 1 else None,
+            pivot=Cuts.of(drawn, vocab),
             bias_index=_upload([k for k, _ in bias], torch.long, dev) if bias else None,
             bias_values=_upload([b for _, b in bias], torch.float32, dev) if bias else None,
         )
