@@ -357,3 +357,16 @@ def test_a_serving_run_with_every_cut_compiles_the_draws_once(tiny_model: Path) 
     assert [len(o.token_ids) for o in outs] == [6] * 7
     llm.generate([[3, 4]], [SamplingParams(temperature=0.9, top_p=0.8, max_tokens=3)], use_tqdm=False)
     assert list(cpu_kernels.truncated_draws.signatures) == signatures
+
+
+def test_a_draw_that_rounding_leaves_short_takes_the_last_token_above_the_floor() -> None:
+    """At a target equal to the total (a uniform draw of 1 - 2^-53 times a float32 total can round to it)
+    no cumulative weight passes it: the draw takes the last token of weight above the floor, never one of
+    weight 0 nor one at or below the floor."""
+    w = np.zeros(200, dtype=np.float32)
+    w[[3, 70, 130, 131, 150]] = [0.5, 0.25, 0.125, 1.0, 0.125]
+    masses = np.empty(4, dtype=np.float32)
+    for floor, last in ((0.0, 150), (0.2, 131)):
+        total = cpu_kernels._block_masses(w, np.float32(floor), masses)
+        assert cpu_kernels._draw(w, np.float32(floor), masses, total, 1.0) == last
+        assert cpu_kernels._draw(w, np.float32(floor), masses, total, 0.0) == 3  # the first above it

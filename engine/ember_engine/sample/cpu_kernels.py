@@ -122,17 +122,24 @@ def _draw(w, floor, masses, total, u):
     target = u * total
     passed = np.float32(0.0)
     last_block = -1
+    short = True
     for b in range(masses.shape[0]):
         mass = masses[b]
         if mass <= np.float32(0.0):
             continue
         last_block = b
         if passed + mass > target:
+            short = False
             break
         passed += mass
-    last = -1
     start = last_block * BLOCK
-    for i in range(start, min(start + BLOCK, w.shape[0])):
+    stop = min(start + BLOCK, w.shape[0])
+    if short:  # the last token above the floor
+        for i in range(stop - 1, start - 1, -1):
+            if w[i] > floor:
+                return i
+    last = -1
+    for i in range(start, stop):
         v = w[i]
         if v > floor:
             passed += v

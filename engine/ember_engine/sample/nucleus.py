@@ -93,7 +93,9 @@ def _sorted_draw(probs: torch.Tensor, cuts: Cuts) -> torch.Tensor:
     keep &= values.cumsum(dim=-1) - values < limit.unsqueeze(1)
     keep &= values >= (torch.from_numpy(cuts.min_p) * values[:, 0]).unsqueeze(1)
     cum = (values * keep).cumsum(dim=-1)
-    target = torch.rand(probs.shape[0], 1) * cum[:, -1:]
+    total = cum[:, -1:]
+    # Strictly below the total, so that the first entry to pass it has weight of its own.
+    target = torch.minimum(torch.rand(probs.shape[0], 1) * total, total.nextafter(torch.zeros(())))
     rank = torch.searchsorted(cum, target, right=True).clamp_max_(vocab - 1)
     return ids.gather(1, rank).squeeze(1)
 
