@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -25,9 +25,6 @@ from ember_engine.model.quant.checkpoint import read_quantization_config
 from ember_engine.model.quant.checkpoint import resolve as resolve_quantization
 from ember_engine.sample.sampler import sampler_peak_probe
 
-if TYPE_CHECKING:
-    from ember_engine.distributed.workers import WorkerPool
-
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
@@ -39,6 +36,13 @@ class Chunk:
     start: int  # position of the first token
     token_ids: Sequence[int]
     num_logits: int = 0  # logits wanted for the last this-many tokens
+
+
+class StepPeers(Protocol):
+    """The other tensor-parallel ranks, as rank 0's runner sees them (`distributed.workers.WorkerPool`)."""
+
+    def send(self, chunks: Sequence[Chunk]) -> None:
+        """Hand them the step's chunks, which they run beside this rank."""
 
 
 @dataclass(slots=True)
@@ -69,7 +73,7 @@ class ModelRunner:
         reserved_bytes: int = 0,
         tp: TPGroup = SINGLE,
         device: torch.device | None = None,
-        peers: WorkerPool | None = None,
+        peers: StepPeers | None = None,
     ) -> None:
         """`model_dir` defaults to config.model. A draft model's runner is given the target's
         `num_blocks`, so both caches share one block table; the target's runner is told what each block
