@@ -15,7 +15,7 @@ from ember_engine.cli import main as ember
 from ember_engine.core.config import EngineConfig
 from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant.apply import weight_bytes
-from ember_engine.model.quant.linear import Fp8Linear, Int4Linear, Int8Linear
+from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear, Int8Linear
 
 LAYERS = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear}
 PROMPT = list(range(20, 60))
@@ -78,20 +78,55 @@ def test_unsupported_checkpoint_format_is_named(tiny_model: Path, tmp_path: Path
         LLM(str(ckpt))
 
 
-@pytest.mark.parametrize("scheme", list(LAYERS))
-def test_ember_quantize_writes_what_transformers_loads(scheme: str, tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheme", [*LAYERS, "fp8-block"])
+def test_ember_quantize_writes_what_transformers_loads(
+    scheme: str, tiny_model: Path, tmp_path: Path, full: LLM
+) -> None:
+    """Each scheme, and fp8 with 32 x 32 tiles of weight scales (FP8_BLOCK), as transformers with
+    compressed-tensors reads it, and still the model it was made from."""
     dst = tmp_path / scheme
-    assert ember(["quantize", str(tiny_model), str(dst), "--scheme", scheme, "--group-size", "64"]) == 0
+    extra = ["--block-size", "32"] if scheme == "fp8-block" else []
+    args = [
+        "quantize",
+        str(tiny_model),
+        str(dst),
+        "--scheme",
+        scheme.removesuffix("-block"),
+        "--group-size",
+        "64",
+    ]
+    assert ember([*args, *extra]) == 0
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     hf = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
     with torch.inference_mode():
         theirs = hf(torch.tensor([PROMPT])).logits[0].float()
     llm = LLM(str(dst), num_kv_blocks=16)
-    assert llm.engine.runner.quant is not None and llm.engine.runner.quant.scheme == scheme
+    quant = llm.engine.runner.quant
+    assert quant is not None and quant.scheme == scheme.removesuffix("-block")
+    if scheme == "fp8-block":
+        assert (quant.group_size, quant.block_rows) == (32, 32)
+        assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, Fp8BlockLinear)
     ours = _logits(llm, PROMPT)
     span = (theirs.max() - theirs.min()).item()
     # fp8: activations may round to a neighbouring E4M3 step; the weight-only schemes multiply the
     # activations as they are (float32 here), so only float rounding separates the two.
-    tolerance = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4}[scheme]
+    tolerance = {"fp8": 2e-2, "fp8-block": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4}[scheme]
     assert (ours - theirs).abs().max().item() <= tolerance * span
+    assert (ours - _logits(full, PROMPT)).abs().max().item() < 0.25 * span
+
+
+@pytest.mark.parametrize(
+    ("scheme", "size", "message"),
+    [
+        ("w8a16", "32", "--block-size applies to the fp8 scheme only, not w8a16"),
+        ("fp8", "40", "--block-size must be a positive multiple of 16, got 40"),
+    ],
+)
+def test_ember_quantize_refuses_a_block_size_it_cannot_write(
+    scheme: str, size: str, message: str, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dst = tmp_path / "out"
+    assert ember(["quantize", str(tiny_model), str(dst), "--scheme", scheme, "--block-size", size]) == 2
+    assert message in capsys.readouterr().err
+    assert not dst.exists()

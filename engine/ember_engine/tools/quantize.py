@@ -1,10 +1,12 @@
-"""`ember quantize SRC DST --scheme fp8|w8a16|w4a16`: write a quantized copy of a checkpoint in the
-compressed-tensors format (what llm-compressor writes, and what transformers, vLLM and ember load).
+"""`ember quantize SRC DST --scheme fp8|w8a16|w4a16 [--block-size N]`: write a quantized copy of a
+checkpoint in the compressed-tensors format (what llm-compressor writes, and what transformers, vLLM and
+ember load).
 
 Round-to-nearest, no calibration data: every decoder projection is quantized (symmetric; FP8 and int8 per
 output channel, int4 per group of `--group-size` input columns); embeddings, norms and the LM head are
-copied as they are. FP8 is written `float-quantized` with dynamic per-token activations (FP8_DYNAMIC),
-int8 and int4 `pack-quantized` (W8A16, W4A16).
+copied as they are. FP8 is written `float-quantized` with dynamic per-token activations (FP8_DYNAMIC), or
+with `--block-size N` one scale per N x N tile of the weight and activations per token and group of N
+columns (FP8_BLOCK); int8 and int4 `pack-quantized` (W8A16, W4A16).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +31,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="where to write the quantized checkpoint (must not exist)")
     p.add_argument("--scheme", required=True, choices=QUANT_SCHEMES)
     p.add_argument("--group-size", type=int, default=128, help="w4a16: input columns per scale")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="fp8: one scale per N x N weight tile (FP8_BLOCK; N a multiple of 16) instead of per channel",
+    )
 
 
-def quantization_config(scheme: str, group_size: int) -> dict[str, Any]:
+def check_block_size(scheme: str, block_size: int) -> None:
+    if block_size and scheme != "fp8":
+        raise ValueError(f"--block-size applies to the fp8 scheme only, not {scheme}")
+    if block_size < 0 or block_size % 16:
+        raise ValueError(f"--block-size must be a positive multiple of 16, got {block_size}")
+
+
+def quantization_config(scheme: str, group_size: int, block_size: int = 0) -> dict[str, Any]:
     """The compressed-tensors `quantization_config` for a scheme, as llm-compressor's presets spell it."""
     weights: dict[str, Any] = {
         "actorder": None,
@@ -49,6 +65,9 @@ def quantization_config(scheme: str, group_size: int) -> dict[str, Any]:
     if scheme == "fp8":
         weights["type"], fmt = "float", "float-quantized"
         acts = {**weights, "dynamic": True, "observer": None, "strategy": "token"}
+        if block_size:
+            weights.update(strategy="block", block_structure=[block_size, block_size])
+            acts.update(strategy="group", group_size=block_size)
     elif scheme == "w4a16":
         weights.update(num_bits=4, strategy="group", group_size=group_size)
     group = {"input_activations": acts, "output_activations": None, "targets": ["Linear"], "weights": weights}
@@ -63,11 +82,16 @@ def quantization_config(scheme: str, group_size: int) -> dict[str, Any]:
     }
 
 
-def quantize_tensor(name: str, w: torch.Tensor, scheme: str, group_size: int) -> dict[str, torch.Tensor]:
+def quantize_tensor(
+    name: str, w: torch.Tensor, scheme: str, group_size: int, block_size: int = 0
+) -> dict[str, torch.Tensor]:
     """One projection weight -> its compressed-tensors tensors (scales in the weight's dtype)."""
     from ember_engine.model.quant import schemes
 
     base = name.removesuffix(".weight")
+    if scheme == "fp8" and block_size:
+        q, scale = schemes.quantize_fp8_blocks(w, (block_size, block_size))
+        return {f"{base}.weight": q, f"{base}.weight_scale": scale.to(w.dtype)}
     if scheme == "fp8":
         q, scale = schemes.quantize_fp8(w)
         return {f"{base}.weight": q, f"{base}.weight_scale": scale[:, None].to(w.dtype)}
@@ -84,7 +108,9 @@ def quantize_tensor(name: str, w: torch.Tensor, scheme: str, group_size: int) ->
     }
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str, group_size: int = 128) -> Path:
+def quantize_checkpoint(
+    src: str | Path, dst: str | Path, scheme: str, group_size: int = 128, block_size: int = 0
+) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -92,6 +118,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str, group_siz
     from ember_engine.model.quant.schemes import check_scheme
 
     check_scheme(scheme)
+    check_block_size(scheme, block_size)
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
@@ -103,10 +130,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str, group_siz
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 t = f.get_tensor(name)
                 out.update(
-                    quantize_tensor(name, t, scheme, group_size) if _PROJECTION.match(name) else {name: t}
+                    quantize_tensor(name, t, scheme, group_size, block_size)
+                    if _PROJECTION.match(name)
+                    else {name: t}
                 )
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"] = quantization_config(scheme, group_size)
+    config["quantization_config"] = quantization_config(scheme, group_size, block_size)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for other in src.iterdir():
         if (
@@ -123,6 +152,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str, group_siz
 
 
 def main(args: argparse.Namespace) -> int:
-    dst = quantize_checkpoint(args.src, args.dst, args.scheme, args.group_size)
-    print(f"wrote {args.scheme} checkpoint to {dst}")
+    try:
+        check_block_size(args.scheme, args.block_size)
+    except ValueError as e:
+        print(f"ember quantize: error: {e}", file=sys.stderr)
+        return 2
+    dst = quantize_checkpoint(args.src, args.dst, args.scheme, args.group_size, args.block_size)
+    what = f"{args.scheme} ({args.block_size}x{args.block_size} blocks)" if args.block_size else args.scheme
+    print(f"wrote {what} checkpoint to {dst}")
     return 0
