@@ -1,7 +1,8 @@
 """Triton kernel variants: the engine launches every attention variant it can reach while starting, so a
 long mixed serving run (prefill chunks, decodes at changing batch sizes, speculative queries) launches no
 variant for the first time, i.e. compiles nothing. Kernels run in Triton's interpreter on CPU; the
-launcher's ledger computes Triton's specialization key for each launch."""
+launcher's ledger computes Triton's specialization key for each launch. The n-gram search (numba) is
+compiled while starting too, and serving adds no signature to it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.kernel_launch import LEDGER
+from ember_engine.spec import ngram_proposer
 
 
 def _variants() -> int:
@@ -42,6 +44,8 @@ def test_a_long_mixed_run_compiles_nothing_after_warm_up(
         speculative_adaptive=False,
     )
     warmed, compiled = LEDGER.compiles, _triton_cache_entries()
+    searches = list(ngram_proposer._latest_match_end.signatures)  # the n-gram search, compiled (numba)
+    assert searches
     assert _variants() > 0
     merge = LEDGER.variants.get("_merge_splits_kernel", set())
     assert {dict(key)["SPLITS_P2"] for key in merge} >= {2, 4}  # split-KV merges at each power of two
@@ -60,4 +64,5 @@ def test_a_long_mixed_run_compiles_nothing_after_warm_up(
     # A second wave at another batch size, one request alone at the end.
     llm.generate([list(range(60, 75))], [SamplingParams(temperature=0.0, max_tokens=6)], use_tqdm=False)
     assert LEDGER.compiles == warmed, "kernel variants first launched while serving"
+    assert list(ngram_proposer._latest_match_end.signatures) == searches
     assert _triton_cache_entries() == compiled

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember_engine.spec.ngram_proposer import propose_ngram
+from ember_engine.spec.ngram_proposer import TokenArray, propose_ngram
 
 
 def oracle(ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -92,3 +92,17 @@ def test_proposal_continues_an_earlier_occurrence(ids: list[int], k: int, min_n:
             for n in range(min_n, min(max_n, len(ids) - 1) + 1)
             for s in range(len(ids) - n)
         )
+
+
+def test_a_token_array_follows_its_list_as_it_grows() -> None:
+    """The mirror takes only the tokens appended since its last look, across its buffer's growth, and
+    starts over for another list."""
+    tokens = [5, 6, 7]
+    mirror = TokenArray()
+    assert mirror.update(tokens).tolist() == [5, 6, 7]
+    for t in range(300):  # past the first buffer of 256
+        tokens.append(t)
+        assert mirror.update(tokens).tolist() == tokens
+    other = [1, 2]
+    assert mirror.update(other).tolist() == [1, 2]
+    assert propose_ngram(mirror.update(tokens), 3, 1, 2) == oracle(tokens, 3, 1, 2)

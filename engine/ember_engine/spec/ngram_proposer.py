@@ -3,10 +3,10 @@
 No model runs: text that repeats itself (code, quoting the prompt, lists) is predicted from its own history,
 and the verification step (rejection_sample with one-hot q) throws away whatever the target disagrees with.
 
-Cost: one vectorized comparison over the sequence for the last token, then shrinking candidate sets for
-each longer suffix. Measured on a busy 2-core CPU, 4096 tokens, n in [1, 4], k = 5: about 30 µs per call
-for a numpy array, about 170 µs for a Python list (the conversion dominates; callers that keep an array
-per request skip it); the worst case, a sequence of one repeated token, about 120 µs / 270 µs.
+Cost: the search is one compiled backward pass over the sequence (numba; a numpy search took 4-10 µs a
+call, most of it in small operations), and a request's ids are mirrored in a numpy buffer that each step
+extends by the tokens appended since (`TokenArray`): converting a whole list took longer than the search
+(about 6 µs at 200 tokens, 87 µs at 4,096 on the development machine).
 """
 
 from __future__ import annotations
@@ -15,27 +15,66 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
+from numba import njit
 
 
-def _latest_match_end(ids: npt.NDArray[np.int64], min_n: int, max_n: int) -> int | None:
-    """End position of the latest earlier occurrence of the longest matching suffix, n in [min_n, max_n].
+def _compiled(fn):
+    """Compiled at first call, or read from numba's cache where a cache directory can be written."""
+    try:
+        return njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # no writable cache location
+        return njit(cache=False, nogil=True)(fn)
+
+
+@_compiled
+def _latest_match_end(ids, min_n, max_n):
+    """End position of the latest earlier occurrence of the longest matching suffix, n in [min_n, max_n];
+    -1 when none.
 
     Candidates are positions e < len - 1 whose window ids[e - n + 1 : e + 1] equals the last n tokens, so
     the occurrence starts before len - n (it may overlap the suffix, but is never the suffix itself). The
-    set for n + 1 is a subset of the one for n, so it is filtered one position further back at each step.
-    """
-    last = len(ids) - 1
-    ends = np.flatnonzero(ids[:last] == ids[last])
-    best: int | None = None
-    for n in range(1, max_n + 1):
-        if n > 1:
-            ends = ends[ends >= n - 1]
-            ends = ends[ids[ends - (n - 1)] == ids[last - (n - 1)]]
-        if not ends.size:
-            break
-        if n >= min_n:
-            best = int(ends[-1])  # flatnonzero is ascending: the last is the most recent
-    return best
+    pass runs from the most recent candidate back, measuring each one's match (up to max_n) and keeping the
+    longest: the first found of a length is the most recent of that length, and a full-length match ends
+    the search."""
+    last = ids.shape[0] - 1
+    target = ids[last]
+    best, best_end = 0, -1
+    for e in range(last - 1, -1, -1):
+        if ids[e] != target:
+            continue
+        m = 1
+        while m < max_n and e - m >= 0 and ids[e - m] == ids[last - m]:
+            m += 1
+        if m >= min_n and m > best:
+            best, best_end = m, e
+            if m == max_n:
+                break
+    return best_end
+
+
+class TokenArray:
+    """A request's token ids (a list that only grows) mirrored in a numpy buffer, extended by the tokens
+    appended since the last look."""
+
+    __slots__ = ("ids", "size", "source")
+
+    def __init__(self) -> None:
+        self.ids: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+        self.size = 0
+        self.source: list[int] | None = None
+
+    def update(self, tokens: list[int]) -> npt.NDArray[np.int64]:
+        n = len(tokens)
+        if tokens is not self.source or n < self.size:  # another list: start over
+            self.source, self.size = tokens, 0
+        if n > self.ids.shape[0]:
+            grown = np.empty(max(n, 2 * self.ids.shape[0], 256), dtype=np.int64)
+            grown[: self.size] = self.ids[: self.size]
+            self.ids = grown
+        if n > self.size:
+            self.ids[self.size : n] = tokens[self.size : n]
+            self.size = n
+        return self.ids[:n]
 
 
 def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -51,10 +90,10 @@ def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> l
     if k == 0 or len(token_ids) <= min_n:
         return []
     if isinstance(token_ids, np.ndarray):
-        ids = token_ids.astype(np.int64, copy=False)
+        ids = np.ascontiguousarray(token_ids, dtype=np.int64)
     else:  # a little faster than asarray for a list of Python ints
         ids = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
     end = _latest_match_end(ids, min_n, max_n)
-    if end is None:
+    if end < 0:
         return []
     return [int(t) for t in ids[end + 1 : end + 1 + k]]

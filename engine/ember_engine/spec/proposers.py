@@ -13,7 +13,7 @@ import torch
 from ember_engine.core.request import Request
 from ember_engine.model.model_runner import Chunk, ModelRunner
 from ember_engine.sample.sampler import sample_probs, sampling_probs
-from ember_engine.spec.ngram_proposer import propose_ngram
+from ember_engine.spec.ngram_proposer import TokenArray, propose_ngram
 
 
 class NgramProposer:
@@ -21,10 +21,14 @@ class NgramProposer:
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
+        propose_ngram(TokenArray().update([1, 2, 1]), 1, min_n, max_n)  # compile the search before serving
 
     def propose(self, requests: Sequence[tuple[Request, int]]) -> None:
         for req, k in requests:
-            req.spec_token_ids = propose_ngram(req.all_token_ids, k, self.min_n, self.max_n)
+            if req.token_array is None:
+                req.token_array = TokenArray()
+            ids = req.token_array.update(req.all_token_ids)
+            req.spec_token_ids = propose_ngram(ids, k, self.min_n, self.max_n)
             req.draft_probs = None
 
 
