@@ -77,7 +77,9 @@ class TokenArray:
         return self.ids[:n]
 
 
-def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+def propose_ngram(
+    token_ids: Sequence[int] | npt.NDArray[np.integer], k: int, min_n: int, max_n: int
+) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the last n tokens.
 
     n runs from max_n down to min_n and the longest n with a match wins; fewer than k tokens come back when
