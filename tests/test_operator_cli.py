@@ -99,6 +99,10 @@ def test_ember_operator_runs_reconciles_and_stops(tmp_path: Path) -> None:
                 'ember:operator_pod_changes_total{change="created",name="cli",namespace="default"} 2.0'
                 in page
             )
+            # No decision yet (no pod is Ready), yet both directions' counters are there, at 0.
+            for direction in ("up", "down"):
+                series = f'ember:operator_scaling_decisions_total{{direction="{direction}",name="cli",namespace="default"}}'
+                assert f"{series} 0.0" in page
 
 
 def test_ember_operator_with_peering_keeps_alive_in_the_peering_object_and_reconciles(tmp_path: Path) -> None:

@@ -56,7 +56,11 @@ _reasons: dict[tuple[str, str, str], str] = {}  # (namespace, name, condition) -
 
 
 def publish_status(namespace: str, name: str, status: dict[str, Any]) -> None:
-    """The gauges from the status a reconcile pass wrote."""
+    """The gauges from the status a reconcile pass wrote. The scaling-decision counters exist from the
+    first pass, at 0: a dashboard then shows no decisions rather than no data, and increase() sees the
+    first decision (a series first scraped at 1 shows no increase)."""
+    for direction in ("up", "down"):
+        SCALING_DECISIONS.labels(namespace, name, direction)
     for gauge, field in ((ACTIVE, "replicas"), (READY, "readyReplicas"), (WARM, "warmReplicas")):
         gauge.labels(namespace, name).set(status.get(field) or 0)
     inputs = (status.get("autoscaler") or {}).get("inputs") or {}
