@@ -54,9 +54,8 @@ class Request:
     num_draft_tokens: int = 0  # proposals verified so far
     num_accepted_tokens: int = 0  # of those, accepted
     recent_acceptance: float | None = None  # running mean of the per-step acceptance rate
-    token_array: Any = (
-        None  # n-gram lookup: all_token_ids mirrored in numpy (`spec.ngram_proposer.TokenArray`)
-    )
+    # n-gram lookup: all_token_ids mirrored in numpy (`spec.ngram_proposer.TokenArray`)
+    token_array: Any = None
     # timestamps (monotonic seconds)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

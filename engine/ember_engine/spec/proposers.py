@@ -21,7 +21,8 @@ class NgramProposer:
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        propose_ngram(TokenArray().update([1, 2, 1]), 1, min_n, max_n)  # compile the search before serving
+        # Compile the search before serving (a sequence longer than min_n, so that the search runs).
+        propose_ngram(TokenArray().update([1] * (max_n + 2)), 1, min_n, max_n)
 
     def propose(self, requests: Sequence[tuple[Request, int]]) -> None:
         for req, k in requests:
