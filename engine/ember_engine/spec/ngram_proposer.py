@@ -19,7 +19,9 @@ from numba import njit
 
 
 def _compiled(fn):
-    """Compiled at first call, or read from numba's cache where a cache directory can be written."""
+    """Compiled at first call, or read from numba's cache where a cache directory can be written. (Not
+    `sample.cpu_kernels.compiled`: numba's cache knows a function by its own file's contents, so the
+    options it was compiled with belong in that file.)"""
     try:
         return njit(cache=True, nogil=True)(fn)
     except RuntimeError:  # no writable cache location
