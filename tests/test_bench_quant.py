@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ember_engine.bench.quant import logprobs_close
 from ember_engine.cli import main as ember
 from ember_engine.tools.quantize import quantize_checkpoint
 from ember_engine.tools.spec_pair import packaged_pair
@@ -25,10 +26,25 @@ def test_rows_report_teacher_forced_agreement_and_a_checkpoint_row(
     assert list(rows) == ["full", "fp8", "fp8-file"]
     full, fp8, file = rows["full"], rows["fp8"], rows["fp8-file"]
     assert full["next_token_agreement"] == 1.0 and full["greedy_agreement"] == 1.0
+    assert full["logprobs_close"] == 1.0 and 0.0 <= fp8["logprobs_close"] <= 1.0
     # FP8 weights and activations move some argmaxes, and few: 2 windows are 1024 positions.
     assert 0.95 <= fp8["next_token_agreement"] < 1.0
     # The checkpoint ember wrote holds what online quantization holds: the same model, row for row.
-    for key in ("next_token_agreement", "greedy_agreement", "perplexity", "weight_bytes"):
+    for key in ("next_token_agreement", "greedy_agreement", "logprobs_close", "perplexity", "weight_bytes"):
         assert file[key] == fp8[key], key
     assert full["decode_tok_s_b1"] == fp8["b1_speedup"] == 0.0  # --repeats 0: no rates taken
     assert "next-token" in capsys.readouterr().out
+
+
+def test_a_divergence_is_close_only_when_each_token_is_in_the_other_side_s_top() -> None:
+    base = {"outputs": [[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]], "tops": [[{1, 9}, {2, 8}, {3, 7}]] * 4}
+    row = {
+        "outputs": [[1, 2, 3], [1, 8, 5], [1, 6, 3], [1, 8, 3]],
+        "tops": [
+            [{1}, {2}, {3}],
+            [{1}, {8, 2}, {5}],  # 8 in base's top, 2 in ours: close, whatever follows
+            [{1}, {6, 2}, {3}],  # 6 not in base's top
+            [{1}, {8}, {3}],  # 2 not in ours
+        ],
+    }
+    assert logprobs_close(row, base) == 0.5

@@ -247,11 +247,15 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> int:
         """Launch every attention kernel variant serving can reach (prefill, decode, each split-KV count
-        the model length allows), so none compiles mid-serving; returns how many were new. A no-op on the
-        torch attention path."""
+        the model length allows), so none compiles mid-serving; returns how many were new. On the torch
+        attention path only the CPU's fp8 weight decoder, if the model has fp8 weights, is compiled."""
         from ember_engine.model import attention, triton_attention
         from ember_engine.model.kernel_launch import LEDGER
 
+        if self.quant is not None and self.quant.scheme == "fp8" and self.device.type == "cpu":
+            from ember_engine.model.quant import cpu_fp8
+
+            cpu_fp8.warm_up()  # the weight decoder, compiled or read from numba's cache
         if not attention._use_triton(torch.empty(0, device=self.device)):
             return 0
         before = LEDGER.compiles

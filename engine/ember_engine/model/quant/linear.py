@@ -3,9 +3,10 @@
 Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, where the model has one,
 stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
 path uses torch: `w8a16` its exact int8 matmul on the activations split into int8 digits (`cpu_int8.py`;
-bf16 activations with one scale per channel take torch's int8 weight-pack matmul instead), `fp8` its
-scaled matmul on per-token-quantized activations (block-scaled: activations quantized per token and group,
-both sides dequantized, a float32 matmul), `w4a16` a dequantize-then-matmul. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
+bf16 activations with one scale per channel take torch's int8 weight-pack matmul instead), `fp8` a float32
+matmul over weight rows decoded a block at a time (`cpu_fp8.py`) and activations quantized per token (and
+group, block-scaled) then decoded, `w4a16` a dequantize-then-matmul; other devices without Triton take
+torch's scaled matmul (fp8) or the dequantized product. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_engine.model.quant import cpu_int8, schemes
+from ember_engine.model.quant import cpu_fp8, cpu_int8, schemes
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -82,6 +83,8 @@ class Fp8Linear(QuantLinear):
 
             return triton_gemm.fp8_matmul(x, self.weight, self.weight_scale)
         xq, x_scale = schemes.quantize_activation_fp8(x)
+        if x.device.type == "cpu":
+            return cpu_fp8.matmul(xq, x_scale, self.weight, self.weight_scale).to(x.dtype)
         n, k = self.weight.shape
         if x.device.type == "cuda" and (n % 16 or k % 16):
             # cuBLAS's FP8 matmul takes only sizes divisible by 16: the same product, dequantized.
@@ -125,6 +128,8 @@ class Fp8BlockLinear(QuantLinear):
 
             return triton_gemm.fp8_block_matmul(x, self.weight, self.weight_scale, self.group_size)
         xq, x_scale = schemes.quantize_activation_fp8_groups(x, self.group_size)
+        if x.device.type == "cpu":
+            return cpu_fp8.matmul(xq, x_scale, self.weight, self.weight_scale).to(x.dtype)
         xd = xq.float() * x_scale.repeat_interleave(self.group_size, dim=1)
         return (xd @ self.dequantized().t()).to(x.dtype)
 
