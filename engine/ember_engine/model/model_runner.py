@@ -247,15 +247,16 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> int:
         """Launch every attention kernel variant serving can reach (prefill, decode, each split-KV count
-        the model length allows), so none compiles mid-serving; returns how many were new. On the torch
-        attention path only the CPU's fp8 weight decoder, if the model has fp8 weights, is compiled."""
+        the model length allows), so none compiles mid-serving; returns how many were new. The CPU's
+        loops for the model's quantization compile here too (a no-op beyond that on the torch attention
+        path)."""
         from ember_engine.model import attention, triton_attention
         from ember_engine.model.kernel_launch import LEDGER
 
-        if self.quant is not None and self.quant.scheme == "fp8" and self.device.type == "cpu":
-            from ember_engine.model.quant import cpu_fp8
+        if self.quant is not None and self.device.type == "cpu":
+            from ember_engine.model.quant.linear import warm_up_cpu
 
-            cpu_fp8.warm_up()  # the weight decoder, compiled or read from numba's cache
+            warm_up_cpu(self.quant.scheme)  # the weight decoders, compiled or read from numba's cache
         if not attention._use_triton(torch.empty(0, device=self.device)):
             return 0
         before = LEDGER.compiles

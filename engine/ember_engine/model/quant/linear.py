@@ -5,8 +5,8 @@ stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`tri
 path uses torch: `w8a16` its exact int8 matmul on the activations split into int8 digits (`cpu_int8.py`;
 bf16 activations with one scale per channel take torch's int8 weight-pack matmul instead), `fp8` a float32
 matmul over weight rows decoded a block at a time (`cpu_fp8.py`) and activations quantized per token (and
-group, block-scaled) then decoded, `w4a16` a dequantize-then-matmul; other devices without Triton take
-torch's scaled matmul (fp8) or the dequantized product. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
+group, block-scaled) then decoded, `w4a16` its weight unpacked to int8 (`cpu_int4.py`) for `w8a16`'s
+int8 matmul; other devices without Triton take torch's scaled matmul (fp8) or the dequantized product. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_engine.model.quant import cpu_fp8, cpu_int8, schemes
+from ember_engine.model.quant import cpu_fp8, cpu_int4, cpu_int8, schemes
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -216,10 +216,20 @@ class Int4Linear(QuantLinear):
             from ember_engine.model.quant import triton_gemm
 
             return triton_gemm.int4_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
+        if x.device.type == "cpu":
+            return cpu_int4.matmul(x, self.weight_packed, self.weight_scale)
         return F.linear(x, self.dequantized(x.dtype))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return schemes.dequantize_int4(self.weight_packed, self.weight_scale, dtype)
+
+
+def warm_up_cpu(scheme: str) -> None:
+    """Compile the CPU path's loops for `scheme` (or load them from numba's cache) before serving."""
+    if scheme == "fp8":
+        cpu_fp8.warm_up()
+    elif scheme == "w4a16":
+        cpu_int4.warm_up()
 
 
 LAYERS: dict[str, type[QuantLinear]] = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear}

@@ -1,14 +1,15 @@
-"""The CPU's fp8 matmul (`cpu_fp8`): every E4M3 byte decodes to torch's value, bit for bit, and the
-blocked product is the float64 product of the dequantized operands to float32 precision, whatever the
-row blocks, scales and batch."""
+"""The CPU's weight decoders. fp8 (`cpu_fp8`): every E4M3 byte decodes to torch's value, bit for bit, and
+the blocked product is the float64 product of the dequantized operands to float32 precision, whatever the
+row blocks, scales and batch. int4 (`cpu_int4`): unpacking inverts packing, and the product through the
+int8 matmul is the dequantized one to float32 precision."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ember_engine.model.quant import cpu_fp8, schemes
-from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear
+from ember_engine.model.quant import cpu_fp8, cpu_int4, schemes
+from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear
 
 
 def test_every_byte_decodes_to_torch_s_value_bit_for_bit() -> None:
@@ -78,3 +79,28 @@ def test_the_layers_take_the_decoder_on_a_cpu() -> None:
     got = block(x16)
     assert got.dtype == torch.bfloat16  # the float32 product rounded once to the model's dtype
     assert (got.double() - want).abs().max().item() <= 2**-8 * want.abs().max().item()
+
+
+def test_int4_unpacking_inverts_packing_for_every_byte() -> None:
+    every = torch.arange(256, dtype=torch.uint8)[None]
+    values = cpu_int4.unpack(every)
+    assert values.dtype == torch.int8 and values.shape == (1, 512)
+    assert torch.equal(schemes.pack_int4(values), every)
+    assert torch.equal(values, schemes.unpack_int4(every))
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (512, 512)])  # widened to float32; the int8 digit split
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int4_product_is_the_dequantized_product(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    n, k = shape
+    g = torch.Generator().manual_seed(n)
+    q, scale = schemes.quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
+    layer = Int4Linear(k, n, bias=False, dtype=dtype, group_size=32)
+    layer.set_rows(0, q, scale)
+    x = torch.randn(3, k, generator=g).to(dtype)
+    want = x.double() @ layer.dequantized(torch.float64).t()
+    got = layer(x)
+    assert got.dtype == dtype
+    # float32 precision whatever the model dtype; then one rounding to it.
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    assert (got.double() - want).abs().max().item() <= tol * want.abs().max().item()
