@@ -5,9 +5,12 @@ int8 matmul is the dequantized one to float32 precision."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from ember_engine import LLM, SamplingParams
 from ember_engine.model.quant import cpu_fp8, cpu_int4, schemes
 from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear
 
@@ -104,3 +107,16 @@ def test_the_int4_product_is_the_dequantized_product(shape: tuple[int, int], dty
     # float32 precision whatever the model dtype; then one rounding to it.
     tol = 1e-6 if dtype == torch.float32 else 2**-8
     assert (got.double() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+@pytest.mark.parametrize(("scheme", "loop"), [("fp8", "fp8"), ("w4a16", "int4")])
+def test_the_engine_compiles_its_decoder_while_starting_and_serving_adds_no_signature(
+    tiny_model: Path, scheme: str, loop: str
+) -> None:
+    kernel = cpu_fp8._decode if loop == "fp8" else cpu_int4._unpack
+    llm = LLM(str(tiny_model), quantization=scheme, num_kv_blocks=64)
+    assert len(kernel.signatures) == 1  # compiled (or read from the cache) before any request
+    prompts = [list(range(10, 10 + n)) for n in (5, 17, 3)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(kernel.signatures) == 1  # prefill, decode and every batch size took the warm-up's types
