@@ -1,6 +1,6 @@
-"""The CPU's weight decoders. fp8 (`cpu_fp8`): every E4M3 byte decodes to torch's value, bit for bit, and
+"""The CPU's weight decoders (`cpu_decode`). fp8: every E4M3 byte decodes to torch's value, bit for bit, and
 the blocked product is the float64 product of the dequantized operands to float32 precision, whatever the
-row blocks, scales and batch. int4 (`cpu_int4`): unpacking inverts packing, and the product through the
+row blocks, scales and batch. int4: unpacking inverts packing, and the product through the
 int8 matmul is the dequantized one to float32 precision."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from ember_engine import LLM, SamplingParams
-from ember_engine.model.quant import cpu_fp8, cpu_int4, schemes
+from ember_engine.model.quant import cpu_decode, schemes
 from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear
 
 
 def test_every_byte_decodes_to_torch_s_value_bit_for_bit() -> None:
     q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)[None]
-    got = cpu_fp8.dequantize(q, torch.ones(1))[0]
+    got = cpu_decode.fp8_dequantize(q, torch.ones(1))[0]
     want = q[0].float()
     nan = want.isnan()
     assert int(nan.sum()) == 2 and bool(got[nan].isnan().all())  # 0x7F and 0xFF
@@ -30,8 +30,8 @@ def test_scales_apply_per_row_and_per_group() -> None:
     q = (torch.randn(3, 8, generator=g) * 100).to(torch.float8_e4m3fn)
     rows = torch.rand(3, generator=g) + 0.5
     groups = torch.rand(3, 4, generator=g) + 0.5
-    assert torch.equal(cpu_fp8.dequantize(q, rows), q.float() * rows[:, None])
-    assert torch.equal(cpu_fp8.dequantize(q, groups), q.float() * groups.repeat_interleave(2, dim=1))
+    assert torch.equal(cpu_decode.fp8_dequantize(q, rows), q.float() * rows[:, None])
+    assert torch.equal(cpu_decode.fp8_dequantize(q, groups), q.float() * groups.repeat_interleave(2, dim=1))
 
 
 @pytest.mark.parametrize("m", [1, 5])
@@ -40,7 +40,7 @@ def test_the_blocked_product_is_the_dequantized_product(
     m: int, group: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 4 KiB of scratch holds 8 rows of 128 columns: 100 rows take 13 blocks, the last one short.
-    monkeypatch.setattr(cpu_fp8, "SCRATCH_BYTES", 4096)
+    monkeypatch.setattr(cpu_decode, "SCRATCH_BYTES", 4096)
     g = torch.Generator().manual_seed(m + group)
     n, k = 100, 128
     w = torch.randn(n, k, generator=g) * 0.05
@@ -54,7 +54,7 @@ def test_the_blocked_product_is_the_dequantized_product(
         wq, ws = schemes.quantize_fp8(w)
         xq, xs = schemes.quantize_activation_fp8(x)
         ws_cols, xs_cols = ws[:, None], xs
-    got = cpu_fp8.matmul(xq, xs, wq, ws)
+    got = cpu_decode.fp8_matmul(xq, xs, wq, ws)
     want = (xq.double() * xs_cols.double()) @ (wq.double() * ws_cols.double()).t()
     assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
     assert (got.double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
@@ -86,7 +86,7 @@ def test_the_layers_take_the_decoder_on_a_cpu() -> None:
 
 def test_int4_unpacking_inverts_packing_for_every_byte() -> None:
     every = torch.arange(256, dtype=torch.uint8)[None]
-    values = cpu_int4.unpack(every)
+    values = cpu_decode.int4_unpack(every)
     assert values.dtype == torch.int8 and values.shape == (1, 512)
     assert torch.equal(schemes.pack_int4(values), every)
     assert torch.equal(values, schemes.unpack_int4(every))
@@ -113,7 +113,7 @@ def test_the_int4_product_is_the_dequantized_product(shape: tuple[int, int], dty
 def test_the_engine_compiles_its_decoder_while_starting_and_serving_adds_no_signature(
     tiny_model: Path, scheme: str, loop: str
 ) -> None:
-    kernel = cpu_fp8._decode if loop == "fp8" else cpu_int4._unpack
+    kernel = cpu_decode._decode if loop == "fp8" else cpu_decode._unpack
     llm = LLM(str(tiny_model), quantization=scheme, num_kv_blocks=64)
     assert len(kernel.signatures) == 1  # compiled (or read from the cache) before any request
     prompts = [list(range(10, 10 + n)) for n in (5, 17, 3)]

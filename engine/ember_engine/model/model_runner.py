@@ -254,9 +254,9 @@ class ModelRunner:
         from ember_engine.model.kernel_launch import LEDGER
 
         if self.quant is not None and self.device.type == "cpu":
-            from ember_engine.model.quant.linear import warm_up_cpu
+            from ember_engine.model.quant import cpu_decode
 
-            warm_up_cpu(self.quant.scheme)  # the weight decoders, compiled or read from numba's cache
+            cpu_decode.warm_up(self.quant.scheme)  # compiled, or read from numba's cache
         if not attention._use_triton(torch.empty(0, device=self.device)):
             return 0
         before = LEDGER.compiles

@@ -4,8 +4,8 @@ Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, w
 stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
 path uses torch: `w8a16` its exact int8 matmul on the activations split into int8 digits (`cpu_int8.py`;
 bf16 activations with one scale per channel take torch's int8 weight-pack matmul instead), `fp8` a float32
-matmul over weight rows decoded a block at a time (`cpu_fp8.py`) and activations quantized per token (and
-group, block-scaled) then decoded, `w4a16` its weight unpacked to int8 (`cpu_int4.py`) for `w8a16`'s
+matmul over weight rows decoded a block at a time (`cpu_decode.py`) and activations quantized per token (and
+group, block-scaled) then decoded, `w4a16` its weight unpacked to int8 (`cpu_decode.py`) for `w8a16`'s
 int8 matmul; other devices without Triton take torch's scaled matmul (fp8) or the dequantized product. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_engine.model.quant import cpu_fp8, cpu_int4, cpu_int8, schemes
+from ember_engine.model.quant import cpu_decode, cpu_int8, schemes
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -84,7 +84,7 @@ class Fp8Linear(QuantLinear):
             return triton_gemm.fp8_matmul(x, self.weight, self.weight_scale)
         xq, x_scale = schemes.quantize_activation_fp8(x)
         if x.device.type == "cpu":
-            return cpu_fp8.matmul(xq, x_scale, self.weight, self.weight_scale).to(x.dtype)
+            return cpu_decode.fp8_matmul(xq, x_scale, self.weight, self.weight_scale).to(x.dtype)
         n, k = self.weight.shape
         if x.device.type == "cuda" and (n % 16 or k % 16):
             # cuBLAS's FP8 matmul takes only sizes divisible by 16: the same product, dequantized.
@@ -129,7 +129,7 @@ class Fp8BlockLinear(QuantLinear):
             return triton_gemm.fp8_block_matmul(x, self.weight, self.weight_scale, self.group_size)
         xq, x_scale = schemes.quantize_activation_fp8_groups(x, self.group_size)
         if x.device.type == "cpu":
-            return cpu_fp8.matmul(xq, x_scale, self.weight, self.weight_scale).to(x.dtype)
+            return cpu_decode.fp8_matmul(xq, x_scale, self.weight, self.weight_scale).to(x.dtype)
         xd = xq.float() * x_scale.repeat_interleave(self.group_size, dim=1)
         return (xd @ self.dequantized().t()).to(x.dtype)
 
@@ -217,19 +217,11 @@ class Int4Linear(QuantLinear):
 
             return triton_gemm.int4_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
         if x.device.type == "cpu":
-            return cpu_int4.matmul(x, self.weight_packed, self.weight_scale)
+            return cpu_decode.int4_matmul(x, self.weight_packed, self.weight_scale)
         return F.linear(x, self.dequantized(x.dtype))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return schemes.dequantize_int4(self.weight_packed, self.weight_scale, dtype)
-
-
-def warm_up_cpu(scheme: str) -> None:
-    """Compile the CPU path's loops for `scheme` (or load them from numba's cache) before serving."""
-    if scheme == "fp8":
-        cpu_fp8.warm_up()
-    elif scheme == "w4a16":
-        cpu_int4.warm_up()
 
 
 LAYERS: dict[str, type[QuantLinear]] = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear}
