@@ -60,6 +60,16 @@ def test_the_blocked_product_is_the_dequantized_product(
     assert (got.double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
 
 
+def test_an_empty_batch_gives_an_empty_product() -> None:
+    wq, ws = schemes.quantize_fp8(torch.randn(8, 16))
+    xq, xs = schemes.quantize_activation_fp8(torch.randn(0, 16))
+    assert cpu_decode.fp8_matmul(xq, xs, wq, ws).shape == (0, 8)
+    xq, xs = schemes.quantize_activation_fp8_groups(torch.randn(0, 16), 8)
+    assert cpu_decode.fp8_matmul(xq, xs, wq, torch.ones(8, 2)).shape == (0, 8)
+    q, scale = schemes.quantize_int4(torch.randn(1024, 512), 128)  # the int8 digit split's size
+    assert cpu_decode.int4_matmul(torch.randn(0, 512), schemes.pack_int4(q), scale).shape == (0, 1024)
+
+
 def test_the_layers_take_the_decoder_on_a_cpu() -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 64, generator=g)

@@ -83,7 +83,8 @@ def _scratch(numel: int) -> tuple[torch.Tensor, np.ndarray]:
 
 def _as_grid(scale: torch.Tensor, rows: int) -> np.ndarray:
     """A scale as float32 [rows, groups] (a per-row scale [rows] or [rows, 1] has one group)."""
-    return scale.detach().to(torch.float32).reshape(rows, -1).contiguous().numpy()
+    groups = scale.shape[-1] if scale.dim() == 2 else 1
+    return scale.detach().to(torch.float32).reshape(rows, groups).contiguous().numpy()
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,8 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     """x [n, in] (any float dtype) times the int8 `weight` [out, in] with float32 `scale` [out, groups]
     (one scale per output channel when groups is 1), transposed: [n, out] in x's dtype, at float32
     precision either way."""
+    if x.shape[0] == 0:  # nothing to split (the digit sums' reshapes need a row)
+        return x.new_zeros(0, weight.shape[0])
     if weight.numel() < DEQUANTIZE_BELOW:
         out, k = weight.shape
         groups = scale.shape[1]
