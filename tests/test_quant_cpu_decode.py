@@ -1,7 +1,8 @@
 """The CPU's weight decoders (`cpu_decode`). fp8: every E4M3 byte decodes to torch's value, bit for bit, and
-the blocked product is the float64 product of the dequantized operands to float32 precision, whatever the
-row blocks, scales and batch. int4: unpacking inverts packing, and the product through the
-int8 matmul is the dequantized one to float32 precision."""
+the product (fused for decode batches, blocked above them) is the float64 product of the dequantized
+operands to float32 precision, whatever the row blocks, scales and batch. int4: unpacking inverts
+packing, and the product (fused, or through the int8 matmul) is the dequantized one to float32
+precision."""
 
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ def test_every_byte_decodes_to_torch_s_value_bit_for_bit() -> None:
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_the_fused_loops_decode_every_byte_to_torch_s_value(m: int) -> None:
+    # A weight of 256 rows of one column, row b holding byte b: the product with x = 1 is each byte's value.
+    w = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)[:, None]
+    x = torch.ones(m, 1, dtype=torch.float8_e4m3fn)
+    got = cpu_decode.fp8_matmul(x, torch.ones(m, 1), w, torch.ones(256))
+    want = w[:, 0].float().expand(m, 256)
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2 * m
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 def test_scales_apply_per_row_and_per_group() -> None:
     g = torch.Generator().manual_seed(0)
     q = (torch.randn(3, 8, generator=g) * 100).to(torch.float8_e4m3fn)
@@ -34,15 +46,9 @@ def test_scales_apply_per_row_and_per_group() -> None:
     assert torch.equal(cpu_decode.fp8_dequantize(q, groups), q.float() * groups.repeat_interleave(2, dim=1))
 
 
-@pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("group", [0, 32])
-def test_the_blocked_product_is_the_dequantized_product(
-    m: int, group: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # 4 KiB of scratch holds 8 rows of 128 columns: 100 rows take 13 blocks, the last one short.
-    monkeypatch.setattr(cpu_decode, "SCRATCH_BYTES", 4096)
-    g = torch.Generator().manual_seed(m + group)
-    n, k = 100, 128
+def _fp8_case(m: int, n: int, k: int, group: int, seed: int):
+    """fp8 operands (per channel when group is 0, else block-scaled) and their float64 product."""
+    g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     x = torch.randn(m, k, generator=g)
     if group:
@@ -54,10 +60,25 @@ def test_the_blocked_product_is_the_dequantized_product(
         wq, ws = schemes.quantize_fp8(w)
         xq, xs = schemes.quantize_activation_fp8(x)
         ws_cols, xs_cols = ws[:, None], xs
-    got = cpu_decode.fp8_matmul(xq, xs, wq, ws)
     want = (xq.double() * xs_cols.double()) @ (wq.double() * ws_cols.double()).t()
+    return xq, xs, wq, ws, want
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, m: int, n: int) -> None:
     assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
     assert (got.double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+
+
+# 1: the one-row loop; 3, 6, 16: the four-row loop over one, two and four chunks (padded); 17: blocked.
+@pytest.mark.parametrize("m", [1, 3, 6, 16, 17])
+@pytest.mark.parametrize("group", [0, 32])
+def test_the_product_is_the_dequantized_product(m: int, group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 KiB of scratch holds 8 rows of 128 columns: 100 rows take 13 blocks, the last one short.
+    monkeypatch.setattr(cpu_decode, "SCRATCH_BYTES", 4096)
+    assert cpu_decode.FP8_FUSED_ROWS == 16
+    n, k = 100, 128
+    xq, xs, wq, ws, want = _fp8_case(m, n, k, group, m + group)
+    _close(cpu_decode.fp8_matmul(xq, xs, wq, ws), want, m, n)
 
 
 def test_an_empty_batch_gives_an_empty_product() -> None:
@@ -102,15 +123,21 @@ def test_int4_unpacking_inverts_packing_for_every_byte() -> None:
     assert torch.equal(values, schemes.unpack_int4(every))
 
 
-@pytest.mark.parametrize("shape", [(48, 64), (512, 512)])  # widened to float32; the int8 digit split
+# 3 rows: the fused loop; 17: unpacked to int8 for the int8 matmul (widened to float32 for the small
+# weight, the digit split for the larger one).
+@pytest.mark.parametrize("m", [3, 17])
+@pytest.mark.parametrize("shape", [(48, 64), (512, 512)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_int4_product_is_the_dequantized_product(shape: tuple[int, int], dtype: torch.dtype) -> None:
+def test_the_int4_product_is_the_dequantized_product(
+    m: int, shape: tuple[int, int], dtype: torch.dtype
+) -> None:
+    assert cpu_decode.INT4_FUSED_ROWS == 16
     n, k = shape
     g = torch.Generator().manual_seed(n)
     q, scale = schemes.quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
     layer = Int4Linear(k, n, bias=False, dtype=dtype, group_size=32)
     layer.set_rows(0, q, scale)
-    x = torch.randn(3, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
     want = x.double() @ layer.dequantized(torch.float64).t()
     got = layer(x)
     assert got.dtype == dtype
@@ -119,14 +146,30 @@ def test_the_int4_product_is_the_dequantized_product(shape: tuple[int, int], dty
     assert (got.double() - want).abs().max().item() <= tol * want.abs().max().item()
 
 
-@pytest.mark.parametrize(("scheme", "loop"), [("fp8", "fp8"), ("w4a16", "int4")])
-def test_the_engine_compiles_its_decoder_while_starting_and_serving_adds_no_signature(
-    tiny_model: Path, scheme: str, loop: str
+def test_the_fused_int4_loop_reads_the_nibbles_in_packing_order() -> None:
+    # One weight row of every byte value (512 columns), one group: the product with a one-hot row picks
+    # out each column's value, so a swapped nibble or a wrong offset shows.
+    every = torch.arange(256, dtype=torch.uint8)[None]
+    values = schemes.unpack_int4(every).float()[0]
+    for col in (0, 1, 2, 255, 510, 511):
+        x = torch.zeros(1, 512)
+        x[0, col] = 1.0
+        assert cpu_decode.int4_matmul(x, every, torch.full((1, 1), 0.5)).item() == 0.5 * values[col].item()
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "w4a16"])
+def test_the_engine_compiles_its_loops_while_starting_and_serving_adds_no_signature(
+    tiny_model: Path, scheme: str
 ) -> None:
-    kernel = cpu_decode._decode if loop == "fp8" else cpu_decode._unpack
+    if scheme == "fp8":
+        loops = [cpu_decode._decode, cpu_decode._fp8_times_row, cpu_decode._fp8_times_rows]
+    else:
+        loops = [cpu_decode._unpack, cpu_decode._nibbles_times_row, cpu_decode._nibbles_times_rows]
     llm = LLM(str(tiny_model), quantization=scheme, num_kv_blocks=64)
-    assert len(kernel.signatures) == 1  # compiled (or read from the cache) before any request
+    # Every loop compiled (or read from the cache) before any request.
+    assert [len(loop.signatures) for loop in loops] == [1, 1, 1]
     prompts = [list(range(10, 10 + n)) for n in (5, 17, 3)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    assert len(kernel.signatures) == 1  # prefill, decode and every batch size took the warm-up's types
+    # Prefill, one-row and several-row decode took the warm-up's types.
+    assert [len(loop.signatures) for loop in loops] == [1, 1, 1]
