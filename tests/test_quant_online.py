@@ -85,16 +85,8 @@ def test_ember_quantize_writes_what_transformers_loads(
     """Each scheme, and fp8 with 32 x 32 tiles of weight scales (FP8_BLOCK), as transformers with
     compressed-tensors reads it, and still the model it was made from."""
     dst = tmp_path / scheme
-    extra = ["--block-size", "32"] if scheme == "fp8-block" else []
-    args = [
-        "quantize",
-        str(tiny_model),
-        str(dst),
-        "--scheme",
-        scheme.removesuffix("-block"),
-        "--group-size",
-        "64",
-    ]
+    extra = {"fp8-block": ["--block-size", "32"], "w4a16": ["--group-size", "64"]}.get(scheme, [])
+    args = ["quantize", str(tiny_model), str(dst), "--scheme", scheme.removesuffix("-block")]
     assert ember([*args, *extra]) == 0
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
@@ -130,3 +122,53 @@ def test_ember_quantize_refuses_a_block_size_it_cannot_write(
     assert ember(["quantize", str(tiny_model), str(dst), "--scheme", scheme, "--block-size", size]) == 2
     assert message in capsys.readouterr().err
     assert not dst.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # A documented option the scheme does not use is refused by name, not ignored.
+        (["--scheme", "fp8", "--group-size", "64"], "--group-size applies to the w4a16 scheme only, not fp8"),
+        (
+            ["--scheme", "w8a16", "--group-size", "64"],
+            "--group-size applies to the w4a16 scheme only, not w8a16",
+        ),
+        (["--scheme", "w4a16", "--group-size", "0"], "--group-size must be a positive even number, got 0"),
+        (
+            ["--scheme", "w4a16", "--group-size", "-128"],
+            "--group-size must be a positive even number, got -128",
+        ),
+        # The tiny model's projections take 128 and 256 input columns: 96 divides neither.
+        (["--scheme", "w4a16", "--group-size", "96"], "is not a multiple of the group size 96"),
+    ],
+)
+def test_ember_quantize_refuses_a_group_size_it_cannot_write(
+    args: list[str], message: str, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dst = tmp_path / "out"
+    assert ember(["quantize", str(tiny_model), str(dst), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not dst.exists()  # nothing half-written that a second try would trip over
+
+
+def test_ember_quantize_refuses_what_it_would_overwrite_or_cannot_read(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dst = tmp_path / "out"
+    assert ember(["quantize", str(tiny_model), str(dst), "--scheme", "w8a16"]) == 0
+    capsys.readouterr()
+    written = sorted(p.name for p in dst.iterdir())
+
+    assert ember(["quantize", str(tiny_model), str(dst), "--scheme", "fp8"]) == 2
+    assert f"{dst} already exists" in capsys.readouterr().err
+    assert sorted(p.name for p in dst.iterdir()) == written  # the earlier output is untouched
+
+    again = tmp_path / "again"
+    assert ember(["quantize", str(dst), str(again), "--scheme", "fp8"]) == 2
+    assert f"{dst} is already quantized (compressed-tensors)" in capsys.readouterr().err
+    assert not again.exists()
+
+    missing = tmp_path / "missing"
+    assert ember(["quantize", str(missing), str(again), "--scheme", "fp8"]) == 2
+    assert f"{missing} has no config.json" in capsys.readouterr().err
+    assert not again.exists()

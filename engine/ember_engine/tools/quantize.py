@@ -16,11 +16,14 @@ import json
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+# Written anew (config) or dropped (the shards' index: the copy is one file) rather than copied.
+_REWRITTEN = ("config.json", "model.safetensors.index.json")
 _PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
@@ -30,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a full-precision Hugging Face checkpoint directory")
     p.add_argument("dst", help="where to write the quantized checkpoint (must not exist)")
     p.add_argument("--scheme", required=True, choices=QUANT_SCHEMES)
-    p.add_argument("--group-size", type=int, default=128, help="w4a16: input columns per scale")
+    p.add_argument(
+        "--group-size", type=int, default=None, help="w4a16: input columns per scale (default 128)"
+    )
     p.add_argument(
         "--block-size",
         type=int,
@@ -39,11 +44,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def check_block_size(scheme: str, block_size: int) -> None:
+def check_options(scheme: str, group_size: int | None, block_size: int) -> int:
+    """Refuses, by name, an option `scheme` does not take or a size it cannot write; returns the group size
+    (w4a16's, 128 unless given; unused by the other schemes)."""
+    if group_size is not None and scheme != "w4a16":
+        raise ValueError(f"--group-size applies to the w4a16 scheme only, not {scheme}")
+    if group_size is not None and (group_size <= 0 or group_size % 2):
+        raise ValueError(f"--group-size must be a positive even number, got {group_size}")
     if block_size and scheme != "fp8":
         raise ValueError(f"--block-size applies to the fp8 scheme only, not {scheme}")
     if block_size < 0 or block_size % 16:
         raise ValueError(f"--block-size must be a positive multiple of 16, got {block_size}")
+    return 128 if group_size is None else group_size
 
 
 def quantization_config(scheme: str, group_size: int, block_size: int = 0) -> dict[str, Any]:
@@ -109,8 +121,10 @@ def quantize_tensor(
 
 
 def quantize_checkpoint(
-    src: str | Path, dst: str | Path, scheme: str, group_size: int = 128, block_size: int = 0
+    src: str | Path, dst: str | Path, scheme: str, group_size: int | None = None, block_size: int = 0
 ) -> Path:
+    """Writes the quantized copy of `src` to `dst`, which must not exist. Every tensor is quantized before
+    `dst` is made, so a refusal (a ValueError naming the cause) leaves nothing behind."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -118,46 +132,48 @@ def quantize_checkpoint(
     from ember_engine.model.quant.schemes import check_scheme
 
     check_scheme(scheme)
-    check_block_size(scheme, block_size)
+    group = check_options(scheme, group_size, block_size)
     src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise ValueError(f"{dst} already exists")
+    if not (src / "config.json").is_file():
+        raise ValueError(f"{src} has no config.json: not a Hugging Face checkpoint directory")
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
         raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
-    dst.mkdir(parents=True, exist_ok=False)
     out: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(src):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 t = f.get_tensor(name)
                 out.update(
-                    quantize_tensor(name, t, scheme, group_size, block_size)
+                    quantize_tensor(name, t, scheme, group, block_size)
                     if _PROJECTION.match(name)
                     else {name: t}
                 )
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"] = quantization_config(scheme, group_size, block_size)
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for other in src.iterdir():
-        if (
-            other.is_file()
-            and other.suffix != ".safetensors"
-            and other.name
-            not in (
-                "config.json",
-                "model.safetensors.index.json",
-            )
-        ):
-            shutil.copy(other, dst / other.name)
+    config["quantization_config"] = quantization_config(scheme, group, block_size)
+    # Written beside dst and renamed into place, so an interrupted write leaves no dst behind.
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    part = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        save_file(out, str(part / "model.safetensors"), metadata={"format": "pt"})
+        (part / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for other in src.iterdir():
+            if other.is_file() and other.suffix != ".safetensors" and other.name not in _REWRITTEN:
+                shutil.copy(other, part / other.name)
+        part.rename(dst)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
     return dst
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        check_block_size(args.scheme, args.block_size)
-    except ValueError as e:
+        dst = quantize_checkpoint(args.src, args.dst, args.scheme, args.group_size, args.block_size)
+    except ValueError as e:  # UnsupportedQuantizationError included
         print(f"ember quantize: error: {e}", file=sys.stderr)
         return 2
-    dst = quantize_checkpoint(args.src, args.dst, args.scheme, args.group_size, args.block_size)
     what = f"{args.scheme} ({args.block_size}x{args.block_size} blocks)" if args.block_size else args.scheme
     print(f"wrote {what} checkpoint to {dst}")
     return 0
