@@ -2,7 +2,7 @@
 the product (fused for decode batches, blocked above them) is the float64 product of the dequantized
 operands to float32 precision, whatever the row blocks, scales and batch. int4: unpacking inverts
 packing, and the product (fused, or through the int8 matmul) is the dequantized one to float32
-precision."""
+precision. w8a16: one activation row's fused product is the dequantized one to float32 precision."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.quant import cpu_decode, schemes
-from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear
+from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear, Int8Linear
 
 
 def test_every_byte_decodes_to_torch_s_value_bit_for_bit() -> None:
@@ -157,19 +157,44 @@ def test_the_fused_int4_loop_reads_the_nibbles_in_packing_order() -> None:
         assert cpu_decode.int4_matmul(x, every, torch.full((1, 1), 0.5)).item() == 0.5 * values[col].item()
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "w4a16"])
+@pytest.mark.parametrize("group", [0, 32])
+@pytest.mark.parametrize("m", [1, 3])  # the fused loop; the int8 digit split
+def test_the_int8_product_is_the_dequantized_product(m: int, group: int) -> None:
+    n, k = 96, 128
+    g = torch.Generator().manual_seed(m + group)
+    w = torch.randn(n, k, generator=g) * 0.05
+    q, scale = schemes.quantize_int8(w, group)
+    layer = Int8Linear(k, n, bias=False, dtype=torch.float32, group_size=group)
+    layer.weight.copy_(q)
+    layer.weight_scale.copy_(scale)
+    x = torch.randn(m, k, generator=g)
+    want = x.double() @ layer.dequantized(torch.float64).t()
+    got = layer(x)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+    # Every byte's value: a one-hot row picks out one column of the weight, scaled.
+    every = torch.arange(-128, 128, dtype=torch.int8)[None]
+    for col in (0, 1, 127, 128, 255):
+        one = torch.zeros(1, 256)
+        one[0, col] = 1.0
+        assert cpu_decode.int8_matmul(one, every, torch.full((1, 1), 0.5)).item() == 0.5 * (col - 128)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "w4a16", "w8a16"])
 def test_the_engine_compiles_its_loops_while_starting_and_serving_adds_no_signature(
     tiny_model: Path, scheme: str
 ) -> None:
     if scheme == "fp8":
         loops = [cpu_decode._decode, cpu_decode._fp8_times_row, cpu_decode._fp8_times_rows]
-    else:
+    elif scheme == "w4a16":
         loops = [cpu_decode._unpack, cpu_decode._nibbles_times_row, cpu_decode._nibbles_times_rows]
+    else:
+        loops = [cpu_decode._int8_times_row]
     llm = LLM(str(tiny_model), quantization=scheme, num_kv_blocks=64)
     # Every loop compiled (or read from the cache) before any request.
-    assert [len(loop.signatures) for loop in loops] == [1, 1, 1]
+    assert [len(loop.signatures) for loop in loops] == [1] * len(loops)
     prompts = [list(range(10, 10 + n)) for n in (5, 17, 3)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     # Prefill, one-row and several-row decode took the warm-up's types.
-    assert [len(loop.signatures) for loop in loops] == [1, 1, 1]
+    assert [len(loop.signatures) for loop in loops] == [1] * len(loops)

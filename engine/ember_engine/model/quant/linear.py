@@ -2,11 +2,14 @@
 
 Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, where the model has one,
 stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
-path uses torch: `w8a16` its exact int8 matmul on the activations split into int8 digits (`cpu_int8.py`;
-bf16 activations with one scale per channel take torch's int8 weight-pack matmul instead), `fp8` a float32
-matmul over weight rows decoded a block at a time (`cpu_decode.py`) and activations quantized per token (and
-group, block-scaled) then decoded, `w4a16` its weight unpacked to int8 (`cpu_decode.py`) for `w8a16`'s
-int8 matmul; other devices without Triton take torch's scaled matmul (fp8) or the dequantized product. `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
+path runs compiled loops and torch (`cpu_decode.py`): at decode batch sizes one loop reads each weight
+byte once and multiplies its value with the activations in float32 (fp8 activations quantized per token,
+or per token and group, then decoded); above them `w8a16` takes the exact int8 matmul on the activations
+split into int8 digits (`cpu_int8.py`), `fp8` a float32 matmul over weight rows decoded a block at a time,
+and `w4a16` its weight unpacked to int8 for the int8 matmul. bf16 activations with one w8a16 scale per
+channel take torch's int8 weight-pack matmul at every batch size. Other devices without Triton take
+torch's scaled matmul (fp8) or the dequantized product. `EMBER_QUANT_GEMM=triton` or `=torch` overrides
+the choice.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_engine.model.quant import cpu_decode, cpu_int8, schemes
+from ember_engine.model.quant import cpu_decode, schemes
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -174,7 +177,7 @@ class Int8Linear(QuantLinear):
             ones = torch.ones(self.out_features, dtype=x.dtype, device=x.device)
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, ones)
             return (y.float() * self.weight_scale.reshape(-1)).to(x.dtype)
-        return cpu_int8.int8_matmul(x, self.weight, self.weight_scale)
+        return cpu_decode.int8_matmul(x, self.weight, self.weight_scale)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scale = self.weight_scale.repeat_interleave(self.group_size, dim=1)
