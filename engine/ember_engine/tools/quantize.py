@@ -1,6 +1,6 @@
-"""`ember quantize SRC DST --scheme fp8|w8a16|w4a16 [--block-size N]`: write a quantized copy of a
-checkpoint in the compressed-tensors format (what llm-compressor writes, and what transformers, vLLM and
-ember load).
+"""`ember quantize SRC DST --scheme fp8|w8a16|w4a16 [--group-size G] [--block-size N]`: write a quantized
+copy of a checkpoint in the compressed-tensors format (what llm-compressor writes, and what transformers,
+vLLM and ember load).
 
 Round-to-nearest, no calibration data: every decoder projection is quantized (symmetric; FP8 and int8 per
 output channel, int4 per group of `--group-size` input columns); embeddings, norms and the LM head are

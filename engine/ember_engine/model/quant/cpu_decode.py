@@ -1,8 +1,9 @@
 """The CPU's quantized-weight loops, compiled (numba), for `fp8` (E4M3 bytes) and `w4a16` (two int4 values a
-byte), and `w8a16`'s for a single activation row. They run where torch's own operations go one element at a time (its E4M3 conversion and
-`_scaled_mm` on a CPU: 45 and 95 ms a call on an 8192 x 2048 weight, where a float32 matmul takes 4) or
-through several passes over the whole weight (unpacking int4 with tensor operations: 115 ms). The
-options live in this file because numba's cache knows a function by its file's contents.
+byte), and `w8a16`'s for a single activation row. They run where torch's own operations go one element at
+a time (its E4M3 conversion and `_scaled_mm` on a CPU: 45 and 95 ms a call on an 8192 x 2048 weight,
+where a float32 matmul takes 4) or through several passes over the whole weight (unpacking int4 with
+tensor operations: 115 ms). The options live in this file because numba's cache knows a function by its
+file's contents.
 
 Decode batches (up to `FP8_FUSED_ROWS` or `INT4_FUSED_ROWS` activation rows) go through one loop that
 reads each weight byte once, turns it into its value (E4M3 from its bits with integer and float
@@ -39,11 +40,11 @@ from ember_engine.sample.cpu_kernels import float_of_bits
 SCRATCH_BYTES = 1 << 21
 # Activation rows up to which a product reads the weight bytes once in a fused loop; above, the blocked
 # matmul (fp8) or the int8 matmul (int4), bound by arithmetic rather than by bytes, is faster. Measured on
-# an 8192 x 2048 weight on two cores: fp8 fused 6.9 ms against blocked 8.9 at 16 rows, 17.5 against 11.2
-# at 24; int4 fused 7.6 against 9.4 at 16 rows, 12.6 against 11.4 at 24 (at one row: 1.2 and 1.2 ms,
-# where float32's matmul takes 4).
-FP8_FUSED_ROWS = 16
-INT4_FUSED_ROWS = 16
+# an 8192 x 2048 weight on two cores (best of 15): fp8 fused 10.0 ms against blocked 10.9 at 12 rows, 13.1
+# against 9.0 at 16; int4 fused 7.5 against 7.9 at 8 rows, 11.2 against 8.2 at 12. At one row the fused
+# loops take about 2.2 ms, where float32's matmul takes 3.9.
+FP8_FUSED_ROWS = 12
+INT4_FUSED_ROWS = 8
 FAST = {"reassoc", "contract"}
 
 
