@@ -69,13 +69,13 @@ def _close(got: torch.Tensor, want: torch.Tensor, m: int, n: int) -> None:
     assert (got.double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
 
 
-# 1: the one-row loop; 3, 6, 12: the four-row loop over one, two and three chunks (padded); 13: blocked.
-@pytest.mark.parametrize("m", [1, 3, 6, 12, 13])
+# 1: the one-row loop; 3, 6, 8: the four-row loop over one and two chunks (padded, or not); 9: blocked.
+@pytest.mark.parametrize("m", [1, 3, 6, 8, 9])
 @pytest.mark.parametrize("group", [0, 32])
 def test_the_product_is_the_dequantized_product(m: int, group: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # 4 KiB of scratch holds 8 rows of 128 columns: 100 rows take 13 blocks, the last one short.
     monkeypatch.setattr(cpu_decode, "SCRATCH_BYTES", 4096)
-    assert cpu_decode.FP8_FUSED_ROWS == 12
+    assert cpu_decode.FP8_FUSED_ROWS == 8
     n, k = 100, 128
     xq, xs, wq, ws, want = _fp8_case(m, n, k, group, m + group)
     _close(cpu_decode.fp8_matmul(xq, xs, wq, ws), want, m, n)

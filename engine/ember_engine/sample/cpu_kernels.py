@@ -46,7 +46,7 @@ C4, C5, C6, C7 = 0.009618129107628477, 0.0013333558146428441, 0.0001540353039338
 
 
 @intrinsic
-def float_of_bits(typingctx, bits):
+def _float_of_bits(typingctx, bits):
     """The float32 whose bits are the int32 `bits`."""
 
     def codegen(context, builder, signature, args):
@@ -77,7 +77,7 @@ def _weigh(x, peak, scale, w, masses):
             p = p * f + np.float32(C2)
             p = p * f + np.float32(C1)
             p = p * f + np.float32(C0)
-            v = p * float_of_bits((np.int32(n) + np.int32(127)) << np.int32(23))  # type: ignore[call-arg]
+            v = p * _float_of_bits((np.int32(n) + np.int32(127)) << np.int32(23))  # type: ignore[call-arg]
             v = v if live else np.float32(0.0)
             ws[i] = v
             mass += v

@@ -6,8 +6,8 @@ tensor operations: 115 ms). The options live in this file because numba's cache 
 file's contents.
 
 Decode batches (up to `FP8_FUSED_ROWS` or `INT4_FUSED_ROWS` activation rows) go through one loop that
-reads each weight byte once, turns it into its value (E4M3 from its bits with integer and float
-operations; int4 from its nibbles) and adds its products with every row into float32 sums, a group of
+reads each weight byte once, turns it into its value (E4M3 through a float16 with the same bits; int4
+from its nibbles) and adds its products with every row into float32 sums, a group of
 input columns at a time, each group's sums times its scale. The loops vectorise: each group is a slice,
 sums may be reassociated (NaN and infinities keep their meaning), and up to four activation rows share
 every decoded value. They run on the calling thread: handing half the weight rows to a second thread
@@ -31,19 +31,20 @@ import threading
 
 import numpy as np
 import torch
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from ember_engine.model.quant import cpu_int8
-from ember_engine.sample.cpu_kernels import float_of_bits
 
 # Weight rows decoded per blocked fp8 matmul call: this many bytes of float32 scratch, about a core's L2.
 SCRATCH_BYTES = 1 << 21
 # Activation rows up to which a product reads the weight bytes once in a fused loop; above, the blocked
 # matmul (fp8) or the int8 matmul (int4), bound by arithmetic rather than by bytes, is faster. Measured on
-# an 8192 x 2048 weight on two cores (best of 15): fp8 fused 10.0 ms against blocked 10.9 at 12 rows, 13.1
-# against 9.0 at 16; int4 fused 7.5 against 7.9 at 8 rows, 11.2 against 8.2 at 12. At one row the fused
-# loops take about 2.2 ms, where float32's matmul takes 3.9.
-FP8_FUSED_ROWS = 12
+# an 8192 x 2048 weight on two cores (best of 15): fp8 fused 7.5 ms against blocked 8.8 at 8 rows, 10.1
+# against 10.4 at 12, 12.8 against 8.6 at 16; int4 fused 7.4 against 7.0-7.4 at 8 rows, 11.1 against 8.1
+# at 12. At one row the fused loops take 1.4 (fp8) and 2.3 ms (int4), where float32's matmul takes 3.9.
+FP8_FUSED_ROWS = 8
 INT4_FUSED_ROWS = 8
 FAST = {"reassoc", "contract"}
 
@@ -55,19 +56,33 @@ def _compiled(fn):
         return njit(cache=False, nogil=True, fastmath=FAST, error_model="numpy")(fn)
 
 
+@intrinsic
+def _half_to_float(typingctx, bits):
+    """The float16 whose bits are the low 16 of the int32 `bits`, as float32 (exact; one vector conversion
+    instruction where the CPU has one, as x86-64 CPUs since 2012 and AArch64 do)."""
+
+    def codegen(context, builder, signature, args):
+        half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+# `_e4m3` gives a byte's value over this; the loops fold it into the scales (a power of two: exact).
+E4M3_UNIT = np.float32(256.0)
+
+
 @_compiled
 def _e4m3(byte):
-    """The value of an E4M3 byte (int32 in [0, 256)) as float32, exactly as torch converts it, with operations
-    that vectorise (a table lookup would be a gather, 2.6x slower here). A byte is sign | exponent e (4
-    bits) | mantissa m (3 bits), 2^(e - 7) * (1 + m / 8) for e > 0, whose float32 bits are the low seven
-    bits shifted to the mantissa's top plus 120 in the exponent; for e = 0 (m * 2^-9) the same bits with
-    exponent 121 give 2^-6 * (1 + m / 8), and 2^-6 less is exact. 0x7F and 0xFF are NaN."""
-    mag = byte & np.int32(0x7F)
-    sub = np.int32(mag < 8)
-    bits = (mag << np.int32(20)) + np.int32(120 << 23) + (sub << np.int32(23))
-    v = float_of_bits(bits) - np.float32(sub) * np.float32(2.0**-6)  # type: ignore[call-arg]
-    v = np.float32(np.nan) if mag == 0x7F else v
-    return -v if byte >= 128 else v
+    """The value of an E4M3 byte (int32 in [0, 256)) divided by `E4M3_UNIT`, as float32, exact. A byte is
+    sign | exponent e (4 bits) | mantissa m (3 bits), worth 2^(e - 7) * (1 + m / 8), or m * 2^-9 for e = 0;
+    the same bits moved into a float16 (sign to its top bit, e and m to the low bits of its exponent and
+    the top of its mantissa) are worth exactly 2^-8 of that, subnormals included, and convert to float32 in
+    one vector instruction (a table lookup would be a gather per value, and building float32 bits for the
+    subnormals costs several operations more). 0x7F and 0xFF are NaN."""
+    bits = ((byte & np.int32(0x80)) << np.int32(8)) | ((byte & np.int32(0x7F)) << np.int32(7))
+    value = _half_to_float(bits)  # type: ignore[call-arg]
+    return np.float32(np.nan) if (byte & np.int32(0x7F)) == 0x7F else value
 
 
 @_compiled
@@ -78,7 +93,7 @@ def _decode(src, scale, out):
     group = cols // groups
     for i in range(rows):
         for g in range(groups):
-            s = scale[i, g]
+            s = scale[i, g] * E4M3_UNIT
             bs = src[i, g * group : (g + 1) * group]
             os = out[i, g * group : (g + 1) * group]
             for j in range(bs.shape[0]):
@@ -101,7 +116,7 @@ def _fp8_times_row(src, scale, x, out):
             acc = np.float32(0)
             for j in range(group):
                 acc += _e4m3(np.int32(bs[j])) * x0[j]
-            total += acc * scale[i, g]
+            total += acc * (scale[i, g] * E4M3_UNIT)
         out[0, i] = total
 
 
@@ -129,7 +144,7 @@ def _fp8_times_rows(src, scale, x, out):
                     a1 += v * x1[j]
                     a2 += v * x2[j]
                     a3 += v * x3[j]
-                s = scale[i, g]
+                s = scale[i, g] * E4M3_UNIT
                 t0 += a0 * s
                 t1 += a1 * s
                 t2 += a2 * s
