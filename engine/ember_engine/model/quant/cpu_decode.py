@@ -11,7 +11,7 @@ from its nibbles) and adds its products with every row into float32 sums, a grou
 input columns at a time, each group's sums times its scale. The loops vectorise: each group is a slice,
 sums may be reassociated (NaN and infinities keep their meaning), and up to four activation rows share
 every decoded value. They run on the calling thread: handing half the weight rows to a second thread
-lost in the engine (the `small` test model decoded 10-15 % slower at batch 1), torch's own threads still
+lost in the engine (the `small` test model decoded 10-16 % slower at batch 1), torch's own threads still
 spinning for work between layers.
 
 Larger batches (prefill) are bound by arithmetic, not by weight bytes. fp8 decodes a block of weight rows
@@ -81,6 +81,7 @@ def _e4m3(byte):
     one vector instruction (a table lookup would be a gather per value, and building float32 bits for the
     subnormals costs several operations more). 0x7F and 0xFF are NaN."""
     bits = ((byte & np.int32(0x80)) << np.int32(8)) | ((byte & np.int32(0x7F)) << np.int32(7))
+    # Converted before the choice: written as one conditional expression the loops ran 1.4x slower.
     value = _half_to_float(bits)  # type: ignore[call-arg]
     return np.float32(np.nan) if (byte & np.int32(0x7F)) == 0x7F else value
 
