@@ -82,7 +82,7 @@ def _e4m3(byte):
     subnormals costs several operations more). 0x7F and 0xFF are NaN."""
     bits = ((byte & np.int32(0x80)) << np.int32(8)) | ((byte & np.int32(0x7F)) << np.int32(7))
     # Converted before the choice: written as one conditional expression the loops ran 1.4x slower.
-    value = _half_to_float(bits)  # type: ignore[call-arg]
+    value = _half_to_float(bits)  # type: ignore[call-arg,var-annotated]
     return np.float32(np.nan) if (byte & np.int32(0x7F)) == 0x7F else value
 
 
