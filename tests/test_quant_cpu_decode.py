@@ -1,4 +1,4 @@
-"""The CPU's weight decoders (`cpu_decode`). fp8: every E4M3 byte decodes to torch's value, bit for bit, and
+"""The CPU's weight decoders (`cpu_decode`, `cpu_int4`). fp8: every E4M3 byte decodes to torch's value, bit for bit, and
 the product (fused for decode batches, blocked above them) is the float64 product of the dequantized
 operands to float32 precision, whatever the row blocks, scales and batch. int4: unpacking inverts
 packing, and the product (fused, or through the int8 matmul) is the dequantized one to float32
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ember_engine import LLM, SamplingParams
-from ember_engine.model.quant import cpu_decode, schemes
+from ember_engine.model.quant import cpu_decode, cpu_int4, schemes
 from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear, Int8Linear
 
 
@@ -88,7 +88,7 @@ def test_an_empty_batch_gives_an_empty_product() -> None:
     xq, xs = schemes.quantize_activation_fp8_groups(torch.randn(0, 16), 8)
     assert cpu_decode.fp8_matmul(xq, xs, wq, torch.ones(8, 2)).shape == (0, 8)
     q, scale = schemes.quantize_int4(torch.randn(1024, 512), 128)  # the int8 digit split's size
-    assert cpu_decode.int4_matmul(torch.randn(0, 512), schemes.pack_int4(q), scale).shape == (0, 1024)
+    assert cpu_int4.int4_matmul(torch.randn(0, 512), schemes.pack_int4(q), scale).shape == (0, 1024)
 
 
 def test_the_layers_take_the_decoder_on_a_cpu() -> None:
@@ -117,7 +117,7 @@ def test_the_layers_take_the_decoder_on_a_cpu() -> None:
 
 def test_int4_unpacking_inverts_packing_for_every_byte() -> None:
     every = torch.arange(256, dtype=torch.uint8)[None]
-    values = cpu_decode.int4_unpack(every)
+    values = cpu_int4.int4_unpack(every)
     assert values.dtype == torch.int8 and values.shape == (1, 512)
     assert torch.equal(schemes.pack_int4(values), every)
     assert torch.equal(values, schemes.unpack_int4(every))
@@ -131,7 +131,7 @@ def test_int4_unpacking_inverts_packing_for_every_byte() -> None:
 def test_the_int4_product_is_the_dequantized_product(
     m: int, shape: tuple[int, int], dtype: torch.dtype
 ) -> None:
-    assert cpu_decode.INT4_FUSED_ROWS == 8
+    assert cpu_int4.INT4_FUSED_ROWS == 8
     n, k = shape
     g = torch.Generator().manual_seed(n)
     q, scale = schemes.quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
@@ -154,7 +154,7 @@ def test_the_fused_int4_loop_reads_the_nibbles_in_packing_order() -> None:
     for col in (0, 1, 2, 255, 510, 511):
         x = torch.zeros(1, 512)
         x[0, col] = 1.0
-        assert cpu_decode.int4_matmul(x, every, torch.full((1, 1), 0.5)).item() == 0.5 * values[col].item()
+        assert cpu_int4.int4_matmul(x, every, torch.full((1, 1), 0.5)).item() == 0.5 * values[col].item()
 
 
 @pytest.mark.parametrize("group", [0, 32])
@@ -187,7 +187,7 @@ def test_the_engine_compiles_its_loops_while_starting_and_serving_adds_no_signat
     if scheme == "fp8":
         loops = [cpu_decode._decode, cpu_decode._fp8_times_row, cpu_decode._fp8_times_rows]
     elif scheme == "w4a16":
-        loops = [cpu_decode._unpack, cpu_decode._nibbles_times_row, cpu_decode._nibbles_times_rows]
+        loops = [cpu_int4._unpack, cpu_int4._nibbles_times_row, cpu_int4._nibbles_times_rows]
     else:
         loops = [cpu_decode._int8_times_row]
     llm = LLM(str(tiny_model), quantization=scheme, num_kv_blocks=64)

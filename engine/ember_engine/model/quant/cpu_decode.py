@@ -1,28 +1,23 @@
-"""The CPU's quantized-weight loops, compiled (numba), for `fp8` (E4M3 bytes) and `w4a16` (two int4 values a
-byte), and `w8a16`'s for a single activation row. They run where torch's own operations go one element at
-a time (its E4M3 conversion and `_scaled_mm` on a CPU: 45 and 95 ms a call on an 8192 x 2048 weight,
-where a float32 matmul takes 4) or through several passes over the whole weight (unpacking int4 with
-tensor operations: 115 ms). The options live in this file because numba's cache knows a function by its
-file's contents.
+"""The CPU's quantized-weight loops, compiled (numba): `fp8` (E4M3 bytes) and `w8a16`'s for a single
+activation row, and the fused product both share with `cpu_int4` (w4a16). They run where torch's own
+operations go one element at a time: its E4M3 conversion and `_scaled_mm` on a CPU took 45 and 95 ms a
+call on an 8192 x 2048 weight, where a float32 matmul takes 4. The options live in this file because
+numba's cache knows a function by its file's contents.
 
-Decode batches (up to `FP8_FUSED_ROWS` or `INT4_FUSED_ROWS` activation rows) go through one loop that
-reads each weight byte once, turns it into its value (E4M3 through a float16 with the same bits; int4
-from its nibbles) and adds its products with every row into float32 sums, a group of
-input columns at a time, each group's sums times its scale. The loops vectorise: each group is a slice,
-sums may be reassociated (NaN and infinities keep their meaning), and up to four activation rows share
-every decoded value. They run on the calling thread: handing half the weight rows to a second thread
-lost in the engine (the `small` test model decoded 10-16 % slower at batch 1), torch's own threads still
-spinning for work between layers.
+Decode batches (up to `FP8_FUSED_ROWS` activation rows; one row for int8) go through one loop that reads
+each weight byte once, turns it into its value (E4M3 through a float16 with the same bits) and adds its
+products with every row into float32 sums, a group of input columns at a time, each group's sums times its
+scale. The loops vectorise: each group is a slice, sums may be reassociated (NaN and infinities keep their
+meaning), and up to four activation rows share every decoded value. They run on the calling thread:
+handing half the weight rows to a second thread lost in the engine (the `small` test model decoded 10-16 %
+slower at batch 1), torch's own threads still spinning for work between layers.
 
-Larger batches (prefill) are bound by arithmetic, not by weight bytes. fp8 decodes a block of weight rows
-into a float32 scratch that stays in the cache, each value times its channel's or tile's scale, and
-multiplies it with torch's float32 matmul; int4 is unpacked to int8 and goes through `cpu_int8`'s exact
-int8 matmul (the activations' int8 digits, group by group).
-
-Either way the arithmetic is the dequantized product transformers + compressed-tensors computes for
-these checkpoints, in float32: for fp8 y = (q_x * s_x) @ (q_w * s_w)^T, the activations quantized per
-token (or per token and group of columns) and the weights scaled per output channel (or per tile); for
-w4a16 y = x @ (q_w * s_w)^T with a scale per output channel and group of 128 columns.
+Larger fp8 batches (prefill) are bound by arithmetic, not by weight bytes: a block of weight rows is
+decoded into a float32 scratch that stays in the cache, each value times its channel's or tile's scale,
+and multiplied with torch's float32 matmul. Either way the arithmetic is the dequantized product
+transformers + compressed-tensors computes for these checkpoints, in float32: y = (q_x * s_x) @ (q_w *
+s_w)^T, the activations quantized per token (or per token and group of columns) and the weights scaled
+per output channel (or per tile).
 """
 
 from __future__ import annotations
@@ -39,13 +34,11 @@ from ember_engine.model.quant import cpu_int8
 
 # Weight rows decoded per blocked fp8 matmul call: this many bytes of float32 scratch, about a core's L2.
 SCRATCH_BYTES = 1 << 21
-# Activation rows up to which a product reads the weight bytes once in a fused loop; above, the blocked
-# matmul (fp8) or the int8 matmul (int4), bound by arithmetic rather than by bytes, is faster. Measured on
-# an 8192 x 2048 weight on two cores (best of 15): fp8 fused 7.5 ms against blocked 8.8 at 8 rows, 10.1
-# against 10.4 at 12, 12.8 against 8.6 at 16; int4 fused 7.4 against 7.0-7.4 at 8 rows, 11.1 against 8.1
-# at 12. At one row the fused loops take 1.4 (fp8) and 2.3 ms (int4), where float32's matmul takes 3.9.
+# Activation rows up to which an fp8 product reads the weight bytes once in a fused loop; above, the
+# blocked matmul, bound by arithmetic rather than by bytes, is faster. Measured on an 8192 x 2048 weight on
+# two cores (best of 15): fused 7.5 ms against blocked 8.8 at 8 rows, 10.1 against 10.4 at 12, 12.8
+# against 8.6 at 16. At one row the fused loop takes 1.4 ms, where float32's matmul takes 3.9.
 FP8_FUSED_ROWS = 8
-INT4_FUSED_ROWS = 8
 FAST = {"reassoc", "contract"}
 
 
@@ -175,69 +168,7 @@ def _int8_times_row(src, scale, x, out):
         out[0, i] = total
 
 
-@_compiled
-def _nibbles_times_row(src, scale, xe, xo, out):
-    """int4: out[0, i] = sum over groups of scale[i, g] * the group's sum of (low nibble - 8) * xe +
-    (high nibble - 8) * xo, where xe and xo hold x's even and odd columns (byte j holds columns 2j, 2j + 1)."""
-    cols = src.shape[1]
-    groups = scale.shape[1]
-    group = cols // groups
-    for i in range(src.shape[0]):
-        total = np.float32(0)
-        for g in range(groups):
-            lo = g * group
-            bs = src[i, lo : lo + group]
-            e0 = xe[0, lo : lo + group]
-            o0 = xo[0, lo : lo + group]
-            acc = np.float32(0)
-            for j in range(group):
-                b = np.int32(bs[j])
-                acc += np.float32((b & 15) - 8) * e0[j] + np.float32((b >> 4) - 8) * o0[j]
-            total += acc * scale[i, g]
-        out[0, i] = total
-
-
-@_compiled
-def _nibbles_times_rows(src, scale, xe, xo, out):
-    """`_nibbles_times_row` for activation rows in chunks of four, as `_fp8_times_rows`."""
-    cols = src.shape[1]
-    groups = scale.shape[1]
-    group = cols // groups
-    for i in range(src.shape[0]):
-        for c in range(0, xe.shape[0], 4):
-            t0 = t1 = t2 = t3 = np.float32(0)
-            for g in range(groups):
-                lo = g * group
-                bs = src[i, lo : lo + group]
-                e0 = xe[c, lo : lo + group]
-                e1 = xe[c + 1, lo : lo + group]
-                e2 = xe[c + 2, lo : lo + group]
-                e3 = xe[c + 3, lo : lo + group]
-                o0 = xo[c, lo : lo + group]
-                o1 = xo[c + 1, lo : lo + group]
-                o2 = xo[c + 2, lo : lo + group]
-                o3 = xo[c + 3, lo : lo + group]
-                a0 = a1 = a2 = a3 = np.float32(0)
-                for j in range(group):
-                    b = np.int32(bs[j])
-                    lo4 = np.float32((b & 15) - 8)
-                    hi4 = np.float32((b >> 4) - 8)
-                    a0 += lo4 * e0[j] + hi4 * o0[j]
-                    a1 += lo4 * e1[j] + hi4 * o1[j]
-                    a2 += lo4 * e2[j] + hi4 * o2[j]
-                    a3 += lo4 * e3[j] + hi4 * o3[j]
-                s = scale[i, g]
-                t0 += a0 * s
-                t1 += a1 * s
-                t2 += a2 * s
-                t3 += a3 * s
-            out[c, i] = t0
-            out[c + 1, i] = t1
-            out[c + 2, i] = t2
-            out[c + 3, i] = t3
-
-
-def _rows_of_four(x: torch.Tensor) -> np.ndarray:
+def rows_of_four(x: torch.Tensor) -> np.ndarray:
     """x as float32 [m, k], rows padded with zeros to a multiple of four."""
     m, k = x.shape
     padded = torch.zeros(-(-m // 4) * 4, k, dtype=torch.float32)
@@ -245,7 +176,7 @@ def _rows_of_four(x: torch.Tensor) -> np.ndarray:
     return padded.numpy()
 
 
-def _as_grid(scale: torch.Tensor, rows: int) -> np.ndarray:
+def as_grid(scale: torch.Tensor, rows: int) -> np.ndarray:
     """A scale as float32 [rows, groups] (a per-row scale [rows] or [rows, 1] has one group)."""
     groups = scale.shape[-1] if scale.dim() == 2 else 1
     return scale.detach().to(torch.float32).reshape(rows, groups).contiguous().numpy()
@@ -255,7 +186,7 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """E4M3 values [r, k] times their scales ([r], [r, 1] or [r, k / group]) as float32 [r, k]."""
     r, k = q.shape
     out = torch.empty(r, k, dtype=torch.float32)
-    _decode(q.contiguous().view(torch.uint8).numpy(), _as_grid(scale, r), out.numpy())
+    _decode(q.contiguous().view(torch.uint8).numpy(), as_grid(scale, r), out.numpy())
     return out
 
 
@@ -280,9 +211,9 @@ def fp8_matmul(
     n = w.shape[0]
     x = fp8_dequantize(xq, x_scale)
     wb = w.contiguous().view(torch.uint8).numpy()
-    ws = _as_grid(w_scale, n)
+    ws = as_grid(w_scale, n)
     if 0 < m <= FP8_FUSED_ROWS:
-        return _fused(_fp8_times_row, _fp8_times_rows, m, n, (wb, ws), (x,))
+        return fused(_fp8_times_row, _fp8_times_rows, m, n, (wb, ws), (x,))
     rows = max(1, min(n, SCRATCH_BYTES // (4 * k)))
     scratch, scratch_np = _scratch(rows * k)
     yt = torch.empty(n, m, dtype=torch.float32)
@@ -293,51 +224,17 @@ def fp8_matmul(
     return yt.t() if m == 1 else yt.t().contiguous()
 
 
-def _fused(one, four, m: int, n: int, weight: tuple, xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def fused(one, four, m: int, n: int, weight: tuple, xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The fused product [m, n] of m activation rows (each of `xs` float32 [m, *]) with a weight of n rows:
     `one` for a single row, else `four` over the rows padded to chunks of four."""
     if m == 1:
         out = np.empty((1, n), dtype=np.float32)
         one(*weight, *(x.contiguous().numpy() for x in xs), out)
         return torch.from_numpy(out)
-    padded = [_rows_of_four(x) for x in xs]
+    padded = [rows_of_four(x) for x in xs]
     out = np.empty((padded[0].shape[0], n), dtype=np.float32)
     four(*weight, *padded, out)
     return torch.from_numpy(out[:m])
-
-
-@_compiled
-def _unpack(src, out):
-    """out[i, 2j] = low nibble of src[i, j] - 8, out[i, 2j + 1] = high nibble - 8 (`schemes.pack_int4`)."""
-    rows, cols = src.shape
-    for i in range(rows):
-        s = src[i]
-        o = out[i]
-        for j in range(cols):
-            b = np.int32(s[j])
-            o[2 * j] = np.int8((b & np.int32(15)) - np.int32(8))
-            o[2 * j + 1] = np.int8((b >> np.int32(4)) - np.int32(8))
-
-
-def int4_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """Packed bytes [out, in / 2] -> int8 values [out, in] in [-8, 7]."""
-    rows, cols = packed.shape
-    out = torch.empty(rows, 2 * cols, dtype=torch.int8)
-    _unpack(packed.contiguous().numpy(), out.numpy())
-    return out
-
-
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [m, in] times the int4 weight (packed [out, in / 2], float32 scale [out, groups]), transposed:
-    [m, out] in x's dtype, at float32 precision."""
-    m = x.shape[0]
-    if not 0 < m <= INT4_FUSED_ROWS:
-        return cpu_int8.int8_matmul(x, int4_unpack(packed), scale)
-    n = packed.shape[0]
-    xf = x.float()
-    weight = (packed.contiguous().numpy(), _as_grid(scale, n))
-    y = _fused(_nibbles_times_row, _nibbles_times_rows, m, n, weight, (xf[:, 0::2], xf[:, 1::2]))
-    return y.to(x.dtype)
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -349,7 +246,7 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
         return cpu_int8.int8_matmul(x, weight, scale)
     n = weight.shape[0]
     out = np.empty((1, n), dtype=np.float32)
-    _int8_times_row(weight.contiguous().numpy(), _as_grid(scale, n), x.float().contiguous().numpy(), out)
+    _int8_times_row(weight.contiguous().numpy(), as_grid(scale, n), x.float().contiguous().numpy(), out)
     return torch.from_numpy(out).to(x.dtype)
 
 
@@ -360,8 +257,5 @@ def warm_up(scheme: str) -> None:
         w = torch.zeros(2, 16, dtype=torch.float8_e4m3fn)
         for m in (1, 2, FP8_FUSED_ROWS + 1):
             fp8_matmul(torch.zeros(m, 16, dtype=torch.float8_e4m3fn), torch.ones(m, 1), w, torch.ones(2, 2))
-    elif scheme == "w4a16":
-        for m in (1, 2, INT4_FUSED_ROWS + 1):
-            int4_matmul(torch.zeros(m, 16), torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 1))
     elif scheme == "w8a16":
         int8_matmul(torch.zeros(1, 16), torch.zeros(2, 16, dtype=torch.int8), torch.ones(2, 1))

@@ -2,7 +2,7 @@
 
 Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, where the model has one,
 stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
-path runs compiled loops and torch (`cpu_decode.py`): at decode batch sizes one loop reads each weight
+path runs compiled loops and torch (`cpu_decode.py`, `cpu_int4.py`): at decode batch sizes one loop reads each weight
 byte once and multiplies its value with the activations in float32 (fp8 activations quantized per token,
 or per token and group, then decoded); above them `w8a16` takes the exact int8 matmul on the activations
 split into int8 digits (`cpu_int8.py`), `fp8` a float32 matmul over weight rows decoded a block at a time,
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember_engine.model.quant import cpu_decode, schemes
+from ember_engine.model.quant import cpu_decode, cpu_int4, schemes
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -220,7 +220,7 @@ class Int4Linear(QuantLinear):
 
             return triton_gemm.int4_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
         if x.device.type == "cpu":
-            return cpu_decode.int4_matmul(x, self.weight_packed, self.weight_scale)
+            return cpu_int4.int4_matmul(x, self.weight_packed, self.weight_scale)
         return F.linear(x, self.dequantized(x.dtype))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""w4a16 on the CPU: loops compiled (numba; the options live in this file because numba's cache knows a
+function by its file's contents), and `cpu_decode`'s fused product.
+
+Decode batches (up to `INT4_FUSED_ROWS` activation rows) go through one loop that reads each packed byte
+once and multiplies its two nibbles, less 8, with the activations' even and odd columns, a group of 128
+columns at a time, each group's sum times its scale: the weight is never widened. Larger batches unpack
+the weight to int8 (a compiled loop) for `cpu_int8`'s exact int8 matmul (the activations' int8 digits,
+group by group). Either way y = x @ (q_w * s_w)^T in float32, the activations at float32 precision.
+Unpacking with tensor operations, then dequantizing to float32, took 115 ms a call for one 8192 x 2048
+weight at batch 1; unpacking with the loop and the int8 matmul take 6.9 ms, the fused loop 2.3.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from ember_engine.model.quant import cpu_int8
+from ember_engine.model.quant.cpu_decode import as_grid, fused
+
+# Activation rows up to which the fused loop is faster than unpacking for the int8 matmul: on an 8192 x
+# 2048 weight on two cores (best of 15), 7.4 ms against 7.0-7.4 at 8 rows, 11.1 against 8.1 at 12.
+INT4_FUSED_ROWS = 8
+FAST = {"reassoc", "contract"}
+
+
+def _compiled(fn):
+    try:
+        return njit(cache=True, nogil=True, fastmath=FAST, error_model="numpy")(fn)
+    except RuntimeError:  # no writable cache location: compile in each process instead
+        return njit(cache=False, nogil=True, fastmath=FAST, error_model="numpy")(fn)
+
+
+@_compiled
+def _nibbles_times_row(src, scale, xe, xo, out):
+    """int4: out[0, i] = sum over groups of scale[i, g] * the group's sum of (low nibble - 8) * xe +
+    (high nibble - 8) * xo, where xe and xo hold x's even and odd columns (byte j holds columns 2j, 2j + 1)."""
+    cols = src.shape[1]
+    groups = scale.shape[1]
+    group = cols // groups
+    for i in range(src.shape[0]):
+        total = np.float32(0)
+        for g in range(groups):
+            lo = g * group
+            bs = src[i, lo : lo + group]
+            e0 = xe[0, lo : lo + group]
+            o0 = xo[0, lo : lo + group]
+            acc = np.float32(0)
+            for j in range(group):
+                b = np.int32(bs[j])
+                acc += np.float32((b & 15) - 8) * e0[j] + np.float32((b >> 4) - 8) * o0[j]
+            total += acc * scale[i, g]
+        out[0, i] = total
+
+
+@_compiled
+def _nibbles_times_rows(src, scale, xe, xo, out):
+    """`_nibbles_times_row` for activation rows in chunks of four, as `cpu_decode._fp8_times_rows`."""
+    cols = src.shape[1]
+    groups = scale.shape[1]
+    group = cols // groups
+    for i in range(src.shape[0]):
+        for c in range(0, xe.shape[0], 4):
+            t0 = t1 = t2 = t3 = np.float32(0)
+            for g in range(groups):
+                lo = g * group
+                bs = src[i, lo : lo + group]
+                e0 = xe[c, lo : lo + group]
+                e1 = xe[c + 1, lo : lo + group]
+                e2 = xe[c + 2, lo : lo + group]
+                e3 = xe[c + 3, lo : lo + group]
+                o0 = xo[c, lo : lo + group]
+                o1 = xo[c + 1, lo : lo + group]
+                o2 = xo[c + 2, lo : lo + group]
+                o3 = xo[c + 3, lo : lo + group]
+                a0 = a1 = a2 = a3 = np.float32(0)
+                for j in range(group):
+                    b = np.int32(bs[j])
+                    lo4 = np.float32((b & 15) - 8)
+                    hi4 = np.float32((b >> 4) - 8)
+                    a0 += lo4 * e0[j] + hi4 * o0[j]
+                    a1 += lo4 * e1[j] + hi4 * o1[j]
+                    a2 += lo4 * e2[j] + hi4 * o2[j]
+                    a3 += lo4 * e3[j] + hi4 * o3[j]
+                s = scale[i, g]
+                t0 += a0 * s
+                t1 += a1 * s
+                t2 += a2 * s
+                t3 += a3 * s
+            out[c, i] = t0
+            out[c + 1, i] = t1
+            out[c + 2, i] = t2
+            out[c + 3, i] = t3
+
+
+@_compiled
+def _unpack(src, out):
+    """out[i, 2j] = low nibble of src[i, j] - 8, out[i, 2j + 1] = high nibble - 8 (`schemes.pack_int4`)."""
+    rows, cols = src.shape
+    for i in range(rows):
+        s = src[i]
+        o = out[i]
+        for j in range(cols):
+            b = np.int32(s[j])
+            o[2 * j] = np.int8((b & np.int32(15)) - np.int32(8))
+            o[2 * j + 1] = np.int8((b >> np.int32(4)) - np.int32(8))
+
+
+def int4_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Packed bytes [out, in / 2] -> int8 values [out, in] in [-8, 7]."""
+    rows, cols = packed.shape
+    out = torch.empty(rows, 2 * cols, dtype=torch.int8)
+    _unpack(packed.contiguous().numpy(), out.numpy())
+    return out
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [m, in] times the int4 weight (packed [out, in / 2], float32 scale [out, groups]), transposed:
+    [m, out] in x's dtype, at float32 precision."""
+    m = x.shape[0]
+    if not 0 < m <= INT4_FUSED_ROWS:
+        return cpu_int8.int8_matmul(x, int4_unpack(packed), scale)
+    n = packed.shape[0]
+    xf = x.float()
+    weight = (packed.contiguous().numpy(), as_grid(scale, n))
+    y = fused(_nibbles_times_row, _nibbles_times_rows, m, n, weight, (xf[:, 0::2], xf[:, 1::2]))
+    return y.to(x.dtype)
+
+
+def warm_up() -> None:
+    """Compile the loops (or load them from numba's cache) before serving: the fused ones for one and for
+    several rows, and the larger batches' unpacking."""
+    for m in (1, 2, INT4_FUSED_ROWS + 1):
+        int4_matmul(torch.zeros(m, 16), torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 1))
