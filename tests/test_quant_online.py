@@ -158,6 +158,10 @@ def test_ember_quantize_refuses_what_it_would_overwrite_or_cannot_read(
     assert ember(["quantize", str(tiny_model), str(dst), "--scheme", "w8a16"]) == 0
     capsys.readouterr()
     written = sorted(p.name for p in dst.iterdir())
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    assert dst.stat().st_mode == probe.stat().st_mode  # made as any directory is, not owner-only
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "probe"]  # no partial copy left
 
     assert ember(["quantize", str(tiny_model), str(dst), "--scheme", "fp8"]) == 2
     assert f"{dst} already exists" in capsys.readouterr().err

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -153,8 +153,11 @@ def quantize_checkpoint(
                 )
     config["quantization_config"] = quantization_config(scheme, group, block_size)
     # Written beside dst and renamed into place, so an interrupted write leaves no dst behind.
+    # (A directory of its own, made as any other is: mkdtemp's would keep its owner-only mode.)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    part = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    part = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+    shutil.rmtree(part, ignore_errors=True)  # left by an interrupted run of the same process id
+    part.mkdir()
     try:
         save_file(out, str(part / "model.safetensors"), metadata={"format": "pt"})
         (part / "config.json").write_text(json.dumps(config, indent=2) + "\n")
