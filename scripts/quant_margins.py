@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ember_engine import LLM, SamplingParams
-from ember_engine.bench.quant import GEN_TOKENS, PROMPT_TOKENS, held_out
+from ember_engine.bench.quant import GEN_TOKENS, first_difference, held_out, prompts_from
 from ember_engine.model.model_runner import Chunk
 from ember_engine.tools.spec_pair import packaged_pair
 
@@ -47,8 +47,7 @@ def main() -> None:
     model = Path(sys.argv[1]) if len(sys.argv) > 1 else packaged_pair()[0]
     schemes = (sys.argv[2] if len(sys.argv) > 2 else "fp8,w8a16").split(",")
     text = held_out(model)
-    stride = len(text) // (PROMPTS + 1)
-    prompts = [text[i * stride : i * stride + PROMPT_TOKENS].tolist() for i in range(PROMPTS)]
+    prompts = prompts_from(text, PROMPTS)
     full = LLM(str(model), num_kv_blocks=64)
     base = greedy(full, prompts)
     seqs = [p + g[:-1] for p, g in zip(prompts, base, strict=True)]
@@ -67,10 +66,8 @@ def main() -> None:
         )
         outs = greedy(llm, prompts)
         agree = sum(a == b for x, y in zip(base, outs, strict=True) for a, b in zip(x, y, strict=True))
-        firsts = [
-            next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), GEN_TOKENS)
-            for x, y in zip(base, outs, strict=True)
-        ]
+        differ = [first_difference(x, y) for x, y in zip(base, outs, strict=True)]
+        firsts = [GEN_TOKENS if f is None else f for f in differ]
         print(
             f"{scheme}: another argmax at {flips.float().mean():.4f} of positions, logit change {noise.median():.4f},"
             f" largest gap where it did {gaps[flips].max().item() if flips.any() else 0.0:.4f};"

@@ -72,6 +72,17 @@ def held_out(model_dir: Path) -> torch.Tensor:
     return corpus_tokens(model_dir / "tokenizer.json", eos)[1]
 
 
+def prompts_from(text: torch.Tensor, count: int) -> list[list[int]]:
+    """`count` prompts of PROMPT_TOKENS tokens, evenly spaced through `text`."""
+    stride = len(text) // (count + 1)
+    return [text[i * stride : i * stride + PROMPT_TOKENS].tolist() for i in range(count)]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token sequences differ, or None where they agree throughout."""
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
 def score(llm: Any, tokens: torch.Tensor, windows: int, length: int = 512) -> tuple[float, torch.Tensor]:
     """Perplexity over `windows` held-out windows, and the argmax next token at each of their positions."""
     from ember_engine.model.model_runner import Chunk
@@ -126,8 +137,7 @@ def measure(
             proj_bytes += sum(t.numel() * t.element_size() for t in module.buffers())
             proj_bytes += sum(t.numel() * t.element_size() for t in module.parameters())
             proj_numel += getattr(module, "in_features", 0) * getattr(module, "out_features", 0)
-    stride = len(text) // (args.prompts + 1)
-    prompts = [text[i * stride : i * stride + PROMPT_TOKENS].tolist() for i in range(args.prompts)]
+    prompts = prompts_from(text, args.prompts)
     greedy = llm.generate(
         prompts,
         SamplingParams(temperature=0, max_tokens=GEN_TOKENS, ignore_eos=True, logprobs=CLOSE_TOP),
@@ -156,7 +166,7 @@ def logprobs_close(row: dict[str, Any], base: dict[str, Any]) -> float:
     side's token is among the other side's CLOSE_TOP most likely (both saw the same text up to there)."""
     close = 0
     for i, (ours, theirs) in enumerate(zip(row["outputs"], base["outputs"], strict=True)):
-        first = next((k for k, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+        first = first_difference(ours, theirs)
         close += first is None or (
             ours[first] in base["tops"][i][first] and theirs[first] in row["tops"][i][first]
         )
