@@ -106,6 +106,7 @@ class EnginePage:
     broken: bool = False  # answer 500
     pending: float | None = None  # a router's held requests (ember_router:pending_requests)
     router_fallback_served: float | None = None  # a router's ember_router:fallback_requests{outcome="served"}
+    reads: int = 0  # GET /metrics answered
 
     def text(self) -> str:
         if self.pending is not None or self.router_fallback_served is not None:
@@ -130,6 +131,7 @@ def _metrics_server(ip: str, page: EnginePage, port: int = 8000) -> ThreadingHTT
                 self.end_headers()
                 return
             body = page.text().encode()
+            page.reads += 1
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.end_headers()

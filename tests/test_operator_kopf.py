@@ -425,15 +425,21 @@ def test_what_the_routers_send_to_the_fallback_shows_in_status(cluster: Any) -> 
         return [p for p in api.list("v1", "Pod", NAMESPACE, label_selector=selector) if ready(p)]
 
     wait_for(lambda: len(routers()) == 2, what="two Ready router pods")
-    for p in routers():
-        runner.pages[p["metadata"]["name"]].router_fallback_served = 0
+    pages = [runner.pages[p["metadata"]["name"]] for p in routers()]
+    for page in pages:
+        page.router_fallback_served = 0
+    # Two reads of each router after that: the pass that made the first has kept its 0 (a counter's first
+    # reading is where it starts from, not traffic), however late the operator's pod index saw the routers.
+    since = [page.reads for page in pages]
     wait_for(
-        lambda: condition(api, "relay", "MetricsAvailable").get("status") == "True", what="a first scrape"
+        lambda: all(page.reads >= n + 2 for page, n in zip(pages, since, strict=True)),
+        what=lambda: (
+            f"each router read twice (reads {[p.reads - n for p, n in zip(pages, since, strict=True)]})"
+        ),
     )
-    time.sleep(3 * TICK)  # the routers' counters read once at 0
     assert condition(api, "relay", "FallbackActive").get("status") == "False"
     # The engines handed nothing on; a router sent 3 requests there itself (its failed ones do not count).
-    runner.pages[routers()[0]["metadata"]["name"]].router_fallback_served = 3
+    pages[0].router_fallback_served = 3
     wait_for(lambda: condition(api, "relay", "FallbackActive").get("status") == "True", what="FallbackActive")
     assert "3 requests" in condition(api, "relay", "FallbackActive")["message"]
     assert "3 sent by the routers" in condition(api, "relay", "FallbackActive")["message"]
@@ -649,12 +655,16 @@ def test_requests_held_at_the_routers_wake_a_service_scaled_to_zero(cluster: Any
 
     wait_for(lambda: len(routers()) == 2, what="two Ready router pods")
     assert pods(api, "sleeper") == []
-    for p in routers():
-        runner.pages[p["metadata"]["name"]].pending = 0
-    # Nothing held: it stays at zero for a few passes.
-    time.sleep(4 * TICK)
+    pages = [runner.pages[p["metadata"]["name"]] for p in routers()]
+    for page in pages:
+        page.pending = 0
+    # Nothing held: it stays at zero while each router is read twice.
+    since = [page.reads for page in pages]
+    wait_for(
+        lambda: all(page.reads >= n + 2 for page, n in zip(pages, since, strict=True)), what="two reads each"
+    )
     assert pods(api, "sleeper") == [] and status(api, "sleeper")["desiredReplicas"] == 0
-    runner.pages[routers()[0]["metadata"]["name"]].pending = 2
+    pages[0].pending = 2
     wait_for(lambda: converged(api, "sleeper", 1, 0), what="sleeper woken to 1 active")
     decisions = status(api, "sleeper")["autoscaler"]["decisions"]
     woke = "2 requests held by the routers with no engine (scale from zero)"
