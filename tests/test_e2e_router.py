@@ -91,6 +91,7 @@ def test_the_service_reaches_the_engines_through_the_router(cp: ControlPlane) ->
 
 
 def test_a_promoted_pod_receives_traffic_within_a_second(cp: ControlPlane) -> None:
+    wait_for(lambda: cp.converged(NAME, 1, 1), 120, lambda: cp.describe(NAME))
     (warm,) = [p for p in cp.pods(NAME, "warm") if ready(p)]
     target = f"http://{pod_ip(warm)}:8000"
     seen: dict[str, float] = {}
