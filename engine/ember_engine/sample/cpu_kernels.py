@@ -1,7 +1,7 @@
 """The sampler's loops on a CPU, compiled (numba): the truncated draws of top-p, top-k and min-p rows
 (weights, draws and checks of every row in one call, with no tensor operation per round), and the penalty
 state's two steps (`PenaltyState` keeps the same arrays; on other devices its torch operations do the
-same work).
+same work), and seeded rows' exponential race with noise computed from the row's key.
 
 They are compiled without the GIL, with sums that may be reassociated so that loops vectorise (NaN and
 infinities keep their meaning), with IEEE arithmetic (a division by zero gives an infinity, as torch's
@@ -226,3 +226,68 @@ def count(where, ids, off, pend, num, freq, slots, tokens):
         ids[s, at] = t
         off[s, at] += pend[s, at]
         pend[s, at] = freq[s]
+
+
+@intrinsic
+def _bits_of_float(typingctx, x):
+    """The int32 whose bits are the float32 `x`."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+LN2, SQRT2 = np.float32(0.6931471805599453), np.float32(1.4142135623730951)
+
+
+@compiled
+def _neg_log(u):
+    """-ln u for a float32 u in (0, 1), within 3e-7 of it and always above 0: u = 2^e m with m in
+    [sqrt(1/2), sqrt(2)), and ln m = 2 atanh(s), s = (m - 1) / (m + 1), whose series to s^9 leaves under
+    1e-8 (|s| < 0.18). Written so that a loop of it vectorises (numba's log is a call per element)."""
+    bits = _bits_of_float(u)  # type: ignore[call-arg,var-annotated]
+    e = np.float32((bits >> np.int32(23)) - np.int32(127))
+    m = _float_of_bits((bits & np.int32(0x7FFFFF)) | np.int32(0x3F800000))
+    big = m > SQRT2
+    m = m * np.float32(0.5) if big else m
+    e = e + np.float32(1.0) if big else e
+    f = m - np.float32(1.0)
+    s = f / (np.float32(2.0) + f)
+    z = s * s
+    series = np.float32(1.0) + z * (
+        np.float32(1 / 3) + z * (np.float32(1 / 5) + z * (np.float32(1 / 7) + z * np.float32(1 / 9)))
+    )
+    return -(e * LN2 + np.float32(2.0) * s * series)
+
+
+# SplitMix64: the i-th output of the generator started at `key` is MIX(key + i * GOLDEN). Unsigned
+# constants, shifts included: numba turns uint64 combined with a signed integer into a float.
+GOLDEN, MIX1, MIX2 = (
+    np.uint64(0x9E3779B97F4A7C15),
+    np.uint64(0xBF58476D1CE4E5B9),
+    np.uint64(0x94D049BB133111EB),
+)
+S27, S30, S31, S41 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(41)
+# A uniform from the top 23 bits: (2n + 1) / 2^24, exact in float32, in (0, 1) with neither end.
+HALF, UNIT = np.float32(0.5), np.float32(2.0**-23)
+
+
+@compiled
+def keyed_race(probs, keys, out):
+    """For each row of `probs` ([rows, vocab] float32, unnormalised), its exponential race into `out`:
+    argmax p / E with E = -ln u, where token i's uniform u is the (i + 1)-th output of SplitMix64 started at
+    the row's `keys` entry. The noise is a function of the key and the token alone, so a row's token does not
+    depend on what else is in the batch nor on any generator's state. Ties and a row without mass go to the
+    first token, a NaN to the first NaN, as argmax has them."""
+    scores = np.empty(probs.shape[1], dtype=np.float32)
+    for r in range(probs.shape[0]):
+        key = keys[r]
+        row = probs[r]
+        for i in range(row.shape[0]):
+            x = key + np.uint64(i + 1) * GOLDEN
+            x = (x ^ (x >> S30)) * MIX1
+            x = (x ^ (x >> S27)) * MIX2
+            x = x ^ (x >> S31)
+            scores[i] = row[i] / _neg_log((np.float32(x >> S41) + HALF) * UNIT)
+        out[r] = np.argmax(scores)

@@ -31,7 +31,8 @@ from ember_engine.sample.sampling_state import (
     SamplingState,
     _upload,
 )
-from ember_engine.sample.seeds import make_generator
+from ember_engine.sample.seeds import keyed_race, make_generator
+from ember_engine.sample.seeds import warm_up as warm_up_keyed_race
 
 # Top-k/top-p look at this many leading candidates (topk, not a full sort); a row whose nucleus is not
 # inside them (its candidates' mass is short of top_p) falls back to sorting its whole row.
@@ -167,33 +168,40 @@ def sample_probs(
     seeds: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
     """One token per row drawn from `probs` (unnormalised is fine). A seeded row runs the exponential
-    race, argmax(p / E) with E ~ Exp(1), on exactly V draws from its own generator (first reseeded with
-    `seeds[i]` when given: the noise of that row's output position), so its token is the same whatever else
-    shares the batch; the other rows invert their cumulative distribution at one uniform draw each from the
-    default generator."""
+    race, argmax(p / E) with E ~ Exp(1), so its token is the same whatever else shares the batch: with
+    `seeds[i]` (the noise of that row's output position) on a CPU, its noise is computed from that seed
+    (`seeds.keyed_race`); otherwise it is V draws from the row's own generator, first reseeded with
+    `seeds[i]` when given. The other rows invert their cumulative distribution at one uniform draw each
+    from the default generator."""
     dev = probs.device
     seeded = [i for i, g in enumerate(generators) if g is not None]
     if not seeded:
         return _inverse_cdf(probs)
+    keyed: dict[int, int] = {}
+    if seeds is not None and dev.type == "cpu":
+        keyed = {i: seed for i in seeded if (seed := seeds[i]) is not None}
+    drawn = [i for i in seeded if i not in keyed]
     shared = [i for i, g in enumerate(generators) if g is None]
-    noise = torch.empty(len(seeded), probs.shape[1], device=dev, dtype=probs.dtype)
-    for j, i in enumerate(seeded):
-        gen = generators[i]
-        seed = None if seeds is None else seeds[i]
-        if seed is not None and gen is not None:
-            gen.manual_seed(seed)
-        noise[j].exponential_(generator=gen)
-    seeded_index = _upload(seeded, torch.long, dev)
-    # exponential_ may return an exact 0; 0/0 would be NaN, which argmax prefers over everything.
-    picked = (probs.index_select(0, seeded_index) / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(
-        dim=-1
-    )
-    if not shared:
-        return picked
     tokens = torch.empty(probs.shape[0], dtype=torch.long, device=dev)
-    tokens.index_copy_(0, seeded_index, picked)
-    shared_index = _upload(shared, torch.long, dev)
-    return tokens.index_copy_(0, shared_index, _inverse_cdf(probs.index_select(0, shared_index)))
+    if keyed:
+        rows = list(keyed)
+        tokens.index_copy_(0, _upload(rows, torch.long, dev), keyed_race(probs, rows, list(keyed.values())))
+    if drawn:
+        noise = torch.empty(len(drawn), probs.shape[1], device=dev, dtype=probs.dtype)
+        for j, i in enumerate(drawn):
+            gen = generators[i]
+            seed = None if seeds is None else seeds[i]
+            if seed is not None and gen is not None:
+                gen.manual_seed(seed)
+            noise[j].exponential_(generator=gen)
+        drawn_index = _upload(drawn, torch.long, dev)
+        # exponential_ may return an exact 0; 0/0 would be NaN, which argmax prefers over everything.
+        picked = probs.index_select(0, drawn_index) / noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        tokens.index_copy_(0, drawn_index, picked.argmax(dim=-1))
+    if shared:
+        shared_index = _upload(shared, torch.long, dev)
+        tokens.index_copy_(0, shared_index, _inverse_cdf(probs.index_select(0, shared_index)))
+    return tokens
 
 
 def sampler_peak_probe(rows: int, vocab: int, device: torch.device) -> None:
@@ -216,6 +224,7 @@ class Sampler:
         if state is not None and state.device.type == "cpu":  # the engine's: compile its loops before serving
             nucleus.warm_up()
             penalty_state.warm_up()
+            warm_up_keyed_race()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
