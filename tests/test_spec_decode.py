@@ -98,6 +98,20 @@ def test_seeded_sampling_does_not_depend_on_speculation(tiny_model: Path, method
     assert out == expected
 
 
+def test_seeded_sampling_survives_preemption(tiny_model: Path) -> None:
+    # Recomputed after preemption, a seeded request draws each position's token with that position's noise
+    # again: the same tokens as a run with room for every sequence, with and without n-gram proposals.
+    params = SamplingParams(temperature=0.9, max_tokens=50, ignore_eos=True, seed=5)
+    expected, _ = run(tiny_model, PROMPTS, params)
+    out, engine = run(tiny_model, PROMPTS, params, num_kv_blocks=10)
+    assert engine.stats().num_preemptions > 0
+    assert out == expected
+    options = {"speculative_method": "ngram", "ngram_min": 1, "speculative_adaptive": False}
+    out, engine = run(tiny_model, PROMPTS, params, num_kv_blocks=10, **options)
+    assert engine.stats().num_preemptions > 0 and spec_of(engine).num_drafts > 0
+    assert out == expected
+
+
 def test_requests_that_cannot_speculate_share_the_batch(tiny_model: Path) -> None:
     # Penalties, logprobs and min_tokens keep a request on plain sampling; the others speculate alongside.
     mixed = [
