@@ -101,6 +101,12 @@ def test_a_keyed_row_is_the_same_beside_generator_rows_and_unseeded_rows() -> No
     )
 
 
+def test_rows_are_taken_in_the_order_given() -> None:
+    probs = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert keyed_race(probs, [2, 0, 1], [1, 2, 3]).tolist() == [2, 0, 1]
+    assert keyed_race(probs, [1, 0], [1, 2]).tolist() == [1, 0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_probabilities_of_any_float_dtype_take_the_race(dtype: torch.dtype) -> None:
     probs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 3.0]], dtype=dtype)

@@ -38,7 +38,7 @@ def position_seed(seed: int, position: int) -> int:
 
 def keyed_race(probs: torch.Tensor, rows: list[int], seeds: list[int]) -> torch.Tensor:
     """The exponential race of `rows` of `probs` (on a CPU), each with the noise of its seed."""
-    picked = probs if len(rows) == probs.shape[0] else probs.index_select(0, torch.tensor(rows))
+    picked = probs if rows == list(range(probs.shape[0])) else probs.index_select(0, torch.tensor(rows))
     values = picked.to(torch.float32).contiguous().numpy()
     keys = np.array([seed & U64 for seed in seeds], dtype=np.uint64)
     out = np.empty(len(rows), dtype=np.int64)
