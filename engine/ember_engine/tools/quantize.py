@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ember_engine.model.quant.schemes import DEFAULT_GROUP_SIZE
+
 # Written anew (config) or dropped (the shards' index: the copy is one file) rather than copied.
 _REWRITTEN = ("config.json", "model.safetensors.index.json")
 _PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
@@ -34,7 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="where to write the quantized checkpoint (must not exist)")
     p.add_argument("--scheme", required=True, choices=QUANT_SCHEMES)
     p.add_argument(
-        "--group-size", type=int, default=None, help="w4a16: input columns per scale (default 128)"
+        "--group-size",
+        type=int,
+        default=None,
+        help=f"w4a16: input columns per scale (default {DEFAULT_GROUP_SIZE})",
     )
     p.add_argument(
         "--block-size",
@@ -46,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_options(scheme: str, group_size: int | None, block_size: int) -> int:
     """Refuses, by name, an option `scheme` does not take or a size it cannot write; returns the group size
-    (w4a16's, 128 unless given; unused by the other schemes)."""
+    (w4a16's, `DEFAULT_GROUP_SIZE` unless given; unused by the other schemes)."""
     if group_size is not None and scheme != "w4a16":
         raise ValueError(f"--group-size applies to the w4a16 scheme only, not {scheme}")
     if group_size is not None and (group_size <= 0 or group_size % 2):
@@ -55,7 +60,7 @@ def check_options(scheme: str, group_size: int | None, block_size: int) -> int:
         raise ValueError(f"--block-size applies to the fp8 scheme only, not {scheme}")
     if block_size < 0 or block_size % 16:
         raise ValueError(f"--block-size must be a positive multiple of 16, got {block_size}")
-    return 128 if group_size is None else group_size
+    return DEFAULT_GROUP_SIZE if group_size is None else group_size
 
 
 def quantization_config(scheme: str, group_size: int, block_size: int = 0) -> dict[str, Any]:
