@@ -169,7 +169,11 @@ def test_a_kv_cache_only_checkpoint_runs_its_weights_unquantized(
     assert config["quantization_config"]["config_groups"] == {}
     runner = LLM(str(path), kv_cache_dtype="fp8").engine.runner
     assert runner.quant is None and runner.kv_cache.dtype == FP8
-    assert all(layer.k_scale != 1.0 for layer in runner.model.attention_layers())
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for i, layer in enumerate(runner.model.attention_layers()):
+            assert layer.k_scale == float(f.get_tensor(f"model.layers.{i}.self_attn.k_scale"))
+            assert layer.v_scale == float(f.get_tensor(f"model.layers.{i}.self_attn.v_scale"))
+            assert layer.checkpoint_scales == {"k", "v"}
     # The weights are the plain model's.
     plain = LLM(str(tiny_model)).engine.runner.model.state_dict()
     assert all(torch.equal(t, plain[name]) for name, t in runner.model.state_dict().items())

@@ -2,14 +2,22 @@
 checkpoint keeps the per-layer scales.
 
 A cache with `kv_cache_dtype="fp8"` holds float8_e4m3fn. Each attention layer has one K scale and one V
-scale (floats; 1.0 unless the checkpoint carries them): a write stores `x / scale`, saturated to ±448
-(E4M3's largest finite value) and rounded to the nearest E4M3 value (ties to even); a read gives
-`stored * scale`. The division is done as a multiplication by the float32 reciprocal, in the torch path
-and in the Triton kernels alike, so both store the same bytes.
+scale (floats): a write stores `x / scale`, saturated to ±448 (E4M3's largest finite value) and rounded
+to the nearest E4M3 value (ties to even); a read gives `stored * scale`. The division is done as a
+multiplication by the float32 reciprocal, in the torch path and in the Triton kernels alike, so both
+store the same bytes.
+
+The scales are the checkpoint's where it carries them. Otherwise they are computed at load: a forward
+over each of a few short sequences of fixed token ids (the same for every load of a model, whatever the
+traffic, the cache's size or the engine's seed) gives each layer's largest |K| and |V|, and the scale
+stores that at FP8_MAX / KV_SCALE_HEADROOM. Served text may then run KV_SCALE_HEADROOM times larger
+before it saturates, and values down to about 1/1800 of the calibration's largest (2^-6 stored, against
+448 / 16 = 28) keep E4M3's full precision; smaller ones are subnormal.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,6 +25,9 @@ from torch import Tensor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+KV_SCALE_HEADROOM = 16.0
+CALIBRATION_SEQUENCES, CALIBRATION_LENGTH = 8, 32
+_CALIBRATION_SEED = 0x6B76  # fixed: computed scales depend on the model alone
 
 # Checkpoint tensors holding KV scales, by the suffix after `...self_attn.`: compressed-tensors (what
 # llm-compressor's kv_cache_scheme writes), its older output-activation form, ModelOpt's, and the single
@@ -73,6 +84,25 @@ def quantize(x: Tensor, scale: float) -> Tensor:
 def dequantize(x: Tensor, scale: float) -> Tensor:
     """Stored E4M3 values back to float32."""
     return x.float() * scale
+
+
+def calibration_sequences(vocab_size: int) -> list[list[int]]:
+    """The token ids a scale calibration runs: CALIBRATION_SEQUENCES sequences of CALIBRATION_LENGTH draws
+    over the vocabulary, from a fixed seed."""
+    g = torch.Generator().manual_seed(_CALIBRATION_SEED)
+    ids = torch.randint(0, vocab_size, (CALIBRATION_SEQUENCES, CALIBRATION_LENGTH), generator=g)
+    return ids.tolist()
+
+
+def computed_scale(largest: float, what: str) -> float:
+    """The scale that stores `largest` (a calibration's largest |K| or |V|) at FP8_MAX / KV_SCALE_HEADROOM;
+    1.0 for a layer whose calibration values were all zero."""
+    if not math.isfinite(largest):
+        raise ValueError(
+            f"FP8 KV-cache scale calibration: the largest of an attention layer's {what} is {largest}; "
+            "the checkpoint's weights do not give finite activations"
+        )
+    return largest * KV_SCALE_HEADROOM / FP8_MAX if largest > 0 else 1.0
 
 
 def scale_target(name: str) -> tuple[str, str] | None:

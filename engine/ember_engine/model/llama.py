@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember_engine.model import kv_quant
 from ember_engine.model.attention import context_attention, store_kv
 from ember_engine.model.context import get_context
 from ember_engine.model.model_config import ModelConfig
@@ -95,8 +96,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)
-        # An FP8 cache's per-layer scales (stored = x / scale): the checkpoint's, else 1.0.
+        # An FP8 cache's per-layer scales (stored = x / scale): the checkpoint's ("k"/"v" in
+        # checkpoint_scales), else computed at load (kv_quant), 1.0 until then and with any other cache.
         self.k_scale = self.v_scale = 1.0
+        self.checkpoint_scales: set[str] = set()
+        # While the scales the checkpoint lacks are computed: the largest |K| and |V| seen so far.
+        self.calibration: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         n = x.shape[0]
@@ -107,12 +112,26 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
+        if self.calibration is not None:
+            self._calibrate(k, v)
         ctx = get_context()
         store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         out = context_attention(
             q.contiguous(), self.k_cache, self.v_cache, ctx, self.scale, self.k_scale, self.v_scale
         )
         return self.tp.all_reduce(self.o_proj(out.reshape(n, self.q_size)))
+
+    def _calibrate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scales from the largest |K| and |V| of the calibration so far (every rank's heads), set before
+        this forward stores them: the layers after this one then see what serving will give them."""
+        assert self.calibration is not None
+        here = self.tp.max_over_ranks(torch.stack([k.abs().max(), v.abs().max()]).float())
+        torch.maximum(self.calibration, here, out=self.calibration)
+        largest = self.calibration.tolist()
+        if "k" not in self.checkpoint_scales:
+            self.k_scale = kv_quant.computed_scale(largest[0], "keys")
+        if "v" not in self.checkpoint_scales:
+            self.v_scale = kv_quant.computed_scale(largest[1], "values")
 
 
 class MLP(nn.Module):

@@ -73,8 +73,10 @@ def _set_kv_scale(model: LlamaForCausalLM, name: str, target: tuple[str, str], t
     value = kv_quant.read_scale(name, tensor_slice[...])
     if "k" in which:
         attn.k_scale = value
+        attn.checkpoint_scales.add("k")
     if "v" in which:
         attn.v_scale = value
+        attn.checkpoint_scales.add("v")
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCollector | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from ember_engine.model.quant import apply as quant_apply
 from ember_engine.model.quant.checkpoint import read_quantization_config
 from ember_engine.model.quant.checkpoint import resolve as resolve_quantization
 from ember_engine.sample.sampler import sampler_peak_probe
+
+log = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
@@ -130,6 +133,8 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        if self.kv_dtype == kv_quant.FP8:
+            self._compute_kv_scales()
         # Every attention kernel variant compiles now, before the server reports ready.
         self.warm_up()
 
@@ -191,6 +196,38 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    @torch.inference_mode()
+    def _compute_kv_scales(self) -> None:
+        """Give every FP8-cache scale the checkpoint did not: kv_quant's calibration sequences, one forward
+        each (the cache's first blocks), in which each layer takes its scales from the largest |K| and |V|
+        seen so far, before it stores them (over every rank's heads under tensor parallelism, so each rank
+        stores the bytes one rank would). Short, separate sequences keep the result the same whatever the
+        cache's size and the step's token budget."""
+        layers = self.model.attention_layers()
+        if all(layer.checkpoint_scales >= {"k", "v"} for layer in layers):
+            return
+        n = min(
+            kv_quant.CALIBRATION_LENGTH,
+            self.config.max_num_batched_tokens,
+            self.max_model_len,
+            self.num_blocks * self.block_size,
+        )
+        blocks = list(range(-(-n // self.block_size)))
+        for layer in layers:
+            layer.calibration = torch.zeros(2, device=self.device)
+        try:
+            for tokens in kv_quant.calibration_sequences(self.model_config.vocab_size):
+                self.run([Chunk(blocks, 0, tokens[:n], 0)])
+        finally:
+            for layer in layers:
+                layer.calibration = None
+        if self.tp.rank == 0:
+            log.info(
+                "FP8 KV cache: scales computed where the checkpoint has none; K %s, V %s",
+                ", ".join(f"{a.k_scale:.3g}" for a in layers),
+                ", ".join(f"{a.v_scale:.3g}" for a in layers),
+            )
 
     # -- a step ---------------------------------------------------------------------------------------
 

@@ -83,6 +83,12 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def max_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise, the largest of every rank's `t` (in place)."""
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
 
 SINGLE = TPGroup()
 
