@@ -3,15 +3,22 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+GPTQ_TEST_PACKAGES := gptqmodel==7.7.0 optimum==2.3.0 pypcre==0.6.4 device-smi==0.5.7 logbar==0.4.15 \
+	tokenicer==0.0.14 defuser==0.0.28 threadpoolctl==3.8.0
 
 .PHONY: demo demo-engine test lint typecheck pytest venv clean crds dev-up dev-down
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[engine,operator,router,local,dev]'
+	# GPTQModel writes the GPTQ test checkpoints and is the oracle that runs them (tests/gptq_build.py,
+	# tests/gptq_oracle.py). Its metadata asks for newer torch and transformers than llm-compressor allows
+	# and runs on these, so it and its small dependencies go in without their requirements, and without
+	# CUDA kernels to build.
+	BUILD_CUDA_EXT=0 $(BIN)/python -m pip install -q --no-deps --no-build-isolation $(GPTQ_TEST_PACKAGES)
 	touch $(STAMP)
 
 # The operator end to end on the local control plane (README: Quickstart); kubectl is used where it is on

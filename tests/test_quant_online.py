@@ -64,16 +64,16 @@ def test_quantization_refuses_tensor_parallelism(tiny_model: Path) -> None:
 
 
 def test_unsupported_checkpoint_format_is_named(tiny_model: Path, tmp_path: Path) -> None:
-    ckpt = tmp_path / "awq"
+    ckpt = tmp_path / "bnb"
     ckpt.mkdir()
     for f in tiny_model.iterdir():
         (ckpt / f.name).symlink_to(f)
     config = json.loads((tiny_model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (ckpt / "config.json").unlink()
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"quant_method 'awq' is not supported; supported: compressed-tensors"
+        ValueError, match=r"quant_method 'bitsandbytes' is not supported; supported: compressed-tensors"
     ):
         LLM(str(ckpt))
 

@@ -8,9 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember_engine.model.quant.checkpoint import QuantSpec, decode
+from ember_engine.model.quant import gptq
+from ember_engine.model.quant.checkpoint import decode
 from ember_engine.model.quant.linear import QuantLinear, make_layer, quantize_linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+from ember_engine.model.quant.spec import QuantSpec
 
 # The decoder's projections; embeddings, norms and the LM head keep the model dtype.
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -77,7 +79,7 @@ class QuantCollector:
         module, _, suffix = target.rpartition(".")
         if module not in self.layers or suffix == "bias":
             return False
-        if suffix not in self.spec.required() and suffix not in ("input_scale", "weight_zero_point"):
+        if suffix not in self.spec.required() and suffix not in ("input_scale", "weight_zero_point", "g_idx"):
             raise UnsupportedQuantizationError(
                 f"unexpected tensor {name!r} in a {self.spec.format} checkpoint"
             )
@@ -91,11 +93,19 @@ class QuantCollector:
             return True
         if suffix == "input_scale":
             return True  # dynamic activations only: a calibrated scale is not used
+        if suffix == "g_idx" and suffix not in self.spec.required():
+            gptq.input_order(self.spec, name, tensor_slice[:])  # without desc_act: refuses a reordering
+            return True
         self.pending.setdefault(key, {})[suffix] = tensor_slice[:]
         self.offsets[key] = offset
         if self.spec.required() <= self.pending[key].keys():
-            weight, scale = decode(self.spec, self.pending.pop(key))
-            self.layers[module].set_rows(offset, weight.to(self.layers[module].weight_scale.device), scale)
+            tensors = self.pending.pop(key)
+            layer = self.layers[module]
+            if "g_idx" in tensors:
+                projection = name.rpartition(".")[0]
+                layer.set_input_order(gptq.input_order(self.spec, projection, tensors["g_idx"]), projection)
+            weight, scale = decode(self.spec, tensors)
+            layer.set_rows(offset, weight.to(layer.weight_scale.device), scale)
             self.done.add(key)
         return True
 

@@ -10,44 +10,23 @@ Formats read:
 - Hugging Face `fp8` (`quant_method: fp8`): FP8 `weight` with `weight_scale_inv` per tensor or per channel,
   or per tile of `weight_block_size` [rows, columns] (block-scaled: the tiles' scales are kept, and
   activations are quantized per token and group of `columns` input columns).
+- GPTQ and AWQ (`quant_method: gptq`, `awq`): read by `gptq.py`.
 Anything else is refused by name, with what is supported.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ember_engine.model.quant import schemes
+from ember_engine.model.quant import gptq, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+from ember_engine.model.quant.spec import GPTQ_FORMATS, QuantSpec
 
 _CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized")
-
-
-@dataclass(frozen=True, slots=True)
-class QuantSpec:
-    scheme: str  # fp8 | w8a16 | w4a16
-    format: str  # online | float-quantized | pack-quantized | int-quantized | hf-fp8
-    group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
-    num_bits: int = 8
-    block_rows: int = 0  # block-scaled fp8: output rows per tile of the checkpoint's scales
-
-    @property
-    def prequantized(self) -> bool:
-        return self.format != "online"
-
-    def required(self) -> frozenset[str]:
-        """The tensor suffixes one projection needs before it can be decoded."""
-        return {
-            "float-quantized": frozenset({"weight", "weight_scale"}),
-            "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"}),
-            "int-quantized": frozenset({"weight", "weight_scale"}),
-            "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
-        }[self.format]
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
@@ -108,10 +87,12 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
                 f"fp8 checkpoint: weight_block_size {block!r}: columns per block must be a multiple of 16"
             )
         return QuantSpec("fp8", "hf-fp8", group_size=block[1], block_rows=block[0])
+    if method in ("gptq", "awq"):
+        return gptq.parse_gptq(qc) if method == "gptq" else gptq.parse_awq(qc)
     if method != "compressed-tensors":
         raise UnsupportedQuantizationError(
             f"quantization_config: quant_method {method!r} is not supported; supported: compressed-tensors "
-            f"({', '.join(_CT_FORMATS)}), fp8"
+            f"({', '.join(_CT_FORMATS)}), fp8, gptq, awq"
         )
     fmt = qc.get("format")
     if fmt not in _CT_FORMATS:
@@ -171,7 +152,10 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
 def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """One projection's checkpoint tensors -> (canonical weight, scale): FP8/int8 weight [out, in] and scale
     [out] (per channel), or [out, in / group] (grouped; block-scaled fp8: each row its tile's scales); for
-    w4a16 int4 values as int8 [out, in] and scale [out, in / group]."""
+    w4a16 int4 values as int8 [out, in] and scale [out, in / group]. A GPTQ act-order projection's columns
+    come in group order (gptq.input_order)."""
+    if spec.format in (*GPTQ_FORMATS, "awq"):
+        return gptq.decode(spec, tensors)
     scale = tensors.get("weight_scale", tensors.get("weight_scale_inv"))
     assert scale is not None
     if spec.format == "pack-quantized":

@@ -40,9 +40,31 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        # GPTQ act-order: the input columns' order the weight's columns are held in (None: as given), and
+        # the checkpoint projection that set it (every part of a merged projection must agree).
+        self.input_order: torch.Tensor | None = None
+        self._order_from: str | None = None
+
+    def set_input_order(self, order: torch.Tensor | None, name: str) -> None:
+        if self._order_from is not None:
+            same = (order is None and self.input_order is None) or (
+                order is not None
+                and self.input_order is not None
+                and torch.equal(order, self.input_order.cpu())
+            )
+            if not same:
+                raise schemes.UnsupportedQuantizationError(
+                    f"{name}: its g_idx orders the input columns unlike {self._order_from}'s, with which it is "
+                    "merged (they share an input); not supported"
+                )
+            return
+        self._order_from = name
+        self.input_order = None if order is None else order.to(self.weight_scale.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         y = self.matmul(x.reshape(-1, shape[-1]))
         if self.bias is not None:
             y = y + self.bias
@@ -52,7 +74,7 @@ class QuantLinear(nn.Module):
         raise NotImplementedError
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight the scheme stands for, [out, in] (tests, oracles)."""
+        """The weight the scheme stands for, [out, in], its columns in input_order where that is set."""
         raise NotImplementedError
 
     def set_rows(self, start: int, weight: torch.Tensor, scale: torch.Tensor) -> None:

@@ -1,0 +1,181 @@
+"""GPTQ and AWQ checkpoints: their `quantization_config` and their tensors, decoded into the engine's
+canonical forms (`schemes.py`).
+
+- GPTQ (`quant_method: gptq`, what GPTQModel and AutoGPTQ write; "...-GPTQ-Int4" downloads): `qweight`
+  (4- or 8-bit values packed into int32 words along the input dimension), `qzeros` (zero points packed
+  along the output dimension; `checkpoint_format` `gptq` stores each less one, word by word, `gptq_v2`
+  as it is), `scales` [groups, out] and `g_idx` (each input column's group). With `desc_act` (act-order)
+  the groups are not runs of columns: the columns are put in group order at load and each projection's
+  input is gathered into that order (`QuantLinear.input_order`).
+- AWQ (`quant_method: awq`, `version: gemm`; "...-AWQ" downloads): `qweight` [in, out / 8] and `qzeros`,
+  4-bit values packed along the output dimension in AWQ's interleaved order, and `scales` [groups, out].
+
+Symmetric values (every zero point the midpoint) are the signed ints of the compressed-tensors forms and
+run as w4a16 / w8a16; 4-bit values with zero points of their own (GPTQ `sym: false`, AWQ `zero_point:
+true`) are held less them, -15..15 in int8, and run as w8a16 with the checkpoint's groups.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ember_engine.model.quant import schemes
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+from ember_engine.model.quant.spec import GPTQ_FORMATS, QuantSpec
+
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: field k of a word holds column _AWQ_ORDER[k]
+
+
+def parse_gptq(qc: dict[str, Any]) -> QuantSpec:
+    bits, group = qc.get("bits"), qc.get("group_size")
+    fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+    if fmt not in GPTQ_FORMATS:
+        raise UnsupportedQuantizationError(
+            f"gptq: checkpoint_format {fmt!r} is not supported; supported: {', '.join(GPTQ_FORMATS)}"
+        )
+    if bits not in (4, 8):
+        raise UnsupportedQuantizationError(f"gptq: {bits}-bit weights are not supported; supported: 4, 8")
+    asymmetric = not qc.get("sym", True)
+    if asymmetric and bits != 4:
+        raise UnsupportedQuantizationError(
+            "gptq: asymmetric 8-bit weights (sym: false) are not supported; supported: sym: true, or 4 bits"
+        )
+    if not isinstance(group, int) or not (group > 0 or (group == -1 and bits == 8)):
+        raise UnsupportedQuantizationError(
+            f"gptq: group_size {group!r} is not supported with {bits}-bit weights; supported: a positive "
+            "group size" + (", or -1 (per channel)" if bits == 8 else "")
+        )
+    if qc.get("lm_head"):
+        raise UnsupportedQuantizationError("gptq: a quantized lm_head (lm_head: true) is not supported")
+    if qc.get("dynamic"):
+        raise UnsupportedQuantizationError(
+            "gptq: per-module overrides (dynamic) are not supported; every projection must share one scheme"
+        )
+    return QuantSpec(
+        "w4a16" if bits == 4 and not asymmetric else "w8a16",
+        fmt,
+        group_size=max(group, 0),
+        num_bits=bits,
+        act_order=bool(qc.get("desc_act")),
+        zero_points=asymmetric,
+    )
+
+
+def parse_awq(qc: dict[str, Any]) -> QuantSpec:
+    bits, group = qc.get("bits"), qc.get("group_size")
+    version = str(qc.get("version") or qc.get("checkpoint_format") or "gemm").lower()
+    if version != "gemm":
+        raise UnsupportedQuantizationError(f"awq: version {version!r} is not supported; supported: gemm")
+    if bits != 4:
+        raise UnsupportedQuantizationError(f"awq: {bits}-bit weights are not supported; supported: 4")
+    if not isinstance(group, int) or group <= 0:
+        raise UnsupportedQuantizationError(
+            f"awq: group_size {group!r} is not supported; supported: a positive group size"
+        )
+    if qc.get("modules_to_not_convert"):
+        raise UnsupportedQuantizationError(
+            f"awq: modules_to_not_convert {qc['modules_to_not_convert']!r} is not supported; every projection "
+            "must be quantized"
+        )
+    zero_points = bool(qc.get("zero_point", True))
+    return QuantSpec(
+        "w8a16" if zero_points else "w4a16", "awq", group_size=group, num_bits=4, zero_points=zero_points
+    )
+
+
+def input_order(spec: QuantSpec, name: str, g_idx: torch.Tensor) -> torch.Tensor | None:
+    """The order a GPTQ projection's input columns are put in so that its groups are runs of group_size
+    columns (a stable sort by group), or None where they already are. Refused where a group does not
+    hold exactly group_size columns."""
+    g_idx = g_idx.to(torch.int64).reshape(-1)
+    columns, size = g_idx.numel(), spec.group_size or g_idx.numel()
+    if torch.equal(g_idx, torch.arange(columns) // size):
+        return None
+    counts = torch.bincount(g_idx, minlength=-(-columns // size)) if g_idx.min() >= 0 else None
+    expected = torch.full((-(-columns // size),), size)
+    expected[-1] = columns - size * (expected.numel() - 1)
+    if counts is None or not torch.equal(counts, expected):
+        raise UnsupportedQuantizationError(
+            f"{name}: g_idx does not give each group {size} columns; not supported"
+        )
+    if not spec.act_order:
+        raise UnsupportedQuantizationError(f"{name}: g_idx reorders the groups, but desc_act is false")
+    return torch.sort(g_idx, stable=True).indices
+
+
+def _less_zeros(
+    spec: QuantSpec, what: str, weight: torch.Tensor, zeros: torch.Tensor, column_groups: torch.Tensor
+) -> torch.Tensor:
+    """Values less their zero points, [out, in] int8. `weight` [out, in] and `zeros` [groups, out] come
+    as unpack_int32 gives them (each less the midpoint); column i is in group column_groups[i]. Without
+    zero_points every zero point must be the midpoint."""
+    if not spec.zero_points:
+        if torch.count_nonzero(zeros):
+            raise UnsupportedQuantizationError(
+                f"{what}: zero points other than the midpoint (asymmetric weights) in a checkpoint that "
+                "declares them symmetric"
+            )
+        return weight
+    return (weight.to(torch.int16) - zeros.to(torch.int16).t()[:, column_groups]).to(torch.int8)
+
+
+def _check_groups(
+    spec: QuantSpec, what: str, out: int, inp: int, scales: torch.Tensor, zeros: torch.Tensor
+) -> None:
+    groups = -(-inp // spec.group_size) if spec.group_size else 1
+    if tuple(scales.shape) != (groups, out) or tuple(zeros.shape[:1]) != (groups,):
+        raise UnsupportedQuantizationError(
+            f"{what}: a [{out}, {inp}] weight in groups of {spec.group_size or inp} needs scales "
+            f"[{groups}, {out}]; found scales {list(scales.shape)}, qzeros {list(zeros.shape)}"
+        )
+
+
+def _decode_gptq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+    inp, out = qweight.shape[0] * 32 // spec.num_bits, qweight.shape[1]
+    _check_groups(spec, "gptq", out, inp, scales, qzeros)
+    if spec.format == "gptq":
+        # Stored less one, word by word (a zero point of 0 borrows from the next): adding one to every
+        # field of each word, carries and all, gives them back, as GPTQModel reads this format.
+        ones = sum(1 << k for k in range(0, 32, spec.num_bits))
+        words = (qzeros.to(torch.int64) + ones) & 0xFFFFFFFF
+        qzeros = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    # Both packings hold unsigned values from the low bits up; unpack_int32 gives each less the midpoint.
+    weight = schemes.unpack_int32(qweight.t().contiguous(), spec.num_bits, inp)  # [out, in]
+    zeros = schemes.unpack_int32(qzeros, spec.num_bits, out)  # [groups, out]
+    g_idx = tensors.get("g_idx")
+    size = spec.group_size or inp
+    groups = torch.arange(inp) // size if g_idx is None else g_idx.to(torch.int64).reshape(-1)
+    weight = _less_zeros(spec, "gptq", weight, zeros, groups)
+    if g_idx is not None:
+        order = input_order(spec, "gptq", g_idx)
+        if order is not None:
+            weight = weight[:, order].contiguous()
+    return weight, scales.float().t().contiguous()  # [out, groups]; [out, 1] per channel
+
+
+def _unpack_awq(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """AWQ's GEMM packing: 8 4-bit values per int32 along the last dimension, nibble k of a word holding
+    column _AWQ_ORDER[k] of its 8. Each value less 8, in column order."""
+    values = schemes.unpack_int32(packed, 4, columns)
+    out = torch.empty_like(values)
+    for k, column in enumerate(_AWQ_ORDER):
+        out[:, column::8] = values[:, k::8]
+    return out
+
+
+def _decode_awq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+    inp, out = qweight.shape[0], qweight.shape[1] * 8
+    _check_groups(spec, "awq", out, inp, scales, qzeros)
+    weight = _unpack_awq(qweight, out).t().contiguous()  # [out, in]
+    zeros = _unpack_awq(qzeros, out)  # [groups, out]
+    weight = _less_zeros(spec, "awq", weight, zeros, torch.arange(inp) // spec.group_size)
+    return weight, scales.float().t().contiguous()
+
+
+def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's tensors -> (int8 weight [out, in], scale [out, groups])."""
+    return _decode_awq(spec, tensors) if spec.format == "awq" else _decode_gptq(spec, tensors)

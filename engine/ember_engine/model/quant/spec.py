@@ -1,0 +1,39 @@
+"""What a quantized model runs: its scheme, the checkpoint format its tensors come in, and their groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ember_engine.model.quant import schemes
+
+GPTQ_FORMATS = ("gptq", "gptq_v2")
+GPTQ_TENSORS = frozenset({"qweight", "qzeros", "scales"})
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSpec:
+    scheme: str  # fp8 | w8a16 | w4a16
+    format: str  # online | float-quantized | pack-quantized | int-quantized | hf-fp8 | gptq | gptq_v2 | awq
+    group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
+    num_bits: int = 8
+    block_rows: int = 0  # block-scaled fp8: output rows per tile of the checkpoint's scales
+    act_order: bool = False  # GPTQ desc_act: groups given by g_idx, not by runs of columns
+    # 4-bit values with zero points of their own (GPTQ sym: false, AWQ zero_point: true): held as int8
+    # values less their zero points, run as w8a16 with the checkpoint's groups
+    zero_points: bool = False
+
+    @property
+    def prequantized(self) -> bool:
+        return self.format != "online"
+
+    def required(self) -> frozenset[str]:
+        """The tensor suffixes one projection needs before it can be decoded."""
+        return {
+            "float-quantized": frozenset({"weight", "weight_scale"}),
+            "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"}),
+            "int-quantized": frozenset({"weight", "weight_scale"}),
+            "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
+            "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
+            "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
+            "awq": GPTQ_TENSORS,
+        }[self.format]

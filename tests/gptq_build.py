@@ -1,0 +1,68 @@
+"""Writes a GPTQ or AWQ copy of a test checkpoint with GPTQModel (run as a script, in its own process, so
+its imports stay out of the test process): `python gptq_build.py SRC DST PRESET [pair]`.
+
+PRESET: INT4 (GPTQ, 4-bit, symmetric, groups of 64 input columns), INT4_ACT (the same with desc_act,
+act-order), INT8 (8-bit), INT4_ASYM (4-bit with zero points, sym: false), all in GPTQ's own format
+(`checkpoint_format: gptq`); AWQ (AWQ's GEMM format, 4-bit, zero_point: false) and AWQ_ASYM (zero_point:
+true, as AutoAWQ's checkpoints are). The calibration text is 16 sequences of 64 token ids drawn from a
+fixed seed, or with `pair` (for the packaged pair's target, whose tokenizer it needs) 16 windows of 64
+tokens spread evenly over the pair's training split.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# preset: (method, bits, act-order, symmetric)
+PRESETS = {
+    "INT4": ("gptq", 4, False, True),
+    "INT4_ACT": ("gptq", 4, True, True),
+    "INT8": ("gptq", 8, False, True),
+    "INT4_ASYM": ("gptq", 4, False, False),
+    "AWQ": ("awq", 4, False, True),
+    "AWQ_ASYM": ("awq", 4, False, False),
+}
+
+
+def _calibration(src: Path, text: str):  # type: ignore[no-untyped-def]
+    import json
+
+    import torch
+
+    if text == "pair":
+        from ember_engine.tools import testmodel
+        from ember_engine.tools.training import corpus_tokens
+
+        added = json.loads((src / "tokenizer.json").read_text())["added_tokens"]
+        eos = next(t["id"] for t in added if t["content"] == testmodel.EOS)
+        train = corpus_tokens(src / "tokenizer.json", eos)[0]
+        stride = (len(train) - 64) // 16
+        return [train[i * stride : i * stride + 64].reshape(1, 64) for i in range(16)]
+    g = torch.Generator().manual_seed(0)
+    return list(torch.randint(3, 4000, (16, 1, 64), generator=g))
+
+
+def build(src: Path, dst: Path, preset: str, text: str = "random") -> None:
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # its CPU pool wants two workers at least
+    src, dst = src.resolve(), dst.resolve()
+    os.chdir(tempfile.mkdtemp())  # GPTQModel writes a log folder where it runs
+    import torch
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel.quantization.config import FORMAT, METHOD
+
+    method, bits, act_order, sym = PRESETS[preset]
+    options: dict = {"quant_method": METHOD.AWQ, "format": FORMAT.GEMM} if method == "awq" else {}
+    config = QuantizeConfig(bits=bits, group_size=64, desc_act=act_order, sym=sym, **options)
+    model = GPTQModel.load(str(src), config, device="cpu")
+    calibration = [
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in _calibration(src, text)
+    ]
+    model.quantize(calibration, batch_size=1)
+    model.save(str(dst))
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:5])

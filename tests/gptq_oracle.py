@@ -1,0 +1,43 @@
+"""What transformers + GPTQModel compute on a GPTQ checkpoint, run in its own process (GPTQModel's
+imports patch transformers): `python gptq_oracle.py CKPT OUT PROMPTS`. Writes to OUT (torch.save) each
+prompt's logits (float32 model), 12 greedy tokens after each prompt, and every projection's weight as
+GPTQModel dequantizes it ([out, in], the checkpoint's column order), by module name. PROMPTS is a JSON
+file of token-id lists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+
+
+def main(ckpt: str, out: str, prompts_file: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, device_map="cpu", dtype=torch.float32)
+    prompts = json.loads(Path(prompts_file).read_text())
+    result: dict = {"logits": [], "greedy": [], "weights": {}}
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            result["logits"].append(model(ids).logits[0].float())
+            gen = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+            result["greedy"].append(gen[0, len(p) :].tolist())
+        layers = {n: m for n, m in model.named_modules() if hasattr(m, "qweight")}
+        # Which way round the kernel gives its weight, told by a projection that is not square.
+        probe = next(m for m in layers.values() if m.in_features != m.out_features)
+        flip = probe.dequantize_weight().shape[0] == probe.in_features
+        for name, module in layers.items():
+            w = module.dequantize_weight()
+            result["weights"][name] = (w.t() if flip else w).contiguous()
+    result["kernel"] = type(model.model.layers[0].mlp.down_proj).__name__
+    torch.save(result, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

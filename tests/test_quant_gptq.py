@@ -1,0 +1,275 @@
+"""GPTQ and AWQ checkpoints (`quant_method: gptq`, `awq`) that GPTQModel wrote load into ember and compute
+what transformers + GPTQModel compute on them: GPTQ 4-bit with and without act-order (desc_act), 8-bit,
+and 4-bit with zero points (sym: false); AWQ with and without zero points."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ember_engine import LLM, SamplingParams
+from ember_engine.model.model_runner import Chunk
+from ember_engine.model.quant import schemes
+from ember_engine.model.quant.linear import Int4Linear, Int8Linear
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+
+# The layer each preset runs in: symmetric 4-bit values as w4a16, 8-bit ones and 4-bit ones with zero
+# points (held less them, in int8) as w8a16.
+PRESETS = {
+    "INT4": Int4Linear,
+    "INT4_ACT": Int4Linear,
+    "INT8": Int8Linear,
+    "INT4_ASYM": Int8Linear,
+    "AWQ": Int4Linear,
+    "AWQ_ASYM": Int8Linear,
+}
+# Largest |ember - oracle| logit difference, as a fraction of the logits' range. GPTQModel's CPU GPTQ
+# kernels multiply in reduced precision (a projection 2e-4 of its largest output off the float64 product,
+# ember's 1e-7): measured 1.9e-4 to 3.4e-4. Its AWQ kernel keeps float32: 4e-7 (symmetric) and 6e-5.
+TOLERANCE = {"AWQ": 1e-5, "AWQ_ASYM": 2e-4}
+MERGED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+BEFORE = {"k_proj": ("q_proj",), "v_proj": ("q_proj", "k_proj"), "up_proj": ("gate_proj",)}  # rows ahead
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(10, 4000, (20 + 7 * i,), generator=g).tolist() for i in range(6)]
+
+
+@pytest.fixture(scope="module", params=list(PRESETS))
+def gptq(request: pytest.FixtureRequest, quantized_model: Callable[..., Path], tmp_path_factory) -> tuple:  # type: ignore[no-untyped-def]
+    preset = request.param
+    path = quantized_model("tiny", preset, "gptq_build.py")
+    work = tmp_path_factory.mktemp(preset.lower())
+    (work / "prompts.json").write_text(json.dumps(_prompts()))
+    oracle = Path(__file__).with_name("gptq_oracle.py")
+    subprocess.run(
+        [sys.executable, str(oracle), str(path), str(work / "oracle.pt"), str(work / "prompts.json")],
+        check=True,
+    )
+    return preset, path, torch.load(work / "oracle.pt")
+
+
+def _checkpoint_order(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A layer's weight with its columns back in the checkpoint's order."""
+    if layer.input_order is None:
+        return weight
+    back = torch.empty_like(weight)
+    back[:, layer.input_order] = weight
+    return back
+
+
+def test_every_weight_is_what_gptqmodel_dequantizes(gptq) -> None:  # type: ignore[no-untyped-def]
+    preset, path, oracle = gptq
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    method = "awq" if preset.startswith("AWQ") else "gptq"
+    assert (config["quant_method"], config["desc_act"]) == (method, preset == "INT4_ACT")
+    assert config.get("sym", config.get("zero_point") is False) == (not preset.endswith("ASYM"))
+    model = LLM(str(path), num_kv_blocks=64, dtype="float32").engine.runner.model
+    assert len(oracle["weights"]) == 7 * len(model.model.layers)
+    for name, theirs in oracle["weights"].items():
+        module, proj = name.rsplit(".", 1)
+        layer = model.get_submodule(f"{module}.{MERGED.get(proj, proj)}")
+        assert isinstance(layer, PRESETS[preset])
+        ours = _checkpoint_order(layer, layer.dequantized(torch.float32))
+        start = sum(oracle["weights"][f"{module}.{p}"].shape[0] for p in BEFORE.get(proj, ()))
+        # GPTQModel's kernel dequantizes to float16; ember keeps the float32 products (exact).
+        assert torch.equal(ours[start : start + theirs.shape[0]].half(), theirs.half()), name
+    if preset == "INT4_ACT":
+        assert all(layer.mlp.down_proj.input_order is not None for layer in model.model.layers)
+
+
+def test_logits_and_greedy_tokens_match_transformers(gptq) -> None:  # type: ignore[no-untyped-def]
+    preset, path, oracle = gptq
+    llm = LLM(str(path), num_kv_blocks=64, dtype="float32")
+    runner = llm.engine.runner
+    for prompt, theirs in zip(_prompts(), oracle["logits"], strict=True):
+        ours = runner.forward([Chunk(list(range(-(-len(prompt) // 16))), 0, prompt, num_logits=len(prompt))])
+        span = (theirs.max() - theirs.min()).item()
+        assert (ours - theirs).abs().max().item() <= TOLERANCE.get(preset, 1e-3) * span, preset
+    got = llm.generate(
+        _prompts(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
+    agree = sum(list(g.token_ids) == e for g, e in zip(got, oracle["greedy"], strict=True))
+    assert agree >= len(got) - 1, (preset, agree)
+
+
+def _edited(src: Path, dst: Path, config: dict | None = None, tensors: Callable | None = None) -> Path:
+    shutil.copytree(src, dst)
+    if config is not None:
+        raw = json.loads((src / "config.json").read_text())
+        raw["quantization_config"].update(config)
+        (dst / "config.json").write_text(json.dumps(raw))
+    if tensors is not None:
+        t = load_file(str(src / "model.safetensors"))
+        tensors(t)
+        save_file(t, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_gptq_v2_zero_points_load_as_the_same_weights(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    src = quantized_model("tiny", "INT4", "gptq_build.py")
+
+    def to_v2(t: dict) -> None:  # v1 stores each zero point less one
+        for name in [n for n in t if n.endswith(".qzeros")]:
+            words = t[name].shape[1]
+            zeros = schemes.unpack_int32(t[name], 4, words * 8) + 1
+            t[name] = schemes.pack_int32(zeros, 4)
+
+    v2 = _edited(src, tmp_path / "v2", {"checkpoint_format": "gptq_v2"}, to_v2)
+    prompt = _prompts()[0]
+    chunk = [Chunk(list(range(-(-len(prompt) // 16))), 0, prompt, num_logits=len(prompt))]
+    a = LLM(str(src), num_kv_blocks=16).engine.runner.forward(chunk)
+    b = LLM(str(v2), num_kv_blocks=16).engine.runner.forward(chunk)
+    assert torch.equal(a, b)
+
+
+def _swap_groups(t: dict, name: str) -> None:
+    """A g_idx that reorders the groups (act-order), the weight left as it is."""
+    g = t[name]
+    t[name] = torch.cat((g[len(g) // 2 :], g[: len(g) // 2]))
+
+
+# (config changes, tensor edits, the error) for a GPTQ and an AWQ checkpoint ember cannot run.
+GPTQ_REFUSALS = [
+    (
+        {"sym": False, "bits": 8},
+        None,
+        r"gptq: asymmetric 8-bit weights \(sym: false\) are not supported; supported: sym: true, or 4 bits",
+    ),
+    ({"bits": 3}, None, r"gptq: 3-bit weights are not supported; supported: 4, 8"),
+    (
+        {"checkpoint_format": "marlin"},
+        None,
+        r"gptq: checkpoint_format 'marlin' is not supported; supported: gptq, gptq_v2",
+    ),
+    (
+        {"group_size": -1},
+        None,
+        r"gptq: group_size -1 is not supported with 4-bit weights; supported: a positive group size$",
+    ),
+    ({"lm_head": True}, None, r"gptq: a quantized lm_head \(lm_head: true\) is not supported"),
+    ({"dynamic": {"-:.*down": {}}}, None, r"gptq: per-module overrides \(dynamic\) are not supported"),
+    (
+        {"quant_method": "bitsandbytes"},
+        None,
+        r"quant_method 'bitsandbytes' is not supported; supported: compressed-tensors .*, fp8, gptq, awq$",
+    ),
+    (
+        None,
+        lambda t: t.__setitem__(
+            "model.layers.0.mlp.up_proj.qzeros", t["model.layers.0.mlp.up_proj.qzeros"] + 1
+        ),
+        r"gptq: zero points other than the midpoint \(asymmetric weights\) in a checkpoint that declares "
+        r"them symmetric",
+    ),
+    (
+        None,
+        lambda t: _swap_groups(t, "model.layers.1.mlp.down_proj.g_idx"),
+        r"model.layers.1.mlp.down_proj.g_idx: g_idx reorders the groups, but desc_act is false",
+    ),
+    (
+        None,
+        lambda t: t.__setitem__(
+            "model.layers.0.mlp.down_proj.scales", t["model.layers.0.mlp.down_proj.scales"][:1]
+        ),
+        r"gptq: a \[128, 256\] weight in groups of 64 needs scales \[4, 128\]; found scales \[1, 128\]",
+    ),
+]
+AWQ_REFUSALS = [
+    ({"version": "gemv"}, None, r"awq: version 'gemv' is not supported; supported: gemm"),
+    ({"bits": 8}, None, r"awq: 8-bit weights are not supported; supported: 4"),
+    ({"group_size": -1}, None, r"awq: group_size -1 is not supported; supported: a positive group size"),
+    (
+        {"modules_to_not_convert": ["down_proj"]},
+        None,
+        r"awq: modules_to_not_convert \['down_proj'\] is not supported; every projection must be quantized",
+    ),
+    (
+        None,
+        lambda t: t.__setitem__(
+            "model.layers.1.self_attn.o_proj.qzeros", t["model.layers.1.self_attn.o_proj.qzeros"] - 1
+        ),
+        r"awq: zero points other than the midpoint \(asymmetric weights\) in a checkpoint that declares "
+        r"them symmetric",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("preset", "config", "edit", "error"),
+    [("INT4", *case) for case in GPTQ_REFUSALS] + [("AWQ", *case) for case in AWQ_REFUSALS],
+)
+def test_what_ember_cannot_run_is_refused_by_name(  # type: ignore[no-untyped-def]
+    quantized_model, tmp_path: Path, preset, config, edit, error
+) -> None:
+    bad = _edited(quantized_model("tiny", preset, "gptq_build.py"), tmp_path / "m", config, edit)
+    with pytest.raises(UnsupportedQuantizationError, match=error):
+        LLM(str(bad), num_kv_blocks=16)
+
+
+def test_a_zero_point_of_zero_survives_gptqs_v1_format(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """v1 stores each zero point less one, word by word: a zero point of 0 borrows from its neighbour.
+    The v1 and v2 copies of the same zero points give the same model."""
+    src = quantized_model("tiny", "INT4_ASYM", "gptq_build.py")
+    name = "model.layers.0.mlp.gate_proj.qzeros"
+    ones = 0x11111111
+
+    def words(t: torch.Tensor, delta: int) -> torch.Tensor:
+        w = (t.to(torch.int64) + delta) & 0xFFFFFFFF
+        return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
+
+    def as_v2(t: dict) -> None:
+        for n in [n for n in t if n.endswith(".qzeros")]:
+            t[n] = words(t[n], ones)
+        zeros = schemes.unpack_int32(t[name], 4, t[name].shape[1] * 8)
+        zeros[:, ::3] = -8  # a zero point of 0 in every third column
+        t[name] = schemes.pack_int32(zeros, 4)
+
+    v2 = _edited(src, tmp_path / "v2", {"checkpoint_format": "gptq_v2"}, as_v2)
+    v1 = _edited(
+        v2,
+        tmp_path / "v1",
+        {"checkpoint_format": "gptq"},
+        lambda t: t.update({n: words(t[n], -ones) for n in t if n.endswith(".qzeros")}),
+    )
+    stored_v1 = load_file(str(v1 / "model.safetensors"))[name]
+    zeros_v2 = schemes.unpack_int32(load_file(str(v2 / "model.safetensors"))[name], 4, stored_v1.shape[1] * 8)
+    each_less_one = schemes.pack_int32((zeros_v2 + 7) % 16 - 8, 4)  # field by field, no borrow
+    assert not torch.equal(stored_v1, each_less_one)  # the 0s borrowed
+    prompt = _prompts()[0]
+    chunk = [Chunk(list(range(-(-len(prompt) // 16))), 0, prompt, num_logits=len(prompt))]
+    a = LLM(str(v1), num_kv_blocks=16).engine.runner.forward(chunk)
+    b = LLM(str(v2), num_kv_blocks=16).engine.runner.forward(chunk)
+    assert torch.equal(a, b)
+    # Where the zero point is 0, the values less it are the stored values, 0..15.
+    gate_up = LLM(str(v1), num_kv_blocks=16).engine.runner.model.model.layers[0].mlp.gate_up_proj
+    held = gate_up.weight_data()[: zeros_v2.shape[1] : 3]
+    assert held.min() >= 0 and held.max() <= 15 and held.max() > 7
+
+
+def test_act_order_parts_of_a_merged_projection_must_agree(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    src = quantized_model("tiny", "INT4_ACT", "gptq_build.py")
+    bad = _edited(
+        src, tmp_path / "m", None, lambda t: _swap_groups(t, "model.layers.0.self_attn.k_proj.g_idx")
+    )
+    with pytest.raises(
+        UnsupportedQuantizationError,
+        match=r"model.layers.0.self_attn.(k|q)_proj: its g_idx orders the input columns unlike "
+        r"model.layers.0.self_attn.(q|k)_proj's, with which it is merged \(they share an input\); not supported",
+    ):
+        LLM(str(bad), num_kv_blocks=16)
