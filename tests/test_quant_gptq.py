@@ -21,15 +21,15 @@ from ember_engine.model.quant import schemes
 from ember_engine.model.quant.linear import Int4Linear, Int8Linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 
-# The layer each preset runs in: symmetric 4-bit values as w4a16, 8-bit ones and 4-bit ones with zero
-# points (held less them, in int8) as w8a16.
+# The layer each preset runs in: 4-bit values as w4a16 (with their zero points where they have their own),
+# 8-bit ones as w8a16.
 PRESETS = {
     "INT4": Int4Linear,
     "INT4_ACT": Int4Linear,
     "INT8": Int8Linear,
-    "INT4_ASYM": Int8Linear,
+    "INT4_ASYM": Int4Linear,
     "AWQ": Int4Linear,
-    "AWQ_ASYM": Int8Linear,
+    "AWQ_ASYM": Int4Linear,
 }
 # Largest |ember - oracle| logit difference, as a fraction of the logits' range. GPTQModel's CPU GPTQ
 # kernels multiply in reduced precision (a projection 2e-4 of its largest output off the float64 product,
@@ -256,10 +256,10 @@ def test_a_zero_point_of_zero_survives_gptqs_v1_format(quantized_model, tmp_path
     a = LLM(str(v1), num_kv_blocks=16).engine.runner.forward(chunk)
     b = LLM(str(v2), num_kv_blocks=16).engine.runner.forward(chunk)
     assert torch.equal(a, b)
-    # Where the zero point is 0, the values less it are the stored values, 0..15.
+    # The zero points of 0 read back as 0 (held less 8) from the v1 words that borrowed for them.
     gate_up = LLM(str(v1), num_kv_blocks=16).engine.runner.model.model.layers[0].mlp.gate_up_proj
-    held = gate_up.weight_data()[: zeros_v2.shape[1] : 3]
-    assert held.min() >= 0 and held.max() <= 15 and held.max() > 7
+    held = gate_up.weight_zero[: zeros_v2.shape[1]]
+    assert torch.equal(held, zeros_v2.t()) and (held[::3] == -8).all()
 
 
 def test_act_order_parts_of_a_merged_projection_must_agree(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -273,3 +273,29 @@ def test_act_order_parts_of_a_merged_projection_must_agree(quantized_model, tmp_
         r"model.layers.0.self_attn.(q|k)_proj's, with which it is merged \(they share an input\); not supported",
     ):
         LLM(str(bad), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("gemm", ["torch", "triton"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
+def test_zero_points_enter_every_product(gemm: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """w4a16 with a checkpoint's own zero points: the CPU's fused loops (up to 8 rows) and its int8 matmul
+    (more), and the Triton kernel (in the interpreter on a CPU), against the float64 product of the
+    dequantized weight (value - zero) * scale."""
+    g = torch.Generator().manual_seed(rows)
+    layer = Int4Linear(256, 96, bias=False, dtype=torch.float32, group_size=64, zero_points=True)
+    layer.set_rows(0, torch.randint(-8, 8, (96, 256), generator=g, dtype=torch.int8), torch.rand(96, 4) * 0.1)
+    layer.set_zero_rows(0, torch.randint(-8, 8, (96, 4), generator=g, dtype=torch.int8))
+    values = schemes.unpack_int4(layer.weight_packed).double()
+    weight = (
+        values - layer.weight_zero.double().repeat_interleave(64, dim=1)
+    ) * layer.weight_scale.double().repeat_interleave(64, dim=1)
+    assert torch.allclose(layer.dequantized(torch.float64), weight)
+    x = torch.randn(rows, 256, generator=g)
+    monkeypatch.setenv("EMBER_QUANT_GEMM", gemm)
+    got = layer(x).double()
+    want = x.double() @ weight.t()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (gemm, rows)
+    # Without them (every zero point 8) the product differs: the zero points are not ignored.
+    assert (
+        got - x.double() @ (values * layer.weight_scale.double().repeat_interleave(64, dim=1)).t()
+    ).abs().max() > 0.1

@@ -143,5 +143,8 @@ def test_malformed_blocks_are_refused_by_name() -> None:
     weight = torch.zeros(200, 256).to(torch.float8_e4m3fn)
     with pytest.raises(UnsupportedQuantizationError, match=r"needs scales \[2, 2\], found \[1, 2\]"):
         decode(spec, {"weight": weight, "weight_scale_inv": torch.ones(1, 2)})
-    _, scale = decode(spec, {"weight": weight, "weight_scale_inv": torch.tensor([[1.0, 2.0], [3.0, 4.0]])})
+    _, scale, zero = decode(
+        spec, {"weight": weight, "weight_scale_inv": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
+    )
+    assert zero is None
     assert scale.shape == (200, 2) and scale[127].tolist() == [1.0, 2.0] and scale[128].tolist() == [3.0, 4.0]

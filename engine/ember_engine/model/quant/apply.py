@@ -10,7 +10,7 @@ from torch import nn
 
 from ember_engine.model.quant import gptq
 from ember_engine.model.quant.checkpoint import decode
-from ember_engine.model.quant.linear import QuantLinear, make_layer, quantize_linear
+from ember_engine.model.quant.linear import Int4Linear, QuantLinear, make_layer, quantize_linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
 
@@ -39,6 +39,7 @@ def prepare(model: nn.Module, spec: QuantSpec) -> None:
             linear.bias is not None,
             linear.weight.dtype,
             spec.group_size,
+            zero_points=spec.zero_points,
         )
         setattr(parent, name, layer.to(linear.weight.device))
 
@@ -104,8 +105,11 @@ class QuantCollector:
             if "g_idx" in tensors:
                 projection = name.rpartition(".")[0]
                 layer.set_input_order(gptq.input_order(self.spec, projection, tensors["g_idx"]), projection)
-            weight, scale = decode(self.spec, tensors)
+            weight, scale, zero = decode(self.spec, tensors)
             layer.set_rows(offset, weight.to(layer.weight_scale.device), scale)
+            if zero is not None:
+                assert isinstance(layer, Int4Linear)
+                layer.set_zero_rows(offset, zero)
             self.done.add(key)
         return True
 

@@ -24,7 +24,7 @@ import torch
 
 from ember_engine.model.quant import gptq, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
-from ember_engine.model.quant.spec import GPTQ_FORMATS, QuantSpec
+from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
 
 _CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized")
 
@@ -149,10 +149,11 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     )
 
 
-def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One projection's checkpoint tensors -> (canonical weight, scale): FP8/int8 weight [out, in] and scale
-    [out] (per channel), or [out, in / group] (grouped; block-scaled fp8: each row its tile's scales); for
-    w4a16 int4 values as int8 [out, in] and scale [out, in / group]. A GPTQ act-order projection's columns
+def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
+    """One projection's checkpoint tensors -> (canonical weight, scale, zero points): FP8/int8 weight
+    [out, in] and scale [out] (per channel), or [out, in / group] (grouped; block-scaled fp8: each row its
+    tile's scales); for w4a16 int4 values as int8 [out, in] and scale [out, in / group]. Zero points
+    (GPTQ and AWQ w4a16 only, else None) are [out, in / group] int8. A GPTQ act-order projection's columns
     come in group order (gptq.input_order)."""
     if spec.format in (*GPTQ_FORMATS, "awq"):
         return gptq.decode(spec, tensors)
@@ -171,9 +172,9 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Ten
                 f"fp8 checkpoint: weight [{out}, {inp}] in blocks of [{spec.block_rows}, {spec.group_size}] "
                 f"needs scales {list(tiles)}, found {list(scale.shape)}"
             )
-        return weight, schemes.block_scales_per_row(scale, out, spec.block_rows)
+        return weight, schemes.block_scales_per_row(scale, out, spec.block_rows), None
     if spec.scheme != "fp8" and scale.dim() == 2 and scale.shape[1] > 1:
-        return weight, scale.float()  # grouped
+        return weight, scale.float(), None  # grouped
     if scale.numel() not in (1, out):
         raise UnsupportedQuantizationError(
             f"{spec.scheme} checkpoint: {list(scale.shape)} scales for a [{out}, {inp}] weight; supported: "
@@ -181,5 +182,5 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Ten
             + (", or weight_block_size tiles" if spec.scheme == "fp8" else "")
         )
     if spec.scheme == "fp8":
-        return weight, scale.float().reshape(-1).expand(out).contiguous()
-    return weight, scale.float().reshape(-1).expand(out).reshape(out, 1).contiguous()
+        return weight, scale.float().reshape(-1).expand(out).contiguous(), None
+    return weight, scale.float().reshape(-1).expand(out).reshape(out, 1).contiguous(), None

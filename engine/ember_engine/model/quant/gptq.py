@@ -10,9 +10,9 @@ canonical forms (`schemes.py`).
 - AWQ (`quant_method: awq`, `version: gemm`; "...-AWQ" downloads): `qweight` [in, out / 8] and `qzeros`,
   4-bit values packed along the output dimension in AWQ's interleaved order, and `scales` [groups, out].
 
-Symmetric values (every zero point the midpoint) are the signed ints of the compressed-tensors forms and
-run as w4a16 / w8a16; 4-bit values with zero points of their own (GPTQ `sym: false`, AWQ `zero_point:
-true`) are held less them, -15..15 in int8, and run as w8a16 with the checkpoint's groups.
+The values are the signed ints of the compressed-tensors forms (each less the midpoint) and run as w4a16
+/ w8a16; 4-bit values with zero points of their own (GPTQ `sym: false`, AWQ `zero_point: true`) keep
+them beside the scales, one int8 per group and output channel (`Int4Linear.weight_zero`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from ember_engine.model.quant import schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
-from ember_engine.model.quant.spec import GPTQ_FORMATS, QuantSpec
+from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
 
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: field k of a word holds column _AWQ_ORDER[k]
 
@@ -54,7 +54,7 @@ def parse_gptq(qc: dict[str, Any]) -> QuantSpec:
             "gptq: per-module overrides (dynamic) are not supported; every projection must share one scheme"
         )
     return QuantSpec(
-        "w4a16" if bits == 4 and not asymmetric else "w8a16",
+        "w4a16" if bits == 4 else "w8a16",
         fmt,
         group_size=max(group, 0),
         num_bits=bits,
@@ -79,9 +79,8 @@ def parse_awq(qc: dict[str, Any]) -> QuantSpec:
             f"awq: modules_to_not_convert {qc['modules_to_not_convert']!r} is not supported; every projection "
             "must be quantized"
         )
-    zero_points = bool(qc.get("zero_point", True))
     return QuantSpec(
-        "w8a16" if zero_points else "w4a16", "awq", group_size=group, num_bits=4, zero_points=zero_points
+        "w4a16", "awq", group_size=group, num_bits=4, zero_points=bool(qc.get("zero_point", True))
     )
 
 
@@ -105,20 +104,18 @@ def input_order(spec: QuantSpec, name: str, g_idx: torch.Tensor) -> torch.Tensor
     return torch.sort(g_idx, stable=True).indices
 
 
-def _less_zeros(
-    spec: QuantSpec, what: str, weight: torch.Tensor, zeros: torch.Tensor, column_groups: torch.Tensor
-) -> torch.Tensor:
-    """Values less their zero points, [out, in] int8. `weight` [out, in] and `zeros` [groups, out] come
-    as unpack_int32 gives them (each less the midpoint); column i is in group column_groups[i]. Without
-    zero_points every zero point must be the midpoint."""
-    if not spec.zero_points:
-        if torch.count_nonzero(zeros):
-            raise UnsupportedQuantizationError(
-                f"{what}: zero points other than the midpoint (asymmetric weights) in a checkpoint that "
-                "declares them symmetric"
-            )
-        return weight
-    return (weight.to(torch.int16) - zeros.to(torch.int16).t()[:, column_groups]).to(torch.int8)
+def _zero_points(spec: QuantSpec, what: str, zeros: torch.Tensor) -> torch.Tensor | None:
+    """A projection's zero points [out, groups] int8, each less the midpoint (what `zeros` [groups, out]
+    holds, as unpack_int32 gives it), or None where it has none of its own. Without zero_points every
+    zero point must be the midpoint."""
+    if spec.zero_points:
+        return zeros.t().contiguous()
+    if torch.count_nonzero(zeros):
+        raise UnsupportedQuantizationError(
+            f"{what}: zero points other than the midpoint (asymmetric weights) in a checkpoint that "
+            "declares them symmetric"
+        )
+    return None
 
 
 def _check_groups(
@@ -132,7 +129,7 @@ def _check_groups(
         )
 
 
-def _decode_gptq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_gptq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
     inp, out = qweight.shape[0] * 32 // spec.num_bits, qweight.shape[1]
     _check_groups(spec, "gptq", out, inp, scales, qzeros)
@@ -146,14 +143,12 @@ def _decode_gptq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[tor
     weight = schemes.unpack_int32(qweight.t().contiguous(), spec.num_bits, inp)  # [out, in]
     zeros = schemes.unpack_int32(qzeros, spec.num_bits, out)  # [groups, out]
     g_idx = tensors.get("g_idx")
-    size = spec.group_size or inp
-    groups = torch.arange(inp) // size if g_idx is None else g_idx.to(torch.int64).reshape(-1)
-    weight = _less_zeros(spec, "gptq", weight, zeros, groups)
     if g_idx is not None:
         order = input_order(spec, "gptq", g_idx)
         if order is not None:
             weight = weight[:, order].contiguous()
-    return weight, scales.float().t().contiguous()  # [out, groups]; [out, 1] per channel
+    # Scales and zero points are per group, whatever order its columns come in.
+    return weight, scales.float().t().contiguous(), _zero_points(spec, "gptq", zeros)
 
 
 def _unpack_awq(packed: torch.Tensor, columns: int) -> torch.Tensor:
@@ -166,16 +161,16 @@ def _unpack_awq(packed: torch.Tensor, columns: int) -> torch.Tensor:
     return out
 
 
-def _decode_awq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_awq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
     inp, out = qweight.shape[0], qweight.shape[1] * 8
     _check_groups(spec, "awq", out, inp, scales, qzeros)
     weight = _unpack_awq(qweight, out).t().contiguous()  # [out, in]
     zeros = _unpack_awq(qzeros, out)  # [groups, out]
-    weight = _less_zeros(spec, "awq", weight, zeros, torch.arange(inp) // spec.group_size)
-    return weight, scales.float().t().contiguous()
+    return weight, scales.float().t().contiguous(), _zero_points(spec, "awq", zeros)
 
 
-def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One projection's tensors -> (int8 weight [out, in], scale [out, groups])."""
+def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
+    """One projection's tensors -> (values as int8 [out, in], each less the midpoint; scale [out, groups];
+    zero points [out, groups] int8, each less the midpoint, or None)."""
     return _decode_awq(spec, tensors) if spec.format == "awq" else _decode_gptq(spec, tensors)

@@ -209,6 +209,7 @@ class Int8Linear(QuantLinear):
 class Int4Linear(QuantLinear):
     scheme = "w4a16"
     weight_packed: torch.Tensor
+    weight_zero: torch.Tensor | None
 
     def __init__(
         self,
@@ -217,6 +218,7 @@ class Int4Linear(QuantLinear):
         bias: bool,
         dtype: torch.dtype,
         group_size: int = schemes.DEFAULT_GROUP_SIZE,
+        zero_points: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         if in_features % group_size or group_size % 2:
@@ -224,10 +226,14 @@ class Int4Linear(QuantLinear):
                 f"w4a16: input size {in_features} is not a multiple of the group size {group_size}"
             )
         self.group_size = group_size
+        groups = in_features // group_size
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer(
-            "weight_scale", torch.ones(out_features, in_features // group_size, dtype=torch.float32)
-        )
+        self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float32))
+        # A checkpoint's own zero points (GPTQ sym: false, AWQ), each less 8, one per group: the weight is
+        # (value - zero) * scale. None: symmetric, every zero point 8.
+        zeros = torch.zeros(out_features, groups, dtype=torch.int8) if zero_points else None
+        self.register_buffer("weight_zero", zeros)
+        self._zero_times_scale: torch.Tensor | None = None
 
     def weight_data(self) -> torch.Tensor:
         return self.weight_packed
@@ -235,30 +241,56 @@ class Int4Linear(QuantLinear):
     def set_rows(self, start: int, weight: torch.Tensor, scale: torch.Tensor) -> None:
         """`weight` is int4 values as int8 [rows, in]; they are packed here."""
         super().set_rows(start, schemes.pack_int4(weight), scale.float())
+        self._zero_times_scale = None
+
+    def set_zero_rows(self, start: int, zero: torch.Tensor) -> None:
+        """A checkpoint's zero points (each less 8, int8 [rows, groups]) for output rows start.."""
+        if self.weight_zero is None:
+            raise schemes.UnsupportedQuantizationError("w4a16: zero points for a symmetric layer")
+        self.weight_zero.narrow(0, start, zero.shape[0]).copy_(zero)
+        self._zero_times_scale = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if _use_triton(x):
             from ember_engine.model.quant import triton_gemm
 
-            return triton_gemm.int4_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
-        if x.device.type == "cpu":
-            return cpu_int4.int4_matmul(x, self.weight_packed, self.weight_scale)
-        return F.linear(x, self.dequantized(x.dtype))
+            y = triton_gemm.int4_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
+        elif x.device.type == "cpu":
+            y = cpu_int4.int4_matmul(x, self.weight_packed, self.weight_scale)
+        else:
+            return F.linear(x, self.dequantized(x.dtype))
+        if self.weight_zero is None:
+            return y
+        # sum_i (v_i - z_g) s_g x_i = (the symmetric product) - sum_g z_g s_g (sum of x over group g).
+        if self._zero_times_scale is None:
+            self._zero_times_scale = self.weight_zero.float() * self.weight_scale
+        sums = x.float().reshape(x.shape[0], -1, self.group_size).sum(dim=-1)
+        return (y.float() - sums @ self._zero_times_scale.t()).to(x.dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return schemes.dequantize_int4(self.weight_packed, self.weight_scale, dtype)
+        if self.weight_zero is None:
+            return schemes.dequantize_int4(self.weight_packed, self.weight_scale, dtype)
+        values = schemes.unpack_int4(self.weight_packed).float()
+        zeros = self.weight_zero.float().repeat_interleave(self.group_size, dim=1)
+        return ((values - zeros) * self.weight_scale.repeat_interleave(self.group_size, dim=1)).to(dtype)
 
 
 LAYERS: dict[str, type[QuantLinear]] = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear}
 
 
 def make_layer(
-    scheme: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int
+    scheme: str,
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    dtype: torch.dtype,
+    group_size: int,
+    zero_points: bool = False,
 ) -> QuantLinear:
     """`group_size`: input columns per scale (w4a16; w8a16 and fp8, where 0 means one scale per output
-    channel; fp8 with groups is block-scaled)."""
+    channel; fp8 with groups is block-scaled). `zero_points`: a w4a16 checkpoint's own, one per group."""
     if schemes.check_scheme(scheme) == "w4a16":
-        return Int4Linear(in_features, out_features, bias, dtype, group_size)
+        return Int4Linear(in_features, out_features, bias, dtype, group_size, zero_points)
     if scheme == "w8a16":
         return Int8Linear(in_features, out_features, bias, dtype, group_size)
     if group_size:

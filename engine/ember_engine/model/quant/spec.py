@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ember_engine.model.quant import schemes
+
+# One projection decoded: its canonical weight, its scales, and its zero points where it has its own.
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 GPTQ_TENSORS = frozenset({"qweight", "qzeros", "scales"})
@@ -18,8 +23,7 @@ class QuantSpec:
     num_bits: int = 8
     block_rows: int = 0  # block-scaled fp8: output rows per tile of the checkpoint's scales
     act_order: bool = False  # GPTQ desc_act: groups given by g_idx, not by runs of columns
-    # 4-bit values with zero points of their own (GPTQ sym: false, AWQ zero_point: true): held as int8
-    # values less their zero points, run as w8a16 with the checkpoint's groups
+    # w4a16 with zero points of its own (GPTQ sym: false, AWQ zero_point: true), one per group
     zero_points: bool = False
 
     @property
