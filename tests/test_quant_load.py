@@ -1,9 +1,12 @@
-"""Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC and FP8_BLOCK float-quantized, W8A16
-and W4A16 pack-quantized) load into ember and compute what transformers computes on the same checkpoint.
+"""Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC and FP8_BLOCK float-quantized, W8A16,
+W4A16 and W4A16_ASYM pack-quantized) load into ember and compute what transformers computes on the same
+checkpoint.
 The keys below are ember's schemes, "fp8-block" being fp8 with block-scaled weights."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,16 +17,28 @@ from ember_engine import LLM, SamplingParams
 from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear, Int8Linear
 
-PRESETS = {"fp8": "FP8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16", "fp8-block": "FP8_BLOCK"}
-LAYERS = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear, "fp8-block": Fp8BlockLinear}
+PRESETS = {
+    "fp8": "FP8_DYNAMIC",
+    "w8a16": "W8A16",
+    "w4a16": "W4A16",
+    "w4a16-asym": "W4A16_ASYM",
+    "fp8-block": "FP8_BLOCK",
+}
+LAYERS = {
+    "fp8": Fp8Linear,
+    "w8a16": Int8Linear,
+    "w4a16": Int4Linear,
+    "w4a16-asym": Int4Linear,
+    "fp8-block": Fp8BlockLinear,
+}
 # Largest |ember - transformers| logit difference allowed, as a fraction of the logits' own range. w8a16
 # and w4a16 compute the same dequantized products in the model's dtype (float rounding apart); FP8
 # activations may round a value to the neighbouring E4M3 step where the two orders of operations differ
 # by an ulp.
-TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4, "fp8-block": 2e-2}
+TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4, "w4a16-asym": 1e-4, "fp8-block": 2e-2}
 # Prompts whose 12 greedy tokens all match; the random-weight test model has many near-tied logits, which
 # rounded activations (fp8) may break the other way.
-GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 1.0, "w4a16": 1.0, "fp8-block": 0.75}
+GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 1.0, "w4a16": 1.0, "w4a16-asym": 1.0, "fp8-block": 0.75}
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:
@@ -43,7 +58,10 @@ def test_logits_match_transformers(pair) -> None:  # type: ignore[no-untyped-def
     scheme, path, hf = pair
     llm = LLM(str(path), num_kv_blocks=64)
     runner = llm.engine.runner
-    assert runner.quant is not None and runner.quant.scheme == scheme.removesuffix("-block")
+    assert runner.quant is not None and runner.quant.scheme == scheme.removesuffix("-block").removesuffix(
+        "-asym"
+    )
+    assert runner.quant.zero_points == scheme.endswith("-asym")
     layers = runner.model.model.layers
     assert all(isinstance(layer.mlp.down_proj, LAYERS[scheme]) for layer in layers)
     for prompt in _prompts(4, 40):
@@ -172,3 +190,19 @@ def test_fp8_on_the_trained_target_differs_from_the_oracle_far_less_than_fp8_mov
     assert scheme_cost > 0.01  # FP8 really moves the logits
     assert (got - theirs).abs().mean().item() < 0.2 * scheme_cost
     assert (got.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.995
+
+
+def test_asymmetric_weights_other_than_int4_groups_are_refused_by_name(
+    quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    src = quantized_model("tiny", "W8A16")
+    shutil.copytree(src, tmp_path / "m")
+    raw = json.loads((src / "config.json").read_text())
+    raw["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        ValueError,
+        match=r"compressed-tensors: asymmetric int 8-bit weights, strategy 'group' are not supported; "
+        r"supported: asymmetric int 4-bit per group \(pack-quantized, W4A16_ASYM\)",
+    ):
+        LLM(str(tmp_path / "m"), num_kv_blocks=16)

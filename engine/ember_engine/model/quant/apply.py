@@ -85,7 +85,7 @@ class QuantCollector:
                 f"unexpected tensor {name!r} in a {self.spec.format} checkpoint"
             )
         key = (module, part)
-        if suffix == "weight_zero_point":
+        if suffix == "weight_zero_point" and suffix not in self.spec.required():
             zp = tensor_slice[:]
             if torch.count_nonzero(zp):
                 raise UnsupportedQuantizationError(

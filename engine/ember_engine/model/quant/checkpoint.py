@@ -110,7 +110,12 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
     what = f"{kind} {bits}-bit weights, strategy {strategy!r}"
     if not weights.get("symmetric", True):
-        raise UnsupportedQuantizationError(f"compressed-tensors: asymmetric {what} are not supported")
+        if (kind, bits, strategy, fmt) != ("int", 4, "group", "pack-quantized") or acts:
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors: asymmetric {what} are not supported; supported: asymmetric int 4-bit "
+                "per group (pack-quantized, W4A16_ASYM)"
+            )
+        return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4, zero_points=True)
     if kind == "float" and bits == 8 and strategy in ("channel", "tensor"):
         if acts and not (acts.get("dynamic") and acts.get("strategy") == "token"):
             raise UnsupportedQuantizationError(
@@ -162,6 +167,9 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
     if spec.format == "pack-quantized":
         out, inp = (int(v) for v in tensors["weight_shape"].tolist())
         weight = schemes.unpack_int32(tensors["weight_packed"], spec.num_bits, inp)
+        if spec.zero_points:  # packed along the output dimension: [out / 8, groups] words
+            zero = schemes.unpack_int32(tensors["weight_zero_point"].t().contiguous(), spec.num_bits, out)
+            return weight, scale.float(), zero.t().contiguous()
     else:
         weight = tensors["weight"]
         out, inp = weight.shape

@@ -23,7 +23,8 @@ class QuantSpec:
     num_bits: int = 8
     block_rows: int = 0  # block-scaled fp8: output rows per tile of the checkpoint's scales
     act_order: bool = False  # GPTQ desc_act: groups given by g_idx, not by runs of columns
-    # w4a16 with zero points of its own (GPTQ sym: false, AWQ zero_point: true), one per group
+    # w4a16 with zero points of its own (GPTQ sym: false, AWQ zero_point: true, compressed-tensors
+    # W4A16_ASYM), one per group
     zero_points: bool = False
 
     @property
@@ -34,7 +35,8 @@ class QuantSpec:
         """The tensor suffixes one projection needs before it can be decoded."""
         return {
             "float-quantized": frozenset({"weight", "weight_scale"}),
-            "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"}),
+            "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"})
+            | ({"weight_zero_point"} if self.zero_points else set()),
             "int-quantized": frozenset({"weight", "weight_scale"}),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
