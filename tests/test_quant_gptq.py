@@ -230,8 +230,7 @@ def test_a_zero_point_of_zero_survives_gptqs_v1_format(quantized_model, tmp_path
     ones = 0x11111111
 
     def words(t: torch.Tensor, delta: int) -> torch.Tensor:
-        w = (t.to(torch.int64) + delta) & 0xFFFFFFFF
-        return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
+        return schemes.as_int32(t.to(torch.int64) + delta)
 
     def as_v2(t: dict) -> None:
         for n in [n for n in t if n.endswith(".qzeros")]:

@@ -137,8 +137,7 @@ def _decode_gptq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
         # Stored less one, word by word (a zero point of 0 borrows from the next): adding one to every
         # field of each word, carries and all, gives them back, as GPTQModel reads this format.
         ones = sum(1 << k for k in range(0, 32, spec.num_bits))
-        words = (qzeros.to(torch.int64) + ones) & 0xFFFFFFFF
-        qzeros = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        qzeros = schemes.as_int32(qzeros.to(torch.int64) + ones)
     # Both packings hold unsigned values from the low bits up; unpack_int32 gives each less the midpoint.
     weight = schemes.unpack_int32(qweight.t().contiguous(), spec.num_bits, inp)  # [out, in]
     zeros = schemes.unpack_int32(qzeros, spec.num_bits, out)  # [groups, out]

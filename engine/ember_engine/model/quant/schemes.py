@@ -145,5 +145,10 @@ def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
     if pad:
         u = torch.cat((u, torch.zeros(rows, pad, dtype=torch.int64)), dim=1)
     shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
-    words = (u.reshape(rows, -1, per_word) << shifts).sum(dim=-1)
+    return as_int32((u.reshape(rows, -1, per_word) << shifts).sum(dim=-1))
+
+
+def as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Integers (int64), taken modulo 2^32, as the int32 words checkpoints store (the same 32 bits)."""
+    words = words & 0xFFFFFFFF
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
