@@ -1,7 +1,9 @@
 """Writes a quantized copy of a test checkpoint with llm-compressor (run as a script, in its own process,
 so its imports stay out of the test process): `python quant_build.py SRC DST SCHEME`.
 
-SCHEME is an llm-compressor preset: FP8_DYNAMIC, W8A16 or W4A16 (round-to-nearest; no calibration data).
+SCHEME is an llm-compressor preset: FP8_DYNAMIC, FP8_BLOCK, W8A16, W4A16, W4A16_ASYM (round-to-nearest;
+no calibration data) or FP8 (static per-tensor activation scales, calibrated on 16 sequences of 64
+token ids: drawn from a fixed seed, or for the packaged pair's target windows of its training split).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
+CALIBRATED = ("FP8",)
+
 
 def build(src: Path, dst: Path, scheme: str) -> None:
     from llmcompressor import oneshot
@@ -17,7 +21,17 @@ def build(src: Path, dst: Path, scheme: str) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]))
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    if scheme in CALIBRATED:
+        from datasets import Dataset
+        from gptq_build import _calibration as calibration
+
+        text = "pair" if (src / "tokenizer.json").exists() and _is_pair(src) else "random"
+        ids = [t.reshape(-1).tolist() for t in calibration(src, text)]
+        data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]})
+        oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=len(ids))
+    else:
+        oneshot(model=model, recipe=recipe)
     model.save_pretrained(dst, save_compressed=True)
     for name in (
         "tokenizer.json",
@@ -27,6 +41,12 @@ def build(src: Path, dst: Path, scheme: str) -> None:
     ):
         if (src / name).exists() and not (dst / name).exists():
             shutil.copy(src / name, dst / name)
+
+
+def _is_pair(src: Path) -> bool:
+    from ember_engine.tools.spec_pair import packaged_pair
+
+    return src.resolve() == Path(packaged_pair()[0]).resolve()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC and FP8_BLOCK float-quantized, W8A16,
-W4A16 and W4A16_ASYM pack-quantized) load into ember and compute what transformers computes on the same
+"""Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC, FP8_BLOCK and FP8 (static activation
+scales) float-quantized, W8A16, W4A16 and W4A16_ASYM pack-quantized) load into ember and compute what transformers computes on the same
 checkpoint.
-The keys below are ember's schemes, "fp8-block" being fp8 with block-scaled weights."""
+The keys below are ember's schemes, "fp8-block" being fp8 with block-scaled weights and "fp8-static" fp8
+with calibrated per-tensor activation scales."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ PRESETS = {
     "w4a16": "W4A16",
     "w4a16-asym": "W4A16_ASYM",
     "fp8-block": "FP8_BLOCK",
+    "fp8-static": "FP8",
 }
 LAYERS = {
     "fp8": Fp8Linear,
@@ -30,15 +32,16 @@ LAYERS = {
     "w4a16": Int4Linear,
     "w4a16-asym": Int4Linear,
     "fp8-block": Fp8BlockLinear,
+    "fp8-static": Fp8Linear,
 }
 # Largest |ember - transformers| logit difference allowed, as a fraction of the logits' own range. w8a16
 # and w4a16 compute the same dequantized products in the model's dtype (float rounding apart); FP8
 # activations may round a value to the neighbouring E4M3 step where the two orders of operations differ
 # by an ulp.
-TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4, "w4a16-asym": 1e-4, "fp8-block": 2e-2}
+TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4, "w4a16-asym": 1e-4, "fp8-block": 2e-2, "fp8-static": 2e-2}
 # Prompts whose 12 greedy tokens all match; the random-weight test model has many near-tied logits, which
 # rounded activations (fp8) may break the other way.
-GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 1.0, "w4a16": 1.0, "w4a16-asym": 1.0, "fp8-block": 0.75}
+GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 1.0, "w4a16": 1.0, "w4a16-asym": 1.0, "fp8-block": 0.75, "fp8-static": 0.75}
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:
@@ -58,10 +61,9 @@ def test_logits_match_transformers(pair) -> None:  # type: ignore[no-untyped-def
     scheme, path, hf = pair
     llm = LLM(str(path), num_kv_blocks=64)
     runner = llm.engine.runner
-    assert runner.quant is not None and runner.quant.scheme == scheme.removesuffix("-block").removesuffix(
-        "-asym"
-    )
+    assert runner.quant is not None and runner.quant.scheme == scheme.split("-")[0]
     assert runner.quant.zero_points == scheme.endswith("-asym")
+    assert runner.quant.static_input == scheme.endswith("-static")
     layers = runner.model.model.layers
     assert all(isinstance(layer.mlp.down_proj, LAYERS[scheme]) for layer in layers)
     for prompt in _prompts(4, 40):
@@ -115,13 +117,14 @@ def _projection_inputs_and_outputs(
     return seen
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "w8a16", "fp8-block"])
+@pytest.mark.parametrize("scheme", ["fp8", "w8a16", "fp8-block", "fp8-static"])
 def test_projections_compute_what_the_oracles_layers_compute(scheme: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
     """Each FP8_DYNAMIC (W8A16, FP8_BLOCK) projection, given the very input the transformers +
     compressed-tensors layer saw, gives that layer's output: for fp8 the same per-token activation scales
     (per token and group of 128 columns for FP8_BLOCK), the same E4M3 rounding and saturation, the same
     per-channel (per 128x128 tile) weight scales; for w8a16 the same int8 weights and
-    per-group scales, multiplied with the float32 activations as they are. (Whole-model fp8 logits differ
+    per-group scales, multiplied with the float32 activations as they are; for FP8 each projection's
+    calibrated activation scale, the same for every token. (Whole-model fp8 logits differ
     a little more, because a float rounding difference elsewhere can move an activation across an E4M3
     rounding boundary.)"""
     path = quantized_model("tiny", PRESETS[scheme])

@@ -10,7 +10,7 @@ from torch import nn
 
 from ember_engine.model.quant import gptq
 from ember_engine.model.quant.checkpoint import decode
-from ember_engine.model.quant.linear import Int4Linear, QuantLinear, make_layer, quantize_linear
+from ember_engine.model.quant.linear import Fp8Linear, Int4Linear, QuantLinear, make_layer, quantize_linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
 
@@ -92,8 +92,8 @@ class QuantCollector:
                     f"{name}: nonzero zero points (asymmetric) are not supported"
                 )
             return True
-        if suffix == "input_scale":
-            return True  # dynamic activations only: a calibrated scale is not used
+        if suffix == "input_scale" and suffix not in self.spec.required():
+            return True  # dynamic activations: a calibrated scale is not used
         if suffix == "g_idx" and suffix not in self.spec.required():
             gptq.input_order(self.spec, name, tensor_slice[:])  # without desc_act: refuses a reordering
             return True
@@ -110,6 +110,9 @@ class QuantCollector:
             if zero is not None:
                 assert isinstance(layer, Int4Linear)
                 layer.set_zero_rows(offset, zero)
+            if "input_scale" in tensors:
+                assert isinstance(layer, Fp8Linear)
+                layer.set_input_scale(tensors["input_scale"], name.rpartition(".")[0])
             self.done.add(key)
         return True
 

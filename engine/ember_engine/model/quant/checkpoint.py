@@ -117,12 +117,25 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
             )
         return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4, zero_points=True)
     if kind == "float" and bits == 8 and strategy in ("channel", "tensor"):
-        if acts and not (acts.get("dynamic") and acts.get("strategy") == "token"):
+        if not acts:
+            raise UnsupportedQuantizationError(
+                "compressed-tensors: FP8 weights with unquantized activations (weight-only) are not "
+                "supported; supported: FP8 input activations, dynamic per token or static per tensor"
+            )
+        static = acts.get("dynamic") is False and acts.get("strategy") == "tensor"
+        if not static and not (acts.get("dynamic") and acts.get("strategy") == "token"):
             raise UnsupportedQuantizationError(
                 f"compressed-tensors: FP8 input activations {acts.get('strategy')!r} "
-                f"(dynamic={acts.get('dynamic')}) are not supported; supported: dynamic per token"
+                f"(dynamic={acts.get('dynamic')}) are not supported; supported: dynamic per token, "
+                "static per tensor"
             )
-        return QuantSpec("fp8", fmt, group_size=0)
+        if (acts.get("type"), acts.get("num_bits"), acts.get("symmetric", True)) != ("float", 8, True):
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors: FP8 weights with input activations {acts.get('type')} "
+                f"{acts.get('num_bits')}-bit (symmetric={acts.get('symmetric')}) are not supported; "
+                "supported: float 8-bit, symmetric"
+            )
+        return QuantSpec("fp8", fmt, group_size=0, static_input=static)
     if kind == "float" and bits == 8 and strategy == "block":
         block = weights.get("block_structure") or []
         columns = block[1] if len(block) == 2 else None

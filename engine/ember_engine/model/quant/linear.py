@@ -4,7 +4,7 @@ Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, w
 stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
 path runs compiled loops and torch (`cpu_decode.py`, `cpu_int4.py`): at decode batch sizes one loop reads each weight
 byte once and multiplies its value with the activations in float32 (fp8 activations quantized per token,
-or per token and group, then decoded); above them `w8a16` takes the exact int8 matmul on the activations
+per token and group, or with a checkpoint's static scale, then decoded); above them `w8a16` takes the exact int8 matmul on the activations
 split into int8 digits (`cpu_int8.py`), `fp8` a float32 matmul over weight rows decoded a block at a time,
 and `w4a16` its weight unpacked to int8 for the int8 matmul. bf16 activations with one w8a16 scale per
 channel take torch's int8 weight-pack matmul at every batch size. Other devices without Triton take
@@ -91,23 +91,43 @@ class QuantLinear(nn.Module):
 
 
 class Fp8Linear(QuantLinear):
+    """E4M3 weight with a scale per output channel; activations quantized per token at run time, or, once
+    `set_input_scale` has given it a checkpoint's calibrated scale, with that scale for every token."""
+
     scheme = "fp8"
     weight: torch.Tensor
+    input_scale: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
+        self.register_buffer("input_scale", None)
 
     def weight_data(self) -> torch.Tensor:
         return self.weight
+
+    def set_input_scale(self, scale: torch.Tensor, name: str) -> None:
+        """A part's calibrated activation scale. The parts of a merged projection share its input, so
+        they share one scale: the largest of theirs, which saturates none of them (vLLM's rule too)."""
+        value = scale.float().reshape(-1)
+        if value.numel() != 1 or not torch.isfinite(value).all() or value.item() <= 0:
+            raise schemes.UnsupportedQuantizationError(
+                f"{name}: input_scale must be one positive finite number (static per tensor), "
+                f"found {value.tolist()[:4]}"
+            )
+        value = value.to(self.weight_scale.device)
+        self.input_scale = value if self.input_scale is None else torch.maximum(self.input_scale, value)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if _use_triton(x):
             from ember_engine.model.quant import triton_gemm
 
-            return triton_gemm.fp8_matmul(x, self.weight, self.weight_scale)
-        xq, x_scale = schemes.quantize_activation_fp8(x)
+            return triton_gemm.fp8_matmul(x, self.weight, self.weight_scale, self.input_scale)
+        if self.input_scale is not None:
+            xq, x_scale = schemes.quantize_activation_fp8_static(x, self.input_scale)
+        else:
+            xq, x_scale = schemes.quantize_activation_fp8(x)
         if x.device.type == "cpu":
             return cpu_decode.fp8_matmul(xq, x_scale, self.weight, self.weight_scale).to(x.dtype)
         n, k = self.weight.shape
@@ -115,7 +135,7 @@ class Fp8Linear(QuantLinear):
             # cuBLAS's FP8 matmul takes only sizes divisible by 16: the same product, dequantized.
             return ((xq.float() * x_scale) @ self.dequantized().t()).to(x.dtype)
         return torch._scaled_mm(
-            xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=x.dtype
+            xq, self.weight.t(), scale_a=x_scale.contiguous(), scale_b=self.weight_scale[None, :], out_dtype=x.dtype
         )
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

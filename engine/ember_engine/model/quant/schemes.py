@@ -2,7 +2,7 @@
 
 Canonical forms held by the engine's layers (whatever the checkpoint's own layout):
 - `fp8`: E4M3 weight `[out, in]`, float32 scale per output channel `[out]`; activations are quantized
-  per token at run time (W8A8-FP8).
+  per token at run time (W8A8-FP8), or with a checkpoint's calibrated scale per projection (static).
 - `w8a16`: int8 weight `[out, in]`, float32 scale per output channel `[out, 1]` (or per group of input
   columns, as llm-compressor's W8A16 preset writes, `[out, in / group_size]`); activations stay as they are.
 - `w4a16`: int4 values packed two to a byte `[out, in / 2]` (low nibble first, stored as value + 8),
@@ -120,6 +120,15 @@ def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
+
+
+def quantize_activation_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 with a calibrated scale for every token (a checkpoint's static per-tensor `input_scale`):
+    (values [n, in], float32 scale [n, 1], every row the same), values beyond the calibrated range
+    saturating at +-448."""
+    s = scale.float().reshape(1, 1)
+    q = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, s.expand(x.shape[0], 1)
 
 
 def unpack_int32(packed: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:

@@ -26,6 +26,9 @@ class QuantSpec:
     # w4a16 with zero points of its own (GPTQ sym: false, AWQ zero_point: true, compressed-tensors
     # W4A16_ASYM), one per group
     zero_points: bool = False
+    # fp8 with a calibrated activation scale per projection (compressed-tensors' FP8 preset: static, per
+    # tensor), in place of per-token scales taken at run time
+    static_input: bool = False
 
     @property
     def prequantized(self) -> bool:
@@ -34,7 +37,8 @@ class QuantSpec:
     def required(self) -> frozenset[str]:
         """The tensor suffixes one projection needs before it can be decoded."""
         return {
-            "float-quantized": frozenset({"weight", "weight_scale"}),
+            "float-quantized": frozenset({"weight", "weight_scale"})
+            | ({"input_scale"} if self.static_input else set()),
             "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"})
             | ({"weight_zero_point"} if self.zero_points else set()),
             "int-quantized": frozenset({"weight", "weight_scale"}),

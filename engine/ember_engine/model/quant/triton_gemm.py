@@ -5,7 +5,7 @@ walking K in BLOCK_K steps with a float32 accumulator. The weight tile is loaded
 widened in registers, so only the quantized bytes cross memory:
 - w8a16: int8 widened and scaled per (channel, group) in the loop (per channel: one group of K);
 - w4a16: two int4 per byte, unpacked by shift and mask, scaled the same way;
-- fp8: activations quantized per token beforehand; E4M3 × E4M3 dots where the device has them (compute
+- fp8: activations quantized per token (or with a checkpoint's static scale) beforehand; E4M3 × E4M3 dots where the device has them (compute
   capability ≥ 8.9), widened otherwise, both scales applied after the K loop;
 - block-scaled fp8: activations quantized per token and group of GROUP columns beforehand; the same dots,
   each BLOCK_K step (which lies in one group) scaled by its activation and weight scales as it is added.
@@ -17,7 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ember_engine.model.quant.schemes import quantize_activation_fp8, quantize_activation_fp8_groups
+from ember_engine.model.quant.schemes import (
+    quantize_activation_fp8,
+    quantize_activation_fp8_groups,
+    quantize_activation_fp8_static,
+)
 
 # WEIGHT: 0 int8, 1 packed int4, 2 fp8, 3 block-scaled fp8 (fp8 stored as bytes, reinterpreted in the kernel).
 _INT8, _INT4, _FP8, _FP8_BLOCK = 0, 1, 2, 3
@@ -153,9 +157,15 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, grou
     return _launch(x, packed, scale.float().contiguous(), packed.shape[0], _INT4, group=group_size)
 
 
-def fp8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] quantized per token to E4M3, @ (E4M3 w [N, K] * scale [N])^T, in x's dtype."""
-    xq, x_scale = quantize_activation_fp8(x)
+def fp8_matmul(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] quantized to E4M3 per token (or with the static `input_scale` for every token), @ (E4M3
+    w [N, K] * scale [N])^T, in x's dtype."""
+    if input_scale is None:
+        xq, x_scale = quantize_activation_fp8(x)
+    else:
+        xq, x_scale = quantize_activation_fp8_static(x, input_scale)
     return _launch(
         xq.view(torch.uint8),
         w.view(torch.uint8),
