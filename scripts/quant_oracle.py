@@ -31,7 +31,7 @@ from ember_engine import LLM, SamplingParams
 from ember_engine.bench.quant import GEN_TOKENS, PROMPT_TOKENS, held_out
 from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant import schemes
-from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear
+from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear
 from ember_engine.tools.spec_pair import packaged_pair
 
 PRESETS = {"fp8": "FP8_DYNAMIC", "w8a16": "W8A16", "fp8-block": "FP8_BLOCK"}

@@ -13,7 +13,8 @@ import torch
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.quant import cpu_decode, cpu_int4, schemes
-from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear, Int8Linear
+from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear
+from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
 
 
 def test_every_byte_decodes_to_torch_s_value_bit_for_bit() -> None:

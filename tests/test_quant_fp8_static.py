@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from ember_engine import LLM
 from ember_engine.model.quant import schemes
-from ember_engine.model.quant.linear import Fp8Linear, quantize_linear
+from ember_engine.model.quant.fp8_linear import Fp8Linear
+from ember_engine.model.quant.linear import quantize_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -109,7 +110,9 @@ def test_merged_parts_calibrated_apart_share_the_largest_scale(quantized_model, 
     ],
     ids=["weight-only", "static-per-channel", "int8-activations", "asymmetric-activations"],
 )
-def test_unsupported_activation_schemes_are_refused_by_name(edit, message: str, quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_unsupported_activation_schemes_are_refused_by_name(
+    edit, message: str, quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     path = _edited_copy(quantized_model("tiny", "FP8"), tmp_path / "m", config=edit)
     with pytest.raises(ValueError, match=message):
         LLM(str(path), num_kv_blocks=16)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant import schemes
-from ember_engine.model.quant.linear import Int4Linear, Int8Linear
+from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 
 # The layer each preset runs in: 4-bit values as w4a16 (with their zero points where they have their own),

@@ -16,8 +16,13 @@ SHAPES = [(1, 128, 64), (5, 256, 96), (33, 128, 200)]
 
 # (scheme, group size): w8a16 both per group (llm-compressor's W8A16) and per output channel (online);
 # fp8 per output channel (online, compressed-tensors) and block-scaled in 64x64 tiles (Hugging Face's
-# `weight_block_size` checkpoints), its activations quantized per token and group of 64 columns.
-LAYOUTS = [(scheme, 64) for scheme in schemes.SCHEMES] + [("w8a16", 0), ("fp8", 0)]
+# `weight_block_size` checkpoints), its activations quantized per token and group of 64 columns; w8a8 per
+# output channel, its activations quantized to int8 per token.
+LAYOUTS = [(scheme, 64) for scheme in schemes.SCHEMES if scheme != "w8a8"] + [
+    ("w8a16", 0),
+    ("fp8", 0),
+    ("w8a8", 0),
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: f"{s[0]}-g{s[1]}")
@@ -36,6 +41,9 @@ def test_kernel_matches_reference(layout: tuple[str, int], shape: tuple[int, int
         expected = (xq.float() * xs.repeat_interleave(group_size, dim=1)) @ layer.dequantized().t()
     elif scheme == "fp8":
         xq, xs = schemes.quantize_activation_fp8(x)
+        expected = (xq.float() * xs) @ layer.dequantized().t()
+    elif scheme == "w8a8":
+        xq, xs = schemes.quantize_activation_int8(x)
         expected = (xq.float() * xs) @ layer.dequantized().t()
     else:
         expected = x @ layer.dequantized().t()

@@ -1,5 +1,5 @@
 """Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC, FP8_BLOCK and FP8 (static activation
-scales) float-quantized, W8A16, W4A16 and W4A16_ASYM pack-quantized) load into ember and compute what transformers computes on the same
+scales) float-quantized, W8A8 int-quantized, W8A16, W4A16 and W4A16_ASYM pack-quantized) load into ember and compute what transformers computes on the same
 checkpoint.
 The keys below are ember's schemes, "fp8-block" being fp8 with block-scaled weights and "fp8-static" fp8
 with calibrated per-tensor activation scales."""
@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.model_runner import Chunk
-from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear, Int8Linear
+from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear
+from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 
 PRESETS = {
     "fp8": "FP8_DYNAMIC",
@@ -25,6 +26,7 @@ PRESETS = {
     "w4a16-asym": "W4A16_ASYM",
     "fp8-block": "FP8_BLOCK",
     "fp8-static": "FP8",
+    "w8a8": "W8A8",
 }
 LAYERS = {
     "fp8": Fp8Linear,
@@ -33,15 +35,32 @@ LAYERS = {
     "w4a16-asym": Int4Linear,
     "fp8-block": Fp8BlockLinear,
     "fp8-static": Fp8Linear,
+    "w8a8": W8A8Linear,
 }
 # Largest |ember - transformers| logit difference allowed, as a fraction of the logits' own range. w8a16
 # and w4a16 compute the same dequantized products in the model's dtype (float rounding apart); FP8
 # activations may round a value to the neighbouring E4M3 step where the two orders of operations differ
 # by an ulp.
-TOLERANCE = {"fp8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4, "w4a16-asym": 1e-4, "fp8-block": 2e-2, "fp8-static": 2e-2}
+TOLERANCE = {
+    "fp8": 2e-2,
+    "w8a16": 1e-4,
+    "w4a16": 1e-4,
+    "w4a16-asym": 1e-4,
+    "fp8-block": 2e-2,
+    "fp8-static": 2e-2,
+    "w8a8": 2e-2,
+}
 # Prompts whose 12 greedy tokens all match; the random-weight test model has many near-tied logits, which
 # rounded activations (fp8) may break the other way.
-GREEDY_AGREEMENT = {"fp8": 0.75, "w8a16": 1.0, "w4a16": 1.0, "w4a16-asym": 1.0, "fp8-block": 0.75, "fp8-static": 0.75}
+GREEDY_AGREEMENT = {
+    "fp8": 0.75,
+    "w8a16": 1.0,
+    "w4a16": 1.0,
+    "w4a16-asym": 1.0,
+    "fp8-block": 0.75,
+    "fp8-static": 0.75,
+    "w8a8": 0.75,
+}
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:
@@ -117,14 +136,15 @@ def _projection_inputs_and_outputs(
     return seen
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "w8a16", "fp8-block", "fp8-static"])
+@pytest.mark.parametrize("scheme", ["fp8", "w8a16", "fp8-block", "fp8-static", "w8a8"])
 def test_projections_compute_what_the_oracles_layers_compute(scheme: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
     """Each FP8_DYNAMIC (W8A16, FP8_BLOCK) projection, given the very input the transformers +
     compressed-tensors layer saw, gives that layer's output: for fp8 the same per-token activation scales
     (per token and group of 128 columns for FP8_BLOCK), the same E4M3 rounding and saturation, the same
     per-channel (per 128x128 tile) weight scales; for w8a16 the same int8 weights and
     per-group scales, multiplied with the float32 activations as they are; for FP8 each projection's
-    calibrated activation scale, the same for every token. (Whole-model fp8 logits differ
+    calibrated activation scale, the same for every token; for W8A8 the same int8 weights and per-token
+    int8 activations (scale max|x| / 127.5, compressed-tensors' rule). (Whole-model fp8 logits differ
     a little more, because a float rounding difference elsewhere can move an activation across an E4M3
     rounding boundary.)"""
     path = quantized_model("tiny", PRESETS[scheme])
@@ -208,4 +228,37 @@ def test_asymmetric_weights_other_than_int4_groups_are_refused_by_name(
         match=r"compressed-tensors: asymmetric int 8-bit weights, strategy 'group' are not supported; "
         r"supported: asymmetric int 4-bit per group \(pack-quantized, W4A16_ASYM\)",
     ):
+        LLM(str(tmp_path / "m"), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda acts: acts.update(dynamic=False, strategy="tensor"),
+            r"int8 weights with input activations int 8-bit, strategy 'tensor' \(dynamic=False, "
+            r"symmetric=True\) are not supported; supported: int 8-bit, dynamic per token, symmetric",
+        ),
+        (
+            lambda acts: acts.update(symmetric=False),
+            r"input activations int 8-bit, strategy 'token' \(dynamic=True, symmetric=False\) are not "
+            r"supported",
+        ),
+        (
+            lambda acts: acts.update(type="float"),
+            r"input activations float 8-bit, strategy 'token' \(dynamic=True, symmetric=True\) are not "
+            r"supported",
+        ),
+    ],
+    ids=["static", "asymmetric", "fp8-activations"],
+)
+def test_w8a8_activation_schemes_other_than_dynamic_symmetric_int8_per_token_are_refused(
+    edit, message: str, quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    src = quantized_model("tiny", "W8A8")
+    shutil.copytree(src, tmp_path / "m")
+    raw = json.loads((src / "config.json").read_text())
+    edit(raw["quantization_config"]["config_groups"]["group_0"]["input_activations"])
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=message):
         LLM(str(tmp_path / "m"), num_kv_blocks=16)

@@ -15,9 +15,10 @@ from ember_engine.cli import main as ember
 from ember_engine.core.config import EngineConfig
 from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant.apply import weight_bytes
-from ember_engine.model.quant.linear import Fp8BlockLinear, Fp8Linear, Int4Linear, Int8Linear
+from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear
+from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 
-LAYERS = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear}
+LAYERS = {"fp8": Fp8Linear, "w8a16": Int8Linear, "w4a16": Int4Linear, "w8a8": W8A8Linear}
 PROMPT = list(range(20, 60))
 
 
@@ -101,9 +102,9 @@ def test_ember_quantize_writes_what_transformers_loads(
         assert isinstance(llm.engine.runner.model.model.layers[0].mlp.down_proj, Fp8BlockLinear)
     ours = _logits(llm, PROMPT)
     span = (theirs.max() - theirs.min()).item()
-    # fp8: activations may round to a neighbouring E4M3 step; the weight-only schemes multiply the
-    # activations as they are (float32 here), so only float rounding separates the two.
-    tolerance = {"fp8": 2e-2, "fp8-block": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4}[scheme]
+    # fp8 and w8a8: an activation may round to a neighbouring E4M3 or int8 step; the weight-only schemes
+    # multiply the activations as they are (float32 here), so only float rounding separates the two.
+    tolerance = {"fp8": 2e-2, "fp8-block": 2e-2, "w8a8": 2e-2, "w8a16": 1e-4, "w4a16": 1e-4}[scheme]
     assert (ours - theirs).abs().max().item() <= tolerance * span
     assert (ours - _logits(full, PROMPT)).abs().max().item() < 0.25 * span
 

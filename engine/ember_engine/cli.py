@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("ember_engine.server.serve", "serve a model over the OpenAI API"),
     "quantize": (
         "ember_engine.tools.quantize",
-        "write a quantized copy of a checkpoint (compressed-tensors: fp8, w8a16, w4a16)",
+        "write a quantized copy of a checkpoint (compressed-tensors: fp8, w8a16, w4a16, w8a8)",
     ),
     "fetch-model": (
         "ember_engine.fetch.cli",
@@ -52,7 +52,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("ember_engine.bench.throughput", "offline output tokens/s, ember vs transformers"),
     "serve": ("ember_engine.bench.serve", "serving latency and throughput against a running server"),
     "spec": ("ember_engine.bench.spec", "speculative decoding (draft, n-gram) against plain decoding"),
-    "quant": ("ember_engine.bench.quant", "quantized weights (fp8, w8a16, w4a16) against full precision"),
+    "quant": (
+        "ember_engine.bench.quant",
+        "quantized weights (fp8, w8a16, w4a16, w8a8) against full precision",
+    ),
     "step": ("ember_engine.bench.step", "host time per engine step, model forward stubbed, by component"),
     "scale": (
         "ember_localcluster.bench_scale",

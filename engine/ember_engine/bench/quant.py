@@ -33,7 +33,9 @@ CLOSE_TOP = 5  # how many of a side's most likely tokens a first divergence may 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint (default: the packaged trained pair's target)")
-    p.add_argument("--schemes", default="fp8,w8a16,w4a16", help="comma-separated, run after full precision")
+    p.add_argument(
+        "--schemes", default="fp8,w8a16,w4a16,w8a8", help="comma-separated, run after full precision"
+    )
     p.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes for the KV-block count")
     p.add_argument(
         "--kv-fp8",

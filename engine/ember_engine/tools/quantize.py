@@ -1,4 +1,4 @@
-"""`ember quantize SRC DST --scheme fp8|w8a16|w4a16 [--group-size G] [--block-size N]`: write a quantized
+"""`ember quantize SRC DST --scheme fp8|w8a16|w4a16|w8a8 [--group-size G] [--block-size N]`: write a quantized
 copy of a checkpoint in the compressed-tensors format (what llm-compressor writes, and what transformers,
 vLLM and ember load).
 
@@ -6,7 +6,8 @@ Round-to-nearest, no calibration data: every decoder projection is quantized (sy
 output channel, int4 per group of `--group-size` input columns); embeddings, norms and the LM head are
 copied as they are. FP8 is written `float-quantized` with dynamic per-token activations (FP8_DYNAMIC), or
 with `--block-size N` one scale per N x N tile of the weight and activations per token and group of N
-columns (FP8_BLOCK); int8 and int4 `pack-quantized` (W8A16, W4A16).
+columns (FP8_BLOCK); int8 and int4 `pack-quantized` (W8A16, W4A16); int8 with dynamic per-token int8
+activations `int-quantized` (W8A8).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def quantization_config(scheme: str, group_size: int, block_size: int = 0) -> di
             acts.update(strategy="group", group_size=block_size)
     elif scheme == "w4a16":
         weights.update(num_bits=4, strategy="group", group_size=group_size)
+    elif scheme == "w8a8":
+        fmt = "int-quantized"
+        acts = {**weights, "dynamic": True, "observer": None, "strategy": "token"}
     group = {"input_activations": acts, "output_activations": None, "targets": ["Linear"], "weights": weights}
     return {
         "config_groups": {"group_0": group},
@@ -112,6 +116,9 @@ def quantize_tensor(
     if scheme == "fp8":
         q, scale = schemes.quantize_fp8(w)
         return {f"{base}.weight": q, f"{base}.weight_scale": scale[:, None].to(w.dtype)}
+    if scheme == "w8a8":
+        q, scale = schemes.quantize_int8(w)
+        return {f"{base}.weight": q, f"{base}.weight_scale": scale.to(w.dtype)}
     if scheme == "w8a16":
         q, scale = schemes.quantize_int8(w)
         bits = 8

@@ -10,7 +10,10 @@ from torch import nn
 
 from ember_engine.model.quant import gptq
 from ember_engine.model.quant.checkpoint import decode
-from ember_engine.model.quant.linear import Fp8Linear, Int4Linear, QuantLinear, make_layer, quantize_linear
+from ember_engine.model.quant.fp8_linear import Fp8Linear
+from ember_engine.model.quant.int_linear import Int4Linear
+from ember_engine.model.quant.layer import QuantLinear
+from ember_engine.model.quant.linear import make_layer, quantize_linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
 

@@ -150,10 +150,19 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
                 "supported; supported: dynamic per group of the block's columns"
             )
         return QuantSpec("fp8", fmt, group_size=int(block[1]), block_rows=int(block[0]))
+    if acts and kind == "int" and bits == 8 and strategy in ("channel", "tensor"):
+        got = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"), acts.get("symmetric", True))
+        if got != ("int", 8, "token", True) or not acts.get("dynamic"):
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors: int8 weights with input activations {got[0]} {got[1]}-bit, strategy "
+                f"{got[2]!r} (dynamic={acts.get('dynamic')}, symmetric={got[3]}) are not supported; "
+                "supported: int 8-bit, dynamic per token, symmetric (W8A8, w8a8)"
+            )
+        return QuantSpec("w8a8", fmt, group_size=0, num_bits=8)
     if acts:
         raise UnsupportedQuantizationError(
             f"compressed-tensors: quantized activations with {what} are not supported; "
-            "supported: fp8 (W8A8-FP8), w8a16, w4a16"
+            "supported: fp8 (W8A8-FP8), w8a8 (int8 per channel with int8 activations), w8a16, w4a16"
         )
     if kind == "int" and bits == 8 and strategy in ("channel", "tensor"):
         return QuantSpec("w8a16", fmt, group_size=0, num_bits=8)

@@ -7,6 +7,8 @@ Canonical forms held by the engine's layers (whatever the checkpoint's own layou
   columns, as llm-compressor's W8A16 preset writes, `[out, in / group_size]`); activations stay as they are.
 - `w4a16`: int4 values packed two to a byte `[out, in / 2]` (low nibble first, stored as value + 8),
   float32 scale per group of `group_size` input columns `[out, in / group_size]`.
+- `w8a8`: `w8a16`'s int8 weight with a scale per output channel `[out, 1]`; activations are quantized to
+  int8 per token at run time (W8A8-INT8) and multiplied in integers.
 All are symmetric: zero is exactly representable and no zero point is stored.
 """
 
@@ -129,6 +131,15 @@ def quantize_activation_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> tupl
     s = scale.float().reshape(1, 1)
     q = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, s.expand(x.shape[0], 1)
+
+
+def quantize_activation_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (row) dynamic int8, compressed-tensors' symmetric rule (the format's reference): scale
+    max|x| / 127.5, values round(x / scale) (half to even) in [-128, 127]: (values [n, in], float32 scale
+    [n, 1])."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / 127.5
+    return torch.round(xf / scale).clamp_(-128, 127).to(torch.int8), scale
 
 
 def unpack_int32(packed: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:

@@ -8,7 +8,9 @@ widened in registers, so only the quantized bytes cross memory:
 - fp8: activations quantized per token (or with a checkpoint's static scale) beforehand; E4M3 × E4M3 dots where the device has them (compute
   capability ≥ 8.9), widened otherwise, both scales applied after the K loop;
 - block-scaled fp8: activations quantized per token and group of GROUP columns beforehand; the same dots,
-  each BLOCK_K step (which lies in one group) scaled by its activation and weight scales as it is added.
+  each BLOCK_K step (which lies in one group) scaled by its activation and weight scales as it is added;
+- w8a8: activations quantized to int8 per token beforehand; int8 dots with int32 sums (exact; int8
+  tensor cores on the GPU), both scales applied after the K loop.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from ember_engine.model.quant.schemes import (
     quantize_activation_fp8,
     quantize_activation_fp8_groups,
     quantize_activation_fp8_static,
+    quantize_activation_int8,
 )
 
-# WEIGHT: 0 int8, 1 packed int4, 2 fp8, 3 block-scaled fp8 (fp8 stored as bytes, reinterpreted in the kernel).
-_INT8, _INT4, _FP8, _FP8_BLOCK = 0, 1, 2, 3
+# WEIGHT: 0 int8, 1 packed int4, 2 fp8, 3 block-scaled fp8 (fp8 stored as bytes, reinterpreted in the
+# kernel), 4 int8 with int8 activations.
+_INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8 = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -65,7 +69,11 @@ def _gemm_kernel(
             other=0,
         )
         wmask = mask_k[:, None] & mask_n[None, :]
-        if WEIGHT < 2:
+        if WEIGHT == 4:
+            # int8 x int8 dots with int32 sums (exact), widened to the float32 accumulator each step.
+            q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
+            acc += tl.dot(x, q, out_dtype=tl.int32).to(tl.float32)
+        elif WEIGHT < 2:
             if WEIGHT == 1:
                 # [BLOCK_K, BLOCK_N]: column k of the weight is nibble k % 2 of byte k // 2.
                 ptrs = w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
@@ -91,7 +99,7 @@ def _gemm_kernel(
                 acc += part * xs[:, None] * ws[None, :]
             else:
                 acc += part
-    if WEIGHT == 2:
+    if WEIGHT == 2 or WEIGHT == 4:
         acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0)[None, :]
         acc = acc * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0)[:, None]
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -172,6 +180,20 @@ def fp8_matmul(
         scale.float().contiguous(),
         w.shape[0],
         _FP8,
+        x_scale=x_scale.reshape(-1).contiguous(),
+        out_dtype=x.dtype,
+    )
+
+
+def w8a8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] quantized per token to int8, @ (int8 w [N, K] * scale [N, 1])^T, in x's dtype."""
+    xq, x_scale = quantize_activation_int8(x)
+    return _launch(
+        xq,
+        w,
+        scale.float().reshape(-1).contiguous(),
+        w.shape[0],
+        _W8A8,
         x_scale=x_scale.reshape(-1).contiguous(),
         out_dtype=x.dtype,
     )

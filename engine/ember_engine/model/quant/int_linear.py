@@ -1,0 +1,144 @@
+"""Integer weights: int8 with float activations (w8a16), int8 with int8 activations (w8a8), and int4
+in groups, with a checkpoint's zero points where it has them (w4a16)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ember_engine.model.quant import cpu_decode, cpu_int4, schemes
+from ember_engine.model.quant.layer import QuantLinear, use_triton
+
+
+class Int8Linear(QuantLinear):
+    """int8 weights with a scale per output channel (`group_size` 0) or per group of input columns."""
+
+    scheme = "w8a16"
+    weight: torch.Tensor
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int = 0
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        if group_size and in_features % group_size:
+            raise schemes.UnsupportedQuantizationError(
+                f"w8a16: input size {in_features} is not a multiple of the group size {group_size}"
+            )
+        self.group_size = group_size or in_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer(
+            "weight_scale", torch.ones(out_features, in_features // self.group_size, dtype=torch.float32)
+        )
+
+    def weight_data(self) -> torch.Tensor:
+        return self.weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from ember_engine.model.quant import triton_gemm
+
+            return triton_gemm.int8_matmul(x, self.weight, self.weight_scale, self.group_size)
+        if x.device.type != "cpu":
+            return F.linear(x, self.dequantized(x.dtype))
+        if x.dtype == torch.bfloat16 and self.group_size == self.in_features:
+            # torch's int8 weight-pack matmul, fast for bf16 activations; float32 scales are applied to
+            # its output, so they are not rounded to bf16.
+            ones = torch.ones(self.out_features, dtype=x.dtype, device=x.device)
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, ones)
+            return (y.float() * self.weight_scale.reshape(-1)).to(x.dtype)
+        return cpu_decode.int8_matmul(x, self.weight, self.weight_scale)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scale = self.weight_scale.repeat_interleave(self.group_size, dim=1)
+        return (self.weight.float() * scale).to(dtype)
+
+
+class W8A8Linear(Int8Linear):
+    """int8 weights with a scale per output channel, and int8 activations with a scale per token taken at
+    run time (W8A8-INT8): y = (xq . q) * x_scale * w_scale, the dot products exact int32 sums (torch's
+    int8 x int8 -> int32 matmul on the CPU, int8 dots in the Triton GEMM)."""
+
+    scheme = "w8a8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, bias, dtype, group_size=0)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x) and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)):
+            from ember_engine.model.quant import triton_gemm  # int8 dots: compute capability 8.0 and up
+
+            return triton_gemm.w8a8_matmul(x, self.weight, self.weight_scale)
+        xq, x_scale = schemes.quantize_activation_int8(x)
+        if x.device.type == "cpu" and x.shape[0] > 0:
+            sums = torch._int_mm(xq, self.weight.t())
+            return (sums.float() * x_scale * self.weight_scale.reshape(1, -1)).to(x.dtype)
+        return ((xq.float() * x_scale) @ self.dequantized().t()).to(x.dtype)
+
+
+class Int4Linear(QuantLinear):
+    scheme = "w4a16"
+    weight_packed: torch.Tensor
+    weight_zero: torch.Tensor | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        group_size: int = schemes.DEFAULT_GROUP_SIZE,
+        zero_points: bool = False,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        if in_features % group_size or group_size % 2:
+            raise schemes.UnsupportedQuantizationError(
+                f"w4a16: input size {in_features} is not a multiple of the group size {group_size}"
+            )
+        self.group_size = group_size
+        groups = in_features // group_size
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float32))
+        # A checkpoint's own zero points (GPTQ sym: false, AWQ), each less 8, one per group: the weight is
+        # (value - zero) * scale. None: symmetric, every zero point 8.
+        zeros = torch.zeros(out_features, groups, dtype=torch.int8) if zero_points else None
+        self.register_buffer("weight_zero", zeros)
+        self._zero_times_scale: torch.Tensor | None = None
+
+    def weight_data(self) -> torch.Tensor:
+        return self.weight_packed
+
+    def set_rows(self, start: int, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """`weight` is int4 values as int8 [rows, in]; they are packed here."""
+        super().set_rows(start, schemes.pack_int4(weight), scale.float())
+        self._zero_times_scale = None
+
+    def set_zero_rows(self, start: int, zero: torch.Tensor) -> None:
+        """A checkpoint's zero points (each less 8, int8 [rows, groups]) for output rows start.."""
+        if self.weight_zero is None:
+            raise schemes.UnsupportedQuantizationError("w4a16: zero points for a symmetric layer")
+        self.weight_zero.narrow(0, start, zero.shape[0]).copy_(zero)
+        self._zero_times_scale = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from ember_engine.model.quant import triton_gemm
+
+            y = triton_gemm.int4_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
+        elif x.device.type == "cpu":
+            y = cpu_int4.int4_matmul(x, self.weight_packed, self.weight_scale)
+        else:
+            return F.linear(x, self.dequantized(x.dtype))
+        if self.weight_zero is None:
+            return y
+        # sum_i (v_i - z_g) s_g x_i = (the symmetric product) - sum_g z_g s_g (sum of x over group g).
+        if self._zero_times_scale is None:
+            self._zero_times_scale = self.weight_zero.float() * self.weight_scale
+        sums = x.float().reshape(x.shape[0], -1, self.group_size).sum(dim=-1)
+        return (y.float() - sums @ self._zero_times_scale.t()).to(x.dtype)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.weight_zero is None:
+            return schemes.dequantize_int4(self.weight_packed, self.weight_scale, dtype)
+        values = schemes.unpack_int4(self.weight_packed).float()
+        zeros = self.weight_zero.float().repeat_interleave(self.group_size, dim=1)
+        return ((values - zeros) * self.weight_scale.repeat_interleave(self.group_size, dim=1)).to(dtype)

@@ -1,0 +1,91 @@
+"""The base of the linear layers over quantized weights (`fp8_linear.py`, `int_linear.py`), drop-in
+replacements for the model's `nn.Linear`s, and the choice between the GPU and CPU paths.
+
+Weights and scales are buffers in the canonical forms of `schemes.py`; a bias, where the model has one,
+stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`triton_gemm.py`); the CPU
+path runs compiled loops and torch (`cpu_decode.py`, `cpu_int4.py`): at decode batch sizes one loop
+reads each weight byte once and multiplies its value with the activations in float32 (fp8 activations
+quantized per token, per token and group, or with a checkpoint's static scale, then decoded); above
+them `w8a16` takes the exact int8 matmul on the activations split into int8 digits (`cpu_int8.py`),
+`fp8` a float32 matmul over weight rows decoded a block at a time, and `w4a16` its weight unpacked to
+int8 for the int8 matmul; `w8a8` takes the int8 matmul on its int8 activations at every batch size.
+bf16 activations with one w8a16 scale per channel take torch's int8 weight-pack matmul at every batch
+size. Other devices without Triton take torch's scaled matmul (fp8) or the dequantized product.
+`EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from ember_engine.model.quant import schemes
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    mode = os.environ.get("EMBER_QUANT_GEMM", "")
+    if mode == "torch":
+        return False
+    return mode == "triton" or x.is_cuda
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W held quantized. Subclasses set the scheme and the buffers."""
+
+    scheme = ""
+    weight_scale: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        # GPTQ act-order: the input columns' order the weight's columns are held in (None: as given), and
+        # the checkpoint projection that set it (every part of a merged projection must agree).
+        self.input_order: torch.Tensor | None = None
+        self._order_from: str | None = None
+
+    def set_input_order(self, order: torch.Tensor | None, name: str) -> None:
+        if self._order_from is not None:
+            same = (order is None and self.input_order is None) or (
+                order is not None
+                and self.input_order is not None
+                and torch.equal(order, self.input_order.cpu())
+            )
+            if not same:
+                raise schemes.UnsupportedQuantizationError(
+                    f"{name}: its g_idx orders the input columns unlike {self._order_from}'s, with which it is "
+                    "merged (they share an input); not supported"
+                )
+            return
+        self._order_from = name
+        self.input_order = None if order is None else order.to(self.weight_scale.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
+        y = self.matmul(x.reshape(-1, shape[-1]))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the scheme stands for, [out, in], its columns in input_order where that is set."""
+        raise NotImplementedError
+
+    def set_rows(self, start: int, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Place a projection's canonical weight and scale at output rows start.. (merged projections)."""
+        n = weight.shape[0]
+        self.weight_data().narrow(0, start, n).copy_(weight)
+        self.weight_scale.narrow(0, start, n).copy_(scale.reshape(self.weight_scale[start : start + n].shape))
+
+    def weight_data(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self.scheme}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
