@@ -83,6 +83,30 @@ def quantized_model():  # -> Callable[[str, str], Path]
     return quantized_checkpoint
 
 
+def edited_copy(src: Path, dst: Path, group=None, tensors=None) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of compressed-tensors checkpoint `src` at `dst`, `group(config group 0)` applied to its
+    quantization config and `tensors(state dict)` to its (single) safetensors file, each edited in place."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if group is not None:
+        raw = json.loads((src / "config.json").read_text())
+        group(raw["quantization_config"]["config_groups"]["group_0"])
+        (dst / "config.json").write_text(json.dumps(raw))
+    if tensors is not None:
+        state = load_file(str(src / "model.safetensors"))
+        tensors(state)
+        save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="session")
+def edited_checkpoint():  # -> Callable[..., Path]
+    return edited_copy
+
+
 # The longest test modules, longest first (seconds each took alone on two cores). `make pytest` hands whole
 # modules to its two pytest-xdist workers in collection order (`--no-loadscope-reorder`; xdist's own order,
 # most tests first, would leave these few-test, long modules to the end, one worker busy and one idle), so

@@ -1,9 +1,10 @@
 """Writes a quantized copy of a test checkpoint with llm-compressor (run as a script, in its own process,
 so its imports stay out of the test process): `python quant_build.py SRC DST SCHEME`.
 
-SCHEME is an llm-compressor preset: FP8_DYNAMIC, FP8_BLOCK, W8A16, W4A16, W4A16_ASYM (round-to-nearest;
-no calibration data) or FP8 (static per-tensor activation scales, calibrated on 16 sequences of 64
-token ids: drawn from a fixed seed, or for the packaged pair's target windows of its training split).
+SCHEME is an llm-compressor preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W8A16, W4A16, W4A16_ASYM, NVFP4A16
+(round-to-nearest; no calibration data) or FP8 (static per-tensor activation scales, calibrated on 16
+sequences of 64 token ids: drawn from a fixed seed, or for the packaged pair's target windows of its
+training split).
 """
 
 from __future__ import annotations

@@ -5,13 +5,11 @@ test_quant_load.py."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ember_engine import LLM
 from ember_engine.model.quant import schemes
@@ -53,20 +51,9 @@ def test_kernels_quantize_every_token_with_the_static_scale(shape: tuple[int, in
     assert (dynamic - expected).abs().max().item() > 1e-2 * scale  # the static scale is what was used
 
 
-def _edited_copy(src: Path, dst: Path, config=None, tensors=None) -> Path:  # type: ignore[no-untyped-def]
-    shutil.copytree(src, dst)
-    if config is not None:
-        raw = json.loads((src / "config.json").read_text())
-        config(raw["quantization_config"]["config_groups"]["group_0"])
-        (dst / "config.json").write_text(json.dumps(raw))
-    if tensors is not None:
-        state = load_file(str(src / "model.safetensors"))
-        tensors(state)
-        save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
-def test_merged_parts_calibrated_apart_share_the_largest_scale(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_merged_parts_calibrated_apart_share_the_largest_scale(
+    quantized_model, tmp_path: Path, edited_checkpoint
+) -> None:  # type: ignore[no-untyped-def]
     """q, k and v (gate and up) share one input and so one quantization of it: the largest of their
     scales, which saturates none of them."""
     src = quantized_model("tiny", "FP8")
@@ -77,7 +64,9 @@ def test_merged_parts_calibrated_apart_share_the_largest_scale(quantized_model, 
         state["model.layers.0.mlp.up_proj.input_scale"] = torch.tensor([0.5])
         state["model.layers.0.mlp.gate_proj.input_scale"] = torch.tensor([0.125])
 
-    model = LLM(str(_edited_copy(src, tmp_path / "m", tensors=spread)), num_kv_blocks=16).engine.runner.model
+    model = LLM(
+        str(edited_checkpoint(src, tmp_path / "m", tensors=spread)), num_kv_blocks=16
+    ).engine.runner.model
     first = model.model.layers[0]
     assert first.self_attn.qkv_proj.input_scale.tolist() == pytest.approx([0.03])
     assert first.mlp.gate_up_proj.input_scale.tolist() == [0.5]
@@ -111,28 +100,32 @@ def test_merged_parts_calibrated_apart_share_the_largest_scale(quantized_model, 
     ids=["weight-only", "static-per-channel", "int8-activations", "asymmetric-activations"],
 )
 def test_unsupported_activation_schemes_are_refused_by_name(
-    edit, message: str, quantized_model, tmp_path: Path
+    edit, message: str, quantized_model, tmp_path: Path, edited_checkpoint
 ) -> None:  # type: ignore[no-untyped-def]
-    path = _edited_copy(quantized_model("tiny", "FP8"), tmp_path / "m", config=edit)
+    path = edited_checkpoint(quantized_model("tiny", "FP8"), tmp_path / "m", group=edit)
     with pytest.raises(ValueError, match=message):
         LLM(str(path), num_kv_blocks=16)
 
 
-def test_a_static_scale_that_is_not_one_positive_number_is_refused(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_static_scale_that_is_not_one_positive_number_is_refused(
+    quantized_model, tmp_path: Path, edited_checkpoint
+) -> None:  # type: ignore[no-untyped-def]
     def bad(state: dict[str, torch.Tensor]) -> None:
         state["model.layers.1.mlp.down_proj.input_scale"] = torch.tensor([0.0])
 
-    path = _edited_copy(quantized_model("tiny", "FP8"), tmp_path / "m", tensors=bad)
+    path = edited_checkpoint(quantized_model("tiny", "FP8"), tmp_path / "m", tensors=bad)
     with pytest.raises(
         ValueError, match=r"model.layers.1.mlp.down_proj: input_scale must be one positive finite number"
     ):
         LLM(str(path), num_kv_blocks=16)
 
 
-def test_a_checkpoint_missing_a_static_scale_names_the_projection(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_checkpoint_missing_a_static_scale_names_the_projection(
+    quantized_model, tmp_path: Path, edited_checkpoint
+) -> None:  # type: ignore[no-untyped-def]
     def drop(state: dict[str, torch.Tensor]) -> None:
         del state["model.layers.1.self_attn.o_proj.input_scale"]
 
-    path = _edited_copy(quantized_model("tiny", "FP8"), tmp_path / "m", tensors=drop)
+    path = edited_checkpoint(quantized_model("tiny", "FP8"), tmp_path / "m", tensors=drop)
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn.o_proj"):
         LLM(str(path), num_kv_blocks=16)

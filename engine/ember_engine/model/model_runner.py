@@ -291,12 +291,9 @@ class ModelRunner:
         from ember_engine.model.kernel_launch import LEDGER
 
         if self.quant is not None and self.device.type == "cpu":
-            from ember_engine.model.quant import cpu_decode, cpu_int4
+            from ember_engine.model.quant.apply import warm_up_cpu
 
-            if self.quant.scheme == "w4a16":  # compiled, or read from numba's cache
-                cpu_int4.warm_up()
-            else:
-                cpu_decode.warm_up(self.quant.scheme)
+            warm_up_cpu(self.quant.scheme)
         if not attention._use_triton(torch.empty(0, device=self.device)):
             return 0
         before = LEDGER.compiles

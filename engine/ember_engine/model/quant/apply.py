@@ -10,6 +10,7 @@ from torch import nn
 
 from ember_engine.model.quant import gptq
 from ember_engine.model.quant.checkpoint import decode
+from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8Linear
 from ember_engine.model.quant.int_linear import Int4Linear
 from ember_engine.model.quant.layer import QuantLinear
@@ -52,6 +53,18 @@ def quantize_model(model: nn.Module, spec: QuantSpec) -> None:
     """Quantize every projection of a loaded full-precision model in place (online quantization)."""
     for parent, name, linear in _projections(model):
         setattr(parent, name, quantize_linear(linear, spec.scheme, spec.group_size))
+
+
+def warm_up_cpu(scheme: str) -> None:
+    """Compile a scheme's CPU loops before serving (or read them from numba's cache)."""
+    from ember_engine.model.quant import cpu_decode, cpu_fp4, cpu_int4
+
+    if scheme == "w4a16":
+        cpu_int4.warm_up()
+    elif scheme == "nvfp4a16":
+        cpu_fp4.warm_up()
+    else:
+        cpu_decode.warm_up(scheme)
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -113,6 +126,9 @@ class QuantCollector:
             if zero is not None:
                 assert isinstance(layer, Int4Linear)
                 layer.set_zero_rows(offset, zero)
+            if "weight_global_scale" in tensors:
+                assert isinstance(layer, Fp4Linear)
+                layer.set_global_rows(offset, weight.shape[0], tensors["weight_global_scale"])
             if "input_scale" in tensors:
                 assert isinstance(layer, Fp8Linear)
                 layer.set_input_scale(tensors["input_scale"], name.rpartition(".")[0])

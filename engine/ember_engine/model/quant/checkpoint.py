@@ -26,7 +26,7 @@ from ember_engine.model.quant import gptq, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
 
-_CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized")
+_CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "nvfp4-pack-quantized")
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
@@ -109,6 +109,8 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     acts = first.get("input_activations")
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
     what = f"{kind} {bits}-bit weights, strategy {strategy!r}"
+    if fmt == "nvfp4-pack-quantized":
+        return _nvfp4(weights, acts)
     if not weights.get("symmetric", True):
         if (kind, bits, strategy, fmt) != ("int", 4, "group", "pack-quantized") or acts:
             raise UnsupportedQuantizationError(
@@ -176,14 +178,55 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     )
 
 
+def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None) -> QuantSpec:
+    got = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"), weights.get("group_size"))
+    if got != ("float", 4, "tensor_group", 16) or not weights.get("symmetric", True):
+        raise UnsupportedQuantizationError(
+            f"compressed-tensors: nvfp4-pack-quantized with {got[0]} {got[1]}-bit weights, strategy {got[2]!r}, "
+            f"groups of {got[3]} (symmetric={weights.get('symmetric', True)}) is not supported; supported: "
+            "float 4-bit, tensor_group, groups of 16, symmetric (NVFP4A16)"
+        )
+    if acts:
+        raise UnsupportedQuantizationError(
+            "compressed-tensors: NVFP4 with FP4 input activations (W4A4) is not supported; supported: "
+            "NVFP4A16 (FP4 weights, activations unquantized)"
+        )
+    return QuantSpec("nvfp4a16", "nvfp4-pack-quantized", group_size=16, num_bits=4)
+
+
+def _decode_nvfp4(tensors: dict[str, torch.Tensor]) -> Decoded:
+    """Packed E2M1 bytes and FP8 group scales as they are (the global scale goes to the layer apart)."""
+    packed, scale, global_scale = (
+        tensors["weight_packed"],
+        tensors["weight_scale"],
+        tensors["weight_global_scale"],
+    )
+    out, half = packed.shape
+    shapes = (packed.dtype, scale.dtype, tuple(scale.shape))
+    if shapes != (torch.uint8, torch.float8_e4m3fn, (out, 2 * half // 16)):
+        raise UnsupportedQuantizationError(
+            f"nvfp4a16 checkpoint: weight_packed {list(packed.shape)} ({packed.dtype}) needs uint8 and "
+            f"weight_scale [{out}, {2 * half // 16}] in float8_e4m3fn, found {list(scale.shape)} ({scale.dtype})"
+        )
+    g = global_scale.float().reshape(-1)
+    if g.numel() != 1 or not torch.isfinite(g).all() or g.item() <= 0:
+        raise UnsupportedQuantizationError(
+            f"nvfp4a16 checkpoint: weight_global_scale must be one positive finite number, found {g.tolist()[:4]}"
+        )
+    return packed, scale, None
+
+
 def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
     """One projection's checkpoint tensors -> (canonical weight, scale, zero points): FP8/int8 weight
     [out, in] and scale [out] (per channel), or [out, in / group] (grouped; block-scaled fp8: each row its
     tile's scales); for w4a16 int4 values as int8 [out, in] and scale [out, in / group]. Zero points
     (GPTQ and AWQ w4a16 only, else None) are [out, in / group] int8. A GPTQ act-order projection's columns
-    come in group order (gptq.input_order)."""
+    come in group order (gptq.input_order). nvfp4a16: E2M1 bytes [out, in / 2] and E4M3 scales [out, in / 16]
+    as the checkpoint holds them."""
     if spec.format in (*GPTQ_FORMATS, "awq"):
         return gptq.decode(spec, tensors)
+    if spec.format == "nvfp4-pack-quantized":
+        return _decode_nvfp4(tensors)
     scale = tensors.get("weight_scale", tensors.get("weight_scale_inv"))
     assert scale is not None
     if spec.format == "pack-quantized":

@@ -50,7 +50,7 @@ def _compiled(fn):
 
 
 @intrinsic
-def _half_to_float(typingctx, bits):
+def half_to_float(typingctx, bits):
     """The float16 whose bits are the low 16 of the int32 `bits`, as float32 (exact; one vector conversion
     instruction where the CPU has one, as x86-64 CPUs since 2012 and AArch64 do)."""
 
@@ -61,12 +61,12 @@ def _half_to_float(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
-# `_e4m3` gives a byte's value over this; the loops fold it into the scales (a power of two: exact).
+# `e4m3` gives a byte's value over this; the loops fold it into the scales (a power of two: exact).
 E4M3_UNIT = np.float32(256.0)
 
 
 @_compiled
-def _e4m3(byte):
+def e4m3(byte):
     """The value of an E4M3 byte (int32 in [0, 256)) divided by `E4M3_UNIT`, as float32, exact. A byte is
     sign | exponent e (4 bits) | mantissa m (3 bits), worth 2^(e - 7) * (1 + m / 8), or m * 2^-9 for e = 0;
     the same bits moved into a float16 (sign to its top bit, e and m to the low bits of its exponent and
@@ -75,7 +75,7 @@ def _e4m3(byte):
     subnormals costs several operations more). 0x7F and 0xFF are NaN."""
     bits = ((byte & np.int32(0x80)) << np.int32(8)) | ((byte & np.int32(0x7F)) << np.int32(7))
     # Converted before the choice: written as one conditional expression the loops ran 1.4x slower.
-    value = _half_to_float(bits)  # type: ignore[call-arg,var-annotated]
+    value = half_to_float(bits)  # type: ignore[call-arg,var-annotated]
     return np.float32(np.nan) if (byte & np.int32(0x7F)) == 0x7F else value
 
 
@@ -91,7 +91,7 @@ def _decode(src, scale, out):
             bs = src[i, g * group : (g + 1) * group]
             os = out[i, g * group : (g + 1) * group]
             for j in range(bs.shape[0]):
-                os[j] = _e4m3(np.int32(bs[j])) * s
+                os[j] = e4m3(np.int32(bs[j])) * s
 
 
 @_compiled
@@ -109,7 +109,7 @@ def _fp8_times_row(src, scale, x, out):
             x0 = x[0, lo : lo + group]
             acc = np.float32(0)
             for j in range(group):
-                acc += _e4m3(np.int32(bs[j])) * x0[j]
+                acc += e4m3(np.int32(bs[j])) * x0[j]
             total += acc * (scale[i, g] * E4M3_UNIT)
         out[0, i] = total
 
@@ -133,7 +133,7 @@ def _fp8_times_rows(src, scale, x, out):
                 x3 = x[c + 3, lo : lo + group]
                 a0 = a1 = a2 = a3 = np.float32(0)
                 for j in range(group):
-                    v = _e4m3(np.int32(bs[j]))
+                    v = e4m3(np.int32(bs[j]))
                     a0 += v * x0[j]
                     a1 += v * x1[j]
                     a2 += v * x2[j]
@@ -193,7 +193,7 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 _local = threading.local()
 
 
-def _scratch(numel: int) -> tuple[torch.Tensor, np.ndarray]:
+def scratch(numel: int) -> tuple[torch.Tensor, np.ndarray]:
     """This thread's float32 scratch of at least `numel` elements (as a tensor and as its numpy view)."""
     have = getattr(_local, "scratch", None)
     if have is None or have[0].numel() < numel:
@@ -207,20 +207,30 @@ def fp8_matmul(
 ) -> torch.Tensor:
     """(xq * x_scale) @ (w * w_scale)^T in float32, [m, n]: xq [m, k] and w [n, k] E4M3 (CPU tensors),
     each with a scale per row or per row and group of columns."""
-    m, k = xq.shape
+    m = xq.shape[0]
     n = w.shape[0]
     x = fp8_dequantize(xq, x_scale)
     wb = w.contiguous().view(torch.uint8).numpy()
     ws = as_grid(w_scale, n)
     if 0 < m <= FP8_FUSED_ROWS:
         return fused(_fp8_times_row, _fp8_times_rows, m, n, (wb, ws), (x,))
+    return blocked(_decode, (wb, ws), x)
+
+
+def blocked(decode, weight: tuple[np.ndarray, ...], x: torch.Tensor) -> torch.Tensor:
+    """x (float32 [m, k]) times a weight of n rows, transposed, [m, n] float32. The weight is held as
+    arrays with a row each per weight row (its bytes, its scales); `decode(*those rows, out)` writes a
+    block of rows' float32 values (about `SCRATCH_BYTES`, which stays in the cache) for torch's float32
+    matmul."""
+    m, k = x.shape
+    n = weight[0].shape[0]
     rows = max(1, min(n, SCRATCH_BYTES // (4 * k)))
-    scratch, scratch_np = _scratch(rows * k)
+    buffer, buffer_np = scratch(rows * k)
     yt = torch.empty(n, m, dtype=torch.float32)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        _decode(wb[r0:r1], ws[r0:r1], scratch_np[: (r1 - r0) * k].reshape(r1 - r0, k))
-        torch.mm(scratch[: (r1 - r0) * k].view(r1 - r0, k), x.t(), out=yt[r0:r1])
+        decode(*(a[r0:r1] for a in weight), buffer_np[: (r1 - r0) * k].reshape(r1 - r0, k))
+        torch.mm(buffer[: (r1 - r0) * k].view(r1 - r0, k), x.t(), out=yt[r0:r1])
     return yt.t() if m == 1 else yt.t().contiguous()
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ember_engine.model.quant import schemes
+from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 from ember_engine.model.quant.layer import QuantLinear
@@ -17,6 +18,7 @@ LAYERS: dict[str, type[QuantLinear]] = {
     "w8a16": Int8Linear,
     "w4a16": Int4Linear,
     "w8a8": W8A8Linear,
+    "nvfp4a16": Fp4Linear,
 }
 
 
@@ -31,6 +33,8 @@ def make_layer(
 ) -> QuantLinear:
     """`group_size`: input columns per scale (w4a16; w8a16 and fp8, where 0 means one scale per output
     channel; fp8 with groups is block-scaled; w8a8 takes 0 only). `zero_points`: a w4a16 checkpoint's own, one per group."""
+    if scheme == "nvfp4a16":  # from a checkpoint only
+        return Fp4Linear(in_features, out_features, bias, dtype)
     if schemes.check_scheme(scheme) == "w4a16":
         return Int4Linear(in_features, out_features, bias, dtype, group_size, zero_points)
     if scheme == "w8a16":

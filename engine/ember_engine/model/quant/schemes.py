@@ -142,6 +142,18 @@ def quantize_activation_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return torch.round(xf / scale).clamp_(-128, 127).to(torch.int8), scale
 
 
+# E2M1 (FP4) values of the nibbles 0-7; bit 3 is the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes [out, in / 2], two E2M1 values each (column 2j in the low nibble) -> float32 [out, in]."""
+    table = torch.tensor(E2M1_VALUES, device=packed.device)
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+    values = table[nibbles & 7]
+    return torch.where(nibbles >= 8, -values, values)
+
+
 def unpack_int32(packed: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
     """compressed-tensors `pack-quantized`: `32 / num_bits` unsigned values per int32 along the last
     dimension, value k of a word in bits [k*num_bits, (k+1)*num_bits), each stored as value + 2^(bits-1).

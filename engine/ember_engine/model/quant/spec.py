@@ -17,8 +17,10 @@ GPTQ_TENSORS = frozenset({"qweight", "qzeros", "scales"})
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    scheme: str  # fp8 | w8a16 | w4a16
-    format: str  # online | float-quantized | pack-quantized | int-quantized | hf-fp8 | gptq | gptq_v2 | awq
+    scheme: str  # fp8 | w8a16 | w4a16 | w8a8 | nvfp4a16 (from a checkpoint only)
+    # online | float-quantized | pack-quantized | int-quantized | nvfp4-pack-quantized | hf-fp8 | gptq |
+    # gptq_v2 | awq
+    format: str
     group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
     num_bits: int = 8
     block_rows: int = 0  # block-scaled fp8: output rows per tile of the checkpoint's scales
@@ -42,6 +44,7 @@ class QuantSpec:
             "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"})
             | ({"weight_zero_point"} if self.zero_points else set()),
             "int-quantized": frozenset({"weight", "weight_scale"}),
+            "nvfp4-pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_global_scale"}),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),

@@ -9,6 +9,8 @@ widened in registers, so only the quantized bytes cross memory:
   capability ≥ 8.9), widened otherwise, both scales applied after the K loop;
 - block-scaled fp8: activations quantized per token and group of GROUP columns beforehand; the same dots,
   each BLOCK_K step (which lies in one group) scaled by its activation and weight scales as it is added;
+- nvfp4a16: two E2M1 values a byte, decoded from their bits in registers, scaled per group of 16 as
+  w4a16's are, each group's scale its E4M3 byte over the row's global scale (passed as x_scale);
 - w8a8: activations quantized to int8 per token beforehand; int8 dots with int32 sums (exact; int8
   tensor cores on the GPU), both scales applied after the K loop.
 """
@@ -27,8 +29,8 @@ from ember_engine.model.quant.schemes import (
 )
 
 # WEIGHT: 0 int8, 1 packed int4, 2 fp8, 3 block-scaled fp8 (fp8 stored as bytes, reinterpreted in the
-# kernel), 4 int8 with int8 activations.
-_INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8 = 0, 1, 2, 3, 4
+# kernel), 4 int8 with int8 activations, 5 packed FP4 (E2M1).
+_INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8, _FP4 = 0, 1, 2, 3, 4, 5
 
 
 @triton.jit
@@ -73,16 +75,26 @@ def _gemm_kernel(
             # int8 x int8 dots with int32 sums (exact), widened to the float32 accumulator each step.
             q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
             acc += tl.dot(x, q, out_dtype=tl.int32).to(tl.float32)
-        elif WEIGHT < 2:
-            if WEIGHT == 1:
+        elif WEIGHT < 2 or WEIGHT == 5:
+            if WEIGHT != 0:
                 # [BLOCK_K, BLOCK_N]: column k of the weight is nibble k % 2 of byte k // 2.
                 ptrs = w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
                 packed = tl.load(ptrs, mask=wmask, other=0).to(tl.int32)
-                q = ((packed >> ((offs_k % 2) * 4)[:, None]) & 0xF) - 8
+                nibble = (packed >> ((offs_k % 2) * 4)[:, None]) & 0xF
+                if WEIGHT == 1:
+                    q = nibble - 8
+                else:  # E2M1: twice the value is m (exponent 0) or (2 + m) << (exponent - 1)
+                    e = (nibble >> 1) & 3
+                    m = nibble & 1
+                    twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
+                    q = tl.where((nibble & 8) != 0, -twice, twice).to(tl.float32) * 0.5
             else:
                 q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
             sptrs = scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None]
             s = tl.load(sptrs, mask=wmask, other=0)
+            if WEIGHT == 5:  # E4M3 group scales (bytes) over the row's global scale
+                gs = tl.load(x_scale_ptr + offs_n, mask=mask_n, other=1.0)
+                s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) / gs[None, :]
             acc += tl.dot(x, (q.to(tl.float32) * s).to(x.dtype))
         else:
             raw = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
@@ -182,6 +194,22 @@ def fp8_matmul(
         _FP8,
         x_scale=x_scale.reshape(-1).contiguous(),
         out_dtype=x.dtype,
+    )
+
+
+def fp4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x [M, K] @ (E2M1 w [N, K] packed as [N, K / 2], times E4M3 scale [N, K / group_size] over global
+    scale [N])^T, in x's dtype."""
+    return _launch(
+        x,
+        packed,
+        scale.contiguous().view(torch.uint8),
+        packed.shape[0],
+        _FP4,
+        group=group_size,
+        x_scale=global_scale.float().contiguous(),
     )
 
 

@@ -1,0 +1,57 @@
+"""NVFP4 weights with activations as they are (compressed-tensors' NVFP4A16, `nvfp4-pack-quantized`),
+held as the checkpoint holds them, 4.5 bits a weight: two FP4 E2M1 values a byte (column 2j in the low
+nibble), an FP8 E4M3 scale per output row and group of 16 input columns, and a global scale per output
+row (the checkpoint's per-tensor one, kept per row so that merged q/k/v and gate/up parts keep theirs).
+A weight is its E2M1 value times its group's scale divided by its row's global scale, in float32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ember_engine.model.quant import cpu_fp4, schemes
+from ember_engine.model.quant.layer import QuantLinear, use_triton
+
+GROUP = 16
+
+
+class Fp4Linear(QuantLinear):
+    scheme = "nvfp4a16"
+    weight_packed: torch.Tensor
+    weight_global: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        if in_features % GROUP:
+            raise schemes.UnsupportedQuantizationError(
+                f"nvfp4a16: input size {in_features} is not a multiple of the group size {GROUP}"
+            )
+        self.group_size = GROUP
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        groups = in_features // GROUP
+        self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_global", torch.ones(out_features, dtype=torch.float32))
+
+    def weight_data(self) -> torch.Tensor:
+        return self.weight_packed
+
+    def set_global_rows(self, start: int, rows: int, global_scale: torch.Tensor) -> None:
+        """A checkpoint projection's global scale for output rows start.. (start + rows)."""
+        self.weight_global.narrow(0, start, rows).fill_(global_scale.float().reshape(()).item())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from ember_engine.model.quant import triton_gemm
+
+            return triton_gemm.fp4_matmul(x, self.weight_packed, self.weight_scale, self.weight_global, GROUP)
+        if x.device.type == "cpu":
+            return cpu_fp4.fp4_matmul(x, self.weight_packed, self.weight_scale, self.weight_global)
+        return F.linear(x, self.dequantized(x.dtype))
+
+    def group_scales(self) -> torch.Tensor:
+        """Each group's float32 scale [out, in / 16]: its FP8 scale over its row's global scale."""
+        return self.weight_scale.float() / self.weight_global[:, None]
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        values = schemes.unpack_fp4(self.weight_packed)
+        return (values * self.group_scales().repeat_interleave(GROUP, dim=1)).to(dtype)
