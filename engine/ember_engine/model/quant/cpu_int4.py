@@ -3,7 +3,8 @@ function by its file's contents), and `cpu_decode`'s fused product.
 
 Decode batches (up to `INT4_FUSED_ROWS` activation rows) go through one loop that reads each packed byte
 once and multiplies its two nibbles, less 8, with the activations' even and odd columns, a group of 128
-columns at a time, each group's sum times its scale: the weight is never widened. Larger batches unpack
+columns at a time, each group's sum (less its zero point times the group's sum of the activations, for a
+checkpoint with zero points) times its scale: the weight is never widened. Larger batches unpack
 the weight to int8 (a compiled loop) for `cpu_int8`'s exact int8 matmul (the activations' int8 digits,
 group by group). Either way y = x @ (q_w * s_w)^T in float32, the activations at float32 precision.
 Unpacking with tensor operations, then dequantizing to float32, took 115 ms a call for one 8192 x 2048
@@ -22,6 +23,7 @@ from ember_engine.model.quant.cpu_decode import as_grid, fused
 # Activation rows up to which the fused loop is faster than unpacking for the int8 matmul: on an 8192 x
 # 2048 weight on two cores (best of 15), 7.4 ms against 7.0-7.4 at 8 rows, 11.1 against 8.1 at 12.
 INT4_FUSED_ROWS = 8
+_NO_ZEROS = np.zeros((0, 0), dtype=np.int8)  # what the fused loops get for a symmetric weight
 FAST = {"reassoc", "contract"}
 
 
@@ -33,9 +35,12 @@ def _compiled(fn):
 
 
 @_compiled
-def _nibbles_times_row(src, scale, xe, xo, out):
-    """int4: out[0, i] = sum over groups of scale[i, g] * the group's sum of (low nibble - 8) * xe +
-    (high nibble - 8) * xo, where xe and xo hold x's even and odd columns (byte j holds columns 2j, 2j + 1)."""
+def _nibbles_times_row(src, scale, zero, xe, xo, xsum, out):
+    """int4: out[0, i] = sum over groups of scale[i, g] * (the group's sum of (low nibble - 8) * xe +
+    (high nibble - 8) * xo, less zero[i, g] * xsum[0, g]), where xe and xo hold x's even and odd columns
+    (byte j holds columns 2j, 2j + 1) and xsum x's sum over each group. `zero` (a checkpoint's zero points,
+    each less 8) may have no rows: symmetric, nothing subtracted."""
+    zeros = zero.shape[0] > 0
     cols = src.shape[1]
     groups = scale.shape[1]
     group = cols // groups
@@ -50,13 +55,16 @@ def _nibbles_times_row(src, scale, xe, xo, out):
             for j in range(group):
                 b = np.int32(bs[j])
                 acc += np.float32((b & 15) - 8) * e0[j] + np.float32((b >> 4) - 8) * o0[j]
+            if zeros:
+                acc -= np.float32(zero[i, g]) * xsum[0, g]
             total += acc * scale[i, g]
         out[0, i] = total
 
 
 @_compiled
-def _nibbles_times_rows(src, scale, xe, xo, out):
+def _nibbles_times_rows(src, scale, zero, xe, xo, xsum, out):
     """`_nibbles_times_row` for activation rows in chunks of four, as `cpu_decode._fp8_times_rows`."""
+    zeros = zero.shape[0] > 0
     cols = src.shape[1]
     groups = scale.shape[1]
     group = cols // groups
@@ -83,6 +91,12 @@ def _nibbles_times_rows(src, scale, xe, xo, out):
                     a1 += lo4 * e1[j] + hi4 * o1[j]
                     a2 += lo4 * e2[j] + hi4 * o2[j]
                     a3 += lo4 * e3[j] + hi4 * o3[j]
+                if zeros:
+                    z = np.float32(zero[i, g])
+                    a0 -= z * xsum[c, g]
+                    a1 -= z * xsum[c + 1, g]
+                    a2 -= z * xsum[c + 2, g]
+                    a3 -= z * xsum[c + 3, g]
                 s = scale[i, g]
                 t0 += a0 * s
                 t1 += a1 * s
@@ -115,16 +129,28 @@ def int4_unpack(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [m, in] times the int4 weight (packed [out, in / 2], float32 scale [out, groups]), transposed:
-    [m, out] in x's dtype, at float32 precision."""
+def int4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [m, in] times the int4 weight (packed [out, in / 2], float32 scale [out, groups], and a
+    checkpoint's zero points, each less 8, int8 [out, groups], where it has them), transposed: [m, out]
+    in x's dtype, at float32 precision. Zero points are taken only up to `INT4_FUSED_ROWS` rows, in the
+    fused loops (each group's sum less zero point times the group's sum of x); above them the caller
+    subtracts them."""
     m = x.shape[0]
     if not 0 < m <= INT4_FUSED_ROWS:
+        if zero is not None:
+            raise ValueError("int4_matmul: zero points are taken in the fused loops only")
         return cpu_int8.int8_matmul(x, int4_unpack(packed), scale)
     n = packed.shape[0]
     xf = x.float()
-    weight = (packed.contiguous().numpy(), as_grid(scale, n))
-    y = fused(_nibbles_times_row, _nibbles_times_rows, m, n, weight, (xf[:, 0::2], xf[:, 1::2]))
+    groups = scale.shape[1]
+    if zero is None:  # symmetric: no zero points, and no sums of x to take
+        zeros, xsum = _NO_ZEROS, xf[:, :0]
+    else:
+        zeros, xsum = zero.contiguous().numpy(), xf.reshape(m, groups, -1).sum(dim=-1)
+    weight = (packed.contiguous().numpy(), as_grid(scale, n), zeros)
+    y = fused(_nibbles_times_row, _nibbles_times_rows, m, n, weight, (xf[:, 0::2], xf[:, 1::2], xsum))
     return y.to(x.dtype)
 
 
