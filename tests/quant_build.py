@@ -2,9 +2,10 @@
 so its imports stay out of the test process): `python quant_build.py SRC DST SCHEME`.
 
 SCHEME is an llm-compressor preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W8A16, W4A16, W4A16_ASYM, NVFP4A16
-(round-to-nearest; no calibration data) or FP8 (static per-tensor activation scales, calibrated on 16
+(round-to-nearest; no calibration data), FP8 (static per-tensor activation scales) or NVFP4 (FP4
+weights and activations, a global activation scale per projection), the last two calibrated on 16
 sequences of 64 token ids: drawn from a fixed seed, or for the packaged pair's target windows of its
-training split).
+training split.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-CALIBRATED = ("FP8",)
+CALIBRATED = ("FP8", "NVFP4")
 
 
 def build(src: Path, dst: Path, scheme: str) -> None:

@@ -61,7 +61,7 @@ def warm_up_cpu(scheme: str) -> None:
 
     if scheme == "w4a16":
         cpu_int4.warm_up()
-    elif scheme == "nvfp4a16":
+    elif scheme in ("nvfp4a16", "nvfp4"):
         cpu_fp4.warm_up()
     else:
         cpu_decode.warm_up(scheme)
@@ -129,6 +129,9 @@ class QuantCollector:
             if "weight_global_scale" in tensors:
                 assert isinstance(layer, Fp4Linear)
                 layer.set_global_rows(offset, weight.shape[0], tensors["weight_global_scale"])
+            if "input_global_scale" in tensors:
+                assert isinstance(layer, Fp4Linear)
+                layer.set_input_global(tensors["input_global_scale"], name.rpartition(".")[0])
             if "input_scale" in tensors:
                 assert isinstance(layer, Fp8Linear)
                 layer.set_input_scale(tensors["input_scale"], name.rpartition(".")[0])

@@ -187,10 +187,14 @@ def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None) -> QuantSpec:
             "float 4-bit, tensor_group, groups of 16, symmetric (NVFP4A16)"
         )
     if acts:
-        raise UnsupportedQuantizationError(
-            "compressed-tensors: NVFP4 with FP4 input activations (W4A4) is not supported; supported: "
-            "NVFP4A16 (FP4 weights, activations unquantized)"
-        )
+        got_acts = (*(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size", "dynamic")),)
+        if got_acts != ("float", 4, "tensor_group", 16, "local") or not acts.get("symmetric", True):
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors: NVFP4 weights with input activations {got_acts} are not supported; "
+                "supported: none (NVFP4A16), or float 4-bit, tensor_group, groups of 16, dynamic 'local' "
+                "with a calibrated global scale (NVFP4)"
+            )
+        return QuantSpec("nvfp4", "nvfp4-pack-quantized", group_size=16, num_bits=4, static_input=True)
     return QuantSpec("nvfp4a16", "nvfp4-pack-quantized", group_size=16, num_bits=4)
 
 

@@ -1,5 +1,6 @@
-"""NVFP4 weights with activations as they are (compressed-tensors' NVFP4A16, `nvfp4-pack-quantized`),
-held as the checkpoint holds them, 4.5 bits a weight: two FP4 E2M1 values a byte (column 2j in the low
+"""NVFP4 weights (compressed-tensors' `nvfp4-pack-quantized`) with activations as they are (NVFP4A16) or
+quantized to NVFP4 too (NVFP4, W4A4: `set_input_global`), the weights held as the checkpoint holds them,
+4.5 bits a weight: two FP4 E2M1 values a byte (column 2j in the low
 nibble), an FP8 E4M3 scale per output row and group of 16 input columns, and a global scale per output
 row (the checkpoint's per-tensor one, kept per row so that merged q/k/v and gate/up parts keep theirs).
 A weight is its E2M1 value times its group's scale divided by its row's global scale, in float32."""
@@ -19,6 +20,7 @@ class Fp4Linear(QuantLinear):
     scheme = "nvfp4a16"
     weight_packed: torch.Tensor
     weight_global: torch.Tensor
+    input_global: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__(in_features, out_features, bias, dtype)
@@ -31,6 +33,7 @@ class Fp4Linear(QuantLinear):
         groups = in_features // GROUP
         self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_global", torch.ones(out_features, dtype=torch.float32))
+        self.register_buffer("input_global", None)
 
     def weight_data(self) -> torch.Tensor:
         return self.weight_packed
@@ -39,7 +42,21 @@ class Fp4Linear(QuantLinear):
         """A checkpoint projection's global scale for output rows start.. (start + rows)."""
         self.weight_global.narrow(0, start, rows).fill_(global_scale.float().reshape(()).item())
 
+    def set_input_global(self, value: torch.Tensor, name: str) -> None:
+        """A part's calibrated activation global scale (W4A4). The parts of a merged projection share its
+        input and so one quantization of it: the largest of their global scales."""
+        g = value.float().reshape(-1)
+        if g.numel() != 1 or not torch.isfinite(g).all() or g.item() <= 0:
+            raise schemes.UnsupportedQuantizationError(
+                f"{name}: input_global_scale must be one positive finite number, found {g.tolist()[:4]}"
+            )
+        g = g.to(self.weight_global.device)
+        self.input_global = g if self.input_global is None else torch.maximum(self.input_global, g)
+        self.scheme = "nvfp4"
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_global is not None:  # W4A4: the activations as NVFP4 gives them, then multiplied
+            x = schemes.fake_quantize_nvfp4(x, self.input_global).to(x.dtype)
         if use_triton(x):
             from ember_engine.model.quant import triton_gemm
 

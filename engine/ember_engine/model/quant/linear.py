@@ -33,7 +33,7 @@ def make_layer(
 ) -> QuantLinear:
     """`group_size`: input columns per scale (w4a16; w8a16 and fp8, where 0 means one scale per output
     channel; fp8 with groups is block-scaled; w8a8 takes 0 only). `zero_points`: a w4a16 checkpoint's own, one per group."""
-    if scheme == "nvfp4a16":  # from a checkpoint only
+    if scheme in ("nvfp4a16", "nvfp4"):  # from a checkpoint only (nvfp4's activation scales set at load)
         return Fp4Linear(in_features, out_features, bias, dtype)
     if schemes.check_scheme(scheme) == "w4a16":
         return Int4Linear(in_features, out_features, bias, dtype, group_size, zero_points)

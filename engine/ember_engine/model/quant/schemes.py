@@ -154,6 +154,39 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(nibbles >= 8, -values, values)
 
 
+def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 activations, quantized and dequantized as compressed-tensors defines them (float32 [n, in]):
+    per token and group of 16 columns a local scale max|x| / 6 times the calibrated global scale, rounded
+    to E4M3 (0 becomes 0.125); each value divided by that over the global scale, saturated at +-6 and
+    rounded to the nearest E2M1 value (ties to the even one), then multiplied back."""
+    n, k = x.shape
+    groups = x.float().reshape(n, k // 16, 16)
+    g = global_scale.float().reshape(())
+    local = g * (groups.abs().amax(dim=-1, keepdim=True) / 6.0)
+    local = local.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    scale = torch.where(local == 0, torch.tensor(0.125, device=x.device), local) / g
+    q = round_to_e2m1((groups / scale).clamp(-6.0, 6.0))
+    return (q * scale).reshape(n, k)
+
+
+def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Each value (in [-6, 6]) to the nearest E2M1 value, a tie to the one with an even mantissa."""
+    a = v.abs()
+    # the midpoints between neighbours, each tie going to the even neighbour (<= up to it, < past it)
+    q = torch.zeros_like(a)
+    for low, high, even_high in (
+        (0.25, 0.5, False),
+        (0.75, 1.0, True),
+        (1.25, 1.5, False),
+        (1.75, 2.0, True),
+        (2.5, 3.0, False),
+        (3.5, 4.0, True),
+        (5.0, 6.0, False),
+    ):
+        q = torch.where(a >= low if even_high else a > low, high, q)
+    return torch.where(v < 0, -q, q)
+
+
 def unpack_int32(packed: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
     """compressed-tensors `pack-quantized`: `32 / num_bits` unsigned values per int32 along the last
     dimension, value k of a word in bits [k*num_bits, (k+1)*num_bits), each stored as value + 2^(bits-1).

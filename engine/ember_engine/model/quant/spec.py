@@ -17,7 +17,7 @@ GPTQ_TENSORS = frozenset({"qweight", "qzeros", "scales"})
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    scheme: str  # fp8 | w8a16 | w4a16 | w8a8 | nvfp4a16 (from a checkpoint only)
+    scheme: str  # fp8 | w8a16 | w4a16 | w8a8 | nvfp4a16, nvfp4 (from a checkpoint only)
     # online | float-quantized | pack-quantized | int-quantized | nvfp4-pack-quantized | hf-fp8 | gptq |
     # gptq_v2 | awq
     format: str
@@ -28,8 +28,8 @@ class QuantSpec:
     # w4a16 with zero points of its own (GPTQ sym: false, AWQ zero_point: true, compressed-tensors
     # W4A16_ASYM), one per group
     zero_points: bool = False
-    # fp8 with a calibrated activation scale per projection (compressed-tensors' FP8 preset: static, per
-    # tensor), in place of per-token scales taken at run time
+    # a calibrated activation scale per projection: fp8's static per-tensor scale (compressed-tensors' FP8
+    # preset), in place of per-token scales taken at run time; nvfp4's global scale (NVFP4, W4A4)
     static_input: bool = False
 
     @property
@@ -44,7 +44,8 @@ class QuantSpec:
             "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"})
             | ({"weight_zero_point"} if self.zero_points else set()),
             "int-quantized": frozenset({"weight", "weight_scale"}),
-            "nvfp4-pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_global_scale"}),
+            "nvfp4-pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_global_scale"})
+            | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
