@@ -190,7 +190,7 @@ def test_logits_and_greedy_tokens_match_transformers(pair) -> None:  # type: ign
                     ][:, :4].contiguous()
                 }
             ),
-            r"nvfp4a16 checkpoint: weight_packed \[\d+, \d+\] \(torch.uint8\) needs uint8 and weight_scale "
+            r"nvfp4 checkpoint: weight_packed \[\d+, \d+\] \(torch.uint8\) needs uint8 and weight_scale "
             r"\[\d+, \d+\] in float8_e4m3fn, found \[\d+, 4\]",
         ),
     ],

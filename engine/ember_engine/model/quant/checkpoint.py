@@ -187,7 +187,7 @@ def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None) -> QuantSpec:
             "float 4-bit, tensor_group, groups of 16, symmetric (NVFP4A16)"
         )
     if acts:
-        got_acts = (*(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size", "dynamic")),)
+        got_acts = tuple(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size", "dynamic"))
         if got_acts != ("float", 4, "tensor_group", 16, "local") or not acts.get("symmetric", True):
             raise UnsupportedQuantizationError(
                 f"compressed-tensors: NVFP4 weights with input activations {got_acts} are not supported; "
@@ -209,13 +209,13 @@ def _decode_nvfp4(tensors: dict[str, torch.Tensor]) -> Decoded:
     shapes = (packed.dtype, scale.dtype, tuple(scale.shape))
     if shapes != (torch.uint8, torch.float8_e4m3fn, (out, 2 * half // 16)):
         raise UnsupportedQuantizationError(
-            f"nvfp4a16 checkpoint: weight_packed {list(packed.shape)} ({packed.dtype}) needs uint8 and "
+            f"nvfp4 checkpoint: weight_packed {list(packed.shape)} ({packed.dtype}) needs uint8 and "
             f"weight_scale [{out}, {2 * half // 16}] in float8_e4m3fn, found {list(scale.shape)} ({scale.dtype})"
         )
     g = global_scale.float().reshape(-1)
     if g.numel() != 1 or not torch.isfinite(g).all() or g.item() <= 0:
         raise UnsupportedQuantizationError(
-            f"nvfp4a16 checkpoint: weight_global_scale must be one positive finite number, found {g.tolist()[:4]}"
+            f"nvfp4 checkpoint: weight_global_scale must be one positive finite number, found {g.tolist()[:4]}"
         )
     return packed, scale, None
 

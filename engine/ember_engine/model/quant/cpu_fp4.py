@@ -51,15 +51,27 @@ def _e2m1(nibble):
 
 
 @_compiled
-def _row_scales(scale, inv, i, out):
+def _row_scales(scale, gscale, i, out):
     """out[g] = row i's group g scale (its E4M3 byte over the row's global scale) times E2M1_UNIT."""
     for g in range(scale.shape[1]):
-        out[g] = e4m3(np.int32(scale[i, g])) * (E4M3_UNIT * E2M1_UNIT) / inv[i]
+        out[g] = e4m3(np.int32(scale[i, g])) * (E4M3_UNIT * E2M1_UNIT) / gscale[i]
 
 
 @_compiled
-def _decode_row(src, s, i, even, odd):
-    """even[j], odd[j] = row i's byte j's low and high values, each times its group's scale s[j // 8]."""
+def _buffers(groups, half):
+    """Scratch for one weight row: its group scales, and its even and odd columns' values."""
+    return (
+        np.empty(groups, dtype=np.float32),
+        np.empty(half, dtype=np.float32),
+        np.empty(half, dtype=np.float32),
+    )
+
+
+@_compiled
+def _decode_row(src, scale, gscale, i, s, even, odd):
+    """even[j], odd[j] = row i's byte j's low and high values, each times its group's scale (s[j // 8],
+    written here by `_row_scales`)."""
+    _row_scales(scale, gscale, i, s)
     for g in range(s.shape[0]):
         f = s[g]
         for j in range(8 * g, 8 * g + 8):
@@ -69,16 +81,14 @@ def _decode_row(src, s, i, even, odd):
 
 
 @_compiled
-def _fp4_times_row(src, scale, inv, xe, xo, out):
+def _fp4_times_row(src, scale, gscale, xe, xo, out):
     """One activation row (x as its even and odd columns): out[0, i] = sum over groups g of row i's scale
     s[g] times the group's sum of the products, the products of the whole row taken first in one long
     loop."""
     half = src.shape[1]
-    s = np.empty(scale.shape[1], dtype=np.float32)
-    ev = np.empty(half, dtype=np.float32)
-    od = np.empty(half, dtype=np.float32)
+    s, ev, od = _buffers(scale.shape[1], half)
     for i in range(src.shape[0]):
-        _row_scales(scale, inv, i, s)
+        _row_scales(scale, gscale, i, s)
         for j in range(half):
             b = np.int32(src[i, j])
             ev[j] = _e2m1(b & np.int32(15)) * xe[0, j]
@@ -93,16 +103,13 @@ def _fp4_times_row(src, scale, inv, xe, xo, out):
 
 
 @_compiled
-def _fp4_times_rows(src, scale, inv, xe, xo, out):
+def _fp4_times_rows(src, scale, gscale, xe, xo, out):
     """out[r, i] = x[r] . (weight row i), x given as its even and odd columns: each weight row decoded
     once into two float32 halves (they stay in the core's cache), then multiplied with every row."""
     half = xe.shape[1]
-    s = np.empty(scale.shape[1], dtype=np.float32)
-    even = np.empty(half, dtype=np.float32)
-    odd = np.empty(half, dtype=np.float32)
+    s, even, odd = _buffers(scale.shape[1], half)
     for i in range(src.shape[0]):
-        _row_scales(scale, inv, i, s)
-        _decode_row(src, s, i, even, odd)
+        _decode_row(src, scale, gscale, i, s, even, odd)
         for r in range(xe.shape[0]):
             acc = np.float32(0)
             for j in range(half):
@@ -111,16 +118,13 @@ def _fp4_times_rows(src, scale, inv, xe, xo, out):
 
 
 @_compiled
-def _decode(src, scale, inv, out):
+def _decode(src, scale, gscale, out):
     """out[i] = weight row i's float32 values, each times its group's scale (E4M3 scale bytes [rows,
     groups] over global scales [rows])."""
     half = src.shape[1]
-    s = np.empty(scale.shape[1], dtype=np.float32)
-    even = np.empty(half, dtype=np.float32)
-    odd = np.empty(half, dtype=np.float32)
+    s, even, odd = _buffers(scale.shape[1], half)
     for i in range(src.shape[0]):
-        _row_scales(scale, inv, i, s)
-        _decode_row(src, s, i, even, odd)
+        _decode_row(src, scale, gscale, i, s, even, odd)
         row = out[i]
         for j in range(half):
             row[2 * j] = even[j]
@@ -138,9 +142,9 @@ def _operands(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Ten
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """Packed bytes [out, in / 2], E4M3 group scales [out, in / group] and global scales [out] -> the
     float32 weight [out, in]."""
-    src, scales, inv = _operands(packed, scale, global_scale)
+    src, scales, gscale = _operands(packed, scale, global_scale)
     out = torch.empty(src.shape[0], 2 * src.shape[1], dtype=torch.float32)
-    _decode(src, scales, inv, out.numpy())
+    _decode(src, scales, gscale, out.numpy())
     return out
 
 
@@ -152,13 +156,13 @@ def fp4_matmul(
     m = x.shape[0]
     n = packed.shape[0]
     xf = x.float()
-    src, scales, inv = _operands(packed, scale, global_scale)
+    src, scales, gscale = _operands(packed, scale, global_scale)
     if 0 < m <= FP4_FUSED_ROWS:
         out = np.empty((m, n), dtype=np.float32)
         xe, xo = xf[:, 0::2].contiguous().numpy(), xf[:, 1::2].contiguous().numpy()
-        (_fp4_times_row if m == 1 else _fp4_times_rows)(src, scales, inv, xe, xo, out)
+        (_fp4_times_row if m == 1 else _fp4_times_rows)(src, scales, gscale, xe, xo, out)
         return torch.from_numpy(out).to(x.dtype)
-    return blocked(_decode, (src, scales, inv), xf).to(x.dtype)
+    return blocked(_decode, (src, scales, gscale), xf).to(x.dtype)
 
 
 def warm_up() -> None:

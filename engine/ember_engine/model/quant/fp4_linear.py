@@ -1,9 +1,9 @@
 """NVFP4 weights (compressed-tensors' `nvfp4-pack-quantized`) with activations as they are (NVFP4A16) or
-quantized to NVFP4 too (NVFP4, W4A4: `set_input_global`), the weights held as the checkpoint holds them,
-4.5 bits a weight: two FP4 E2M1 values a byte (column 2j in the low
-nibble), an FP8 E4M3 scale per output row and group of 16 input columns, and a global scale per output
-row (the checkpoint's per-tensor one, kept per row so that merged q/k/v and gate/up parts keep theirs).
-A weight is its E2M1 value times its group's scale divided by its row's global scale, in float32."""
+quantized to NVFP4 too (NVFP4, W4A4: `set_input_global`). The weights are held as the checkpoint holds
+them, 4.5 bits a weight: two FP4 E2M1 values a byte (column 2j in the low nibble), an FP8 E4M3 scale per
+output row and group of 16 input columns, and a global scale per output row (the checkpoint's per-tensor
+one, kept per row so that merged q/k/v and gate/up parts keep theirs). A weight is its E2M1 value times
+its group's scale divided by its row's global scale, in float32."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class Fp4Linear(QuantLinear):
         super().__init__(in_features, out_features, bias, dtype)
         if in_features % GROUP:
             raise schemes.UnsupportedQuantizationError(
-                f"nvfp4a16: input size {in_features} is not a multiple of the group size {GROUP}"
+                f"NVFP4: input size {in_features} is not a multiple of the group size {GROUP}"
             )
         self.group_size = GROUP
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))

@@ -1,16 +1,18 @@
 """Triton GEMM kernels for the quantized layers (CUDA; tests run them under TRITON_INTERPRET=1).
 
-One kernel shape serves the three schemes: a program computes a [BLOCK_M, BLOCK_N] tile of y = x W^T,
+One kernel shape serves every scheme: a program computes a [BLOCK_M, BLOCK_N] tile of y = x W^T,
 walking K in BLOCK_K steps with a float32 accumulator. The weight tile is loaded in its stored form and
 widened in registers, so only the quantized bytes cross memory:
 - w8a16: int8 widened and scaled per (channel, group) in the loop (per channel: one group of K);
 - w4a16: two int4 per byte, unpacked by shift and mask, scaled the same way;
-- fp8: activations quantized per token (or with a checkpoint's static scale) beforehand; E4M3 × E4M3 dots where the device has them (compute
-  capability ≥ 8.9), widened otherwise, both scales applied after the K loop;
+- fp8: activations quantized per token (or with a checkpoint's static scale) beforehand; E4M3 × E4M3
+  dots where the device has them (compute capability ≥ 8.9), widened otherwise, both scales applied
+  after the K loop;
 - block-scaled fp8: activations quantized per token and group of GROUP columns beforehand; the same dots,
   each BLOCK_K step (which lies in one group) scaled by its activation and weight scales as it is added;
-- nvfp4a16: two E2M1 values a byte, decoded from their bits in registers, scaled per group of 16 as
-  w4a16's are, each group's scale its E4M3 byte over the row's global scale (passed as x_scale);
+- nvfp4a16 and nvfp4: two E2M1 values a byte, decoded from their bits in registers, scaled per group of
+  16 as w4a16's are, each group's scale its E4M3 byte over the row's global scale (passed as x_scale);
+  nvfp4's activations come quantized and dequantized (`schemes.fake_quantize_nvfp4`), with no FP4 dots;
 - w8a8: activations quantized to int8 per token beforehand; int8 dots with int32 sums (exact; int8
   tensor cores on the GPU), both scales applied after the K loop.
 """
