@@ -83,17 +83,21 @@ def quantized_model():  # -> Callable[[str, str], Path]
     return quantized_checkpoint
 
 
-def edited_copy(src: Path, dst: Path, group=None, tensors=None) -> Path:  # type: ignore[no-untyped-def]
-    """A copy of compressed-tensors checkpoint `src` at `dst`, `group(config group 0)` applied to its
-    quantization config and `tensors(state dict)` to its (single) safetensors file, each edited in place."""
+def edited_copy(src: Path, dst: Path, group=None, tensors=None, quantization=None) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of compressed-tensors checkpoint `src` at `dst`, `group(config group 0)` and
+    `quantization(quantization_config)` applied to its config and `tensors(state dict)` to its (single)
+    safetensors file, each edited in place."""
     import json
 
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
-    if group is not None:
+    if group is not None or quantization is not None:
         raw = json.loads((src / "config.json").read_text())
-        group(raw["quantization_config"]["config_groups"]["group_0"])
+        if group is not None:
+            group(raw["quantization_config"]["config_groups"]["group_0"])
+        if quantization is not None:
+            quantization(raw["quantization_config"])
         (dst / "config.json").write_text(json.dumps(raw))
     if tensors is not None:
         state = load_file(str(src / "model.safetensors"))

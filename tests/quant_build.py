@@ -5,7 +5,8 @@ SCHEME is an llm-compressor preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W8A16, W4A16, 
 (round-to-nearest; no calibration data), FP8 (static per-tensor activation scales) or NVFP4 (FP4
 weights and activations, a global activation scale per projection), the last two calibrated on 16
 sequences of 64 token ids: drawn from a fixed seed, or for the packaged pair's target windows of its
-training split.
+training split. W8A16_PARTIAL is W8A16 with layer 1's MLP and layer 0's o_proj left in full precision
+(`ignore`), FP8_DYNAMIC_ATTENTION FP8_DYNAMIC on the attention projections alone (`targets`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ import sys
 from pathlib import Path
 
 CALIBRATED = ("FP8", "NVFP4")
+# Presets of ours: (llm-compressor's preset, extra ignore entries, targets). Some projections left in full
+# precision by name or pattern, or only the attention projections quantized.
+PARTIAL = {
+    "W8A16_PARTIAL": ("W8A16", [r"re:.*layers\.1\.mlp\..*", "model.layers.0.self_attn.o_proj"], ["Linear"]),
+    "FP8_DYNAMIC_ATTENTION": ("FP8_DYNAMIC", [], [r"re:.*self_attn\..*"]),
+}
 
 
 def build(src: Path, dst: Path, scheme: str) -> None:
@@ -23,7 +30,8 @@ def build(src: Path, dst: Path, scheme: str) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
-    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    preset, ignore, targets = PARTIAL.get(scheme, (scheme, [], ["Linear"]))
+    recipe = QuantizationModifier(targets=targets, scheme=preset, ignore=["lm_head", *ignore])
     if scheme in CALIBRATED:
         from datasets import Dataset
         from gptq_build import _calibration as calibration

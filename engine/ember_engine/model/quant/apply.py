@@ -33,9 +33,33 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return found
 
 
+# The checkpoint's layers a merged projection holds (the others are one layer each, named alike).
+_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _quantized(spec: QuantSpec, parent: str, name: str) -> bool:
+    """Whether the checkpoint holds projection `name` of module `parent` quantized (every part of a merged
+    one alike; parts that differ are refused by name)."""
+    parts = _MERGED.get(name, (name,))
+    held = {part: spec.quantizes(f"{parent}.{part}") for part in parts}
+    if len(set(held.values())) > 1:
+        full = ", ".join(p for p, q in held.items() if not q)
+        quantized = ", ".join(p for p, q in held.items() if q)
+        raise UnsupportedQuantizationError(
+            f"{parent}: {full} {'is' if ',' not in full else 'are'} left in full precision but {quantized} "
+            f"{'is' if ',' not in quantized else 'are'} quantized (ignore/targets); ember runs "
+            f"{', '.join(parts)} as one layer, so they must be quantized alike"
+        )
+    return all(held.values())
+
+
 def prepare(model: nn.Module, spec: QuantSpec) -> None:
-    """Replace every projection by an empty quantized layer of the same shape (before loading)."""
+    """Replace every projection the checkpoint holds quantized by an empty quantized layer of the same
+    shape (before loading); the others stay full-precision layers, loaded as they are."""
+    parents = {id(m): n for n, m in model.named_modules()}
     for parent, name, linear in _projections(model):
+        if not _quantized(spec, parents[id(parent)], name):
+            continue
         layer = make_layer(
             spec.scheme,
             linear.in_features,

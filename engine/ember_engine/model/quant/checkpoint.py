@@ -16,7 +16,9 @@ Anything else is refused by name, with what is supported.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,36 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
 
 
 def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
+    """The scheme a `quantization_config` describes, and which linear layers hold it."""
+    return dataclasses.replace(_scheme(qc), **_coverage(qc))
+
+
+def _coverage(qc: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """compressed-tensors' `targets` (of every config group) and `ignore`; Hugging Face fp8's
+    `modules_to_not_convert` (a module is left out where an entry, a pattern, matches the start of its
+    name, or where its name ends with the entry, as transformers reads it)."""
+
+    def names(field: str, value: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UnsupportedQuantizationError(
+                f"quantization_config: {field} must be a list of names, got {value!r}"
+            )
+        return tuple(value)
+
+    if qc.get("quant_method") == "fp8":
+        left_out = names("modules_to_not_convert", qc.get("modules_to_not_convert"))
+        return {"ignore": tuple(p for m in left_out for p in (f"re:{m}", f"re:.*{re.escape(m)}$"))}
+    if qc.get("quant_method") != "compressed-tensors":
+        return {}
+    targets: list[str] = []
+    for group in (qc.get("config_groups") or {}).values():
+        targets += [t for t in names("targets", group.get("targets")) if t not in targets]
+    return {"targets": tuple(targets), "ignore": names("ignore", qc.get("ignore"))}
+
+
+def _scheme(qc: dict[str, Any]) -> QuantSpec:
     method = qc.get("quant_method")
     if method == "fp8":
         if qc.get("activation_scheme", "dynamic") != "dynamic":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,18 @@ class QuantSpec:
     # a calibrated activation scale per projection: fp8's static per-tensor scale (compressed-tensors' FP8
     # preset), in place of per-token scales taken at run time; nvfp4's global scale (NVFP4, W4A4)
     static_input: bool = False
+    # Which of the checkpoint's linear layers hold the scheme (compressed-tensors' `targets` and `ignore`:
+    # a module name, "re:" and a pattern matched from its start, or a class name, "Linear"); the others
+    # are in full precision.
+    targets: tuple[str, ...] = ("Linear",)
+    ignore: tuple[str, ...] = ()
+
+    def quantizes(self, name: str) -> bool:
+        """Whether the checkpoint's linear layer `name` (e.g. "model.layers.0.self_attn.q_proj") holds
+        the scheme."""
+        return not any(_matches(name, p) for p in self.ignore) and any(
+            _matches(name, t) for t in self.targets
+        )
 
     @property
     def prequantized(self) -> bool:
@@ -51,3 +64,9 @@ class QuantSpec:
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "awq": GPTQ_TENSORS,
         }[self.format]
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern in (name, "Linear")
