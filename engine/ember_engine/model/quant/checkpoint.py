@@ -69,13 +69,15 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
 
 def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     """The scheme a `quantization_config` describes, and which linear layers hold it."""
-    return dataclasses.replace(_scheme(qc), **_coverage(qc))
+    spec = _scheme(qc)
+    targets, ignore = _coverage(qc)
+    return dataclasses.replace(spec, targets=targets, ignore=ignore)
 
 
-def _coverage(qc: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    """compressed-tensors' `targets` (of every config group) and `ignore`; Hugging Face fp8's
-    `modules_to_not_convert` (a module is left out where an entry, a pattern, matches the start of its
-    name, or where its name ends with the entry, as transformers reads it)."""
+def _coverage(qc: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(targets, ignore) for `QuantSpec`: compressed-tensors' `targets` (of every config group) and
+    `ignore`; Hugging Face fp8's `modules_to_not_convert` (a module is left out where an entry, a pattern,
+    matches the start of its name, or where its name ends with the entry, as transformers reads it)."""
 
     def names(field: str, value: Any) -> tuple[str, ...]:
         if value is None:
@@ -88,13 +90,13 @@ def _coverage(qc: dict[str, Any]) -> dict[str, tuple[str, ...]]:
 
     if qc.get("quant_method") == "fp8":
         left_out = names("modules_to_not_convert", qc.get("modules_to_not_convert"))
-        return {"ignore": tuple(p for m in left_out for p in (f"re:{m}", f"re:.*{re.escape(m)}$"))}
+        return ("Linear",), tuple(p for m in left_out for p in (f"re:{m}", f"re:.*{re.escape(m)}$"))
     if qc.get("quant_method") != "compressed-tensors":
-        return {}
+        return ("Linear",), ()
     targets: list[str] = []
     for group in (qc.get("config_groups") or {}).values():
         targets += [t for t in names("targets", group.get("targets")) if t not in targets]
-    return {"targets": tuple(targets), "ignore": names("ignore", qc.get("ignore"))}
+    return tuple(targets), names("ignore", qc.get("ignore"))
 
 
 def _scheme(qc: dict[str, Any]) -> QuantSpec:
