@@ -170,20 +170,12 @@ def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Te
 
 
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Each value (in [-6, 6]) to the nearest E2M1 value, a tie to the one with an even mantissa."""
+    """Each value (in [-6, 6]) to the nearest E2M1 value, a tie to the one with an even mantissa: the
+    grid steps by 0.5 below 2, by 1 below 4 and by 2 up to 6, and rounding half to even on the grid
+    (torch.round) breaks the ties as E2M1's mantissa does."""
     a = v.abs()
-    # the midpoints between neighbours, each tie going to the even neighbour (<= up to it, < past it)
-    q = torch.zeros_like(a)
-    for low, high, even_high in (
-        (0.25, 0.5, False),
-        (0.75, 1.0, True),
-        (1.25, 1.5, False),
-        (1.75, 2.0, True),
-        (2.5, 3.0, False),
-        (3.5, 4.0, True),
-        (5.0, 6.0, False),
-    ):
-        q = torch.where(a >= low if even_high else a > low, high, q)
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    q = torch.round(a / step) * step
     return torch.where(v < 0, -q, q)
 
 
