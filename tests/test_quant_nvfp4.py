@@ -32,6 +32,15 @@ def test_every_byte_decodes_as_compressed_tensors_decodes_it() -> None:
     assert set(theirs.abs().unique().tolist()) == set(schemes.E2M1_VALUES)
 
 
+def test_rounding_to_e2m1_is_compressed_tensors_own_ties_included() -> None:
+    from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
+
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0, 2.0, 4.0, 6.0])
+    near = [torch.nextafter(ties, torch.tensor(d)) for d in (10.0, -10.0)]
+    v = torch.cat([torch.linspace(-6, 6, 120001), ties, -ties, *near, *(-n for n in near)])
+    assert torch.equal(schemes.round_to_e2m1(v), cast_to_fp4(v.clone()))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
 @pytest.mark.parametrize("path", ["torch", "triton"])
 def test_each_path_computes_the_dequantized_product(rows: int, path: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
