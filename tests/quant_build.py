@@ -6,7 +6,8 @@ SCHEME is an llm-compressor preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W8A16, W4A16, 
 weights and activations, a global activation scale per projection), the last two calibrated on 16
 sequences of 64 token ids: drawn from a fixed seed, or for the packaged pair's target windows of its
 training split. W8A16_PARTIAL is W8A16 with layer 1's MLP and layer 0's o_proj left in full precision
-(`ignore`), FP8_DYNAMIC_ATTENTION FP8_DYNAMIC on the attention projections alone (`targets`).
+(`ignore`), FP8_DYNAMIC_ATTENTION FP8_DYNAMIC on the attention projections alone (`targets`), and
+W4A16_GPTQ W4A16 by llm-compressor's GPTQ (calibrated, activation order "weight").
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-CALIBRATED = ("FP8", "NVFP4")
+CALIBRATED = ("FP8", "NVFP4", "W4A16_GPTQ")
 # Presets of ours: (llm-compressor's preset, extra ignore entries, targets). Some projections left in full
 # precision by name or pattern, or only the attention projections quantized.
 PARTIAL = {
@@ -31,7 +32,12 @@ def build(src: Path, dst: Path, scheme: str) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
     preset, ignore, targets = PARTIAL.get(scheme, (scheme, [], ["Linear"]))
-    recipe = QuantizationModifier(targets=targets, scheme=preset, ignore=["lm_head", *ignore])
+    if scheme == "W4A16_GPTQ":  # GPTQ's error-compensating rounding, as most "...-W4A16" downloads are made
+        from llmcompressor.modifiers.quantization import GPTQModifier
+
+        recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"], actorder="weight")
+    else:
+        recipe = QuantizationModifier(targets=targets, scheme=preset, ignore=["lm_head", *ignore])
     if scheme in CALIBRATED:
         from datasets import Dataset
         from gptq_build import _calibration as calibration

@@ -1,5 +1,6 @@
 """Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC, FP8_BLOCK and FP8 (static activation
-scales) float-quantized, W8A8 int-quantized, W8A16, W4A16 and W4A16_ASYM pack-quantized) load into ember and compute what transformers computes on the same
+scales) float-quantized, W8A8 int-quantized, W8A16, W4A16 (round-to-nearest and GPTQ) and W4A16_ASYM
+pack-quantized) load into ember and compute what transformers computes on the same
 checkpoint.
 The keys below are ember's schemes, "fp8-block" being fp8 with block-scaled weights and "fp8-static" fp8
 with calibrated per-tensor activation scales."""
@@ -27,6 +28,7 @@ PRESETS = {
     "fp8-block": "FP8_BLOCK",
     "fp8-static": "FP8",
     "w8a8": "W8A8",
+    "w4a16-gptq": "W4A16_GPTQ",
 }
 LAYERS = {
     "fp8": Fp8Linear,
@@ -36,6 +38,7 @@ LAYERS = {
     "fp8-block": Fp8BlockLinear,
     "fp8-static": Fp8Linear,
     "w8a8": W8A8Linear,
+    "w4a16-gptq": Int4Linear,
 }
 # Largest |ember - transformers| logit difference allowed, as a fraction of the logits' own range. w8a16
 # and w4a16 compute the same dequantized products in the model's dtype (float rounding apart); FP8
@@ -49,6 +52,7 @@ TOLERANCE = {
     "fp8-block": 2e-2,
     "fp8-static": 2e-2,
     "w8a8": 2e-2,
+    "w4a16-gptq": 1e-4,
 }
 # Prompts whose 12 greedy tokens all match; the random-weight test model has many near-tied logits, which
 # rounded activations (fp8) may break the other way.
@@ -60,6 +64,7 @@ GREEDY_AGREEMENT = {
     "fp8-block": 0.75,
     "fp8-static": 0.75,
     "w8a8": 0.75,
+    "w4a16-gptq": 1.0,
 }
 
 
