@@ -7,8 +7,6 @@ with calibrated per-tensor activation scales."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -221,19 +219,17 @@ def test_fp8_on_the_trained_target_differs_from_the_oracle_far_less_than_fp8_mov
 
 
 def test_asymmetric_weights_other_than_int4_groups_are_refused_by_name(
-    quantized_model, tmp_path: Path
+    quantized_model, tmp_path: Path, edited_checkpoint
 ) -> None:  # type: ignore[no-untyped-def]
-    src = quantized_model("tiny", "W8A16")
-    shutil.copytree(src, tmp_path / "m")
-    raw = json.loads((src / "config.json").read_text())
-    raw["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
-    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    path = edited_checkpoint(
+        quantized_model("tiny", "W8A16"), tmp_path / "m", group=lambda g: g["weights"].update(symmetric=False)
+    )
     with pytest.raises(
         ValueError,
         match=r"compressed-tensors: asymmetric int 8-bit weights, strategy 'group' are not supported; "
         r"supported: asymmetric int 4-bit per group \(pack-quantized, W4A16_ASYM\)",
     ):
-        LLM(str(tmp_path / "m"), num_kv_blocks=16)
+        LLM(str(path), num_kv_blocks=16)
 
 
 @pytest.mark.parametrize(
@@ -258,12 +254,10 @@ def test_asymmetric_weights_other_than_int4_groups_are_refused_by_name(
     ids=["static", "asymmetric", "fp8-activations"],
 )
 def test_w8a8_activation_schemes_other_than_dynamic_symmetric_int8_per_token_are_refused(
-    edit, message: str, quantized_model, tmp_path: Path
+    edit, message: str, quantized_model, tmp_path: Path, edited_checkpoint
 ) -> None:  # type: ignore[no-untyped-def]
-    src = quantized_model("tiny", "W8A8")
-    shutil.copytree(src, tmp_path / "m")
-    raw = json.loads((src / "config.json").read_text())
-    edit(raw["quantization_config"]["config_groups"]["group_0"]["input_activations"])
-    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    path = edited_checkpoint(
+        quantized_model("tiny", "W8A8"), tmp_path / "m", group=lambda g: edit(g["input_activations"])
+    )
     with pytest.raises(ValueError, match=message):
-        LLM(str(tmp_path / "m"), num_kv_blocks=16)
+        LLM(str(path), num_kv_blocks=16)

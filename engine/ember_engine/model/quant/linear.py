@@ -1,5 +1,5 @@
 """Which quantized layer each scheme runs (`make_layer`), and online quantization of a full-precision
-`nn.Linear` into it (`quantize_linear`). The layers: `fp8_linear.py`, `int_linear.py`; their base and the
+`nn.Linear` into it (`quantize_linear`). The layers: `fp8_linear.py`, `int_linear.py`, `fp4_linear.py`; their base and the
 choice of GPU and CPU paths: `layer.py`."""
 
 from __future__ import annotations
@@ -13,14 +13,6 @@ from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 from ember_engine.model.quant.layer import QuantLinear
 
-LAYERS: dict[str, type[QuantLinear]] = {
-    "fp8": Fp8Linear,
-    "w8a16": Int8Linear,
-    "w4a16": Int4Linear,
-    "w8a8": W8A8Linear,
-    "nvfp4a16": Fp4Linear,
-}
-
 
 def make_layer(
     scheme: str,
@@ -32,7 +24,8 @@ def make_layer(
     zero_points: bool = False,
 ) -> QuantLinear:
     """`group_size`: input columns per scale (w4a16; w8a16 and fp8, where 0 means one scale per output
-    channel; fp8 with groups is block-scaled; w8a8 takes 0 only). `zero_points`: a w4a16 checkpoint's own, one per group."""
+    channel; fp8 with groups is block-scaled; w8a8 takes 0 only). `zero_points`: a w4a16 checkpoint's
+    own, one per group."""
     if scheme in ("nvfp4a16", "nvfp4"):  # from a checkpoint only (nvfp4's activation scales set at load)
         return Fp4Linear(in_features, out_features, bias, dtype)
     if schemes.check_scheme(scheme) == "w4a16":
