@@ -4,8 +4,10 @@ its imports stay out of the test process): `python gptq_build.py SRC DST PRESET 
 PRESET: INT4 (GPTQ, 4-bit, symmetric, groups of 64 input columns), INT4_ACT (the same with desc_act,
 act-order), INT8 (8-bit), INT4_ASYM (4-bit with zero points, sym: false), all in GPTQ's own format
 (`checkpoint_format: gptq`); AWQ (AWQ's GEMM format, 4-bit, zero_point: false) and AWQ_ASYM (zero_point:
-true, as AutoAWQ's checkpoints are). The calibration text is 16 sequences of 64 token ids drawn from a
-fixed seed, or with `pair` (for the packaged pair's target, whose tokenizer it needs) 16 windows of 64
+true, as AutoAWQ's checkpoints are). INT4_DYNAMIC and AWQ_DYNAMIC leave some projections in full
+precision through GPTQModel's per-module `dynamic` overrides: layer 1's MLP and the o_proj of layers 1
+to 3 (and tune down_proj's calibration, which changes nothing in the format). The calibration text is
+16 sequences of 64 token ids drawn from a fixed seed, or with `pair` (for the packaged pair's target, whose tokenizer it needs) 16 windows of 64
 tokens spread evenly over the pair's training split.
 """
 
@@ -24,6 +26,13 @@ PRESETS = {
     "INT4_ASYM": ("gptq", 4, False, False),
     "AWQ": ("awq", 4, False, True),
     "AWQ_ASYM": ("awq", 4, False, False),
+    "INT4_DYNAMIC": ("gptq", 4, False, True),
+    "AWQ_DYNAMIC": ("awq", 4, False, True),
+}
+DYNAMIC = {
+    r"-:.*layers\.1\.mlp\..*": {},
+    r"-:.*layers\.[1-3]\.self_attn\.o_proj": {},
+    r"+:.*down_proj": {"damp_percent": 0.02},
 }
 
 
@@ -55,6 +64,8 @@ def build(src: Path, dst: Path, preset: str, text: str = "random") -> None:
 
     method, bits, act_order, sym = PRESETS[preset]
     options: dict = {"quant_method": METHOD.AWQ, "format": FORMAT.GEMM} if method == "awq" else {}
+    if preset.endswith("_DYNAMIC"):
+        options["dynamic"] = DYNAMIC
     config = QuantizeConfig(bits=bits, group_size=64, desc_act=act_order, sym=sym, **options)
     model = GPTQModel.load(str(src), config, device="cpu")
     calibration = [

@@ -15,11 +15,33 @@ from pathlib import Path
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
 
+def _leave_out(model, ckpt: Path) -> None:  # type: ignore[no-untyped-def]
+    """transformers' GPTQ and AWQ loading (5.17 with GPTQModel 7.7) ignores the config's `dynamic`: every
+    projection becomes a quantized layer, the ones the checkpoint holds in full precision left
+    uninitialized. Those GPTQModel's own rule (`dynamic_get`) leaves out get their checkpoint weights
+    back, as GPTQModel's loader gives them (whose CPU kernels take no float32 model)."""
+    import torch
+    from gptqmodel.quantization.config import dynamic_get
+    from safetensors.torch import load_file
+
+    dynamic = json.loads((ckpt / "config.json").read_text())["quantization_config"].get("dynamic")
+    if not dynamic:
+        return
+    state = load_file(str(ckpt / "model.safetensors"))
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "qweight") and dynamic_get(dynamic, name) is False:
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=False)
+            linear.weight.data = state[f"{name}.weight"].float()
+            parent, child = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), child, linear)
+
+
 def main(ckpt: str, out: str, prompts_file: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, device_map="cpu", dtype=torch.float32)
+    _leave_out(model, Path(ckpt))
     prompts = json.loads(Path(prompts_file).read_text())
     result: dict = {"logits": [], "greedy": [], "weights": {}}
     with torch.inference_mode():

@@ -35,7 +35,7 @@ def test_quantization_reaches_the_engine_and_rolls_the_pods() -> None:
 
 def test_unknown_scheme_is_refused_by_the_schema_enum() -> None:
     prop = _schema()["properties"]["model"]["properties"]["quantization"]
-    assert prop["enum"] == ["fp8", "w8a16", "w4a16", "w8a8"]
+    assert prop["enum"] == ["fp8", "w8a16", "w4a16", "w8a8", "bitsandbytes"]
     with pytest.raises(ValidationError, match="quantization"):
         InferenceServiceSpec.model_validate(_spec(quantization="awq"))
 

@@ -1,6 +1,7 @@
 """GPTQ and AWQ checkpoints (`quant_method: gptq`, `awq`) that GPTQModel wrote load into ember and compute
 what transformers + GPTQModel compute on them: GPTQ 4-bit with and without act-order (desc_act), 8-bit,
-and 4-bit with zero points (sym: false); AWQ with and without zero points."""
+and 4-bit with zero points (sym: false); AWQ with and without zero points; GPTQ and AWQ with projections
+left in full precision by GPTQModel's `dynamic` overrides."""
 
 from __future__ import annotations
 
@@ -30,11 +31,22 @@ PRESETS = {
     "INT4_ASYM": Int4Linear,
     "AWQ": Int4Linear,
     "AWQ_ASYM": Int4Linear,
+    "INT4_DYNAMIC": Int4Linear,
+    "AWQ_DYNAMIC": Int4Linear,
 }
+# The projections each preset leaves in full precision (`gptq_build.DYNAMIC`).
+LEFT_OUT = {
+    "INT4_DYNAMIC": (
+        "layers.1.mlp.gate_up_proj",
+        "layers.1.mlp.down_proj",
+        *(f"layers.{i}.self_attn.o_proj" for i in (1, 2, 3)),
+    ),
+}
+LEFT_OUT["AWQ_DYNAMIC"] = LEFT_OUT["INT4_DYNAMIC"]
 # Largest |ember - oracle| logit difference, as a fraction of the logits' range. GPTQModel's CPU GPTQ
 # kernels multiply in reduced precision (a projection 2e-4 of its largest output off the float64 product,
 # ember's 1e-7): measured 1.9e-4 to 3.4e-4. Its AWQ kernel keeps float32: 4e-7 (symmetric) and 6e-5.
-TOLERANCE = {"AWQ": 1e-5, "AWQ_ASYM": 2e-4}
+TOLERANCE = {"AWQ": 1e-5, "AWQ_ASYM": 2e-4, "AWQ_DYNAMIC": 1e-5}
 MERGED = {
     "q_proj": "qkv_proj",
     "k_proj": "qkv_proj",
@@ -80,7 +92,11 @@ def test_every_weight_is_what_gptqmodel_dequantizes(gptq) -> None:  # type: igno
     assert (config["quant_method"], config["desc_act"]) == (method, preset == "INT4_ACT")
     assert config.get("sym", config.get("zero_point") is False) == (not preset.endswith("ASYM"))
     model = LLM(str(path), num_kv_blocks=64, dtype="float32").engine.runner.model
-    assert len(oracle["weights"]) == 7 * len(model.model.layers)
+    left_out = LEFT_OUT.get(preset, ())
+    parts = sum(2 if "gate_up" in m else 1 for m in left_out)  # checkpoint projections left out
+    assert len(oracle["weights"]) == 7 * len(model.model.layers) - parts
+    for name in left_out:
+        assert type(model.model.get_submodule(name)) is torch.nn.Linear, name
     for name, theirs in oracle["weights"].items():
         module, proj = name.rsplit(".", 1)
         layer = model.get_submodule(f"{module}.{MERGED.get(proj, proj)}")
@@ -163,11 +179,17 @@ GPTQ_REFUSALS = [
         r"gptq: group_size -1 is not supported with 4-bit weights; supported: a positive group size$",
     ),
     ({"lm_head": True}, None, r"gptq: a quantized lm_head \(lm_head: true\) is not supported"),
-    ({"dynamic": {"-:.*down": {}}}, None, r"gptq: per-module overrides \(dynamic\) are not supported"),
     (
-        {"quant_method": "bitsandbytes"},
+        {"dynamic": {"-:.*o_proj": {}, "+:.*down": {"bits": 8, "damp_percent": 0.1}}},
         None,
-        r"quant_method 'bitsandbytes' is not supported; supported: compressed-tensors .*, fp8, gptq, awq$",
+        r"gptq: dynamic '\+:\.\*down' sets \{'bits': 8\} for the modules it matches \(base: \{'bits': 4\}\); "
+        r"per-module formats are not supported",
+    ),
+    (
+        {"quant_method": "eetq"},
+        None,
+        r"quant_method 'eetq' is not supported; supported: compressed-tensors .*, fp8, gptq, awq, "
+        r"bitsandbytes \(4-bit\)$",
     ),
     (
         None,
@@ -195,9 +217,9 @@ AWQ_REFUSALS = [
     ({"bits": 8}, None, r"awq: 8-bit weights are not supported; supported: 4"),
     ({"group_size": -1}, None, r"awq: group_size -1 is not supported; supported: a positive group size"),
     (
-        {"modules_to_not_convert": ["down_proj"]},
+        {"modules_to_not_convert": ["layers.1.self_attn.k_proj"]},
         None,
-        r"awq: modules_to_not_convert \['down_proj'\] is not supported; every projection must be quantized",
+        r"model.layers.1.self_attn: k_proj is left in full precision but q_proj, v_proj are quantized",
     ),
     (
         None,
@@ -298,3 +320,21 @@ def test_zero_points_enter_every_product(gemm: str, rows: int, monkeypatch: pyte
     assert (
         got - x.double() @ (values * layer.weight_scale.double().repeat_interleave(64, dim=1)).t()
     ).abs().max() > 0.1
+
+
+def test_dynamic_patterns_are_read_in_order_first_match_deciding() -> None:
+    """GPTQModel's rule: a module's first matching pattern (from the start of its name) decides, so a
+    positive pattern ahead of a negative one keeps what it matches quantized."""
+    from ember_engine.model.quant.checkpoint import parse_quantization_config
+
+    base = {"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True, "desc_act": False}
+    dynamic = {r"+:.*layers\.0\.": {"damp_percent": 0.1}, r"-:.*o_proj": {}, "model.layers.2.mlp": {}}
+    spec = parse_quantization_config({**base, "dynamic": dynamic})
+    assert spec.quantizes("model.layers.0.self_attn.o_proj")
+    assert not spec.quantizes("model.layers.1.self_attn.o_proj")
+    assert spec.quantizes("model.layers.1.self_attn.q_proj")
+    assert spec.quantizes("model.layers.2.mlp.down_proj")
+    # a pattern matches from the start of the name: "-:mlp" matches no module
+    assert parse_quantization_config({**base, "dynamic": {"-:mlp": {}}}).quantizes(
+        "model.layers.2.mlp.down_proj"
+    )

@@ -65,16 +65,16 @@ def test_quantization_refuses_tensor_parallelism(tiny_model: Path) -> None:
 
 
 def test_unsupported_checkpoint_format_is_named(tiny_model: Path, tmp_path: Path) -> None:
-    ckpt = tmp_path / "bnb"
+    ckpt = tmp_path / "hqq"
     ckpt.mkdir()
     for f in tiny_model.iterdir():
         (ckpt / f.name).symlink_to(f)
     config = json.loads((tiny_model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    config["quantization_config"] = {"quant_method": "hqq", "nbits": 4}
     (ckpt / "config.json").unlink()
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"quant_method 'bitsandbytes' is not supported; supported: compressed-tensors"
+        ValueError, match=r"quant_method 'hqq' is not supported; supported: compressed-tensors"
     ):
         LLM(str(ckpt))
 

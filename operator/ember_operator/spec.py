@@ -107,11 +107,11 @@ class Model(_Object):
         "PersistentVolumeClaim onto the cache).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["fp8", "w8a16", "w4a16", "w8a8"] | None = Field(
+    quantization: Literal["fp8", "w8a16", "w4a16", "w8a8", "bitsandbytes"] | None = Field(
         default=None,
         description="Quantize the weights as the engine loads them (`ember serve --quantization`): fp8 "
         "(FP8 weights and activations), w8a16 (int8 weights), w4a16 (int4 weights, groups of 128), w8a8 "
-        "(int8 weights and activations). A "
+        "(int8 weights and activations), bitsandbytes (NF4 weights, blocks of 64). A "
         "checkpoint that is already quantized runs in its own scheme and needs none. Not with tensor "
         "parallelism.",
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Weight quantization schemes (README "Quantization").
-QUANT_SCHEMES = ("fp8", "w8a16", "w4a16", "w8a8")
+QUANT_SCHEMES = ("fp8", "w8a16", "w4a16", "w8a8", "bitsandbytes")
 # KV cache element types (README "FP8 KV cache"): auto is the model's dtype.
 KV_CACHE_DTYPES = ("auto", "fp8")
 

@@ -92,6 +92,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCol
         if (kv := kv_quant.scale_target(name)) is not None:
             _set_kv_scale(model, name, kv, tensor_slice)
             continue
+        if quant is not None:
+            name = quant.checkpoint_name(name)
         parts = name.split(".")
         target, shard = name, None
         if len(parts) >= 2 and parts[-2] in _MERGED:

@@ -35,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("src", help="a full-precision Hugging Face checkpoint directory")
     p.add_argument("dst", help="where to write the quantized checkpoint (must not exist)")
-    p.add_argument("--scheme", required=True, choices=QUANT_SCHEMES)
+    # The compressed-tensors schemes (bitsandbytes checkpoints are written by transformers + bitsandbytes;
+    # `--quantization bitsandbytes` quantizes to NF4 at load).
+    p.add_argument("--scheme", required=True, choices=[s for s in QUANT_SCHEMES if s != "bitsandbytes"])
     p.add_argument(
         "--group-size",
         type=int,
@@ -144,6 +146,11 @@ def quantize_checkpoint(
     from ember_engine.model.quant.schemes import check_scheme
 
     check_scheme(scheme)
+    if scheme == "bitsandbytes":
+        raise ValueError(
+            "ember quantize writes compressed-tensors checkpoints (fp8, w8a16, w4a16, w8a8), not bitsandbytes; "
+            "serve the full-precision checkpoint with --quantization bitsandbytes to quantize it to NF4 at load"
+        )
     group = check_options(scheme, group_size, block_size)
     src, dst = Path(src), Path(dst)
     if dst.exists():

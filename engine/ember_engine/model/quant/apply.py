@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember_engine.model.quant import gptq
+from ember_engine.model.quant import bnb, gptq
 from ember_engine.model.quant.checkpoint import decode
+from ember_engine.model.quant.codebook_linear import CodebookLinear
 from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8Linear
 from ember_engine.model.quant.int_linear import Int4Linear
@@ -81,10 +82,12 @@ def quantize_model(model: nn.Module, spec: QuantSpec) -> None:
 
 def warm_up_cpu(scheme: str) -> None:
     """Compile a scheme's CPU loops before serving (or read them from numba's cache)."""
-    from ember_engine.model.quant import cpu_decode, cpu_fp4, cpu_int4
+    from ember_engine.model.quant import cpu_codebook, cpu_decode, cpu_fp4, cpu_int4
 
     if scheme == "w4a16":
         cpu_int4.warm_up()
+    elif scheme in ("bnb-nf4", "bnb-fp4"):
+        cpu_codebook.warm_up()
     elif scheme in ("nvfp4a16", "nvfp4"):
         cpu_fp4.warm_up()
     else:
@@ -114,6 +117,11 @@ class QuantCollector:
         self.offsets: dict[tuple[str, int | None], int] = {}
         self.done: set[tuple[str, int | None]] = set()
 
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name with one dot between its module and its own name (bitsandbytes
+        files a weight's state under `weight.absmax` and the like)."""
+        return bnb.flat_suffix(name) if self.spec.format == "bitsandbytes" else name
+
     def take(self, name: str, target: str, part: int | None, offset: int, tensor_slice: Any) -> bool:
         """Claim checkpoint tensor `name` (mapped to `target`, merged part `part` at row `offset`) if it
         belongs to a quantized layer; False leaves it to the ordinary loader."""
@@ -142,10 +150,10 @@ class QuantCollector:
         if self.spec.required() <= self.pending[key].keys():
             tensors = self.pending.pop(key)
             layer = self.layers[module]
+            projection = name.rpartition(".")[0]
             if "g_idx" in tensors:
-                projection = name.rpartition(".")[0]
                 layer.set_input_order(gptq.input_order(self.spec, projection, tensors["g_idx"]), projection)
-            weight, scale, zero = decode(self.spec, tensors)
+            weight, scale, zero = decode(self.spec, tensors, projection)
             layer.set_rows(offset, weight.to(layer.weight_scale.device), scale)
             if zero is not None:
                 assert isinstance(layer, Int4Linear)
@@ -155,10 +163,13 @@ class QuantCollector:
                 layer.set_global_rows(offset, weight.shape[0], tensors["weight_global_scale"])
             if "input_global_scale" in tensors:
                 assert isinstance(layer, Fp4Linear)
-                layer.set_input_global(tensors["input_global_scale"], name.rpartition(".")[0])
+                layer.set_input_global(tensors["input_global_scale"], projection)
+            if "weight_quant_map" in tensors:
+                assert isinstance(layer, CodebookLinear)
+                layer.set_code(tensors["weight_quant_map"], projection)
             if "input_scale" in tensors:
                 assert isinstance(layer, Fp8Linear)
-                layer.set_input_scale(tensors["input_scale"], name.rpartition(".")[0])
+                layer.set_input_scale(tensors["input_scale"], projection)
             self.done.add(key)
         return True
 

@@ -11,6 +11,7 @@ Formats read:
   or per tile of `weight_block_size` [rows, columns] (block-scaled: the tiles' scales are kept, and
   activations are quantized per token and group of `columns` input columns).
 - GPTQ and AWQ (`quant_method: gptq`, `awq`): read by `gptq.py`.
+- bitsandbytes 4-bit (`quant_method: bitsandbytes`): read by `bnb.py`.
 Anything else is refused by name, with what is supported.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ember_engine.model.quant import gptq, schemes
+from ember_engine.model.quant import bnb, gptq, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
 
@@ -55,11 +56,14 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
         if requested is None:
             return None
         schemes.check_scheme(requested)
+        if requested == "bitsandbytes":  # NF4 in blocks of 64, as bitsandbytes quantizes at load
+            return QuantSpec("bnb-nf4", "online", group_size=bnb.BLOCK, num_bits=4)
         # Online: fp8 and int8 per output channel, int4 in groups of 128.
         group = schemes.DEFAULT_GROUP_SIZE if requested == "w4a16" else 0
         return QuantSpec(requested, "online", group_size=group, num_bits=4 if requested == "w4a16" else 8)
     spec = parse_quantization_config(qc)
-    if requested is not None and requested != spec.scheme:
+    own = (spec.scheme, "bitsandbytes") if spec.format == "bitsandbytes" else (spec.scheme,)
+    if requested is not None and requested not in own:
         schemes.check_scheme(requested)
         raise UnsupportedQuantizationError(
             f"quantization: {requested!r} requested, but {model_dir} is already quantized as {spec.scheme!r}"
@@ -76,8 +80,10 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
 
 def _coverage(qc: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(targets, ignore) for `QuantSpec`: compressed-tensors' `targets` (of every config group) and
-    `ignore`; Hugging Face fp8's `modules_to_not_convert` (a module is left out where an entry, a pattern,
-    matches the start of its name, or where its name ends with the entry, as transformers reads it)."""
+    `ignore`; Hugging Face fp8's and AWQ's `modules_to_not_convert` and bitsandbytes'
+    `llm_int8_skip_modules` (a module is left out where an entry, a pattern, matches the start of its
+    name, or where its name ends with the entry, as transformers reads them); GPTQModel's `dynamic` for GPTQ
+    and AWQ ("-:" patterns, `gptq.dynamic_ignore`)."""
 
     def names(field: str, value: Any) -> tuple[str, ...]:
         if value is None:
@@ -88,9 +94,14 @@ def _coverage(qc: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
             )
         return tuple(value)
 
-    if qc.get("quant_method") == "fp8":
-        left_out = names("modules_to_not_convert", qc.get("modules_to_not_convert"))
-        return ("Linear",), tuple(p for m in left_out for p in (f"re:{m}", f"re:.*{re.escape(m)}$"))
+    method = qc.get("quant_method")
+    if method in ("fp8", "awq", "bitsandbytes"):
+        field = "llm_int8_skip_modules" if method == "bitsandbytes" else "modules_to_not_convert"
+        left_out = names(field, qc.get(field))
+        ignore = tuple(p for m in left_out for p in (f"re:{m}", f"re:.*{re.escape(m)}$"))
+        return ("Linear",), ignore + (gptq.dynamic_ignore(qc) if method == "awq" else ())
+    if method == "gptq":
+        return ("Linear",), gptq.dynamic_ignore(qc)
     if qc.get("quant_method") != "compressed-tensors":
         return ("Linear",), ()
     targets: list[str] = []
@@ -123,10 +134,12 @@ def _scheme(qc: dict[str, Any]) -> QuantSpec:
         return QuantSpec("fp8", "hf-fp8", group_size=block[1], block_rows=block[0])
     if method in ("gptq", "awq"):
         return gptq.parse_gptq(qc) if method == "gptq" else gptq.parse_awq(qc)
+    if method == "bitsandbytes":
+        return bnb.parse_bnb(qc)
     if method != "compressed-tensors":
         raise UnsupportedQuantizationError(
             f"quantization_config: quant_method {method!r} is not supported; supported: compressed-tensors "
-            f"({', '.join(_CT_FORMATS)}), fp8, gptq, awq"
+            f"({', '.join(_CT_FORMATS)}), fp8, gptq, awq, bitsandbytes (4-bit)"
         )
     fmt = qc.get("format")
     if fmt not in _CT_FORMATS:
@@ -254,7 +267,7 @@ def _decode_nvfp4(tensors: dict[str, torch.Tensor]) -> Decoded:
     return packed, scale, None
 
 
-def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
+def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") -> Decoded:
     """One projection's checkpoint tensors -> (canonical weight, scale, zero points): FP8/int8 weight
     [out, in] and scale [out] (per channel), or [out, in / group] (grouped; block-scaled fp8: each row its
     tile's scales); for w4a16 int4 values as int8 [out, in] and scale [out, in / group]. Zero points
@@ -265,6 +278,8 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
         return gptq.decode(spec, tensors)
     if spec.format == "nvfp4-pack-quantized":
         return _decode_nvfp4(tensors)
+    if spec.format == "bitsandbytes":
+        return bnb.decode_bnb(spec, tensors, what)
     scale = tensors.get("weight_scale", tensors.get("weight_scale_inv"))
     assert scale is not None
     if spec.format == "pack-quantized":

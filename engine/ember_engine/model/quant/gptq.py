@@ -17,6 +17,7 @@ them beside the scales, one int8 per group and output channel (`Int4Linear.weigh
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -49,10 +50,6 @@ def parse_gptq(qc: dict[str, Any]) -> QuantSpec:
         )
     if qc.get("lm_head"):
         raise UnsupportedQuantizationError("gptq: a quantized lm_head (lm_head: true) is not supported")
-    if qc.get("dynamic"):
-        raise UnsupportedQuantizationError(
-            "gptq: per-module overrides (dynamic) are not supported; every projection must share one scheme"
-        )
     return QuantSpec(
         "w4a16" if bits == 4 else "w8a16",
         fmt,
@@ -74,14 +71,52 @@ def parse_awq(qc: dict[str, Any]) -> QuantSpec:
         raise UnsupportedQuantizationError(
             f"awq: group_size {group!r} is not supported; supported: a positive group size"
         )
-    if qc.get("modules_to_not_convert"):
-        raise UnsupportedQuantizationError(
-            f"awq: modules_to_not_convert {qc['modules_to_not_convert']!r} is not supported; every projection "
-            "must be quantized"
-        )
     return QuantSpec(
         "w4a16", "awq", group_size=group, num_bits=4, zero_points=bool(qc.get("zero_point", True))
     )
+
+
+# What a GPTQ `dynamic` override may change of the base config and still be run: nothing that sets how a
+# projection's tensors are stored.
+_STORED = ("bits", "group_size", "sym", "desc_act")
+
+
+def dynamic_ignore(qc: dict[str, Any]) -> tuple[str, ...]:
+    """GPTQModel's per-module `dynamic` overrides as `QuantSpec.ignore` patterns. GPTQModel takes, for each
+    module, the first pattern (in order) that matches its name from the start: "-:" before it leaves the
+    module in full precision, "+:" or nothing applies the override's fields. A "-:" pattern therefore
+    leaves out what no earlier positive pattern matched (a negative lookahead for each). Overrides of the
+    stored format (bits, group size, symmetry, act-order) other than the base config's are refused by
+    name; the other fields tune the calibration only."""
+    method, dynamic = qc.get("quant_method"), qc.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise UnsupportedQuantizationError(
+            f"{method}: dynamic must be a mapping of patterns, got {dynamic!r}"
+        )
+    base = {"bits": qc.get("bits"), "group_size": qc.get("group_size"), "sym": qc.get("sym", True)}
+    base["desc_act"] = qc.get("desc_act", False)
+    ignore: list[str] = []
+    earlier: list[str] = []
+    for key, overrides in dynamic.items():
+        raw = key[2:] if key.startswith(("-:", "+:")) else key
+        try:
+            re.compile(raw)
+        except re.error as e:
+            raise UnsupportedQuantizationError(
+                f"{method}: dynamic pattern {key!r} is not a regular expression: {e}"
+            ) from e
+        if key.startswith("-:"):
+            ignore.append("re:" + "".join(f"(?!{p})" for p in earlier) + f"(?:{raw})")
+            continue
+        changed = {f: v for f, v in (overrides or {}).items() if f in _STORED and v != base[f]}
+        if changed:
+            raise UnsupportedQuantizationError(
+                f"{method}: dynamic {key!r} sets {changed} for the modules it matches (base: "
+                f"{ {f: base[f] for f in changed} }); per-module formats are not supported; supported: "
+                "'-:' patterns (modules left in full precision) and overrides of calibration fields"
+            )
+        earlier.append(raw)
+    return tuple(ignore)
 
 
 def input_order(spec: QuantSpec, name: str, g_idx: torch.Tensor) -> torch.Tensor | None:

@@ -1,5 +1,6 @@
 """Which quantized layer each scheme runs (`make_layer`), and online quantization of a full-precision
-`nn.Linear` into it (`quantize_linear`). The layers: `fp8_linear.py`, `int_linear.py`, `fp4_linear.py`; their base and the
+`nn.Linear` into it (`quantize_linear`). The layers: `fp8_linear.py`, `int_linear.py`, `fp4_linear.py`,
+`codebook_linear.py`; their base and the
 choice of GPU and CPU paths: `layer.py`."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from ember_engine.model.quant import schemes
+from ember_engine.model.quant.codebook_linear import CodebookLinear
 from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
@@ -26,6 +28,8 @@ def make_layer(
     """`group_size`: input columns per scale (w4a16; w8a16 and fp8, where 0 means one scale per output
     channel; fp8 with groups is block-scaled; w8a8 takes 0 only). `zero_points`: a w4a16 checkpoint's
     own, one per group."""
+    if scheme in ("bnb-nf4", "bnb-fp4"):  # from a checkpoint only (the code table set at load)
+        return CodebookLinear(in_features, out_features, bias, dtype, scheme, group_size)
     if scheme in ("nvfp4a16", "nvfp4"):  # from a checkpoint only (nvfp4's activation scales set at load)
         return Fp4Linear(in_features, out_features, bias, dtype)
     if schemes.check_scheme(scheme) == "w4a16":
@@ -46,7 +50,9 @@ def make_layer(
 
 def quantize_linear(linear: nn.Linear, scheme: str, group_size: int) -> QuantLinear:
     """A full-precision layer's quantized counterpart (online quantization; fp8 with `group_size` in
-    square tiles of that side)."""
+    square tiles of that side; "bitsandbytes" is NF4, `group_size` its block)."""
+    if scheme == "bitsandbytes":
+        scheme = "bnb-nf4"
     w = linear.weight.detach()
     layer = make_layer(
         scheme, linear.in_features, linear.out_features, linear.bias is not None, w.dtype, group_size
@@ -57,9 +63,12 @@ def quantize_linear(linear: nn.Linear, scheme: str, group_size: int) -> QuantLin
         "w8a16": lambda t: schemes.quantize_int8(t, group_size),
         "w8a8": lambda t: schemes.quantize_int8(t),
         "w4a16": lambda t: schemes.quantize_int4(t, group_size),
+        "bnb-nf4": lambda t: schemes.quantize_nf4(t, group_size),
     }[scheme]
     q, scale = quantize(w)
     layer.set_rows(0, q, scale)
+    if isinstance(layer, CodebookLinear):
+        layer.set_code(torch.tensor(schemes.NF4_VALUES), "nf4")
     if linear.bias is not None and layer.bias is not None:
         layer.bias.data.copy_(linear.bias.detach())
     return layer

@@ -142,6 +142,41 @@ def quantize_activation_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return torch.round(xf / scale).clamp_(-128, 127).to(torch.int8), scale
 
 
+# NF4's 16 values (bitsandbytes' `quant_map` for `nf4`, float32), in code order.
+NF4_VALUES = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+
+
+def quantize_nf4(w: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """NF4 as bitsandbytes quantizes it: per block of `block` input columns the absolute maximum; each
+    value times its reciprocal (float32, clamped to [-1, 1]) takes the code whose value is nearest (a
+    value exactly between two codes takes the lower). (codes [out, in / 2] uint8, column 2j in the low
+    nibble; absmax float32 [out, in / block])."""
+    out, inp = w.shape
+    blocks = w.float().reshape(out, inp // block, block)
+    absmax = blocks.abs().amax(dim=-1)
+    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38))[..., None]).clamp(-1.0, 1.0)
+    table = torch.tensor(NF4_VALUES, device=w.device)
+    codes = torch.bucketize(scaled, (table[1:] + table[:-1]) / 2).to(torch.uint8).reshape(out, inp)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), absmax
+
+
 # E2M1 (FP4) values of the nibbles 0-7; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 

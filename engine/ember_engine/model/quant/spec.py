@@ -18,9 +18,10 @@ GPTQ_TENSORS = frozenset({"qweight", "qzeros", "scales"})
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    scheme: str  # fp8 | w8a16 | w4a16 | w8a8 | nvfp4a16, nvfp4 (from a checkpoint only)
+    # fp8 | w8a16 | w4a16 | w8a8 | bnb-nf4 | from a checkpoint only: nvfp4a16, nvfp4, bnb-fp4
+    scheme: str
     # online | float-quantized | pack-quantized | int-quantized | nvfp4-pack-quantized | hf-fp8 | gptq |
-    # gptq_v2 | awq
+    # gptq_v2 | awq | bitsandbytes
     format: str
     group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
     num_bits: int = 8
@@ -32,6 +33,7 @@ class QuantSpec:
     # a calibrated activation scale per projection: fp8's static per-tensor scale (compressed-tensors' FP8
     # preset), in place of per-token scales taken at run time; nvfp4's global scale (NVFP4, W4A4)
     static_input: bool = False
+    nested: bool = False  # bitsandbytes double quantization: each block's absmax is itself quantized
     # Which of the checkpoint's linear layers hold the scheme (compressed-tensors' `targets` and `ignore`:
     # a module name, "re:" and a pattern matched from its start, or a class name, "Linear"); the others
     # are in full precision.
@@ -63,6 +65,8 @@ class QuantSpec:
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "awq": GPTQ_TENSORS,
+            "bitsandbytes": frozenset({"weight", "weight_absmax", "weight_quant_map", "weight_quant_state"})
+            | ({"weight_nested_absmax", "weight_nested_quant_map"} if self.nested else set()),
         }[self.format]
 
 

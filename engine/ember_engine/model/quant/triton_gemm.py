@@ -14,7 +14,9 @@ widened in registers, so only the quantized bytes cross memory:
   16 as w4a16's are, each group's scale its E4M3 byte over the row's global scale (passed as x_scale);
   nvfp4's activations come quantized and dequantized (`schemes.fake_quantize_nvfp4`), with no FP4 dots;
 - w8a8: activations quantized to int8 per token beforehand; int8 dots with int32 sums (exact; int8
-  tensor cores on the GPU), both scales applied after the K loop.
+  tensor cores on the GPU), both scales applied after the K loop;
+- bnb-nf4 and bnb-fp4: two 4-bit codes a byte, each looked up in the layer's 16-value table (passed as
+  x_scale) and scaled per block of GROUP columns as w4a16's are.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from ember_engine.model.quant.schemes import (
 )
 
 # WEIGHT: 0 int8, 1 packed int4, 2 fp8, 3 block-scaled fp8 (fp8 stored as bytes, reinterpreted in the
-# kernel), 4 int8 with int8 activations, 5 packed FP4 (E2M1).
-_INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8, _FP4 = 0, 1, 2, 3, 4, 5
+# kernel), 4 int8 with int8 activations, 5 packed FP4 (E2M1), 6 packed 4-bit codes of a 16-value table.
+_INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8, _FP4, _CODEBOOK = 0, 1, 2, 3, 4, 5, 6
 
 
 @triton.jit
@@ -77,7 +79,7 @@ def _gemm_kernel(
             # int8 x int8 dots with int32 sums (exact), widened to the float32 accumulator each step.
             q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
             acc += tl.dot(x, q, out_dtype=tl.int32).to(tl.float32)
-        elif WEIGHT < 2 or WEIGHT == 5:
+        elif WEIGHT < 2 or WEIGHT == 5 or WEIGHT == 6:
             if WEIGHT != 0:
                 # [BLOCK_K, BLOCK_N]: column k of the weight is nibble k % 2 of byte k // 2.
                 ptrs = w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
@@ -85,6 +87,8 @@ def _gemm_kernel(
                 nibble = (packed >> ((offs_k % 2) * 4)[:, None]) & 0xF
                 if WEIGHT == 1:
                     q = nibble - 8
+                elif WEIGHT == 6:
+                    q = tl.load(x_scale_ptr + nibble)
                 else:  # E2M1: twice the value is m (exponent 0) or (2 + m) << (exponent - 1)
                     e = (nibble >> 1) & 3
                     m = nibble & 1
@@ -242,4 +246,20 @@ def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, grou
         group=group_size,
         x_scale=x_scale.contiguous(),
         out_dtype=x.dtype,
+    )
+
+
+def codebook_matmul(
+    x: torch.Tensor, packed: torch.Tensor, code: torch.Tensor, scale: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x [M, K] @ (code[w] for 4-bit codes w [N, K] packed as [N, K / 2], times scale [N, K / group_size])^T,
+    in x's dtype."""
+    return _launch(
+        x,
+        packed,
+        scale.float().contiguous(),
+        packed.shape[0],
+        _CODEBOOK,
+        group=group_size,
+        x_scale=code.float().contiguous(),
     )

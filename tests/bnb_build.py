@@ -1,0 +1,49 @@
+"""Writes a bitsandbytes 4-bit copy of a test checkpoint the way users make one: transformers loads it
+with a `BitsAndBytesConfig` (bitsandbytes quantizes on the CPU) and saves it (run as a script, in its own
+process: `python bnb_build.py SRC DST PRESET`).
+
+PRESET: NF4 (NF4 with double quantization, the usual "...-bnb-4bit" download), NF4_SINGLE (NF4, one
+float32 absmax per block), FP4 (bitsandbytes' FP4, double quantization), NF4_PARTIAL (NF4 with layer 1's
+MLP and layer 0's o_proj left in full precision, `llm_int8_skip_modules`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+PRESETS = {  # (quant type, double quantization, modules left in full precision)
+    "NF4": ("nf4", True, None),
+    "NF4_SINGLE": ("nf4", False, None),
+    "FP4": ("fp4", True, None),
+    "NF4_PARTIAL": ("nf4", True, ["lm_head", "model.layers.1.mlp", "layers.0.self_attn.o_proj"]),
+}
+
+
+def build(src: Path, dst: Path, preset: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kind, nested, skip = PRESETS[preset]
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=kind,
+        bnb_4bit_use_double_quant=nested,
+        bnb_4bit_compute_dtype=torch.float32,
+        llm_int8_skip_modules=skip,
+    )
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype="auto")
+    model.save_pretrained(dst)
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "special_tokens_map.json",
+    ):
+        if (src / name).exists() and not (dst / name).exists():
+            shutil.copy(src / name, dst / name)
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
