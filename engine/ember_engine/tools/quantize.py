@@ -35,9 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("src", help="a full-precision Hugging Face checkpoint directory")
     p.add_argument("dst", help="where to write the quantized checkpoint (must not exist)")
-    # The compressed-tensors schemes (bitsandbytes checkpoints are written by transformers + bitsandbytes;
-    # `--quantization bitsandbytes` quantizes to NF4 at load).
-    p.add_argument("--scheme", required=True, choices=[s for s in QUANT_SCHEMES if s != "bitsandbytes"])
+    p.add_argument("--scheme", required=True, choices=QUANT_SCHEMES)
     p.add_argument(
         "--group-size",
         type=int,
