@@ -55,7 +55,11 @@ def test_online_quantization_replaces_every_projection(scheme: str, tiny_model: 
 
 
 def test_unsupported_scheme_is_named_with_the_supported_ones(tiny_model: Path) -> None:
-    with pytest.raises(ValueError, match=r"unsupported scheme 'awq'; supported: fp8, w8a16, w4a16"):
+    with pytest.raises(ValueError, match=r"unsupported scheme 'hqq'; supported: fp8, w8a16, w4a16"):
+        LLM(str(tiny_model), quantization="hqq")
+    with pytest.raises(
+        ValueError, match=r"'awq' names a quantized checkpoint's method, but .* is not quantized"
+    ):
         LLM(str(tiny_model), quantization="awq")
 
 
@@ -182,3 +186,20 @@ def test_ember_quantize_refuses_what_it_would_overwrite_or_cannot_read(
     assert ember(["quantize", str(missing), str(again), "--scheme", "fp8"]) == 2
     assert f"{missing} has no config.json" in capsys.readouterr().err
     assert not again.exists()
+
+
+def test_a_quantized_checkpoints_own_method_may_be_named(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    """As vLLM takes `quantization` for a quantized checkpoint: its own method (gptq_marlin and awq_marlin
+    for gptq and awq) or its scheme, which it runs in; another is refused, naming what would do."""
+    gptq = quantized_model("tiny", "INT4", "gptq_build.py")
+    for name in ("gptq", "gptq_marlin", "w4a16"):
+        assert LLM(str(gptq), num_kv_blocks=16, quantization=name).engine.runner.quant.format == "gptq"
+    with pytest.raises(
+        ValueError, match=r"'awq_marlin' requested, but .* is already quantized as 'w4a16' \(gptq\)"
+    ):
+        LLM(str(gptq), num_kv_blocks=16, quantization="awq_marlin")
+    ct = quantized_model("tiny", "W8A16")
+    llm = LLM(str(ct), num_kv_blocks=16, quantization="compressed-tensors")
+    assert llm.engine.runner.quant.scheme == "w8a16"
+    with pytest.raises(ValueError, match=r"give compressed-tensors or w8a16, or no quantization"):
+        LLM(str(ct), num_kv_blocks=16, quantization="gptq")

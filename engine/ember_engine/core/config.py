@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 # Weight quantization schemes (README "Quantization").
 QUANT_SCHEMES = ("fp8", "w8a16", "w4a16", "w8a8", "bitsandbytes")
+# A quantized checkpoint's own method, also accepted as `quantization` for it (vLLM's names; the checkpoint
+# runs in its own scheme). fp8 and bitsandbytes are schemes too.
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin")
 # KV cache element types (README "FP8 KV cache"): auto is the model's dtype.
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -89,10 +92,11 @@ class EngineConfig:
             bad("node_rank", f"must be in [0, nnodes {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not 0 < self.master_port < 65536:
             bad("master_port", f"must be a TCP port when nnodes > 1, got {self.master_port}")
-        if self.quantization is not None and self.quantization not in QUANT_SCHEMES:
+        if self.quantization is not None and self.quantization not in QUANT_SCHEMES + CHECKPOINT_METHODS:
             bad(
                 "quantization",
-                f"unsupported scheme {self.quantization!r}; supported: {', '.join(QUANT_SCHEMES)}",
+                f"unsupported scheme {self.quantization!r}; supported: {', '.join(QUANT_SCHEMES)} (at load), "
+                f"or a quantized checkpoint's own method: {', '.join(CHECKPOINT_METHODS)}",
             )
         if self.tensor_parallel_size > 1 and self.quantization is not None:
             bad("quantization", "is not supported with tensor_parallel_size > 1")

@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--quantization",
-        help="quantize the weights at load: fp8, w8a16, w4a16, w8a8 or bitsandbytes (NF4) (a quantized "
-        "checkpoint needs no flag)",
+        help="quantize the weights at load: fp8, w8a16, w4a16, w8a8 or bitsandbytes (NF4); a quantized "
+        "checkpoint needs none, and takes its own method or scheme (gptq, awq, compressed-tensors, ...)",
     )
     p.add_argument(
         "--kv-cache-dtype",

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ember_engine.core.config import CHECKPOINT_METHODS
 from ember_engine.model.quant import bnb, gptq, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
@@ -47,14 +48,20 @@ def weights_quantized(qc: dict[str, Any]) -> bool:
 
 
 def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
-    """The scheme to run: the checkpoint's own when it is quantized (a different `requested` one is an
-    error), else `requested` applied at load, else None (full precision)."""
+    """The scheme to run: the checkpoint's own when it is quantized (`requested` may name it, or the
+    checkpoint's `quant_method`, as vLLM takes it: gptq_marlin and awq_marlin for gptq and awq; anything
+    else is an error), else `requested` applied at load, else None (full precision)."""
     qc = read_quantization_config(model_dir)
     if qc is not None and not weights_quantized(qc):
         qc = None
     if qc is None:
         if requested is None:
             return None
+        if requested in CHECKPOINT_METHODS:
+            raise UnsupportedQuantizationError(
+                f"quantization: {requested!r} names a quantized checkpoint's method, but {model_dir} is not "
+                f"quantized; to quantize it at load: {', '.join(schemes.SCHEMES)}"
+            )
         schemes.check_scheme(requested)
         if requested == "bitsandbytes":  # NF4 in blocks of 64, as bitsandbytes quantizes at load
             return QuantSpec("bnb-nf4", "online", group_size=bnb.BLOCK, num_bits=4)
@@ -62,11 +69,14 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
         group = schemes.DEFAULT_GROUP_SIZE if requested == "w4a16" else 0
         return QuantSpec(requested, "online", group_size=group, num_bits=4 if requested == "w4a16" else 8)
     spec = parse_quantization_config(qc)
-    own = (spec.scheme, "bitsandbytes") if spec.format == "bitsandbytes" else (spec.scheme,)
+    method = str(qc.get("quant_method"))
+    own = {spec.scheme, method} | ({f"{method}_marlin"} if method in ("gptq", "awq") else set())
     if requested is not None and requested not in own:
-        schemes.check_scheme(requested)
+        if requested not in CHECKPOINT_METHODS:
+            schemes.check_scheme(requested)
         raise UnsupportedQuantizationError(
-            f"quantization: {requested!r} requested, but {model_dir} is already quantized as {spec.scheme!r}"
+            f"quantization: {requested!r} requested, but {model_dir} is already quantized as {spec.scheme!r} "
+            f"({method}); it runs in that scheme: give {' or '.join(sorted(own))}, or no quantization"
         )
     return spec
 
