@@ -63,8 +63,8 @@ def check_checkpoint_scheme(quantization_config: dict[str, Any] | None) -> None:
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache's element type: `auto` keeps the model's dtype."""
-    return FP8 if kv_cache_dtype == "fp8" else model_dtype
+    """The cache's element type: `auto` keeps the model's dtype; `fp8` and `fp8_e4m3` are E4M3."""
+    return FP8 if kv_cache_dtype in ("fp8", "fp8_e4m3") else model_dtype
 
 
 def is_fp8(cache: Tensor) -> bool:
