@@ -4,7 +4,8 @@ process: `python bnb_build.py SRC DST PRESET`).
 
 PRESET: NF4 (NF4 with double quantization, the usual "...-bnb-4bit" download), NF4_SINGLE (NF4, one
 float32 absmax per block), FP4 (bitsandbytes' FP4, double quantization), NF4_PARTIAL (NF4 with layer 1's
-MLP and layer 0's o_proj left in full precision, `llm_int8_skip_modules`).
+MLP and layer 0's o_proj left in full precision, `llm_int8_skip_modules`), NF4_BF16 (NF4 with double
+quantization of the model loaded in bfloat16, as most downloads are).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ PRESETS = {  # (quant type, double quantization, modules left in full precision)
     "NF4_SINGLE": ("nf4", False, None),
     "FP4": ("fp4", True, None),
     "NF4_PARTIAL": ("nf4", True, ["lm_head", "model.layers.1.mlp", "layers.0.self_attn.o_proj"]),
+    "NF4_BF16": ("nf4", True, None),
 }
 
 
@@ -26,14 +28,15 @@ def build(src: Path, dst: Path, preset: str) -> None:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     kind, nested, skip = PRESETS[preset]
+    dtype = torch.bfloat16 if preset.endswith("_BF16") else torch.float32
     config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=kind,
         bnb_4bit_use_double_quant=nested,
-        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_compute_dtype=dtype,
         llm_int8_skip_modules=skip,
     )
-    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype="auto")
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype)
     model.save_pretrained(dst)
     for name in (
         "tokenizer.json",
