@@ -10,7 +10,6 @@ quantization of the model loaded in bfloat16, as most downloads are).
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ PRESETS = {  # (quant type, double quantization, modules left in full precision)
 
 def build(src: Path, dst: Path, preset: str) -> None:
     import torch
+    from quant_build import copy_tokenizer
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     kind, nested, skip = PRESETS[preset]
@@ -38,14 +38,7 @@ def build(src: Path, dst: Path, preset: str) -> None:
     )
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype)
     model.save_pretrained(dst)
-    for name in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-        "special_tokens_map.json",
-    ):
-        if (src / name).exists() and not (dst / name).exists():
-            shutil.copy(src / name, dst / name)
+    copy_tokenizer(src, dst)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,11 @@ def build(src: Path, dst: Path, scheme: str) -> None:
     else:
         oneshot(model=model, recipe=recipe)
     model.save_pretrained(dst, save_compressed=True)
+    copy_tokenizer(src, dst)
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer and generation files, which save_pretrained does not write."""
     for name in (
         "tokenizer.json",
         "tokenizer_config.json",
