@@ -5,7 +5,8 @@ process: `python bnb_build.py SRC DST PRESET`).
 PRESET: NF4 (NF4 with double quantization, the usual "...-bnb-4bit" download), NF4_SINGLE (NF4, one
 float32 absmax per block), FP4 (bitsandbytes' FP4, double quantization), NF4_PARTIAL (NF4 with layer 1's
 MLP and layer 0's o_proj left in full precision, `llm_int8_skip_modules`), NF4_BF16 (NF4 with double
-quantization of the model loaded in bfloat16, as most downloads are).
+quantization of the model loaded in bfloat16, as most downloads are), NF4_STORAGE (NF4 with double
+quantization, the codes stored as bfloat16 elements: `bnb_4bit_quant_storage`, as FSDP training sets it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ PRESETS = {  # (quant type, double quantization, modules left in full precision)
     "FP4": ("fp4", True, None),
     "NF4_PARTIAL": ("nf4", True, ["lm_head", "model.layers.1.mlp", "layers.0.self_attn.o_proj"]),
     "NF4_BF16": ("nf4", True, None),
+    "NF4_STORAGE": ("nf4", True, None),
 }
 
 
@@ -35,6 +37,7 @@ def build(src: Path, dst: Path, preset: str) -> None:
         bnb_4bit_use_double_quant=nested,
         bnb_4bit_compute_dtype=dtype,
         llm_int8_skip_modules=skip,
+        bnb_4bit_quant_storage=torch.bfloat16 if preset == "NF4_STORAGE" else torch.uint8,
     )
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype)
     model.save_pretrained(dst)

@@ -28,7 +28,7 @@ PARTS = {
     "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
     "down_proj": ("mlp", ("down_proj",)),
 }
-PRESETS = ("NF4", "NF4_SINGLE", "FP4")
+PRESETS = ("NF4", "NF4_SINGLE", "FP4", "NF4_STORAGE")
 
 
 def oracle_model(path: Path, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
@@ -161,7 +161,7 @@ def _edit_config(src: Path, dst: Path, **changes: object) -> Path:
             r"8-bit weights \(load_in_8bit",
         ),
         ({"bnb_4bit_quant_type": "int4"}, "bnb_4bit_quant_type 'int4' is not supported; supported: nf4, fp4"),
-        ({"bnb_4bit_quant_storage": "bfloat16"}, "bnb_4bit_quant_storage 'bfloat16' is not supported"),
+        ({"bnb_4bit_quant_storage": "float8"}, "bnb_4bit_quant_storage 'float8' is not supported"),
         ({"bnb_4bit_quant_type": "fp4"}, "quant_type 'nf4' in a checkpoint of bnb_4bit_quant_type 'fp4'"),
         ({"llm_int8_skip_modules": ["model.layers.0.self_attn.q_proj"]}, "q_proj is left in full precision"),
     ],

@@ -23,6 +23,10 @@ from ember_engine.model.quant.spec import Decoded, QuantSpec
 
 BLOCK = 64  # what transformers' BitsAndBytesConfig quantizes with (it has no option for another)
 QUANT_TYPES = ("nf4", "fp4")
+# The element type the packed codes are stored as (`bnb_4bit_quant_storage`; bfloat16 for FSDP training):
+# the same bytes whatever it is.
+STORAGE = {"uint8": torch.uint8, "int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORAGE["float32"] = torch.float32
 
 # checkpoint suffix after ".weight." -> the suffix the collector files it under
 _SUFFIXES = {
@@ -58,9 +62,9 @@ def parse_bnb(qc: dict[str, Any]) -> QuantSpec:
             f"bitsandbytes: bnb_4bit_quant_type {kind!r} is not supported; supported: {', '.join(QUANT_TYPES)}"
         )
     storage = qc.get("bnb_4bit_quant_storage", "uint8")
-    if storage != "uint8":
+    if storage not in STORAGE:
         raise UnsupportedQuantizationError(
-            f"bitsandbytes: bnb_4bit_quant_storage {storage!r} is not supported; supported: uint8"
+            f"bitsandbytes: bnb_4bit_quant_storage {storage!r} is not supported; supported: {', '.join(STORAGE)}"
         )
     return QuantSpec(
         f"bnb-{kind}",
@@ -106,10 +110,11 @@ def decode_bnb(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str) -> 
             "rows); not supported"
         )
     data = tensors["weight"]
-    if data.dtype != torch.uint8 or data.numel() * 2 != out * inp:
+    if data.dtype not in STORAGE.values() or data.numel() * data.element_size() * 2 != out * inp:
         raise UnsupportedQuantizationError(
-            f"{what}: weight {list(data.shape)} ({data.dtype}) does not hold {out} x {inp} 4-bit codes as uint8"
+            f"{what}: weight {list(data.shape)} ({data.dtype}) does not hold {out} x {inp} 4-bit codes"
         )
+    data = data.contiguous().view(torch.uint8)  # the stored bytes, in order
     absmax = _absmax(spec, tensors, state, what, out * inp // block)
     high_first = data.reshape(out, inp // 2)
     codes = ((high_first >> 4) | (high_first << 4)).contiguous()  # the engine's order: low nibble first
