@@ -7,7 +7,9 @@ weights and activations, a global activation scale per projection), the last two
 sequences of 64 token ids: drawn from a fixed seed, or for the packaged pair's target windows of its
 training split. W8A16_PARTIAL is W8A16 with layer 1's MLP and layer 0's o_proj left in full precision
 (`ignore`), FP8_DYNAMIC_ATTENTION FP8_DYNAMIC on the attention projections alone (`targets`), and
-W4A16_GPTQ W4A16 by llm-compressor's GPTQ (calibrated, activation order "weight").
+W4A16_GPTQ W4A16 by llm-compressor's GPTQ (calibrated, activation order "weight"). FP8_WEIGHT is FP8
+weights per channel with no input activations (weight-only; vLLM's W8A16-FP8), a scheme of ours given to
+llm-compressor as a config group.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ def build(src: Path, dst: Path, scheme: str) -> None:
         from llmcompressor.modifiers.quantization import GPTQModifier
 
         recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"], actorder="weight")
+    elif scheme == "FP8_WEIGHT":
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+        weights = QuantizationArgs(
+            num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False
+        )
+        group = QuantizationScheme(targets=["Linear"], weights=weights)
+        recipe = QuantizationModifier(config_groups={"group_0": group}, ignore=["lm_head"])
     else:
         recipe = QuantizationModifier(targets=targets, scheme=preset, ignore=["lm_head", *ignore])
     if scheme in CALIBRATED:

@@ -56,3 +56,26 @@ def test_kernel_matches_reference(layout: tuple[str, int], shape: tuple[int, int
     assert (got - expected).abs().max().item() <= 1e-3 * scale, scheme
     # The torch path computes in the activations' dtype (float32 here): rounding of the sums only.
     assert (torch_path - expected).abs().max().item() <= 1e-5 * scale, scheme
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_weight_only_kernel_matches_reference(shape: tuple[int, int, int], monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """w8a16-fp8 (a checkpoint's FP8 weights with activations as they are): E4M3 bytes widened in the
+    Triton kernel and in the CPU loops, times their channel's scale."""
+    from ember_engine.model.quant.fp8_linear import Fp8WeightOnlyLinear
+
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m * 1000 + n + 1)
+    layer = Fp8WeightOnlyLinear(k, n, False, torch.float32)
+    layer.set_rows(0, *schemes.quantize_fp8(torch.randn(n, k, generator=g) * 0.05))
+    layer = layer.to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(DEVICE)
+    expected = (x.double() @ layer.dequantized().double().t()).float()
+    monkeypatch.setenv("EMBER_QUANT_GEMM", "triton")
+    got = layer(x)
+    monkeypatch.setenv("EMBER_QUANT_GEMM", "torch")
+    torch_path = layer(x)
+    scale = expected.abs().max().item()
+    assert got.shape == torch_path.shape == (m, n)
+    assert (got - expected).abs().max().item() <= 1e-3 * scale
+    assert (torch_path - expected).abs().max().item() <= 1e-5 * scale

@@ -1,7 +1,7 @@
 """Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC, FP8_BLOCK and FP8 (static activation
 scales) float-quantized, W8A8 int-quantized, W8A16, W4A16 (round-to-nearest and GPTQ) and W4A16_ASYM
-pack-quantized) load into ember and compute what transformers computes on the same
-checkpoint.
+pack-quantized, FP8 weights without input activations naive-quantized) load into ember and compute what
+transformers computes on the same checkpoint.
 The keys below are ember's schemes, "fp8-block" being fp8 with block-scaled weights and "fp8-static" fp8
 with calibrated per-tensor activation scales."""
 
@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.model_runner import Chunk
-from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear
+from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear, Fp8WeightOnlyLinear
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 
 PRESETS = {
@@ -27,6 +27,7 @@ PRESETS = {
     "fp8-static": "FP8",
     "w8a8": "W8A8",
     "w4a16-gptq": "W4A16_GPTQ",
+    "w8a16-fp8": "FP8_WEIGHT",
 }
 LAYERS = {
     "fp8": Fp8Linear,
@@ -37,6 +38,7 @@ LAYERS = {
     "fp8-static": Fp8Linear,
     "w8a8": W8A8Linear,
     "w4a16-gptq": Int4Linear,
+    "w8a16-fp8": Fp8WeightOnlyLinear,
 }
 # Largest |ember - transformers| logit difference allowed, as a fraction of the logits' own range. w8a16
 # and w4a16 compute the same dequantized products in the model's dtype (float rounding apart); FP8
@@ -51,6 +53,7 @@ TOLERANCE = {
     "fp8-static": 2e-2,
     "w8a8": 2e-2,
     "w4a16-gptq": 1e-4,
+    "w8a16-fp8": 1e-4,
 }
 # Prompts whose 12 greedy tokens all match; the random-weight test model has many near-tied logits, which
 # rounded activations (fp8) may break the other way.
@@ -63,6 +66,7 @@ GREEDY_AGREEMENT = {
     "fp8-static": 0.75,
     "w8a8": 0.75,
     "w4a16-gptq": 1.0,
+    "w8a16-fp8": 1.0,
 }
 
 
@@ -83,7 +87,8 @@ def test_logits_match_transformers(pair) -> None:  # type: ignore[no-untyped-def
     scheme, path, hf = pair
     llm = LLM(str(path), num_kv_blocks=64)
     runner = llm.engine.runner
-    assert runner.quant is not None and runner.quant.scheme == scheme.split("-")[0]
+    assert runner.quant is not None
+    assert runner.quant.scheme == (scheme if scheme == "w8a16-fp8" else scheme.split("-")[0])
     assert runner.quant.zero_points == scheme.endswith("-asym")
     assert runner.quant.static_input == scheme.endswith("-static")
     layers = runner.model.model.layers
@@ -139,7 +144,7 @@ def _projection_inputs_and_outputs(
     return seen
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "w8a16", "fp8-block", "fp8-static", "w8a8"])
+@pytest.mark.parametrize("scheme", ["fp8", "w8a16", "fp8-block", "fp8-static", "w8a8", "w8a16-fp8"])
 def test_projections_compute_what_the_oracles_layers_compute(scheme: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
     """Each FP8_DYNAMIC (W8A16, FP8_BLOCK) projection, given the very input the transformers +
     compressed-tensors layer saw, gives that layer's output: for fp8 the same per-token activation scales

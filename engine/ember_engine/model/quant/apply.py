@@ -91,7 +91,7 @@ def warm_up_cpu(scheme: str) -> None:
     elif scheme in ("nvfp4a16", "nvfp4"):
         cpu_fp4.warm_up()
     else:
-        cpu_decode.warm_up(scheme)
+        cpu_decode.warm_up("fp8" if scheme == "w8a16-fp8" else scheme)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -30,7 +30,15 @@ from ember_engine.model.quant import bnb, gptq, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
 
-_CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "nvfp4-pack-quantized")
+# naive-quantized holds the same tensors as float- and int-quantized (their common base in
+# compressed-tensors); llm-compressor writes it for schemes neither claims, FP8 weight-only among them.
+_CT_FORMATS = (
+    "float-quantized",
+    "pack-quantized",
+    "int-quantized",
+    "naive-quantized",
+    "nvfp4-pack-quantized",
+)
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
@@ -176,11 +184,8 @@ def _scheme(qc: dict[str, Any]) -> QuantSpec:
             )
         return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4, zero_points=True)
     if kind == "float" and bits == 8 and strategy in ("channel", "tensor"):
-        if not acts:
-            raise UnsupportedQuantizationError(
-                "compressed-tensors: FP8 weights with unquantized activations (weight-only) are not "
-                "supported; supported: FP8 input activations, dynamic per token or static per tensor"
-            )
+        if not acts:  # weight-only (vLLM's W8A16-FP8)
+            return QuantSpec("w8a16-fp8", fmt, group_size=0)
         static = acts.get("dynamic") is False and acts.get("strategy") == "tensor"
         if not static and not (acts.get("dynamic") and acts.get("strategy") == "token"):
             raise UnsupportedQuantizationError(
@@ -309,7 +314,8 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
                 f"needs scales {list(tiles)}, found {list(scale.shape)}"
             )
         return weight, schemes.block_scales_per_row(scale, out, spec.block_rows), None
-    if spec.scheme != "fp8" and scale.dim() == 2 and scale.shape[1] > 1:
+    per_channel = spec.scheme in ("fp8", "w8a16-fp8")  # scales [out]
+    if not per_channel and scale.dim() == 2 and scale.shape[1] > 1:
         return weight, scale.float(), None  # grouped
     if scale.numel() not in (1, out):
         raise UnsupportedQuantizationError(
@@ -317,6 +323,6 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
             "one per tensor or per output channel"
             + (", or weight_block_size tiles" if spec.scheme == "fp8" else "")
         )
-    if spec.scheme == "fp8":
+    if per_channel:
         return weight, scale.float().reshape(-1).expand(out).contiguous(), None
     return weight, scale.float().reshape(-1).expand(out).reshape(out, 1).contiguous(), None

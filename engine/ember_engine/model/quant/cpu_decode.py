@@ -207,9 +207,13 @@ def fp8_matmul(
 ) -> torch.Tensor:
     """(xq * x_scale) @ (w * w_scale)^T in float32, [m, n]: xq [m, k] and w [n, k] E4M3 (CPU tensors),
     each with a scale per row or per row and group of columns."""
-    m = xq.shape[0]
-    n = w.shape[0]
-    x = fp8_dequantize(xq, x_scale)
+    return fp8_times(fp8_dequantize(xq, x_scale), w, w_scale)
+
+
+def fp8_times(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x @ (w * w_scale)^T in float32, [m, n]: x float32 [m, k] (activations as they are, or an fp8 product's
+    dequantized ones), w [n, k] E4M3 with a scale per row or per row and group of columns."""
+    m, n = x.shape[0], w.shape[0]
     wb = w.contiguous().view(torch.uint8).numpy()
     ws = as_grid(w_scale, n)
     if 0 < m <= FP8_FUSED_ROWS:

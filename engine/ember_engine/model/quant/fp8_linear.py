@@ -1,9 +1,11 @@
 """FP8 E4M3 weights with FP8 activations: per-channel (or per-tensor) weight scales with per-token or
-static activation scales, and block-scaled weights with activations scaled per token and group."""
+static activation scales, and block-scaled weights with activations scaled per token and group; and FP8
+weights with activations as they are (`w8a16-fp8`, weight-only)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ember_engine.model.quant import cpu_decode, schemes
 from ember_engine.model.quant.layer import QuantLinear, use_triton
@@ -63,6 +65,25 @@ class Fp8Linear(QuantLinear):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+
+class Fp8WeightOnlyLinear(Fp8Linear):
+    """E4M3 weight with a scale per output channel and activations as they are (compressed-tensors' FP8
+    weights without input activations, vLLM's W8A16-FP8): y = x @ (q_w * s_w)^T in float32."""
+
+    scheme = "w8a16-fp8"
+
+    def set_input_scale(self, scale: torch.Tensor, name: str) -> None:
+        raise schemes.UnsupportedQuantizationError(f"{name}: an input_scale for weight-only FP8")
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from ember_engine.model.quant import triton_gemm
+
+            return triton_gemm.fp8_weight_matmul(x, self.weight, self.weight_scale)
+        if x.device.type == "cpu":
+            return cpu_decode.fp8_times(x.float(), self.weight, self.weight_scale).to(x.dtype)
+        return F.linear(x, self.dequantized(x.dtype))
 
 
 class Fp8BlockLinear(QuantLinear):

@@ -11,7 +11,7 @@ from torch import nn
 from ember_engine.model.quant import schemes
 from ember_engine.model.quant.codebook_linear import CodebookLinear
 from ember_engine.model.quant.fp4_linear import Fp4Linear
-from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear
+from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear, Fp8WeightOnlyLinear
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 from ember_engine.model.quant.layer import QuantLinear
 
@@ -30,6 +30,8 @@ def make_layer(
     own, one per group."""
     if scheme in ("bnb-nf4", "bnb-fp4"):  # from a checkpoint only (the code table set at load)
         return CodebookLinear(in_features, out_features, bias, dtype, scheme, group_size)
+    if scheme == "w8a16-fp8":  # from a checkpoint only
+        return Fp8WeightOnlyLinear(in_features, out_features, bias, dtype)
     if scheme in ("nvfp4a16", "nvfp4"):  # from a checkpoint only (nvfp4's activation scales set at load)
         return Fp4Linear(in_features, out_features, bias, dtype)
     if schemes.check_scheme(scheme) == "w4a16":

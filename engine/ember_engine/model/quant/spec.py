@@ -18,10 +18,10 @@ GPTQ_TENSORS = frozenset({"qweight", "qzeros", "scales"})
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    # fp8 | w8a16 | w4a16 | w8a8 | bnb-nf4 | from a checkpoint only: nvfp4a16, nvfp4, bnb-fp4
+    # fp8 | w8a16 | w4a16 | w8a8 | bnb-nf4 | from a checkpoint only: w8a16-fp8, nvfp4a16, nvfp4, bnb-fp4
     scheme: str
-    # online | float-quantized | pack-quantized | int-quantized | nvfp4-pack-quantized | hf-fp8 | gptq |
-    # gptq_v2 | awq | bitsandbytes
+    # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
+    # hf-fp8 | gptq | gptq_v2 | awq | bitsandbytes
     format: str
     group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
     num_bits: int = 8
@@ -59,6 +59,8 @@ class QuantSpec:
             "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"})
             | ({"weight_zero_point"} if self.zero_points else set()),
             "int-quantized": frozenset({"weight", "weight_scale"}),
+            "naive-quantized": frozenset({"weight", "weight_scale"})
+            | ({"input_scale"} if self.static_input else set()),
             "nvfp4-pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_global_scale"})
             | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),

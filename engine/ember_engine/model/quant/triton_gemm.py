@@ -15,6 +15,8 @@ widened in registers, so only the quantized bytes cross memory:
   nvfp4's activations come quantized and dequantized (`schemes.fake_quantize_nvfp4`), with no FP4 dots;
 - w8a8: activations quantized to int8 per token beforehand; int8 dots with int32 sums (exact; int8
   tensor cores on the GPU), both scales applied after the K loop;
+- w8a16-fp8: E4M3 weight bytes widened in registers and scaled per channel as w8a16's are, the
+  activations as they are;
 - bnb-nf4 and bnb-fp4: two 4-bit codes a byte, each looked up in the layer's 16-value table (passed as
   x_scale) and scaled per block of GROUP columns as w4a16's are.
 """
@@ -33,8 +35,9 @@ from ember_engine.model.quant.schemes import (
 )
 
 # WEIGHT: 0 int8, 1 packed int4, 2 fp8, 3 block-scaled fp8 (fp8 stored as bytes, reinterpreted in the
-# kernel), 4 int8 with int8 activations, 5 packed FP4 (E2M1), 6 packed 4-bit codes of a 16-value table.
-_INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8, _FP4, _CODEBOOK = 0, 1, 2, 3, 4, 5, 6
+# kernel), 4 int8 with int8 activations, 5 packed FP4 (E2M1), 6 packed 4-bit codes of a 16-value table, 7
+# fp8 weights with unquantized activations.
+_INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8, _FP4, _CODEBOOK, _FP8_WEIGHT = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 @triton.jit
@@ -79,8 +82,8 @@ def _gemm_kernel(
             # int8 x int8 dots with int32 sums (exact), widened to the float32 accumulator each step.
             q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
             acc += tl.dot(x, q, out_dtype=tl.int32).to(tl.float32)
-        elif WEIGHT < 2 or WEIGHT == 5 or WEIGHT == 6:
-            if WEIGHT != 0:
+        elif WEIGHT < 2 or WEIGHT >= 5:
+            if WEIGHT != 0 and WEIGHT != 7:
                 # [BLOCK_K, BLOCK_N]: column k of the weight is nibble k % 2 of byte k // 2.
                 ptrs = w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
                 packed = tl.load(ptrs, mask=wmask, other=0).to(tl.int32)
@@ -96,6 +99,8 @@ def _gemm_kernel(
                     q = tl.where((nibble & 8) != 0, -twice, twice).to(tl.float32) * 0.5
             else:
                 q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
+                if WEIGHT == 7:  # E4M3 bytes
+                    q = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             sptrs = scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None]
             s = tl.load(sptrs, mask=wmask, other=0)
             if WEIGHT == 5:  # E4M3 group scales (bytes) over the row's global scale
@@ -262,4 +267,12 @@ def codebook_matmul(
         _CODEBOOK,
         group=group_size,
         x_scale=code.float().contiguous(),
+    )
+
+
+def fp8_weight_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as it is @ (E4M3 w [N, K] * scale [N])^T, in x's dtype."""
+    k = w.shape[1]
+    return _launch(
+        x, w.view(torch.uint8), scale.float().reshape(-1, 1).contiguous(), w.shape[0], _FP8_WEIGHT, group=k
     )
