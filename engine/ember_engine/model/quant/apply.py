@@ -141,6 +141,11 @@ class QuantCollector:
                 )
             return True
         if suffix == "input_scale" and suffix not in self.spec.required():
+            if self.spec.scheme == "w8a16-fp8":
+                raise UnsupportedQuantizationError(
+                    f"{name}: an activation scale in a checkpoint whose config quantizes no activations "
+                    "(FP8 weights only)"
+                )
             return True  # dynamic activations: a calibrated scale is not used
         if suffix == "g_idx" and suffix not in self.spec.required():
             gptq.input_order(self.spec, name, tensor_slice[:])  # without desc_act: refuses a reordering
