@@ -72,7 +72,7 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
             )
         schemes.check_scheme(requested)
         if requested == "bitsandbytes":  # NF4 in blocks of 64, as bitsandbytes quantizes at load
-            return QuantSpec("bnb-nf4", "online", group_size=bnb.BLOCK, num_bits=4)
+            return QuantSpec(schemes.LAYER_SCHEME[requested], "online", group_size=bnb.BLOCK, num_bits=4)
         # Online: fp8 and int8 per output channel, int4 in groups of 128.
         group = schemes.DEFAULT_GROUP_SIZE if requested == "w4a16" else 0
         return QuantSpec(requested, "online", group_size=group, num_bits=4 if requested == "w4a16" else 8)

@@ -53,8 +53,7 @@ def make_layer(
 def quantize_linear(linear: nn.Linear, scheme: str, group_size: int) -> QuantLinear:
     """A full-precision layer's quantized counterpart (online quantization; fp8 with `group_size` in
     square tiles of that side; "bitsandbytes" is NF4, `group_size` its block)."""
-    if scheme == "bitsandbytes":
-        scheme = "bnb-nf4"
+    scheme = schemes.LAYER_SCHEME.get(scheme, scheme)
     w = linear.weight.detach()
     layer = make_layer(
         scheme, linear.in_features, linear.out_features, linear.bias is not None, w.dtype, group_size

@@ -20,6 +20,8 @@ from ember_engine.core.config import QUANT_SCHEMES as SCHEMES
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 DEFAULT_GROUP_SIZE = 128
+# Online scheme names that name their layers' scheme otherwise: `bitsandbytes` quantizes to NF4.
+LAYER_SCHEME = {"bitsandbytes": "bnb-nf4"}
 _TINY = 1e-12
 
 
