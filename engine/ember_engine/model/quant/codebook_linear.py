@@ -31,6 +31,8 @@ class CodebookLinear(QuantLinear):
             "weight_scale", torch.ones(out_features, in_features // block, dtype=torch.float32)
         )
         self.register_buffer("code", torch.zeros(16, dtype=torch.float32))
+        # the CPU loops' form of the table, derived from it: each byte's two values (2 KB, not weights)
+        self.code_pairs = cpu_codebook.pair_table(self.code)
         self._code_from: str | None = None
 
     def weight_data(self) -> torch.Tensor:
@@ -50,6 +52,7 @@ class CodebookLinear(QuantLinear):
             )
         self._code_from = self._code_from or name
         self.code.copy_(table)
+        self.code_pairs = cpu_codebook.pair_table(table)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
@@ -59,7 +62,7 @@ class CodebookLinear(QuantLinear):
                 x, self.weight_packed, self.code, self.weight_scale, self.group_size
             )
         if x.device.type == "cpu":
-            return cpu_codebook.codebook_matmul(x, self.weight_packed, self.code, self.weight_scale)
+            return cpu_codebook.codebook_matmul(x, self.weight_packed, self.code_pairs, self.weight_scale)
         return F.linear(x, self.dequantized(x.dtype))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
