@@ -20,10 +20,14 @@ def test_rows_report_teacher_forced_agreement_and_a_checkpoint_row(
     ckpt = quantize_checkpoint(packaged_pair()[0], tmp_path / "fp8", "fp8")
     out = tmp_path / "quant.json"
     args = ["bench", "quant", "--schemes", "fp8", "--no-kv-fp8", "--ppl-windows", "2", "--prompts", "4"]
-    args += ["--repeats", "0", "--checkpoint", f"fp8-file={ckpt}", "--json", str(out)]
+    args += ["--kv-e5m2", "--repeats", "0", "--checkpoint", f"fp8-file={ckpt}", "--json", str(out)]
     assert ember(args) == 0
     rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["full", "fp8", "fp8-file"]
+    assert list(rows) == ["full", "fp8", "kv-fp8-e5m2", "fp8-file"]
+    e5m2 = rows["kv-fp8-e5m2"]
+    assert e5m2["kv_cache_dtype"] == "float8_e5m2" and e5m2["weight_bytes"] == rows["full"]["weight_bytes"]
+    assert e5m2["kv_blocks"] // 4 == rows["full"]["kv_blocks"]  # one byte an element against float32's four
+    assert 0.95 <= e5m2["next_token_agreement"] < 1.0
     full, fp8, file = rows["full"], rows["fp8"], rows["fp8-file"]
     assert full["next_token_agreement"] == 1.0 and full["greedy_agreement"] == 1.0
     assert full["logprobs_close"] == 1.0 and 0.0 <= fp8["logprobs_close"] <= 1.0

@@ -37,10 +37,10 @@ def edge_values() -> torch.Tensor:
     return torch.cat([finite, mids, near, extra])
 
 
-def quantized(b: Batch, k_scale: float, v_scale: float) -> Batch:
+def quantized(b: Batch, k_scale: float, v_scale: float, dtype: torch.dtype = FP8) -> Batch:
     """The batch with FP8 caches quantized from its full-precision ones."""
-    b.k_cache = kv_quant.quantize(b.k_cache, k_scale)
-    b.v_cache = kv_quant.quantize(b.v_cache, v_scale)
+    b.k_cache = kv_quant.quantize(b.k_cache, k_scale, dtype)
+    b.v_cache = kv_quant.quantize(b.v_cache, v_scale, dtype)
     return b
 
 
@@ -99,6 +99,16 @@ def test_triton_decode_is_exact_for_every_byte() -> None:
     assert torch.equal(out[finite].signbit(), expected[finite].signbit())
 
 
+@pytest.mark.parametrize("dtype", [FP8, torch.float8_e5m2])
+def test_the_torch_path_reads_every_byte_as_torch_converts_it(dtype: torch.dtype) -> None:
+    every = torch.arange(256, dtype=torch.uint8).repeat(3).view(3, 16, 16)
+    out, expected = kv_quant.decode_bytes(every, dtype), every.view(dtype).float()
+    assert out.shape == expected.shape and out.dtype == torch.float32
+    assert torch.equal(out.isnan(), expected.isnan())
+    known = ~expected.isnan()
+    assert torch.equal(out[known], expected[known]) and torch.equal(out.signbit(), expected.signbit())
+
+
 def _dequantized(b: Batch, k_scale: float, v_scale: float) -> tuple:
     args = list(b.attention_args())
     args[1] = kv_quant.dequantize(b.k_cache, k_scale)
@@ -149,14 +159,15 @@ def test_fp8_attention_stays_close_to_full_precision(use_triton: None) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [FP8, torch.float8_e5m2])
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-def test_gpu_bfloat16_queries_over_an_fp8_cache(num_splits: int | None) -> None:
+def test_gpu_bfloat16_queries_over_an_fp8_cache(num_splits: int | None, dtype: torch.dtype) -> None:
     contexts = torch.randint(1, 4096, (48,), generator=torch.Generator().manual_seed(7)).tolist()
     specs = [(n, 1) for n in contexts] + [(0, 512), (1000, 256), (17, 1), (4000, 95)]
     b = make_batch(specs, 16, 32, 8, 128, dtype=torch.bfloat16, device="cuda", seed=8)
-    b = quantized(b, 0.5, 0.25)
+    b = quantized(b, 0.5, 0.25, dtype)
     store_kv(b.key, b.value, b.k_cache, b.v_cache, b.slot_mapping, k_scale=0.5, v_scale=0.25)
-    expected_k = kv_quant.quantize(b.key.float(), 0.5)
+    expected_k = kv_quant.quantize(b.key.float(), 0.5, dtype)
     written = b.k_cache.view(-1, 8, 128)[b.slot_mapping[: b.num_tokens]]
     assert torch.equal(written.view(torch.uint8), expected_k[: b.num_tokens].view(torch.uint8))
     out = triton_attention.paged_attention(

@@ -9,7 +9,8 @@ differ where each side's token is among the other's 5 most likely (the check vLL
 quantized models: a divergence between near-tied tokens passes), and teacher-forced next-token agreement
 (the fraction of held-out positions where the argmax is full precision's, each position given the true
 text before it). The FP8 KV cache's row
-(`kv-fp8`) keeps full-precision weights and stores K and V as E4M3. Default model: the packaged trained target, whose held-out split (files its
+(`kv-fp8`) keeps full-precision weights and stores K and V as E4M3 (`kv-fp8-e5m2`, with `--kv-e5m2`: as
+E5M2). Default model: the packaged trained target, whose held-out split (files its
 training never saw) is the perplexity text. `--checkpoint LABEL=DIR` adds a row for a checkpoint quantized
 elsewhere (llm-compressor's, `ember quantize`'s) of the same model, loaded in its own scheme.
 """
@@ -29,6 +30,7 @@ import torch
 GEN_TOKENS = 64
 PROMPT_TOKENS = 64
 CLOSE_TOP = 5  # how many of a side's most likely tokens a first divergence may fall among
+_KV_LABELS = {"fp8": "kv-fp8", "fp8_e5m2": "kv-fp8-e5m2"}  # rows of a KV cache dtype, full-precision weights
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="add the FP8 KV cache's row (full-precision weights)",
+    )
+    p.add_argument(
+        "--kv-e5m2",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="add the E5M2 KV cache's row (kv_cache_dtype fp8_e5m2, full-precision weights)",
     )
     p.add_argument("--dtype", default="auto", help="the model dtype of every row (default: the checkpoint's)")
     p.add_argument(
@@ -147,7 +155,7 @@ def measure(
     )
     ppl, next_tokens = score(llm, text, args.ppl_windows)
     row = {
-        "scheme": label or ("kv-fp8" if kv_cache_dtype == "fp8" else scheme or "full"),
+        "scheme": label or _KV_LABELS.get(kv_cache_dtype) or scheme or "full",
         "dtype": str(runner.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "weight_bytes": weight_bytes(runner.model),
@@ -194,6 +202,8 @@ def main(args: argparse.Namespace) -> int:
     configs += [measure(model, s, args, text) for s in args.schemes.split(",") if s]
     if args.kv_fp8:
         configs.append(measure(model, None, args, text, kv_cache_dtype="fp8"))
+    if args.kv_e5m2:
+        configs.append(measure(model, None, args, text, kv_cache_dtype="fp8_e5m2"))
     for spec in args.checkpoint:
         label, sep, path = spec.partition("=")
         if not sep or not label or not path:

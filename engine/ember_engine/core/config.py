@@ -10,8 +10,8 @@ QUANT_SCHEMES = ("fp8", "w8a16", "w4a16", "w8a8", "bitsandbytes")
 # runs in its own scheme). fp8 and bitsandbytes are schemes too.
 CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin")
 # KV cache element types (README "FP8 KV cache"): auto is the model's dtype; fp8_e4m3 is fp8 (vLLM's
-# name for the same cache).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# name for the same cache); fp8_e5m2 is E5M2, with the same per-layer scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(slots=True)
@@ -46,7 +46,8 @@ class EngineConfig:
     master_port: int = 29500
     # Weights quantized at load (a checkpoint that is already quantized is run in its own scheme).
     quantization: str | None = None
-    # The KV cache's element type: "auto" (the model's dtype) or "fp8" (E4M3 with per-layer scales).
+    # The KV cache's element type: "auto" (the model's dtype), "fp8" (E4M3 with per-layer scales) or
+    # "fp8_e5m2" (E5M2, the same scales).
     kv_cache_dtype: str = "auto"
 
     @property

@@ -10,7 +10,7 @@ The torch reference here is the CPU production path; the Triton kernels in `trit
 CUDA tensors. `EMBER_ATTENTION=triton` or `=torch` overrides the choice (tests use the former with
 `TRITON_INTERPRET=1` to run the kernels on CPU).
 
-A cache may be FP8 (`kv_quant`): writes then quantize with the layer's `k_scale`/`v_scale`, reads
+A cache may be FP8, E4M3 or E5M2 (`kv_quant`): writes then quantize with the layer's `k_scale`/`v_scale`, reads
 dequantize with them; both are ignored for a cache in the model's dtype.
 """
 
@@ -121,8 +121,13 @@ def store_kv_reference(
     # Index by (block, offset) rather than through a flattened view so non-contiguous caches work too.
     blocks, offsets = slots // block_size, slots % block_size
     if kv_quant.is_fp8(k_cache):  # written as bytes: indexed writes into float8 need not exist on a device
-        k_cache.view(torch.uint8)[blocks, offsets] = kv_quant.quantize(key[rows], k_scale).view(torch.uint8)
-        v_cache.view(torch.uint8)[blocks, offsets] = kv_quant.quantize(value[rows], v_scale).view(torch.uint8)
+        fmt = k_cache.dtype
+        k_cache.view(torch.uint8)[blocks, offsets] = kv_quant.quantize(key[rows], k_scale, fmt).view(
+            torch.uint8
+        )
+        v_cache.view(torch.uint8)[blocks, offsets] = kv_quant.quantize(value[rows], v_scale, fmt).view(
+            torch.uint8
+        )
         return
     k_cache[blocks, offsets] = key[rows].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[rows].to(v_cache.dtype)
@@ -194,7 +199,7 @@ def _gather(cache: Tensor, slots: Tensor) -> Tensor:
     fp8 = kv_quant.is_fp8(cache)
     flat = (cache.view(torch.uint8) if fp8 else cache).flatten(0, 1)  # FP8 rows are selected as bytes
     rows = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
-    return (rows.view(kv_quant.FP8) if fp8 else rows).float()
+    return kv_quant.decode_bytes(rows, cache.dtype) if fp8 else rows.float()
 
 
 def paged_attention_reference(

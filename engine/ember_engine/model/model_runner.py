@@ -92,7 +92,7 @@ class ModelRunner:
         )
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.kv_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, self.dtype)
-        if self.kv_dtype == kv_quant.FP8:
+        if self.kv_dtype in kv_quant.FP8_FORMATS:
             kv_quant.check_checkpoint_scheme(read_quantization_config(model_dir or config.model))
         self.block_size = config.block_size
         self.extra_block_bytes = extra_block_bytes
@@ -133,7 +133,7 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        if self.kv_dtype == kv_quant.FP8:
+        if self.kv_dtype in kv_quant.FP8_FORMATS:
             self._compute_kv_scales()
         # Every attention kernel variant compiles now, before the server reports ready.
         self.warm_up()

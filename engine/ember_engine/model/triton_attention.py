@@ -7,8 +7,8 @@ an online softmax. Decode-heavy batches with long contexts occupy few programs, 
 keys into segments ("flash-decoding"): each segment writes a normalized partial output and its
 log-sum-exp, and a second kernel merges the segments.
 
-An FP8 cache is read as bytes and decoded in registers (`triton_kv_store.decode_e4m3`); its K scale is
-folded into the score factor and its V scale into the output's normalization.
+An FP8 cache (E4M3 or E5M2) is read as bytes and decoded in registers (`triton_kv_store.decode_fp8`);
+its K scale is folded into the score factor and its V scale into the output's normalization.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ember_engine.model import kv_quant
 from ember_engine.model.kernel_launch import jit, launch
-from ember_engine.model.triton_kv_store import as_kernel_cache, decode_e4m3
+from ember_engine.model.triton_kv_store import as_kernel_cache, decode_fp8
 from ember_engine.model.triton_kv_store import store_kv as store_kv
 
 # A segment shorter than this costs more in partial writes and merging than its parallelism earns.
@@ -138,9 +138,9 @@ def _attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :] * stride_cd, mask=kv_mask, other=0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :] * stride_cd, mask=kv_mask, other=0)
-        if KV_FP8:  # exact in q's dtype: every E4M3 value is a bfloat16, float16 and float32 value
-            k = decode_e4m3(k).to(q_ptr.dtype.element_ty)
-            v = decode_e4m3(v).to(q_ptr.dtype.element_ty)
+        if KV_FP8 != 0:  # exact in q's dtype: every E4M3 and E5M2 value is a bfloat16, float16, float32 value
+            k = decode_fp8(k, KV_FP8).to(q_ptr.dtype.element_ty)
+            v = decode_fp8(v, KV_FP8).to(q_ptr.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(key_ok[None, :] & (keys[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -154,7 +154,7 @@ def _attention_kernel(
     seen = denom > 0
     denom = tl.where(seen, denom, 1.0)
     acc = acc / denom[:, None]
-    if KV_FP8:
+    if KV_FP8 != 0:
         acc = acc * v_scale
     out_rows = (q_start + tok) * stride_on + head * stride_oh + segment * stride_os
     out = acc.to(out_ptr.dtype.element_ty)
@@ -284,7 +284,7 @@ def paged_attention(
         SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SEARCH_BLOCK=128,
-        KV_FP8=fp8,
+        KV_FP8=kv_quant.kernel_format(k_cache),
     )
     if num_splits > 1:
         launch(

@@ -1,10 +1,11 @@
 """Triton side of the KV cache's storage: the kernel writing new K/V rows into their slots, and the E4M3
-encoding and decoding an FP8 cache goes through (`kv_quant` states the format).
+and E5M2 encoding and decoding an FP8 cache goes through (`kv_quant` states the formats).
 
-The FP8 cache is passed to the kernels as its bytes (a uint8 view) and E4M3 is encoded and decoded with
-integer arithmetic rather than through Triton's float8 type: the result is the same on every GPU
-(compute capability 8.0 has no E4M3 conversion instruction) and in the CPU interpreter, and rounds to
-nearest-even like torch's own conversion, so the Triton and torch paths store identical bytes.
+An FP8 cache is passed to the kernels as its bytes (a uint8 view) and encoded and decoded with integer
+arithmetic rather than through Triton's float8 types: the result is the same on every GPU (compute
+capability 8.0 has no FP8 conversion instructions) and in the CPU interpreter, and rounds to
+nearest-even like torch's own conversion, so the Triton and torch paths store identical bytes. The
+kernels take the format as `KV_FP8` (`kv_quant.kernel_format`: 0 none, 1 E4M3, 2 E5M2).
 """
 
 from __future__ import annotations
@@ -54,6 +55,58 @@ def decode_e4m3(byte):
 
 
 @triton.jit
+def encode_e5m2(x):
+    """float32 -> E5M2 byte (uint8): saturating at ±57344, ties to even; nan -> 0x7f (sign kept)."""
+    raw = x.to(tl.int32, bitcast=True)
+    sign = (raw >> 24) & 0x80
+    is_nan = (raw & 0x7FFFFFFF) > 0x7F800000
+    x = tl.minimum(tl.maximum(x, -57344.0), 57344.0)
+    mag_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    mag = mag_bits.to(tl.float32, bitcast=True)
+    # Normal range (>= 2**-14): keep 2 mantissa bits, rounding to nearest-even on the 21 dropped ones; the
+    # exponent is rebiased from 127 to 15.
+    rounded = mag_bits + 0xFFFFF + ((mag_bits >> 21) & 1)
+    normal = (rounded >> 21) - (112 << 2)
+    # Subnormal range: multiples of 2**-16, rounded as for E4M3; 4 is exactly the code of 2**-14.
+    # (Only a subnormal's own magnitude goes through it: larger ones would not fit the int32.)
+    small = tl.minimum(mag, 6.103515625e-05)
+    sub = ((small * 65536.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(mag < 6.103515625e-05, sub, normal)
+    code = tl.where(is_nan, 0x7F, code)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def decode_e5m2(byte):
+    """E5M2 byte (uint8) -> float32, exactly (0x7c is inf, 0x7d to 0x7f NaN, as float16's top byte);
+    built as float32 bits, like `decode_e4m3`."""
+    b = byte.to(tl.int32)
+    sign = (b & 0x80) << 24
+    mag = b & 0x7F
+    normal = (mag << 21) + (112 << 23)
+    sub = (mag.to(tl.float32) * 1.52587890625e-05).to(tl.int32, bitcast=True)  # multiples of 2**-16
+    bits = tl.where(mag < 4, sub, normal)
+    bits = tl.where(mag >= 0x7C, tl.where(mag == 0x7C, 0x7F800000, 0x7FC00000), bits)
+    return (bits | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def decode_fp8(byte, KV_FP8: tl.constexpr):
+    """A cache byte of format KV_FP8 (1: E4M3, 2: E5M2) -> float32."""
+    if KV_FP8 == 2:
+        return decode_e5m2(byte)
+    return decode_e4m3(byte)
+
+
+@triton.jit
+def encode_fp8(x, KV_FP8: tl.constexpr):
+    """float32 -> a cache byte of format KV_FP8 (1: E4M3, 2: E5M2)."""
+    if KV_FP8 == 2:
+        return encode_e5m2(x)
+    return encode_e4m3(x)
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
@@ -94,9 +147,9 @@ def _store_kv_kernel(
     )
     k = tl.load(key_ptr + row * stride_kn + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(value_ptr + row * stride_vn + heads * stride_vh + dims * stride_vd, mask=mask)
-    if KV_FP8:
-        tl.store(k_cache_ptr + dst, encode_e4m3(k.to(tl.float32) * k_inv_scale), mask=mask)
-        tl.store(v_cache_ptr + dst, encode_e4m3(v.to(tl.float32) * v_inv_scale), mask=mask)
+    if KV_FP8 != 0:
+        tl.store(k_cache_ptr + dst, encode_fp8(k.to(tl.float32) * k_inv_scale, KV_FP8), mask=mask)
+        tl.store(v_cache_ptr + dst, encode_fp8(v.to(tl.float32) * v_inv_scale, KV_FP8), mask=mask)
     else:
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -138,5 +191,5 @@ def store_kv(
         HEAD_DIM=head_dim,
         HEADS_P2=triton.next_power_of_2(num_kv_heads),
         HEAD_P2=triton.next_power_of_2(head_dim),
-        KV_FP8=kv_quant.is_fp8(k_cache),
+        KV_FP8=kv_quant.kernel_format(k_cache),
     )

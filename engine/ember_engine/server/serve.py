@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="the KV cache's element type: auto (the model's dtype) or fp8 (E4M3, per-layer scales; fp8_e4m3 is the same)",
+        help="the KV cache's element type: auto (the model's dtype), fp8 (E4M3, per-layer scales; fp8_e4m3 is "
+        "the same) or fp8_e5m2 (E5M2, the same scales; less precise)",
     )
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
