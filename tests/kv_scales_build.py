@@ -1,7 +1,8 @@
 """Writes a copy of a test checkpoint with static FP8 KV-cache scales, as llm-compressor writes them
 (`kv_cache_scheme`: one K and one V scale per attention layer, calibrated on a few fixed random-token
-rows): `python kv_scales_build.py SRC DST PRESET`, PRESET FP8_KV (FP8_DYNAMIC weights too) or KV (the
-weights left as they are). Run in its own process, like quant_build.py."""
+rows): `python kv_scales_build.py SRC DST PRESET`, PRESET FP8_KV (FP8_DYNAMIC weights too), KV (the
+weights left as they are) or KV_HEAD (the weights left as they are, one K and one V scale per KV head:
+strategy "attn_head"). Run in its own process, like quant_build.py."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def build(src: Path, dst: Path, preset: str) -> None:
         recipe = QuantizationModifier(
             targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"], kv_cache_scheme=KV_SCHEME
         )
+    elif preset == "KV_HEAD":
+        recipe = QuantizationModifier(kv_cache_scheme={**KV_SCHEME, "strategy": "attn_head"})
     else:
         recipe = QuantizationModifier(kv_cache_scheme=KV_SCHEME)
     oneshot(model=model, recipe=recipe, dataset=data, num_calibration_samples=8, max_seq_length=64)

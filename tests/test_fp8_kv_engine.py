@@ -151,7 +151,11 @@ def test_scales_come_from_an_llm_compressor_checkpoint(quantized_model: Callable
 @pytest.mark.parametrize(
     ("name", "value", "error"),
     [
-        ("model.layers.0.self_attn.k_scale", torch.ones(4), r"only one scale per layer is supported"),
+        (
+            "model.layers.0.self_attn.k_scale",
+            torch.ones(4),
+            r"supported: one scale per layer, or one per KV head",
+        ),
         ("model.layers.1.self_attn.v_scale", torch.tensor(-1.0), r"must be a positive finite number"),
         ("model.layers.99.self_attn.k_scale", torch.tensor(0.5), r"no such attention layer"),
     ],
@@ -190,10 +194,10 @@ def test_a_kv_cache_only_checkpoint_runs_its_weights_unquantized(
     # A KV scheme whose scales an FP8 cache cannot use is refused by name.
     for f in path.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
-    config["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
+    config["quantization_config"]["kv_cache_scheme"]["strategy"] = "channel"
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"kv_cache_scheme: float 8-bit, strategy 'attn_head'.*not supported"
+        ValueError, match=r"kv_cache_scheme: float 8-bit, strategy 'channel'.*not supported.*'attn_head'"
     ):
         LLM(str(tmp_path), kv_cache_dtype="fp8")
     assert LLM(str(tmp_path)).engine.runner.kv_cache.dtype == torch.float32  # unused without an FP8 cache

@@ -41,8 +41,8 @@ def store_kv(
     k_cache: Tensor,
     v_cache: Tensor,
     slot_mapping: Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: kv_quant.Scale = 1.0,
+    v_scale: kv_quant.Scale = 1.0,
 ) -> None:
     """Write each row of key/value `[N, num_kv_heads, head_dim]` into the caches at its slot; slot -1 skips."""
     if _use_triton(key):
@@ -64,8 +64,8 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     plan: GatherPlan | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: kv_quant.Scale = 1.0,
+    v_scale: kv_quant.Scale = 1.0,
 ) -> Tensor:
     """Causal attention of q `[N, num_heads, head_dim]` over each sequence's cached keys; same shape and dtype.
     `plan` (the reference path's gather plan for this batch layout) saves rebuilding it per layer."""
@@ -83,8 +83,8 @@ def context_attention(
     v_cache: Tensor,
     ctx: ForwardContext,
     scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: kv_quant.Scale = 1.0,
+    v_scale: kv_quant.Scale = 1.0,
 ) -> Tensor:
     """`paged_attention` over the step's forward context. On the reference path the gather plan is
     built by the first layer and reused by the others (it depends only on the batch layout)."""
@@ -112,8 +112,8 @@ def store_kv_reference(
     k_cache: Tensor,
     v_cache: Tensor,
     slot_mapping: Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: kv_quant.Scale = 1.0,
+    v_scale: kv_quant.Scale = 1.0,
 ) -> None:
     block_size = k_cache.shape[1]
     rows = (slot_mapping >= 0).nonzero().squeeze(1)
@@ -213,13 +213,19 @@ def paged_attention_reference(
     max_seq_len: int,
     scale: float,
     plan: GatherPlan | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: kv_quant.Scale = 1.0,
+    v_scale: kv_quant.Scale = 1.0,
 ) -> Tensor:
     """Float32 math in torch: the CPU path and the kernels' oracle. An FP8 cache is dequantized by folding
-    its scales into the math: the K scale into the score factor, the V scale into the output."""
+    its scales into the math: the K scale into the score factor, the V scale into the output; scales per
+    KV head multiply each head's gathered keys and values instead."""
     fp8 = kv_quant.is_fp8(k_cache)
-    score_scale = scale * k_scale if fp8 else scale
+    heads = fp8 and (isinstance(k_scale, Tensor) or isinstance(v_scale, Tensor))
+    k_heads = kv_quant.head_scales(k_scale, k_cache.shape[2], q.device).view(-1, 1, 1) if heads else None
+    v_heads = kv_quant.head_scales(v_scale, k_cache.shape[2], q.device).view(-1, 1, 1) if heads else None
+    k_fold = float(k_scale) if fp8 and not heads else 1.0
+    v_fold = float(v_scale) if fp8 and not heads else 1.0
+    score_scale = scale * k_fold
     if plan is None:
         plan = plan_gather(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
@@ -228,21 +234,25 @@ def paged_attention_reference(
         rows, valid = plan.short_rows, plan.short_valid
         k = _gather(k_cache, plan.short_slots).transpose(1, 2)  # [B, Hk, L, D]
         v = _gather(v_cache, plan.short_slots).transpose(1, 2)
+        if k_heads is not None and v_heads is not None:
+            k, v = k * k_heads, v * v_heads
         qs = q[rows].float().transpose(1, 2)  # [B, H, Q, D]
         o = F.scaled_dot_product_attention(
             qs, k, v, attn_mask=plan.short_mask, scale=score_scale, enable_gqa=True
         )
-        if fp8:
-            o = o * v_scale
+        if v_fold != 1.0:
+            o = o * v_fold
         out[rows[valid]] = o.transpose(1, 2)[valid].to(q.dtype)
     for start, end, slots, causal in plan.prefills:
-        k = _gather(k_cache, slots).transpose(0, 1)
+        k = _gather(k_cache, slots).transpose(0, 1)  # [Hk, L, D]
         v = _gather(v_cache, slots).transpose(0, 1)
+        if k_heads is not None and v_heads is not None:
+            k, v = k * k_heads, v * v_heads
         qs = q[start:end].float().transpose(0, 1)
         o = F.scaled_dot_product_attention(
             qs, k, v, attn_mask=causal, is_causal=causal is None, scale=score_scale, enable_gqa=True
         )
-        if fp8:
-            o = o * v_scale
+        if v_fold != 1.0:
+            o = o * v_fold
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out

@@ -3,8 +3,9 @@ checkpoint keeps the per-layer scales.
 
 A cache with `kv_cache_dtype="fp8"` (or `fp8_e4m3`) holds float8_e4m3fn, one with `fp8_e5m2` float8_e5m2
 (2 mantissa bits to E4M3's 3, a range to ±57344 against ±448). Each attention layer has one K scale and
-one V scale (floats), the same for either format: a write stores `x / scale`, saturated to the format's
-largest finite value and rounded to its nearest value (ties to even); a read gives `stored * scale`. The division is done as a
+one V scale (floats), or, from a checkpoint that has them, one per KV head (float32 tensors), the same for
+either format: a write stores `x / scale`, saturated to the format's largest finite value and rounded to
+its nearest value (ties to even); a read gives `stored * scale`. The division is done as a
 multiplication by the float32 reciprocal, in the torch path and in the Triton kernels alike, so both
 store the same bytes.
 
@@ -51,22 +52,27 @@ _SCALE_SUFFIXES = {
 }
 
 
+# A layer's K or V scale: one float, or one per KV head of this rank (float32, on the model's device).
+Scale = float | Tensor
+
+
 def check_checkpoint_scheme(quantization_config: dict[str, Any] | None) -> None:
     """Refuse, by name, a checkpoint's KV-cache scheme (compressed-tensors `kv_cache_scheme`) whose scales
-    an FP8 cache cannot use: only static, symmetric FP8 with one scale per tensor is."""
+    an FP8 cache cannot use: only static, symmetric FP8 with one scale per tensor or per KV head is."""
     scheme = (quantization_config or {}).get("kv_cache_scheme")
     if not scheme:
         return
     kind, bits, strategy = scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy")
     if (
-        (kind, bits, strategy) != ("float", 8, "tensor")
+        (kind, bits) != ("float", 8)
+        or strategy not in ("tensor", "attn_head")
         or scheme.get("dynamic")
         or not scheme.get("symmetric")
     ):
         raise ValueError(
             f"kv_cache_scheme: {kind} {bits}-bit, strategy {strategy!r}, dynamic={scheme.get('dynamic')}, "
             f"symmetric={scheme.get('symmetric')} is not supported with kv_cache_dtype fp8; supported: float "
-            "8-bit, strategy 'tensor', static, symmetric"
+            "8-bit, strategy 'tensor' or 'attn_head', static, symmetric"
         )
 
 
@@ -101,20 +107,41 @@ def decode_bytes(raw: Tensor, dtype: torch.dtype) -> Tensor:
     return _e4m3_values(raw.device).index_select(0, raw.reshape(-1).int()).view(raw.shape)
 
 
-def reciprocal(scale: float) -> float:
-    """1 / scale rounded to float32, the factor a write multiplies by."""
+def reciprocal(scale: Scale) -> Scale:
+    """1 / scale rounded to float32 (each head's, for per-head scales), the factor a write multiplies by."""
+    if isinstance(scale, Tensor):
+        return (1.0 / scale.double()).float()
     return float(torch.tensor(1.0 / scale, dtype=torch.float32))
 
 
-def quantize(x: Tensor, scale: float, dtype: torch.dtype = FP8) -> Tensor:
-    """x / scale in an FP8 format, E4M3 by default (saturating; ties to even)."""
+def _by_head(factor: Scale, x: Tensor) -> Scale:
+    """A per-head factor shaped to multiply x [..., heads, head_dim]."""
+    return factor.to(x.device).view(-1, 1) if isinstance(factor, Tensor) else factor
+
+
+def quantize(x: Tensor, scale: Scale, dtype: torch.dtype = FP8) -> Tensor:
+    """x [..., heads, head_dim] / scale in an FP8 format, E4M3 by default (saturating; ties to even)."""
     top = FP8_FORMATS[dtype]
-    return (x.float() * reciprocal(scale)).clamp(-top, top).to(dtype)
+    return (x.float() * _by_head(reciprocal(scale), x)).clamp(-top, top).to(dtype)
 
 
-def dequantize(x: Tensor, scale: float) -> Tensor:
-    """Stored E4M3 values back to float32."""
-    return x.float() * scale
+def dequantize(x: Tensor, scale: Scale) -> Tensor:
+    """Stored FP8 values [..., heads, head_dim] back to float32."""
+    return x.float() * _by_head(scale, x)
+
+
+def head_scales(scale: Scale, num_kv_heads: int, device: torch.device) -> Tensor:
+    """A scale as one float32 per KV head on `device`."""
+    if isinstance(scale, Tensor):
+        return scale.to(device=device, dtype=torch.float32)
+    return torch.full((num_kv_heads,), scale, dtype=torch.float32, device=device)
+
+
+def describe(scale: Scale) -> str:
+    """A scale for the log: the float, or the heads' in brackets."""
+    if isinstance(scale, Tensor):
+        return "[" + " ".join(f"{v:.3g}" for v in scale.tolist()) + "]"
+    return f"{scale:.3g}"
 
 
 def calibration_sequences(vocab_size: int) -> list[list[int]]:
@@ -145,13 +172,21 @@ def scale_target(name: str) -> tuple[str, str] | None:
     return head + ".self_attn", _SCALE_SUFFIXES[tail]
 
 
-def read_scale(name: str, tensor: Tensor) -> float:
-    """A per-tensor scale as a float. Scales per head or per channel are refused by name."""
-    if tensor.numel() != 1:
+def read_scale(name: str, tensor: Tensor, num_kv_heads: int) -> Scale:
+    """A checkpoint's scale: one per layer as a float; one per KV head ([num_kv_heads, 1, 1], what
+    llm-compressor writes for strategy "attn_head", or [num_kv_heads]) as a float32 tensor over all the
+    model's KV heads, or a float where they are all equal. Other shapes (per channel, ...) are refused by
+    name."""
+    per_head = tensor.dim() >= 1 and tensor.shape[0] == num_kv_heads and all(d == 1 for d in tensor.shape[1:])
+    if tensor.numel() != 1 and not per_head:
         raise ValueError(
-            f"KV scale {name!r} has shape {tuple(tensor.shape)}; only one scale per layer is supported"
+            f"KV scale {name!r} has shape {tuple(tensor.shape)}; supported: one scale per layer, or one per KV "
+            f"head ([{num_kv_heads}, 1, 1] or [{num_kv_heads}])"
         )
-    value = float(tensor.float().reshape(()))
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"KV scale {name!r} is {value}; it must be a positive finite number")
-    return value
+    values = tensor.float().reshape(-1)
+    for value in values.tolist():
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"KV scale {name!r} is {value}; it must be a positive finite number")
+    if bool((values == values[0]).all()):
+        return float(values[0])
+    return values

@@ -96,9 +96,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)
-        # An FP8 cache's per-layer scales (stored = x / scale): the checkpoint's ("k"/"v" in
-        # checkpoint_scales), else computed at load (kv_quant), 1.0 until then and with any other cache.
-        self.k_scale = self.v_scale = 1.0
+        # An FP8 cache's per-layer scales (stored = x / scale), or per KV head (this rank's heads): the
+        # checkpoint's ("k"/"v" in checkpoint_scales), else computed at load (kv_quant), 1.0 until then and
+        # with any other cache.
+        self.k_scale: kv_quant.Scale = 1.0
+        self.v_scale: kv_quant.Scale = 1.0
         self.checkpoint_scales: set[str] = set()
         # While the scales the checkpoint lacks are computed: the largest |K| and |V| seen so far.
         self.calibration: torch.Tensor | None = None

@@ -2,7 +2,8 @@
 
 Each tensor is read through a safetensors slice, so a tensor-parallel rank reads only the bytes of its
 own shard (`Shard.read`), never the whole tensor. KV-cache scales (`kv_quant.scale_target`) go to their
-attention layer's `k_scale`/`v_scale`, used when the cache is FP8.
+attention layer's `k_scale`/`v_scale`, used when the cache is FP8 (scales per KV head: each rank takes its
+heads').
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 
 from ember_engine.model import kv_quant
@@ -70,7 +72,15 @@ def _set_kv_scale(model: LlamaForCausalLM, name: str, target: tuple[str, str], t
         attn = None
     if not isinstance(attn, Attention):
         raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (no such attention layer)")
-    value = kv_quant.read_scale(name, tensor_slice[...])
+    value = kv_quant.read_scale(name, tensor_slice[...], model.config.num_kv_heads)
+    if isinstance(value, torch.Tensor):  # this rank's heads (one float where they share one scale)
+        first, count = model.shard.first_kv_head, model.shard.num_kv_heads
+        mine = value[first : first + count]
+        value = (
+            float(mine[0])
+            if bool((mine == mine[0]).all())
+            else mine.to(model.model.embed_tokens.weight.device)
+        )
     if "k" in which:
         attn.k_scale = value
         attn.checkpoint_scales.add("k")

@@ -225,8 +225,8 @@ class ModelRunner:
         if self.tp.rank == 0:
             log.info(
                 "FP8 KV cache: scales computed where the checkpoint has none; K %s, V %s",
-                ", ".join(f"{a.k_scale:.3g}" for a in layers),
-                ", ".join(f"{a.v_scale:.3g}" for a in layers),
+                ", ".join(kv_quant.describe(a.k_scale) for a in layers),
+                ", ".join(kv_quant.describe(a.v_scale) for a in layers),
             )
 
     # -- a step ---------------------------------------------------------------------------------------

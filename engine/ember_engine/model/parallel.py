@@ -16,7 +16,6 @@ the ones that attend to it.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember_engine.model.model_config import ModelConfig
+from ember_engine.model.quant.checkpoint import read_quantization_config, weights_quantized
 
 
 class TensorParallelError(ValueError):
@@ -115,10 +115,12 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
 
 
 def refuse_quantized(model_dir: str | Path) -> None:
-    """Quantized checkpoints store packed weights and scales that this split does not know how to cut."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    method = (raw.get("quantization_config") or {}).get("quant_method")
-    if method is not None:
+    """Quantized checkpoints store packed weights and scales that this split does not know how to cut. One
+    that quantizes only the KV cache (its weights full precision, its scales per layer or KV head) splits
+    like any other."""
+    qc = read_quantization_config(model_dir)
+    if qc is not None and weights_quantized(qc):
+        method = qc.get("quant_method")
         raise TensorParallelError(
             f"tensor_parallel_size > 1 is not supported with quantized checkpoints ({method} in {model_dir})"
         )

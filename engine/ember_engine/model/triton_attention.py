@@ -61,6 +61,8 @@ def _attention_kernel(
     query_start_loc_ptr,
     scale_log2,
     v_scale,
+    k_heads_ptr,
+    v_heads_ptr,
     num_seqs,
     segment_len,
     stride_qn,
@@ -86,10 +88,14 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PER_HEAD: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
+    if PER_HEAD:  # an FP8 cache's scales per KV head: this program's head's
+        scale_log2 = scale_log2 * tl.load(k_heads_ptr + kv_head)
+        v_scale = tl.load(v_heads_ptr + kv_head)
 
     # Sequence i owns the q blocks from query_start_loc[i] // BLOCK_Q + i on: at least ceil(q_len / BLOCK_Q)
     # of them, so the host sizes the grid without reading the lengths. Counting the sequences that start
@@ -218,11 +224,12 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: kv_quant.Scale = 1.0,
+    v_scale: kv_quant.Scale = 1.0,
 ) -> Tensor:
     """`num_splits` forces the number of key segments; by default `choose_num_splits` picks it.
-    `k_scale`/`v_scale` dequantize an FP8 cache (and are ignored for any other)."""
+    `k_scale`/`v_scale` dequantize an FP8 cache, one float each or one per KV head (and are ignored for
+    any other cache)."""
     assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout"
     assert k_cache.dtype == v_cache.dtype, "the caches must share one dtype"
     fp8 = kv_quant.is_fp8(k_cache)
@@ -231,6 +238,14 @@ def paged_attention(
         k_scale = v_scale = 1.0
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    per_head = isinstance(k_scale, Tensor) or isinstance(v_scale, Tensor)
+    if per_head:  # the scalar factors carry no scale; each program loads its head's
+        k_heads = kv_quant.head_scales(k_scale, num_kv_heads, q.device)
+        v_heads = kv_quant.head_scales(v_scale, num_kv_heads, q.device)
+        k_fold = v_fold = 1.0
+    else:  # the pointers are never read: the sequence lengths stand in for them
+        k_heads = v_heads = seq_lens
+        k_fold, v_fold = float(k_scale), float(v_scale)
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
@@ -266,8 +281,10 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * _LOG2_E * k_scale,
-        v_scale,
+        scale * _LOG2_E * k_fold,
+        v_fold,
+        k_heads,
+        v_heads,
         num_seqs,
         segment_len,
         *q.stride(),
@@ -285,6 +302,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SEARCH_BLOCK=128,
         KV_FP8=kv_quant.kernel_format(k_cache),
+        PER_HEAD=per_head,
     )
     if num_splits > 1:
         launch(

@@ -115,6 +115,8 @@ def _store_kv_kernel(
     slot_ptr,
     k_inv_scale,
     v_inv_scale,
+    k_inv_ptr,
+    v_inv_ptr,
     stride_kn,
     stride_kh,
     stride_kd,
@@ -131,6 +133,7 @@ def _store_kv_kernel(
     HEADS_P2: tl.constexpr,
     HEAD_P2: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PER_HEAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row)
@@ -148,8 +151,14 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + row * stride_kn + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(value_ptr + row * stride_vn + heads * stride_vh + dims * stride_vd, mask=mask)
     if KV_FP8 != 0:
-        tl.store(k_cache_ptr + dst, encode_fp8(k.to(tl.float32) * k_inv_scale, KV_FP8), mask=mask)
-        tl.store(v_cache_ptr + dst, encode_fp8(v.to(tl.float32) * v_inv_scale, KV_FP8), mask=mask)
+        if PER_HEAD:  # each head's own reciprocal scale, [HEADS_P2, 1]
+            k_inv = tl.load(k_inv_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
+            v_inv = tl.load(v_inv_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
+            tl.store(k_cache_ptr + dst, encode_fp8(k.to(tl.float32) * k_inv, KV_FP8), mask=mask)
+            tl.store(v_cache_ptr + dst, encode_fp8(v.to(tl.float32) * v_inv, KV_FP8), mask=mask)
+        else:
+            tl.store(k_cache_ptr + dst, encode_fp8(k.to(tl.float32) * k_inv_scale, KV_FP8), mask=mask)
+            tl.store(v_cache_ptr + dst, encode_fp8(v.to(tl.float32) * v_inv_scale, KV_FP8), mask=mask)
     else:
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -166,13 +175,27 @@ def store_kv(
     k_cache: Tensor,
     v_cache: Tensor,
     slot_mapping: Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: kv_quant.Scale = 1.0,
+    v_scale: kv_quant.Scale = 1.0,
 ) -> None:
     assert k_cache.stride() == v_cache.stride(), "k_cache and v_cache must share one layout"
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    fmt = kv_quant.kernel_format(k_cache)
+    per_head = fmt != 0 and (isinstance(k_scale, Tensor) or isinstance(v_scale, Tensor))
+    if per_head:  # one float32 reciprocal per head; the scalars are then unused
+        k_inv = kv_quant.head_scales(kv_quant.reciprocal(k_scale), num_kv_heads, key.device)
+        v_inv = kv_quant.head_scales(kv_quant.reciprocal(v_scale), num_kv_heads, key.device)
+        k_inv_scale = v_inv_scale = 1.0
+    else:  # the pointers are never read: the slot mapping stands in for them
+        k_inv = v_inv = slot_mapping
+        k_inv_scale = v_inv_scale = 1.0
+        if fmt != 0:
+            k_inv_scale, v_inv_scale = (
+                float(kv_quant.reciprocal(k_scale)),
+                float(kv_quant.reciprocal(v_scale)),
+            )
     launch(
         _store_kv_kernel,
         (num_tokens,),
@@ -181,8 +204,10 @@ def store_kv(
         as_kernel_cache(k_cache),
         as_kernel_cache(v_cache),
         slot_mapping,
-        kv_quant.reciprocal(k_scale),
-        kv_quant.reciprocal(v_scale),
+        k_inv_scale,
+        v_inv_scale,
+        k_inv,
+        v_inv,
         *key.stride(),
         *value.stride(),
         *k_cache.stride(),
@@ -191,5 +216,6 @@ def store_kv(
         HEAD_DIM=head_dim,
         HEADS_P2=triton.next_power_of_2(num_kv_heads),
         HEAD_P2=triton.next_power_of_2(head_dim),
-        KV_FP8=kv_quant.kernel_format(k_cache),
+        KV_FP8=fmt,
+        PER_HEAD=per_head,
     )
