@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine_greedy import hf_greedy
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from ember_engine import LLM, SamplingParams
@@ -57,13 +58,7 @@ PROMPTS = [[5, 17, 300, 12, 9], list(range(40, 140)), [2000]]
 def test_greedy_matches_transformers(name: str, tiny_model: Path, tmp_path: Path) -> None:
     model = _save(CONFIGS[name](), tiny_model, tmp_path / name)
     assert (tmp_path / name / "model.safetensors.index.json").exists()
-    expected = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            out = model.generate(
-                torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-            expected.append(out[0, len(p) :].tolist())
+    expected = hf_greedy(model, PROMPTS, 10)
     llm = LLM(str(tmp_path / name), max_num_batched_tokens=48)
     got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert [g.token_ids for g in got] == expected

@@ -28,17 +28,22 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model: Path) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+def hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """A transformers model's greedy tokens after each prompt, one prompt at a time, `max_new` each
+    whatever they are (no end-of-sequence stop)."""
     out = []
     with torch.inference_mode():
-        for p in PROMPTS:
+        for p in prompts:
             ids = model.generate(
-                torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+                torch.tensor([p]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
             )
             out.append(ids[0, len(p) :].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> list[list[int]]:
+    return hf_greedy(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), PROMPTS, MAX_NEW)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The FP8 KV cache at the kernel level: stores quantize like `kv_quant.quantize` (the Triton kernel to the
+"""The FP8 KV cache at the kernel level (E4M3, and E5M2 where marked): stores quantize like `kv_quant.quantize` (the Triton kernel to the
 byte), attention over an FP8 cache equals attention over the dequantized cache (tight), and stays close to
 attention over the full-precision cache (loose, stated below). Triton runs in its CPU interpreter here and
 compiled where a GPU is present."""
@@ -15,6 +15,7 @@ from ember_engine.model.kernel_launch import launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 # Attention over an FP8 cache against the full-precision cache it was quantized from (unit-variance keys
 # and values, scale 1): E4M3 keeps 3 mantissa bits, a relative error of at most 2**-4 per element; the
 # largest error over the batch stays under 0.15 and the mean under 0.02.
@@ -26,15 +27,22 @@ def use_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBER_ATTENTION", "triton")
 
 
-def edge_values() -> torch.Tensor:
-    """Every E4M3 value, the midpoints between neighbours (ties), values just off them, subnormals,
-    saturation and zeros of both signs."""
-    finite = torch.arange(256, dtype=torch.uint8).view(FP8).float()
-    finite = finite[~finite.isnan()].unique()
+# Per format: around saturation (its largest value, the midpoint past it), far beyond, half the smallest
+# subnormal, and a negative subnormal.
+EXTRA = {
+    FP8: [0.0, -0.0, 447.9, 449.0, 463.9, 464.0, 1e6, -1e6, 2.0**-10, 1e-30, -1.4e-3],
+    E5M2: [0.0, -0.0, 57343.0, 57345.0, 61439.0, 61440.0, 1e9, -1e9, 2.0**-17, 1e-30, -3e-5],
+}
+
+
+def edge_values(dtype: torch.dtype = FP8) -> torch.Tensor:
+    """Every finite value of the format, the midpoints between neighbours (ties), values just off them,
+    subnormals, saturation and zeros of both signs."""
+    finite = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    finite = finite[finite.isfinite()].unique()
     mids = (finite[1:] + finite[:-1]) / 2
     near = torch.cat([mids * (1 + 2**-20), mids * (1 - 2**-20)])
-    extra = torch.tensor([0.0, -0.0, 447.9, 449.0, 463.9, 464.0, 1e6, -1e6, 2.0**-10, 1e-30, -1.4e-3])
-    return torch.cat([finite, mids, near, extra])
+    return torch.cat([finite, mids, near, torch.tensor(EXTRA[dtype])])
 
 
 def quantized(b: Batch, k_scale: float, v_scale: float, dtype: torch.dtype = FP8) -> Batch:
@@ -64,20 +72,22 @@ def test_dequantized_reads_are_the_values_times_the_scale() -> None:
     assert (kv_quant.dequantize(q, 0.25) - x).abs().max() <= 2**-4 * x.abs().max()
 
 
+@pytest.mark.parametrize("cache", [FP8, E5M2])
 @pytest.mark.parametrize("scale", [1.0, 0.37, 3.5])
-def test_triton_store_writes_the_reference_bytes(use_triton: None, scale: float) -> None:
-    values = edge_values() * scale
+def test_triton_store_writes_the_reference_bytes(use_triton: None, scale: float, cache: torch.dtype) -> None:
+    values = edge_values(cache) * scale
     values = values[torch.randperm(len(values), generator=torch.Generator().manual_seed(0))]
     n = len(values) // 8
     key = values[: n * 8].view(n, 2, 4).to(DEVICE)
     value = -key.flip(0)
     slots = torch.randperm(n + 5, generator=torch.Generator().manual_seed(1))[:n].to(DEVICE)
     slots[::7] = -1  # padding rows are skipped
-    caches = [torch.full((n + 5, 1, 2, 4), 7.0, device=DEVICE).to(FP8) for _ in range(4)]
+    caches = [torch.full((n + 5, 1, 2, 4), 7.0, device=DEVICE).to(cache) for _ in range(4)]
     store_kv_reference(key, value, caches[0], caches[1], slots, k_scale=scale, v_scale=scale / 2)
     store_kv(key, value, caches[2], caches[3], slots, k_scale=scale, v_scale=scale / 2)
     assert torch.equal(caches[2].view(torch.uint8), caches[0].view(torch.uint8))
     assert torch.equal(caches[3].view(torch.uint8), caches[1].view(torch.uint8))
+    assert caches[0].float().isfinite().all()  # saturated, never inf
 
 
 def test_triton_decode_is_exact_for_every_byte() -> None:
@@ -99,7 +109,7 @@ def test_triton_decode_is_exact_for_every_byte() -> None:
     assert torch.equal(out[finite].signbit(), expected[finite].signbit())
 
 
-@pytest.mark.parametrize("dtype", [FP8, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [FP8, E5M2])
 def test_the_torch_path_reads_every_byte_as_torch_converts_it(dtype: torch.dtype) -> None:
     every = torch.arange(256, dtype=torch.uint8).repeat(3).view(3, 16, 16)
     out, expected = kv_quant.decode_bytes(every, dtype), every.view(dtype).float()
@@ -116,23 +126,29 @@ def _dequantized(b: Batch, k_scale: float, v_scale: float) -> tuple:
     return tuple(args)
 
 
+@pytest.mark.parametrize("cache", [FP8, E5M2])
 @pytest.mark.parametrize(("k_scale", "v_scale"), [(1.0, 1.0), (0.05, 0.02)])
-def test_reference_on_fp8_equals_reference_on_the_dequantized_cache(k_scale: float, v_scale: float) -> None:
+def test_reference_on_fp8_equals_reference_on_the_dequantized_cache(
+    k_scale: float, v_scale: float, cache: torch.dtype
+) -> None:
     b = make_batch(MIXED, block_size=8, head_dim=40, seed=3)
     b.k_cache, b.v_cache = b.k_cache * k_scale * 20, b.v_cache * v_scale * 20
-    b = quantized(b, k_scale, v_scale)
+    b = quantized(b, k_scale, v_scale, cache)
     store_kv_reference(b.key, b.value, b.k_cache, b.v_cache, b.slot_mapping, k_scale, v_scale)
     out = paged_attention_reference(*b.attention_args(), k_scale=k_scale, v_scale=v_scale)
     expected = paged_attention_reference(*_dequantized(b, k_scale, v_scale))
     torch.testing.assert_close(out[: b.num_tokens], expected[: b.num_tokens], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("cache", [FP8, E5M2])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_on_fp8_matches_the_reference(use_triton: None, num_splits: int, dtype: torch.dtype) -> None:
+def test_triton_on_fp8_matches_the_reference(
+    use_triton: None, num_splits: int, dtype: torch.dtype, cache: torch.dtype
+) -> None:
     specs = MIXED if num_splits == 1 else [(299, 1), (90, 1), (0, 1), (150, 6)]
     b = make_batch(specs, block_size=16, num_heads=4, num_kv_heads=2, head_dim=40, dtype=dtype, device=DEVICE)
-    b = quantized(b, 0.5, 0.25)
+    b = quantized(b, 0.5, 0.25, cache)
     store_kv(b.key, b.value, b.k_cache, b.v_cache, b.slot_mapping, k_scale=0.5, v_scale=0.25)
     out = triton_attention.paged_attention(
         *b.attention_args(), num_splits=num_splits, k_scale=0.5, v_scale=0.25
@@ -159,7 +175,7 @@ def test_fp8_attention_stays_close_to_full_precision(use_triton: None) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [FP8, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [FP8, E5M2])
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
 def test_gpu_bfloat16_queries_over_an_fp8_cache(num_splits: int | None, dtype: torch.dtype) -> None:
     contexts = torch.randint(1, 4096, (48,), generator=torch.Generator().manual_seed(7)).tolist()

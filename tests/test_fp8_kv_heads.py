@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from test_attention import MIXED, make_batch
+from test_engine_greedy import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
@@ -69,13 +70,7 @@ def test_logits_and_greedy_tokens_match_transformers_with_compressed_tensors(
         assert (theirs - unquantized).abs().max().item() > 0.005 * span
         assert (ours - theirs).abs().max().item() <= 1e-4 * span
     prompts = _prompts(8, 20)
-    expected = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(
-                torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-            expected.append(out[0, len(p) :].tolist())
+    expected = hf_greedy(hf, prompts, 12)
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [list(g.token_ids) for g in got] == expected
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine_greedy import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
@@ -68,13 +69,7 @@ def _logit_gap(llm: LLM, oracle, prompts: list[list[int]]) -> float:  # type: ig
 
 def _greedy_agreement(llm: LLM, oracle, prompts: list[list[int]]) -> int:  # type: ignore[no-untyped-def]
     """On how many prompts ember's 12 greedy tokens are the oracle's."""
-    with torch.inference_mode():
-        expected = [
-            oracle.generate(
-                torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    expected = hf_greedy(oracle, prompts, 12)
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     return sum(o.token_ids == e for o, e in zip(got, expected, strict=True))
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine_greedy import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
@@ -113,13 +114,7 @@ def test_logits_and_greedy_tokens_match_transformers_running_the_format(llm: LLM
             # the neighbouring E4M3 step
             assert (ours - theirs).abs().max().item() <= 2e-2 * span
         prompts = _prompts(8, 20)
-        with torch.inference_mode():
-            expected = [
-                oracle.generate(
-                    torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-                )[0, len(p) :].tolist()
-                for p in prompts
-            ]
+        expected = hf_greedy(oracle, prompts, 12)
     finally:
         for hook in hooks:
             hook.remove()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine_greedy import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
@@ -107,13 +108,7 @@ def test_logits_match_transformers(pair) -> None:  # type: ignore[no-untyped-def
 def test_greedy_agrees_with_transformers(pair) -> None:  # type: ignore[no-untyped-def]
     scheme, path, hf = pair
     prompts = _prompts(8, 20)
-    expected = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(
-                torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-            expected.append(out[0, len(p) :].tolist())
+    expected = hf_greedy(hf, prompts, 12)
     llm = LLM(str(path), num_kv_blocks=64)
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     agree = sum(g.token_ids == e for g, e in zip(got, expected, strict=True)) / len(prompts)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+from test_engine_greedy import hf_greedy
 from transformers import AutoModelForCausalLM
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
@@ -164,13 +165,7 @@ def test_logits_and_greedy_tokens_match_transformers(pair) -> None:  # type: ign
             assert (got - theirs).abs().max().item() <= 1e-2 * span
     hf = exact
     prompts = [torch.randint(10, 4000, (20 + i,), generator=g).tolist() for i in range(8)]
-    with torch.inference_mode():
-        expected_tokens = [
-            hf.generate(
-                torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    expected_tokens = hf_greedy(hf, prompts, 12)
     got_tokens = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
     )
