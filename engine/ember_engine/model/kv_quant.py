@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ember_engine.model import cpu_kv
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 E5M2 = torch.float8_e5m2
@@ -92,19 +94,19 @@ def kernel_format(cache: Tensor) -> int:
 
 
 @functools.cache
-def _e4m3_values(device: torch.device) -> Tensor:
-    """Every E4M3 byte's float32 value, indexed by the byte."""
-    return torch.arange(256, dtype=torch.uint8, device=device).view(FP8).float()
+def _values(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every byte's float32 value in an FP8 format, indexed by the byte."""
+    return torch.arange(256, dtype=torch.uint8, device=device).view(dtype).float()
 
 
 def decode_bytes(raw: Tensor, dtype: torch.dtype) -> Tensor:
-    """An FP8 cache's bytes (uint8, any shape) as the float32 values they store, before the scale: E4M3
-    looked up in a table of its 256 values (torch's own E4M3 conversion goes an element at a time on a
-    CPU; the lookup took 2.6 ms for 4M bytes against its 7.1 on a 2-core machine), E5M2 by torch's
-    conversion (1.5 ms)."""
-    if dtype != FP8:
-        return raw.view(dtype).float()
-    return _e4m3_values(raw.device).index_select(0, raw.reshape(-1).int()).view(raw.shape)
+    """An FP8 cache's bytes (uint8, any shape) as the float32 values they store, before the scale, looked
+    up in a table of the format's 256 values: on a CPU by a compiled loop (`cpu_kv`; torch's own E4M3
+    conversion goes an element at a time there), elsewhere by `index_select`."""
+    table = _values(dtype, raw.device)
+    if raw.device.type == "cpu":
+        return cpu_kv.decode(raw, table)
+    return table.index_select(0, raw.reshape(-1).int()).view(raw.shape)
 
 
 def reciprocal(scale: Scale) -> Scale:
