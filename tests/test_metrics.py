@@ -278,3 +278,25 @@ def test_two_engines_in_one_process_keep_separate_registries() -> None:
     assert 'ember:deadline_aborts_total{model_name="model-a"} 1.0' in a
     assert 'ember:deadline_aborts_total{model_name="model-b"} 0.0' in b
     assert "model-b" not in a and "model-a" not in b
+
+
+def test_the_server_publishes_its_cache_config_as_vllm_does(tiny_model: Path) -> None:
+    """`vllm:cache_config_info`: 1, the KV cache's configuration in its labels (where the Gateway API
+    inference extension's scheduler reads a replica's KV capacity, num_gpu_blocks x block_size)."""
+    import httpx
+    from server_util import running_server
+
+    extra = ("--block-size", "32", "--num-kv-blocks", "77", "--kv-cache-dtype", "fp8_e5m2")
+    with running_server(tiny_model, *extra, "--no-enable-prefix-caching") as server:
+        body = httpx.get(f"{server.url}/metrics").text
+    info = [
+        s
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+        if s.name == "vllm:cache_config_info"
+    ]
+    assert len(info) == 1 and info[0].value == 1.0
+    labels = info[0].labels
+    assert labels["block_size"] == "32" and labels["num_gpu_blocks"] == "77"
+    assert labels["cache_dtype"] == "fp8_e5m2" and labels["enable_prefix_caching"] == "False"
+    assert labels["gpu_memory_utilization"] == "0.9"

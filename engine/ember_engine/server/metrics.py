@@ -213,6 +213,31 @@ class EngineMetrics:
     def set_draining(self, draining: bool) -> None:
         self._draining.set(int(draining))
 
+    def set_cache_config(
+        self,
+        *,
+        block_size: int,
+        num_gpu_blocks: int,
+        cache_dtype: str,
+        enable_prefix_caching: bool,
+        gpu_memory_utilization: float,
+    ) -> None:
+        """vLLM's `vllm:cache_config_info`: 1, with the KV cache's configuration as its labels (as vLLM
+        writes them: values as strings, no model_name). The Gateway API inference extension's scheduler
+        reads a replica's KV capacity from num_gpu_blocks and block_size. Set once, when the engine has
+        sized its cache."""
+        labels = {
+            "block_size": str(block_size),
+            "cache_dtype": cache_dtype,
+            "enable_prefix_caching": str(enable_prefix_caching),
+            "gpu_memory_utilization": str(gpu_memory_utilization),
+            "num_gpu_blocks": str(num_gpu_blocks),
+        }
+        info = Gauge(
+            "vllm:cache_config_info", "The KV cache's configuration.", list(labels), registry=self.registry
+        )
+        info.labels(**labels).set(1)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 

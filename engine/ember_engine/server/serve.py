@@ -196,6 +196,13 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     def load() -> None:
         start = time.perf_counter()
         engine = LLMEngine(config)
+        state.metrics.set_cache_config(
+            block_size=config.block_size,
+            num_gpu_blocks=engine.block_manager.num_blocks,
+            cache_dtype=config.kv_cache_dtype,
+            enable_prefix_caching=config.enable_prefix_caching,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+        )
         warm_up(engine)
         ae = AsyncEngine(engine=engine)
         ae.add_step_hook(state.observe_step)
