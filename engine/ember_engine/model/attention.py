@@ -10,8 +10,9 @@ The torch reference here is the CPU production path; the Triton kernels in `trit
 CUDA tensors. `EMBER_ATTENTION=triton` or `=torch` overrides the choice (tests use the former with
 `TRITON_INTERPRET=1` to run the kernels on CPU).
 
-A cache may be FP8, E4M3 or E5M2 (`kv_quant`): writes then quantize with the layer's `k_scale`/`v_scale`, reads
-dequantize with them; both are ignored for a cache in the model's dtype.
+A cache may be FP8, E4M3 or E5M2 (`kv_quant`): writes then quantize with the layer's `k_scale`/`v_scale`
+(one float each, or one per KV head), reads dequantize with them; both are ignored for a cache in the
+model's dtype.
 """
 
 from __future__ import annotations

@@ -93,17 +93,22 @@ def decode_e5m2(byte):
 @triton.jit
 def decode_fp8(byte, KV_FP8: tl.constexpr):
     """A cache byte of format KV_FP8 (1: E4M3, 2: E5M2) -> float32."""
-    if KV_FP8 == 2:
-        return decode_e5m2(byte)
-    return decode_e4m3(byte)
+    # A statement, not a conditional expression: the compiler keeps only the branch a constexpr takes.
+    if KV_FP8 == 2:  # noqa: SIM108
+        value = decode_e5m2(byte)
+    else:
+        value = decode_e4m3(byte)
+    return value
 
 
 @triton.jit
 def encode_fp8(x, KV_FP8: tl.constexpr):
     """float32 -> a cache byte of format KV_FP8 (1: E4M3, 2: E5M2)."""
-    if KV_FP8 == 2:
-        return encode_e5m2(x)
-    return encode_e4m3(x)
+    if KV_FP8 == 2:  # noqa: SIM108 (as in decode_fp8)
+        code = encode_e5m2(x)
+    else:
+        code = encode_e4m3(x)
+    return code
 
 
 @triton.jit
