@@ -75,6 +75,15 @@ def test_logits_and_greedy_tokens_match_transformers_with_compressed_tensors(
     assert [list(g.token_ids) for g in got] == expected
 
 
+def test_a_layers_head_reciprocals_are_computed_once() -> None:
+    scale = torch.tensor([0.3, 0.007, 5.0])
+    first = kv_quant.reciprocal(scale)
+    assert isinstance(first, torch.Tensor) and kv_quant.reciprocal(scale) is first
+    assert torch.equal(first, (1.0 / scale.double()).float())
+    other = scale.clone()  # equal values, another layer's tensor: its own entry
+    assert kv_quant.reciprocal(other) is not first and torch.equal(kv_quant.reciprocal(other), first)
+
+
 def _head_scales(n: int, low: float, high: float) -> torch.Tensor:
     return torch.linspace(low, high, n, device=DEVICE)
 

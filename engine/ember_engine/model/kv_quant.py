@@ -109,10 +109,17 @@ def decode_bytes(raw: Tensor, dtype: torch.dtype) -> Tensor:
     return table.index_select(0, raw.reshape(-1).int()).view(raw.shape)
 
 
+@functools.lru_cache(maxsize=1024)
+def _head_reciprocals(scale: Tensor) -> Tensor:
+    # Keyed by the tensor itself (its hash is its identity, and the cache holds it, so no other tensor can
+    # take its place): a layer's per-head scales are computed once, not at every step.
+    return (1.0 / scale.double()).float()
+
+
 def reciprocal(scale: Scale) -> Scale:
     """1 / scale rounded to float32 (each head's, for per-head scales), the factor a write multiplies by."""
     if isinstance(scale, Tensor):
-        return (1.0 / scale.double()).float()
+        return _head_reciprocals(scale)
     return float(torch.tensor(1.0 / scale, dtype=torch.float32))
 
 
