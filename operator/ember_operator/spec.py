@@ -208,9 +208,9 @@ class Engine(_Object):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         default="auto",
         description="The KV cache's element type (`ember serve --kv-cache-dtype`): auto (the model's dtype) "
-        "or fp8 (E4M3, one K and one V scale per layer: the checkpoint's, else computed from the model at "
-        "start-up), which holds about twice the blocks of a bfloat16 cache in the same memory; fp8_e4m3 is "
-        "fp8, fp8_e5m2 is E5M2 with the same scales (as many blocks, less precise).",
+        "or fp8 (E4M3, one K and one V scale per layer or per KV head: the checkpoint's, else computed from "
+        "the model at start-up), which holds about twice the blocks of a bfloat16 cache in the same memory; "
+        "fp8_e4m3 is fp8, fp8_e5m2 is E5M2 with the same scales (as many blocks, less precise).",
     )
     tensor_parallel_size: int | None = Field(
         default=None,
