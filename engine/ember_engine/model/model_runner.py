@@ -293,7 +293,7 @@ class ModelRunner:
         if self.quant is not None and self.device.type == "cpu":
             from ember_engine.model.quant.apply import warm_up_cpu
 
-            warm_up_cpu(self.quant.scheme)
+            warm_up_cpu(self.quant)
         if not attention._use_triton(torch.empty(0, device=self.device)):
             return 0
         before = LEDGER.compiles

@@ -38,37 +38,62 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _quantized(spec: QuantSpec, parent: str, name: str) -> bool:
-    """Whether the checkpoint holds projection `name` of module `parent` quantized (every part of a merged
-    one alike; parts that differ are refused by name)."""
+def layer_spec(spec: QuantSpec, module: str) -> QuantSpec | None:
+    """The scheme the checkpoint holds projection `module` (e.g. "model.layers.0.self_attn.qkv_proj") in,
+    None for full precision; every part of a merged one alike (parts that differ are refused by name)."""
+    parent, _, name = module.rpartition(".")
     parts = _MERGED.get(name, (name,))
-    held = {part: spec.quantizes(f"{parent}.{part}") for part in parts}
-    if len(set(held.values())) > 1:
-        full = ", ".join(p for p, q in held.items() if not q)
-        quantized = ", ".join(p for p, q in held.items() if q)
+    held = {part: spec.layer_spec(f"{parent}.{part}") for part in parts}
+    if len(set(held.values())) == 1:
+        return held[parts[0]]
+
+    def listed(names: list[str], what: str) -> str:
+        return f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} {what}"
+
+    runs = f"ember runs {', '.join(parts)} as one layer, so they must be quantized alike"
+    if None in held.values():
+        full = [p for p, s in held.items() if s is None]
+        quantized = [p for p, s in held.items() if s is not None]
         raise UnsupportedQuantizationError(
-            f"{parent}: {full} {'is' if ',' not in full else 'are'} left in full precision but {quantized} "
-            f"{'is' if ',' not in quantized else 'are'} quantized (ignore/targets); ember runs "
-            f"{', '.join(parts)} as one layer, so they must be quantized alike"
+            f"{parent}: {listed(full, 'left in full precision')} but {listed(quantized, 'quantized')} "
+            f"(ignore/targets); {runs}"
         )
-    return all(held.values())
+    by_scheme: dict[str, list[str]] = {}
+    for part, s in held.items():
+        assert s is not None
+        by_scheme.setdefault(_label(s, set(held.values())), []).append(part)
+    fewest, *others = sorted(by_scheme.items(), key=lambda kv: len(kv[1]))
+    raise UnsupportedQuantizationError(
+        f"{parent}: {listed(fewest[1], fewest[0])} but {'; '.join(listed(ps, s) for s, ps in others)} "
+        f"(config groups); {runs}"
+    )
+
+
+def _label(spec: QuantSpec, among: set[QuantSpec | None]) -> str:
+    """A group's scheme, told apart from the others' where their scheme names are the same."""
+    if all(s.scheme != spec.scheme for s in among if s is not None and s != spec):
+        return spec.scheme
+    scales = f"groups of {spec.group_size}" if spec.group_size else "per channel"
+    static = ", static input scales" if spec.static_input else ""
+    return f"{spec.scheme} ({spec.format}, {scales}{static}{', zero points' if spec.zero_points else ''})"
 
 
 def prepare(model: nn.Module, spec: QuantSpec) -> None:
-    """Replace every projection the checkpoint holds quantized by an empty quantized layer of the same
-    shape (before loading); the others stay full-precision layers, loaded as they are."""
+    """Replace every projection the checkpoint holds quantized by an empty quantized layer of its scheme
+    and shape (before loading); the others stay full-precision layers, loaded as they are."""
     parents = {id(m): n for n, m in model.named_modules()}
     for parent, name, linear in _projections(model):
-        if not _quantized(spec, parents[id(parent)], name):
+        held = layer_spec(spec, f"{parents[id(parent)]}.{name}")
+        if held is None:
             continue
         layer = make_layer(
-            spec.scheme,
+            held.scheme,
             linear.in_features,
             linear.out_features,
             linear.bias is not None,
             linear.weight.dtype,
-            spec.group_size,
-            zero_points=spec.zero_points,
+            held.group_size,
+            zero_points=held.zero_points,
         )
         setattr(parent, name, layer.to(linear.weight.device))
 
@@ -80,18 +105,20 @@ def quantize_model(model: nn.Module, spec: QuantSpec) -> None:
         setattr(parent, name, quantize_linear(linear, spec.scheme, spec.group_size))
 
 
-def warm_up_cpu(scheme: str) -> None:
-    """Compile a scheme's CPU loops before serving (or read them from numba's cache)."""
+def warm_up_cpu(spec: QuantSpec) -> None:
+    """Compile the CPU loops of the schemes a model runs before serving (or read them from numba's
+    cache)."""
     from ember_engine.model.quant import cpu_codebook, cpu_decode, cpu_fp4, cpu_int4
 
-    if scheme == "w4a16":
-        cpu_int4.warm_up()
-    elif scheme in ("bnb-nf4", "bnb-fp4"):
-        cpu_codebook.warm_up()
-    elif scheme in ("nvfp4a16", "nvfp4"):
-        cpu_fp4.warm_up()
-    else:
-        cpu_decode.warm_up("fp8" if scheme == "w8a16-fp8" else scheme)
+    for scheme in dict.fromkeys(s.scheme for s in spec.members()):
+        if scheme == "w4a16":
+            cpu_int4.warm_up()
+        elif scheme in ("bnb-nf4", "bnb-fp4"):
+            cpu_codebook.warm_up()
+        elif scheme in ("nvfp4a16", "nvfp4"):
+            cpu_fp4.warm_up()
+        else:
+            cpu_decode.warm_up("fp8" if scheme == "w8a16-fp8" else scheme)
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -113,6 +140,11 @@ class QuantCollector:
     def __init__(self, model: nn.Module, spec: QuantSpec) -> None:
         self.spec = spec
         self.layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+        self.specs: dict[str, QuantSpec] = {}  # each layer's own scheme (a mixed checkpoint's group)
+        for n in self.layers:
+            held = layer_spec(spec, n)
+            assert held is not None, n
+            self.specs[n] = held
         self.pending: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
         self.offsets: dict[tuple[str, int | None], int] = {}
         self.done: set[tuple[str, int | None]] = set()
@@ -128,37 +160,36 @@ class QuantCollector:
         module, _, suffix = target.rpartition(".")
         if module not in self.layers or suffix == "bias":
             return False
-        if suffix not in self.spec.required() and suffix not in ("input_scale", "weight_zero_point", "g_idx"):
-            raise UnsupportedQuantizationError(
-                f"unexpected tensor {name!r} in a {self.spec.format} checkpoint"
-            )
+        spec = self.specs[module]
+        if suffix not in spec.required() and suffix not in ("input_scale", "weight_zero_point", "g_idx"):
+            raise UnsupportedQuantizationError(f"unexpected tensor {name!r} in a {spec.format} checkpoint")
         key = (module, part)
-        if suffix == "weight_zero_point" and suffix not in self.spec.required():
+        if suffix == "weight_zero_point" and suffix not in spec.required():
             zp = tensor_slice[:]
             if torch.count_nonzero(zp):
                 raise UnsupportedQuantizationError(
                     f"{name}: nonzero zero points (asymmetric) are not supported"
                 )
             return True
-        if suffix == "input_scale" and suffix not in self.spec.required():
-            if self.spec.scheme == "w8a16-fp8":
+        if suffix == "input_scale" and suffix not in spec.required():
+            if spec.scheme == "w8a16-fp8":
                 raise UnsupportedQuantizationError(
                     f"{name}: an activation scale in a checkpoint whose config quantizes no activations "
                     "(FP8 weights only)"
                 )
             return True  # dynamic activations: a calibrated scale is not used
-        if suffix == "g_idx" and suffix not in self.spec.required():
-            gptq.input_order(self.spec, name, tensor_slice[:])  # without desc_act: refuses a reordering
+        if suffix == "g_idx" and suffix not in spec.required():
+            gptq.input_order(spec, name, tensor_slice[:])  # without desc_act: refuses a reordering
             return True
         self.pending.setdefault(key, {})[suffix] = tensor_slice[:]
         self.offsets[key] = offset
-        if self.spec.required() <= self.pending[key].keys():
+        if spec.required() <= self.pending[key].keys():
             tensors = self.pending.pop(key)
             layer = self.layers[module]
             projection = name.rpartition(".")[0]
             if "g_idx" in tensors:
-                layer.set_input_order(gptq.input_order(self.spec, projection, tensors["g_idx"]), projection)
-            weight, scale, zero = decode(self.spec, tensors, projection)
+                layer.set_input_order(gptq.input_order(spec, projection, tensors["g_idx"]), projection)
+            weight, scale, zero = decode(spec, tensors, projection)
             layer.set_rows(offset, weight.to(layer.weight_scale.device), scale)
             if zero is not None:
                 assert isinstance(layer, Int4Linear)

@@ -2,11 +2,9 @@
 engine's canonical forms (`schemes.py`).
 
 Formats read:
-- compressed-tensors (what llm-compressor writes; `quant_method: compressed-tensors`):
-  `float-quantized` (FP8 `weight` + `weight_scale`, per channel or per tensor, or per block with
-  activations per group: the FP8_BLOCK preset, run like Hugging Face's block-scaled `fp8`), `pack-quantized`
-  (`weight_packed` int32 words + `weight_scale` + `weight_shape`, 4- or 8-bit) and `int-quantized`
-  (int8 `weight` + `weight_scale`). Symmetric weights only; activations dynamic per token (FP8) or none.
+- compressed-tensors (what llm-compressor writes; `quant_method: compressed-tensors`): its config read by
+  `compressed_tensors.py` (mixed precision included), its tensors decoded here. Symmetric weights, but
+  W4A16_ASYM's zero points; activations dynamic per token (FP8, int8) or static per tensor (FP8) or none.
 - Hugging Face `fp8` (`quant_method: fp8`): FP8 `weight` with `weight_scale_inv` per tensor or per channel,
   or per tile of `weight_block_size` [rows, columns] (block-scaled: the tiles' scales are kept, and
   activations are quantized per token and group of `columns` input columns).
@@ -26,19 +24,9 @@ from typing import Any
 import torch
 
 from ember_engine.core.config import CHECKPOINT_METHODS
-from ember_engine.model.quant import bnb, gptq, schemes
+from ember_engine.model.quant import bnb, compressed_tensors, gptq, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
-
-# naive-quantized holds the same tensors as float- and int-quantized (their common base in
-# compressed-tensors); llm-compressor writes it for schemes neither claims, FP8 weight-only among them.
-_CT_FORMATS = (
-    "float-quantized",
-    "pack-quantized",
-    "int-quantized",
-    "naive-quantized",
-    "nvfp4-pack-quantized",
-)
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
@@ -78,54 +66,40 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
         return QuantSpec(requested, "online", group_size=group, num_bits=4 if requested == "w4a16" else 8)
     spec = parse_quantization_config(qc)
     method = str(qc.get("quant_method"))
-    own = {spec.scheme, method} | ({f"{method}_marlin"} if method in ("gptq", "awq") else set())
+    own = {method} | ({f"{method}_marlin"} if method in ("gptq", "awq") else set())
+    own |= set() if spec.groups else {spec.scheme}
     if requested is not None and requested not in own:
         if requested not in CHECKPOINT_METHODS:
             schemes.check_scheme(requested)
+        layers = sorted({g.scheme for g in spec.groups})
+        how = f"{method}: {' and '.join(layers)} by layer" if layers else method
         raise UnsupportedQuantizationError(
             f"quantization: {requested!r} requested, but {model_dir} is already quantized as {spec.scheme!r} "
-            f"({method}); it runs in that scheme: give {' or '.join(sorted(own))}, or no quantization"
+            f"({how}); it runs in that scheme: give {' or '.join(sorted(own))}, or no quantization"
         )
     return spec
 
 
 def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     """The scheme a `quantization_config` describes, and which linear layers hold it."""
-    spec = _scheme(qc)
-    targets, ignore = _coverage(qc)
-    return dataclasses.replace(spec, targets=targets, ignore=ignore)
+    if qc.get("quant_method") == "compressed-tensors":
+        return compressed_tensors.parse(qc)
+    return dataclasses.replace(_scheme(qc), ignore=_ignored(qc))
 
 
-def _coverage(qc: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(targets, ignore) for `QuantSpec`: compressed-tensors' `targets` (of every config group) and
-    `ignore`; Hugging Face fp8's and AWQ's `modules_to_not_convert` and bitsandbytes'
+def _ignored(qc: dict[str, Any]) -> tuple[str, ...]:
+    """`QuantSpec.ignore` for the formats other than compressed-tensors (their scheme covers every linear
+    layer but these): Hugging Face fp8's and AWQ's `modules_to_not_convert` and bitsandbytes'
     `llm_int8_skip_modules` (a module is left out where an entry, a pattern, matches the start of its
     name, or where its name ends with the entry, as transformers reads them); GPTQModel's `dynamic` for GPTQ
     and AWQ ("-:" patterns, `gptq.dynamic_ignore`)."""
-
-    def names(field: str, value: Any) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise UnsupportedQuantizationError(
-                f"quantization_config: {field} must be a list of names, got {value!r}"
-            )
-        return tuple(value)
-
     method = qc.get("quant_method")
     if method in ("fp8", "awq", "bitsandbytes"):
         field = "llm_int8_skip_modules" if method == "bitsandbytes" else "modules_to_not_convert"
-        left_out = names(field, qc.get(field))
+        left_out = compressed_tensors.name_list(field, qc.get(field))
         ignore = tuple(p for m in left_out for p in (f"re:{m}", f"re:.*{re.escape(m)}$"))
-        return ("Linear",), ignore + (gptq.dynamic_ignore(qc) if method == "awq" else ())
-    if method == "gptq":
-        return ("Linear",), gptq.dynamic_ignore(qc)
-    if qc.get("quant_method") != "compressed-tensors":
-        return ("Linear",), ()
-    targets: list[str] = []
-    for group in (qc.get("config_groups") or {}).values():
-        targets += [t for t in names("targets", group.get("targets")) if t not in targets]
-    return tuple(targets), names("ignore", qc.get("ignore"))
+        return ignore + (gptq.dynamic_ignore(qc) if method == "awq" else ())
+    return gptq.dynamic_ignore(qc) if method == "gptq" else ()
 
 
 def _scheme(qc: dict[str, Any]) -> QuantSpec:
@@ -154,110 +128,11 @@ def _scheme(qc: dict[str, Any]) -> QuantSpec:
         return gptq.parse_gptq(qc) if method == "gptq" else gptq.parse_awq(qc)
     if method == "bitsandbytes":
         return bnb.parse_bnb(qc)
-    if method != "compressed-tensors":
-        raise UnsupportedQuantizationError(
-            f"quantization_config: quant_method {method!r} is not supported; supported: compressed-tensors "
-            f"({', '.join(_CT_FORMATS)}), fp8, gptq, awq, bitsandbytes (4-bit)"
-        )
-    fmt = qc.get("format")
-    if fmt not in _CT_FORMATS:
-        raise UnsupportedQuantizationError(
-            f"compressed-tensors: format {fmt!r} is not supported; supported: {', '.join(_CT_FORMATS)}"
-        )
-    groups = list((qc.get("config_groups") or {}).values())
-    if not groups:
-        raise UnsupportedQuantizationError("compressed-tensors: config_groups is empty")
-    first = groups[0]
-    if any(g.get("weights") != first.get("weights") for g in groups):
-        raise UnsupportedQuantizationError("compressed-tensors: config groups with different weight schemes")
-    weights = first.get("weights") or {}
-    acts = first.get("input_activations")
-    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
-    what = f"{kind} {bits}-bit weights, strategy {strategy!r}"
-    if fmt == "nvfp4-pack-quantized":
-        return _nvfp4(weights, acts)
-    if not weights.get("symmetric", True):
-        if (kind, bits, strategy, fmt) != ("int", 4, "group", "pack-quantized") or acts:
-            raise UnsupportedQuantizationError(
-                f"compressed-tensors: asymmetric {what} are not supported; supported: asymmetric int 4-bit "
-                "per group (pack-quantized, W4A16_ASYM)"
-            )
-        return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4, zero_points=True)
-    if kind == "float" and bits == 8 and strategy in ("channel", "tensor"):
-        if not acts:  # weight-only (vLLM's W8A16-FP8)
-            return QuantSpec("w8a16-fp8", fmt, group_size=0)
-        static = acts.get("dynamic") is False and acts.get("strategy") == "tensor"
-        if not static and not (acts.get("dynamic") and acts.get("strategy") == "token"):
-            raise UnsupportedQuantizationError(
-                f"compressed-tensors: FP8 input activations {acts.get('strategy')!r} "
-                f"(dynamic={acts.get('dynamic')}) are not supported; supported: dynamic per token, "
-                "static per tensor"
-            )
-        if (acts.get("type"), acts.get("num_bits"), acts.get("symmetric", True)) != ("float", 8, True):
-            raise UnsupportedQuantizationError(
-                f"compressed-tensors: FP8 weights with input activations {acts.get('type')} "
-                f"{acts.get('num_bits')}-bit (symmetric={acts.get('symmetric')}) are not supported; "
-                "supported: float 8-bit, symmetric"
-            )
-        return QuantSpec("fp8", fmt, group_size=0, static_input=static)
-    if kind == "float" and bits == 8 and strategy == "block":
-        block = weights.get("block_structure") or []
-        columns = block[1] if len(block) == 2 else None
-        if not (
-            acts
-            and acts.get("dynamic")
-            and acts.get("strategy") == "group"
-            and acts.get("group_size") == columns
-        ):
-            raise UnsupportedQuantizationError(
-                f"compressed-tensors: FP8 weights in {block} blocks with input activations {acts!r} are not "
-                "supported; supported: dynamic per group of the block's columns"
-            )
-        return QuantSpec("fp8", fmt, group_size=int(block[1]), block_rows=int(block[0]))
-    if acts and kind == "int" and bits == 8 and strategy in ("channel", "tensor"):
-        got = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"), acts.get("symmetric", True))
-        if got != ("int", 8, "token", True) or not acts.get("dynamic"):
-            raise UnsupportedQuantizationError(
-                f"compressed-tensors: int8 weights with input activations {got[0]} {got[1]}-bit, strategy "
-                f"{got[2]!r} (dynamic={acts.get('dynamic')}, symmetric={got[3]}) are not supported; "
-                "supported: int 8-bit, dynamic per token, symmetric (W8A8, w8a8)"
-            )
-        return QuantSpec("w8a8", fmt, group_size=0, num_bits=8)
-    if acts:
-        raise UnsupportedQuantizationError(
-            f"compressed-tensors: quantized activations with {what} are not supported; "
-            "supported: fp8 (W8A8-FP8), w8a8 (int8 per channel with int8 activations), w8a16, w4a16"
-        )
-    if kind == "int" and bits == 8 and strategy in ("channel", "tensor"):
-        return QuantSpec("w8a16", fmt, group_size=0, num_bits=8)
-    if kind == "int" and bits == 8 and strategy == "group":
-        return QuantSpec("w8a16", fmt, group_size=int(weights["group_size"]), num_bits=8)
-    if kind == "int" and bits == 4 and strategy == "group":
-        return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4)
     raise UnsupportedQuantizationError(
-        f"compressed-tensors: {what} are not supported; supported: FP8 per channel/tensor/block (fp8), "
-        "int8 per channel (w8a16), int4 per group (w4a16)"
+        f"quantization_config: quant_method {method!r} is not supported; supported: compressed-tensors "
+        f"({', '.join(compressed_tensors.FORMATS)}, {compressed_tensors.MIXED}), fp8, gptq, awq, "
+        "bitsandbytes (4-bit)"
     )
-
-
-def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None) -> QuantSpec:
-    got = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"), weights.get("group_size"))
-    if got != ("float", 4, "tensor_group", 16) or not weights.get("symmetric", True):
-        raise UnsupportedQuantizationError(
-            f"compressed-tensors: nvfp4-pack-quantized with {got[0]} {got[1]}-bit weights, strategy {got[2]!r}, "
-            f"groups of {got[3]} (symmetric={weights.get('symmetric', True)}) is not supported; supported: "
-            "float 4-bit, tensor_group, groups of 16, symmetric (NVFP4A16)"
-        )
-    if acts:
-        got_acts = tuple(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size", "dynamic"))
-        if got_acts != ("float", 4, "tensor_group", 16, "local") or not acts.get("symmetric", True):
-            raise UnsupportedQuantizationError(
-                f"compressed-tensors: NVFP4 weights with input activations {got_acts} are not supported; "
-                "supported: none (NVFP4A16), or float 4-bit, tensor_group, groups of 16, dynamic 'local' "
-                "with a calibrated global scale (NVFP4)"
-            )
-        return QuantSpec("nvfp4", "nvfp4-pack-quantized", group_size=16, num_bits=4, static_input=True)
-    return QuantSpec("nvfp4a16", "nvfp4-pack-quantized", group_size=16, num_bits=4)
 
 
 def _decode_nvfp4(tensors: dict[str, torch.Tensor]) -> Decoded:

@@ -18,10 +18,11 @@ GPTQ_TENSORS = frozenset({"qweight", "qzeros", "scales"})
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    # fp8 | w8a16 | w4a16 | w8a8 | bnb-nf4 | from a checkpoint only: w8a16-fp8, nvfp4a16, nvfp4, bnb-fp4
+    # fp8 | w8a16 | w4a16 | w8a8 | bnb-nf4 | from a checkpoint only: w8a16-fp8, nvfp4a16, nvfp4, bnb-fp4,
+    # mixed (see groups)
     scheme: str
     # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
-    # hf-fp8 | gptq | gptq_v2 | awq | bitsandbytes
+    # hf-fp8 | gptq | gptq_v2 | awq | bitsandbytes | mixed-precision (scheme mixed: each group has its own)
     format: str
     group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
     num_bits: int = 8
@@ -39,13 +40,32 @@ class QuantSpec:
     # are in full precision.
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ()
+    # scheme "mixed" (compressed-tensors' config groups of different schemes): each group's own spec, with
+    # its own targets
+    groups: tuple[QuantSpec, ...] = ()
+
+    def layer_spec(self, name: str) -> QuantSpec | None:
+        """The scheme the checkpoint's linear layer `name` (e.g. "model.layers.0.self_attn.q_proj") holds,
+        None where it is in full precision. Of a mixed checkpoint's groups, the one compressed-tensors
+        gives it: its targets matched by name before by class ("Linear"), an exact name before a "re:"
+        pattern, patterns in their sorted order; a target in two groups belongs to the later one."""
+        if any(_matches(name, p) for p in self.ignore):
+            return None
+        if not self.groups:
+            return self if any(_matches(name, t) for t in self.targets) else None
+        owner = {t: g for g in self.groups for t in g.targets}
+        by_name = [
+            t for t in sorted(owner, key=lambda t: ("re:" in t, t)) if t != "Linear" and _matches(name, t)
+        ]
+        chosen = by_name[0] if by_name else "Linear" if "Linear" in owner else None
+        return None if chosen is None else owner[chosen]
 
     def quantizes(self, name: str) -> bool:
-        """Whether the checkpoint's linear layer `name` (e.g. "model.layers.0.self_attn.q_proj") holds
-        the scheme."""
-        return not any(_matches(name, p) for p in self.ignore) and any(
-            _matches(name, t) for t in self.targets
-        )
+        return self.layer_spec(name) is not None
+
+    def members(self) -> tuple[QuantSpec, ...]:
+        """The schemes a model runs: a mixed checkpoint's groups, else this one."""
+        return self.groups or (self,)
 
     @property
     def prequantized(self) -> bool:

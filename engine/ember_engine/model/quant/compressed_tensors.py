@@ -1,0 +1,162 @@
+"""compressed-tensors' `quantization_config` (`quant_method: compressed-tensors`, what llm-compressor
+writes): the scheme each config group describes, and which linear layers hold it.
+
+Formats: `float-quantized` (FP8 `weight` + `weight_scale`, per channel, tensor or block), `pack-quantized`
+(`weight_packed` int32 words + `weight_scale` + `weight_shape`, 4- or 8-bit), `int-quantized` (int8
+`weight` + `weight_scale`), `naive-quantized` (their common base; FP8 weight-only among others) and
+`nvfp4-pack-quantized`. A config whose groups hold different schemes is mixed precision: its format is
+`mixed-precision` with each group naming its own (or, where they share one, that format), and each layer
+takes the group compressed-tensors gives it (`QuantSpec.layer_spec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+from ember_engine.model.quant.spec import QuantSpec
+
+FORMATS = (
+    "float-quantized",
+    "pack-quantized",
+    "int-quantized",
+    "naive-quantized",
+    "nvfp4-pack-quantized",
+)
+MIXED = "mixed-precision"
+
+
+def name_list(field: str, value: Any) -> tuple[str, ...]:
+    """A config's list of module names or patterns (absent: none)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UnsupportedQuantizationError(
+            f"quantization_config: {field} must be a list of names, got {value!r}"
+        )
+    return tuple(value)
+
+
+def parse(qc: dict[str, Any]) -> QuantSpec:
+    """The scheme of a compressed-tensors config: one QuantSpec when every group holds the same scheme
+    (their targets together), else scheme "mixed" with one QuantSpec per group, each with its own
+    targets."""
+    fmt = qc.get("format")
+    if fmt not in (*FORMATS, MIXED):
+        raise UnsupportedQuantizationError(
+            f"compressed-tensors: format {fmt!r} is not supported; supported: {', '.join(FORMATS)}, {MIXED}"
+        )
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise UnsupportedQuantizationError("compressed-tensors: config_groups is empty")
+    ignore = name_list("ignore", qc.get("ignore"))
+    specs = []
+    for name, group in groups.items():
+        where = "compressed-tensors: " + (f"config group {name!r}: " if len(groups) > 1 else "")
+        own = group.get("format") or (None if fmt == MIXED else fmt)
+        if own is None:
+            raise UnsupportedQuantizationError(
+                f"compressed-tensors: config group {name!r} names no format, which a {MIXED} config needs; "
+                f"supported: {', '.join(FORMATS)}"
+            )
+        if own not in FORMATS:
+            raise UnsupportedQuantizationError(
+                f"{where}format {own!r} is not supported; supported: {', '.join(FORMATS)}"
+            )
+        spec = _group_scheme(group.get("weights") or {}, group.get("input_activations"), own, where)
+        targets = name_list("targets", group.get("targets"))
+        specs.append(dataclasses.replace(spec, targets=targets, ignore=ignore))
+    every_target = tuple(dict.fromkeys(t for s in specs for t in s.targets))
+    if len({dataclasses.replace(s, targets=()) for s in specs}) == 1:
+        return dataclasses.replace(specs[0], targets=every_target)
+    return QuantSpec("mixed", MIXED, groups=tuple(specs), targets=every_target, ignore=ignore)
+
+
+def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str, where: str) -> QuantSpec:
+    """One config group's scheme, from its weights, input activations and format (`where` leads every
+    refusal)."""
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    what = f"{kind} {bits}-bit weights, strategy {strategy!r}"
+    if fmt == "nvfp4-pack-quantized":
+        return _nvfp4(weights, acts, where)
+    if not weights.get("symmetric", True):
+        if (kind, bits, strategy, fmt) != ("int", 4, "group", "pack-quantized") or acts:
+            raise UnsupportedQuantizationError(
+                f"{where}asymmetric {what} are not supported; supported: asymmetric int 4-bit per group "
+                "(pack-quantized, W4A16_ASYM)"
+            )
+        return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4, zero_points=True)
+    if kind == "float" and bits == 8 and strategy in ("channel", "tensor"):
+        if not acts:  # weight-only (vLLM's W8A16-FP8)
+            return QuantSpec("w8a16-fp8", fmt, group_size=0)
+        static = acts.get("dynamic") is False and acts.get("strategy") == "tensor"
+        if not static and not (acts.get("dynamic") and acts.get("strategy") == "token"):
+            raise UnsupportedQuantizationError(
+                f"{where}FP8 input activations {acts.get('strategy')!r} (dynamic={acts.get('dynamic')}) are "
+                "not supported; supported: dynamic per token, static per tensor"
+            )
+        if (acts.get("type"), acts.get("num_bits"), acts.get("symmetric", True)) != ("float", 8, True):
+            raise UnsupportedQuantizationError(
+                f"{where}FP8 weights with input activations {acts.get('type')} {acts.get('num_bits')}-bit "
+                f"(symmetric={acts.get('symmetric')}) are not supported; supported: float 8-bit, symmetric"
+            )
+        return QuantSpec("fp8", fmt, group_size=0, static_input=static)
+    if kind == "float" and bits == 8 and strategy == "block":
+        block = weights.get("block_structure") or []
+        columns = block[1] if len(block) == 2 else None
+        if not (
+            acts
+            and acts.get("dynamic")
+            and acts.get("strategy") == "group"
+            and acts.get("group_size") == columns
+        ):
+            raise UnsupportedQuantizationError(
+                f"{where}FP8 weights in {block} blocks with input activations {acts!r} are not supported; "
+                "supported: dynamic per group of the block's columns"
+            )
+        return QuantSpec("fp8", fmt, group_size=int(block[1]), block_rows=int(block[0]))
+    if acts and kind == "int" and bits == 8 and strategy in ("channel", "tensor"):
+        got = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"), acts.get("symmetric", True))
+        if got != ("int", 8, "token", True) or not acts.get("dynamic"):
+            raise UnsupportedQuantizationError(
+                f"{where}int8 weights with input activations {got[0]} {got[1]}-bit, strategy {got[2]!r} "
+                f"(dynamic={acts.get('dynamic')}, symmetric={got[3]}) are not supported; supported: int "
+                "8-bit, dynamic per token, symmetric (W8A8, w8a8)"
+            )
+        return QuantSpec("w8a8", fmt, group_size=0, num_bits=8)
+    if acts:
+        raise UnsupportedQuantizationError(
+            f"{where}quantized activations with {what} are not supported; supported: fp8 (W8A8-FP8), w8a8 "
+            "(int8 per channel with int8 activations), w8a16, w4a16"
+        )
+    if kind == "int" and bits == 8 and strategy in ("channel", "tensor"):
+        return QuantSpec("w8a16", fmt, group_size=0, num_bits=8)
+    if kind == "int" and bits == 8 and strategy == "group":
+        return QuantSpec("w8a16", fmt, group_size=int(weights["group_size"]), num_bits=8)
+    if kind == "int" and bits == 4 and strategy == "group":
+        return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4)
+    raise UnsupportedQuantizationError(
+        f"{where}{what} are not supported; supported: FP8 per channel/tensor/block (fp8), int8 per channel "
+        "(w8a16), int4 per group (w4a16)"
+    )
+
+
+def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> QuantSpec:
+    got = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"), weights.get("group_size"))
+    if got != ("float", 4, "tensor_group", 16) or not weights.get("symmetric", True):
+        raise UnsupportedQuantizationError(
+            f"{where}nvfp4-pack-quantized with {got[0]} {got[1]}-bit weights, strategy {got[2]!r}, groups of "
+            f"{got[3]} (symmetric={weights.get('symmetric', True)}) is not supported; supported: float 4-bit, "
+            "tensor_group, groups of 16, symmetric (NVFP4A16)"
+        )
+    if acts:
+        got_acts = tuple(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size", "dynamic"))
+        if got_acts != ("float", 4, "tensor_group", 16, "local") or not acts.get("symmetric", True):
+            raise UnsupportedQuantizationError(
+                f"{where}NVFP4 weights with input activations {got_acts} are not supported; supported: none "
+                "(NVFP4A16), or float 4-bit, tensor_group, groups of 16, dynamic 'local' with a calibrated "
+                "global scale (NVFP4)"
+            )
+        return QuantSpec("nvfp4", "nvfp4-pack-quantized", group_size=16, num_bits=4, static_input=True)
+    return QuantSpec("nvfp4a16", "nvfp4-pack-quantized", group_size=16, num_bits=4)

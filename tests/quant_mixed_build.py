@@ -1,0 +1,42 @@
+"""Writes a mixed-precision copy of a test checkpoint with llm-compressor: config groups of different
+schemes, each over its own projections (run as a script, in its own process, like quant_build.py):
+`python quant_mixed_build.py SRC DST PRESET`.
+
+PRESET:
+- W8_ATTENTION: int8 weights (W8A16) on the attention projections, int4 (W4A16) on the MLP's. Both are
+  `pack-quantized`, so that is the format the config names.
+- FP8_ATTENTION: W4A16 on every linear layer ("Linear"), with FP8_DYNAMIC on the attention projections
+  ("re:" pattern, which compressed-tensors ranks above a class name). The groups' formats differ, so the
+  config's format is `mixed-precision` and each group names its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ATTENTION = r"re:.*self_attn\..*"
+MLP = r"re:.*mlp\..*"
+# preset: ((llm-compressor preset, targets) for each config group, in order)
+PRESETS = {
+    "W8_ATTENTION": (("W8A16", [ATTENTION]), ("W4A16", [MLP])),
+    "FP8_ATTENTION": (("W4A16", ["Linear"]), ("FP8_DYNAMIC", [ATTENTION])),
+}
+
+
+def build(src: Path, dst: Path, preset: str) -> None:
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from quant_build import copy_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    groups = {f"group_{i}": preset_name_to_scheme(name, t) for i, (name, t) in enumerate(PRESETS[preset])}
+    oneshot(model=model, recipe=QuantizationModifier(config_groups=groups, ignore=["lm_head"]))
+    model.save_pretrained(dst, save_compressed=True)
+    copy_tokenizer(src, dst)
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
