@@ -13,6 +13,8 @@ from ember_engine.cli import main as ember
 from ember_engine.tools.quantize import quantize_checkpoint
 from ember_engine.tools.spec_pair import packaged_pair
 
+LABEL = "fp8-checkpoint-file"  # longer than the other labels
+
 
 def test_rows_report_teacher_forced_agreement_and_a_checkpoint_row(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -20,15 +22,15 @@ def test_rows_report_teacher_forced_agreement_and_a_checkpoint_row(
     ckpt = quantize_checkpoint(packaged_pair()[0], tmp_path / "fp8", "fp8")
     out = tmp_path / "quant.json"
     args = ["bench", "quant", "--schemes", "fp8", "--no-kv-fp8", "--ppl-windows", "2", "--prompts", "4"]
-    args += ["--kv-e5m2", "--repeats", "0", "--checkpoint", f"fp8-file={ckpt}", "--json", str(out)]
+    args += ["--kv-e5m2", "--repeats", "0", "--checkpoint", f"{LABEL}={ckpt}", "--json", str(out)]
     assert ember(args) == 0
     rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["full", "fp8", "kv-fp8-e5m2", "fp8-file"]
+    assert list(rows) == ["full", "fp8", "kv-fp8-e5m2", LABEL]
     e5m2 = rows["kv-fp8-e5m2"]
     assert e5m2["kv_cache_dtype"] == "float8_e5m2" and e5m2["weight_bytes"] == rows["full"]["weight_bytes"]
     assert e5m2["kv_blocks"] // 4 == rows["full"]["kv_blocks"]  # one byte an element against float32's four
     assert 0.95 <= e5m2["next_token_agreement"] < 1.0
-    full, fp8, file = rows["full"], rows["fp8"], rows["fp8-file"]
+    full, fp8, file = rows["full"], rows["fp8"], rows[LABEL]
     assert full["next_token_agreement"] == 1.0 and full["greedy_agreement"] == 1.0
     assert full["logprobs_close"] == 1.0 and 0.0 <= fp8["logprobs_close"] <= 1.0
     # FP8 weights and activations move some argmaxes, and few: 2 windows are 1024 positions.
@@ -37,7 +39,10 @@ def test_rows_report_teacher_forced_agreement_and_a_checkpoint_row(
     for key in ("next_token_agreement", "greedy_agreement", "logprobs_close", "perplexity", "weight_bytes"):
         assert file[key] == fp8[key], key
     assert full["decode_tok_s_b1"] == fp8["b1_speedup"] == 0.0  # --repeats 0: no rates taken
-    assert "next-token" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    column = next(line for line in lines if line.startswith("scheme")).index("weight MB")
+    for label in rows:  # every label, the long one too, stays in the first column
+        assert next(line for line in lines if line.startswith(f"{label} "))[:column].strip() == label
 
 
 def test_a_divergence_is_close_only_when_each_token_is_in_the_other_side_s_top() -> None:

@@ -226,14 +226,15 @@ def main(args: argparse.Namespace) -> int:
             row[key] = row[rate] / base[rate] if base[rate] else 0.0
         row["weight_ratio"] = row["weight_bytes"] / base["weight_bytes"]
         row["kv_blocks_ratio"] = row["kv_blocks"] / base["kv_blocks"]
+    width = max(11, *(len(r["scheme"]) + 1 for r in rows))  # a --checkpoint label may be longer
     head = (
-        "scheme      weight MB (x full) proj/bf16 KV blocks (x)    b1 tok/s (x)   b32 tok/s (x)   ppl (x full)"
-        "    agree64 close5 next-token"
+        f"{'scheme':<{width}} weight MB (x full) proj/bf16 KV blocks (x)    b1 tok/s (x)   b32 tok/s (x)   "
+        "ppl (x full)    agree64 close5 next-token"
     )
     print(f"model: {model} ({base['dtype']}; KV cache memory {args.kv_cache_memory} bytes)\n{head}")
     for r in rows:
         print(
-            f"{r['scheme']:<11} {r['weight_bytes'] / 1e6:7.2f} ({r['weight_ratio']:.2f})  {r['projection_bytes_vs_bf16']:8.3f}"
+            f"{r['scheme']:<{width}} {r['weight_bytes'] / 1e6:7.2f} ({r['weight_ratio']:.2f})  {r['projection_bytes_vs_bf16']:8.3f}"
             f" {r['kv_blocks']:9d} ({r['kv_blocks_ratio']:.2f}) {r['decode_tok_s_b1']:7.1f} ({r['b1_speedup']:.2f})"
             f" {r['decode_tok_s_b32']:8.1f} ({r['b32_speedup']:.2f}) {r['perplexity']:7.3f} ({r['perplexity_ratio']:.3f})"
             f" {r['greedy_agreement']:8.3f} {r['logprobs_close']:6.3f} {r['next_token_agreement']:10.4f}"
