@@ -1,5 +1,5 @@
 """Mixed-precision compressed-tensors checkpoints, as llm-compressor writes them: config groups of different
-schemes, each over its own projections (`quant_mixed_build.py`). Each projection runs its group's scheme,
+schemes, each over its own projections (`quant_targets_build.py`). Each projection runs its group's scheme,
 chosen as compressed-tensors chooses (an exact name before a "re:" pattern before a class name), and the
 model computes what transformers + compressed-tensors computes on the same checkpoint."""
 
@@ -25,7 +25,7 @@ CASES = {
     # FP8 activations may round a value to the neighbouring E4M3 step where the orders of operations differ
     "FP8_ATTENTION": (Fp8Linear, Int4Linear, ("fp8", "w4a16"), 2e-2, 0.75),
 }
-BUILD = "quant_mixed_build.py"
+BUILD = "quant_targets_build.py"
 
 
 @pytest.fixture(scope="module", params=list(CASES))

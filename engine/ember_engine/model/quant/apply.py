@@ -19,8 +19,10 @@ from ember_engine.model.quant.linear import make_layer, quantize_linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
 
-# The decoder's projections; embeddings, norms and the LM head keep the model dtype.
+# The decoder's projections; embeddings and norms keep the model dtype, and so does the LM head unless a
+# compressed-tensors config quantizes it (`HEAD`).
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+HEAD = "lm_head"
 _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
@@ -43,7 +45,7 @@ def layer_spec(spec: QuantSpec, module: str) -> QuantSpec | None:
     None for full precision; every part of a merged one alike (parts that differ are refused by name)."""
     parent, _, name = module.rpartition(".")
     parts = _MERGED.get(name, (name,))
-    held = {part: spec.layer_spec(f"{parent}.{part}") for part in parts}
+    held = {part: spec.layer_spec(f"{parent}.{part}" if parent else part) for part in parts}
     if len(set(held.values())) == 1:
         return held[parts[0]]
 
@@ -96,6 +98,25 @@ def prepare(model: nn.Module, spec: QuantSpec) -> None:
             zero_points=held.zero_points,
         )
         setattr(parent, name, layer.to(linear.weight.device))
+    _prepare_head(model, spec)
+
+
+def _prepare_head(model: nn.Module, spec: QuantSpec) -> None:
+    """The LM head as an empty quantized layer where the checkpoint holds it quantized; a head tied to the
+    embeddings (which stay in the model dtype) is refused."""
+    held, head = spec.layer_spec(HEAD), getattr(model, HEAD, None)
+    if held is None or head is None:
+        return
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        raise UnsupportedQuantizationError(
+            f"{HEAD}: the checkpoint's quantization config holds it in {held.scheme}, but tie_word_embeddings "
+            "ties it to embed_tokens, which ember keeps in the model dtype"
+        )
+    rows, columns = head.weight.shape
+    layer = make_layer(
+        held.scheme, columns, rows, False, head.weight.dtype, held.group_size, zero_points=held.zero_points
+    )
+    setattr(model, HEAD, layer.to(head.weight.device))
 
 
 @torch.no_grad()

@@ -84,7 +84,9 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     """The scheme a `quantization_config` describes, and which linear layers hold it."""
     if qc.get("quant_method") == "compressed-tensors":
         return compressed_tensors.parse(qc)
-    return dataclasses.replace(_scheme(qc), ignore=_ignored(qc))
+    return dataclasses.replace(
+        _scheme(qc), ignore=(*_ignored(qc), "lm_head")
+    )  # their LM heads stay as they are
 
 
 def _ignored(qc: dict[str, Any]) -> tuple[str, ...]:

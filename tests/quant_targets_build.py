@@ -1,13 +1,15 @@
-"""Writes a mixed-precision copy of a test checkpoint with llm-compressor: config groups of different
-schemes, each over its own projections (run as a script, in its own process, like quant_build.py):
-`python quant_mixed_build.py SRC DST PRESET`.
+"""Writes a copy of a test checkpoint quantized by llm-compressor with a choice of which layers hold which
+scheme (run as a script, in its own process, like quant_build.py): `python quant_targets_build.py SRC DST
+PRESET`.
 
-PRESET:
+PRESET, mixed precision (config groups of different schemes, each over its own projections):
 - W8_ATTENTION: int8 weights (W8A16) on the attention projections, int4 (W4A16) on the MLP's. Both are
   `pack-quantized`, so that is the format the config names.
 - FP8_ATTENTION: W4A16 on every linear layer ("Linear"), with FP8_DYNAMIC on the attention projections
   ("re:" pattern, which compressed-tensors ranks above a class name). The groups' formats differ, so the
   config's format is `mixed-precision` and each group names its own.
+or an LM head quantized with the rest (nothing ignored, so "Linear" takes `lm_head` too): W8A16_HEAD,
+W4A16_HEAD, FP8_DYNAMIC_HEAD.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from pathlib import Path
 
 ATTENTION = r"re:.*self_attn\..*"
 MLP = r"re:.*mlp\..*"
-# preset: ((llm-compressor preset, targets) for each config group, in order)
+# preset: ((llm-compressor preset, targets) for each config group, in order; ignore)
 PRESETS = {
-    "W8_ATTENTION": (("W8A16", [ATTENTION]), ("W4A16", [MLP])),
-    "FP8_ATTENTION": (("W4A16", ["Linear"]), ("FP8_DYNAMIC", [ATTENTION])),
+    "W8_ATTENTION": ((("W8A16", [ATTENTION]), ("W4A16", [MLP])), ["lm_head"]),
+    "FP8_ATTENTION": ((("W4A16", ["Linear"]), ("FP8_DYNAMIC", [ATTENTION])), ["lm_head"]),
+    **{f"{p}_HEAD": (((p, ["Linear"]),), []) for p in ("W8A16", "W4A16", "FP8_DYNAMIC")},
 }
 
 
@@ -32,8 +35,9 @@ def build(src: Path, dst: Path, preset: str) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
-    groups = {f"group_{i}": preset_name_to_scheme(name, t) for i, (name, t) in enumerate(PRESETS[preset])}
-    oneshot(model=model, recipe=QuantizationModifier(config_groups=groups, ignore=["lm_head"]))
+    schemes, ignore = PRESETS[preset]
+    groups = {f"group_{i}": preset_name_to_scheme(name, t) for i, (name, t) in enumerate(schemes)}
+    oneshot(model=model, recipe=QuantizationModifier(config_groups=groups, ignore=ignore))
     model.save_pretrained(dst, save_compressed=True)
     copy_tokenizer(src, dst)
 
