@@ -9,7 +9,9 @@ PRESET, mixed precision (config groups of different schemes, each over its own p
   ("re:" pattern, which compressed-tensors ranks above a class name). The groups' formats differ, so the
   config's format is `mixed-precision` and each group names its own.
 or an LM head quantized with the rest (nothing ignored, so "Linear" takes `lm_head` too): W8A16_HEAD,
-W4A16_HEAD, FP8_DYNAMIC_HEAD.
+W4A16_HEAD, FP8_DYNAMIC_HEAD; or W4A16 after Hadamard rotations (a `transform_config`): W4A16_QUIP
+(QuIP's, one of them applied to each projection's input as it runs) and W4A16_SPIN (SpinQuant's R1 and
+R2, both folded into the weights).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ PRESETS = {
     "W8_ATTENTION": ((("W8A16", [ATTENTION]), ("W4A16", [MLP])), ["lm_head"]),
     "FP8_ATTENTION": ((("W4A16", ["Linear"]), ("FP8_DYNAMIC", [ATTENTION])), ["lm_head"]),
     **{f"{p}_HEAD": (((p, ["Linear"]),), []) for p in ("W8A16", "W4A16", "FP8_DYNAMIC")},
+    "W4A16_QUIP": ((("W4A16", ["Linear"]),), ["lm_head"]),
+    "W4A16_SPIN": ((("W4A16", ["Linear"]),), ["lm_head"]),
 }
 
 
@@ -37,7 +41,16 @@ def build(src: Path, dst: Path, preset: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
     schemes, ignore = PRESETS[preset]
     groups = {f"group_{i}": preset_name_to_scheme(name, t) for i, (name, t) in enumerate(schemes)}
-    oneshot(model=model, recipe=QuantizationModifier(config_groups=groups, ignore=ignore))
+    recipe = [QuantizationModifier(config_groups=groups, ignore=ignore)]
+    if preset == "W4A16_QUIP":
+        from llmcompressor.modifiers.transform import QuIPModifier
+
+        recipe.insert(0, QuIPModifier(transform_type="hadamard", targets="Linear", ignore=["lm_head"]))
+    elif preset == "W4A16_SPIN":
+        from llmcompressor.modifiers.transform import SpinQuantModifier
+
+        recipe.insert(0, SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard"))
+    oneshot(model=model, recipe=recipe)
     model.save_pretrained(dst, save_compressed=True)
     copy_tokenizer(src, dst)
 

@@ -49,6 +49,7 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
     else is an error), else `requested` applied at load, else None (full precision)."""
     qc = read_quantization_config(model_dir)
     if qc is not None and not weights_quantized(qc):
+        compressed_tensors.check_parts(qc)  # a KV-cache-only config may carry them too
         qc = None
     if qc is None:
         if requested is None:

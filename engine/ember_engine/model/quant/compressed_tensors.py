@@ -38,10 +38,40 @@ def name_list(field: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+# Where a transform applies: these two are folded into the weights when a checkpoint is saved; the others
+# (a projection's input or output, attention's queries, the KV cache) are applied as the model runs.
+FOLDED = ("weight_input", "weight_output")
+
+
+def check_parts(qc: dict[str, Any]) -> None:
+    """Refuse, by name, what a config asks beside its quantization that ember would have to apply as the
+    model runs: a transform (llm-compressor's QuIP, SpinQuant's R3/R4) at a location other than the
+    weights, or sparsity in a compressed storage format. Rotations folded into the weights and sparsity
+    stored dense need nothing: the weights hold them."""
+    transforms = (qc.get("transform_config") or {}).get("config_groups") or {}
+    for name, group in transforms.items():
+        for apply in group.get("apply") or []:
+            location = apply.get("location")
+            if location not in FOLDED:
+                raise UnsupportedQuantizationError(
+                    f"compressed-tensors: transform_config group {name!r} ({group.get('type')}) applies at "
+                    f"{location!r} as the model runs, which ember does not; supported: transforms folded "
+                    f"into the weights ({', '.join(FOLDED)})"
+                )
+    sparsity = qc.get("sparsity_config") or {}
+    if sparsity and sparsity.get("format", "dense") != "dense":
+        raise UnsupportedQuantizationError(
+            f"compressed-tensors: sparsity_config format {sparsity.get('format')!r} "
+            f"({sparsity.get('sparsity_structure')}) is not supported; supported: dense (the weights stored "
+            "whole)"
+        )
+
+
 def parse(qc: dict[str, Any]) -> QuantSpec:
     """The scheme of a compressed-tensors config: one QuantSpec when every group holds the same scheme
     (their targets together), else scheme "mixed" with one QuantSpec per group, each with its own
     targets."""
+    check_parts(qc)
     fmt = qc.get("format")
     if fmt not in (*FORMATS, MIXED):
         raise UnsupportedQuantizationError(

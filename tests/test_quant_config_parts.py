@@ -1,0 +1,77 @@
+"""The parts of a compressed-tensors config beside its quantization groups: `transform_config` (Hadamard
+rotations, llm-compressor's QuIP and SpinQuant) and `sparsity_config`. What the weights already hold runs
+(rotations folded into them, sparsity stored dense); what ember would have to apply as it runs is refused
+by name, never skipped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_quant_load import _prompts
+from transformers import AutoModelForCausalLM
+
+from ember_engine import LLM
+from ember_engine.model.model_runner import Chunk
+
+BUILD = "quant_targets_build.py"
+
+
+def test_an_online_rotation_is_refused_by_name(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    """QuIP rotates each projection's input as the model runs (location "input"); loading the weights
+    without it would compute another model."""
+    with pytest.raises(
+        ValueError,
+        match=r"compressed-tensors: transform_config group 'v' \(hadamard\) applies at 'input' as the model "
+        r"runs, which ember does not; supported: transforms folded into the weights \(weight_input, "
+        r"weight_output\)",
+    ):
+        LLM(str(quantized_model("tiny", "W4A16_QUIP", BUILD)), num_kv_blocks=16)
+
+
+def test_rotations_folded_into_the_weights_run_as_they_are(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    """SpinQuant's R1 and R2 live in the weights (locations weight_input and weight_output): the checkpoint
+    computes what transformers + compressed-tensors computes on it."""
+    path = quantized_model("tiny", "W4A16_SPIN", BUILD)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    runner = LLM(str(path), num_kv_blocks=64).engine.runner
+    for prompt in _prompts(2, 40):
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([prompt])).logits[0].float()
+        ours = runner.forward([Chunk(list(range(-(-len(prompt) // 16))), 0, prompt, num_logits=len(prompt))])
+        assert ours is not None
+        assert (ours - theirs).abs().max().item() <= 1e-4 * (theirs.max() - theirs.min()).item()
+
+
+def _sparse(quantized_model, edited_checkpoint, tmp_path: Path, fmt: str) -> Path:  # type: ignore[no-untyped-def]
+    def edit(qc: dict) -> None:
+        qc["sparsity_config"] = {
+            "format": fmt,
+            "sparsity_structure": "2:4",
+            "global_sparsity": 0.5,
+            "targets": ["Linear"],
+            "ignore": ["lm_head"],
+        }
+
+    return edited_checkpoint(quantized_model("tiny", "W8A16"), tmp_path / "m", quantization=edit)
+
+
+def test_sparsity_stored_dense_loads_as_it_is(quantized_model, edited_checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    plain = LLM(str(quantized_model("tiny", "W8A16")), num_kv_blocks=16).engine.runner
+    dense = LLM(str(_sparse(quantized_model, edited_checkpoint, tmp_path, "dense")), num_kv_blocks=16)
+    prompt = _prompts(1, 30)[0]
+    chunk = [Chunk([0, 1], 0, prompt, num_logits=len(prompt))]
+    assert torch.equal(dense.engine.runner.forward(chunk), plain.forward(chunk))
+
+
+def test_sparsity_in_a_compressed_format_is_refused_by_name(
+    quantized_model, edited_checkpoint, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    path = _sparse(quantized_model, edited_checkpoint, tmp_path, "sparse-24-bitmask")
+    with pytest.raises(
+        ValueError,
+        match=r"compressed-tensors: sparsity_config format 'sparse-24-bitmask' \(2:4\) is not supported; "
+        r"supported: dense \(the weights stored whole\)",
+    ):
+        LLM(str(path), num_kv_blocks=16)
