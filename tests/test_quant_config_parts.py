@@ -75,3 +75,30 @@ def test_sparsity_in_a_compressed_format_is_refused_by_name(
         r"supported: dense \(the weights stored whole\)",
     ):
         LLM(str(path), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "sparse-24-bitmask"])
+def test_a_config_of_sparsity_alone_quantizes_nothing(fmt: str, tiny_model: Path, tmp_path: Path) -> None:
+    """A compressed-tensors config with no config groups and a sparsity_config (a pruned model): stored
+    dense it is the full-precision model; in a compressed sparse format it is refused by name."""
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model, path)
+    config = json.loads((path / "config.json").read_text())
+    sparsity = {"format": fmt, "sparsity_structure": "2:4", "global_sparsity": 0.5, "targets": ["Linear"]}
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "sparsity_config": sparsity}
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
+    if fmt != "dense":
+        with pytest.raises(
+            ValueError, match=r"sparsity_config format 'sparse-24-bitmask' \(2:4\) is not supported"
+        ):
+            LLM(str(path), num_kv_blocks=16)
+        return
+    pruned = LLM(str(path), num_kv_blocks=16).engine.runner
+    plain = LLM(str(tiny_model), num_kv_blocks=16).engine.runner
+    assert pruned.quant is None
+    prompt = _prompts(1, 30)[0]
+    chunk = [Chunk([0, 1], 0, prompt, num_logits=len(prompt))]
+    assert torch.equal(pruned.forward(chunk), plain.forward(chunk))

@@ -37,10 +37,10 @@ def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
 
 
 def weights_quantized(qc: dict[str, Any]) -> bool:
-    """False for a compressed-tensors config that quantizes only the KV cache (a `kv_cache_scheme` and no
-    config groups: llm-compressor's output for a KV-cache-only recipe)."""
-    kv_only = qc.get("quant_method") == "compressed-tensors" and not qc.get("config_groups")
-    return not (kv_only and qc.get("kv_cache_scheme"))
+    """False for a compressed-tensors config with no config groups: one that quantizes only the KV cache
+    (a `kv_cache_scheme`: llm-compressor's output for a KV-cache-only recipe), or that describes only
+    sparsity (a pruned model stored dense)."""
+    return not (qc.get("quant_method") == "compressed-tensors" and not qc.get("config_groups"))
 
 
 def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
@@ -49,7 +49,7 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
     else is an error), else `requested` applied at load, else None (full precision)."""
     qc = read_quantization_config(model_dir)
     if qc is not None and not weights_quantized(qc):
-        compressed_tensors.check_parts(qc)  # a KV-cache-only config may carry them too
+        compressed_tensors.check_parts(qc)  # sparsity or transforms beside a KV-cache scheme, or alone
         qc = None
     if qc is None:
         if requested is None:
@@ -85,9 +85,8 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     """The scheme a `quantization_config` describes, and which linear layers hold it."""
     if qc.get("quant_method") == "compressed-tensors":
         return compressed_tensors.parse(qc)
-    return dataclasses.replace(
-        _scheme(qc), ignore=(*_ignored(qc), "lm_head")
-    )  # their LM heads stay as they are
+    # The other formats leave the LM head as it is (GPTQ's lm_head: true is refused).
+    return dataclasses.replace(_scheme(qc), ignore=(*_ignored(qc), "lm_head"))
 
 
 def _ignored(qc: dict[str, Any]) -> tuple[str, ...]:
