@@ -10,8 +10,10 @@ PRESET, mixed precision (config groups of different schemes, each over its own p
   config's format is `mixed-precision` and each group names its own.
 or an LM head quantized with the rest (nothing ignored, so "Linear" takes `lm_head` too): W8A16_HEAD,
 W4A16_HEAD, FP8_DYNAMIC_HEAD; or W4A16 after Hadamard rotations (a `transform_config`): W4A16_QUIP
-(QuIP's, one of them applied to each projection's input as it runs) and W4A16_SPIN (SpinQuant's R1 and
-R2, both folded into the weights).
+(QuIP's V, Sylvester's matrices, applied to each projection's whole input as it runs), W4A16_QUIP_UV
+(QuIP's V and U, random Hadamard matrices over blocks of 32 columns, at each projection's input and
+output), W4A16_SPIN (SpinQuant's R1 and R2, both folded into the weights) and W4A16_SPIN_R4 (with R4
+too, applied to the down projection's input as it runs).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ PRESETS = {
     "FP8_ATTENTION": ((("W4A16", ["Linear"]), ("FP8_DYNAMIC", [ATTENTION])), ["lm_head"]),
     **{f"{p}_HEAD": (((p, ["Linear"]),), []) for p in ("W8A16", "W4A16", "FP8_DYNAMIC")},
     "W4A16_QUIP": ((("W4A16", ["Linear"]),), ["lm_head"]),
+    "W4A16_QUIP_UV": ((("W4A16", ["Linear"]),), ["lm_head"]),
     "W4A16_SPIN": ((("W4A16", ["Linear"]),), ["lm_head"]),
+    "W4A16_SPIN_R4": ((("W4A16", ["Linear"]),), ["lm_head"]),
 }
 
 
@@ -46,10 +50,22 @@ def build(src: Path, dst: Path, preset: str) -> None:
         from llmcompressor.modifiers.transform import QuIPModifier
 
         recipe.insert(0, QuIPModifier(transform_type="hadamard", targets="Linear", ignore=["lm_head"]))
-    elif preset == "W4A16_SPIN":
+    elif preset == "W4A16_QUIP_UV":
+        from llmcompressor.modifiers.transform import QuIPModifier
+
+        quip = QuIPModifier(
+            rotations=["v", "u"],
+            transform_type="random-hadamard",
+            transform_block_size=32,
+            targets="Linear",
+            ignore=["lm_head"],
+        )
+        recipe.insert(0, quip)
+    elif preset.startswith("W4A16_SPIN"):
         from llmcompressor.modifiers.transform import SpinQuantModifier
 
-        recipe.insert(0, SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard"))
+        rotations = ["R1", "R2", "R4"] if preset.endswith("_R4") else ["R1", "R2"]
+        recipe.insert(0, SpinQuantModifier(rotations=rotations, transform_type="hadamard"))
     oneshot(model=model, recipe=recipe)
     model.save_pretrained(dst, save_compressed=True)
     copy_tokenizer(src, dst)

@@ -1,7 +1,7 @@
-"""The parts of a compressed-tensors config beside its quantization groups: `transform_config` (Hadamard
-rotations, llm-compressor's QuIP and SpinQuant) and `sparsity_config`. What the weights already hold runs
-(rotations folded into them, sparsity stored dense); what ember would have to apply as it runs is refused
-by name, never skipped."""
+"""The parts of a compressed-tensors config beside its quantization groups: `transform_config` folded into
+the weights (rotations applied as the model runs: `test_quant_rotations.py`) and `sparsity_config`. What
+the weights already hold runs (rotations folded into them, sparsity stored dense); a compressed sparse
+format is refused by name, never read as dense."""
 
 from __future__ import annotations
 
@@ -16,18 +16,6 @@ from ember_engine import LLM
 from ember_engine.model.model_runner import Chunk
 
 BUILD = "quant_targets_build.py"
-
-
-def test_an_online_rotation_is_refused_by_name(quantized_model) -> None:  # type: ignore[no-untyped-def]
-    """QuIP rotates each projection's input as the model runs (location "input"); loading the weights
-    without it would compute another model."""
-    with pytest.raises(
-        ValueError,
-        match=r"compressed-tensors: transform_config group 'v' \(hadamard\) applies at 'input' as the model "
-        r"runs, which ember does not; supported: transforms folded into the weights \(weight_input, "
-        r"weight_output\)",
-    ):
-        LLM(str(quantized_model("tiny", "W4A16_QUIP", BUILD)), num_kv_blocks=16)
 
 
 def test_rotations_folded_into_the_weights_run_as_they_are(quantized_model) -> None:  # type: ignore[no-untyped-def]

@@ -139,3 +139,5 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCol
     missing = sorted(expected - loaded) + (quant.missing() if quant is not None else [])
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:8])}")
+    if quant is not None:
+        quant.finish(model)

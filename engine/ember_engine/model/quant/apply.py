@@ -16,6 +16,7 @@ from ember_engine.model.quant.fp8_linear import Fp8Linear
 from ember_engine.model.quant.int_linear import Int4Linear
 from ember_engine.model.quant.layer import QuantLinear
 from ember_engine.model.quant.linear import make_layer, quantize_linear
+from ember_engine.model.quant.rotations import OutputRotations, RotationMatrices
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
 
@@ -43,9 +44,9 @@ _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pr
 def layer_spec(spec: QuantSpec, module: str) -> QuantSpec | None:
     """The scheme the checkpoint holds projection `module` (e.g. "model.layers.0.self_attn.qkv_proj") in,
     None for full precision; every part of a merged one alike (parts that differ are refused by name)."""
-    parent, _, name = module.rpartition(".")
-    parts = _MERGED.get(name, (name,))
-    held = {part: spec.layer_spec(f"{parent}.{part}" if parent else part) for part in parts}
+    parent = module.rpartition(".")[0]
+    held = {part.rpartition(".")[2]: spec.layer_spec(part) for part in _parts(module)}
+    parts = tuple(held)
     if len(set(held.values())) == 1:
         return held[parts[0]]
 
@@ -168,6 +169,8 @@ class QuantCollector:
             self.specs[n] = held
         self.pending: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
         self.offsets: dict[tuple[str, int | None], int] = {}
+        self.rows: dict[tuple[str, int | None], int] = {}  # each part's output rows, once placed
+        self.matrices = RotationMatrices(spec.rotations)
         self.done: set[tuple[str, int | None]] = set()
 
     def checkpoint_name(self, name: str) -> str:
@@ -178,6 +181,8 @@ class QuantCollector:
     def take(self, name: str, target: str, part: int | None, offset: int, tensor_slice: Any) -> bool:
         """Claim checkpoint tensor `name` (mapped to `target`, merged part `part` at row `offset`) if it
         belongs to a quantized layer; False leaves it to the ordinary loader."""
+        if self.matrices.take(name, tensor_slice):
+            return True
         module, _, suffix = target.rpartition(".")
         if module not in self.layers or suffix == "bias":
             return False
@@ -212,6 +217,7 @@ class QuantCollector:
                 layer.set_input_order(gptq.input_order(spec, projection, tensors["g_idx"]), projection)
             weight, scale, zero = decode(spec, tensors, projection)
             layer.set_rows(offset, weight.to(layer.weight_scale.device), scale)
+            self.rows[key] = weight.shape[0]
             if zero is not None:
                 assert isinstance(layer, Int4Linear)
                 layer.set_zero_rows(offset, zero)
@@ -240,3 +246,56 @@ class QuantCollector:
                 f"{module}[{p}]" if p is not None else module for _, p in keys if (module, p) not in self.done
             ]
         return absent
+
+    def finish(self, model: nn.Module) -> None:
+        """Give each quantized layer the rotations the config applies to it as the model runs (`rotations.py`);
+        the parts of a merged layer must share its input's, and a layer in full precision the config rotates
+        is refused by name."""
+        if not self.spec.rotations:
+            return
+        for name, layer in self.layers.items():
+            parts = _parts(name)
+            short = ", ".join(p.rpartition(".")[2] for p in parts)
+            inputs = {
+                tuple(r for r in self.spec.rotations if r.location == "input" and r.applies_to(p))
+                for p in parts
+            }
+            outputs = [
+                [r for r in self.spec.rotations if r.location == "output" and r.applies_to(p)] for p in parts
+            ]
+            if len(inputs) > 1 or len(next(iter(inputs))) > 1 or any(len(o) > 1 for o in outputs):
+                raise UnsupportedQuantizationError(
+                    f"{name}: the transform_config rotates the inputs of {short} unlike each other, or one place "
+                    "twice; ember runs them as one layer, with one rotation at its input and one per part at its "
+                    "output"
+                )
+            device = layer.weight_scale.device
+            (held,) = inputs
+            if held:
+                layer.input_rotation = self.matrices.rotation(held[0], layer.in_features, name).to(device)
+            if not any(outputs):
+                continue
+            if not all(outputs):
+                raise UnsupportedQuantizationError(
+                    f"{name}: the transform_config rotates the outputs of some of {short} only; ember runs them "
+                    "as one layer, so they must all be rotated or none"
+                )
+            keys = [(name, i if len(parts) > 1 else None) for i in range(len(parts))]
+            segments = sorted(zip(keys, outputs, parts, strict=True), key=lambda s: self.offsets[s[0]])
+            layer.output_rotation = OutputRotations(
+                [(self.rows[k], self.matrices.rotation(o[0], self.rows[k], p)) for k, o, p in segments]
+            ).to(device)
+        for name, module in model.named_modules():  # a layer left in full precision
+            if isinstance(module, QuantLinear) or name.rpartition(".")[2] not in (*PROJECTIONS, HEAD):
+                continue
+            if any(r.applies_to(p) for r in self.spec.rotations for p in _parts(name)):
+                raise UnsupportedQuantizationError(
+                    f"{name}: the transform_config rotates it as the model runs, but it is in full precision; "
+                    "ember applies run-time rotations to quantized layers only"
+                )
+
+
+def _parts(module: str) -> list[str]:
+    """The checkpoint's linear layers ember's layer `module` holds (q/k/v and gate/up merged)."""
+    parent, _, name = module.rpartition(".")
+    return [f"{parent}.{p}" if parent else p for p in _MERGED.get(name, (name,))]

@@ -50,6 +50,11 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
     qc = read_quantization_config(model_dir)
     if qc is not None and not weights_quantized(qc):
         compressed_tensors.check_parts(qc)  # sparsity or transforms beside a KV-cache scheme, or alone
+        if compressed_tensors.online_rotations(qc):
+            raise UnsupportedQuantizationError(
+                "compressed-tensors: transform_config rotates layers as the model runs, but no config group "
+                "quantizes them; ember applies run-time rotations to quantized layers only"
+            )
         qc = None
     if qc is None:
         if requested is None:

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
-from ember_engine.model.quant.spec import QuantSpec
+from ember_engine.model.quant.spec import OnlineRotation, QuantSpec
 
 FORMATS = (
     "float-quantized",
@@ -38,26 +38,66 @@ def name_list(field: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-# Where a transform applies: these two are folded into the weights when a checkpoint is saved; the others
-# (a projection's input or output, attention's queries, the KV cache) are applied as the model runs.
+# Where a transform applies: the weight locations are folded into the weights when a checkpoint is saved;
+# input and output are applied as the model runs (`rotations.py`); the others (attention's queries, the KV
+# cache) ember does not apply.
 FOLDED = ("weight_input", "weight_output")
+ONLINE = ("input", "output")
+# Transform types whose run-time matrix is a Hadamard one, scaled by 1/sqrt(n)
+HADAMARD = ("hadamard", "random-hadamard")
+PRECISIONS = ("torch.float64", "torch.float32", "torch.float16", "torch.bfloat16")
 
 
-def check_parts(qc: dict[str, Any]) -> None:
-    """Refuse, by name, what a config asks beside its quantization that ember would have to apply as the
-    model runs: a transform (llm-compressor's QuIP, SpinQuant's R3/R4) at a location other than the
-    weights, or sparsity in a compressed storage format. Rotations folded into the weights and sparsity
-    stored dense need nothing: the weights hold them."""
+def online_rotations(qc: dict[str, Any]) -> tuple[OnlineRotation, ...]:
+    """The rotations a config's `transform_config` applies as the model runs (llm-compressor's QuIP,
+    SpinQuant's R4); what ember cannot apply is refused by name. Transforms folded into the weights need
+    nothing."""
     transforms = (qc.get("transform_config") or {}).get("config_groups") or {}
+    found = []
     for name, group in transforms.items():
         for apply in group.get("apply") or []:
             location = apply.get("location")
-            if location not in FOLDED:
+            if location in FOLDED:
+                continue
+            what = (
+                f"compressed-tensors: transform_config group {name!r} ({group.get('type')}) at {location!r}"
+            )
+            if location not in ONLINE:
                 raise UnsupportedQuantizationError(
-                    f"compressed-tensors: transform_config group {name!r} ({group.get('type')}) applies at "
-                    f"{location!r} as the model runs, which ember does not; supported: transforms folded "
-                    f"into the weights ({', '.join(FOLDED)})"
+                    f"{what} is not supported; supported: rotations of a linear layer's {' or '.join(ONLINE)} "
+                    f"as the model runs, and transforms folded into the weights ({', '.join(FOLDED)})"
                 )
+            if group.get("type") not in HADAMARD:
+                raise UnsupportedQuantizationError(
+                    f"{what}: type not supported; supported: {', '.join(HADAMARD)}"
+                )
+            if group.get("randomize"):
+                raise UnsupportedQuantizationError(f"{what}: randomize (permuted matrices) is not supported")
+            precision = group.get("precision", "torch.float32")
+            if precision not in PRECISIONS:
+                raise UnsupportedQuantizationError(
+                    f"{what}: precision {precision!r} is not supported; supported: {', '.join(PRECISIONS)}"
+                )
+            head_dim = group.get("head_dim")
+            found.append(
+                OnlineRotation(
+                    name,
+                    location,
+                    bool(apply.get("inverse")),
+                    int(head_dim) if head_dim else None,
+                    precision,
+                    name_list("targets", apply.get("targets")),
+                    name_list("ignore", apply.get("ignore")),
+                )
+            )
+    return tuple(found)
+
+
+def check_parts(qc: dict[str, Any]) -> None:
+    """Refuse, by name, what a config asks beside its quantization that ember does not run: sparsity in a
+    compressed storage format, and transforms it cannot apply (`online_rotations`). Sparsity stored dense
+    needs nothing: the weights hold it."""
+    online_rotations(qc)
     sparsity = qc.get("sparsity_config") or {}
     if sparsity and sparsity.get("format", "dense") != "dense":
         raise UnsupportedQuantizationError(
@@ -98,9 +138,12 @@ def parse(qc: dict[str, Any]) -> QuantSpec:
         targets = name_list("targets", group.get("targets"))
         specs.append(dataclasses.replace(spec, targets=targets, ignore=ignore))
     every_target = tuple(dict.fromkeys(t for s in specs for t in s.targets))
+    rotations = online_rotations(qc)
     if len({dataclasses.replace(s, targets=()) for s in specs}) == 1:
-        return dataclasses.replace(specs[0], targets=every_target)
-    return QuantSpec("mixed", MIXED, groups=tuple(specs), targets=every_target, ignore=ignore)
+        return dataclasses.replace(specs[0], targets=every_target, rotations=rotations)
+    return QuantSpec(
+        "mixed", MIXED, groups=tuple(specs), targets=every_target, ignore=ignore, rotations=rotations
+    )
 
 
 def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str, where: str) -> QuantSpec:

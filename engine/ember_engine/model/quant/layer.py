@@ -45,6 +45,10 @@ class QuantLinear(nn.Module):
         # the checkpoint projection that set it (every part of a merged projection must agree).
         self.input_order: torch.Tensor | None = None
         self._order_from: str | None = None
+        # compressed-tensors' rotations at run time (`rotations.py`): of the input before the product, and
+        # of the output after it
+        self.input_rotation: nn.Module | None = None
+        self.output_rotation: nn.Module | None = None
 
     def set_input_order(self, order: torch.Tensor | None, name: str) -> None:
         if self._order_from is not None:
@@ -64,11 +68,15 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.input_rotation is not None:
+            x = self.input_rotation(x)
         if self.input_order is not None:
             x = x.index_select(-1, self.input_order)
         y = self.matmul(x.reshape(-1, shape[-1]))
         if self.bias is not None:
             y = y + self.bias
+        if self.output_rotation is not None:
+            y = self.output_rotation(y)
         return y.reshape(*shape[:-1], self.out_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

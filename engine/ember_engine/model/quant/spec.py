@@ -17,6 +17,24 @@ GPTQ_TENSORS = frozenset({"qweight", "qzeros", "scales"})
 
 
 @dataclass(frozen=True, slots=True)
+class OnlineRotation:
+    """One rotation a compressed-tensors `transform_config` applies as the model runs (`rotations.py`)."""
+
+    group: str
+    location: str  # input | output (of the linear layers it targets)
+    inverse: bool  # the matrix transposed
+    head_dim: int | None  # rotates blocks of this many columns; None: the whole width
+    precision: str  # the dtype it is computed in, as the config names it ("torch.float64")
+    targets: tuple[str, ...]
+    ignore: tuple[str, ...]
+
+    def applies_to(self, name: str) -> bool:
+        return not any(_matches(name, p) for p in self.ignore) and any(
+            _matches(name, t) for t in self.targets
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class QuantSpec:
     # fp8 | w8a16 | w4a16 | w8a8 | bnb-nf4 | from a checkpoint only: w8a16-fp8, nvfp4a16, nvfp4, bnb-fp4,
     # mixed (see groups)
@@ -43,6 +61,8 @@ class QuantSpec:
     # scheme "mixed" (compressed-tensors' config groups of different schemes): each group's own spec, with
     # its own targets
     groups: tuple[QuantSpec, ...] = ()
+    # compressed-tensors' rotations at run time (each layer's found by `OnlineRotation.applies_to`)
+    rotations: tuple[OnlineRotation, ...] = ()
 
     def layer_spec(self, name: str) -> QuantSpec | None:
         """The scheme the checkpoint's linear layer `name` (e.g. "model.layers.0.self_attn.q_proj") holds,
