@@ -21,11 +21,12 @@ from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant.layer import QuantLinear
 
 BUILD = "quant_targets_build.py"
-# preset: (the projections whose input is rotated, whether every projection's output is)
+# preset: (the projections whose input is rotated, whether every projection's output is, the matrices the
+# model holds: one per group, location and size, whichever layers take it)
 CASES = {
-    "W4A16_QUIP": (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), False),
-    "W4A16_QUIP_UV": (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), True),
-    "W4A16_SPIN_R4": (("down_proj",), False),  # SpinQuant's R1 and R2 folded, R4 at run time
+    "W4A16_QUIP": (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), False, 2),  # inputs of 128 and 256
+    "W4A16_QUIP_UV": (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), True, 2),  # blocks of 32, V and U
+    "W4A16_SPIN_R4": (("down_proj",), False, 1),  # SpinQuant's R1 and R2 folded, R4 at run time
 }
 
 
@@ -78,12 +79,14 @@ def test_rotations_run_as_compressed_tensors_runs_them(preset: str, quantized_mo
     hf, bare = _oracle(path), _oracle(path, hooked=False)
     llm = LLM(str(path), num_kv_blocks=64)
     runner = llm.engine.runner
-    inputs, outputs = CASES[preset]
+    inputs, outputs, matrices = CASES[preset]
     layers = {n: m for n, m in runner.model.named_modules() if isinstance(m, QuantLinear)}
     assert len(layers) == 16
     for name, layer in layers.items():
         assert (layer.input_rotation is not None) == name.endswith(inputs), name
         assert (layer.output_rotation is not None) == outputs, name
+    held = {b.data_ptr() for layer in layers.values() for n, b in layer.named_buffers() if "rotation" in n}
+    assert len(held) == matrices
     for prompt in _prompts(4, 40):
         with torch.inference_mode():
             theirs, unrotated = (m(torch.tensor([prompt])).logits[0].float() for m in (hf, bare))

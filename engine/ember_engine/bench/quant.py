@@ -142,10 +142,13 @@ def measure(
     )
     runner = llm.engine.runner
     proj_bytes = proj_numel = 0
+    seen: set[int] = set()  # a tensor several projections share (a rotation's matrix) counted once
     for name, module in runner.model.named_modules():
         if name.rsplit(".", 1)[-1] in PROJECTIONS:
-            proj_bytes += sum(t.numel() * t.element_size() for t in module.buffers())
-            proj_bytes += sum(t.numel() * t.element_size() for t in module.parameters())
+            for t in [*module.buffers(), *module.parameters()]:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    proj_bytes += t.numel() * t.element_size()
             proj_numel += getattr(module, "in_features", 0) * getattr(module, "out_features", 0)
     prompts = prompts_from(text, args.prompts)
     greedy = llm.generate(

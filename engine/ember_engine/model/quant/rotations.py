@@ -1,4 +1,4 @@
-"""Hadamard rotations a compressed-tensors checkpoint has applied as the model runs (`transform_config` at
+"""Hadamard rotations a compressed-tensors checkpoint needs applied as the model runs (`transform_config` at
 locations "input" and "output": llm-compressor's QuIP, whose V rotates each projection's input and U its
 output, and SpinQuant's R4 on the down projection's input). The inverse rotations are folded into the
 weights; the ones at run time are not, so skipping them computes another model.
@@ -22,6 +22,9 @@ from ember_engine.model.quant.spec import OnlineRotation
 
 
 class Rotation(nn.Module):
+    """One rotation at run time: x -> x H / sqrt(n) over each block of n columns, in the group's precision,
+    back in x's dtype."""
+
     def __init__(self, matrix: torch.Tensor, rotation: OnlineRotation) -> None:
         super().__init__()
         dtype = getattr(torch, rotation.precision.removeprefix("torch."))
@@ -56,6 +59,7 @@ class RotationMatrices:
     def __init__(self, rotations: tuple[OnlineRotation, ...]) -> None:
         self.wanted = {(r.group, r.location) for r in rotations}
         self.found: dict[tuple[str, str, int], torch.Tensor] = {}
+        self.made: dict[tuple[OnlineRotation, int], Rotation] = {}  # one module, its matrix, for every layer
 
     def take(self, name: str, tensor_slice: object) -> bool:
         stem, _, kind = name.rpartition(".")
@@ -76,6 +80,8 @@ class RotationMatrices:
         return True
 
     def rotation(self, rotation: OnlineRotation, width: int, what: str) -> Rotation:
+        """The module for `rotation` over a width of `width` (layer `what`), shared by every layer it
+        rotates at that size."""
         size = rotation.head_dim or width
         if width % size:
             raise UnsupportedQuantizationError(
@@ -88,4 +94,6 @@ class RotationMatrices:
                 f"{what}: the checkpoint holds no {size}x{size} matrix for transform group {rotation.group!r} "
                 f"at {rotation.location} ({rotation.group}_{rotation.location}.weight)"
             )
-        return Rotation(matrix, rotation)
+        if (rotation, size) not in self.made:
+            self.made[(rotation, size)] = Rotation(matrix, rotation)
+        return self.made[(rotation, size)]
