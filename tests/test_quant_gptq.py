@@ -178,12 +178,12 @@ GPTQ_REFUSALS = [
         None,
         r"gptq: group_size -1 is not supported with 4-bit weights; supported: a positive group size$",
     ),
-    ({"lm_head": True}, None, r"gptq: a quantized lm_head \(lm_head: true\) is not supported"),
+    # configs that claim what the tensors are not: a quantized LM head, 8-bit down projections
+    ({"lm_head": True}, None, r"unexpected tensor 'lm_head.weight' in a gptq checkpoint"),
     (
         {"dynamic": {"-:.*o_proj": {}, "+:.*down": {"bits": 8, "damp_percent": 0.1}}},
         None,
-        r"gptq: dynamic '\+:\.\*down' sets \{'bits': 8\} for the modules it matches \(base: \{'bits': 4\}\); "
-        r"per-module formats are not supported",
+        r"gptq: a \[128, 128\] weight in groups of 64 needs scales \[2, 128\]; found scales \[4, 128\]",
     ),
     (
         {"quant_method": "eetq"},
@@ -214,6 +214,12 @@ GPTQ_REFUSALS = [
 ]
 AWQ_REFUSALS = [
     ({"version": "gemv"}, None, r"awq: version 'gemv' is not supported; supported: gemm"),
+    (
+        {"dynamic": {"-:.*o_proj": {}, "+:.*down": {"group_size": 32, "damp_percent": 0.1}}},
+        None,
+        r"awq: dynamic '\+:\.\*down' sets \{'group_size': 32\} for the modules it matches \(base: "
+        r"\{'group_size': 64\}\); per-module formats are not supported",
+    ),
     ({"bits": 8}, None, r"awq: 8-bit weights are not supported; supported: 4"),
     ({"group_size": -1}, None, r"awq: group_size -1 is not supported; supported: a positive group size"),
     (

@@ -90,23 +90,25 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     """The scheme a `quantization_config` describes, and which linear layers hold it."""
     if qc.get("quant_method") == "compressed-tensors":
         return compressed_tensors.parse(qc)
-    # The other formats leave the LM head as it is (GPTQ's lm_head: true is refused).
-    return dataclasses.replace(_scheme(qc), ignore=(*_ignored(qc), "lm_head"))
+    spec = _scheme(qc)
+    # The LM head stays as it is but where a GPTQ config says `lm_head: true`.
+    head = () if qc.get("quant_method") == "gptq" and qc.get("lm_head") else ("lm_head",)
+    return dataclasses.replace(spec, ignore=(*spec.ignore, *_ignored(qc), *head))
 
 
 def _ignored(qc: dict[str, Any]) -> tuple[str, ...]:
     """`QuantSpec.ignore` for the formats other than compressed-tensors (their scheme covers every linear
     layer but these): Hugging Face fp8's and AWQ's `modules_to_not_convert` and bitsandbytes'
     `llm_int8_skip_modules` (a module is left out where an entry, a pattern, matches the start of its
-    name, or where its name ends with the entry, as transformers reads them); GPTQModel's `dynamic` for GPTQ
-    and AWQ ("-:" patterns, `gptq.dynamic_ignore`)."""
+    name, or where its name ends with the entry, as transformers reads them); GPTQModel's `dynamic` for AWQ
+    ("-:" patterns, `gptq.dynamic_rules`; GPTQ's own are read by `gptq.parse_gptq`)."""
     method = qc.get("quant_method")
     if method in ("fp8", "awq", "bitsandbytes"):
         field = "llm_int8_skip_modules" if method == "bitsandbytes" else "modules_to_not_convert"
         left_out = compressed_tensors.name_list(field, qc.get(field))
         ignore = tuple(p for m in left_out for p in (f"re:{m}", f"re:.*{re.escape(m)}$"))
-        return ignore + (gptq.dynamic_ignore(qc) if method == "awq" else ())
-    return gptq.dynamic_ignore(qc) if method == "gptq" else ()
+        return ignore + (gptq.dynamic_rules(qc)[0] if method == "awq" else ())
+    return ()
 
 
 def _scheme(qc: dict[str, Any]) -> QuantSpec:

@@ -6,7 +6,9 @@ canonical forms (`schemes.py`).
   along the output dimension; `checkpoint_format` `gptq` stores each less one, word by word, `gptq_v2`
   as it is), `scales` [groups, out] and `g_idx` (each input column's group). With `desc_act` (act-order)
   the groups are not runs of columns: the columns are put in group order at load and each projection's
-  input is gathered into that order (`QuantLinear.input_order`).
+  input is gathered into that order (`QuantLinear.input_order`). GPTQModel's `dynamic` overrides leave
+  modules in full precision or store them in another format (a group of their own, `dynamic_rules`), and
+  `lm_head: true` quantizes the LM head too.
 - AWQ (`quant_method: awq`, `version: gemm`; "...-AWQ" downloads): `qweight` [in, out / 8] and `qzeros`,
   4-bit values packed along the output dimension in AWQ's interleaved order, and `scales` [groups, out].
 
@@ -17,6 +19,7 @@ them beside the scales, one int8 per group and output channel (`Int4Linear.weigh
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -30,32 +33,44 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: field k of a word h
 
 
 def parse_gptq(qc: dict[str, Any]) -> QuantSpec:
-    bits, group = qc.get("bits"), qc.get("group_size")
+    """A GPTQ config's scheme: its base format, and where GPTQModel's `dynamic` overrides store some
+    modules in other formats, scheme "mixed" with a group for each (`dynamic_rules`)."""
     fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
     if fmt not in GPTQ_FORMATS:
         raise UnsupportedQuantizationError(
             f"gptq: checkpoint_format {fmt!r} is not supported; supported: {', '.join(GPTQ_FORMATS)}"
         )
+    base = _gptq_format(fmt, {f: qc.get(f, d) for f, d in _STORED.items()}, "gptq")
+    ignore, overrides = dynamic_rules(qc, formats=True)
+    groups = tuple(
+        dataclasses.replace(_gptq_format(fmt, fields, f"gptq: dynamic {key!r}"), targets=(pattern,))
+        for key, pattern, fields in overrides
+    )
+    if not groups:
+        return dataclasses.replace(base, ignore=ignore)
+    return QuantSpec("mixed", fmt, groups=(*groups, base), ignore=ignore)
+
+
+def _gptq_format(fmt: str, fields: dict[str, Any], where: str) -> QuantSpec:
+    """The scheme of GPTQ weights stored with `fields` (bits, group_size, sym, desc_act)."""
+    bits, group, asymmetric = fields["bits"], fields["group_size"], not fields["sym"]
     if bits not in (4, 8):
-        raise UnsupportedQuantizationError(f"gptq: {bits}-bit weights are not supported; supported: 4, 8")
-    asymmetric = not qc.get("sym", True)
+        raise UnsupportedQuantizationError(f"{where}: {bits}-bit weights are not supported; supported: 4, 8")
     if asymmetric and bits != 4:
         raise UnsupportedQuantizationError(
-            "gptq: asymmetric 8-bit weights (sym: false) are not supported; supported: sym: true, or 4 bits"
+            f"{where}: asymmetric 8-bit weights (sym: false) are not supported; supported: sym: true, or 4 bits"
         )
     if not isinstance(group, int) or not (group > 0 or (group == -1 and bits == 8)):
         raise UnsupportedQuantizationError(
-            f"gptq: group_size {group!r} is not supported with {bits}-bit weights; supported: a positive "
+            f"{where}: group_size {group!r} is not supported with {bits}-bit weights; supported: a positive "
             "group size" + (", or -1 (per channel)" if bits == 8 else "")
         )
-    if qc.get("lm_head"):
-        raise UnsupportedQuantizationError("gptq: a quantized lm_head (lm_head: true) is not supported")
     return QuantSpec(
         "w4a16" if bits == 4 else "w8a16",
         fmt,
         group_size=max(group, 0),
         num_bits=bits,
-        act_order=bool(qc.get("desc_act")),
+        act_order=bool(fields["desc_act"]),
         zero_points=asymmetric,
     )
 
@@ -76,28 +91,32 @@ def parse_awq(qc: dict[str, Any]) -> QuantSpec:
     )
 
 
-# What a GPTQ `dynamic` override may change of the base config and still be run: nothing that sets how a
-# projection's tensors are stored.
-_STORED = ("bits", "group_size", "sym", "desc_act")
+# What a GPTQ `dynamic` override may change of how a module's tensors are stored, with the base config's
+# defaults.
+_STORED = {"bits": None, "group_size": None, "sym": True, "desc_act": False}
 
 
-def dynamic_ignore(qc: dict[str, Any]) -> tuple[str, ...]:
-    """GPTQModel's per-module `dynamic` overrides as `QuantSpec.ignore` patterns. GPTQModel takes, for each
-    module, the first pattern (in order) that matches its name from the start: "-:" before it leaves the
-    module in full precision, "+:" or nothing applies the override's fields. A "-:" pattern therefore
-    leaves out what no earlier positive pattern matched (a negative lookahead for each). Overrides of the
-    stored format (bits, group size, symmetry, act-order) other than the base config's are refused by
-    name; the other fields tune the calibration only."""
+def dynamic_rules(
+    qc: dict[str, Any], formats: bool = False
+) -> tuple[tuple[str, ...], list[tuple[str, str, dict[str, Any]]]]:
+    """GPTQModel's per-module `dynamic` overrides: ("re:" patterns for `QuantSpec.ignore`, and for each
+    override of the stored format its key, its "re:" pattern and the format's fields). GPTQModel takes, for
+    each module, the first pattern (in order) that matches its name from the start: "-:" before it leaves
+    the module in full precision, "+:" or nothing applies the override's fields. Each pattern therefore
+    takes only what no earlier positive pattern matched (a negative lookahead for each). An override of the
+    stored format (bits, group size, symmetry, act-order) other than the base config's is refused by name
+    unless `formats` (GPTQ: the module takes a group of that format); the other fields tune the calibration
+    only."""
     method, dynamic = qc.get("quant_method"), qc.get("dynamic") or {}
     if not isinstance(dynamic, dict):
         raise UnsupportedQuantizationError(
             f"{method}: dynamic must be a mapping of patterns, got {dynamic!r}"
         )
-    base = {"bits": qc.get("bits"), "group_size": qc.get("group_size"), "sym": qc.get("sym", True)}
-    base["desc_act"] = qc.get("desc_act", False)
+    base = {f: qc.get(f, default) for f, default in _STORED.items()}
     ignore: list[str] = []
+    overrides: list[tuple[str, str, dict[str, Any]]] = []
     earlier: list[str] = []
-    for key, overrides in dynamic.items():
+    for key, fields in dynamic.items():
         raw = key[2:] if key.startswith(("-:", "+:")) else key
         try:
             re.compile(raw)
@@ -105,18 +124,21 @@ def dynamic_ignore(qc: dict[str, Any]) -> tuple[str, ...]:
             raise UnsupportedQuantizationError(
                 f"{method}: dynamic pattern {key!r} is not a regular expression: {e}"
             ) from e
+        pattern = "re:" + "".join(f"(?!{p})" for p in earlier) + f"(?:{raw})"
         if key.startswith("-:"):
-            ignore.append("re:" + "".join(f"(?!{p})" for p in earlier) + f"(?:{raw})")
+            ignore.append(pattern)
             continue
-        changed = {f: v for f, v in (overrides or {}).items() if f in _STORED and v != base[f]}
-        if changed:
+        changed = {f: v for f, v in (fields or {}).items() if f in _STORED and v != base[f]}
+        if changed and not formats:
             raise UnsupportedQuantizationError(
                 f"{method}: dynamic {key!r} sets {changed} for the modules it matches (base: "
                 f"{ {f: base[f] for f in changed} }); per-module formats are not supported; supported: "
                 "'-:' patterns (modules left in full precision) and overrides of calibration fields"
             )
+        if changed:
+            overrides.append((key, pattern, base | changed))
         earlier.append(raw)
-    return tuple(ignore)
+    return tuple(ignore), overrides
 
 
 def input_order(spec: QuantSpec, name: str, g_idx: torch.Tensor) -> torch.Tensor | None:

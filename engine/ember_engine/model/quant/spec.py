@@ -40,7 +40,8 @@ class QuantSpec:
     # mixed (see groups)
     scheme: str
     # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
-    # hf-fp8 | gptq | gptq_v2 | awq | bitsandbytes | mixed-precision (scheme mixed: each group has its own)
+    # hf-fp8 | gptq | gptq_v2 | awq | bitsandbytes | mixed-precision (a compressed-tensors config of scheme
+    # mixed: each group has its own format; a mixed GPTQ one keeps gptq or gptq_v2)
     format: str
     group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
     num_bits: int = 8
@@ -58,8 +59,8 @@ class QuantSpec:
     # are in full precision.
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ()
-    # scheme "mixed" (compressed-tensors' config groups of different schemes): each group's own spec, with
-    # its own targets
+    # scheme "mixed" (compressed-tensors' config groups of different schemes, GPTQModel's `dynamic` overrides
+    # of the stored format): each group's own spec, with its own targets
     groups: tuple[QuantSpec, ...] = ()
     # compressed-tensors' rotations at run time (each layer's found by `OnlineRotation.applies_to`)
     rotations: tuple[OnlineRotation, ...] = ()
