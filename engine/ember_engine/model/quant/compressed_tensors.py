@@ -6,7 +6,9 @@ Formats: `float-quantized` (FP8 `weight` + `weight_scale`, per channel, tensor o
 `weight` + `weight_scale`), `naive-quantized` (their common base; FP8 weight-only among others) and
 `nvfp4-pack-quantized`. A config whose groups hold different schemes is mixed precision: its format is
 `mixed-precision` with each group naming its own (or, where they share one, that format), and each layer
-takes the group compressed-tensors gives it (`QuantSpec.layer_spec`).
+takes the group compressed-tensors gives it (`QuantSpec.layer_spec`). Beside the groups: `transform_config`
+(rotations folded into the weights need nothing; those at a layer's input or output as the model runs are
+read here and applied by `rotations.py`) and `sparsity_config` (dense storage only).
 """
 
 from __future__ import annotations
