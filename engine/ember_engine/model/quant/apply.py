@@ -97,6 +97,7 @@ def prepare(model: nn.Module, spec: QuantSpec) -> None:
             linear.weight.dtype,
             held.group_size,
             zero_points=held.zero_points,
+            outlier_threshold=held.outlier_threshold,
         )
         setattr(parent, name, layer.to(linear.weight.device))
     _prepare_head(model, spec)
@@ -133,6 +134,8 @@ def warm_up_cpu(spec: QuantSpec) -> None:
     from ember_engine.model.quant import cpu_codebook, cpu_decode, cpu_fp4, cpu_int4
 
     for scheme in dict.fromkeys(s.scheme for s in spec.members()):
+        if scheme == "bnb-int8":
+            continue  # torch's int8 matmul: nothing to compile
         if scheme == "w4a16":
             cpu_int4.warm_up()
         elif scheme in ("bnb-nf4", "bnb-fp4"):
@@ -187,6 +190,13 @@ class QuantCollector:
         if module not in self.layers or suffix == "bias":
             return False
         spec = self.specs[module]
+        if suffix == "weight_format" and spec.format == "bitsandbytes-8bit":
+            layout = tensor_slice[...].reshape(-1).tolist()  # one number, 0-d
+            if layout != [0]:  # bitsandbytes' row-major layout
+                raise UnsupportedQuantizationError(
+                    f"{name}: weight_format {layout} is not supported; supported: 0 (row)"
+                )
+            return True
         if suffix not in spec.required() and suffix not in ("input_scale", "weight_zero_point", "g_idx"):
             raise UnsupportedQuantizationError(f"unexpected tensor {name!r} in a {spec.format} checkpoint")
         key = (module, part)

@@ -1,6 +1,7 @@
-"""bitsandbytes 4-bit checkpoints (`quant_method: bitsandbytes`, `load_in_4bit: true`; what transformers
-saves for a model loaded with `BitsAndBytesConfig(load_in_4bit=True)`, the "...-bnb-4bit" downloads):
-their `quantization_config` and their tensors, decoded into the form `CodebookLinear` runs.
+"""bitsandbytes checkpoints (`quant_method: bitsandbytes`; what transformers saves for a model loaded with
+a `BitsAndBytesConfig`): their `quantization_config` and their tensors. 4-bit (`load_in_4bit`, the
+"...-bnb-4bit" downloads) is decoded into the form `CodebookLinear` runs; 8-bit (`load_in_8bit`,
+"...-bnb-8bit") is an int8 `weight` and its rows' absolute maxima `SCB`, run by `LlmInt8Linear`.
 
 A projection's `weight` holds its values flattened in row-major order, two 4-bit codes a byte (the first
 in the high nibble), in blocks of `blocksize` (64) values with one absolute maximum each. A value is
@@ -50,9 +51,18 @@ def flat_suffix(name: str) -> str:
 
 def parse_bnb(qc: dict[str, Any]) -> QuantSpec:
     if qc.get("load_in_8bit") or qc.get("_load_in_8bit"):
-        raise UnsupportedQuantizationError(
-            "bitsandbytes: 8-bit weights (load_in_8bit, LLM.int8()) are not supported; supported: 4-bit "
-            f"(load_in_4bit) with bnb_4bit_quant_type {' or '.join(QUANT_TYPES)}"
+        if qc.get("llm_int8_has_fp16_weight"):
+            raise UnsupportedQuantizationError(
+                "bitsandbytes: llm_int8_has_fp16_weight keeps the weights in float16 (for training); supported: "
+                "int8 weights (false)"
+            )
+        threshold = qc.get("llm_int8_threshold", 6.0)
+        if not isinstance(threshold, int | float) or threshold < 0:
+            raise UnsupportedQuantizationError(
+                f"bitsandbytes: llm_int8_threshold {threshold!r} is not supported; supported: a number >= 0"
+            )
+        return QuantSpec(
+            "bnb-int8", "bitsandbytes-8bit", group_size=0, num_bits=8, outlier_threshold=float(threshold)
         )
     if not (qc.get("load_in_4bit") or qc.get("_load_in_4bit")):
         raise UnsupportedQuantizationError("bitsandbytes: neither load_in_4bit nor load_in_8bit is set")
@@ -151,3 +161,15 @@ def _absmax(
         )
     scale = nested_absmax.repeat_interleave(nested_block)[:blocks]
     return table[absmax.long()] * scale + torch.tensor(offset, dtype=torch.float32)
+
+
+def decode_int8(tensors: dict[str, torch.Tensor], what: str) -> Decoded:
+    """An 8-bit projection: its int8 weight [out, in] and its rows' absolute maxima [out] (float32)."""
+    weight, scb = tensors["weight"], tensors["SCB"]
+    if weight.dtype != torch.int8 or weight.dim() != 2:
+        raise UnsupportedQuantizationError(
+            f"{what}: an 8-bit weight must be int8 [out, in], found {weight.dtype}"
+        )
+    if scb.numel() != weight.shape[0]:
+        raise UnsupportedQuantizationError(f"{what}: {scb.numel()} SCB values for {weight.shape[0]} rows")
+    return weight, scb.float().reshape(-1), None

@@ -179,6 +179,8 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
         return _decode_nvfp4(tensors)
     if spec.format == "bitsandbytes":
         return bnb.decode_bnb(spec, tensors, what)
+    if spec.format == "bitsandbytes-8bit":
+        return bnb.decode_int8(tensors, what)
     scale = tensors.get("weight_scale", tensors.get("weight_scale_inv"))
     assert scale is not None
     if spec.format == "pack-quantized":

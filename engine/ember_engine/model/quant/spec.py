@@ -37,10 +37,10 @@ class OnlineRotation:
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
     # fp8 | w8a16 | w4a16 | w8a8 | bnb-nf4 | from a checkpoint only: w8a16-fp8, nvfp4a16, nvfp4, bnb-fp4,
-    # mixed (see groups)
+    # bnb-int8, mixed (see groups)
     scheme: str
     # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
-    # hf-fp8 | gptq | gptq_v2 | awq | bitsandbytes | mixed-precision (a compressed-tensors config of scheme
+    # hf-fp8 | gptq | gptq_v2 | awq | bitsandbytes | bitsandbytes-8bit | mixed-precision (a compressed-tensors config of scheme
     # mixed: each group has its own format; a mixed GPTQ one keeps gptq or gptq_v2)
     format: str
     group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
@@ -54,6 +54,8 @@ class QuantSpec:
     # preset), in place of per-token scales taken at run time; nvfp4's global scale (NVFP4, W4A4)
     static_input: bool = False
     nested: bool = False  # bitsandbytes double quantization: each block's absmax is itself quantized
+    # bitsandbytes 8-bit (LLM.int8()): input columns with a value at or above it run unquantized
+    outlier_threshold: float = 0.0
     # Which of the checkpoint's linear layers hold the scheme (compressed-tensors' `targets` and `ignore`:
     # a module name, "re:" and a pattern matched from its start, or a class name, "Linear"); the others
     # are in full precision.
@@ -108,6 +110,7 @@ class QuantSpec:
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "awq": GPTQ_TENSORS,
+            "bitsandbytes-8bit": frozenset({"weight", "SCB"}),
             "bitsandbytes": frozenset({"weight", "weight_absmax", "weight_quant_map", "weight_quant_state"})
             | ({"weight_nested_absmax", "weight_nested_quant_map"} if self.nested else set()),
         }[self.format]
