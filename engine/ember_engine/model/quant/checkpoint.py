@@ -140,7 +140,7 @@ def _scheme(qc: dict[str, Any]) -> QuantSpec:
     raise UnsupportedQuantizationError(
         f"quantization_config: quant_method {method!r} is not supported; supported: compressed-tensors "
         f"({', '.join(compressed_tensors.FORMATS)}, {compressed_tensors.MIXED}), fp8, gptq, awq, "
-        "bitsandbytes (4-bit)"
+        "bitsandbytes (4- and 8-bit)"
     )
 
 
