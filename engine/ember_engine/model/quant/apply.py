@@ -21,7 +21,7 @@ from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
 
 # The decoder's projections; embeddings and norms keep the model dtype, and so does the LM head unless a
-# compressed-tensors config quantizes it (`HEAD`).
+# compressed-tensors config (or GPTQ's `lm_head: true`) quantizes it (`HEAD`).
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 HEAD = "lm_head"
 _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
@@ -89,17 +89,8 @@ def prepare(model: nn.Module, spec: QuantSpec) -> None:
         held = layer_spec(spec, f"{parents[id(parent)]}.{name}")
         if held is None:
             continue
-        layer = make_layer(
-            held.scheme,
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            linear.weight.dtype,
-            held.group_size,
-            zero_points=held.zero_points,
-            outlier_threshold=held.outlier_threshold,
-        )
-        setattr(parent, name, layer.to(linear.weight.device))
+        layer = _empty(held, linear.in_features, linear.out_features, linear.bias is not None, linear.weight)
+        setattr(parent, name, layer)
     _prepare_head(model, spec)
 
 
@@ -115,10 +106,24 @@ def _prepare_head(model: nn.Module, spec: QuantSpec) -> None:
             "ties it to embed_tokens, which ember keeps in the model dtype"
         )
     rows, columns = head.weight.shape
+    setattr(model, HEAD, _empty(held, columns, rows, False, head.weight))
+
+
+def _empty(
+    held: QuantSpec, in_features: int, out_features: int, bias: bool, like: torch.Tensor
+) -> QuantLinear:
+    """An empty quantized layer of `held`'s scheme, in the dtype and on the device of weight `like`."""
     layer = make_layer(
-        held.scheme, columns, rows, False, head.weight.dtype, held.group_size, zero_points=held.zero_points
+        held.scheme,
+        in_features,
+        out_features,
+        bias,
+        like.dtype,
+        held.group_size,
+        zero_points=held.zero_points,
+        outlier_threshold=held.outlier_threshold,
     )
-    setattr(model, HEAD, layer.to(head.weight.device))
+    return layer.to(like.device)
 
 
 @torch.no_grad()
