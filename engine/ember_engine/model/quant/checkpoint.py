@@ -49,8 +49,8 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
     else is an error), else `requested` applied at load, else None (full precision)."""
     qc = read_quantization_config(model_dir)
     if qc is not None and not weights_quantized(qc):
-        compressed_tensors.check_parts(qc)  # sparsity or transforms beside a KV-cache scheme, or alone
-        if compressed_tensors.online_rotations(qc):
+        # sparsity or transforms beside a KV-cache scheme, or alone
+        if compressed_tensors.check_parts(qc):
             raise UnsupportedQuantizationError(
                 "compressed-tensors: transform_config rotates layers as the model runs, but no config group "
                 "quantizes them; ember applies run-time rotations to quantized layers only"

@@ -95,11 +95,11 @@ def online_rotations(qc: dict[str, Any]) -> tuple[OnlineRotation, ...]:
     return tuple(found)
 
 
-def check_parts(qc: dict[str, Any]) -> None:
+def check_parts(qc: dict[str, Any]) -> tuple[OnlineRotation, ...]:
     """Refuse, by name, what a config asks beside its quantization that ember does not run: sparsity in a
     compressed storage format, and transforms it cannot apply (`online_rotations`). Sparsity stored dense
-    needs nothing: the weights hold it."""
-    online_rotations(qc)
+    needs nothing: the weights hold it. Returns the rotations to apply as the model runs."""
+    rotations = online_rotations(qc)
     sparsity = qc.get("sparsity_config") or {}
     if sparsity and sparsity.get("format", "dense") != "dense":
         raise UnsupportedQuantizationError(
@@ -107,13 +107,14 @@ def check_parts(qc: dict[str, Any]) -> None:
             f"({sparsity.get('sparsity_structure')}) is not supported; supported: dense (the weights stored "
             "whole)"
         )
+    return rotations
 
 
 def parse(qc: dict[str, Any]) -> QuantSpec:
     """The scheme of a compressed-tensors config: one QuantSpec when every group holds the same scheme
     (their targets together), else scheme "mixed" with one QuantSpec per group, each with its own
     targets."""
-    check_parts(qc)
+    rotations = check_parts(qc)
     fmt = qc.get("format")
     if fmt not in (*FORMATS, MIXED):
         raise UnsupportedQuantizationError(
@@ -140,7 +141,6 @@ def parse(qc: dict[str, Any]) -> QuantSpec:
         targets = name_list("targets", group.get("targets"))
         specs.append(dataclasses.replace(spec, targets=targets, ignore=ignore))
     every_target = tuple(dict.fromkeys(t for s in specs for t in s.targets))
-    rotations = online_rotations(qc)
     if len({dataclasses.replace(s, targets=()) for s in specs}) == 1:
         return dataclasses.replace(specs[0], targets=every_target, rotations=rotations)
     return QuantSpec(
