@@ -58,19 +58,30 @@ def test_kernel_matches_reference(layout: tuple[str, int], shape: tuple[int, int
     assert (torch_path - expected).abs().max().item() <= 1e-5 * scale, scheme
 
 
+@pytest.mark.parametrize("tile", [0, 32], ids=["per-channel", "tiles-32"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_fp8_weight_only_kernel_matches_reference(shape: tuple[int, int, int], monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_fp8_weight_only_kernel_matches_reference(
+    shape: tuple[int, int, int], tile: int, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     """w8a16-fp8 (a checkpoint's FP8 weights with activations as they are): E4M3 bytes widened in the
-    Triton kernel and in the CPU loops, times their channel's scale."""
+    Triton kernel and in the CPU loops, times their channel's scale, or their tile's (block-scaled: each
+    row holding the scales of its tiles, one per `tile` input columns)."""
     from ember_engine.model.quant.fp8_linear import Fp8WeightOnlyLinear
 
     m, k, n = shape
     g = torch.Generator().manual_seed(m * 1000 + n + 1)
-    layer = Fp8WeightOnlyLinear(k, n, False, torch.float32)
-    layer.set_rows(0, *schemes.quantize_fp8(torch.randn(n, k, generator=g) * 0.05))
+    layer = Fp8WeightOnlyLinear(k, n, False, torch.float32, tile)
+    w = torch.randn(n, k, generator=g) * 0.05
+    if tile:
+        q, tiles = schemes.quantize_fp8_blocks(w, (tile, tile))
+        layer.set_rows(0, q, schemes.block_scales_per_row(tiles, n, tile))
+        assert len(set(layer.weight_scale[0].tolist())) == k // tile  # the row's tiles differ
+    else:
+        layer.set_rows(0, *schemes.quantize_fp8(w))
     layer = layer.to(DEVICE)
     x = torch.randn(m, k, generator=g).to(DEVICE)
     expected = (x.double() @ layer.dequantized().double().t()).float()
+    assert (layer.dequantized() - w).abs().max().item() <= 0.07 * w.abs().max().item()  # E4M3's step
     monkeypatch.setenv("EMBER_QUANT_GEMM", "triton")
     got = layer(x)
     monkeypatch.setenv("EMBER_QUANT_GEMM", "torch")

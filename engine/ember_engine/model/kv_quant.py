@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ember_engine.model import cpu_kv
+from ember_engine.model.quant import modelopt
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -60,7 +61,12 @@ Scale = float | Tensor
 
 def check_checkpoint_scheme(quantization_config: dict[str, Any] | None) -> None:
     """Refuse, by name, a checkpoint's KV-cache scheme (compressed-tensors `kv_cache_scheme`) whose scales
-    an FP8 cache cannot use: only static, symmetric FP8 with one scale per tensor or per KV head is."""
+    an FP8 cache cannot use: only static, symmetric FP8 with one scale per tensor or per KV head is
+    (ModelOpt's configs: `modelopt.check_kv_scheme`)."""
+    if (quantization_config or {}).get("quant_method") == modelopt.METHOD:
+        assert quantization_config is not None
+        modelopt.check_kv_scheme(quantization_config)
+        return
     scheme = (quantization_config or {}).get("kv_cache_scheme")
     if not scheme:
         return

@@ -222,7 +222,7 @@ class QuantCollector:
         if suffix == "g_idx" and suffix not in spec.required():
             gptq.input_order(spec, name, tensor_slice[:])  # without desc_act: refuses a reordering
             return True
-        self.pending.setdefault(key, {})[suffix] = tensor_slice[:]
+        self.pending.setdefault(key, {})[suffix] = tensor_slice[...]  # 0-d: a scale per tensor
         self.offsets[key] = offset
         if spec.required() <= self.pending[key].keys():
             tensors = self.pending.pop(key)

@@ -9,7 +9,10 @@ Formats read:
   or per tile of `weight_block_size` [rows, columns] (block-scaled: the tiles' scales are kept, and
   activations are quantized per token and group of `columns` input columns).
 - GPTQ and AWQ (`quant_method: gptq`, `awq`): read by `gptq.py`.
-- bitsandbytes 4-bit (`quant_method: bitsandbytes`): read by `bnb.py`.
+- bitsandbytes 4- and 8-bit (`quant_method: bitsandbytes`): read by `bnb.py`.
+- ModelOpt (`quant_method: modelopt`, or an older export's `hf_quant_config.json`): read by
+  `modelopt.py`; FP8 `weight` with `weight_scale` per tensor, channel or 128 x 128 tile, static
+  `input_scale` or none.
 Anything else is refused by name, with what is supported.
 """
 
@@ -24,16 +27,18 @@ from typing import Any
 import torch
 
 from ember_engine.core.config import CHECKPOINT_METHODS
-from ember_engine.model.quant import bnb, compressed_tensors, gptq, schemes
+from ember_engine.model.quant import bnb, compressed_tensors, gptq, modelopt, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
+    """`config.json`'s `quantization_config`; where it has none, an older ModelOpt export's
+    `hf_quant_config.json` (`modelopt.read_legacy`)."""
     path = Path(model_dir) / "config.json"
     raw = json.loads(path.read_text()) if path.exists() else {}
     qc = raw.get("quantization_config")
-    return qc if isinstance(qc, dict) else None
+    return qc if isinstance(qc, dict) else modelopt.read_legacy(model_dir)
 
 
 def weights_quantized(qc: dict[str, Any]) -> bool:
@@ -90,6 +95,8 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
     """The scheme a `quantization_config` describes, and which linear layers hold it."""
     if qc.get("quant_method") == "compressed-tensors":
         return compressed_tensors.parse(qc)
+    if qc.get("quant_method") == modelopt.METHOD:
+        return modelopt.parse(qc)
     spec = _scheme(qc)
     # The LM head stays as it is but where a GPTQ config says `lm_head: true`.
     head = () if qc.get("quant_method") == "gptq" and qc.get("lm_head") else ("lm_head",)
@@ -140,7 +147,7 @@ def _scheme(qc: dict[str, Any]) -> QuantSpec:
     raise UnsupportedQuantizationError(
         f"quantization_config: quant_method {method!r} is not supported; supported: compressed-tensors "
         f"({', '.join(compressed_tensors.FORMATS)}, {compressed_tensors.MIXED}), fp8, gptq, awq, "
-        "bitsandbytes (4- and 8-bit)"
+        f"bitsandbytes (4- and 8-bit), {modelopt.METHOD} ({', '.join(modelopt.ALGOS)})"
     )
 
 
@@ -192,12 +199,14 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
     else:
         weight = tensors["weight"]
         out, inp = weight.shape
+    if spec.format == modelopt.METHOD:
+        scale = modelopt.canonical_scale(spec, scale, out, inp)
     if spec.block_rows:
         tiles = (-(-out // spec.block_rows), -(-inp // spec.group_size))
         if tuple(scale.shape) != tiles:
             raise UnsupportedQuantizationError(
-                f"fp8 checkpoint: weight [{out}, {inp}] in blocks of [{spec.block_rows}, {spec.group_size}] "
-                f"needs scales {list(tiles)}, found {list(scale.shape)}"
+                f"{spec.scheme} checkpoint: weight [{out}, {inp}] in blocks of [{spec.block_rows}, "
+                f"{spec.group_size}] needs scales {list(tiles)}, found {list(scale.shape)}"
             )
         return weight, schemes.block_scales_per_row(scale, out, spec.block_rows), None
     per_channel = spec.scheme in ("fp8", "w8a16-fp8")  # scales [out]

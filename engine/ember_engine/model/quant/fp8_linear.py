@@ -68,10 +68,25 @@ class Fp8Linear(QuantLinear):
 
 
 class Fp8WeightOnlyLinear(Fp8Linear):
-    """E4M3 weight with a scale per output channel and activations as they are (compressed-tensors' FP8
-    weights without input activations, vLLM's W8A16-FP8): y = x @ (q_w * s_w)^T in float32."""
+    """E4M3 weight with a scale per output channel, or per output row and group of `group_size` input
+    columns (each row holding its tile's scale: ModelOpt's block-scaled FP8_PB_WO), and activations as
+    they are (compressed-tensors' FP8 weights without input activations, vLLM's W8A16-FP8):
+    y = x @ (q_w * s_w)^T in float32."""
 
     scheme = "w8a16-fp8"
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int = 0
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        self.group_size = group_size
+        if group_size:
+            if in_features % group_size:
+                raise schemes.UnsupportedQuantizationError(
+                    f"w8a16-fp8: input size {in_features} is not a multiple of the block's {group_size} "
+                    "columns"
+                )
+            self.weight_scale = torch.ones(out_features, in_features // group_size, dtype=torch.float32)
 
     def set_input_scale(self, scale: torch.Tensor, name: str) -> None:
         raise schemes.UnsupportedQuantizationError(f"{name}: an input_scale for weight-only FP8")
@@ -80,10 +95,16 @@ class Fp8WeightOnlyLinear(Fp8Linear):
         if use_triton(x):
             from ember_engine.model.quant import triton_gemm
 
-            return triton_gemm.fp8_weight_matmul(x, self.weight, self.weight_scale)
+            return triton_gemm.fp8_weight_matmul(x, self.weight, self.weight_scale, self.group_size)
         if x.device.type == "cpu":
             return cpu_decode.fp8_times(x.float(), self.weight, self.weight_scale).to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if not self.group_size:
+            return super().dequantized(dtype)
+        scale = self.weight_scale.repeat_interleave(self.group_size, dim=1)
+        return (self.weight.float() * scale).to(dtype)
 
 
 class Fp8BlockLinear(QuantLinear):

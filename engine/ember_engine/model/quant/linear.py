@@ -27,15 +27,16 @@ def make_layer(
     zero_points: bool = False,
     outlier_threshold: float = 0.0,
 ) -> QuantLinear:
-    """`group_size`: input columns per scale (w4a16; w8a16 and fp8, where 0 means one scale per output
-    channel; fp8 with groups is block-scaled; w8a8 takes 0 only). `zero_points`: a w4a16 checkpoint's
-    own, one per group. `outlier_threshold`: bitsandbytes 8-bit's (LLM.int8())."""
+    """`group_size`: input columns per scale (w4a16; w8a16, fp8 and w8a16-fp8, where 0 means one scale
+    per output channel; fp8 and w8a16-fp8 with groups are block-scaled; w8a8 takes 0 only).
+    `zero_points`: a w4a16 checkpoint's own, one per group. `outlier_threshold`: bitsandbytes 8-bit's
+    (LLM.int8())."""
     if scheme in ("bnb-nf4", "bnb-fp4"):  # from a checkpoint only (the code table set at load)
         return CodebookLinear(in_features, out_features, bias, dtype, scheme, group_size)
     if scheme == "bnb-int8":  # from a checkpoint only
         return LlmInt8Linear(in_features, out_features, bias, dtype, outlier_threshold)
     if scheme == "w8a16-fp8":  # from a checkpoint only
-        return Fp8WeightOnlyLinear(in_features, out_features, bias, dtype)
+        return Fp8WeightOnlyLinear(in_features, out_features, bias, dtype, group_size)
     if scheme in ("nvfp4a16", "nvfp4"):  # from a checkpoint only (nvfp4's activation scales set at load)
         return Fp4Linear(in_features, out_features, bias, dtype)
     if schemes.check_scheme(scheme) == "w4a16":

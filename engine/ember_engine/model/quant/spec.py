@@ -40,8 +40,9 @@ class QuantSpec:
     # bnb-int8, mixed (see groups)
     scheme: str
     # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
-    # hf-fp8 | gptq | gptq_v2 | awq | bitsandbytes | bitsandbytes-8bit | mixed-precision (a compressed-tensors config of scheme
-    # mixed: each group has its own format; a mixed GPTQ one keeps gptq or gptq_v2)
+    # hf-fp8 | modelopt | gptq | gptq_v2 | awq | bitsandbytes | bitsandbytes-8bit | mixed-precision (a
+    # compressed-tensors config of scheme mixed: each group has its own format; a mixed GPTQ one keeps
+    # gptq or gptq_v2)
     format: str
     group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
     num_bits: int = 8
@@ -107,6 +108,8 @@ class QuantSpec:
             "nvfp4-pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_global_scale"})
             | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
+            "modelopt": frozenset({"weight", "weight_scale"})
+            | ({"input_scale"} if self.static_input else set()),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "awq": GPTQ_TENSORS,

@@ -15,8 +15,8 @@ widened in registers, so only the quantized bytes cross memory:
   nvfp4's activations come quantized and dequantized (`schemes.fake_quantize_nvfp4`), with no FP4 dots;
 - w8a8: activations quantized to int8 per token beforehand; int8 dots with int32 sums (exact; int8
   tensor cores on the GPU), both scales applied after the K loop;
-- w8a16-fp8: E4M3 weight bytes widened in registers and scaled per channel as w8a16's are, the
-  activations as they are;
+- w8a16-fp8: E4M3 weight bytes widened in registers and scaled per channel (or per row and group of
+  columns: block-scaled weights) as w8a16's are, the activations as they are;
 - bnb-nf4 and bnb-fp4: two 4-bit codes a byte, each looked up in the layer's 16-value table (passed as
   x_scale) and scaled per block of GROUP columns as w4a16's are.
 """
@@ -270,9 +270,10 @@ def codebook_matmul(
     )
 
 
-def fp8_weight_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as it is @ (E4M3 w [N, K] * scale [N])^T, in x's dtype."""
+def fp8_weight_matmul(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: int = 0
+) -> torch.Tensor:
+    """x [M, K] as it is @ (E4M3 w [N, K] * scale [N] or [N, K / group_size])^T, in x's dtype."""
     k = w.shape[1]
-    return _launch(
-        x, w.view(torch.uint8), scale.float().reshape(-1, 1).contiguous(), w.shape[0], _FP8_WEIGHT, group=k
-    )
+    scale = scale.float().reshape(w.shape[0], -1).contiguous()
+    return _launch(x, w.view(torch.uint8), scale, w.shape[0], _FP8_WEIGHT, group=group_size or k)

@@ -1,0 +1,134 @@
+"""ModelOpt (NVIDIA Model Optimizer) checkpoints, as its `export_hf_checkpoint` writes them: what the
+"nvidia/...-FP8" downloads are.
+
+The config comes in two forms. Since ModelOpt 0.29 `config.json` holds a `quantization_config` with
+`quant_method: modelopt`, `quant_algo`, `ignore` (the modules left unquantized) and, for an FP8 KV
+cache, `kv_cache_scheme`. Earlier exports wrote only `hf_quant_config.json`, whose `quantization` holds
+`quant_algo`, `kv_cache_quant_algo` and `exclude_modules`; it is read where `config.json` has no
+`quantization_config`. Either is given to the rest of the engine as one dict with `quant_method:
+modelopt` (`read_legacy`).
+
+Algorithms run (each projection's `weight` in E4M3 [out, in] with a float32 `weight_scale`):
+- FP8: one weight scale per tensor and a calibrated `input_scale` per tensor (static activations);
+- FP8_PER_CHANNEL_PER_TOKEN: a weight scale per output channel, activations quantized per token as the
+  model runs;
+- FP8_PB_WO: a weight scale per tile of 128 x 128, `weight_scale` [row tiles, 1, column tiles, 1] (a
+  projection of one tile: one number), activations as they are (`w8a16-fp8`), as ModelOpt simulates it
+  (vLLM quantizes its activations per token and group of 128 columns).
+The others ModelOpt exports (NVFP4, W4A16_NVFP4, MXFP8, int4 AWQ, int8 SmoothQuant, W4A8, mixed
+precision) are refused by name.
+
+Excluded modules are written as names or wildcards ("model.layers.1.mlp*"); a projection is left in full
+precision where an entry is its name, matches it as a shell-style wildcard (`fnmatch`) or, for an entry
+without wildcards, is part of its name (older exports list module paths a model's wrapper may prefix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+from ember_engine.model.quant.spec import QuantSpec
+
+METHOD = "modelopt"
+LEGACY_FILE = "hf_quant_config.json"
+BLOCK = 128  # FP8_PB_WO's tile side
+ALGOS = {
+    "FP8": QuantSpec("fp8", METHOD, group_size=0, static_input=True),
+    "FP8_PER_CHANNEL_PER_TOKEN": QuantSpec("fp8", METHOD, group_size=0),
+    "FP8_PB_WO": QuantSpec("w8a16-fp8", METHOD, group_size=BLOCK, block_rows=BLOCK),
+}
+KV_ALGOS = ("FP8",)
+
+
+def read_legacy(model_dir: str | Path) -> dict[str, Any] | None:
+    """An older export's `hf_quant_config.json`, as a `quantization_config` (None where there is none)."""
+    path = Path(model_dir) / LEGACY_FILE
+    if not path.exists():
+        return None
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict) or not isinstance(raw.get("quantization"), dict):
+        raise UnsupportedQuantizationError(
+            f"{path}: a ModelOpt config needs a 'quantization' object (quant_algo, exclude_modules)"
+        )
+    return {"quant_method": METHOD, **raw}
+
+
+def _fields(qc: dict[str, Any]) -> tuple[str, list[str], str | None]:
+    """(quant_algo upper-cased, excluded modules, KV-cache algorithm or None) of either form."""
+    legacy = qc.get("quantization")
+    if isinstance(legacy, dict):
+        algo, exclude, kv = (
+            legacy.get("quant_algo"),
+            legacy.get("exclude_modules"),
+            legacy.get("kv_cache_quant_algo"),
+        )
+    else:
+        algo, exclude = qc.get("quant_algo"), qc.get("ignore")
+        scheme = qc.get("kv_cache_scheme")
+        kv = None
+        if isinstance(scheme, dict):
+            kind, bits, dynamic = scheme.get("type"), scheme.get("num_bits"), bool(scheme.get("dynamic"))
+            kv = (
+                "FP8"
+                if (kind, bits, dynamic) == ("float", 8, False)
+                else f"{kind} {bits}-bit dynamic={dynamic}"
+            )
+    if not algo:
+        raise UnsupportedQuantizationError("modelopt checkpoint: its quantization config names no quant_algo")
+    if exclude is None:
+        exclude = []
+    if not (isinstance(exclude, list) and all(isinstance(e, str) for e in exclude)):
+        raise UnsupportedQuantizationError(
+            f"modelopt checkpoint: the excluded modules must be a list of names, found {exclude!r}"
+        )
+    return str(algo).upper(), exclude, None if kv is None else str(kv).upper()
+
+
+def ignore_patterns(exclude: list[str]) -> tuple[str, ...]:
+    """`QuantSpec.ignore` entries ("re:" patterns) equivalent to ModelOpt's excluded modules."""
+    patterns = []
+    for entry in exclude:
+        patterns.append("re:" + fnmatch.translate(entry))
+        if not any(c in entry for c in "*?["):
+            patterns.append(f"re:.*{re.escape(entry)}")
+    return tuple(patterns)
+
+
+def parse(qc: dict[str, Any]) -> QuantSpec:
+    algo, exclude, _ = _fields(qc)
+    if algo not in ALGOS:
+        raise UnsupportedQuantizationError(
+            f"modelopt checkpoint: quant_algo {algo!r} is not supported; supported: {', '.join(ALGOS)}"
+        )
+    return dataclasses.replace(ALGOS[algo], ignore=ignore_patterns(exclude))
+
+
+def canonical_scale(spec: QuantSpec, scale: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """FP8_PB_WO's `weight_scale` as [row tiles, column tiles]; the others' as they are."""
+    if not spec.block_rows:
+        return scale
+    tiles = (-(-out // spec.block_rows), -(-inp // spec.group_size))
+    if scale.dim() == 4 and scale.shape[1] == scale.shape[3] == 1:
+        scale = scale.reshape(scale.shape[0], scale.shape[2])
+    elif scale.numel() == 1 and tiles == (1, 1):
+        scale = scale.reshape(1, 1)
+    return scale
+
+
+def check_kv_scheme(qc: dict[str, Any]) -> None:
+    """Refuse, by name, a KV-cache algorithm an FP8 cache cannot take the checkpoint's scales for (FP8
+    with a static scale per layer is what ModelOpt's FP8_KV_CFG writes: `k_proj.k_scale`, `v_proj.v_scale`)."""
+    kv = _fields(qc)[2]
+    if kv is not None and kv not in KV_ALGOS:
+        raise ValueError(
+            f"modelopt checkpoint: KV-cache quantization {kv} is not supported with kv_cache_dtype fp8; "
+            f"supported: {', '.join(KV_ALGOS)} (static, one scale per layer)"
+        )

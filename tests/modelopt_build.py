@@ -1,0 +1,125 @@
+"""Writes a ModelOpt (NVIDIA Model Optimizer) copy of a test checkpoint the way its users make one:
+`mtq.quantize` with a preset config, calibrated on 16 rows of 64 token ids (fixed random ones, or for
+the packaged pair's target windows of its training split: `gptq_build._calibration`), then
+`export_hf_checkpoint` (run as a script, in its own process: `python modelopt_build.py SRC DST PRESET`).
+
+PRESET: FP8 (FP8_DEFAULT_CFG: E4M3 weights per tensor, static per-tensor input scales), FP8_PCPT
+(FP8_PER_CHANNEL_PER_TOKEN_CFG), FP8_PB_WO (FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG: weights in tiles of 128 x 128,
+activations as they are), FP8_KV (FP8 with FP8_KV_CFG's static K and V scales) or FP8_PARTIAL
+(FP8 with layer 1's MLP and layer 0's o_proj left unquantized, which the export lists in its
+`exclude_modules`).
+
+No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own simulated quantization, the
+model the checkpoint was exported from: `oracle.pt` beside it holds that model's logits for fixed prompts
+and its greedy tokens after some of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+PROMPTS, PROMPT_LENGTH, GREEDY_PROMPTS, GREEDY_TOKENS = 8, 40, 6, 12
+PARTIAL = ["*layers.1.mlp*", "*layers.0.self_attn.o_proj*"]
+
+
+def _config(preset: str) -> dict:  # type: ignore[type-arg]
+    """The preset's config, its rules (applied in order, a later one winning) extended for ours."""
+    import modelopt.torch.quantization as mtq
+
+    if preset == "FP8_PCPT":
+        return copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG)
+    if preset == "FP8_PB_WO":
+        return copy.deepcopy(mtq.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
+    config = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+    if preset == "FP8_KV":
+        config["quant_cfg"] += copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
+    elif preset == "FP8_PARTIAL":
+        config["quant_cfg"] += [{"quantizer_name": pattern, "enable": False} for pattern in PARTIAL]
+    else:
+        assert preset == "FP8", preset
+    return config
+
+
+def _exported_weights(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
+    """Give each quantized projection of the simulated model the weight its export holds (E4M3 values
+    times their scales). The export divides a weight by its scale where the simulation multiplies by the
+    scale's reciprocal, and the two can round a value at the midpoint of two E4M3 steps apart (measured:
+    one weight in 600,000, which moves every token's output of its projection); the simulation then
+    quantizes these values back to themselves (times the reciprocal's reciprocal: to within a float32
+    rounding)."""
+    import torch
+    from safetensors.torch import load_file
+
+    stored = load_file(str(dst / "model.safetensors"))
+    for name, module in model.named_modules():
+        if f"{name}.weight_scale" not in stored:
+            continue
+        weight, scale = stored[f"{name}.weight"], stored[f"{name}.weight_scale"].float()
+        if scale.dim() == 4:  # [row tiles, 1, column tiles, 1] of 128 x 128
+            scale = scale[:, 0, :, 0].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            scale = scale[: weight.shape[0], : weight.shape[1]]
+        else:
+            scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale
+        module.weight.data = weight.float() * scale
+        with torch.inference_mode():
+            again = module.weight_quantizer(module.weight)
+        assert torch.allclose(again, module.weight, rtol=1e-6, atol=0), name
+
+
+def _probes(model) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """Each quantized projection's output for a fixed input of 5 tokens: {name: (input, output)}."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    probes = {}
+    with torch.inference_mode():
+        for name, module in model.named_modules():
+            quantizer = getattr(module, "weight_quantizer", None)
+            if quantizer is not None and quantizer.is_enabled:
+                x = torch.randn(1, 5, module.in_features, generator=gen) * 2
+                probes[name] = (x[0], module(x)[0])
+    return probes
+
+
+def build(src: Path, dst: Path, preset: str) -> None:
+    import modelopt.torch.quantization as mtq
+    import torch
+    from gptq_build import _calibration
+    from modelopt.torch.export import export_hf_checkpoint
+    from quant_build import _is_pair, copy_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    rows = _calibration(src, "pair" if _is_pair(src) else "random")
+
+    def calibrate(m: torch.nn.Module) -> None:
+        for row in rows:
+            m(row)
+
+    model = mtq.quantize(model, _config(preset), forward_loop=calibrate)
+    export_hf_checkpoint(model, export_dir=dst)
+    copy_tokenizer(src, dst)
+    _exported_weights(model, dst)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(10, 4000, (PROMPT_LENGTH + i,), generator=gen).tolist() for i in range(PROMPTS)]
+    with torch.inference_mode():
+        logits = [model(torch.tensor([p])).logits[0].float() for p in prompts]
+        greedy = []
+        for p in prompts[:GREEDY_PROMPTS]:
+            ids = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=GREEDY_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            greedy.append(ids[0, len(p) :].tolist())
+    torch.save(
+        {"prompts": prompts, "logits": logits, "greedy": greedy, "probes": _probes(model)}, dst / "oracle.pt"
+    )
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,227 @@
+"""ModelOpt (NVIDIA Model Optimizer) checkpoints that its `export_hf_checkpoint` wrote (`modelopt_build.py`):
+ember holds the exported E4M3 bytes and scales, and computes what ModelOpt's own simulated quantization of
+the exported weights computes (`oracle.pt`), excluded modules, FP8 KV-cache scales and older exports'
+`hf_quant_config.json` included."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ember_engine import LLM, SamplingParams
+from ember_engine.model.model_runner import Chunk
+from ember_engine.model.quant import modelopt
+from ember_engine.model.quant.fp8_linear import Fp8Linear, Fp8WeightOnlyLinear
+from ember_engine.model.quant.spec import QuantSpec
+
+BUILD = "modelopt_build.py"
+# preset -> (ember's scheme, static input scales, its layer class)
+PRESETS = {
+    "FP8": ("fp8", True, Fp8Linear),
+    "FP8_PCPT": ("fp8", False, Fp8Linear),
+    "FP8_PB_WO": ("w8a16-fp8", False, Fp8WeightOnlyLinear),
+    "FP8_PARTIAL": ("fp8", True, Fp8Linear),
+    "FP8_KV": ("fp8", True, Fp8Linear),
+}
+LEFT_OUT = ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj")
+
+
+def _forward(runner, prompt: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    out = runner.forward([Chunk(list(range(-(-len(prompt) // 16))), 0, prompt, num_logits=len(prompt))])
+    assert out is not None
+    return out
+
+
+def _projection(model, name: str, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Checkpoint projection `name`'s output from ember's layer holding it (q/k/v and gate/up merged)."""
+    parent, _, leaf = name.rpartition(".")
+    module = model.get_submodule(parent)
+    parts = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+    parts |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    if leaf not in parts:
+        return getattr(module, leaf)(x)
+    merged, index = parts[leaf]
+    attention = leaf in ("q_proj", "k_proj", "v_proj")
+    sizes = (
+        [module.q_size, module.kv_size, module.kv_size]
+        if attention
+        else [module.gate_up_proj.out_features // 2] * 2
+    )
+    return getattr(module, merged)(x).split(sizes, dim=-1)[index]
+
+
+def _llm(path: Path, preset: str) -> LLM:
+    kv = {"kv_cache_dtype": "fp8"} if preset == "FP8_KV" else {}
+    return LLM(str(path), num_kv_blocks=64, max_num_seqs=4, **kv)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
+    path = quantized_model("tiny", preset, BUILD)
+    oracle = torch.load(path / "oracle.pt")
+    stored = load_file(str(path / "model.safetensors"))
+    llm = _llm(path, preset)
+    runner = llm.engine.runner
+    scheme, static, layer_class = PRESETS[preset]
+    assert runner.quant.format == "modelopt" and runner.quant.scheme == scheme
+    assert runner.quant.static_input == static
+    model = runner.model.model
+    # The exported bytes, as they are; each projection's scales expanded to its rows (and tiles).
+    down = model.layers[0].mlp.down_proj
+    assert isinstance(down, layer_class)
+    assert torch.equal(
+        down.weight.view(torch.uint8), stored["model.layers.0.mlp.down_proj.weight"].view(torch.uint8)
+    )
+    scale = stored["model.layers.0.mlp.down_proj.weight_scale"].float()
+    if preset == "FP8_PB_WO":  # [1, 1, 2, 1]: one row of tiles, two of columns
+        assert down.weight_scale.shape == (128, 2) and torch.equal(
+            down.weight_scale, scale.reshape(1, 2).expand(128, 2)
+        )
+    else:
+        assert torch.equal(down.weight_scale, scale.reshape(-1).expand(128))
+    if static:
+        assert torch.equal(down.input_scale.reshape(()), stored["model.layers.0.mlp.down_proj.input_scale"])
+    if preset == "FP8_PARTIAL":  # exclude_modules: "model.layers.0.self_attn.o_proj", "model.layers.1.mlp*"
+        plain = [
+            model.layers[0].self_attn.o_proj,
+            model.layers[1].mlp.gate_up_proj,
+            model.layers[1].mlp.down_proj,
+        ]
+        assert all(type(m) is nn.Linear for m in plain)
+        assert torch.equal(model.layers[1].mlp.down_proj.weight, stored[LEFT_OUT[2] + ".weight"])
+        assert isinstance(model.layers[2].mlp.down_proj, Fp8Linear)
+    if preset == "FP8_KV":  # FP8_KV_CFG's scales, exported as k_proj.k_scale and v_proj.v_scale
+        for i, layer in enumerate(runner.model.attention_layers()):
+            assert layer.k_scale == float(stored[f"model.layers.{i}.self_attn.k_proj.k_scale"]) != 1.0
+            assert layer.v_scale == float(stored[f"model.layers.{i}.self_attn.v_proj.v_scale"]) != 1.0
+    # Each projection, given the input ModelOpt's was given, gives its output (float rounding apart).
+    probes = oracle["probes"]
+    assert len(probes) == (28 - 4 if preset == "FP8_PARTIAL" else 28)  # 4 layers of 7 projections
+    for name, (x, theirs) in probes.items():
+        ours = _projection(runner.model, name, x)
+        assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item(), name
+    # Logits. Weight-only: the same products, float rounding apart. With FP8 activations the two sides
+    # scale a value differently (ModelOpt multiplies by 448 / amax, ember divides by the exported scale,
+    # amax / 448), which can round a value lying at the midpoint of two E4M3 steps the other way, and that
+    # moves the rest of its prompt (measured: 3 to 6 of 8 prompts within 2.3e-5, the others 2.9e-3 to 2.6e-2
+    # of the range).
+    close = 0
+    for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
+        ours = _forward(runner, prompt)
+        worst = (ours - theirs).abs().max().item() / (theirs.max() - theirs.min()).item()
+        assert worst <= (1e-5 if scheme == "w8a16-fp8" else 3e-2), (preset, worst)
+        close += worst <= 1e-4
+    assert close >= (8 if scheme == "w8a16-fp8" else 3), (preset, close)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [g.token_ids for g in llm.generate(oracle["prompts"][:6], params, use_tqdm=False)]
+    agree = sum(g == t for g, t in zip(got, oracle["greedy"], strict=True))
+    assert agree >= (6 if scheme == "w8a16-fp8" else 4), (preset, agree)
+
+
+def _legacy(src: Path, dst: Path) -> Path:
+    """`src` as an export from before ModelOpt wrote `quantization_config`: hf_quant_config.json alone."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    del config["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_an_older_export_is_read_from_hf_quant_config_json(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = quantized_model("tiny", "FP8_PARTIAL", BUILD)
+    legacy = _legacy(path, tmp_path / "legacy")
+    new, old = _llm(path, "FP8_PARTIAL").engine.runner, _llm(legacy, "FP8_PARTIAL").engine.runner
+    assert old.quant == new.quant
+    prompt = torch.load(path / "oracle.pt")["prompts"][0]
+    assert torch.equal(_forward(old, prompt), _forward(new, prompt))
+    # Its KV-cache algorithm comes from the same file.
+    kv = _legacy(quantized_model("tiny", "FP8_KV", BUILD), tmp_path / "kv")
+    runner = _llm(kv, "FP8_KV").engine.runner
+    scale = load_file(str(kv / "model.safetensors"))["model.layers.0.self_attn.k_proj.k_scale"]
+    assert runner.model.attention_layers()[0].k_scale == float(scale)
+
+
+def _edit_legacy(path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    raw = json.loads((path / modelopt.LEGACY_FILE).read_text())
+    edit(raw)
+    (path / modelopt.LEGACY_FILE).write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "options", "error"),
+    [
+        (
+            lambda q: q["quantization"].update(quant_algo="NVFP4"),
+            {},
+            r"modelopt checkpoint: quant_algo 'NVFP4' is not supported; supported: FP8, "
+            r"FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO",
+        ),
+        (
+            lambda q: q["quantization"].update(kv_cache_quant_algo="NVFP4"),
+            {"kv_cache_dtype": "fp8"},
+            r"KV-cache quantization NVFP4 is not supported with kv_cache_dtype fp8; supported: FP8",
+        ),
+        (
+            lambda q: q["quantization"].update(exclude_modules="lm_head"),
+            {},
+            r"excluded modules must be a list of names, found 'lm_head'",
+        ),
+        (
+            lambda q: q.pop("quantization"),
+            {},
+            r"hf_quant_config.json: a ModelOpt config needs a 'quantization'",
+        ),
+    ],
+)
+def test_configs_it_cannot_run_are_refused_by_name(
+    edit, options: dict, error: str, quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    path = _edit_legacy(_legacy(quantized_model("tiny", "FP8", BUILD), tmp_path / "m"), edit)
+    with pytest.raises(ValueError, match=error):
+        LLM(str(path), num_kv_blocks=16, **options)
+
+
+def test_a_dynamic_kv_cache_scheme_is_refused_with_an_fp8_cache(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "m"
+    shutil.copytree(quantized_model("tiny", "FP8_KV", BUILD), path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"]["dynamic"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"KV-cache quantization FLOAT 8-BIT DYNAMIC=TRUE is not supported"):
+        LLM(str(path), num_kv_blocks=16, kv_cache_dtype="fp8")
+    assert LLM(str(path), num_kv_blocks=16).engine.runner.kv_cache.dtype == torch.float32  # unused
+
+
+def test_the_method_named_for_a_model_that_is_not_quantized_is_refused(tiny_model: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"'modelopt' names a quantized checkpoint's method, but .* is not quantized"
+    ):
+        LLM(str(tiny_model), num_kv_blocks=16, quantization="modelopt")
+
+
+@pytest.mark.parametrize(
+    ("entry", "left_out", "quantized"),
+    [
+        (
+            "model.layers.1.mlp*",
+            ["model.layers.1.mlp.down_proj", "model.layers.1.mlp"],
+            ["model.layers.10.mlp.up_proj"],
+        ),
+        ("*self_attn.o_proj", ["model.layers.3.self_attn.o_proj"], ["model.layers.3.self_attn.q_proj"]),
+        ("lm_head", ["lm_head", "language_model.lm_head"], ["model.layers.0.mlp.up_proj"]),
+        ("model.layers.?.mlp.gate_proj", ["model.layers.7.mlp.gate_proj"], ["model.layers.17.mlp.gate_proj"]),
+    ],
+)
+def test_excluded_modules_are_names_wildcards_or_parts_of_names(
+    entry: str, left_out: list[str], quantized: list[str]
+) -> None:
+    spec = QuantSpec("fp8", "modelopt", group_size=0, ignore=modelopt.ignore_patterns([entry]))
+    assert [spec.quantizes(n) for n in left_out] == [False] * len(left_out)
+    assert [spec.quantizes(n) for n in quantized] == [True] * len(quantized)
