@@ -7,11 +7,15 @@ PRESET: FP8 (FP8_DEFAULT_CFG: E4M3 weights per tensor, static per-tensor input s
 (FP8_PER_CHANNEL_PER_TOKEN_CFG), FP8_PB_WO (FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG: weights in tiles of 128 x 128,
 activations as they are), FP8_KV (FP8 with FP8_KV_CFG's static K and V scales) or FP8_PARTIAL
 (FP8 with layer 1's MLP and layer 0's o_proj left unquantized, which the export lists in its
-`exclude_modules`).
+`exclude_modules`) or W4A16_NVFP4 (W4A16_NVFP4_CFG: FP4 weights in groups of 16 with E4M3 scales under a
+scale per tensor, activations as they are).
 
-No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own simulated quantization, the
-model the checkpoint was exported from: `oracle.pt` beside it holds that model's logits for fixed prompts
-and its greedy tokens after some of them.
+No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own: for the FP8 presets its
+simulated quantization, the model the checkpoint was exported from (holding the exported weights, see
+`_exported_weights`); for W4A16_NVFP4, whose simulation ModelOpt runs on CUDA only (its weights need no
+calibration data, so none is run), transformers' model holding the weights ModelOpt's `NVFP4QTensor`
+dequantizes from the export. `oracle.pt` beside the checkpoint holds that model's logits for fixed
+prompts, its greedy tokens after some of them, and each quantized projection's output for a fixed input.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ def _config(preset: str) -> dict:  # type: ignore[type-arg]
         return copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG)
     if preset == "FP8_PB_WO":
         return copy.deepcopy(mtq.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
+    if preset == "W4A16_NVFP4":
+        return copy.deepcopy(mtq.W4A16_NVFP4_CFG)
     config = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
     if preset == "FP8_KV":
         config["quant_cfg"] += copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
@@ -68,18 +74,42 @@ def _exported_weights(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
         assert torch.allclose(again, module.weight, rtol=1e-6, atol=0), name
 
 
-def _probes(model) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _nvfp4_model(src: Path, dst: Path):  # type: ignore[no-untyped-def]
+    """transformers' model of `src` holding, for each projection the export quantized, the weight
+    ModelOpt's NVFP4QTensor dequantizes from the exported tensors (in float32)."""
+    import torch
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    stored = load_file(str(dst / "model.safetensors"))
+    for name in _quantized(stored):
+        module = model.get_submodule(name)
+        packed = NVFP4QTensor(module.weight.shape, torch.float32, stored[f"{name}.weight"])
+        module.weight.data = packed.dequantize(
+            scale=stored[f"{name}.weight_scale"],
+            double_scale=stored[f"{name}.weight_scale_2"],
+            block_sizes={-1: 16},
+        )
+    return model
+
+
+def _quantized(stored: dict) -> list[str]:  # type: ignore[type-arg]
+    return [name.removesuffix(".weight_scale") for name in stored if name.endswith(".weight_scale")]
+
+
+def _probes(model, names: list[str]) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """Each quantized projection's output for a fixed input of 5 tokens: {name: (input, output)}."""
     import torch
 
     gen = torch.Generator().manual_seed(3)
     probes = {}
     with torch.inference_mode():
-        for name, module in model.named_modules():
-            quantizer = getattr(module, "weight_quantizer", None)
-            if quantizer is not None and quantizer.is_enabled:
-                x = torch.randn(1, 5, module.in_features, generator=gen) * 2
-                probes[name] = (x[0], module(x)[0])
+        for name in sorted(names):
+            module = model.get_submodule(name)
+            x = torch.randn(1, 5, module.in_features, generator=gen) * 2
+            probes[name] = (x[0], module(x)[0])
     return probes
 
 
@@ -98,10 +128,14 @@ def build(src: Path, dst: Path, preset: str) -> None:
         for row in rows:
             m(row)
 
-    model = mtq.quantize(model, _config(preset), forward_loop=calibrate)
+    nvfp4 = preset == "W4A16_NVFP4"
+    model = mtq.quantize(model, _config(preset), forward_loop=None if nvfp4 else calibrate)
     export_hf_checkpoint(model, export_dir=dst)
     copy_tokenizer(src, dst)
-    _exported_weights(model, dst)
+    if nvfp4:
+        model = _nvfp4_model(src, dst)
+    else:
+        _exported_weights(model, dst)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(10, 4000, (PROMPT_LENGTH + i,), generator=gen).tolist() for i in range(PROMPTS)]
     with torch.inference_mode():
@@ -116,9 +150,10 @@ def build(src: Path, dst: Path, preset: str) -> None:
                 pad_token_id=0,
             )
             greedy.append(ids[0, len(p) :].tolist())
-    torch.save(
-        {"prompts": prompts, "logits": logits, "greedy": greedy, "probes": _probes(model)}, dst / "oracle.pt"
-    )
+    from safetensors.torch import load_file
+
+    probes = _probes(model, _quantized(load_file(str(dst / "model.safetensors"))))
+    torch.save({"prompts": prompts, "logits": logits, "greedy": greedy, "probes": probes}, dst / "oracle.pt")
 
 
 if __name__ == "__main__":

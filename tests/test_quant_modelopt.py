@@ -1,6 +1,6 @@
 """ModelOpt (NVIDIA Model Optimizer) checkpoints that its `export_hf_checkpoint` wrote (`modelopt_build.py`):
-ember holds the exported E4M3 bytes and scales, and computes what ModelOpt's own simulated quantization of
-the exported weights computes (`oracle.pt`), excluded modules, FP8 KV-cache scales and older exports'
+ember holds the exported bytes (E4M3, or FP4 E2M1 pairs) and scales, and computes what ModelOpt computes
+on the exported weights (`oracle.pt`), excluded modules, FP8 KV-cache scales and older exports'
 `hf_quant_config.json` included."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import nn
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant import modelopt
+from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8Linear, Fp8WeightOnlyLinear
 from ember_engine.model.quant.spec import QuantSpec
 
@@ -28,8 +29,10 @@ PRESETS = {
     "FP8_PB_WO": ("w8a16-fp8", False, Fp8WeightOnlyLinear),
     "FP8_PARTIAL": ("fp8", True, Fp8Linear),
     "FP8_KV": ("fp8", True, Fp8Linear),
+    "W4A16_NVFP4": ("nvfp4a16", False, Fp4Linear),
 }
-LEFT_OUT = ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj")
+WEIGHT_ONLY = ("w8a16-fp8", "nvfp4a16")
+DOWN = "model.layers.0.mlp.down_proj"
 
 
 def _forward(runner, prompt: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -75,11 +78,14 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
     # The exported bytes, as they are; each projection's scales expanded to its rows (and tiles).
     down = model.layers[0].mlp.down_proj
     assert isinstance(down, layer_class)
-    assert torch.equal(
-        down.weight.view(torch.uint8), stored["model.layers.0.mlp.down_proj.weight"].view(torch.uint8)
-    )
-    scale = stored["model.layers.0.mlp.down_proj.weight_scale"].float()
-    if preset == "FP8_PB_WO":  # [1, 1, 2, 1]: one row of tiles, two of columns
+    assert torch.equal(down.weight_data().view(torch.uint8), stored[DOWN + ".weight"].view(torch.uint8))
+    scale = stored[DOWN + ".weight_scale"].float()
+    if preset == "W4A16_NVFP4":  # E4M3 group scales as they are; weight_scale_2 multiplies, ours divides
+        assert torch.equal(
+            down.weight_scale.view(torch.uint8), stored[DOWN + ".weight_scale"].view(torch.uint8)
+        )
+        assert torch.equal(down.weight_global, (1 / stored[DOWN + ".weight_scale_2"]).expand(128))
+    elif preset == "FP8_PB_WO":  # [1, 1, 2, 1]: one row of tiles, two of columns
         assert down.weight_scale.shape == (128, 2) and torch.equal(
             down.weight_scale, scale.reshape(1, 2).expand(128, 2)
         )
@@ -94,7 +100,9 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
             model.layers[1].mlp.down_proj,
         ]
         assert all(type(m) is nn.Linear for m in plain)
-        assert torch.equal(model.layers[1].mlp.down_proj.weight, stored[LEFT_OUT[2] + ".weight"])
+        assert torch.equal(
+            model.layers[1].mlp.down_proj.weight, stored["model.layers.1.mlp.down_proj.weight"]
+        )
         assert isinstance(model.layers[2].mlp.down_proj, Fp8Linear)
     if preset == "FP8_KV":  # FP8_KV_CFG's scales, exported as k_proj.k_scale and v_proj.v_scale
         for i, layer in enumerate(runner.model.attention_layers()):
@@ -106,7 +114,7 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
     for name, (x, theirs) in probes.items():
         ours = _projection(runner.model, name, x)
         assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item(), name
-    # Logits. Weight-only: the same products, float rounding apart. With FP8 activations the two sides
+    # Logits. Weight-only (FP8_PB_WO, W4A16_NVFP4): the same products, float rounding apart. With FP8 activations the two sides
     # scale a value differently (ModelOpt multiplies by 448 / amax, ember divides by the exported scale,
     # amax / 448), which can round a value lying at the midpoint of two E4M3 steps the other way, and that
     # moves the rest of its prompt (measured: 3 to 6 of 8 prompts within 2.3e-5, the others 2.9e-3 to 2.6e-2
@@ -115,13 +123,13 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
     for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
         ours = _forward(runner, prompt)
         worst = (ours - theirs).abs().max().item() / (theirs.max() - theirs.min()).item()
-        assert worst <= (1e-5 if scheme == "w8a16-fp8" else 3e-2), (preset, worst)
+        assert worst <= (1e-5 if scheme in WEIGHT_ONLY else 3e-2), (preset, worst)
         close += worst <= 1e-4
-    assert close >= (8 if scheme == "w8a16-fp8" else 3), (preset, close)
+    assert close >= (8 if scheme in WEIGHT_ONLY else 3), (preset, close)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got = [g.token_ids for g in llm.generate(oracle["prompts"][:6], params, use_tqdm=False)]
     agree = sum(g == t for g, t in zip(got, oracle["greedy"], strict=True))
-    assert agree >= (6 if scheme == "w8a16-fp8" else 4), (preset, agree)
+    assert agree >= (6 if scheme in WEIGHT_ONLY else 4), (preset, agree)
 
 
 def _legacy(src: Path, dst: Path) -> Path:
@@ -161,7 +169,12 @@ def _edit_legacy(path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
             lambda q: q["quantization"].update(quant_algo="NVFP4"),
             {},
             r"modelopt checkpoint: quant_algo 'NVFP4' is not supported; supported: FP8, "
-            r"FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO",
+            r"FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4$",
+        ),
+        (
+            lambda q: q["quantization"].update(quant_algo="W4A16_NVFP4", group_size=32),
+            {},
+            r"modelopt checkpoint: W4A16_NVFP4 in groups of 32 is not supported; supported: groups of 16",
         ),
         (
             lambda q: q["quantization"].update(kv_cache_quant_algo="NVFP4"),

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember_engine.model.quant import bnb, gptq
+from ember_engine.model.quant import bnb, gptq, modelopt
 from ember_engine.model.quant.checkpoint import decode
 from ember_engine.model.quant.codebook_linear import CodebookLinear
 from ember_engine.model.quant.fp4_linear import Fp4Linear
@@ -226,6 +226,8 @@ class QuantCollector:
         self.offsets[key] = offset
         if spec.required() <= self.pending[key].keys():
             tensors = self.pending.pop(key)
+            if spec.format == modelopt.METHOD:
+                tensors = modelopt.canonical(spec, tensors)
             layer = self.layers[module]
             projection = name.rpartition(".")[0]
             if "g_idx" in tensors:

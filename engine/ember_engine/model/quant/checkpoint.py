@@ -12,7 +12,7 @@ Formats read:
 - bitsandbytes 4- and 8-bit (`quant_method: bitsandbytes`): read by `bnb.py`.
 - ModelOpt (`quant_method: modelopt`, or an older export's `hf_quant_config.json`): read by
   `modelopt.py`; FP8 `weight` with `weight_scale` per tensor, channel or 128 x 128 tile, static
-  `input_scale` or none.
+  `input_scale` or none; NVFP4 weights. `modelopt.canonical` gives their tensors compressed-tensors' forms.
 Anything else is refused by name, with what is supported.
 """
 
@@ -182,7 +182,7 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
     as the checkpoint holds them."""
     if spec.format in (*GPTQ_FORMATS, "awq"):
         return gptq.decode(spec, tensors)
-    if spec.format == "nvfp4-pack-quantized":
+    if spec.scheme in ("nvfp4a16", "nvfp4"):  # compressed-tensors', or ModelOpt's in their names
         return _decode_nvfp4(tensors)
     if spec.format == "bitsandbytes":
         return bnb.decode_bnb(spec, tensors, what)
@@ -199,8 +199,6 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
     else:
         weight = tensors["weight"]
         out, inp = weight.shape
-    if spec.format == modelopt.METHOD:
-        scale = modelopt.canonical_scale(spec, scale, out, inp)
     if spec.block_rows:
         tiles = (-(-out // spec.block_rows), -(-inp // spec.group_size))
         if tuple(scale.shape) != tiles:

@@ -14,8 +14,12 @@ Algorithms run (each projection's `weight` in E4M3 [out, in] with a float32 `wei
   model runs;
 - FP8_PB_WO: a weight scale per tile of 128 x 128, `weight_scale` [row tiles, 1, column tiles, 1] (a
   projection of one tile: one number), activations as they are (`w8a16-fp8`), as ModelOpt simulates it
-  (vLLM quantizes its activations per token and group of 128 columns).
-The others ModelOpt exports (NVFP4, W4A16_NVFP4, MXFP8, int4 AWQ, int8 SmoothQuant, W4A8, mixed
+  (vLLM quantizes its activations per token and group of 128 columns);
+- W4A16_NVFP4: `weight` two FP4 E2M1 values a byte (column 2j in the low nibble), an E4M3
+  `weight_scale` per group of 16 input columns and a float32 `weight_scale_2` per tensor that multiplies
+  it, activations as they are (`nvfp4a16`: compressed-tensors' NVFP4A16, whose global scale divides,
+  is its reciprocal).
+The others ModelOpt exports (NVFP4 with FP4 activations, MXFP8, int4 AWQ, int8 SmoothQuant, W4A8, mixed
 precision) are refused by name.
 
 Excluded modules are written as names or wildcards ("model.layers.1.mlp*"); a projection is left in full
@@ -44,6 +48,7 @@ ALGOS = {
     "FP8": QuantSpec("fp8", METHOD, group_size=0, static_input=True),
     "FP8_PER_CHANNEL_PER_TOKEN": QuantSpec("fp8", METHOD, group_size=0),
     "FP8_PB_WO": QuantSpec("w8a16-fp8", METHOD, group_size=BLOCK, block_rows=BLOCK),
+    "W4A16_NVFP4": QuantSpec("nvfp4a16", METHOD, group_size=16, num_bits=4),
 }
 KV_ALGOS = ("FP8",)
 
@@ -108,19 +113,47 @@ def parse(qc: dict[str, Any]) -> QuantSpec:
         raise UnsupportedQuantizationError(
             f"modelopt checkpoint: quant_algo {algo!r} is not supported; supported: {', '.join(ALGOS)}"
         )
-    return dataclasses.replace(ALGOS[algo], ignore=ignore_patterns(exclude))
+    spec = ALGOS[algo]
+    if spec.num_bits == 4:
+        groups = _group_sizes(qc) - {spec.group_size}
+        if groups:
+            raise UnsupportedQuantizationError(
+                f"modelopt checkpoint: {algo} in groups of {sorted(groups)[0]} is not supported; supported: "
+                f"groups of {spec.group_size}"
+            )
+    return dataclasses.replace(spec, ignore=ignore_patterns(exclude))
 
 
-def canonical_scale(spec: QuantSpec, scale: torch.Tensor, out: int, inp: int) -> torch.Tensor:
-    """FP8_PB_WO's `weight_scale` as [row tiles, column tiles]; the others' as they are."""
+def _group_sizes(qc: dict[str, Any]) -> set[Any]:
+    """The weight group sizes a config names: the older file's `group_size`, or `config.json`'s, at the
+    top or in its config groups' weights."""
+    legacy = qc.get("quantization")
+    sizes = {legacy.get("group_size")} if isinstance(legacy, dict) else {qc.get("group_size")}
+    for group in (qc.get("config_groups") or {}).values():
+        sizes.add(((group or {}).get("weights") or {}).get("group_size"))
+    return sizes - {None}
+
+
+def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One projection's tensors in the names and shapes the compressed-tensors forms have: FP8_PB_WO's
+    `weight_scale` as [row tiles, column tiles]; W4A16_NVFP4's as NVFP4A16's (`weight_packed`, and
+    `weight_global_scale`, the reciprocal of `weight_scale_2`)."""
+    if spec.scheme == "nvfp4a16":
+        return {
+            "weight_packed": tensors["weight"],
+            "weight_scale": tensors["weight_scale"],
+            "weight_global_scale": 1.0 / tensors["weight_scale_2"].float(),
+        }
     if not spec.block_rows:
-        return scale
+        return tensors
+    scale = tensors["weight_scale"]
+    out, inp = tensors["weight"].shape
     tiles = (-(-out // spec.block_rows), -(-inp // spec.group_size))
     if scale.dim() == 4 and scale.shape[1] == scale.shape[3] == 1:
         scale = scale.reshape(scale.shape[0], scale.shape[2])
     elif scale.numel() == 1 and tiles == (1, 1):
         scale = scale.reshape(1, 1)
-    return scale
+    return {**tensors, "weight_scale": scale}
 
 
 def check_kv_scheme(qc: dict[str, Any]) -> None:

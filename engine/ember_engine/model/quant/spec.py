@@ -109,6 +109,7 @@ class QuantSpec:
             | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
             "modelopt": frozenset({"weight", "weight_scale"})
+            | ({"weight_scale_2"} if self.scheme == "nvfp4a16" else set())
             | ({"input_scale"} if self.static_input else set()),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
