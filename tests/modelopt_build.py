@@ -7,7 +7,9 @@ PRESET: FP8 (FP8_DEFAULT_CFG: E4M3 weights per tensor, static per-tensor input s
 (FP8_PER_CHANNEL_PER_TOKEN_CFG), FP8_PB_WO (FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG: weights in tiles of 128 x 128,
 activations as they are), FP8_KV (FP8 with FP8_KV_CFG's static K and V scales) or FP8_PARTIAL
 (FP8 with layer 1's MLP and layer 0's o_proj left unquantized, which the export lists in its
-`exclude_modules`) or W4A16_NVFP4 (W4A16_NVFP4_CFG: FP4 weights in groups of 16 with E4M3 scales under a
+`exclude_modules`), MIXED (FP8 on the attention projections but layer 3's o_proj, FP8_PB_WO's
+block-scaled weights on the MLPs: ModelOpt exports MIXED_PRECISION, a `quantized_layers` entry a
+projection) or W4A16_NVFP4 (W4A16_NVFP4_CFG: FP4 weights in groups of 16 with E4M3 scales under a
 scale per tensor, activations as they are).
 
 No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own: for the FP8 presets its
@@ -43,6 +45,13 @@ def _config(preset: str) -> dict:  # type: ignore[type-arg]
         config["quant_cfg"] += copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
     elif preset == "FP8_PARTIAL":
         config["quant_cfg"] += [{"quantizer_name": pattern, "enable": False} for pattern in PARTIAL]
+    elif preset == "MIXED":
+        blocks = {"num_bits": (4, 3), "axis": None, "block_sizes": {-1: 128, -2: 128}}
+        config["quant_cfg"] += [
+            {"quantizer_name": "*mlp*weight_quantizer", "cfg": blocks},
+            {"quantizer_name": "*mlp*input_quantizer", "enable": False},
+            {"quantizer_name": "*layers.3.self_attn.o_proj*", "enable": False},
+        ]
     else:
         assert preset == "FP8", preset
     return config

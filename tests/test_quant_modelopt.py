@@ -30,6 +30,7 @@ PRESETS = {
     "FP8_PARTIAL": ("fp8", True, Fp8Linear),
     "FP8_KV": ("fp8", True, Fp8Linear),
     "W4A16_NVFP4": ("nvfp4a16", False, Fp4Linear),
+    "MIXED": ("mixed", False, Fp8WeightOnlyLinear),  # its MLPs; FP8 with static scales on attention
 }
 WEIGHT_ONLY = ("w8a16-fp8", "nvfp4a16")
 DOWN = "model.layers.0.mlp.down_proj"
@@ -85,7 +86,7 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
             down.weight_scale.view(torch.uint8), stored[DOWN + ".weight_scale"].view(torch.uint8)
         )
         assert torch.equal(down.weight_global, (1 / stored[DOWN + ".weight_scale_2"]).expand(128))
-    elif preset == "FP8_PB_WO":  # [1, 1, 2, 1]: one row of tiles, two of columns
+    elif layer_class is Fp8WeightOnlyLinear:  # [1, 1, 2, 1]: one row of tiles, two of columns
         assert down.weight_scale.shape == (128, 2) and torch.equal(
             down.weight_scale, scale.reshape(1, 2).expand(128, 2)
         )
@@ -104,20 +105,27 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
             model.layers[1].mlp.down_proj.weight, stored["model.layers.1.mlp.down_proj.weight"]
         )
         assert isinstance(model.layers[2].mlp.down_proj, Fp8Linear)
+    if preset == "MIXED":  # MIXED_PRECISION: a projection quantized_layers does not list stays as it is
+        assert {g.scheme for g in runner.quant.groups} == {"fp8", "w8a16-fp8"}
+        attention = [layer.self_attn for layer in model.layers]
+        assert all(
+            isinstance(a.qkv_proj, Fp8Linear) and a.qkv_proj.input_scale is not None for a in attention
+        )
+        assert type(attention[3].o_proj) is nn.Linear and isinstance(attention[2].o_proj, Fp8Linear)
     if preset == "FP8_KV":  # FP8_KV_CFG's scales, exported as k_proj.k_scale and v_proj.v_scale
         for i, layer in enumerate(runner.model.attention_layers()):
             assert layer.k_scale == float(stored[f"model.layers.{i}.self_attn.k_proj.k_scale"]) != 1.0
             assert layer.v_scale == float(stored[f"model.layers.{i}.self_attn.v_proj.v_scale"]) != 1.0
     # Each projection, given the input ModelOpt's was given, gives its output (float rounding apart).
     probes = oracle["probes"]
-    assert len(probes) == (28 - 4 if preset == "FP8_PARTIAL" else 28)  # 4 layers of 7 projections
+    assert len(probes) == 28 - {"FP8_PARTIAL": 4, "MIXED": 1}.get(preset, 0)  # 4 layers of 7 projections
     for name, (x, theirs) in probes.items():
         ours = _projection(runner.model, name, x)
         assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item(), name
     # Logits. Weight-only (FP8_PB_WO, W4A16_NVFP4): the same products, float rounding apart. With FP8 activations the two sides
     # scale a value differently (ModelOpt multiplies by 448 / amax, ember divides by the exported scale,
     # amax / 448), which can round a value lying at the midpoint of two E4M3 steps the other way, and that
-    # moves the rest of its prompt (measured: 3 to 6 of 8 prompts within 2.3e-5, the others 2.9e-3 to 2.6e-2
+    # moves the rest of its prompt (measured: 3 to 7 of 8 prompts within 2.3e-5, the others 2.9e-3 to 2.6e-2
     # of the range).
     close = 0
     for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
@@ -141,10 +149,13 @@ def _legacy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_an_older_export_is_read_from_hf_quant_config_json(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    path = quantized_model("tiny", "FP8_PARTIAL", BUILD)
+@pytest.mark.parametrize("preset", ["FP8_PARTIAL", "MIXED"])
+def test_an_older_export_is_read_from_hf_quant_config_json(
+    preset: str, quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    path = quantized_model("tiny", preset, BUILD)
     legacy = _legacy(path, tmp_path / "legacy")
-    new, old = _llm(path, "FP8_PARTIAL").engine.runner, _llm(legacy, "FP8_PARTIAL").engine.runner
+    new, old = _llm(path, preset).engine.runner, _llm(legacy, preset).engine.runner
     assert old.quant == new.quant
     prompt = torch.load(path / "oracle.pt")["prompts"][0]
     assert torch.equal(_forward(old, prompt), _forward(new, prompt))
@@ -169,7 +180,7 @@ def _edit_legacy(path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
             lambda q: q["quantization"].update(quant_algo="NVFP4"),
             {},
             r"modelopt checkpoint: quant_algo 'NVFP4' is not supported; supported: FP8, "
-            r"FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4$",
+            r"FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4, MIXED_PRECISION$",
         ),
         (
             lambda q: q["quantization"].update(quant_algo="W4A16_NVFP4", group_size=32),
@@ -199,6 +210,38 @@ def test_configs_it_cannot_run_are_refused_by_name(
     path = _edit_legacy(_legacy(quantized_model("tiny", "FP8", BUILD), tmp_path / "m"), edit)
     with pytest.raises(ValueError, match=error):
         LLM(str(path), num_kv_blocks=16, **options)
+
+
+def _layers(q: dict) -> dict:  # type: ignore[type-arg]
+    return q["quantization"]["quantized_layers"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "error"),
+    [
+        (
+            lambda q: _layers(q).update(
+                {"model.layers.0.mlp.gate_proj": {"quant_algo": "NVFP4", "group_size": 16}}
+            ),
+            r"modelopt checkpoint: model.layers.0.mlp.gate_proj: quant_algo 'NVFP4' is not supported; supported: "
+            r"FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4$",
+        ),
+        (
+            lambda q: _layers(q).update(
+                {"model.layers.1.self_attn.k_proj": {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}}
+            ),
+            r"model.layers.1.self_attn: k_proj is fp8 \(modelopt, per channel\) but q_proj, v_proj are fp8 "
+            r"\(modelopt, per channel, static input scales\) \(config groups\)",
+        ),
+        (lambda q: q["quantization"].pop("quantized_layers"), r"MIXED_PRECISION needs quantized_layers"),
+    ],
+)
+def test_mixed_precision_it_cannot_run_is_refused_by_name(
+    edit, error: str, quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    path = _edit_legacy(_legacy(quantized_model("tiny", "MIXED", BUILD), tmp_path / "m"), edit)
+    with pytest.raises(ValueError, match=error):
+        LLM(str(path), num_kv_blocks=16)
 
 
 def test_a_dynamic_kv_cache_scheme_is_refused_with_an_fp8_cache(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,8 @@ cache, `kv_cache_scheme`. Earlier exports wrote only `hf_quant_config.json`, who
 `quantization_config`. Either is given to the rest of the engine as one dict with `quant_method:
 modelopt` (`read_legacy`).
 
-Algorithms run (each projection's `weight` in E4M3 [out, in] with a float32 `weight_scale`):
+Algorithms run (each projection's `weight` with its `weight_scale`; FP8's in E4M3 [out, in], scales
+float32):
 - FP8: one weight scale per tensor and a calibrated `input_scale` per tensor (static activations);
 - FP8_PER_CHANNEL_PER_TOKEN: a weight scale per output channel, activations quantized per token as the
   model runs;
@@ -18,9 +19,12 @@ Algorithms run (each projection's `weight` in E4M3 [out, in] with a float32 `wei
 - W4A16_NVFP4: `weight` two FP4 E2M1 values a byte (column 2j in the low nibble), an E4M3
   `weight_scale` per group of 16 input columns and a float32 `weight_scale_2` per tensor that multiplies
   it, activations as they are (`nvfp4a16`: compressed-tensors' NVFP4A16, whose global scale divides,
-  is its reciprocal).
-The others ModelOpt exports (NVFP4 with FP4 activations, MXFP8, int4 AWQ, int8 SmoothQuant, W4A8, mixed
-precision) are refused by name.
+  is its reciprocal);
+- MIXED_PRECISION (what `mtq.auto_quantize` exports, or a config that quantizes layers differently):
+  `quantized_layers` gives each quantized projection its own algorithm of these; a projection it does not
+  list stays in full precision (`mixed`, each group's projections named).
+The others ModelOpt exports (NVFP4 with FP4 activations, MXFP8, int4 AWQ, int8 SmoothQuant, W4A8) are
+refused by name.
 
 Excluded modules are written as names or wildcards ("model.layers.1.mlp*"); a projection is left in full
 precision where an entry is its name, matches it as a shell-style wildcard (`fnmatch`) or, for an entry
@@ -51,6 +55,7 @@ ALGOS = {
     "W4A16_NVFP4": QuantSpec("nvfp4a16", METHOD, group_size=16, num_bits=4),
 }
 KV_ALGOS = ("FP8",)
+MIXED = "MIXED_PRECISION"
 
 
 def read_legacy(model_dir: str | Path) -> dict[str, Any] | None:
@@ -109,29 +114,44 @@ def ignore_patterns(exclude: list[str]) -> tuple[str, ...]:
 
 def parse(qc: dict[str, Any]) -> QuantSpec:
     algo, exclude, _ = _fields(qc)
+    ignore = ignore_patterns(exclude)
+    if algo != MIXED:
+        legacy = qc.get("quantization")
+        sizes = {legacy.get("group_size")} if isinstance(legacy, dict) else {qc.get("group_size")}
+        for group in (qc.get("config_groups") or {}).values():
+            sizes.add(((group or {}).get("weights") or {}).get("group_size"))
+        return dataclasses.replace(_algo_spec(algo, sizes - {None}, ""), ignore=ignore)
+    layers = (qc.get("quantization") or qc).get("quantized_layers")
+    if not (isinstance(layers, dict) and layers and all(isinstance(c, dict) for c in layers.values())):
+        raise UnsupportedQuantizationError(
+            f"modelopt checkpoint: {MIXED} needs quantized_layers, each layer's config, found {layers!r}"
+        )
+    names: dict[str, list[str]] = {}
+    for name, config in layers.items():
+        algo = str(config.get("quant_algo", "")).upper()
+        _algo_spec(algo, {config.get("group_size")} - {None}, f"{name}: ")
+        names.setdefault(algo, []).append(name)
+    groups = tuple(
+        dataclasses.replace(_algo_spec(algo, set(), ""), targets=tuple(sorted(members)), ignore=ignore)
+        for algo, members in sorted(names.items())
+    )
+    return QuantSpec("mixed", METHOD, group_size=0, targets=(), ignore=ignore, groups=groups)
+
+
+def _algo_spec(algo: str, group_sizes: set[Any], where: str) -> QuantSpec:
+    """The spec of one algorithm (`where`: the layer it is for, in a mixed config), its group sizes checked."""
     if algo not in ALGOS:
         raise UnsupportedQuantizationError(
-            f"modelopt checkpoint: quant_algo {algo!r} is not supported; supported: {', '.join(ALGOS)}"
+            f"modelopt checkpoint: {where}quant_algo {algo!r} is not supported; supported: "
+            f"{', '.join(ALGOS)}" + ("" if where else f", {MIXED}")
         )
     spec = ALGOS[algo]
-    if spec.num_bits == 4:
-        groups = _group_sizes(qc) - {spec.group_size}
-        if groups:
-            raise UnsupportedQuantizationError(
-                f"modelopt checkpoint: {algo} in groups of {sorted(groups)[0]} is not supported; supported: "
-                f"groups of {spec.group_size}"
-            )
-    return dataclasses.replace(spec, ignore=ignore_patterns(exclude))
-
-
-def _group_sizes(qc: dict[str, Any]) -> set[Any]:
-    """The weight group sizes a config names: the older file's `group_size`, or `config.json`'s, at the
-    top or in its config groups' weights."""
-    legacy = qc.get("quantization")
-    sizes = {legacy.get("group_size")} if isinstance(legacy, dict) else {qc.get("group_size")}
-    for group in (qc.get("config_groups") or {}).values():
-        sizes.add(((group or {}).get("weights") or {}).get("group_size"))
-    return sizes - {None}
+    if spec.num_bits == 4 and group_sizes - {spec.group_size}:
+        raise UnsupportedQuantizationError(
+            f"modelopt checkpoint: {where}{algo} in groups of {sorted(group_sizes - {spec.group_size})[0]} is "
+            f"not supported; supported: groups of {spec.group_size}"
+        )
+    return spec
 
 
 def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
