@@ -145,6 +145,15 @@ def build(src: Path, dst: Path, preset: str) -> None:
         model = _nvfp4_model(src, dst)
     else:
         _exported_weights(model, dst)
+    oracle(model, dst)
+
+
+def oracle(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
+    """`dst/oracle.pt`: `model`'s logits for 8 fixed prompts, its greedy tokens after 6 of them, and each
+    projection the export at `dst` quantized (a `weight_scale`) given a fixed input."""
+    import torch
+    from safetensors.torch import load_file
+
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(10, 4000, (PROMPT_LENGTH + i,), generator=gen).tolist() for i in range(PROMPTS)]
     with torch.inference_mode():
@@ -159,8 +168,6 @@ def build(src: Path, dst: Path, preset: str) -> None:
                 pad_token_id=0,
             )
             greedy.append(ids[0, len(p) :].tolist())
-    from safetensors.torch import load_file
-
     probes = _probes(model, _quantized(load_file(str(dst / "model.safetensors"))))
     torch.save({"prompts": prompts, "logits": logits, "greedy": greedy, "probes": probes}, dst / "oracle.pt")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 QUANT_SCHEMES = ("fp8", "w8a16", "w4a16", "w8a8", "bitsandbytes")
 # A quantized checkpoint's own method, also accepted as `quantization` for it (vLLM's names; the checkpoint
 # runs in its own scheme). fp8 and bitsandbytes are schemes too.
-CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "modelopt")
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "modelopt", "quark")
 # KV cache element types (README "FP8 KV cache"): auto is the model's dtype; fp8_e4m3 is fp8 (vLLM's
 # name for the same cache); fp8_e5m2 is E5M2, with the same per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")

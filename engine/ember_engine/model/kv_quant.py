@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ember_engine.model import cpu_kv
-from ember_engine.model.quant import modelopt
+from ember_engine.model.quant import modelopt, quark
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -62,10 +62,11 @@ Scale = float | Tensor
 def check_checkpoint_scheme(quantization_config: dict[str, Any] | None) -> None:
     """Refuse, by name, a checkpoint's KV-cache scheme (compressed-tensors `kv_cache_scheme`) whose scales
     an FP8 cache cannot use: only static, symmetric FP8 with one scale per tensor or per KV head is
-    (ModelOpt's configs: `modelopt.check_kv_scheme`)."""
-    if (quantization_config or {}).get("quant_method") == modelopt.METHOD:
+    (ModelOpt's and Quark's configs: `modelopt.check_kv_scheme`, `quark.check_kv_scheme`)."""
+    method = (quantization_config or {}).get("quant_method")
+    if method in (modelopt.METHOD, quark.METHOD):
         assert quantization_config is not None
-        modelopt.check_kv_scheme(quantization_config)
+        (modelopt if method == modelopt.METHOD else quark).check_kv_scheme(quantization_config)
         return
     scheme = (quantization_config or {}).get("kv_cache_scheme")
     if not scheme:

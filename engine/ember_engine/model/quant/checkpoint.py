@@ -13,6 +13,8 @@ Formats read:
 - ModelOpt (`quant_method: modelopt`, or an older export's `hf_quant_config.json`): read by
   `modelopt.py`; FP8 `weight` with `weight_scale` per tensor, channel or 128 x 128 tile, static
   `input_scale` or none; NVFP4 weights. `modelopt.canonical` gives their tensors compressed-tensors' forms.
+- AMD Quark (`quant_method: quark`): read by `quark.py`; FP8 `weight` with `weight_scale` per tensor or
+  channel, static `input_scale` or none.
 Anything else is refused by name, with what is supported.
 """
 
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 
 from ember_engine.core.config import CHECKPOINT_METHODS
-from ember_engine.model.quant import bnb, compressed_tensors, gptq, modelopt, schemes
+from ember_engine.model.quant import bnb, compressed_tensors, gptq, modelopt, quark, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
 
@@ -97,6 +99,8 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
         return compressed_tensors.parse(qc)
     if qc.get("quant_method") == modelopt.METHOD:
         return modelopt.parse(qc)
+    if qc.get("quant_method") == quark.METHOD:
+        return quark.parse(qc)
     spec = _scheme(qc)
     # The LM head stays as it is but where a GPTQ config says `lm_head: true`.
     head = () if qc.get("quant_method") == "gptq" and qc.get("lm_head") else ("lm_head",)
@@ -147,7 +151,7 @@ def _scheme(qc: dict[str, Any]) -> QuantSpec:
     raise UnsupportedQuantizationError(
         f"quantization_config: quant_method {method!r} is not supported; supported: compressed-tensors "
         f"({', '.join(compressed_tensors.FORMATS)}, {compressed_tensors.MIXED}), fp8, gptq, awq, "
-        f"bitsandbytes (4- and 8-bit), {modelopt.METHOD} ({', '.join(modelopt.ALGOS)})"
+        f"bitsandbytes (4- and 8-bit), {modelopt.METHOD} ({', '.join(modelopt.ALGOS)}), {quark.METHOD} (FP8)"
     )
 
 

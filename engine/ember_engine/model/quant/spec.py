@@ -40,7 +40,7 @@ class QuantSpec:
     # bnb-int8, mixed (see groups)
     scheme: str
     # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
-    # hf-fp8 | modelopt | gptq | gptq_v2 | awq | bitsandbytes | bitsandbytes-8bit | mixed-precision (a
+    # hf-fp8 | modelopt | quark | gptq | gptq_v2 | awq | bitsandbytes | bitsandbytes-8bit | mixed-precision (a
     # compressed-tensors config of scheme mixed: each group has its own format; a mixed GPTQ one keeps
     # gptq or gptq_v2)
     format: str
@@ -97,20 +97,19 @@ class QuantSpec:
 
     def required(self) -> frozenset[str]:
         """The tensor suffixes one projection needs before it can be decoded."""
+        # a weight and its scales, and a calibrated input scale where the inputs have one
+        scaled = frozenset({"weight", "weight_scale"}) | ({"input_scale"} if self.static_input else set())
         return {
-            "float-quantized": frozenset({"weight", "weight_scale"})
-            | ({"input_scale"} if self.static_input else set()),
+            "float-quantized": scaled,
             "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"})
             | ({"weight_zero_point"} if self.zero_points else set()),
             "int-quantized": frozenset({"weight", "weight_scale"}),
-            "naive-quantized": frozenset({"weight", "weight_scale"})
-            | ({"input_scale"} if self.static_input else set()),
+            "naive-quantized": scaled,
             "nvfp4-pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_global_scale"})
             | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
-            "modelopt": frozenset({"weight", "weight_scale"})
-            | ({"weight_scale_2"} if self.scheme == "nvfp4a16" else set())
-            | ({"input_scale"} if self.static_input else set()),
+            "quark": scaled,
+            "modelopt": scaled | ({"weight_scale_2"} if self.scheme == "nvfp4a16" else set()),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "awq": GPTQ_TENSORS,
