@@ -161,15 +161,19 @@ def test_unsupported_architecture_is_named(tiny_model: Path, tmp_path: Path) -> 
     assert "LlamaForCausalLM" in str(exc.value) and "Qwen2ForCausalLM" in str(exc.value)
 
 
-@pytest.mark.parametrize("damage", ["missing", "misshaped"])
+@pytest.mark.parametrize("damage", ["missing", "misshaped", "fp8", "int8"])
 def test_bad_tensor_is_named(tiny_model: Path, tmp_path: Path, damage: str) -> None:
+    # A quantized type where the config quantizes nothing (an FP8 or int8 weight without its scales, say a
+    # config that lost its quantization_config) is refused, not widened to the model dtype as it is.
     model = _copy(tiny_model, tmp_path / "m")
     tensors = load_file(model / "model.safetensors")
     name = "model.layers.1.self_attn.k_proj.weight"
     if damage == "missing":
         del tensors[name]
-    else:
+    elif damage == "misshaped":
         tensors[name] = tensors[name][:, :-1].contiguous()
+    else:
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn if damage == "fp8" else torch.int8)
     save_file(tensors, model / "model.safetensors")
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         LLM(str(model))

@@ -57,6 +57,10 @@ def iter_slices(model_dir: Path) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
+# The element types a full-precision parameter is loaded from.
+_FULL_PRECISION = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _shard_sizes(model: LlamaForCausalLM, merged: str) -> list[int]:
     s, d = model.shard, model.config.head_dim
     if merged == "qkv_proj":
@@ -126,6 +130,11 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCol
         if tuple(dest.shape) != tuple(tensor.shape):
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
+        if tensor.dtype not in _FULL_PRECISION:  # copy_ would widen the bytes and drop their scales
+            raise CheckpointError(
+                f"tensor {name!r} is {tensor.dtype}, a quantized type, but the checkpoint's config "
+                "(quantization_config) does not quantize its layer"
             )
         dest.copy_(tensor)
         loaded.add(name)
