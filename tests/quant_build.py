@@ -7,7 +7,8 @@ weights and activations, a global activation scale per projection), the last two
 sequences of 64 token ids: drawn from a fixed seed, or for the packaged pair's target windows of its
 training split. W8A16_PARTIAL is W8A16 with layer 1's MLP and layer 0's o_proj left in full precision
 (`ignore`), FP8_DYNAMIC_ATTENTION FP8_DYNAMIC on the attention projections alone (`targets`), and
-W4A16_GPTQ W4A16 by llm-compressor's GPTQ (calibrated, activation order "weight"). FP8_WEIGHT is FP8
+W4A16_GPTQ W4A16 by llm-compressor's GPTQ (calibrated, activation order "weight"), and FP8_DYNAMIC_GPTQ
+FP8_DYNAMIC by the same GPTQ (FP8 weights rounded to compensate each other's error). FP8_WEIGHT is FP8
 weights per channel with no input activations (weight-only; vLLM's W8A16-FP8), a scheme of ours given to
 llm-compressor as a config group.
 """
@@ -18,7 +19,8 @@ import shutil
 import sys
 from pathlib import Path
 
-CALIBRATED = ("FP8", "NVFP4", "W4A16_GPTQ")
+CALIBRATED = ("FP8", "NVFP4", "W4A16_GPTQ", "FP8_DYNAMIC_GPTQ")
+GPTQ = {"W4A16_GPTQ": "W4A16", "FP8_DYNAMIC_GPTQ": "FP8_DYNAMIC"}  # presets of ours: llm-compressor's GPTQ
 # Presets of ours: (llm-compressor's preset, extra ignore entries, targets). Some projections left in full
 # precision by name or pattern, or only the attention projections quantized.
 PARTIAL = {
@@ -34,10 +36,10 @@ def build(src: Path, dst: Path, scheme: str) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
     preset, ignore, targets = PARTIAL.get(scheme, (scheme, [], ["Linear"]))
-    if scheme == "W4A16_GPTQ":  # GPTQ's error-compensating rounding, as most "...-W4A16" downloads are made
-        from llmcompressor.modifiers.quantization import GPTQModifier
+    if scheme in GPTQ:  # GPTQ's error-compensating rounding, as most "...-W4A16" downloads are made
+        from llmcompressor.modifiers.gptq import GPTQModifier
 
-        recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"], actorder="weight")
+        recipe = GPTQModifier(targets="Linear", scheme=GPTQ[scheme], ignore=["lm_head"], actorder="weight")
     elif scheme == "FP8_WEIGHT":
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
