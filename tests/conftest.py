@@ -62,7 +62,7 @@ def quantized_checkpoint(size: str, preset: str, script: str = "quant_build.py")
     build = Path(__file__).with_name(script)
     key = hashlib.sha256(build.read_bytes()).hexdigest()[:8]
     path = _cache_root() / f"{size}-{preset.lower()}-{key}"
-    if not (path / "config.json").exists():
+    if not path.exists():  # it appears whole: built under another name, then renamed
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         if size == "trained":
             from ember_engine.tools.spec_pair import packaged_pair

@@ -8,7 +8,16 @@ from dataclasses import dataclass
 QUANT_SCHEMES = ("fp8", "w8a16", "w4a16", "w8a8", "bitsandbytes")
 # A quantized checkpoint's own method, also accepted as `quantization` for it (vLLM's names; the checkpoint
 # runs in its own scheme). fp8 and bitsandbytes are schemes too.
-CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "modelopt", "quark")
+CHECKPOINT_METHODS = (
+    "compressed-tensors",
+    "gptq",
+    "gptq_marlin",
+    "awq",
+    "awq_marlin",
+    "modelopt",
+    "quark",
+    "gguf",
+)
 # KV cache element types (README "FP8 KV cache"): auto is the model's dtype; fp8_e4m3 is fp8 (vLLM's
 # name for the same cache); fp8_e5m2 is E5M2, with the same per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -16,7 +25,10 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str
+    model: str  # a Hugging Face checkpoint directory, or a .gguf file
+    # The directory of the tokenizer files (tokenizer.json) when they are not the model's (a GGUF file's
+    # base model)
+    tokenizer: str | None = None
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings

@@ -18,6 +18,7 @@ from ember_engine.core.request import Request
 from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.distributed.workers import WorkerPool
+from ember_engine.model import gguf
 from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
 from ember_engine.model.parallel import SINGLE, check_tensor_parallel, refuse_quantized
@@ -54,15 +55,14 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
-        self.config = config
+        self.config = gguf.describe(config)  # a .gguf model: the directory describing it
         self.model_config = ModelConfig.from_dir(config.model)
-        self.tokenizer = Tokenizer(config.model)
+        self.tokenizer = Tokenizer(config.tokenizer or config.model)
         limit = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit}")
         self.max_model_len = config.max_model_len or limit
-        draft_config = None
-        extra_block_bytes = reserved = 0
+        draft_config, extra_block_bytes, reserved = None, 0, 0
         if config.speculation == "draft":
             draft_config = draft_model_config(config, self.model_config, self.max_model_len)
             extra_block_bytes, reserved = draft_cache_bytes(config, draft_config)

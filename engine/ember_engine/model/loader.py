@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ember_engine.model import kv_quant
+from ember_engine.model import gguf, kv_quant
 from ember_engine.model.llama import Attention, LlamaForCausalLM
 from ember_engine.model.quant.apply import QuantCollector
 
@@ -50,7 +50,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def iter_slices(model_dir: Path) -> Iterator[tuple[str, Any]]:
-    """(name, safetensors slice) of every checkpoint tensor: nothing is read until the slice is indexed."""
+    """(name, safetensors slice) of every checkpoint tensor: nothing is read until the slice is indexed.
+    A GGUF file's directory (`gguf.materialize`) gives its tensors, read from the file."""
+    if gguf.file_of(model_dir) is not None:
+        yield from gguf.iter_tensors(model_dir)
+        return
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping

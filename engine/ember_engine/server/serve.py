@@ -17,7 +17,12 @@ log = logging.getLogger("ember.serve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory, or a .gguf file")
+    p.add_argument(
+        "--tokenizer",
+        help="directory of the tokenizer files (tokenizer.json) when they are not --model's: a GGUF file's base "
+        "model (default: the files beside it)",
+    )
     p.add_argument("--served-model-name", help="the name clients use (default: the directory's name)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
@@ -120,6 +125,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
 
     return EngineConfig(
         model=args.model,
+        tokenizer=args.tokenizer,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,

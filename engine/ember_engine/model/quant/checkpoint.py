@@ -15,6 +15,8 @@ Formats read:
   `input_scale` or none; NVFP4 weights. `modelopt.canonical` gives their tensors compressed-tensors' forms.
 - AMD Quark (`quant_method: quark`): read by `quark.py`; FP8 `weight` with `weight_scale` per tensor or
   channel, static `input_scale` or none.
+- GGUF (a `.gguf` file, described as a model directory by `model/gguf.py`, `quant_method: gguf`): Q8_0 and
+  Q4_0 projections, int values with a scale per block of 32, as `w8a16` and `w4a16`.
 Anything else is refused by name, with what is supported.
 """
 
@@ -101,6 +103,10 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
         return modelopt.parse(qc)
     if qc.get("quant_method") == quark.METHOD:
         return quark.parse(qc)
+    if qc.get("quant_method") == "gguf":
+        from ember_engine.model import gguf
+
+        return gguf.parse(qc)
     spec = _scheme(qc)
     # The LM head stays as it is but where a GPTQ config says `lm_head: true`.
     head = () if qc.get("quant_method") == "gptq" and qc.get("lm_head") else ("lm_head",)

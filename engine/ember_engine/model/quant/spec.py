@@ -40,7 +40,7 @@ class QuantSpec:
     # bnb-int8, mixed (see groups)
     scheme: str
     # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
-    # hf-fp8 | modelopt | quark | gptq | gptq_v2 | awq | bitsandbytes | bitsandbytes-8bit | mixed-precision (a
+    # hf-fp8 | modelopt | quark | gguf | gptq | gptq_v2 | awq | bitsandbytes | bitsandbytes-8bit | mixed-precision (a
     # compressed-tensors config of scheme mixed: each group has its own format; a mixed GPTQ one keeps
     # gptq or gptq_v2)
     format: str
@@ -109,6 +109,7 @@ class QuantSpec:
             | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
             "quark": scaled,
+            "gguf": frozenset({"weight", "weight_scale"}),
             "modelopt": scaled | ({"weight_scale_2"} if self.scheme == "nvfp4a16" else set()),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),

@@ -1,0 +1,307 @@
+"""GGUF checkpoints (llama.cpp's single-file format; what "…-GGUF" downloads hold), read with the `gguf`
+package.
+
+A `.gguf` file given as the model is first described as a model directory (`materialize`): a
+`config.json` built from the file's metadata (with `gguf_file` naming the file, and, where it holds
+projections in Q8_0 or Q4_0, a `quantization_config` with `quant_method: gguf` listing them), and the
+tokenizer files of the base model (`tokenizer`, or the ones beside the file). The loader then reads the
+tensors from the file itself (`iter_tensors`), under the Hugging Face names the engine loads:
+
+- Q8_0 (blocks of 32 int8 values, one float16 scale each) runs as `w8a16` in groups of 32, and Q4_0
+  (32 4-bit values less 8, one float16 scale) as `w4a16` in groups of 32: the same values and scales, so
+  the bytes the file holds are what the engine multiplies with.
+- Every other type (F32, F16, BF16, Q4_1, Q5_0, Q5_1, the K-quants, the IQ types) is dequantized at load
+  by the `gguf` package into the model dtype, and so are the token embeddings, and the parts of a merged
+  projection (q/k/v, gate/up) when they are stored in different types.
+
+llama.cpp stores a llama model's q and k rows permuted for its rotary embedding (each head's two halves
+interleaved); they are put back in Hugging Face's order here. Architectures read: llama (which covers
+Mistral's conversions too); the others are refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+from ember_engine.model.quant.spec import QuantSpec
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+KEPT = {"Q8_0": ("w8a16", 8), "Q4_0": ("w4a16", 4)}  # types run as they are stored
+BLOCK = 32  # values per Q8_0 / Q4_0 block
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class GGUFError(ValueError):
+    pass
+
+
+def is_gguf(model: str | Path) -> bool:
+    return str(model).endswith(".gguf")
+
+
+def _reader(path: Path) -> Any:
+    import gguf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a GGUF model is a .gguf file")
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def hf_name(name: str) -> str:
+    """A GGUF tensor's Hugging Face name ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight")."""
+    base, _, suffix = name.rpartition(".")
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{suffix}"
+    if len(parts) == 1 and parts[0] in _TOP:
+        return f"{_TOP[parts[0]]}.{suffix}"
+    raise GGUFError(f"unexpected tensor {name!r} in the GGUF file (no such parameter of a llama model)")
+
+
+def read_config(reader: Any, path: Path) -> dict[str, Any]:
+    """The Hugging Face config.json of the model the file holds."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise GGUFError(
+            f"{path}: rope_freqs.weight (Llama 3.1's scaled rotary frequencies) is not supported in GGUF files; "
+            "serve the Hugging Face checkpoint"
+        )
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise GGUFError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported; supported: none")
+
+    def need(key: str) -> Any:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise GGUFError(f"{path}: metadata {arch}.{key} is missing")
+        return value
+
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise GGUFError(f"{path}: tensor token_embd.weight is missing")
+    full = [t for t in reader.tensors if len(t.shape) == 2 and t.tensor_type.name in ("F16", "BF16", "F32")]
+    dtype = (
+        {"F16": "float16", "BF16": "bfloat16"}.get(full[0].tensor_type.name, "float32") if full else "float32"
+    )
+    config = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(embed.shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": dtype,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "gguf_file": str(path),
+    }
+    kept = kept_projections(reader)
+    if kept:
+        config["quantization_config"] = {"quant_method": "gguf", "projections": kept}
+    return config
+
+
+def kept_projections(reader: Any) -> dict[str, list[str]]:
+    """The projections run as the file stores them, by type: Q8_0 and Q4_0 ones, but where the parts of a
+    merged projection (q/k/v, gate/up) differ in type, and the LM head where it is stored apart."""
+    types = {
+        hf_name(t.name).removesuffix(".weight"): t.tensor_type.name
+        for t in reader.tensors
+        if t.name.endswith(".weight")
+        and t.name.split(".")[-2] not in ("token_embd", "attn_norm", "ffn_norm", "output_norm")
+    }
+    for module in list(types):
+        parent, _, leaf = module.rpartition(".")
+        for merged in _MERGED:
+            if leaf in merged and len({types.get(f"{parent}.{p}") for p in merged}) > 1:
+                types[module] = "mixed"
+    kept: dict[str, list[str]] = {}
+    for module, kind in sorted(types.items()):
+        if kind in KEPT:
+            kept.setdefault(kind, []).append(module)
+    return kept
+
+
+def materialize(path: str | Path, tokenizer: str | Path | None = None) -> Path:
+    """A model directory describing GGUF file `path` (config.json and the tokenizer's files), under
+    $EMBER_CACHE_DIR (default ~/.cache/ember)/gguf. The tokenizer comes from `tokenizer` (a directory with
+    tokenizer.json, the base model's), else from the file's own directory; where the file lists its
+    vocabulary, the tokenizer's must be the same."""
+    path = Path(path).resolve()
+    reader = _reader(path)
+    config = read_config(reader, path)
+    source = Path(tokenizer) if tokenizer is not None else path.parent
+    if not (source / "tokenizer.json").exists():
+        raise GGUFError(
+            f"{path}: a GGUF model needs its base model's tokenizer: give tokenizer (--tokenizer) a directory "
+            f"with tokenizer.json; {source} has none"
+        )
+    _check_vocabulary(reader, source / "tokenizer.json", path)
+    stat = path.stat()
+    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{source.resolve()}".encode()
+    root = Path(os.environ.get("EMBER_CACHE_DIR", Path.home() / ".cache" / "ember")) / "gguf"
+    out = root / f"{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            _write(out / name, (source / name).read_bytes())
+    _write(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    return out
+
+
+def describe(config: Any) -> Any:
+    """An engine config (`EngineConfig`) whose model is a .gguf file pointed at the directory describing it
+    (in place, and returned); `quantization` "gguf" asks for the file's own types, which it runs in anyway."""
+    if not is_gguf(config.model):
+        return config
+    config.model = str(materialize(config.model, config.tokenizer))
+    config.tokenizer = None  # its files are in that directory now
+    if config.quantization == "gguf":
+        config.quantization = None
+    return config
+
+
+def _write(dst: Path, data: bytes) -> None:
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, dst)  # another process reading it sees the old file or the new one, whole
+
+
+def _check_vocabulary(reader: Any, tokenizer_file: Path, path: Path) -> None:
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if not tokens:
+        return
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    for i, token in enumerate(tokens):
+        mine = tok.id_to_token(i)
+        if mine != token:
+            raise GGUFError(
+                f"{path}: the tokenizer in {tokenizer_file.parent} is not the file's: token {i} is {mine!r} there "
+                f"and {token!r} in the file"
+            )
+
+
+def file_of(model_dir: str | Path) -> Path | None:
+    """The GGUF file a materialized model directory describes, or None for an ordinary checkpoint."""
+    config = Path(model_dir) / "config.json"
+    if not config.exists():
+        return None
+    name = json.loads(config.read_text()).get("gguf_file")
+    return None if name is None else Path(name)
+
+
+def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of every tensor in the file: the projections `kept_projections` lists as
+    int values [out, in] (int8) with "weight_scale" [out, in / 32] beside them, everything else in
+    float32 (the loader casts it to the model dtype)."""
+    from gguf import quants
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    reader = _reader(Path(config["gguf_file"]))
+    kept = {m for ms in (config.get("quantization_config") or {}).get("projections", {}).values() for m in ms}
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        module = name.removesuffix(".weight")
+        kind = t.tensor_type.name
+        rows = {"q_proj": heads, "k_proj": kv_heads}.get(module.rpartition(".")[2])
+        if module in kept:
+            values, scale = _blocks(np.asarray(t.data), kind)
+            yield name, _unpermute(values, rows)
+            yield f"{module}.weight_scale", _unpermute(scale, rows)
+            continue
+        if kind in ("F32", "F16"):
+            array = np.array(t.data, dtype=np.float32)  # a copy: the file is mapped read-only
+        else:  # BF16 and every quantized type
+            array = quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+        yield name, _unpermute(torch.from_numpy(array), rows)
+
+
+def _blocks(data: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 or Q4_0 tensor's bytes [out, blocks * size] -> (int values [out, in] as int8, float32
+    scales [out, blocks]). Q8_0 block: float16 scale, 32 int8. Q4_0 block: float16 scale, 16 bytes whose
+    low nibbles are values 0..15 and high nibbles values 16..31, each stored plus 8."""
+    size = 2 + (BLOCK if kind == "Q8_0" else BLOCK // 2)
+    out = data.shape[0]
+    blocks = data.reshape(out, -1, size)
+    scale = blocks[:, :, :2].copy().view(np.float16).reshape(out, -1).astype(np.float32)
+    body = blocks[:, :, 2:]
+    if kind == "Q8_0":
+        values = body.copy().view(np.int8)
+    else:
+        low = (body & 0x0F).astype(np.int8) - 8
+        high = (body >> 4).astype(np.int8) - 8
+        values = np.concatenate([low, high], axis=2)
+    return torch.from_numpy(values.reshape(out, -1)), torch.from_numpy(scale)
+
+
+def _unpermute(t: torch.Tensor, heads: int | None) -> torch.Tensor:
+    """Rows of a q or k projection back in Hugging Face's order: llama.cpp stores row 2i + j of each head
+    where Hugging Face has row j * (head_dim / 2) + i."""
+    if heads is None:
+        return t
+    rest = t.shape[1:]
+    return t.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def parse(qc: dict[str, Any]) -> QuantSpec:
+    """The scheme of a materialized GGUF model's kept projections: w8a16 (Q8_0) and w4a16 (Q4_0) in groups
+    of 32, each group of projections by exact name; the others are in full precision."""
+    projections = qc.get("projections") or {}
+    groups = []
+    for kind, modules in sorted(projections.items()):
+        if kind not in KEPT:
+            raise UnsupportedQuantizationError(
+                f"gguf: type {kind!r} is not run as stored; supported: {', '.join(KEPT)}"
+            )
+        scheme, bits = KEPT[kind]
+        groups.append(QuantSpec(scheme, "gguf", group_size=BLOCK, num_bits=bits, targets=tuple(modules)))
+    if not groups:
+        raise UnsupportedQuantizationError("gguf: quantization_config lists no projections")
+    return groups[0] if len(groups) == 1 else QuantSpec("mixed", "gguf", groups=tuple(groups))

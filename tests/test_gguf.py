@@ -1,0 +1,222 @@
+"""GGUF files (`model/gguf.py`): ember computes what transformers computes from the same file
+(`gguf_build.py` writes it as llama.cpp lays a llama model out, and transformers' own GGUF loading is the
+oracle); Q8_0 and Q4_0 projections run as the file stores them; what ember cannot read is refused by
+name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+from server_util import running_server
+from test_quant_modelopt import _forward
+
+from ember_engine import LLM, SamplingParams
+from ember_engine.model import gguf
+from ember_engine.model.quant import schemes
+from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+
+BUILD = "gguf_build.py"
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _file(quantized_model, preset: str) -> Path:  # type: ignore[no-untyped-def]
+    return quantized_model("tiny", preset, BUILD) / "model.gguf"
+
+
+# preset -> (the scheme ember runs, its largest logit difference from transformers' as a fraction of the
+# logits' range, measured: F32 3.7e-7, F16 3.7e-7, Q8_0 3.3e-7, Q4_0 3.1e-7, MIXED 3.6e-7)
+PRESETS = {"F32": None, "F16": None, "Q8_0": "w8a16", "Q4_0": "w4a16", "MIXED": "w8a16"}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_gguf_computes_what_transformers_computes(preset: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
+    path = _file(quantized_model, preset)
+    oracle = torch.load(path.with_name("oracle.pt"))
+    if preset == "F32":  # the file is the source model, in llama.cpp's layout: transformers reads it back
+        for theirs, source in zip(oracle["logits"], oracle["source_logits"], strict=True):
+            assert torch.equal(theirs, source)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    runner = llm.engine.runner
+    scheme = PRESETS[preset]
+    assert (runner.quant and runner.quant.scheme, runner.quant and runner.quant.format) == (
+        scheme,
+        scheme and "gguf",
+    )
+    for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
+        worst = (_forward(runner, prompt) - theirs).abs().max().item() / (theirs.max() - theirs.min()).item()
+        assert worst <= 1e-5, (preset, worst)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [g.token_ids for g in llm.generate(oracle["prompts"][:6], params, use_tqdm=False)]
+    assert got == oracle["greedy"]
+
+
+def test_q8_0_and_q4_0_run_as_stored(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    import gguf as gguf_package
+
+    for preset, layer_type in (("Q8_0", Int8Linear), ("Q4_0", Int4Linear)):
+        path = _file(quantized_model, preset)
+        reader = gguf_package.GGUFReader(str(path))
+        stored = {t.name: t for t in reader.tensors}
+        model = LLM(str(path), dtype="float32", num_kv_blocks=16, max_num_seqs=2).engine.runner.model
+        layer = model.model.layers[1]
+        down, qkv = layer.mlp.down_proj, layer.self_attn.qkv_proj
+        assert isinstance(down, layer_type) and isinstance(qkv, layer_type)
+        assert isinstance(model.lm_head, layer_type)  # the file's output.weight, stored apart
+        # The file's values and float16 scales, block by block.
+        values, scale = gguf._blocks(np.asarray(stored["blk.1.ffn_down.weight"].data), preset)
+        held = down.weight if preset == "Q8_0" else schemes.unpack_int4(down.weight_packed)
+        assert torch.equal(held, values)
+        assert torch.equal(down.weight_scale, scale)
+        dequantized = gguf_package.quants.dequantize(
+            np.asarray(stored["blk.1.ffn_down.weight"].data), stored["blk.1.ffn_down.weight"].tensor_type
+        )
+        assert torch.equal(down.dequantized(torch.float32), torch.from_numpy(dequantized))
+        # q's rows back in Hugging Face's order (the file interleaves each head's halves)
+        q_file = torch.from_numpy(
+            gguf_package.quants.dequantize(
+                np.asarray(stored["blk.1.attn_q.weight"].data), stored["blk.1.attn_q.weight"].tensor_type
+            )
+        )
+        q_ours = qkv.dequantized(torch.float32)[:128]
+        assert torch.equal(q_ours, q_file.reshape(4, 16, 2, 128).transpose(1, 2).reshape(128, 128))
+        assert not torch.equal(q_ours, q_file)
+
+
+def test_mixed_types_dequantize_what_does_not_run_as_stored(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    path = _file(quantized_model, "MIXED")
+    runner = LLM(str(path), dtype="float32", num_kv_blocks=16, max_num_seqs=2).engine.runner
+    layer = runner.model.model.layers[0]
+    # q and k are Q4_0 but v Q8_0: one layer in ember, so it is dequantized; o is Q8_0, gate/up Q4_1,
+    # down Q6_K (layer 0) or Q5_0.
+    assert type(layer.self_attn.qkv_proj) is torch.nn.Linear
+    assert isinstance(layer.self_attn.o_proj, Int8Linear)
+    assert type(layer.mlp.gate_up_proj) is torch.nn.Linear
+    assert type(layer.mlp.down_proj) is torch.nn.Linear
+    assert type(runner.model.lm_head).__name__ == "ParallelLMHead"  # F16: in full precision
+    assert runner.quant.targets == tuple(f"model.layers.{i}.self_attn.o_proj" for i in range(4))
+
+
+def test_the_model_dtype_is_the_files(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    for preset, dtype in (("F16", torch.float16), ("F32", torch.float32), ("Q8_0", torch.float32)):
+        llm = LLM(str(_file(quantized_model, preset)), num_kv_blocks=16, max_num_seqs=2)
+        assert llm.engine.runner.dtype == dtype, preset
+
+
+def test_quantization_options(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    q8 = str(_file(quantized_model, "Q8_0"))
+    assert LLM(q8, quantization="gguf", num_kv_blocks=16).engine.runner.quant.scheme == "w8a16"
+    with pytest.raises(UnsupportedQuantizationError, match="already quantized as 'w8a16'"):
+        LLM(q8, quantization="fp8", num_kv_blocks=16)
+    f16 = str(_file(quantized_model, "F16"))  # no projection stored quantized: quantized at load
+    assert LLM(f16, quantization="fp8", dtype="float32", num_kv_blocks=16).engine.runner.quant.scheme == "fp8"
+    assert LLM(f16, quantization="gguf", num_kv_blocks=16).engine.runner.quant is None
+
+
+def test_tokenizer_from_option_or_beside_the_file(quantized_model, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    alone = tmp_path / "alone" / "model.gguf"
+    alone.parent.mkdir()
+    shutil.copy(_file(quantized_model, "Q4_0"), alone)
+    with pytest.raises(
+        gguf.GGUFError, match=r"needs its base model's tokenizer: give tokenizer \(--tokenizer\)"
+    ):
+        LLM(str(alone), num_kv_blocks=16)
+    llm = LLM(str(alone), tokenizer=str(tiny_model), num_kv_blocks=16, max_num_seqs=2)
+    assert llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].text
+    other = tmp_path / "other"
+    other.mkdir()
+    _relabelled_tokenizer(tiny_model / "tokenizer.json", other / "tokenizer.json")
+    with pytest.raises(gguf.GGUFError, match="is not the file's: token 5 is"):
+        LLM(str(alone), tokenizer=str(other), num_kv_blocks=16)
+
+
+def test_tokenizer_option_for_a_checkpoint_directory(tmp_path: Path, tiny_model: Path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(tiny_model / name, bare / name)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json not found"):
+        LLM(str(bare), num_kv_blocks=16)
+    llm = LLM(str(bare), tokenizer=str(tiny_model), num_kv_blocks=16, max_num_seqs=2)
+    assert llm.tokenizer.encode("Hello world") == LLM(str(tiny_model), num_kv_blocks=16).tokenizer.encode(
+        "Hello world"
+    )
+
+
+def _relabelled_tokenizer(src: Path, dst: Path) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(src))
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    first = next(t for t, i in vocab.items() if i == 5)
+    vocab[first + "x"] = vocab.pop(first)
+    dst.write_text(json.dumps(data))
+
+
+def _write(
+    path: Path, arch: str = "llama", tensors: dict[str, np.ndarray] | None = None, **fields: int
+) -> Path:
+    import gguf as gguf_package
+
+    w = gguf_package.GGUFWriter(str(path), arch)
+    for key, value in fields.items():
+        w.add_uint32(f"{arch}.{key.replace('__', '.')}", value)
+    for name, array in (tensors or {"token_embd.weight": np.zeros((8, 4), np.float32)}).items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+LLAMA = {"attention__head_count": 2, "embedding_length": 4, "feed_forward_length": 8, "block_count": 1}
+
+
+@pytest.mark.parametrize(
+    "case,error",
+    [
+        ("qwen2", r"GGUF architecture 'qwen2' is not supported; supported: llama"),
+        ("missing", r"metadata llama.feed_forward_length is missing"),
+        ("rope_freqs", r"rope_freqs.weight \(Llama 3.1's scaled rotary frequencies\) is not supported"),
+        ("unknown_tensor", r"unexpected tensor 'blk.0.attn_qkv.weight' in the GGUF file"),
+        ("not_gguf", r"not a readable GGUF file"),
+    ],
+)
+def test_what_cannot_be_read_is_refused_by_name(
+    case: str, error: str, tmp_path: Path, tiny_model: Path
+) -> None:
+    path = tmp_path / "m.gguf"
+    embed = {"token_embd.weight": np.zeros((8, 4), np.float32)}
+    if case == "qwen2":
+        _write(path, "qwen2", **LLAMA)
+    elif case == "missing":
+        _write(path, **{k: v for k, v in LLAMA.items() if k != "feed_forward_length"})
+    elif case == "rope_freqs":
+        _write(path, tensors=embed | {"rope_freqs.weight": np.ones(1, np.float32)}, **LLAMA)
+    elif case == "unknown_tensor":
+        _write(path, tensors=embed | {"blk.0.attn_qkv.weight": np.zeros((12, 4), np.float32)}, **LLAMA)
+    else:
+        path.write_bytes(b"GGUF" + b"\0" * 12)
+    with pytest.raises(gguf.GGUFError, match=error):
+        LLM(str(path), tokenizer=str(tiny_model), num_kv_blocks=16)
+
+
+def test_ember_serve_answers_from_a_gguf_file(quantized_model, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    path = _file(quantized_model, "Q4_0")
+    with running_server(path, "--served-model-name", "tiny-q4", "--tokenizer", str(tiny_model)) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none")
+        out = client.completions.create(model="tiny-q4", prompt="Hello", max_tokens=5, temperature=0)
+        assert out.usage.completion_tokens == 5
+        assert s.state.engine.engine.runner.quant.scheme == "w4a16"
