@@ -4,12 +4,14 @@ transformers computes from that file (run as a script: `python gguf_build.py SRC
 DST gets `model.gguf`, the source's tokenizer files beside it, and `oracle.pt`: the logits of 8 fixed
 prompts and the greedy tokens after 6 of them, from transformers loading the GGUF file
 (`from_pretrained(DST, gguf_file=...)`, which dequantizes every tensor with the `gguf` package and puts
-the q and k rows back in order), and the source model's own logits. The tensors are quantized by the
-`gguf` package; it writes no K-quants, so the MIXED preset's Q6_K tensor holds random 6-bit values under
-scales of a plausible size.
+the q and k rows back in order), and the source model's own logits. The `gguf` package quantizes Q8_0,
+Q4_0, Q4_1 and Q5_0; it writes no K-quants, so Q4_K and Q6_K are written here, rounded to nearest
+(llama.cpp searches for better scales), their layouts read back by the package's own dequantizers.
 
-PRESET: F32, F16 (matrices F16, norms F32), Q8_0, Q4_0 (every matrix in that type), MIXED (q and k Q4_0,
-v and o Q8_0, gate and up Q4_1, down Q5_0 but layer 0's Q6_K, embeddings Q8_0, LM head F16).
+PRESET: F32, F16 (matrices F16, norms F32), Q8_0, Q4_0, Q4_K, Q6_K (every matrix in that type), Q4_K_M
+(Q4_K, but Q6_K for the LM head and the first and last layers' v and down projections; a matrix whose
+rows are no whole number of 256-value blocks takes Q5_0 for Q4_K and Q8_0 for Q6_K, as llama.cpp does), MIXED (q and k
+Q4_0, v and o Q8_0, gate and up Q4_1, down Q5_0 but layer 0's Q6_K, embeddings Q8_0, LM head F16).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _NAMES = {
 }
 MIXED = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q8_0"}
 MIXED |= {"ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0", "token_embd": "Q8_0", "output": "F16"}
+FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 
 
 def gguf_name(name: str) -> str:
@@ -51,24 +54,78 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def kind_of(preset: str, name: str) -> str:
+def kind_of(preset: str, name: str, layers: int, columns: int) -> str:
     short = name.split(".")[-2]
     if preset == "F32" or short.endswith("norm"):
         return "F32"
     if preset == "MIXED":
         return "Q6_K" if name == "blk.0.ffn_down.weight" else MIXED[short]
-    return preset
+    kind = preset
+    if preset == "Q4_K_M":  # 6 bits where llama.cpp's Q4_K_M spends them: the head, and some v and down
+        edge = name.startswith(("blk.0.", f"blk.{layers - 1}."))
+        kind = "Q6_K" if short == "output" or (edge and short in ("attn_v", "ffn_down")) else "Q4_K"
+    # llama.cpp's own fallback where a row is no whole number of 256-value K blocks
+    return FALLBACK.get(kind, kind) if columns % 256 else kind
 
 
-def random_q6_k(rows: int, columns: int, seed: int) -> np.ndarray:
-    """Q6_K blocks (256 values: 128 bytes of low bits, 64 of high bits, 16 int8 scales, a float16 scale)
-    of random 6-bit values, the scales giving values about as large as the test model's weights."""
-    rng = np.random.default_rng(seed)
-    blocks = rows * columns // 256
-    low = rng.integers(0, 256, (blocks, 192), dtype=np.uint8)
-    scales = rng.integers(1, 9, (blocks, 16), dtype=np.int8).view(np.uint8)
-    d = np.full((blocks, 1), 1e-4, dtype=np.float16).view(np.uint8)
-    return np.concatenate([low, scales, d], axis=1).reshape(rows, -1)
+def q4_k(x: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of x [rows, columns] (columns a multiple of 256), rounded to nearest: each group of 32
+    spans its minimum (at most 0) to its maximum in 15 steps, its step and minimum each a 6-bit multiple
+    of the block's float16 d and dmin."""
+    rows = x.shape[0]
+    b = x.reshape(-1, 8, 32).astype(np.float32)
+    low = np.minimum(b.min(axis=2), 0)
+    step, mins = (b.max(axis=2) - low) / 15, -low
+    d = (step.max(axis=1) / 63).astype(np.float16)
+    dmin = (mins.max(axis=1) / 63).astype(np.float16)
+    sc = _multiples(step, d.astype(np.float32)[:, None], 0, 63).astype(np.uint8)
+    m = _multiples(mins, dmin.astype(np.float32)[:, None], 0, 63).astype(np.uint8)
+    scale = (d.astype(np.float32)[:, None] * sc)[:, :, None]
+    offset = (dmin.astype(np.float32)[:, None] * m)[:, :, None]
+    q = _multiples(b + offset, scale, 0, 15).astype(np.uint8)
+    packed = np.empty((b.shape[0], 12), np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    pairs = q.reshape(-1, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    halves = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2)]
+    return np.concatenate([*halves, packed, qs], axis=1).reshape(rows, -1)
+
+
+def q6_k(x: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of x [rows, columns] (columns a multiple of 256), rounded to nearest: each group of 16
+    scaled to -31..31 (stored plus 32), its scale an int8 multiple of the block's float16 d."""
+    rows = x.shape[0]
+    b = x.reshape(-1, 16, 16).astype(np.float32)
+    step = np.abs(b).max(axis=2) / 31
+    d = (step.max(axis=1) / 127).astype(np.float16)
+    sc = _multiples(step, d.astype(np.float32)[:, None], -128, 127).astype(np.int8)
+    scale = (d.astype(np.float32)[:, None] * sc)[:, :, None]
+    q = (_multiples(b, scale, -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    low, high = q & 15, q >> 4
+    ql = np.empty((q.shape[0], 128), np.uint8)
+    qh = np.zeros((q.shape[0], 64), np.uint8)
+    for h in range(
+        2
+    ):  # value v: low bits in byte (v // 128) * 64 + v % 64, high bits at 2 * ((v % 128) // 32)
+        ql[:, h * 64 : h * 64 + 64] = low[:, h * 128 : h * 128 + 64] | (
+            low[:, h * 128 + 64 : h * 128 + 128] << 4
+        )
+        for k in range(4):
+            qh[:, h * 32 : h * 32 + 32] |= high[:, h * 128 + k * 32 : h * 128 + k * 32 + 32] << (2 * k)
+    return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1).reshape(
+        rows, -1
+    )
+
+
+def _multiples(x: np.ndarray, unit: np.ndarray, low: int, high: int) -> np.ndarray:
+    """x / unit rounded and clamped to [low, high]; 0 where unit is 0."""
+    safe = np.where(unit != 0, unit, 1)
+    return np.where(unit != 0, np.rint(x / safe), 0).clip(low, high)
+
+
+ENCODERS = {"Q4_K": q4_k, "Q6_K": q6_k}
 
 
 def write(src: Path, path: Path, preset: str) -> None:
@@ -95,7 +152,7 @@ def write(src: Path, path: Path, preset: str) -> None:
     w.add_token_list([tok.id_to_token(i) for i in range(tok.get_vocab_size())])
     w.add_bos_token_id(config["bos_token_id"])
     w.add_eos_token_id(config["eos_token_id"])
-    for i, (name, tensor) in enumerate(sorted(load_file(str(src / "model.safetensors")).items())):
+    for name, tensor in sorted(load_file(str(src / "model.safetensors")).items()):
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         array = tensor.to(torch.float32).numpy()
@@ -104,10 +161,10 @@ def write(src: Path, path: Path, preset: str) -> None:
         elif name.endswith("k_proj.weight"):
             array = permute(array, kv_heads)
         target = gguf_name(name)
-        kind = kind_of(preset, target)
+        kind = kind_of(preset, target, config["num_hidden_layers"], array.shape[-1])
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind == "Q6_K":
-            w.add_tensor(target, random_q6_k(*array.shape, seed=i), raw_dtype=qtype)
+        if kind in ENCODERS:
+            w.add_tensor(target, ENCODERS[kind](array), raw_dtype=qtype)
         elif kind in ("F32", "F16"):
             w.add_tensor(target, array.astype(np.float16 if kind == "F16" else np.float32))
         else:

@@ -17,7 +17,7 @@ from server_util import running_server
 from test_quant_modelopt import _forward
 
 from ember_engine import LLM, SamplingParams
-from ember_engine.model import gguf
+from ember_engine.model import gguf, gguf_blocks
 from ember_engine.model.quant import schemes
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
@@ -34,9 +34,19 @@ def _file(quantized_model, preset: str) -> Path:  # type: ignore[no-untyped-def]
     return quantized_model("tiny", preset, BUILD) / "model.gguf"
 
 
-# preset -> (the scheme ember runs, its largest logit difference from transformers' as a fraction of the
-# logits' range, measured: F32 3.7e-7, F16 3.7e-7, Q8_0 3.3e-7, Q4_0 3.1e-7, MIXED 3.6e-7)
-PRESETS = {"F32": None, "F16": None, "Q8_0": "w8a16", "Q4_0": "w4a16", "MIXED": "w8a16"}
+# preset -> the scheme ember runs (None: every projection dequantized). Measured, the largest logit
+# difference from transformers' as a fraction of the logits' range: F32 3.7e-7, F16 3.7e-7, Q8_0 3.3e-7,
+# Q4_0 3.1e-7, Q4_K 4.0e-7, Q6_K 3.1e-7, Q4_K_M 3.4e-7, MIXED 3.3e-7 (the test's bound: 1e-5).
+PRESETS = {
+    "F32": None,
+    "F16": None,
+    "Q8_0": "w8a16",
+    "Q4_0": "w4a16",
+    "Q4_K": "w4a16",
+    "Q6_K": "mixed",
+    "Q4_K_M": "mixed",
+    "MIXED": "mixed",
+}
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -74,7 +84,7 @@ def test_q8_0_and_q4_0_run_as_stored(quantized_model) -> None:  # type: ignore[n
         assert isinstance(down, layer_type) and isinstance(qkv, layer_type)
         assert isinstance(model.lm_head, layer_type)  # the file's output.weight, stored apart
         # The file's values and float16 scales, block by block.
-        values, scale = gguf._blocks(np.asarray(stored["blk.1.ffn_down.weight"].data), preset)
+        values, scale, _ = gguf_blocks.decode(np.asarray(stored["blk.1.ffn_down.weight"].data), preset)
         held = down.weight if preset == "Q8_0" else schemes.unpack_int4(down.weight_packed)
         assert torch.equal(held, values)
         assert torch.equal(down.weight_scale, scale)
@@ -96,15 +106,66 @@ def test_q8_0_and_q4_0_run_as_stored(quantized_model) -> None:  # type: ignore[n
 def test_mixed_types_dequantize_what_does_not_run_as_stored(quantized_model) -> None:  # type: ignore[no-untyped-def]
     path = _file(quantized_model, "MIXED")
     runner = LLM(str(path), dtype="float32", num_kv_blocks=16, max_num_seqs=2).engine.runner
-    layer = runner.model.model.layers[0]
+    layers = runner.model.model.layers
     # q and k are Q4_0 but v Q8_0: one layer in ember, so it is dequantized; o is Q8_0, gate/up Q4_1,
     # down Q6_K (layer 0) or Q5_0.
-    assert type(layer.self_attn.qkv_proj) is torch.nn.Linear
-    assert isinstance(layer.self_attn.o_proj, Int8Linear)
-    assert type(layer.mlp.gate_up_proj) is torch.nn.Linear
-    assert type(layer.mlp.down_proj) is torch.nn.Linear
+    assert type(layers[0].self_attn.qkv_proj) is torch.nn.Linear
+    assert isinstance(layers[0].self_attn.o_proj, Int8Linear) and layers[0].self_attn.o_proj.group_size == 32
+    assert type(layers[0].mlp.gate_up_proj) is torch.nn.Linear
+    assert isinstance(layers[0].mlp.down_proj, Int8Linear) and layers[0].mlp.down_proj.group_size == 16
+    assert type(layers[1].mlp.down_proj) is torch.nn.Linear
     assert type(runner.model.lm_head).__name__ == "ParallelLMHead"  # F16: in full precision
-    assert runner.quant.targets == tuple(f"model.layers.{i}.self_attn.o_proj" for i in range(4))
+    groups = {(g.scheme, g.group_size, g.targets) for g in runner.quant.groups}
+    assert groups == {
+        ("w8a16", 32, tuple(f"model.layers.{i}.self_attn.o_proj" for i in range(4))),
+        ("w8a16", 16, ("model.layers.0.mlp.down_proj",)),
+    }
+
+
+def test_k_quants_run_as_stored(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    import gguf as gguf_package
+
+    path = _file(quantized_model, "Q4_K_M")
+    stored = {t.name: t for t in gguf_package.GGUFReader(str(path)).tensors}
+
+    def file_weight(name: str) -> torch.Tensor:
+        t = stored[name]
+        return torch.from_numpy(gguf_package.quants.dequantize(np.asarray(t.data), t.tensor_type))
+
+    model = LLM(str(path), dtype="float32", num_kv_blocks=16, max_num_seqs=2).engine.runner.model
+    layers = model.model.layers
+    assert stored["blk.1.ffn_down.weight"].tensor_type.name == "Q4_K"
+    assert stored["blk.0.ffn_down.weight"].tensor_type.name == "Q6_K"
+    q4k, q6k = layers[1].mlp.down_proj, layers[0].mlp.down_proj
+    # Q4_K: 4-bit values with a scale and a real zero point per group of 32
+    assert isinstance(q4k, Int4Linear) and q4k.group_size == 32
+    assert q4k.weight_zero is not None and q4k.weight_zero.dtype == torch.float32
+    assert not torch.equal(q4k.weight_zero, q4k.weight_zero.round())
+    theirs = file_weight("blk.1.ffn_down.weight")
+    assert (q4k.dequantized(torch.float32) - theirs).abs().max().item() <= 1e-6 * theirs.abs().max().item()
+    # Q6_K: 6-bit values (int8) with a scale per group of 16
+    assert isinstance(q6k, Int8Linear) and q6k.group_size == 16
+    assert int(q6k.weight.min()) >= -32 and int(q6k.weight.max()) <= 31
+    assert torch.equal(q6k.dequantized(torch.float32), file_weight("blk.0.ffn_down.weight"))
+    # rows of no whole 256-value block took llama.cpp's fallback types
+    assert stored["blk.1.attn_q.weight"].tensor_type.name == "Q5_0"
+    assert type(layers[1].self_attn.qkv_proj) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_int4_layer_with_real_zero_points(rows: int) -> None:
+    """Q4_K's form: (value - zero) * scale with float zero points, through the fused loops (up to 8 rows)
+    and the unpacked int8 matmul above them, against the float64 product."""
+    gen = torch.Generator().manual_seed(rows)
+    layer = Int4Linear(256, 48, False, torch.float32, 32, zero_points=True, float_zeros=True)
+    values = torch.randint(-8, 8, (48, 256), generator=gen, dtype=torch.int8)
+    layer.set_rows(0, values, torch.rand(48, 8, generator=gen) * 0.01)
+    layer.set_zero_rows(0, torch.randn(48, 8, generator=gen) * 5)
+    x = torch.randn(rows, 256, generator=gen)
+    weight = layer.dequantized(torch.float64)
+    expected = x.double() @ weight.t()
+    got = layer(x)
+    assert (got.double() - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
 
 
 def test_the_model_dtype_is_the_files(quantized_model) -> None:  # type: ignore[no-untyped-def]

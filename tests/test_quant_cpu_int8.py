@@ -67,3 +67,19 @@ def test_small_weights_are_widened_large_ones_split(shape: tuple[int, int]) -> N
     exact = _float64_product(x, q, scale)
     got = cpu_int8.int8_matmul(x, q, scale)
     assert (got.double() - exact).norm() <= 1e-6 * exact.norm()
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_narrow_groups_are_widened_a_block_of_rows_at_a_time(group: int, rows: int) -> None:
+    """Groups narrower than NARROW_GROUP (GGUF's 16 and 32) take the widened path whatever the weight's
+    size, its rows in blocks (here one whole and one partial), and give the float32-precision product."""
+    out, k = 1200, 512  # over DEQUANTIZE_BELOW weights; a block holds 1024 rows of 512 columns, so two blocks
+    assert out * k >= cpu_int8.DEQUANTIZE_BELOW and group < cpu_int8.NARROW_GROUP
+    g = torch.Generator().manual_seed(group + rows)
+    q, scale = schemes.quantize_int8(torch.randn(out, k, generator=g), group)
+    x = torch.randn(rows, k, generator=g)
+    exact = _float64_product(x, q, scale)
+    got = cpu_int8.int8_matmul(x, q, scale)
+    assert got.shape == (rows, out)
+    assert (got.double() - exact).abs().max().item() <= 1e-6 * exact.abs().max().item()

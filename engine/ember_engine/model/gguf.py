@@ -3,14 +3,14 @@ package.
 
 A `.gguf` file given as the model is first described as a model directory (`materialize`): a
 `config.json` built from the file's metadata (with `gguf_file` naming the file, and, where it holds
-projections in Q8_0 or Q4_0, a `quantization_config` with `quant_method: gguf` listing them), and the
+projections in a type run as stored, a `quantization_config` with `quant_method: gguf` listing them), and the
 tokenizer files of the base model (`tokenizer`, or the ones beside the file). The loader then reads the
 tensors from the file itself (`iter_tensors`), under the Hugging Face names the engine loads:
 
-- Q8_0 (blocks of 32 int8 values, one float16 scale each) runs as `w8a16` in groups of 32, and Q4_0
-  (32 4-bit values less 8, one float16 scale) as `w4a16` in groups of 32: the same values and scales, so
-  the bytes the file holds are what the engine multiplies with.
-- Every other type (F32, F16, BF16, Q4_1, Q5_0, Q5_1, the K-quants, the IQ types) is dequantized at load
+- Q8_0 runs as `w8a16` in groups of 32, Q6_K as `w8a16` in groups of 16, Q4_0 as `w4a16` in groups of
+  32, and Q4_K as `w4a16` in groups of 32 with a real zero point per group (`gguf_blocks.py`): the
+  file's values, and its scales in float32, are what the engine multiplies with.
+- Every other type (F32, F16, BF16, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, the IQ types) is dequantized at load
   by the `gguf` package into the model dtype, and so are the token embeddings, and the parts of a merged
   projection (q/k/v, gate/up) when they are stored in different types.
 
@@ -31,12 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ember_engine.model import gguf_blocks
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-KEPT = {"Q8_0": ("w8a16", 8), "Q4_0": ("w4a16", 4)}  # types run as they are stored
-BLOCK = 32  # values per Q8_0 / Q4_0 block
+# The types run as they are stored (`gguf_blocks.py`): their scheme and bits a value.
+KEPT = {"Q8_0": ("w8a16", 8), "Q4_0": ("w4a16", 4), "Q6_K": ("w8a16", 8), "Q4_K": ("w4a16", 4)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -146,7 +147,7 @@ def read_config(reader: Any, path: Path) -> dict[str, Any]:
 
 
 def kept_projections(reader: Any) -> dict[str, list[str]]:
-    """The projections run as the file stores them, by type: Q8_0 and Q4_0 ones, but where the parts of a
+    """The projections run as the file stores them, by type: those of a type in `KEPT`, but where the parts of a
     merged projection (q/k/v, gate/up) differ in type, and the LM head where it is stored apart."""
     types = {
         hf_name(t.name).removesuffix(".weight"): t.tensor_type.name
@@ -238,7 +239,8 @@ def file_of(model_dir: str | Path) -> Path | None:
 
 def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) of every tensor in the file: the projections `kept_projections` lists as
-    int values [out, in] (int8) with "weight_scale" [out, in / 32] beside them, everything else in
+    int values [out, in] (int8) with "weight_scale" [out, groups] beside them (and for Q4_K "weight_zero"
+    [out, groups]), everything else in
     float32 (the loader casts it to the model dtype)."""
     from gguf import quants
 
@@ -252,33 +254,17 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         kind = t.tensor_type.name
         rows = {"q_proj": heads, "k_proj": kv_heads}.get(module.rpartition(".")[2])
         if module in kept:
-            values, scale = _blocks(np.asarray(t.data), kind)
+            values, scale, zero = gguf_blocks.decode(np.asarray(t.data), kind)
             yield name, _unpermute(values, rows)
             yield f"{module}.weight_scale", _unpermute(scale, rows)
+            if zero is not None:
+                yield f"{module}.weight_zero", _unpermute(zero, rows)
             continue
         if kind in ("F32", "F16"):
             array = np.array(t.data, dtype=np.float32)  # a copy: the file is mapped read-only
         else:  # BF16 and every quantized type
             array = quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
         yield name, _unpermute(torch.from_numpy(array), rows)
-
-
-def _blocks(data: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 or Q4_0 tensor's bytes [out, blocks * size] -> (int values [out, in] as int8, float32
-    scales [out, blocks]). Q8_0 block: float16 scale, 32 int8. Q4_0 block: float16 scale, 16 bytes whose
-    low nibbles are values 0..15 and high nibbles values 16..31, each stored plus 8."""
-    size = 2 + (BLOCK if kind == "Q8_0" else BLOCK // 2)
-    out = data.shape[0]
-    blocks = data.reshape(out, -1, size)
-    scale = blocks[:, :, :2].copy().view(np.float16).reshape(out, -1).astype(np.float32)
-    body = blocks[:, :, 2:]
-    if kind == "Q8_0":
-        values = body.copy().view(np.int8)
-    else:
-        low = (body & 0x0F).astype(np.int8) - 8
-        high = (body >> 4).astype(np.int8) - 8
-        values = np.concatenate([low, high], axis=2)
-    return torch.from_numpy(values.reshape(out, -1)), torch.from_numpy(scale)
 
 
 def _unpermute(t: torch.Tensor, heads: int | None) -> torch.Tensor:
@@ -291,8 +277,9 @@ def _unpermute(t: torch.Tensor, heads: int | None) -> torch.Tensor:
 
 
 def parse(qc: dict[str, Any]) -> QuantSpec:
-    """The scheme of a materialized GGUF model's kept projections: w8a16 (Q8_0) and w4a16 (Q4_0) in groups
-    of 32, each group of projections by exact name; the others are in full precision."""
+    """The scheme of a materialized GGUF model's kept projections (w8a16 for Q8_0 and Q6_K, w4a16 for Q4_0
+    and Q4_K, in the type's groups), each group of projections by exact name; the others are in full
+    precision."""
     projections = qc.get("projections") or {}
     groups = []
     for kind, modules in sorted(projections.items()):
@@ -301,7 +288,19 @@ def parse(qc: dict[str, Any]) -> QuantSpec:
                 f"gguf: type {kind!r} is not run as stored; supported: {', '.join(KEPT)}"
             )
         scheme, bits = KEPT[kind]
-        groups.append(QuantSpec(scheme, "gguf", group_size=BLOCK, num_bits=bits, targets=tuple(modules)))
+        zeros = kind == "Q4_K"  # a real zero point per group
+        group = gguf_blocks.GROUP[kind]
+        groups.append(
+            QuantSpec(
+                scheme,
+                "gguf",
+                group_size=group,
+                num_bits=bits,
+                zero_points=zeros,
+                float_zeros=zeros,
+                targets=tuple(modules),
+            )
+        )
     if not groups:
         raise UnsupportedQuantizationError("gguf: quantization_config lists no projections")
     return groups[0] if len(groups) == 1 else QuantSpec("mixed", "gguf", groups=tuple(groups))

@@ -122,6 +122,7 @@ def _empty(
         held.group_size,
         zero_points=held.zero_points,
         outlier_threshold=held.outlier_threshold,
+        float_zeros=held.float_zeros,
     )
     return layer.to(like.device)
 
@@ -142,7 +143,7 @@ def warm_up_cpu(spec: QuantSpec) -> None:
         if scheme == "bnb-int8":
             continue  # torch's int8 matmul: nothing to compile
         if scheme == "w4a16":
-            cpu_int4.warm_up()
+            cpu_int4.warm_up(float_zeros=any(s.float_zeros for s in spec.members()))
         elif scheme in ("bnb-nf4", "bnb-fp4"):
             cpu_codebook.warm_up()
         elif scheme in ("nvfp4a16", "nvfp4"):

@@ -133,7 +133,7 @@ def int4_matmul(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [m, in] times the int4 weight (packed [out, in / 2], float32 scale [out, groups], and a
-    checkpoint's zero points, each less 8, int8 [out, groups], where it has them), transposed: [m, out]
+    checkpoint's zero points, each less 8, int8 or float32 [out, groups], where it has them), transposed: [m, out]
     in x's dtype, at float32 precision. Zero points are taken only up to `INT4_FUSED_ROWS` rows, in the
     fused loops (each group's sum less zero point times the group's sum of x); above them the caller
     subtracts them."""
@@ -154,8 +154,13 @@ def int4_matmul(
     return y.to(x.dtype)
 
 
-def warm_up() -> None:
+def warm_up(float_zeros: bool = False) -> None:
     """Compile the loops (or load them from numba's cache) before serving: the fused ones for one and for
-    several rows, and the larger batches' unpacking."""
+    several rows, and the larger batches' unpacking; with `float_zeros` the fused ones for float32 zero
+    points too."""
     for m in (1, 2, INT4_FUSED_ROWS + 1):
         int4_matmul(torch.zeros(m, 16), torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 1))
+    for m in (1, 2) if float_zeros else ():
+        int4_matmul(
+            torch.zeros(m, 16), torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 1), torch.zeros(2, 1)
+        )

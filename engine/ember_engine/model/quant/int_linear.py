@@ -88,6 +88,7 @@ class Int4Linear(QuantLinear):
         dtype: torch.dtype,
         group_size: int = schemes.DEFAULT_GROUP_SIZE,
         zero_points: bool = False,
+        float_zeros: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         if in_features % group_size or group_size % 2:
@@ -99,8 +100,10 @@ class Int4Linear(QuantLinear):
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float32))
         # A checkpoint's own zero points (GPTQ sym: false, AWQ), each less 8, one per group: the weight is
-        # (value - zero) * scale. None: symmetric, every zero point 8.
-        zeros = torch.zeros(out_features, groups, dtype=torch.int8) if zero_points else None
+        # (value - zero) * scale; int8, or float32 where they are any real number (GGUF Q4_K). None:
+        # symmetric, every zero point 8.
+        zero_dtype = torch.float32 if float_zeros else torch.int8
+        zeros = torch.zeros(out_features, groups, dtype=zero_dtype) if zero_points else None
         self.register_buffer("weight_zero", zeros)
         self._zero_times_scale: torch.Tensor | None = None
 
@@ -113,7 +116,7 @@ class Int4Linear(QuantLinear):
         self._zero_times_scale = None
 
     def set_zero_rows(self, start: int, zero: torch.Tensor) -> None:
-        """A checkpoint's zero points (each less 8, int8 [rows, groups]) for output rows start.."""
+        """A checkpoint's zero points (each less 8, [rows, groups]) for output rows start.."""
         if self.weight_zero is None:
             raise schemes.UnsupportedQuantizationError("w4a16: zero points for a symmetric layer")
         self.weight_zero.narrow(0, start, zero.shape[0]).copy_(zero)

@@ -26,10 +26,12 @@ def make_layer(
     group_size: int,
     zero_points: bool = False,
     outlier_threshold: float = 0.0,
+    float_zeros: bool = False,
 ) -> QuantLinear:
     """`group_size`: input columns per scale (w4a16; w8a16, fp8 and w8a16-fp8, where 0 means one scale
     per output channel; fp8 and w8a16-fp8 with groups are block-scaled; w8a8 takes 0 only).
-    `zero_points`: a w4a16 checkpoint's own, one per group. `outlier_threshold`: bitsandbytes 8-bit's
+    `zero_points`: a w4a16 checkpoint's own, one per group (int8, or with `float_zeros` float32: any real
+    number). `outlier_threshold`: bitsandbytes 8-bit's
     (LLM.int8())."""
     if scheme in ("bnb-nf4", "bnb-fp4"):  # from a checkpoint only (the code table set at load)
         return CodebookLinear(in_features, out_features, bias, dtype, scheme, group_size)
@@ -40,7 +42,7 @@ def make_layer(
     if scheme in ("nvfp4a16", "nvfp4"):  # from a checkpoint only (nvfp4's activation scales set at load)
         return Fp4Linear(in_features, out_features, bias, dtype)
     if schemes.check_scheme(scheme) == "w4a16":
-        return Int4Linear(in_features, out_features, bias, dtype, group_size, zero_points)
+        return Int4Linear(in_features, out_features, bias, dtype, group_size, zero_points, float_zeros)
     if scheme == "w8a16":
         return Int8Linear(in_features, out_features, bias, dtype, group_size)
     if scheme == "w8a8":

@@ -51,6 +51,7 @@ class QuantSpec:
     # w4a16 with zero points of its own (GPTQ sym: false, AWQ zero_point: true, compressed-tensors
     # W4A16_ASYM), one per group
     zero_points: bool = False
+    float_zeros: bool = False  # zero points of any real value (GGUF Q4_K: dmin m / (d s)), held in float32
     # a calibrated activation scale per projection: fp8's static per-tensor scale (compressed-tensors' FP8
     # preset), in place of per-token scales taken at run time; nvfp4's global scale (NVFP4, W4A4)
     static_input: bool = False
@@ -109,7 +110,7 @@ class QuantSpec:
             | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
             "quark": scaled,
-            "gguf": frozenset({"weight", "weight_scale"}),
+            "gguf": frozenset({"weight", "weight_scale"}) | ({"weight_zero"} if self.zero_points else set()),
             "modelopt": scaled | ({"weight_scale_2"} if self.scheme == "nvfp4a16" else set()),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
