@@ -9,9 +9,10 @@ Q4_0, Q4_1 and Q5_0; it writes no K-quants, so Q4_K and Q6_K are written here, r
 (llama.cpp searches for better scales), their layouts read back by the package's own dequantizers.
 
 PRESET: F32, F16 (matrices F16, norms F32), Q8_0, Q4_0, Q4_K, Q6_K (every matrix in that type), Q4_K_M
-(Q4_K, but Q6_K for the LM head and the first and last layers' v and down projections; a matrix whose
-rows are no whole number of 256-value blocks takes Q5_0 for Q4_K and Q8_0 for Q6_K, as llama.cpp does), MIXED (q and k
-Q4_0, v and o Q8_0, gate and up Q4_1, down Q5_0 but layer 0's Q6_K, embeddings Q8_0, LM head F16).
+(Q4_K, but Q6_K for the LM head and for the v and down projections of the layers llama.cpp gives more
+bits, `more_bits`), MIXED (q and k Q4_0, v and o Q8_0, gate and up Q4_1, down Q5_0 but layer 0's Q6_K,
+embeddings Q8_0, LM head F16). A matrix whose rows are no whole number of 256-value K blocks takes Q5_0
+for Q4_K and Q8_0 for Q6_K, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def more_bits(layer: int, layers: int) -> bool:
+    """The layers whose v and down projections llama.cpp's Q4_K_M stores in Q6_K: the first and last
+    eighth, and every third in between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
 def kind_of(preset: str, name: str, layers: int, columns: int) -> str:
     short = name.split(".")[-2]
     if preset == "F32" or short.endswith("norm"):
@@ -62,8 +69,9 @@ def kind_of(preset: str, name: str, layers: int, columns: int) -> str:
         return "Q6_K" if name == "blk.0.ffn_down.weight" else MIXED[short]
     kind = preset
     if preset == "Q4_K_M":  # 6 bits where llama.cpp's Q4_K_M spends them: the head, and some v and down
-        edge = name.startswith(("blk.0.", f"blk.{layers - 1}."))
-        kind = "Q6_K" if short == "output" or (edge and short in ("attn_v", "ffn_down")) else "Q4_K"
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        more = layer >= 0 and more_bits(layer, layers) and short in ("attn_v", "ffn_down")
+        kind = "Q6_K" if short == "output" or more else "Q4_K"
     # llama.cpp's own fallback where a row is no whole number of 256-value K blocks
     return FALLBACK.get(kind, kind) if columns % 256 else kind
 

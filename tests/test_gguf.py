@@ -6,6 +6,7 @@ name."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -17,10 +18,11 @@ from server_util import running_server
 from test_quant_modelopt import _forward
 
 from ember_engine import LLM, SamplingParams
-from ember_engine.model import gguf, gguf_blocks
+from ember_engine.model import gguf, gguf_blocks, gguf_dir
 from ember_engine.model.quant import schemes
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+from ember_engine.sample.grammar import Constraint
 
 BUILD = "gguf_build.py"
 
@@ -104,21 +106,30 @@ def test_q8_0_and_q4_0_run_as_stored(quantized_model) -> None:  # type: ignore[n
 
 
 def test_mixed_types_dequantize_what_does_not_run_as_stored(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    import gguf as gguf_package
+
     path = _file(quantized_model, "MIXED")
+    stored = {t.name: t for t in gguf_package.GGUFReader(str(path)).tensors}
     runner = LLM(str(path), dtype="float32", num_kv_blocks=16, max_num_seqs=2).engine.runner
     layers = runner.model.model.layers
-    # q and k are Q4_0 but v Q8_0: one layer in ember, so it is dequantized; o is Q8_0, gate/up Q4_1,
-    # down Q6_K (layer 0) or Q5_0.
-    assert type(layers[0].self_attn.qkv_proj) is torch.nn.Linear
+    # q and k are Q4_0 but v Q8_0: ember runs them as one layer, so alike (int8 in groups of 16 with zero
+    # points); o is Q8_0; gate/up Q4_1, dequantized; down Q6_K (layer 0, kept) or Q5_0 (dequantized).
+    qkv = layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Int8Linear) and qkv.group_size == 16 and qkv.weight_zero is not None
+    v = stored["blk.0.attn_v.weight"]
+    v_file = torch.from_numpy(gguf_package.quants.dequantize(np.asarray(v.data), v.tensor_type))
+    assert torch.equal(qkv.dequantized(torch.float32)[128 + 64 :], v_file)
     assert isinstance(layers[0].self_attn.o_proj, Int8Linear) and layers[0].self_attn.o_proj.group_size == 32
     assert type(layers[0].mlp.gate_up_proj) is torch.nn.Linear
     assert isinstance(layers[0].mlp.down_proj, Int8Linear) and layers[0].mlp.down_proj.group_size == 16
     assert type(layers[1].mlp.down_proj) is torch.nn.Linear
     assert type(runner.model.lm_head).__name__ == "ParallelLMHead"  # F16: in full precision
-    groups = {(g.scheme, g.group_size, g.targets) for g in runner.quant.groups}
+    groups = {(g.scheme, g.group_size, g.zero_points, g.targets) for g in runner.quant.groups}
+    qkv_parts = tuple(f"model.layers.{i}.self_attn.{p}_proj" for i in range(4) for p in "kqv")
     assert groups == {
-        ("w8a16", 32, tuple(f"model.layers.{i}.self_attn.o_proj" for i in range(4))),
-        ("w8a16", 16, ("model.layers.0.mlp.down_proj",)),
+        ("w8a16", 16, True, qkv_parts),
+        ("w8a16", 32, False, tuple(f"model.layers.{i}.self_attn.o_proj" for i in range(4))),
+        ("w8a16", 16, False, ("model.layers.0.mlp.down_proj",)),
     }
 
 
@@ -134,9 +145,10 @@ def test_k_quants_run_as_stored(quantized_model) -> None:  # type: ignore[no-unt
 
     model = LLM(str(path), dtype="float32", num_kv_blocks=16, max_num_seqs=2).engine.runner.model
     layers = model.model.layers
-    assert stored["blk.1.ffn_down.weight"].tensor_type.name == "Q4_K"
-    assert stored["blk.0.ffn_down.weight"].tensor_type.name == "Q6_K"
-    q4k, q6k = layers[1].mlp.down_proj, layers[0].mlp.down_proj
+    # llama.cpp's Q4_K_M on 4 layers gives layers 2 and 3 more bits
+    kinds = [stored[f"blk.{i}.ffn_down.weight"].tensor_type.name for i in range(4)]
+    assert kinds == ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    q4k, q6k = layers[1].mlp.down_proj, layers[2].mlp.down_proj
     # Q4_K: 4-bit values with a scale and a real zero point per group of 32
     assert isinstance(q4k, Int4Linear) and q4k.group_size == 32
     assert q4k.weight_zero is not None and q4k.weight_zero.dtype == torch.float32
@@ -146,7 +158,7 @@ def test_k_quants_run_as_stored(quantized_model) -> None:  # type: ignore[no-unt
     # Q6_K: 6-bit values (int8) with a scale per group of 16
     assert isinstance(q6k, Int8Linear) and q6k.group_size == 16
     assert int(q6k.weight.min()) >= -32 and int(q6k.weight.max()) <= 31
-    assert torch.equal(q6k.dequantized(torch.float32), file_weight("blk.0.ffn_down.weight"))
+    assert torch.equal(q6k.dequantized(torch.float32), file_weight("blk.2.ffn_down.weight"))
     # rows of no whole 256-value block took llama.cpp's fallback types
     assert stored["blk.1.attn_q.weight"].tensor_type.name == "Q5_0"
     assert type(layers[1].self_attn.qkv_proj) is torch.nn.Linear
@@ -226,13 +238,14 @@ def _relabelled_tokenizer(src: Path, dst: Path) -> None:
 
 
 def _write(
-    path: Path, arch: str = "llama", tensors: dict[str, np.ndarray] | None = None, **fields: int
+    path: Path, arch: str = "llama", tensors: dict[str, np.ndarray] | None = None, **fields: float
 ) -> Path:
     import gguf as gguf_package
 
     w = gguf_package.GGUFWriter(str(path), arch)
     for key, value in fields.items():
-        w.add_uint32(f"{arch}.{key.replace('__', '.')}", value)
+        name = f"{arch}.{key.replace('__', '.')}"
+        w.add_float32(name, value) if isinstance(value, float) else w.add_uint32(name, value)
     for name, array in (tensors or {"token_embd.weight": np.zeros((8, 4), np.float32)}).items():
         w.add_tensor(name, array)
     w.write_header_to_file()
@@ -253,6 +266,9 @@ LLAMA = {"attention__head_count": 2, "embedding_length": 4, "feed_forward_length
         ("rope_freqs", r"rope_freqs.weight \(Llama 3.1's scaled rotary frequencies\) is not supported"),
         ("unknown_tensor", r"unexpected tensor 'blk.0.attn_qkv.weight' in the GGUF file"),
         ("not_gguf", r"not a readable GGUF file"),
+        ("scale_linear", r"llama.rope.scale_linear 4.0 \(scaled rotary positions\) is not supported"),
+        ("scaling_factor", r"llama.rope.scaling.factor 2.0 \(scaled rotary positions\) is not supported"),
+        ("bias", r"bias tensors \(blk.0.attn_q.bias, ...\) are not supported"),
     ],
 )
 def test_what_cannot_be_read_is_refused_by_name(
@@ -268,6 +284,12 @@ def test_what_cannot_be_read_is_refused_by_name(
         _write(path, tensors=embed | {"rope_freqs.weight": np.ones(1, np.float32)}, **LLAMA)
     elif case == "unknown_tensor":
         _write(path, tensors=embed | {"blk.0.attn_qkv.weight": np.zeros((12, 4), np.float32)}, **LLAMA)
+    elif case == "scale_linear":
+        _write(path, rope__scale_linear=4.0, **LLAMA)
+    elif case == "scaling_factor":
+        _write(path, rope__scaling__factor=2.0, **LLAMA)
+    elif case == "bias":
+        _write(path, tensors=embed | {"blk.0.attn_q.bias": np.zeros(4, np.float32)}, **LLAMA)
     else:
         path.write_bytes(b"GGUF" + b"\0" * 12)
     with pytest.raises(gguf.GGUFError, match=error):
@@ -281,3 +303,156 @@ def test_ember_serve_answers_from_a_gguf_file(quantized_model, tiny_model: Path)
         out = client.completions.create(model="tiny-q4", prompt="Hello", max_tokens=5, temperature=0)
         assert out.usage.completion_tokens == 5
         assert s.state.engine.engine.runner.quant.scheme == "w4a16"
+
+
+def test_padding_entries_of_the_files_vocabulary_need_no_token(tmp_path: Path, tiny_model: Path) -> None:
+    """llama.cpp's converter pads the vocabulary to the embedding's rows with "[PAD<id>]" entries of type
+    UNUSED, which the base model's tokenizer does not have."""
+    import gguf as gguf_package
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    n = tok.get_vocab_size()
+    path = tmp_path / "padded.gguf"
+    w = gguf_package.GGUFWriter(str(path), "llama")
+    w.add_token_list([tok.id_to_token(i) for i in range(n)] + [f"[PAD{i}]" for i in range(n, n + 4)])
+    w.add_token_types([1] * n + [5] * 4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf.reader_of(path)
+    gguf_dir.check_vocabulary(reader, tiny_model / "tokenizer.json", path)  # no error
+    w = gguf_package.GGUFWriter(str(path), "llama")  # the same entries, not marked as padding
+    w.add_token_list([tok.id_to_token(i) for i in range(n)] + [f"[PAD{i}]" for i in range(n, n + 4)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(gguf.GGUFError, match=f"token {n} is None there and '\\[PAD{n}\\]' in the file"):
+        gguf_dir.check_vocabulary(gguf.reader_of(path), tiny_model / "tokenizer.json", path)
+
+
+def test_stop_tokens_are_the_files_and_the_base_models(quantized_model, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    # the file's EOS (1) and the base model's generation_config.json's ([1, 6])
+    llm = LLM(str(_file(quantized_model, "Q8_0")), tokenizer=str(tiny_model), num_kv_blocks=16)
+    assert llm.engine.model_config.eos_token_ids == (1, 6)
+    assert (
+        llm.engine.model_config.eos_token_ids
+        == LLM(str(tiny_model), num_kv_blocks=16).engine.model_config.eos_token_ids
+    )
+
+
+def test_the_tokenizer_option_reaches_structured_outputs(tmp_path: Path, tiny_model: Path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(tiny_model / name, bare / name)
+    llm = LLM(str(bare), tokenizer=str(tiny_model), num_kv_blocks=16, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=6, constraint=Constraint("choice", ["red", "green"]))
+    out = llm.generate("Hello", params, use_tqdm=False)[0]
+    assert out.text in ("red", "green")
+
+
+def test_a_gguf_draft_model(quantized_model, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    """A .gguf draft is described like the target; speculation changes no greedy token."""
+    draft = _file(quantized_model, "F32")
+    prompts = [list(range(10, 10 + n)) for n in (5, 9)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM(str(tiny_model), num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_model), draft_model=str(draft), num_speculative_tokens=2, num_kv_blocks=64)
+    assert Path(llm.engine.config.draft_model).name.startswith("model-")
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_tensor_parallelism_splits_a_file_of_full_precision(quantized_model, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    path = str(_file(quantized_model, "F16"))
+    prompts = [list(range(10, 10 + n)) for n in (5, 30)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    one = LLM(path, dtype="float32", num_kv_blocks=64)
+    expected = [o.token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    split = LLM(path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2, quantization="gguf")
+    try:
+        assert [o.token_ids for o in split.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        split.engine.shutdown()
+
+
+def test_tensor_parallelism_refuses_a_quantized_file_by_its_name(quantized_model, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    from ember_engine.model.parallel import TensorParallelError, refuse_quantized
+
+    path = _file(quantized_model, "Q8_0")
+    directory = gguf_dir.materialize(path, tiny_model)
+    with pytest.raises(TensorParallelError, match=f"gguf in {re.escape(str(path.resolve()))}"):
+        refuse_quantized(directory)
+
+
+def test_concurrent_writes_of_the_description(tmp_path: Path) -> None:
+    import threading
+
+    dst = tmp_path / "config.json"
+    errors: list[BaseException] = []
+
+    def write(tag: bytes) -> None:
+        try:
+            for _ in range(200):
+                gguf_dir._write(dst, tag * 1000)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in (b"a", b"b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert dst.read_bytes() in (b"a" * 1000, b"b" * 1000)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+@pytest.fixture(scope="module")
+def wide_q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random llama of 8 layers whose matrices are whole K blocks (hidden size 256), written as llama.cpp's
+    Q4_K_M lays it out: layers 0, 3, 6 and 7 hold v (and down) in Q6_K beside q and k in Q4_K."""
+    import subprocess
+    import sys
+
+    from ember_engine.tools import testmodel
+
+    src = tmp_path_factory.mktemp("wide") / "model"
+    src.mkdir()
+    ids = testmodel.write_tokenizer(src)
+    config = testmodel.llama_config(testmodel.ModelSize(256, 512, 8, 4, 2, 2048), ids)
+    (src / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import save_file
+
+    save_file(
+        testmodel.random_llama_weights(config, 5), str(src / "model.safetensors"), metadata={"format": "pt"}
+    )
+    dst = src.parent / "gguf"
+    build = Path(__file__).with_name(BUILD)
+    subprocess.run([sys.executable, str(build), str(src), str(dst), "Q4_K_M"], check=True)
+    return dst / "model.gguf"
+
+
+def test_q4_k_and_q6_k_parts_of_one_layer_run_alike(wide_q4_k_m: Path) -> None:
+    oracle = torch.load(wide_q4_k_m.with_name("oracle.pt"))
+    llm = LLM(str(wide_q4_k_m), dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    runner = llm.engine.runner
+    layers = runner.model.model.layers
+    for i, layer in enumerate(layers):
+        qkv = layer.self_attn.qkv_proj
+        if i in (0, 3, 6, 7):  # q, k Q4_K and v Q6_K: int8 in groups of 16, with zero points
+            assert isinstance(qkv, Int8Linear) and qkv.group_size == 16 and qkv.weight_zero is not None
+        else:  # all Q4_K
+            assert isinstance(qkv, Int4Linear) and qkv.group_size == 32
+        assert isinstance(layer.mlp.gate_up_proj, Int4Linear)
+    worst = 0.0
+    for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
+        diff = (_forward(runner, prompt) - theirs).abs().max().item() / (theirs.max() - theirs.min()).item()
+        worst = max(worst, diff)
+    assert worst <= 1e-5, worst
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [g.token_ids for g in llm.generate(oracle["prompts"][:6], params, use_tqdm=False)]
+    assert got == oracle["greedy"]

@@ -192,10 +192,12 @@ def test_the_engine_compiles_its_loops_while_starting_and_serving_adds_no_signat
     else:
         loops = [cpu_decode._int8_times_row]
     llm = LLM(str(tiny_model), quantization=scheme, num_kv_blocks=64)
-    # Every loop compiled (or read from the cache) before any request.
-    assert [len(loop.signatures) for loop in loops] == [1] * len(loops)
+    # Every loop compiled (or read from the cache) before any request. (Another test in this process may
+    # have compiled a loop for other types too: float32 zero points, GGUF's Q4_K.)
+    started = [len(loop.signatures) for loop in loops]
+    assert min(started) >= 1
     prompts = [list(range(10, 10 + n)) for n in (5, 17, 3)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     # Prefill, one-row and several-row decode took the warm-up's types.
-    assert [len(loop.signatures) for loop in loops] == [1] * len(loops)
+    assert [len(loop.signatures) for loop in loops] == started

@@ -18,7 +18,7 @@ from ember_engine.core.request import Request
 from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.distributed.workers import WorkerPool
-from ember_engine.model import gguf
+from ember_engine.model import gguf_dir
 from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
 from ember_engine.model.parallel import SINGLE, check_tensor_parallel, refuse_quantized
@@ -55,7 +55,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
-        self.config = gguf.describe(config)  # a .gguf model: the directory describing it
+        self.config = gguf_dir.describe(config)  # a .gguf model: the directory describing it
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         limit = self.model_config.max_position_embeddings
@@ -121,7 +121,7 @@ class LLMEngine:
     def grammar_compiler(self) -> GrammarCompiler:
         """Structured output's compiler for this checkpoint's tokenizer, built on first use."""
         mc = self.model_config
-        return GrammarCompiler(self.config.model, mc.vocab_size, mc.eos_token_ids)
+        return GrammarCompiler(self.config.tokenizer or self.config.model, mc.vocab_size, mc.eos_token_ids)
 
     @property
     def groups(self) -> dict[str, Group]:

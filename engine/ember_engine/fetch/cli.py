@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="GLOB",
         help="skip matching files (repeatable); without --include, weight formats the engine does not load "
-        "(*.bin, *.pt, *.gguf, ...) are skipped too",
+        "(*.bin, *.pt, ...) and GGUF files (*.gguf: give --include for the one to serve) are skipped too",
     )
     p.add_argument(
         "--retries", type=int, default=5, help="tries after a dropped transfer (default: %(default)s)"

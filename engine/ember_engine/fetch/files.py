@@ -25,7 +25,8 @@ from typing import Any, Protocol
 LEDGER = ".ember-fetch.json"
 LOCK = ".ember-fetch.lock"
 PARTIAL = ".incomplete"
-# Weight formats the engine does not load: a hub repository often carries them beside the safetensors.
+# Weight formats the engine does not load, which a hub repository often carries beside the safetensors, and
+# GGUF files: a "…-GGUF" repository holds one per quantization (take the one to serve with --include).
 SKIPPED_BY_DEFAULT = ("*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.ot", "*.onnx", "*.gguf", "*.tflite")
 
 

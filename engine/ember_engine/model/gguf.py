@@ -1,18 +1,16 @@
 """GGUF checkpoints (llama.cpp's single-file format; what "…-GGUF" downloads hold), read with the `gguf`
-package.
-
-A `.gguf` file given as the model is first described as a model directory (`materialize`): a
-`config.json` built from the file's metadata (with `gguf_file` naming the file, and, where it holds
-projections in a type run as stored, a `quantization_config` with `quant_method: gguf` listing them), and the
-tokenizer files of the base model (`tokenizer`, or the ones beside the file). The loader then reads the
-tensors from the file itself (`iter_tensors`), under the Hugging Face names the engine loads:
+package: the model's config from the file's metadata (`read_config`), its tensors under the Hugging Face
+names the engine loads (`iter_tensors`), and the scheme of the projections it runs as stored (`parse`).
+`gguf_dir.py` describes the file as a model directory; the loader reads the tensors from the file.
 
 - Q8_0 runs as `w8a16` in groups of 32, Q6_K as `w8a16` in groups of 16, Q4_0 as `w4a16` in groups of
   32, and Q4_K as `w4a16` in groups of 32 with a real zero point per group (`gguf_blocks.py`): the
-  file's values, and its scales in float32, are what the engine multiplies with.
-- Every other type (F32, F16, BF16, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, the IQ types) is dequantized at load
-  by the `gguf` package into the model dtype, and so are the token embeddings, and the parts of a merged
-  projection (q/k/v, gate/up) when they are stored in different types.
+  file's values, and its scales in float32, are what the engine multiplies with. The parts of a merged
+  projection (q/k/v, gate/up) stored in different ones of these types run alike, as `w8a16` in groups of
+  16 with zero points (`COMMON`).
+- Every other type (F32, F16, BF16, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, the IQ types) is dequantized at
+  load by the `gguf` package into the model dtype, and so are the token embeddings, and the parts of a
+  merged projection when one of them is of such a type.
 
 llama.cpp stores a llama model's q and k rows permuted for its rotary embedding (each head's two halves
 interleaved); they are put back in Hugging Face's order here. Architectures read: llama (which covers
@@ -21,9 +19,7 @@ Mistral's conversions too); the others are refused by name.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,7 +34,10 @@ from ember_engine.model.quant.spec import QuantSpec
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 # The types run as they are stored (`gguf_blocks.py`): their scheme and bits a value.
 KEPT = {"Q8_0": ("w8a16", 8), "Q4_0": ("w4a16", 4), "Q6_K": ("w8a16", 8), "Q4_K": ("w4a16", 4)}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The parts of a merged projection stored in different types of KEPT (llama.cpp's Q4_K_M gives some
+# layers' v Q6_K and their q and k Q4_K) run alike: each part's values as int8, in groups of 16, with a
+# float32 zero point per group (0 for the symmetric types).
+COMMON, COMMON_GROUP = "common", 16
 _LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -62,7 +61,7 @@ def is_gguf(model: str | Path) -> bool:
     return str(model).endswith(".gguf")
 
 
-def _reader(path: Path) -> Any:
+def reader_of(path: Path) -> Any:
     import gguf
 
     if not path.is_file():
@@ -73,7 +72,7 @@ def _reader(path: Path) -> Any:
         raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from exc
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
@@ -91,7 +90,7 @@ def hf_name(name: str) -> str:
 
 def read_config(reader: Any, path: Path) -> dict[str, Any]:
     """The Hugging Face config.json of the model the file holds."""
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
@@ -102,12 +101,19 @@ def read_config(reader: Any, path: Path) -> dict[str, Any]:
             f"{path}: rope_freqs.weight (Llama 3.1's scaled rotary frequencies) is not supported in GGUF files; "
             "serve the Hugging Face checkpoint"
         )
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise GGUFError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported; supported: none")
+    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):  # linear scaling without a type
+        factor = field(reader, key)
+        if factor is not None and float(factor) not in (0.0, 1.0):
+            raise GGUFError(f"{path}: {key} {factor} (scaled rotary positions) is not supported")
+    biases = sorted(n for n in names if n.endswith(".bias"))
+    if biases:
+        raise GGUFError(f"{path}: bias tensors ({biases[0]}, ...) are not supported in a llama GGUF file")
 
     def need(key: str) -> Any:
-        value = _field(reader, f"{arch}.{key}")
+        value = field(reader, f"{arch}.{key}")
         if value is None:
             raise GGUFError(f"{path}: metadata {arch}.{key} is missing")
         return value
@@ -129,15 +135,15 @@ def read_config(reader: Any, path: Path) -> dict[str, Any]:
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(field(reader, f"{arch}.context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": dtype,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "gguf_file": str(path),
     }
     kept = kept_projections(reader)
@@ -147,85 +153,27 @@ def read_config(reader: Any, path: Path) -> dict[str, Any]:
 
 
 def kept_projections(reader: Any) -> dict[str, list[str]]:
-    """The projections run as the file stores them, by type: those of a type in `KEPT`, but where the parts of a
-    merged projection (q/k/v, gate/up) differ in type, and the LM head where it is stored apart."""
+    """The projections run as the file stores them, by type: those of a type in `KEPT` (the LM head too,
+    where it is stored apart), and under `COMMON` the parts of a merged projection (q/k/v, gate/up) stored
+    in different types of KEPT; a merged projection with a part of another type runs dequantized."""
     types = {
         hf_name(t.name).removesuffix(".weight"): t.tensor_type.name
         for t in reader.tensors
         if t.name.endswith(".weight")
         and t.name.split(".")[-2] not in ("token_embd", "attn_norm", "ffn_norm", "output_norm")
     }
-    for module in list(types):
+    stored = dict(types)
+    for module in stored:
         parent, _, leaf = module.rpartition(".")
         for merged in _MERGED:
-            if leaf in merged and len({types.get(f"{parent}.{p}") for p in merged}) > 1:
-                types[module] = "mixed"
+            kinds = {stored.get(f"{parent}.{p}") for p in merged}
+            if leaf in merged and len(kinds) > 1:
+                types[module] = COMMON if kinds <= KEPT.keys() else "mixed"
     kept: dict[str, list[str]] = {}
     for module, kind in sorted(types.items()):
-        if kind in KEPT:
+        if kind in KEPT or kind == COMMON:
             kept.setdefault(kind, []).append(module)
     return kept
-
-
-def materialize(path: str | Path, tokenizer: str | Path | None = None) -> Path:
-    """A model directory describing GGUF file `path` (config.json and the tokenizer's files), under
-    $EMBER_CACHE_DIR (default ~/.cache/ember)/gguf. The tokenizer comes from `tokenizer` (a directory with
-    tokenizer.json, the base model's), else from the file's own directory; where the file lists its
-    vocabulary, the tokenizer's must be the same."""
-    path = Path(path).resolve()
-    reader = _reader(path)
-    config = read_config(reader, path)
-    source = Path(tokenizer) if tokenizer is not None else path.parent
-    if not (source / "tokenizer.json").exists():
-        raise GGUFError(
-            f"{path}: a GGUF model needs its base model's tokenizer: give tokenizer (--tokenizer) a directory "
-            f"with tokenizer.json; {source} has none"
-        )
-    _check_vocabulary(reader, source / "tokenizer.json", path)
-    stat = path.stat()
-    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{source.resolve()}".encode()
-    root = Path(os.environ.get("EMBER_CACHE_DIR", Path.home() / ".cache" / "ember")) / "gguf"
-    out = root / f"{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
-    out.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            _write(out / name, (source / name).read_bytes())
-    _write(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    return out
-
-
-def describe(config: Any) -> Any:
-    """An engine config (`EngineConfig`) whose model is a .gguf file pointed at the directory describing it
-    (in place, and returned); `quantization` "gguf" asks for the file's own types, which it runs in anyway."""
-    if not is_gguf(config.model):
-        return config
-    config.model = str(materialize(config.model, config.tokenizer))
-    config.tokenizer = None  # its files are in that directory now
-    if config.quantization == "gguf":
-        config.quantization = None
-    return config
-
-
-def _write(dst: Path, data: bytes) -> None:
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, dst)  # another process reading it sees the old file or the new one, whole
-
-
-def _check_vocabulary(reader: Any, tokenizer_file: Path, path: Path) -> None:
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    if not tokens:
-        return
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_file))
-    for i, token in enumerate(tokens):
-        mine = tok.id_to_token(i)
-        if mine != token:
-            raise GGUFError(
-                f"{path}: the tokenizer in {tokenizer_file.parent} is not the file's: token {i} is {mine!r} there "
-                f"and {token!r} in the file"
-            )
 
 
 def file_of(model_dir: str | Path) -> Path | None:
@@ -245,8 +193,10 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf import quants
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    reader = _reader(Path(config["gguf_file"]))
-    kept = {m for ms in (config.get("quantization_config") or {}).get("projections", {}).values() for m in ms}
+    reader = reader_of(Path(config["gguf_file"]))
+    projections = (config.get("quantization_config") or {}).get("projections", {})
+    kept = {m for ms in projections.values() for m in ms}
+    common = set(projections.get(COMMON, ()))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -255,6 +205,10 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         rows = {"q_proj": heads, "k_proj": kv_heads}.get(module.rpartition(".")[2])
         if module in kept:
             values, scale, zero = gguf_blocks.decode(np.asarray(t.data), kind)
+            if module in common:
+                values, scale, zero = gguf_blocks.regroup(
+                    values, scale, zero, gguf_blocks.GROUP[kind], COMMON_GROUP
+                )
             yield name, _unpermute(values, rows)
             yield f"{module}.weight_scale", _unpermute(scale, rows)
             if zero is not None:
@@ -283,9 +237,21 @@ def parse(qc: dict[str, Any]) -> QuantSpec:
     projections = qc.get("projections") or {}
     groups = []
     for kind, modules in sorted(projections.items()):
+        if kind == COMMON:
+            groups.append(
+                QuantSpec(
+                    "w8a16",
+                    "gguf",
+                    group_size=COMMON_GROUP,
+                    zero_points=True,
+                    float_zeros=True,
+                    targets=tuple(modules),
+                )
+            )
+            continue
         if kind not in KEPT:
             raise UnsupportedQuantizationError(
-                f"gguf: type {kind!r} is not run as stored; supported: {', '.join(KEPT)}"
+                f"gguf: type {kind!r} is not run as stored; supported: {', '.join(KEPT)}, {COMMON}"
             )
         scheme, bits = KEPT[kind]
         zeros = kind == "Q4_K"  # a real zero point per group

@@ -88,3 +88,14 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     values = np.where(empty[..., None], 8, q).astype(np.int8) - 8
     zero = np.where(empty, 1.0, offset / np.where(empty, 1.0, scale) - 8)
     return values, np.where(empty, offset, scale), zero
+
+
+def regroup(
+    values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int, to: int
+) -> Decoded:
+    """A decoded tensor in groups of `to` columns (`to` dividing `group`): each scale and zero point
+    repeated, and zero points of 0 where the type has none."""
+    if zero is None:
+        zero = torch.zeros_like(scale)
+    times = group // to
+    return values, scale.repeat_interleave(times, dim=1), zero.repeat_interleave(times, dim=1)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ember_engine.model import gguf
 from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.quant.checkpoint import read_quantization_config, weights_quantized
 
@@ -121,8 +122,9 @@ def refuse_quantized(model_dir: str | Path) -> None:
     qc = read_quantization_config(model_dir)
     if qc is not None and weights_quantized(qc):
         method = qc.get("quant_method")
+        where = gguf.file_of(model_dir) or model_dir  # a GGUF file: the file, not the directory describing it
         raise TensorParallelError(
-            f"tensor_parallel_size > 1 is not supported with quantized checkpoints ({method} in {model_dir})"
+            f"tensor_parallel_size > 1 is not supported with quantized checkpoints ({method} in {where})"
         )
 
 

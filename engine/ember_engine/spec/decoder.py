@@ -84,7 +84,10 @@ def draft_model_config(config: EngineConfig, target: ModelConfig, max_model_len:
             f"draft_model: vocabulary size {draft.vocab_size} differs from the target's "
             f"{target.vocab_size}; the draft must share the target's tokenizer"
         )
-    ours, theirs = Path(config.model) / "tokenizer.json", Path(directory) / "tokenizer.json"
+    ours, theirs = (
+        Path(config.tokenizer or config.model) / "tokenizer.json",
+        Path(directory) / "tokenizer.json",
+    )
     if ours.exists() and theirs.exists() and ours.read_bytes() != theirs.read_bytes():
         raise ValueError("draft_model: its tokenizer.json differs from the target's")
     if draft.max_position_embeddings < max_model_len:

@@ -13,7 +13,7 @@ from ember_engine.model.quant.checkpoint import decode
 from ember_engine.model.quant.codebook_linear import CodebookLinear
 from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8Linear
-from ember_engine.model.quant.int_linear import Int4Linear
+from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
 from ember_engine.model.quant.layer import QuantLinear
 from ember_engine.model.quant.linear import make_layer, quantize_linear
 from ember_engine.model.quant.rotations import OutputRotations, RotationMatrices
@@ -237,7 +237,7 @@ class QuantCollector:
             layer.set_rows(offset, weight.to(layer.weight_scale.device), scale)
             self.rows[key] = weight.shape[0]
             if zero is not None:
-                assert isinstance(layer, Int4Linear)
+                assert isinstance(layer, (Int4Linear, Int8Linear))
                 layer.set_zero_rows(offset, zero)
             if "weight_global_scale" in tensors:
                 assert isinstance(layer, Fp4Linear)

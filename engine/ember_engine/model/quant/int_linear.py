@@ -11,13 +11,22 @@ from ember_engine.model.quant.layer import QuantLinear, use_triton
 
 
 class Int8Linear(QuantLinear):
-    """int8 weights with a scale per output channel (`group_size` 0) or per group of input columns."""
+    """int8 weights with a scale per output channel (`group_size` 0) or per group of input columns, and
+    with `zero_points` a float32 zero point per group: the weight is (value - zero) * scale (GGUF's q/k/v
+    parts of different types, held alike)."""
 
     scheme = "w8a16"
     weight: torch.Tensor
+    weight_zero: torch.Tensor | None
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int = 0
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        group_size: int = 0,
+        zero_points: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         if group_size and in_features % group_size:
@@ -25,21 +34,43 @@ class Int8Linear(QuantLinear):
                 f"w8a16: input size {in_features} is not a multiple of the group size {group_size}"
             )
         self.group_size = group_size or in_features
+        groups = in_features // self.group_size
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer(
-            "weight_scale", torch.ones(out_features, in_features // self.group_size, dtype=torch.float32)
-        )
+        self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float32))
+        zeros = torch.zeros(out_features, groups, dtype=torch.float32) if zero_points else None
+        self.register_buffer("weight_zero", zeros)
+        self._zero_times_scale: torch.Tensor | None = None
 
     def weight_data(self) -> torch.Tensor:
         return self.weight
 
+    def set_rows(self, start: int, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().set_rows(start, weight, scale)
+        self._zero_times_scale = None
+
+    def set_zero_rows(self, start: int, zero: torch.Tensor) -> None:
+        """Zero points ([rows, groups]) for output rows start.."""
+        if self.weight_zero is None:
+            raise schemes.UnsupportedQuantizationError("w8a16: zero points for a symmetric layer")
+        self.weight_zero.narrow(0, start, zero.shape[0]).copy_(zero)
+        self._zero_times_scale = None
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._symmetric(x)
+        if self.weight_zero is None:
+            return y
+        if self._zero_times_scale is None:
+            self._zero_times_scale = self.weight_zero * self.weight_scale
+        return less_zero_points(x, y, self._zero_times_scale, self.group_size)
+
+    def _symmetric(self, x: torch.Tensor) -> torch.Tensor:
+        """x times (value * scale), the zero points left out."""
         if use_triton(x):
             from ember_engine.model.quant import triton_gemm
 
             return triton_gemm.int8_matmul(x, self.weight, self.weight_scale, self.group_size)
         if x.device.type != "cpu":
-            return F.linear(x, self.dequantized(x.dtype))
+            return F.linear(x, self.dequantized(x.dtype, zeros=False))
         if x.dtype == torch.bfloat16 and self.group_size == self.in_features:
             # torch's int8 weight-pack matmul, fast for bf16 activations; float32 scales are applied to
             # its output, so they are not rounded to bf16.
@@ -48,9 +79,20 @@ class Int8Linear(QuantLinear):
             return (y.float() * self.weight_scale.reshape(-1)).to(x.dtype)
         return cpu_decode.int8_matmul(x, self.weight, self.weight_scale)
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        scale = self.weight_scale.repeat_interleave(self.group_size, dim=1)
-        return (self.weight.float() * scale).to(dtype)
+    def dequantized(self, dtype: torch.dtype = torch.float32, zeros: bool = True) -> torch.Tensor:
+        values = self.weight.float()
+        if zeros and self.weight_zero is not None:
+            values = values - self.weight_zero.repeat_interleave(self.group_size, dim=1)
+        return (values * self.weight_scale.repeat_interleave(self.group_size, dim=1)).to(dtype)
+
+
+def less_zero_points(
+    x: torch.Tensor, y: torch.Tensor, zero_times_scale: torch.Tensor, group: int
+) -> torch.Tensor:
+    """The product with zero points from the symmetric one: sum_i (v_i - z_g) s_g x_i = y - sum_g z_g s_g
+    (the sum of x over group g)."""
+    sums = x.float().reshape(x.shape[0], -1, group).sum(dim=-1)
+    return (y.float() - sums @ zero_times_scale.t()).to(x.dtype)
 
 
 class W8A8Linear(Int8Linear):
@@ -136,11 +178,9 @@ class Int4Linear(QuantLinear):
             return F.linear(x, self.dequantized(x.dtype))
         if self.weight_zero is None:
             return y
-        # sum_i (v_i - z_g) s_g x_i = (the symmetric product) - sum_g z_g s_g (sum of x over group g).
         if self._zero_times_scale is None:
             self._zero_times_scale = self.weight_zero.float() * self.weight_scale
-        sums = x.float().reshape(x.shape[0], -1, self.group_size).sum(dim=-1)
-        return (y.float() - sums @ self._zero_times_scale.t()).to(x.dtype)
+        return less_zero_points(x, y, self._zero_times_scale, self.group_size)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.weight_zero is None:

@@ -31,7 +31,7 @@ def make_layer(
     """`group_size`: input columns per scale (w4a16; w8a16, fp8 and w8a16-fp8, where 0 means one scale
     per output channel; fp8 and w8a16-fp8 with groups are block-scaled; w8a8 takes 0 only).
     `zero_points`: a w4a16 checkpoint's own, one per group (int8, or with `float_zeros` float32: any real
-    number). `outlier_threshold`: bitsandbytes 8-bit's
+    number); w8a16's are float32. `outlier_threshold`: bitsandbytes 8-bit's
     (LLM.int8())."""
     if scheme in ("bnb-nf4", "bnb-fp4"):  # from a checkpoint only (the code table set at load)
         return CodebookLinear(in_features, out_features, bias, dtype, scheme, group_size)
@@ -44,7 +44,7 @@ def make_layer(
     if schemes.check_scheme(scheme) == "w4a16":
         return Int4Linear(in_features, out_features, bias, dtype, group_size, zero_points, float_zeros)
     if scheme == "w8a16":
-        return Int8Linear(in_features, out_features, bias, dtype, group_size)
+        return Int8Linear(in_features, out_features, bias, dtype, group_size, zero_points)
     if scheme == "w8a8":
         if group_size:
             raise schemes.UnsupportedQuantizationError(
