@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-PROMPTS, PROMPT_LENGTH, GREEDY_PROMPTS, GREEDY_TOKENS = 8, 12, 6, 12
+PROMPT_LENGTH = 12
 _NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -185,6 +185,7 @@ def write(src: Path, path: Path, preset: str) -> None:
 
 def build(src: Path, dst: Path, preset: str) -> None:
     import torch
+    from modelopt_build import answers, fixed_prompts
     from transformers import AutoModelForCausalLM
 
     dst.mkdir(parents=True)
@@ -192,23 +193,11 @@ def build(src: Path, dst: Path, preset: str) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (src / name).exists():
             shutil.copy(src / name, dst / name)
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(10, 4000, (PROMPT_LENGTH + i,), generator=gen).tolist() for i in range(PROMPTS)]
+    prompts = fixed_prompts(PROMPT_LENGTH)
     theirs = AutoModelForCausalLM.from_pretrained(dst, gguf_file="model.gguf", dtype=torch.float32).eval()
     source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = [theirs(torch.tensor([p])).logits[0] for p in prompts]
-        source_logits = [source(torch.tensor([p])).logits[0] for p in prompts]
-        greedy = []
-        for p in prompts[:GREEDY_PROMPTS]:
-            ids = theirs.generate(
-                torch.tensor([p]),
-                max_new_tokens=GREEDY_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            greedy.append(ids[0, len(p) :].tolist())
+    logits, greedy = answers(theirs, prompts)
+    source_logits = answers(source, prompts)[0]
     torch.save(
         {"prompts": prompts, "logits": logits, "greedy": greedy, "source_logits": source_logits},
         dst / "oracle.pt",

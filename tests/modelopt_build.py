@@ -154,8 +154,24 @@ def oracle(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
     import torch
     from safetensors.torch import load_file
 
+    prompts = fixed_prompts(PROMPT_LENGTH)
+    logits, greedy = answers(model, prompts)
+    probes = _probes(model, _quantized(load_file(str(dst / "model.safetensors"))))
+    torch.save({"prompts": prompts, "logits": logits, "greedy": greedy, "probes": probes}, dst / "oracle.pt")
+
+
+def fixed_prompts(length: int) -> list[list[int]]:
+    """8 prompts of token ids, `length` to `length` + 7 long, the same every run."""
+    import torch
+
     gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(10, 4000, (PROMPT_LENGTH + i,), generator=gen).tolist() for i in range(PROMPTS)]
+    return [torch.randint(10, 4000, (length + i,), generator=gen).tolist() for i in range(PROMPTS)]
+
+
+def answers(model, prompts: list[list[int]]) -> tuple[list, list[list[int]]]:  # type: ignore[no-untyped-def]
+    """A transformers model's float32 logits for each prompt, and its greedy tokens after the first 6."""
+    import torch
+
     with torch.inference_mode():
         logits = [model(torch.tensor([p])).logits[0].float() for p in prompts]
         greedy = []
@@ -168,8 +184,7 @@ def oracle(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
                 pad_token_id=0,
             )
             greedy.append(ids[0, len(p) :].tolist())
-    probes = _probes(model, _quantized(load_file(str(dst / "model.safetensors"))))
-    torch.save({"prompts": prompts, "logits": logits, "greedy": greedy, "probes": probes}, dst / "oracle.pt")
+    return logits, greedy
 
 
 if __name__ == "__main__":

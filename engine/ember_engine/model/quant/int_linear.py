@@ -10,14 +10,36 @@ from ember_engine.model.quant import cpu_decode, cpu_int4, schemes
 from ember_engine.model.quant.layer import QuantLinear, use_triton
 
 
-class Int8Linear(QuantLinear):
+class _ZeroPoints(QuantLinear):
+    """A layer whose weight may have a zero point per group: (value - zero) * scale. `weight_zero` None:
+    symmetric. The product takes them off the symmetric one (`less_zero_points`)."""
+
+    weight_zero: torch.Tensor | None
+    group_size: int
+    _zero_times_scale: torch.Tensor | None = None
+
+    def set_zero_rows(self, start: int, zero: torch.Tensor) -> None:
+        """Zero points ([rows, groups]) for output rows start.."""
+        if self.weight_zero is None:
+            raise schemes.UnsupportedQuantizationError(f"{self.scheme}: zero points for a symmetric layer")
+        self.weight_zero.narrow(0, start, zero.shape[0]).copy_(zero)
+        self._zero_times_scale = None
+
+    def _less_zero_points(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.weight_zero is None:
+            return y
+        if self._zero_times_scale is None:
+            self._zero_times_scale = self.weight_zero.float() * self.weight_scale
+        return less_zero_points(x, y, self._zero_times_scale, self.group_size)
+
+
+class Int8Linear(_ZeroPoints):
     """int8 weights with a scale per output channel (`group_size` 0) or per group of input columns, and
     with `zero_points` a float32 zero point per group: the weight is (value - zero) * scale (GGUF's q/k/v
     parts of different types, held alike)."""
 
     scheme = "w8a16"
     weight: torch.Tensor
-    weight_zero: torch.Tensor | None
 
     def __init__(
         self,
@@ -39,7 +61,7 @@ class Int8Linear(QuantLinear):
         self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float32))
         zeros = torch.zeros(out_features, groups, dtype=torch.float32) if zero_points else None
         self.register_buffer("weight_zero", zeros)
-        self._zero_times_scale: torch.Tensor | None = None
+        self._zero_times_scale = None
 
     def weight_data(self) -> torch.Tensor:
         return self.weight
@@ -48,20 +70,8 @@ class Int8Linear(QuantLinear):
         super().set_rows(start, weight, scale)
         self._zero_times_scale = None
 
-    def set_zero_rows(self, start: int, zero: torch.Tensor) -> None:
-        """Zero points ([rows, groups]) for output rows start.."""
-        if self.weight_zero is None:
-            raise schemes.UnsupportedQuantizationError("w8a16: zero points for a symmetric layer")
-        self.weight_zero.narrow(0, start, zero.shape[0]).copy_(zero)
-        self._zero_times_scale = None
-
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._symmetric(x)
-        if self.weight_zero is None:
-            return y
-        if self._zero_times_scale is None:
-            self._zero_times_scale = self.weight_zero * self.weight_scale
-        return less_zero_points(x, y, self._zero_times_scale, self.group_size)
+        return self._less_zero_points(x, self._symmetric(x))
 
     def _symmetric(self, x: torch.Tensor) -> torch.Tensor:
         """x times (value * scale), the zero points left out."""
@@ -117,10 +127,9 @@ class W8A8Linear(Int8Linear):
         return ((xq.float() * x_scale) @ self.dequantized().t()).to(x.dtype)
 
 
-class Int4Linear(QuantLinear):
+class Int4Linear(_ZeroPoints):
     scheme = "w4a16"
     weight_packed: torch.Tensor
-    weight_zero: torch.Tensor | None
 
     def __init__(
         self,
@@ -147,7 +156,7 @@ class Int4Linear(QuantLinear):
         zero_dtype = torch.float32 if float_zeros else torch.int8
         zeros = torch.zeros(out_features, groups, dtype=zero_dtype) if zero_points else None
         self.register_buffer("weight_zero", zeros)
-        self._zero_times_scale: torch.Tensor | None = None
+        self._zero_times_scale = None
 
     def weight_data(self) -> torch.Tensor:
         return self.weight_packed
@@ -155,13 +164,6 @@ class Int4Linear(QuantLinear):
     def set_rows(self, start: int, weight: torch.Tensor, scale: torch.Tensor) -> None:
         """`weight` is int4 values as int8 [rows, in]; they are packed here."""
         super().set_rows(start, schemes.pack_int4(weight), scale.float())
-        self._zero_times_scale = None
-
-    def set_zero_rows(self, start: int, zero: torch.Tensor) -> None:
-        """A checkpoint's zero points (each less 8, [rows, groups]) for output rows start.."""
-        if self.weight_zero is None:
-            raise schemes.UnsupportedQuantizationError("w4a16: zero points for a symmetric layer")
-        self.weight_zero.narrow(0, start, zero.shape[0]).copy_(zero)
         self._zero_times_scale = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,11 +178,7 @@ class Int4Linear(QuantLinear):
             y = cpu_int4.int4_matmul(x, self.weight_packed, self.weight_scale)
         else:
             return F.linear(x, self.dequantized(x.dtype))
-        if self.weight_zero is None:
-            return y
-        if self._zero_times_scale is None:
-            self._zero_times_scale = self.weight_zero.float() * self.weight_scale
-        return less_zero_points(x, y, self._zero_times_scale, self.group_size)
+        return self._less_zero_points(x, y)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.weight_zero is None:
