@@ -109,7 +109,21 @@ def round_robin(cluster: Cluster) -> int:
     api.create(service("rr", {"app": "rr"}))
     for name in ("rr-a", "rr-b"):
         wait_for(lambda name=name: is_ready(api, name), what=f"{name} to be Ready")
-    return wait_for(lambda: published_port(api, "rr"), what="the address of Service rr")
+    port = wait_for(lambda: published_port(api, "rr"), what="the address of Service rr")
+    # The proxy's watch of the pods can lag the API (as kube-proxy's endpoints do): until it sees both
+    # Ready, a connection is closed unanswered or reaches one pod only.
+    wait_for(
+        lambda: {routed(port) for _ in range(4)} == {"rr-a", "rr-b"}, what="Service rr to route to both pods"
+    )
+    return port
+
+
+def routed(port: int) -> str | None:
+    """The pod that answers a new connection, or None where the proxy closed it without an answer."""
+    try:
+        return who(port)
+    except httpx.TransportError:
+        return None
 
 
 def test_address_is_published_in_the_service_status(cluster: Cluster, round_robin: int) -> None:
