@@ -5,14 +5,14 @@ DST gets `model.gguf`, the source's tokenizer files beside it, and `oracle.pt`: 
 prompts and the greedy tokens after 6 of them, from transformers loading the GGUF file
 (`from_pretrained(DST, gguf_file=...)`, which dequantizes every tensor with the `gguf` package and puts
 the q and k rows back in order), and the source model's own logits. The `gguf` package quantizes Q8_0,
-Q4_0, Q4_1 and Q5_0; it writes no K-quants, so Q4_K and Q6_K are written here, rounded to nearest
+Q4_0, Q4_1, Q5_0, Q5_1 and BF16; it writes no K-quants, so Q4_K, Q5_K and Q6_K are written here, rounded to nearest
 (llama.cpp searches for better scales), their layouts read back by the package's own dequantizers.
 
 PRESET: F32, F16 (matrices F16, norms F32), Q8_0, Q4_0, Q4_K, Q6_K (every matrix in that type), Q4_K_M
-(Q4_K, but Q6_K for the LM head and for the v and down projections of the layers llama.cpp gives more
-bits, `more_bits`), MIXED (q and k Q4_0, v and o Q8_0, gate and up Q4_1, down Q5_0 but layer 0's Q6_K,
-embeddings Q8_0, LM head F16). A matrix whose rows are no whole number of 256-value K blocks takes Q5_0
-for Q4_K and Q8_0 for Q6_K, as llama.cpp does.
+and Q5_K_M (Q4_K or Q5_K, but Q6_K for the LM head and for the v and down projections of the layers
+llama.cpp gives more bits, `more_bits`), MIXED (q and k Q4_0, v Q8_0, o Q5_1, gate Q4_1 and up BF16,
+down Q5_0 but layer 0's Q6_K, embeddings Q8_0, LM head F16). A matrix whose rows are no whole number of
+256-value K blocks takes Q5_0 for Q4_K, Q5_1 for Q5_K and Q8_0 for Q6_K, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ _NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
-MIXED = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q8_0"}
-MIXED |= {"ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q5_0", "token_embd": "Q8_0", "output": "F16"}
-FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+MIXED = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q5_1"}
+MIXED |= {"ffn_gate": "Q4_1", "ffn_up": "BF16", "ffn_down": "Q5_0", "token_embd": "Q8_0", "output": "F16"}
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def gguf_name(name: str) -> str:
@@ -56,7 +56,7 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def more_bits(layer: int, layers: int) -> bool:
-    """The layers whose v and down projections llama.cpp's Q4_K_M stores in Q6_K: the first and last
+    """The layers whose v and down projections llama.cpp's Q4_K_M and Q5_K_M store in Q6_K: the first and last
     eighth, and every third in between."""
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
@@ -68,37 +68,51 @@ def kind_of(preset: str, name: str, layers: int, columns: int) -> str:
     if preset == "MIXED":
         return "Q6_K" if name == "blk.0.ffn_down.weight" else MIXED[short]
     kind = preset
-    if preset == "Q4_K_M":  # 6 bits where llama.cpp's Q4_K_M spends them: the head, and some v and down
+    if preset in ("Q4_K_M", "Q5_K_M"):  # 6 bits where llama.cpp spends them: the head, some v and down
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
         more = layer >= 0 and more_bits(layer, layers) and short in ("attn_v", "ffn_down")
-        kind = "Q6_K" if short == "output" or more else "Q4_K"
+        kind = "Q6_K" if short == "output" or more else preset[:4]
     # llama.cpp's own fallback where a row is no whole number of 256-value K blocks
     return FALLBACK.get(kind, kind) if columns % 256 else kind
 
 
 def q4_k(x: np.ndarray) -> np.ndarray:
-    """Q4_K blocks of x [rows, columns] (columns a multiple of 256), rounded to nearest: each group of 32
-    spans its minimum (at most 0) to its maximum in 15 steps, its step and minimum each a 6-bit multiple
-    of the block's float16 d and dmin."""
-    rows = x.shape[0]
+    return _k_quant(x, 4)
+
+
+def q5_k(x: np.ndarray) -> np.ndarray:
+    return _k_quant(x, 5)
+
+
+def _k_quant(x: np.ndarray, bits: int) -> np.ndarray:
+    """Q4_K or Q5_K blocks of x [rows, columns] (columns a multiple of 256), rounded to nearest: each group
+    of 32 spans its minimum (at most 0) to its maximum in 2^bits - 1 steps, its step and minimum each a
+    6-bit multiple of the block's float16 d and dmin. Q5_K's fifth bits: bit j of byte i for value i of
+    group j, before the nibbles."""
+    rows, top = x.shape[0], 2**bits - 1
     b = x.reshape(-1, 8, 32).astype(np.float32)
     low = np.minimum(b.min(axis=2), 0)
-    step, mins = (b.max(axis=2) - low) / 15, -low
+    step, mins = (b.max(axis=2) - low) / top, -low
     d = (step.max(axis=1) / 63).astype(np.float16)
     dmin = (mins.max(axis=1) / 63).astype(np.float16)
     sc = _multiples(step, d.astype(np.float32)[:, None], 0, 63).astype(np.uint8)
     m = _multiples(mins, dmin.astype(np.float32)[:, None], 0, 63).astype(np.uint8)
     scale = (d.astype(np.float32)[:, None] * sc)[:, :, None]
     offset = (dmin.astype(np.float32)[:, None] * m)[:, :, None]
-    q = _multiples(b + offset, scale, 0, 15).astype(np.uint8)
+    q = _multiples(b + offset, scale, 0, top).astype(np.uint8)
     packed = np.empty((b.shape[0], 12), np.uint8)
     packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
     packed[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
     packed[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
-    pairs = q.reshape(-1, 4, 2, 32)
+    pairs = (q & 15).reshape(-1, 4, 2, 32)
     qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    fifth = (
+        [(((q >> 4) & 1) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=1).astype(np.uint8)]
+        if bits == 5
+        else []
+    )
     halves = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2)]
-    return np.concatenate([*halves, packed, qs], axis=1).reshape(rows, -1)
+    return np.concatenate([*halves, packed, *fifth, qs], axis=1).reshape(rows, -1)
 
 
 def q6_k(x: np.ndarray) -> np.ndarray:
@@ -133,7 +147,7 @@ def _multiples(x: np.ndarray, unit: np.ndarray, low: int, high: int) -> np.ndarr
     return np.where(unit != 0, np.rint(x / safe), 0).clip(low, high)
 
 
-ENCODERS = {"Q4_K": q4_k, "Q6_K": q6_k}
+ENCODERS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}
 
 
 def write(src: Path, path: Path, preset: str) -> None:

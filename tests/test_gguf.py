@@ -37,16 +37,18 @@ def _file(quantized_model, preset: str) -> Path:  # type: ignore[no-untyped-def]
 
 
 # preset -> the scheme ember runs (None: every projection dequantized). Measured, the largest logit
-# difference from transformers' as a fraction of the logits' range: F32 3.7e-7, F16 3.7e-7, Q8_0 3.3e-7,
-# Q4_0 3.1e-7, Q4_K 4.0e-7, Q6_K 3.1e-7, Q4_K_M 3.4e-7, MIXED 3.3e-7 (the test's bound: 1e-5).
+# difference from transformers' as a fraction of the logits' range: F32 3.7e-7, F16 3.7e-7, Q8_0 3.5e-7,
+# Q4_0 3.2e-7, Q4_K 4.0e-7, Q6_K 3.3e-7, Q4_K_M 4.1e-7, Q5_K_M 5.1e-7, MIXED 4.2e-7; the 8-layer files of
+# test_k_and_q6_k_parts_of_one_layer_run_alike 5.3e-7 (Q4_K_M) and 5.9e-7 (Q5_K_M). The bound: 1e-5.
 PRESETS = {
     "F32": None,
     "F16": None,
     "Q8_0": "w8a16",
     "Q4_0": "w4a16",
-    "Q4_K": "w4a16",
+    "Q4_K": "mixed",  # Q4_K for down; Q5_0 where rows are no whole K block
     "Q6_K": "mixed",
     "Q4_K_M": "mixed",
+    "Q5_K_M": "mixed",
     "MIXED": "mixed",
 }
 
@@ -113,22 +115,24 @@ def test_mixed_types_dequantize_what_does_not_run_as_stored(quantized_model) -> 
     runner = LLM(str(path), dtype="float32", num_kv_blocks=16, max_num_seqs=2).engine.runner
     layers = runner.model.model.layers
     # q and k are Q4_0 but v Q8_0: ember runs them as one layer, so alike (int8 in groups of 16 with zero
-    # points); o is Q8_0; gate/up Q4_1, dequantized; down Q6_K (layer 0, kept) or Q5_0 (dequantized).
+    # points); o is Q5_1; gate Q4_1 but up BF16, dequantized; down Q6_K (layer 0) or Q5_0.
     qkv = layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Int8Linear) and qkv.group_size == 16 and qkv.weight_zero is not None
     v = stored["blk.0.attn_v.weight"]
     v_file = torch.from_numpy(gguf_package.quants.dequantize(np.asarray(v.data), v.tensor_type))
     assert torch.equal(qkv.dequantized(torch.float32)[128 + 64 :], v_file)
-    assert isinstance(layers[0].self_attn.o_proj, Int8Linear) and layers[0].self_attn.o_proj.group_size == 32
+    o = layers[0].self_attn.o_proj
+    assert isinstance(o, Int8Linear) and o.group_size == 32 and o.weight_zero is not None
     assert type(layers[0].mlp.gate_up_proj) is torch.nn.Linear
     assert isinstance(layers[0].mlp.down_proj, Int8Linear) and layers[0].mlp.down_proj.group_size == 16
-    assert type(layers[1].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(layers[1].mlp.down_proj, Int8Linear) and layers[1].mlp.down_proj.group_size == 32
     assert type(runner.model.lm_head).__name__ == "ParallelLMHead"  # F16: in full precision
     groups = {(g.scheme, g.group_size, g.zero_points, g.targets) for g in runner.quant.groups}
     qkv_parts = tuple(f"model.layers.{i}.self_attn.{p}_proj" for i in range(4) for p in "kqv")
     assert groups == {
         ("w8a16", 16, True, qkv_parts),
-        ("w8a16", 32, False, tuple(f"model.layers.{i}.self_attn.o_proj" for i in range(4))),
+        ("w8a16", 32, True, tuple(f"model.layers.{i}.self_attn.o_proj" for i in range(4))),
+        ("w8a16", 32, False, tuple(f"model.layers.{i}.mlp.down_proj" for i in range(1, 4))),
         ("w8a16", 16, False, ("model.layers.0.mlp.down_proj",)),
     }
 
@@ -159,9 +163,19 @@ def test_k_quants_run_as_stored(quantized_model) -> None:  # type: ignore[no-unt
     assert isinstance(q6k, Int8Linear) and q6k.group_size == 16
     assert int(q6k.weight.min()) >= -32 and int(q6k.weight.max()) <= 31
     assert torch.equal(q6k.dequantized(torch.float32), file_weight("blk.2.ffn_down.weight"))
-    # rows of no whole 256-value block took llama.cpp's fallback types
+    # rows of no whole 256-value block took llama.cpp's fallback types: Q5_0, run as w8a16
     assert stored["blk.1.attn_q.weight"].tensor_type.name == "Q5_0"
-    assert type(layers[1].self_attn.qkv_proj) is torch.nn.Linear
+    qkv = layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, Int8Linear) and qkv.group_size == 32 and qkv.weight_zero is None
+    # Q5_K: 5-bit values (int8) with a scale and a real zero point per group of 32
+    path = _file(quantized_model, "Q5_K_M")
+    stored = {t.name: t for t in gguf_package.GGUFReader(str(path)).tensors}
+    assert stored["blk.1.ffn_down.weight"].tensor_type.name == "Q5_K"
+    q5k = LLM(str(path), dtype="float32", num_kv_blocks=16).engine.runner.model.model.layers[1].mlp.down_proj
+    assert isinstance(q5k, Int8Linear) and q5k.group_size == 32 and q5k.weight_zero is not None
+    assert int(q5k.weight.min()) >= -16 and int(q5k.weight.max()) <= 15
+    theirs = file_weight("blk.1.ffn_down.weight")
+    assert (q5k.dequantized(torch.float32) - theirs).abs().max().item() <= 1e-6 * theirs.abs().max().item()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])
@@ -411,16 +425,17 @@ def test_concurrent_writes_of_the_description(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
-@pytest.fixture(scope="module")
-def wide_q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["Q4_K_M", "Q5_K_M"])
+def wide_k_m(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """A random llama of 8 layers whose matrices are whole K blocks (hidden size 256), written as llama.cpp's
-    Q4_K_M lays it out: layers 0, 3, 6 and 7 hold v (and down) in Q6_K beside q and k in Q4_K."""
+    Q4_K_M or Q5_K_M lays it out: layers 0, 3, 6 and 7 hold v (and down) in Q6_K beside q and k in Q4_K
+    or Q5_K."""
     import subprocess
     import sys
 
     from ember_engine.tools import testmodel
 
-    src = tmp_path_factory.mktemp("wide") / "model"
+    src = tmp_path_factory.mktemp(f"wide-{request.param}") / "model"
     src.mkdir()
     ids = testmodel.write_tokenizer(src)
     config = testmodel.llama_config(testmodel.ModelSize(256, 512, 8, 4, 2, 2048), ids)
@@ -432,22 +447,24 @@ def wide_q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     dst = src.parent / "gguf"
     build = Path(__file__).with_name(BUILD)
-    subprocess.run([sys.executable, str(build), str(src), str(dst), "Q4_K_M"], check=True)
+    subprocess.run([sys.executable, str(build), str(src), str(dst), request.param], check=True)
     return dst / "model.gguf"
 
 
-def test_q4_k_and_q6_k_parts_of_one_layer_run_alike(wide_q4_k_m: Path) -> None:
-    oracle = torch.load(wide_q4_k_m.with_name("oracle.pt"))
-    llm = LLM(str(wide_q4_k_m), dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+def test_k_and_q6_k_parts_of_one_layer_run_alike(wide_k_m: Path) -> None:
+    oracle = torch.load(wide_k_m.with_name("oracle.pt"))
+    llm = LLM(str(wide_k_m), dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    four = "Q4_K_M" in str(wide_k_m)
     runner = llm.engine.runner
     layers = runner.model.model.layers
     for i, layer in enumerate(layers):
         qkv = layer.self_attn.qkv_proj
-        if i in (0, 3, 6, 7):  # q, k Q4_K and v Q6_K: int8 in groups of 16, with zero points
+        if i in (0, 3, 6, 7):  # q, k Q4_K or Q5_K and v Q6_K: int8 in groups of 16, with zero points
             assert isinstance(qkv, Int8Linear) and qkv.group_size == 16 and qkv.weight_zero is not None
-        else:  # all Q4_K
-            assert isinstance(qkv, Int4Linear) and qkv.group_size == 32
-        assert isinstance(layer.mlp.gate_up_proj, Int4Linear)
+        else:  # all Q4_K (w4a16) or all Q5_K (w8a16), in groups of 32 with zero points
+            assert isinstance(qkv, Int4Linear if four else Int8Linear) and qkv.group_size == 32
+            assert qkv.weight_zero is not None
+        assert isinstance(layer.mlp.gate_up_proj, Int4Linear if four else Int8Linear)
     worst = 0.0
     for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
         diff = (_forward(runner, prompt) - theirs).abs().max().item() / (theirs.max() - theirs.min()).item()

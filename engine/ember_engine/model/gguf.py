@@ -3,14 +3,14 @@ package: the model's config from the file's metadata (`read_config`), its tensor
 names the engine loads (`iter_tensors`), and the scheme of the projections it runs as stored (`parse`).
 `gguf_dir.py` describes the file as a model directory; the loader reads the tensors from the file.
 
-- Q8_0 runs as `w8a16` in groups of 32, Q6_K as `w8a16` in groups of 16, Q4_0 as `w4a16` in groups of
-  32, and Q4_K as `w4a16` in groups of 32 with a real zero point per group (`gguf_blocks.py`): the
-  file's values, and its scales in float32, are what the engine multiplies with. The parts of a merged
-  projection (q/k/v, gate/up) stored in different ones of these types run alike, as `w8a16` in groups of
-  16 with zero points (`COMMON`).
-- Every other type (F32, F16, BF16, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, the IQ types) is dequantized at
-  load by the `gguf` package into the model dtype, and so are the token embeddings, and the parts of a
-  merged projection when one of them is of such a type.
+- Q8_0, Q5_0, Q5_1 and Q5_K run as `w8a16` in groups of 32, Q6_K as `w8a16` in groups of 16, and Q4_0,
+  Q4_1 and Q4_K as `w4a16` in groups of 32; the types with a minimum per group (Q4_1, Q5_1, Q4_K, Q5_K)
+  with a real zero point per group (`gguf_blocks.py`): the file's values, and its scales in float32, are
+  what the engine multiplies with. The parts of a merged projection (q/k/v, gate/up) stored in different
+  ones of these types run alike, as `w8a16` in groups of 16 with zero points (`COMMON`).
+- Every other type (F32, F16, BF16, Q2_K, Q3_K, the IQ types) is dequantized at load by the `gguf`
+  package into the model dtype, and so are the token embeddings, and the parts of a merged projection
+  when one of them is of such a type.
 
 llama.cpp stores a llama model's q and k rows permuted for its rotary embedding (each head's two halves
 interleaved); they are put back in Hugging Face's order here. Architectures read: llama (which covers
@@ -33,7 +33,9 @@ from ember_engine.model.quant.spec import QuantSpec
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 # The types run as they are stored (`gguf_blocks.py`): their scheme and bits a value.
-KEPT = {"Q8_0": ("w8a16", 8), "Q4_0": ("w4a16", 4), "Q6_K": ("w8a16", 8), "Q4_K": ("w4a16", 4)}
+KEPT = {k: ("w8a16", 8) for k in ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K")}
+KEPT |= {k: ("w4a16", 4) for k in ("Q4_0", "Q4_1", "Q4_K")}
+ZEROED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # a minimum per group: held as a float32 zero point
 # The parts of a merged projection stored in different types of KEPT (llama.cpp's Q4_K_M gives some
 # layers' v Q6_K and their q and k Q4_K) run alike: each part's values as int8, in groups of 16, with a
 # float32 zero point per group (0 for the symmetric types).
@@ -231,9 +233,8 @@ def _unpermute(t: torch.Tensor, heads: int | None) -> torch.Tensor:
 
 
 def parse(qc: dict[str, Any]) -> QuantSpec:
-    """The scheme of a materialized GGUF model's kept projections (w8a16 for Q8_0 and Q6_K, w4a16 for Q4_0
-    and Q4_K, in the type's groups), each group of projections by exact name; the others are in full
-    precision."""
+    """The scheme of a materialized GGUF model's kept projections (`KEPT`, in the type's groups), each group
+    of projections by exact name; the others are in full precision."""
     projections = qc.get("projections") or {}
     groups = []
     for kind, modules in sorted(projections.items()):
@@ -254,7 +255,7 @@ def parse(qc: dict[str, Any]) -> QuantSpec:
                 f"gguf: type {kind!r} is not run as stored; supported: {', '.join(KEPT)}, {COMMON}"
             )
         scheme, bits = KEPT[kind]
-        zeros = kind == "Q4_K"  # a real zero point per group
+        zeros = kind in ZEROED
         group = gguf_blocks.GROUP[kind]
         groups.append(
             QuantSpec(

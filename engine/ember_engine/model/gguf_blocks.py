@@ -1,20 +1,21 @@
 """GGUF's block layouts that ember runs as stored, decoded into its canonical forms (`quant/schemes.py`):
-int values [out, in] as int8, float32 scales [out, in / group], and for Q4_K float32 zero points.
-
-Each row of a tensor is a run of blocks, each block a fixed number of bytes:
-- Q8_0 (34 bytes, 32 values): a float16 scale d, then 32 int8 values q; the weight is d * q.
-- Q4_0 (18 bytes, 32 values): d, then 16 bytes whose low nibbles hold values 0..15 and high nibbles
-  values 16..31, each q in 0..15; the weight is d * (q - 8).
-- Q6_K (210 bytes, 256 values in 16 groups of 16): 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16
-  int8 group scales s, then d; the weight is d * s * (q - 32), q in 0..63. Value v of the block has its
-  low bits in byte (v // 128) * 64 + v % 64, the high nibble when v % 128 >= 64, and its high bits in
-  byte 128 + (v // 128) * 32 + v % 32, at bit 2 * ((v % 128) // 32).
-- Q4_K (144 bytes, 256 values in 8 groups of 32): d, dmin (float16), 12 bytes of eight 6-bit group scales
-  s and eight 6-bit group minimums m, then 128 bytes of 4-bit q: byte 32 c + i holds value i of group
-  2 c in its low nibble and of group 2 c + 1 in its high one. The weight is d s q - dmin m: ember holds
-  it as scale d s times (q - 8 - z), z = dmin m / (d s) - 8 (w4a16 with a zero point per group, any real
-  number). A group whose scale is 0 is one constant, -dmin m: held as values 0 under scale dmin m and
-  zero point 1.
+int values [out, in] as int8, float32 scales [out, in / group], and for the types with a minimum per
+group float32 zero points. Each row of a tensor is a run of blocks, each a fixed number of bytes; d, m
+and dmin are float16:
+- Q8_0 (32 values): d, 32 int8 q; the weight d q.
+- Q4_0 (32): d, 16 bytes whose low nibbles hold values 0..15 and high nibbles 16..31; the weight d (q - 8).
+- Q5_0 (32): d, a 32-bit word of fifth bits (bit i for value i), Q4_0's nibbles; the weight d (q - 16).
+- Q4_1, Q5_1 (32): d, m, then as Q4_0 or Q5_0; the weight d q + m.
+- Q6_K (256 in 16 groups of 16): 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 group scales
+  s, d; the weight d s (q - 32). Value v has its low bits in byte (v // 128) * 64 + v % 64, the high
+  nibble when v % 128 >= 64, and its high bits in byte 128 + (v // 128) * 32 + v % 32, at bit
+  2 * ((v % 128) // 32).
+- Q4_K (256 in 8 groups of 32): d, dmin, 12 bytes of eight 6-bit scales s and minimums m (`_k_scales`),
+  128 bytes of 4-bit q: byte 32 c + i holds value i of group 2 c in its low nibble and of group 2 c + 1
+  in its high one. The weight d s q - dmin m. Q5_K (176 bytes): the same, with 32 bytes of fifth bits
+  (bit j of byte i for value i of group j) before the nibbles.
+The weight a q + b of a type with a minimum is held as scale a times (q - mid - z), z = -(mid + b / a),
+mid being 8 or 16 (`_affine`): w4a16's or w8a16's zero points, any real number.
 """
 
 from __future__ import annotations
@@ -22,35 +23,51 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-GROUP = {"Q8_0": 32, "Q4_0": 32, "Q6_K": 16, "Q4_K": 32}  # values per scale
-_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q6_K": 210, "Q4_K": 144}  # bytes per block
+GROUP = {k: 32 for k in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")} | {
+    "Q6_K": 16
+}  # values a scale
+_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q6_K": 210, "Q4_K": 144, "Q5_K": 176}
 
 Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def decode(data: np.ndarray, kind: str) -> Decoded:
     """A tensor's bytes [out, blocks * block bytes] -> (int8 values [out, in], float32 scales [out, in /
-    group], float32 zero points less 8 [out, in / group] for Q4_K, else None)."""
+    group], float32 zero points [out, in / group] for the types with a minimum, else None)."""
     out = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(out, -1, _BYTES[kind])
+    b = np.ascontiguousarray(data).reshape(out, -1, _BYTES[kind])
+    zero = None
     if kind == "Q8_0":
-        values, scale, zero = blocks[:, :, 2:].view(np.int8), _half(blocks[:, :, :2]), None
+        values, scale = b[:, :, 2:].view(np.int8), _half(b[:, :, :2])
     elif kind == "Q4_0":
-        values, scale, zero = (
-            _nibbles(blocks[:, :, 2:], 16).astype(np.int8) - 8,
-            _half(blocks[:, :, :2]),
-            None,
+        values, scale = _nibbles(b[:, :, 2:], 16).astype(np.int8) - 8, _half(b[:, :, :2])
+    elif kind == "Q5_0":
+        values, scale = (
+            _fifth_bits(b[:, :, 2:6], _nibbles(b[:, :, 6:], 16)).astype(np.int8) - 16,
+            _half(b[:, :, :2]),
         )
+    elif kind == "Q4_1":
+        q = _nibbles(b[:, :, 4:], 16)[:, :, None]  # one group a block
+        values, scale, zero = _affine(q, _half(b[:, :, :2]), _half(b[:, :, 2:4]), 8)
+    elif kind == "Q5_1":
+        q = _fifth_bits(b[:, :, 4:8], _nibbles(b[:, :, 8:], 16))[:, :, None]
+        values, scale, zero = _affine(q, _half(b[:, :, :2]), _half(b[:, :, 2:4]), 16)
     elif kind == "Q6_K":
-        values, scale, zero = _q6_k(blocks)
-    elif kind == "Q4_K":
-        values, scale, zero = _q4_k(blocks)
+        values, scale = _q6_k(b)
+    elif kind in ("Q4_K", "Q5_K"):
+        scale_k, minimum = _k_scales(b)
+        q = _nibbles(b[:, :, 16:144] if kind == "Q4_K" else b[:, :, 48:176], 32).reshape(*b.shape[:2], 8, 32)
+        if kind == "Q5_K":  # bit j of byte i: the fifth bit of value i of group j
+            high = (
+                b[:, :, 16:48].reshape(*b.shape[:2], 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+            ) & 1
+            q = q | (high << 4)
+        values, scale, zero = _affine(q, scale_k, -minimum, 8 if kind == "Q4_K" else 16)
     else:
         raise ValueError(f"GGUF type {kind} is not run as stored")
-    flat = (values.reshape(out, -1), scale.reshape(out, -1).astype(np.float32))
     return (
-        torch.from_numpy(np.ascontiguousarray(flat[0])),
-        torch.from_numpy(np.ascontiguousarray(flat[1])),
+        torch.from_numpy(np.ascontiguousarray(values.reshape(out, -1))),
+        torch.from_numpy(np.ascontiguousarray(scale.reshape(out, -1).astype(np.float32))),
         None if zero is None else torch.from_numpy(zero.reshape(out, -1).astype(np.float32)),
     )
 
@@ -67,27 +84,41 @@ def _nibbles(b: np.ndarray, run: int) -> np.ndarray:
     return (shaped & 0x0F).reshape(*b.shape[:-1], -1)
 
 
-def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-    out, n = blocks.shape[:2]
-    low = _nibbles(blocks[:, :, :128], 64)  # value order: half, nibble, byte
+def _fifth_bits(word: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """Q5_0 and Q5_1: a block's 32 low nibbles with the fifth bit of value i from bit i of the block's
+    little-endian 32-bit word."""
+    bits = np.ascontiguousarray(word).view("<u4") >> np.arange(32, dtype=np.uint32)
+    return low | ((bits & 1).astype(np.uint8) << 4)
+
+
+def _affine(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, mid: int) -> tuple[np.ndarray, ...]:
+    """Weights scale * q + offset (q unsigned, per group the last axis of q) as values q - mid, scale and
+    zero point: scale * (v - z), z = -(mid + offset / scale). A group whose scale is 0 is the constant
+    offset: values 0 under scale -offset and zero point 1."""
+    empty = scale == 0
+    values = np.where(empty[..., None], mid, q).astype(np.int16) - mid
+    zero = np.where(empty, 1.0, -(mid + offset / np.where(empty, 1.0, scale)))
+    return values.astype(np.int8), np.where(empty, -offset, scale), zero
+
+
+def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    out, n = b.shape[:2]
+    low = _nibbles(b[:, :, :128], 64)  # value order: half, nibble, byte
     shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-    high = ((blocks[:, :, 128:192].reshape(out, n, 2, 1, 32) >> shifts) & 0x03).reshape(out, n, 256)
+    high = ((b[:, :, 128:192].reshape(out, n, 2, 1, 32) >> shifts) & 0x03).reshape(out, n, 256)
     values = (low | (high << 4)).astype(np.int8) - 32
-    scale = blocks[:, :, 192:208].view(np.int8).astype(np.float32) * _half(blocks[:, :, 208:210])
-    return values, scale, None
+    return values, b[:, :, 192:208].view(np.int8).astype(np.float32) * _half(b[:, :, 208:210])
 
 
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    d, dmin, packed = _half(blocks[:, :, 0:2]), _half(blocks[:, :, 2:4]), blocks[:, :, 4:16]
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's eight group scales d s and minimums dmin m: six bits each, packed in 12 bytes
+    after the block's float16 d and dmin (bytes 0-3 the low six bits of s 0-3 and in their top bits the
+    high two of s 4-7; bytes 4-7 the same for m; bytes 8-11 the low four bits of s 4-7 and of m 4-7)."""
+    d, dmin, packed = _half(b[:, :, 0:2]), _half(b[:, :, 2:4]), b[:, :, 4:16]
     first, second, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     s = np.concatenate([first & 63, (rest & 15) | ((first >> 6) << 4)], axis=-1).astype(np.float32)
     m = np.concatenate([second & 63, (rest >> 4) | ((second >> 6) << 4)], axis=-1).astype(np.float32)
-    q = _nibbles(blocks[:, :, 16:], 32).reshape(*blocks.shape[:2], 8, 32)
-    scale, offset = d * s, dmin * m
-    empty = scale == 0
-    values = np.where(empty[..., None], 8, q).astype(np.int8) - 8
-    zero = np.where(empty, 1.0, offset / np.where(empty, 1.0, scale) - 8)
-    return values, np.where(empty, offset, scale), zero
+    return d * s, dmin * m
 
 
 def regroup(
