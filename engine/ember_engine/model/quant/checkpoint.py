@@ -15,8 +15,8 @@ Formats read:
   `input_scale` or none; NVFP4 weights. `modelopt.canonical` gives their tensors compressed-tensors' forms.
 - AMD Quark (`quant_method: quark`): read by `quark.py`; FP8 `weight` with `weight_scale` per tensor or
   channel, static `input_scale` or none.
-- GGUF (a `.gguf` file, described as a model directory by `model/gguf.py`, `quant_method: gguf`): Q8_0,
-  Q6_K, Q4_0 and Q4_K projections, decoded by `model/gguf_blocks.py`, as `w8a16` and `w4a16`.
+- GGUF (a `.gguf` file, described as a model directory by `model/gguf_dir.py`, `quant_method: gguf`): the
+  projections of the types `gguf.KEPT` lists, decoded by `model/gguf_blocks.py`, as `w8a16` and `w4a16`.
 Anything else is refused by name, with what is supported.
 """
 

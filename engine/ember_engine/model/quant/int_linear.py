@@ -35,8 +35,8 @@ class _ZeroPoints(QuantLinear):
 
 class Int8Linear(_ZeroPoints):
     """int8 weights with a scale per output channel (`group_size` 0) or per group of input columns, and
-    with `zero_points` a float32 zero point per group: the weight is (value - zero) * scale (GGUF's q/k/v
-    parts of different types, held alike)."""
+    with `zero_points` a float32 zero point per group: the weight is (value - zero) * scale (GGUF's 5-bit
+    types with a minimum, and q/k/v parts of different types held alike)."""
 
     scheme = "w8a16"
     weight: torch.Tensor
