@@ -144,8 +144,7 @@ def read_config(reader: Any, path: Path) -> dict[str, Any]:
         "max_position_embeddings": int(field(reader, f"{arch}.context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": dtype,
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),  # the stop ids: gguf_dir.materialize
         "gguf_file": str(path),
     }
     kept = kept_projections(reader)

@@ -61,7 +61,6 @@ class Int8Linear(_ZeroPoints):
         self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float32))
         zeros = torch.zeros(out_features, groups, dtype=torch.float32) if zero_points else None
         self.register_buffer("weight_zero", zeros)
-        self._zero_times_scale = None
 
     def weight_data(self) -> torch.Tensor:
         return self.weight
@@ -156,7 +155,6 @@ class Int4Linear(_ZeroPoints):
         zero_dtype = torch.float32 if float_zeros else torch.int8
         zeros = torch.zeros(out_features, groups, dtype=zero_dtype) if zero_points else None
         self.register_buffer("weight_zero", zeros)
-        self._zero_times_scale = None
 
     def weight_data(self) -> torch.Tensor:
         return self.weight_packed
