@@ -1,7 +1,8 @@
 """Writes a test checkpoint as a GGUF file, as llama.cpp's converter lays a llama model out, and what
 transformers computes from that file (run as a script: `python gguf_build.py SRC DST PRESET`).
 
-DST gets `model.gguf`, the source's tokenizer files beside it, and `oracle.pt`: the logits of 8 fixed
+DST gets `model.gguf` (the tokenizer stored in it too, `write_vocabulary`), the source's tokenizer files
+beside it, and `oracle.pt`: the logits of 8 fixed
 prompts and the greedy tokens after 6 of them, from transformers loading the GGUF file
 (`from_pretrained(DST, gguf_file=...)`, which dequantizes every tensor with the `gguf` package and puts
 the q and k rows back in order), and the source model's own logits. The `gguf` package quantizes Q8_0,
@@ -17,6 +18,7 @@ down Q5_0 but layer 0's Q6_K, embeddings Q8_0, LM head F16). A matrix whose rows
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -150,13 +152,33 @@ def _multiples(x: np.ndarray, unit: np.ndarray, low: int, high: int) -> np.ndarr
 ENCODERS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}
 
 
+def write_vocabulary(w, src: Path, config: dict) -> None:  # type: ignore[no-untyped-def]
+    """The tokenizer as llama.cpp's converter stores a byte-level BPE one whose pre-tokenizer is GPT-2's:
+    the tokens, their types (3 for special added tokens), the merges, the BOS flag and the chat template."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads((src / "tokenizer.json").read_text())
+    settings = json.loads((src / "tokenizer_config.json").read_text())
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    added = {a["id"]: a["special"] for a in spec["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list([tok.id_to_token(i) for i in range(tok.get_vocab_size())])
+    w.add_token_types([(3 if added[i] else 4) if i in added else 1 for i in range(tok.get_vocab_size())])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_add_bos_token(bool(settings.get("add_bos_token", False)))
+    if settings.get("chat_template"):
+        w.add_chat_template(settings["chat_template"])
+
+
 def write(src: Path, path: Path, preset: str) -> None:
     import gguf
     import torch
     from safetensors.torch import load_file
-    from tokenizers import Tokenizer
 
-    config = __import__("json").loads((src / "config.json").read_text())
+    config = json.loads((src / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(config["max_position_embeddings"])
@@ -169,11 +191,7 @@ def write(src: Path, path: Path, preset: str) -> None:
     w.add_rope_freq_base(config.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
-    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([tok.id_to_token(i) for i in range(tok.get_vocab_size())])
-    w.add_bos_token_id(config["bos_token_id"])
-    w.add_eos_token_id(config["eos_token_id"])
+    write_vocabulary(w, src, config)
     for name, tensor in sorted(load_file(str(src / "model.safetensors")).items()):
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue

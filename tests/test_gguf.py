@@ -214,10 +214,17 @@ def test_tokenizer_from_option_or_beside_the_file(quantized_model, tmp_path: Pat
     alone = tmp_path / "alone" / "model.gguf"
     alone.parent.mkdir()
     shutil.copy(_file(quantized_model, "Q4_0"), alone)
+    bare = _write(tmp_path / "alone" / "bare.gguf", **LLAMA)  # no tokenizer.ggml.* metadata
     with pytest.raises(
-        gguf.GGUFError, match=r"needs its base model's tokenizer: give tokenizer \(--tokenizer\)"
+        gguf.GGUFError,
+        match=r"alone has no tokenizer.json and the file carries none \(tokenizer.ggml.model\); give tokenizer "
+        r"\(--tokenizer\) the base model's directory",
     ):
-        LLM(str(alone), num_kv_blocks=16)
+        LLM(str(bare), num_kv_blocks=16)
+    with pytest.raises(
+        gguf.GGUFError, match=rf"{tmp_path} has no tokenizer.json; give tokenizer \(--tokenizer\)"
+    ):
+        LLM(str(alone), tokenizer=str(tmp_path), num_kv_blocks=16)  # a directory named: no fallback
     llm = LLM(str(alone), tokenizer=str(tiny_model), num_kv_blocks=16, max_num_seqs=2)
     assert llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].text
     other = tmp_path / "other"

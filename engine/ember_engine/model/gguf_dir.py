@@ -1,6 +1,6 @@
 """A GGUF file described as a model directory: what the engine reads of a checkpoint directory
 (`config.json`, the tokenizer's files) written from the file's metadata (`gguf.read_config`) and the
-base model's tokenizer, under $EMBER_CACHE_DIR (default ~/.cache/ember)/gguf/. The weights stay in the
+base model's tokenizer (or the file's own, `gguf_vocab`), under $EMBER_CACHE_DIR (default ~/.cache/ember)/gguf/. The weights stay in the
 file; the loader reads them from it (`gguf.iter_tensors`)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ember_engine.model import gguf_vocab
 from ember_engine.model.gguf import GGUFError, field, is_gguf, read_config, reader_of
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -38,28 +39,34 @@ def describe(config: Any) -> Any:
 
 def materialize(path: str | Path, tokenizer: str | Path | None = None) -> Path:
     """The directory describing GGUF file `path`. The tokenizer comes from `tokenizer` (a directory with
-    tokenizer.json, the base model's), else from the file's own directory; where the file lists its
-    vocabulary, the tokenizer's must be the same. The end-of-sequence ids are the file's EOS, EOT and EOM
-    and those of the tokenizer directory's generation_config.json."""
+    tokenizer.json, the base model's), else from the file's own directory, else from the vocabulary the
+    file carries (`gguf_vocab`); where the file lists its vocabulary, a tokenizer directory's must be the
+    same. The end-of-sequence ids are the file's EOS, EOT and EOM and those of the tokenizer directory's
+    generation_config.json."""
     path = Path(path).resolve()
     reader = reader_of(path)
     config = read_config(reader, path)
     source = Path(tokenizer) if tokenizer is not None else path.parent
-    if not (source / "tokenizer.json").exists():
+    if (source / "tokenizer.json").exists():
+        check_vocabulary(reader, source / "tokenizer.json", path)
+        files = {name: (source / name).read_bytes() for name in TOKENIZER_FILES if (source / name).exists()}
+        origin = str(source.resolve())
+    elif tokenizer is None and gguf_vocab.has_tokenizer(reader):
+        files, origin = gguf_vocab.tokenizer_files(reader, path), "the file's own"
+    else:
         raise GGUFError(
-            f"{path}: a GGUF model needs its base model's tokenizer: give tokenizer (--tokenizer) a directory "
-            f"with tokenizer.json; {source} has none"
+            f"{path}: a GGUF model needs a tokenizer: {source} has no tokenizer.json"
+            + ("" if tokenizer is not None else " and the file carries none (tokenizer.ggml.model)")
+            + "; give tokenizer (--tokenizer) the base model's directory"
         )
-    check_vocabulary(reader, source / "tokenizer.json", path)
     config["eos_token_id"] = _stop_ids(reader, source)
     stat = path.stat()
-    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{source.resolve()}".encode()
+    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{origin}".encode()
     root = Path(os.environ.get("EMBER_CACHE_DIR", Path.home() / ".cache" / "ember")) / "gguf"
     out = root / f"{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
     out.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            _write(out / name, (source / name).read_bytes())
+    for name, data in files.items():
+        _write(out / name, data)
     _write(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     return out
 
