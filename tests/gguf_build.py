@@ -6,14 +6,18 @@ beside it, and `oracle.pt`: the logits of 8 fixed
 prompts and the greedy tokens after 6 of them, from transformers loading the GGUF file
 (`from_pretrained(DST, gguf_file=...)`, which dequantizes every tensor with the `gguf` package and puts
 the q and k rows back in order), and the source model's own logits. The `gguf` package quantizes Q8_0,
-Q4_0, Q4_1, Q5_0, Q5_1 and BF16; it writes no K-quants, so Q4_K, Q5_K and Q6_K are written here, rounded to nearest
-(llama.cpp searches for better scales), their layouts read back by the package's own dequantizers.
+Q4_0, Q4_1, Q5_0, Q5_1 and BF16; it writes no K-quants and no IQ types, so Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_NL and IQ4_XS are written here, rounded to nearest (llama.cpp searches for better scales), their
+layouts read back by the package's own dequantizers.
 
-PRESET: F32, F16 (matrices F16, norms F32), Q8_0, Q4_0, Q4_K, Q6_K (every matrix in that type), Q4_K_M
-and Q5_K_M (Q4_K or Q5_K, but Q6_K for the LM head and for the v and down projections of the layers
-llama.cpp gives more bits, `more_bits`), MIXED (q and k Q4_0, v Q8_0, o Q5_1, gate Q4_1 and up BF16,
+PRESET: F32, F16 (matrices F16, norms F32), Q8_0, Q4_0, Q4_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS, or any
+other type the `gguf` package quantizes (every matrix in that type), Q4_K_M and Q5_K_M (Q4_K or Q5_K, but
+Q6_K for the LM head and for the v and down projections of the layers llama.cpp gives more bits,
+`more_bits`), Q3_K_M (Q3_K, but Q4_K for o, Q5_K for v in layers 0 and 1 and for down in the first
+sixteenth of the layers, Q4_K for the other v and down, Q6_K for the head), MIXED (q and k Q4_0, v Q8_0, o Q5_1, gate Q4_1 and up BF16,
 down Q5_0 but layer 0's Q6_K, embeddings Q8_0, LM head F16). A matrix whose rows are no whole number of
-256-value K blocks takes Q5_0 for Q4_K, Q5_1 for Q5_K and Q8_0 for Q6_K, as llama.cpp does.
+256-value K blocks takes Q5_0 for Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K and IQ4_NL for Q2_K, Q3_K and
+IQ4_XS, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ _NAMES = {
 }
 MIXED = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q5_1"}
 MIXED |= {"ffn_gate": "Q4_1", "ffn_up": "BF16", "ffn_down": "Q5_0", "token_embd": "Q8_0", "output": "F16"}
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"} | {
+    k: "IQ4_NL" for k in ("Q2_K", "Q3_K", "IQ4_XS")
+}
 
 
 def gguf_name(name: str) -> str:
@@ -70,6 +76,11 @@ def kind_of(preset: str, name: str, layers: int, columns: int) -> str:
     if preset == "MIXED":
         return "Q6_K" if name == "blk.0.ffn_down.weight" else MIXED[short]
     kind = preset
+    if preset == "Q3_K_M":  # after llama.cpp's Q3_K_M: v, o, down and the head get more bits
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        more = {"attn_v": 2, "ffn_down": layers // 16}.get(short, -1)
+        four = "Q5_K" if layer < more else "Q4_K"
+        kind = {"output": "Q6_K", "attn_v": four, "ffn_down": four, "attn_output": "Q4_K"}.get(short, "Q3_K")
     if preset in ("Q4_K_M", "Q5_K_M"):  # 6 bits where llama.cpp spends them: the head, some v and down
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
         more = layer >= 0 and more_bits(layer, layers) and short in ("attn_v", "ffn_down")
@@ -129,18 +140,113 @@ def q6_k(x: np.ndarray) -> np.ndarray:
     q = (_multiples(b, scale, -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
     low, high = q & 15, q >> 4
     ql = np.empty((q.shape[0], 128), np.uint8)
-    qh = np.zeros((q.shape[0], 64), np.uint8)
-    for h in range(
-        2
-    ):  # value v: low bits in byte (v // 128) * 64 + v % 64, high bits at 2 * ((v % 128) // 32)
+    for h in range(2):  # value v: low bits in byte (v // 128) * 64 + v % 64
         ql[:, h * 64 : h * 64 + 64] = low[:, h * 128 : h * 128 + 64] | (
             low[:, h * 128 + 64 : h * 128 + 128] << 4
         )
-        for k in range(4):
-            qh[:, h * 32 : h * 32 + 32] |= high[:, h * 128 + k * 32 : h * 128 + k * 32 + 32] << (2 * k)
+    qh = _crumbs(high)
     return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1).reshape(
         rows, -1
     )
+
+
+def q3_k(x: np.ndarray) -> np.ndarray:
+    """Q3_K blocks of x [rows, columns] (columns a multiple of 256), rounded to nearest: each group of 16
+    scaled so that its value of largest magnitude is -4 steps (values -4..3), its step a 6-bit multiple
+    (less 32) of the block's float16 d. Stored: high bits (1 for values >= 0), low 2 bits of the value
+    plus 4 where the high bit is 0, the scales packed (`gguf_blocks._q3_k_scales`), d."""
+    rows = x.shape[0]
+    b = x.reshape(-1, 16, 16).astype(np.float32)
+    step = _signed_largest(b) / -4
+    d = (np.abs(step).max(axis=1) / 31).astype(np.float16)
+    sc = _multiples(step, d.astype(np.float32)[:, None], -32, 31)
+    q = (
+        _multiples(b, (d.astype(np.float32)[:, None] * sc)[:, :, None], -4, 3)
+        .astype(np.int8)
+        .reshape(-1, 256)
+    )
+    high = (q >= 0).astype(np.uint8)
+    hmask = np.zeros((q.shape[0], 32), np.uint8)
+    for j in range(8):  # value v: bit v // 32 of byte v % 32
+        hmask |= high[:, j * 32 : j * 32 + 32] << j
+    s = (sc + 32).astype(np.uint8)
+    packed = np.zeros((s.shape[0], 12), np.uint8)
+    packed[:, 0:8] = (s[:, 0:8] & 15) | ((s[:, 8:16] & 15) << 4)
+    for i in range(16):
+        packed[:, 8 + i % 4] |= (s[:, i] >> 4) << (2 * (i // 4))
+    low = _crumbs((q + 4 * (1 - high)).astype(np.uint8))
+    return np.concatenate([hmask, low, packed, d.view(np.uint8).reshape(-1, 2)], axis=1).reshape(rows, -1)
+
+
+def q2_k(x: np.ndarray) -> np.ndarray:
+    """Q2_K blocks, rounded to nearest: each group of 16 spans its minimum (at most 0) to its maximum in 3
+    steps, its step and minimum each a 4-bit multiple of the block's float16 d and dmin."""
+    rows = x.shape[0]
+    b = x.reshape(-1, 16, 16).astype(np.float32)
+    low = np.minimum(b.min(axis=2), 0)
+    step, mins = (b.max(axis=2) - low) / 3, -low
+    d, dmin = (step.max(axis=1) / 15).astype(np.float16), (mins.max(axis=1) / 15).astype(np.float16)
+    sc = _multiples(step, d.astype(np.float32)[:, None], 0, 15).astype(np.uint8)
+    m = _multiples(mins, dmin.astype(np.float32)[:, None], 0, 15).astype(np.uint8)
+    offset = (dmin.astype(np.float32)[:, None] * m)[:, :, None]
+    q = _multiples(b + offset, (d.astype(np.float32)[:, None] * sc)[:, :, None], 0, 3).astype(np.uint8)
+    halves = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2)]
+    return np.concatenate([sc | (m << 4), _crumbs(q.reshape(-1, 256)), *halves], axis=1).reshape(rows, -1)
+
+
+def iq4_nl(x: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks (32 values): d puts the block's value of largest magnitude at -127, each value the
+    nearest of the 16 (`gguf_blocks.IQ4_VALUES`)."""
+    rows = x.shape[0]
+    b = x.reshape(-1, 1, 32).astype(np.float32)
+    d = (_signed_largest(b) / -127).astype(np.float16)
+    q = _nearest_iq4(b, d.astype(np.float32)[:, :, None]).reshape(-1, 32)
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), q[:, :16] | (q[:, 16:] << 4)], axis=1).reshape(
+        rows, -1
+    )
+
+
+def iq4_xs(x: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks (256 values, 8 groups of 32): each group's scale as IQ4_NL's d, a 6-bit multiple (less
+    32) of the block's float16 d; the high 2 bits of the eight in a 16-bit word, the low 4 two a byte."""
+    rows = x.shape[0]
+    b = x.reshape(-1, 8, 32).astype(np.float32)
+    step = _signed_largest(b) / -127
+    d = (np.abs(step).max(axis=1) / 31).astype(np.float16)
+    ls = _multiples(step, d.astype(np.float32)[:, None], -32, 31)
+    q = _nearest_iq4(b, (d.astype(np.float32)[:, None] * ls)[:, :, None])
+    s = (ls + 32).astype(np.uint16)
+    high = ((s >> 4) << np.arange(0, 16, 2, dtype=np.uint16)).sum(axis=1).astype(np.uint16)
+    low = (s[:, 0::2] & 15) | ((s[:, 1::2] & 15) << 4)
+    qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(-1, 128)
+    parts = [d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2), low.astype(np.uint8), qs]
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+def _signed_largest(b: np.ndarray) -> np.ndarray:
+    """Each group's (the last axis) value of largest magnitude, with its sign."""
+    return np.take_along_axis(b, np.abs(b).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+
+
+def _nearest_iq4(b: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    from gguf.quants import IQ4_NL
+
+    safe = np.where(scale != 0, scale, 1)
+    return (
+        np.abs(b[..., None] / safe[..., None] - np.array(IQ4_NL.kvalues, np.float32))
+        .argmin(axis=-1)
+        .astype(np.uint8)
+    )
+
+
+def _crumbs(q: np.ndarray) -> np.ndarray:
+    """Two-bit values [n, 256] packed into 64 bytes: value v at bits 2 ((v % 128) // 32) of byte
+    (v // 128) * 32 + v % 32."""
+    out = np.zeros((q.shape[0], 64), np.uint8)
+    for h in range(2):
+        for k in range(4):
+            out[:, h * 32 : h * 32 + 32] |= (q[:, h * 128 + k * 32 : h * 128 + k * 32 + 32] & 3) << (2 * k)
+    return out
 
 
 def _multiples(x: np.ndarray, unit: np.ndarray, low: int, high: int) -> np.ndarray:
@@ -149,7 +255,15 @@ def _multiples(x: np.ndarray, unit: np.ndarray, low: int, high: int) -> np.ndarr
     return np.where(unit != 0, np.rint(x / safe), 0).clip(low, high)
 
 
-ENCODERS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}
+ENCODERS = {
+    "Q4_K": q4_k,
+    "Q5_K": q5_k,
+    "Q6_K": q6_k,
+    "Q3_K": q3_k,
+    "Q2_K": q2_k,
+    "IQ4_NL": iq4_nl,
+    "IQ4_XS": iq4_xs,
+}
 
 
 def write_vocabulary(w, src: Path, config: dict) -> None:  # type: ignore[no-untyped-def]

@@ -38,8 +38,9 @@ def _file(quantized_model, preset: str) -> Path:  # type: ignore[no-untyped-def]
 
 # preset -> the scheme ember runs (None: every projection dequantized). Measured, the largest logit
 # difference from transformers' as a fraction of the logits' range: F32 3.7e-7, F16 3.7e-7, Q8_0 3.5e-7,
-# Q4_0 3.2e-7, Q4_K 4.0e-7, Q6_K 3.3e-7, Q4_K_M 4.1e-7, Q5_K_M 5.1e-7, MIXED 4.2e-7; the 8-layer files of
-# test_k_and_q6_k_parts_of_one_layer_run_alike 5.3e-7 (Q4_K_M) and 5.9e-7 (Q5_K_M). The bound: 1e-5.
+# Q4_0 3.2e-7, Q4_K 4.0e-7, Q6_K 3.3e-7, Q4_K_M 4.1e-7, Q5_K_M 5.1e-7, MIXED 4.2e-7, Q3_K 3.1e-7, Q2_K
+# 1.2e-6, IQ4_NL 3.8e-7, IQ4_XS 3.5e-7; the 8-layer files of test_k_and_q6_k_parts_of_one_layer_run_alike
+# 5.3e-7 (Q4_K_M), 5.9e-7 (Q5_K_M) and 6.0e-7 (Q3_K_M). The bound: 1e-5.
 PRESETS = {
     "F32": None,
     "F16": None,
@@ -50,6 +51,10 @@ PRESETS = {
     "Q4_K_M": "mixed",
     "Q5_K_M": "mixed",
     "MIXED": "mixed",
+    "Q3_K": "mixed",  # Q3_K for down; IQ4_NL where rows are no whole K block
+    "Q2_K": "mixed",
+    "IQ4_NL": "w8a16",
+    "IQ4_XS": "mixed",
 }
 
 
@@ -176,6 +181,36 @@ def test_k_quants_run_as_stored(quantized_model) -> None:  # type: ignore[no-unt
     assert int(q5k.weight.min()) >= -16 and int(q5k.weight.max()) <= 15
     theirs = file_weight("blk.1.ffn_down.weight")
     assert (q5k.dequantized(torch.float32) - theirs).abs().max().item() <= 1e-6 * theirs.abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "preset,layer,group,zeros",
+    [("Q3_K", Int4Linear, 16, False), ("Q2_K", Int4Linear, 16, True), ("IQ4_XS", Int8Linear, 32, False)],
+)
+def test_low_bit_k_quants_and_iq4_run_as_stored(
+    preset: str, layer: type, group: int, zeros: bool, quantized_model
+) -> None:  # type: ignore[no-untyped-def]
+    """Q3_K (values -4..3 under a scale per 16) and Q2_K (0..3, a scale and minimum per 16) as w4a16 in
+    groups of 16; IQ4_XS and IQ4_NL (indices into 16 values, -127..113) as w8a16 in groups of 32, the
+    values the table's: each held weight is what the `gguf` package dequantizes from the file."""
+    import gguf as gguf_package
+
+    path = _file(quantized_model, preset)
+    stored = {t.name: t for t in gguf_package.GGUFReader(str(path)).tensors}
+    # the down projection's rows are whole K blocks; 128-column rows took llama.cpp's fallback, IQ4_NL
+    assert stored["blk.1.ffn_down.weight"].tensor_type.name == preset
+    assert stored["blk.1.attn_q.weight"].tensor_type.name == "IQ4_NL"
+    layers = LLM(
+        str(path), dtype="float32", num_kv_blocks=16, max_num_seqs=2
+    ).engine.runner.model.model.layers
+    down = layers[1].mlp.down_proj
+    assert isinstance(down, layer) and down.group_size == group and (down.weight_zero is not None) == zeros
+    t = stored["blk.1.ffn_down.weight"]
+    theirs = torch.from_numpy(gguf_package.quants.dequantize(np.asarray(t.data), t.tensor_type))
+    assert (down.dequantized(torch.float32) - theirs).abs().max().item() <= 1e-6 * theirs.abs().max().item()
+    qkv = layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, Int8Linear) and qkv.group_size == 32 and qkv.weight_zero is None
+    assert set(qkv.weight.unique().tolist()) <= set(gguf_blocks.IQ4_VALUES.tolist())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])
@@ -432,11 +467,11 @@ def test_concurrent_writes_of_the_description(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
-@pytest.fixture(scope="module", params=["Q4_K_M", "Q5_K_M"])
+@pytest.fixture(scope="module", params=["Q4_K_M", "Q5_K_M", "Q3_K_M"])
 def wide_k_m(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """A random llama of 8 layers whose matrices are whole K blocks (hidden size 256), written as llama.cpp's
-    Q4_K_M or Q5_K_M lays it out: layers 0, 3, 6 and 7 hold v (and down) in Q6_K beside q and k in Q4_K
-    or Q5_K."""
+    Q4_K_M or Q5_K_M lays it out (layers 0, 3, 6 and 7 hold v and down in Q6_K beside q and k in Q4_K or
+    Q5_K), or after its Q3_K_M (q and k Q3_K beside v in Q5_K or Q4_K in every layer)."""
     import subprocess
     import sys
 
@@ -466,6 +501,10 @@ def test_k_and_q6_k_parts_of_one_layer_run_alike(wide_k_m: Path) -> None:
     layers = runner.model.model.layers
     for i, layer in enumerate(layers):
         qkv = layer.self_attn.qkv_proj
+        if "Q3_K_M" in str(wide_k_m):  # q, k Q3_K beside v Q5_K or Q4_K; gate and up Q3_K (w4a16 by 16)
+            assert isinstance(qkv, Int8Linear) and qkv.group_size == 16 and qkv.weight_zero is not None
+            assert isinstance(layer.mlp.gate_up_proj, Int4Linear) and layer.mlp.gate_up_proj.group_size == 16
+            continue
         if i in (0, 3, 6, 7):  # q, k Q4_K or Q5_K and v Q6_K: int8 in groups of 16, with zero points
             assert isinstance(qkv, Int8Linear) and qkv.group_size == 16 and qkv.weight_zero is not None
         else:  # all Q4_K (w4a16) or all Q5_K (w8a16), in groups of 32 with zero points

@@ -90,3 +90,43 @@ def test_fp8_weight_only_kernel_matches_reference(
     assert got.shape == torch_path.shape == (m, n)
     assert (got - expected).abs().max().item() <= 1e-3 * scale
     assert (torch_path - expected).abs().max().item() <= 1e-5 * scale
+
+
+# GGUF's forms (`model/gguf_blocks.py`): int4 values in groups of 16 (Q3_K, and Q2_K with a float zero point
+# per group) and 32 (Q4_K), int8 values in groups of 16 and 32 with float zero points (Q5_K, Q6_K, merged
+# parts of different types held alike).
+GGUF_FORMS = [
+    ("w4a16", 16, False),
+    ("w4a16", 16, True),
+    ("w4a16", 32, True),
+    ("w8a16", 16, True),
+    ("w8a16", 32, True),
+]
+
+
+@pytest.mark.parametrize("form", GGUF_FORMS, ids=lambda f: f"{f[0]}-g{f[1]}{'-zeros' if f[2] else ''}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gguf_forms_kernel_matches_reference(
+    form: tuple[str, int, bool], shape: tuple[int, int, int], monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
+
+    scheme, group, zeros = form
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m * 1000 + n + group)
+    if scheme == "w4a16":
+        layer = Int4Linear(k, n, False, torch.float32, group, zero_points=zeros, float_zeros=zeros)
+        values = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    else:
+        layer = Int8Linear(k, n, False, torch.float32, group_size=group, zero_points=zeros)
+        values = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    layer.set_rows(0, values, torch.rand(n, k // group, generator=g) * 0.01)
+    if zeros:
+        layer.set_zero_rows(0, torch.randn(n, k // group, generator=g) * 5)
+    layer = layer.to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(DEVICE)
+    expected = (x.double() @ layer.dequantized(torch.float64).t()).float()
+    monkeypatch.setenv("EMBER_QUANT_GEMM", "triton")
+    got = layer(x)
+    scale = expected.abs().max().item()
+    assert (got - expected).abs().max().item() <= 1e-3 * scale, form

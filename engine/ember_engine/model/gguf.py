@@ -3,14 +3,15 @@ package: the model's config from the file's metadata (`read_config`), its tensor
 names the engine loads (`iter_tensors`), and the scheme of the projections it runs as stored (`parse`).
 `gguf_dir.py` describes the file as a model directory; the loader reads the tensors from the file.
 
-- Q8_0, Q5_0, Q5_1 and Q5_K run as `w8a16` in groups of 32, Q6_K as `w8a16` in groups of 16, and Q4_0,
-  Q4_1 and Q4_K as `w4a16` in groups of 32; the types with a minimum per group (Q4_1, Q5_1, Q4_K, Q5_K)
-  with a real zero point per group (`gguf_blocks.py`): the file's values, and its scales in float32, are
-  what the engine multiplies with. The parts of a merged projection (q/k/v, gate/up) stored in different
-  ones of these types run alike, as `w8a16` in groups of 16 with zero points (`COMMON`).
-- Every other type (F32, F16, BF16, Q2_K, Q3_K, the IQ types) is dequantized at load by the `gguf`
-  package into the model dtype, and so are the token embeddings, and the parts of a merged projection
-  when one of them is of such a type.
+- Q8_0, Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS run as `w8a16` in groups of 32, Q6_K as `w8a16` in groups
+  of 16, Q4_0, Q4_1 and Q4_K as `w4a16` in groups of 32, and Q3_K and Q2_K as `w4a16` in groups of 16;
+  the types with a minimum per group (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) with a real zero point per group
+  (`gguf_blocks.py`): the file's values, and its scales in float32, are what the engine multiplies with.
+  The parts of a merged projection (q/k/v, gate/up) stored in different ones of these types run alike,
+  as `w8a16` in groups of 16 with zero points (`COMMON`).
+- Every other type (F32, F16, BF16, the IQ types but IQ4_NL and IQ4_XS, ...) is dequantized at load by
+  the `gguf` package into the model dtype, and so are the token embeddings, and the parts of a merged
+  projection when one of them is of such a type.
 
 llama.cpp stores a llama model's q and k rows permuted for its rotary embedding (each head's two halves
 interleaved); they are put back in Hugging Face's order here. Architectures read: llama (which covers
@@ -33,9 +34,9 @@ from ember_engine.model.quant.spec import QuantSpec
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 # The types run as they are stored (`gguf_blocks.py`): their scheme and bits a value.
-KEPT = {k: ("w8a16", 8) for k in ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K")}
-KEPT |= {k: ("w4a16", 4) for k in ("Q4_0", "Q4_1", "Q4_K")}
-ZEROED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # a minimum per group: held as a float32 zero point
+KEPT = {k: ("w8a16", 8) for k in ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")}
+KEPT |= {k: ("w4a16", 4) for k in ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")}
+ZEROED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")  # a minimum per group: held as a float32 zero point
 # The parts of a merged projection stored in different types of KEPT (llama.cpp's Q4_K_M gives some
 # layers' v Q6_K and their q and k Q4_K) run alike: each part's values as int8, in groups of 16, with a
 # float32 zero point per group (0 for the symmetric types).
@@ -188,8 +189,8 @@ def file_of(model_dir: str | Path) -> Path | None:
 
 def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) of every tensor in the file: the projections `kept_projections` lists as
-    int values [out, in] (int8) with "weight_scale" [out, groups] beside them (and for Q4_K "weight_zero"
-    [out, groups]), everything else in
+    int values [out, in] (int8) with "weight_scale" [out, groups] beside them (and for the types in
+    `ZEROED` "weight_zero" [out, groups]), everything else in
     float32 (the loader casts it to the model dtype)."""
     from gguf import quants
 

@@ -14,6 +14,15 @@ and dmin are float16:
   128 bytes of 4-bit q: byte 32 c + i holds value i of group 2 c in its low nibble and of group 2 c + 1
   in its high one. The weight d s q - dmin m. Q5_K (176 bytes): the same, with 32 bytes of fifth bits
   (bit j of byte i for value i of group j) before the nibbles.
+- Q3_K (256 in 16 groups of 16): 32 bytes of high bits (bit v // 32 of byte v % 32), 64 bytes of low 2
+  bits (`_crumbs`), 12 bytes of sixteen 6-bit scales s (`_q3_k_scales`), d; the weight d (s - 32) q, q the
+  low bits less 4 where the high bit is 0: -4..3.
+- Q2_K (256 in 16 groups of 16): 16 bytes each a 4-bit scale s (low nibble) and minimum m (high), 64 bytes
+  of 2-bit q (`_crumbs`), d, dmin; the weight d s q - dmin m.
+- IQ4_NL (32): d, Q4_0's nibbles, each an index into 16 values (`IQ4_VALUES`, -127..113); the weight
+  d IQ4_VALUES[q]. IQ4_XS (256 in 8 groups of 32): d, a 16-bit word of the high 2 bits of eight 6-bit
+  group scales s (bits 2 g), 4 bytes of their low nibbles (group 2 i low, 2 i + 1 high), then each group's
+  16 bytes of nibbles as IQ4_NL's; the weight d (s - 32) IQ4_VALUES[q].
 The weight a q + b of a type with a minimum is held as scale a times (q - mid - z), z = -(mid + b / a),
 mid being 8 or 16 (`_affine`): w4a16's or w8a16's zero points, any real number.
 """
@@ -23,10 +32,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-GROUP = {k: 32 for k in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")} | {
-    "Q6_K": 16
-}  # values a scale
+GROUP = {k: 32 for k in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS")}
+GROUP |= {k: 16 for k in ("Q6_K", "Q2_K", "Q3_K")}  # values a scale
 _BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q6_K": 210, "Q4_K": 144, "Q5_K": 176}
+_BYTES |= {"Q2_K": 84, "Q3_K": 110, "IQ4_NL": 18, "IQ4_XS": 136}
+# IQ4_NL's and IQ4_XS's 16 values, in code order (llama.cpp's kvalues_iq4nl)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -54,6 +65,23 @@ def decode(data: np.ndarray, kind: str) -> Decoded:
         values, scale, zero = _affine(q, _half(b[:, :, :2]), _half(b[:, :, 2:4]), 16)
     elif kind == "Q6_K":
         values, scale = _q6_k(b)
+    elif kind == "Q2_K":
+        q = _crumbs(b[:, :, 16:80]).reshape(*b.shape[:2], 16, 16)
+        d, dmin, sm = _half(b[:, :, 80:82]), _half(b[:, :, 82:84]), b[:, :, 0:16]
+        values, scale, zero = _affine(q, d * (sm & 15), -dmin * (sm >> 4), 8)
+    elif kind == "Q3_K":
+        high = (b[:, :, 0:32].reshape(*b.shape[:2], 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+        values = _crumbs(b[:, :, 32:96]).astype(np.int8) - 4 * (1 - high.reshape(*b.shape[:2], 256)).astype(
+            np.int8
+        )
+        scale = _q3_k_scales(b[:, :, 96:108]) * _half(b[:, :, 108:110])
+    elif kind == "IQ4_NL":
+        values, scale = IQ4_VALUES[_nibbles(b[:, :, 2:], 16)], _half(b[:, :, :2])
+    elif kind == "IQ4_XS":
+        low = (b[:, :, 4:8].reshape(*b.shape[:2], 4, 1) >> np.array([0, 4], np.uint8)) & 15
+        high = (np.ascontiguousarray(b[:, :, 2:4]).view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
+        sub = (low.reshape(*b.shape[:2], 8) | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
+        values, scale = IQ4_VALUES[_nibbles(b[:, :, 8:], 16)], sub * _half(b[:, :, :2])
     elif kind in ("Q4_K", "Q5_K"):
         scale_k, minimum = _k_scales(b)
         q = _nibbles(b[:, :, 16:144] if kind == "Q4_K" else b[:, :, 48:176], 32).reshape(*b.shape[:2], 8, 32)
@@ -101,12 +129,26 @@ def _affine(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, mid: int) -> t
     return values.astype(np.int8), np.where(empty, -offset, scale), zero
 
 
-def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    out, n = b.shape[:2]
-    low = _nibbles(b[:, :, :128], 64)  # value order: half, nibble, byte
+def _crumbs(b: np.ndarray) -> np.ndarray:
+    """Two-bit values from 64 bytes [..., 64]: value v at bits 2 ((v % 128) // 32) of byte
+    (v // 128) * 32 + v % 32 (Q6_K's high bits, Q2_K's and Q3_K's low ones)."""
     shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
-    high = ((b[:, :, 128:192].reshape(out, n, 2, 1, 32) >> shifts) & 0x03).reshape(out, n, 256)
-    values = (low | (high << 4)).astype(np.int8) - 32
+    return ((b.reshape(*b.shape[:-1], 2, 1, 32) >> shifts) & 0x03).reshape(*b.shape[:-1], 256)
+
+
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's 16 group scales, each six bits less 32: the low four bits of scales 0-7 in the low nibbles of
+    bytes 0-7 and of 8-15 in their high ones; the high two bits of scale i at bits 2 (i // 4) of byte
+    8 + i % 4."""
+    low = (packed[..., 0:8, None] >> np.array([0, 4], np.uint8)) & 15
+    low = low.swapaxes(-1, -2).reshape(*packed.shape[:-1], 16)
+    high = (packed[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    return (low | (high.reshape(*packed.shape[:-1], 16) << 4)).astype(np.float32) - 32
+
+
+def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    low = _nibbles(b[:, :, :128], 64)  # value order: half, nibble, byte
+    values = (low | (_crumbs(b[:, :, 128:192]) << 4)).astype(np.int8) - 32
     return values, b[:, :, 192:208].view(np.int8).astype(np.float32) * _half(b[:, :, 208:210])
 
 
