@@ -38,11 +38,15 @@ _NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
 MIXED = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q5_1"}
 MIXED |= {"ffn_gate": "Q4_1", "ffn_up": "BF16", "ffn_down": "Q5_0", "token_embd": "Q8_0", "output": "F16"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES |= {"Qwen3ForCausalLM": "qwen3"}
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"} | {
     k: "IQ4_NL" for k in ("Q2_K", "Q3_K", "IQ4_XS")
 }
@@ -71,7 +75,7 @@ def more_bits(layer: int, layers: int) -> bool:
 
 def kind_of(preset: str, name: str, layers: int, columns: int) -> str:
     short = name.split(".")[-2]
-    if preset == "F32" or short.endswith("norm"):
+    if preset == "F32" or short.endswith("norm") or name.endswith(".bias"):
         return "F32"
     if preset == "MIXED":
         return "Q6_K" if name == "blk.0.ffn_down.weight" else MIXED[short]
@@ -280,8 +284,10 @@ def write_vocabulary(w, src: Path, config: dict) -> None:  # type: ignore[no-unt
     w.add_token_list([tok.id_to_token(i) for i in range(tok.get_vocab_size())])
     w.add_token_types([(3 if added[i] else 4) if i in added else 1 for i in range(tok.get_vocab_size())])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
-    w.add_bos_token_id(config["bos_token_id"])
-    w.add_eos_token_id(config["eos_token_id"])
+    if config.get("bos_token_id") is not None:
+        w.add_bos_token_id(config["bos_token_id"])
+    if config.get("eos_token_id") is not None:
+        w.add_eos_token_id(config["eos_token_id"])
     w.add_add_bos_token(bool(settings.get("add_bos_token", False)))
     if settings.get("chat_template"):
         w.add_chat_template(settings["chat_template"])
@@ -294,15 +300,21 @@ def write(src: Path, path: Path, preset: str) -> None:
 
     config = json.loads((src / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    w = gguf.GGUFWriter(str(path), "llama")
+    arch = ARCHITECTURES[config["architectures"][0]]
+    rope = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta") or rope.get("rope_theta", 10000.0)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(config["num_hidden_layers"])
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(config["hidden_size"] // heads)
-    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
     write_vocabulary(w, src, config)
@@ -310,9 +322,9 @@ def write(src: Path, path: Path, preset: str) -> None:
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         array = tensor.to(torch.float32).numpy()
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):  # llama.cpp permutes llama's alone
             array = permute(array, heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             array = permute(array, kv_heads)
         target = gguf_name(name)
         kind = kind_of(preset, target, config["num_hidden_layers"], array.shape[-1])
@@ -323,10 +335,33 @@ def write(src: Path, path: Path, preset: str) -> None:
             w.add_tensor(target, array.astype(np.float16 if kind == "F16" else np.float32))
         else:
             w.add_tensor(target, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    scaling = config.get("rope_scaling") or rope
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_factors(theta, head_dim, scaling))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def llama3_factors(theta: float, dim: int, scaling: dict) -> np.ndarray:
+    """What llama.cpp's converter stores as rope_freqs.weight for Llama 3.1's rotary scaling: per frequency
+    the number its angle is divided by (1 for short wavelengths, `factor` for long ones, blended between)."""
+    import math
+
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
 
 
 def build(src: Path, dst: Path, preset: str) -> None:

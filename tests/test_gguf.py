@@ -317,9 +317,16 @@ LLAMA = {"attention__head_count": 2, "embedding_length": 4, "feed_forward_length
 @pytest.mark.parametrize(
     "case,error",
     [
-        ("qwen2", r"GGUF architecture 'qwen2' is not supported; supported: llama"),
+        ("gemma2", r"GGUF architecture 'gemma2' is not supported; supported: llama, qwen2, qwen3"),
         ("missing", r"metadata llama.feed_forward_length is missing"),
-        ("rope_freqs", r"rope_freqs.weight \(Llama 3.1's scaled rotary frequencies\) is not supported"),
+        (
+            "rope_freqs",
+            r"rope_freqs.weight must hold one positive number per rotary frequency \(1\); it has 3",
+        ),
+        (
+            "qwen2_bias",
+            r"bias tensors \(blk.0.attn_output.bias, ...\) are not supported in a qwen2 GGUF file",
+        ),
         ("unknown_tensor", r"unexpected tensor 'blk.0.attn_qkv.weight' in the GGUF file"),
         ("not_gguf", r"not a readable GGUF file"),
         ("scale_linear", r"llama.rope.scale_linear 4.0 \(scaled rotary positions\) is not supported"),
@@ -332,12 +339,15 @@ def test_what_cannot_be_read_is_refused_by_name(
 ) -> None:
     path = tmp_path / "m.gguf"
     embed = {"token_embd.weight": np.zeros((8, 4), np.float32)}
-    if case == "qwen2":
-        _write(path, "qwen2", **LLAMA)
+    if case == "gemma2":
+        _write(path, "gemma2", **LLAMA)
+    elif case == "qwen2_bias":
+        biases = {f"blk.0.attn_{p}.bias": np.zeros(4, np.float32) for p in ("q", "k", "v", "output")}
+        _write(path, "qwen2", tensors=embed | biases, **LLAMA)
     elif case == "missing":
         _write(path, **{k: v for k, v in LLAMA.items() if k != "feed_forward_length"})
     elif case == "rope_freqs":
-        _write(path, tensors=embed | {"rope_freqs.weight": np.ones(1, np.float32)}, **LLAMA)
+        _write(path, tensors=embed | {"rope_freqs.weight": np.ones(3, np.float32)}, **LLAMA)
     elif case == "unknown_tensor":
         _write(path, tensors=embed | {"blk.0.attn_qkv.weight": np.zeros((12, 4), np.float32)}, **LLAMA)
     elif case == "scale_linear":

@@ -86,22 +86,19 @@ def _byte_level_file(spec: dict, path: Path, pre: str, **fields) -> Path:  # typ
     )
 
 
-def _llama3_style(spec: dict) -> dict:
-    """The same vocabulary and merges under Llama 3's pre-tokenizer, a whole-word token taken whole."""
+def _split_style(spec: dict, pre: str) -> dict:
+    """The same vocabulary and merges under Llama 3's pre-tokenizer (a whole-word token taken whole) or
+    Qwen2's, as their tokenizer.json files spell them."""
     spec = json.loads(json.dumps(spec))
+    regex = gguf_vocab.LLAMA3_REGEX if pre == "llama-bpe" else gguf_vocab.QWEN2_REGEX
     spec["pre_tokenizer"] = {
         "type": "Sequence",
         "pretokenizers": [
-            {
-                "type": "Split",
-                "pattern": {"Regex": gguf_vocab.LLAMA3_REGEX},
-                "behavior": "Isolated",
-                "invert": False,
-            },
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         ],
     }
-    spec["model"]["ignore_merges"] = True
+    spec["model"]["ignore_merges"] = pre == "llama-bpe"
     return spec
 
 
@@ -112,13 +109,13 @@ def _built(path: Path):  # type: ignore[no-untyped-def]
     return Tokenizer.from_str(files["tokenizer.json"].decode()), json.loads(files["tokenizer_config.json"])
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe"])
+@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2"])
 def test_byte_level_tokenizer_encodes_as_its_source(pre: str, tmp_path: Path, tiny_model: Path) -> None:
     from tokenizers import Tokenizer
 
     spec = json.loads((tiny_model / "tokenizer.json").read_text())
-    if pre == "llama-bpe":
-        spec = _llama3_style(spec)
+    if pre != "gpt-2":
+        spec = _split_style(spec, pre)
     source = Tokenizer.from_str(json.dumps(spec))
     mine, config = _built(_byte_level_file(spec, tmp_path / "v.gguf", pre))
     texts = [*corpus(), "a<|eos|>b", "<|user|>hi<|end|>"]
@@ -130,9 +127,9 @@ def test_byte_level_tokenizer_encodes_as_its_source(pre: str, tmp_path: Path, ti
     assert (sum(other.encode(t).ids != source.encode(t).ids for t in texts) > len(texts) // 2) == (
         pre != "gpt-2"
     )
-    # llama.cpp adds BOS for Llama 3's family unless the file says otherwise; for GPT-2's, where it says so
+    # llama.cpp adds BOS for Llama 3's family unless the file says otherwise; for the others, where it says so
     assert (config["add_bos_token"], config["bos_token"], config["eos_token"]) == (
-        pre != "gpt-2",
+        pre == "llama-bpe",
         "<|bos|>",
         "<|eos|>",
     )
@@ -224,7 +221,10 @@ def test_merges_by_score_take_the_best_token_first() -> None:
     "case,error",
     [
         ("bert", r"tokenizer model 'bert' \(tokenizer.ggml.model\) is not supported; supported: gpt2, llama"),
-        ("qwen2", r"pre-tokenizer 'qwen2' \(tokenizer.ggml.pre\) is not supported; supported: gpt-2, llama3"),
+        (
+            "deepseek-llm",
+            r"pre-tokenizer 'deepseek-llm' \(tokenizer.ggml.pre\) is not supported; supported: gpt-2, llama3",
+        ),
         ("default", r"pre-tokenizer 'default' \(tokenizer.ggml.pre\) is not supported"),
         ("no_merges", r"a gpt2 tokenizer needs its merges \(tokenizer.ggml.merges\)"),
         ("no_scores", r"a llama tokenizer needs a score per token \(tokenizer.ggml.scores\)"),

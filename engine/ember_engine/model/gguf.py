@@ -14,8 +14,10 @@ names the engine loads (`iter_tensors`), and the scheme of the projections it ru
   projection when one of them is of such a type.
 
 llama.cpp stores a llama model's q and k rows permuted for its rotary embedding (each head's two halves
-interleaved); they are put back in Hugging Face's order here. Architectures read: llama (which covers
-Mistral's conversions too); the others are refused by name.
+interleaved); they are put back in Hugging Face's order here (qwen2's and qwen3's it stores as they are).
+Architectures read: llama (which covers Mistral's conversions too; Llama 3.1's scaled rotary frequencies,
+`rope_freqs.weight`, become the config's `rope_freq_factors`), qwen2 (q, k and v biases) and qwen3 (q and
+k norms); the others are refused by name.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ from ember_engine.model import gguf_blocks
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# The architectures whose q and k rows llama.cpp's converter permutes (the others it stores as they are).
+PERMUTED = ("llama",)
+# The bias tensors an architecture has (Qwen2's q, k and v); any other is refused.
+BIASES = {"qwen2": ("attn_q", "attn_k", "attn_v")}
 # The types run as they are stored (`gguf_blocks.py`): their scheme and bits a value.
 KEPT = {k: ("w8a16", 8) for k in ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")}
 KEPT |= {k: ("w4a16", 4) for k in ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")}
@@ -44,6 +50,8 @@ COMMON, COMMON_GROUP = "common", 16
 _LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -54,6 +62,7 @@ _LAYER = {
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+ROPE_FREQS = "rope_freqs.weight"  # not a parameter: read into the config
 
 
 class GGUFError(ValueError):
@@ -99,11 +108,6 @@ def read_config(reader: Any, path: Path) -> dict[str, Any]:
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
         )
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise GGUFError(
-            f"{path}: rope_freqs.weight (Llama 3.1's scaled rotary frequencies) is not supported in GGUF files; "
-            "serve the Hugging Face checkpoint"
-        )
     scaling = field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise GGUFError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not supported; supported: none")
@@ -111,9 +115,10 @@ def read_config(reader: Any, path: Path) -> dict[str, Any]:
         factor = field(reader, key)
         if factor is not None and float(factor) not in (0.0, 1.0):
             raise GGUFError(f"{path}: {key} {factor} (scaled rotary positions) is not supported")
-    biases = sorted(n for n in names if n.endswith(".bias"))
+    allowed = BIASES.get(arch, ())
+    biases = sorted(n for n in names if n.endswith(".bias") and n.split(".")[-2] not in allowed)
     if biases:
-        raise GGUFError(f"{path}: bias tensors ({biases[0]}, ...) are not supported in a llama GGUF file")
+        raise GGUFError(f"{path}: bias tensors ({biases[0]}, ...) are not supported in a {arch} GGUF file")
 
     def need(key: str) -> Any:
         value = field(reader, f"{arch}.{key}")
@@ -148,6 +153,15 @@ def read_config(reader: Any, path: Path) -> dict[str, Any]:
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),  # the stop ids: gguf_dir.materialize
         "gguf_file": str(path),
     }
+    factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if factors is not None:  # Llama 3.1's scaled rotary frequencies: each angle divided by its factor
+        values = np.asarray(factors.data, dtype=np.float32).reshape(-1)
+        if values.size != config["head_dim"] // 2 or not np.isfinite(values).all() or (values <= 0).any():
+            raise GGUFError(
+                f"{path}: {ROPE_FREQS} must hold one positive number per rotary frequency "
+                f"({config['head_dim'] // 2}); it has {values.size}"
+            )
+        config["rope_freq_factors"] = [float(v) for v in values]
     kept = kept_projections(reader)
     if kept:
         config["quantization_config"] = {"quant_method": "gguf", "projections": kept}
@@ -161,8 +175,7 @@ def kept_projections(reader: Any) -> dict[str, list[str]]:
     types = {
         hf_name(t.name).removesuffix(".weight"): t.tensor_type.name
         for t in reader.tensors
-        if t.name.endswith(".weight")
-        and t.name.split(".")[-2] not in ("token_embd", "attn_norm", "ffn_norm", "output_norm")
+        if t.name.endswith(".weight") and len(t.shape) == 2 and t.name.split(".")[-2] != "token_embd"
     }
     stored = dict(types)
     for module in stored:
@@ -200,11 +213,14 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     kept = {m for ms in projections.values() for m in ms}
     common = set(projections.get(COMMON, ()))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    permuted = config["model_type"] in PERMUTED
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            continue
         name = hf_name(t.name)
         module = name.removesuffix(".weight")
         kind = t.tensor_type.name
-        rows = {"q_proj": heads, "k_proj": kv_heads}.get(module.rpartition(".")[2])
+        rows = {"q_proj": heads, "k_proj": kv_heads}.get(module.rpartition(".")[2]) if permuted else None
         if module in kept:
             values, scale, zero = gguf_blocks.decode(np.asarray(t.data), kind)
             if module in common:

@@ -3,9 +3,10 @@ the file carries (`tokenizer.ggml.*`), for a file served without its base model'
 
 Two of llama.cpp's tokenizer models are read, with llama.cpp's rules for them (`llama-vocab.cpp`):
 - "gpt2": byte-level BPE, the tokens and `merges` as stored. The pre-tokenizer is the one
-  `tokenizer.ggml.pre` names: "gpt-2" (GPT-2's pattern) or Llama 3's family ("llama-bpe", "llama3",
+  `tokenizer.ggml.pre` names: "gpt-2" (GPT-2's pattern), Llama 3's family ("llama-bpe", "llama3",
   "llama-v3", "falcon3", "pixtral", ...: Llama 3's pattern, a word that is itself a token taken whole,
-  BOS added unless the file says otherwise). Another pre-tokenizer is refused by name.
+  BOS added unless the file says otherwise) or Qwen2's ("qwen2", "deepseek-r1-qwen": Qwen2's pattern).
+  Another pre-tokenizer is refused by name.
 - "llama": SentencePiece BPE with byte fallback (Llama 2, Mistral). The file has scores, not merges: two
   pieces merge where their concatenation is a token, the highest-scoring such token first, as llama.cpp's
   tokenizer does; a space is put before the text unless `tokenizer.ggml.add_space_prefix` is false, and
@@ -22,11 +23,14 @@ from ember_engine.model.gguf import GGUFError, field
 CONTROL, USER_DEFINED = 3, 4
 GPT2_PATTERN = "gpt-2"
 LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
-# The pre-tokenizer pattern of Llama 3's tokenizer.json.
+QWEN2_NAMES = ("qwen2", "deepseek-r1-qwen")
+# The pre-tokenizer patterns of Llama 3's and Qwen2's tokenizer.json: digits one to three at a time, and
+# one at a time.
 LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 SPACE = "\u2581"  # SentencePiece's "▁"
 
 
@@ -90,18 +94,20 @@ def _byte_level(reader: Any, path: Any, tokens: list[str]) -> tuple[Any, bool]:
         )
     pre = field(reader, "tokenizer.ggml.pre", "default")
     llama3 = pre in LLAMA3_NAMES
-    if not llama3 and pre != GPT2_PATTERN:
+    pattern = LLAMA3_REGEX if llama3 else QWEN2_REGEX if pre in QWEN2_NAMES else None
+    if pattern is None and pre != GPT2_PATTERN:
         raise GGUFError(
             f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; supported: "
-            f"{', '.join((GPT2_PATTERN, *LLAMA3_NAMES))}; give the base model's tokenizer (--tokenizer DIR)"
+            f"{', '.join((GPT2_PATTERN, *LLAMA3_NAMES, *QWEN2_NAMES))}; give the base model's tokenizer "
+            "(--tokenizer DIR)"
         )
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # a repeated token: its first id
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=llama3))
-    if llama3:
+    if pattern is not None:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )

@@ -37,6 +37,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if config.rope_freq_factors is not None:  # each angle divided by its factor, as llama.cpp applies them
+        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     scaling = config.rope_scaling
     if scaling is None or scaling.get("rope_type", scaling.get("type")) != "llama3":
         return inv_freq

@@ -38,6 +38,9 @@ class ModelConfig:
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Per rotary frequency, the number its angle is divided by (a GGUF file's rope_freqs.weight, Llama 3.1's
+    # scaling as llama.cpp stores it); None: none.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -87,7 +90,25 @@ class ModelConfig:
             ),
             eos_token_ids=_eos_ids(Path(model_dir), raw),
             bos_token_id=raw.get("bos_token_id"),
+            rope_freq_factors=_freq_factors(raw, rope_scaling, head_dim),
         )
+
+
+def _freq_factors(
+    raw: dict[str, Any], rope_scaling: dict[str, Any] | None, head_dim: int
+) -> tuple[float, ...] | None:
+    factors = raw.get("rope_freq_factors")
+    if factors is None:
+        return None
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
+        raise UnsupportedModelError(
+            "rope_freq_factors and rope_scaling both scale the rotary frequencies; give one"
+        )
+    if len(factors) != head_dim // 2:
+        raise UnsupportedModelError(
+            f"rope_freq_factors: {len(factors)} given, one per rotary frequency ({head_dim // 2})"
+        )
+    return tuple(float(f) for f in factors)
 
 
 def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
