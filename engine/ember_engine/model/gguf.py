@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ember_engine.model import gguf_blocks
+from ember_engine.model import gguf_blocks, gguf_split
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
 
@@ -74,14 +74,21 @@ def is_gguf(model: str | Path) -> bool:
 
 
 def reader_of(path: Path) -> Any:
+    """The file's reader: `.fields` (its metadata) and `.tensors`; a split file's parts as one."""
     import gguf
 
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: a GGUF model is a .gguf file")
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
-        raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from exc
+    def open_part(p: Path) -> Any:
+        if not p.is_file():
+            raise FileNotFoundError(f"{p} not found: a GGUF model is a .gguf file")
+        try:
+            return gguf.GGUFReader(str(p))
+        except (ValueError, OSError) as exc:
+            raise GGUFError(f"{p}: not a readable GGUF file ({exc})") from exc
+
+    try:  # a split file's parts are read as one (`gguf_split.py`)
+        return gguf_split.join(open_part(path), path, open_part)
+    except gguf_split.SplitError as exc:
+        raise GGUFError(str(exc)) from exc
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:

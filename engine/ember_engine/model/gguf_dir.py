@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ember_engine.model import gguf_vocab
+from ember_engine.model import gguf_split, gguf_vocab
 from ember_engine.model.gguf import GGUFError, field, is_gguf, read_config, reader_of
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -60,8 +60,8 @@ def materialize(path: str | Path, tokenizer: str | Path | None = None) -> Path:
             + "; give tokenizer (--tokenizer) the base model's directory"
         )
     config["eos_token_id"] = _stop_ids(reader, source)
-    stat = path.stat()
-    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{origin}".encode()
+    stats = [(p.stat().st_size, p.stat().st_mtime_ns) for p in gguf_split.files_of(reader, path)]
+    key = f"{path}:{stats}:{origin}".encode()
     root = Path(os.environ.get("EMBER_CACHE_DIR", Path.home() / ".cache" / "ember")) / "gguf"
     out = root / f"{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
     out.mkdir(parents=True, exist_ok=True)
