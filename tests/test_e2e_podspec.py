@@ -7,6 +7,7 @@ Secret recovers it."""
 from __future__ import annotations
 
 import base64
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -207,3 +208,48 @@ def test_a_model_fetched_from_the_hub_is_served_and_a_failed_fetch_stalls_with_i
     # The storage origin never saw the token.
     assert not any("Authorization" in h for origin, _, h in hub.requests if origin == "storage")
     cp.remove("fetched")
+
+
+def test_a_gguf_file_of_a_hub_repository_is_fetched_alone_and_served(
+    cp: ControlPlane,
+    quantized_model,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A "…-GGUF" repository holds a file per quantization: `model.file` takes one, the fetch brings that
+    file alone, and the engine serves it with the tokenizer and chat template the file carries."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for preset in ("Q8_0", "Q4_0"):
+        shutil.copy(
+            quantized_model("tiny", preset, "gguf_build.py") / "model.gguf", repo / f"tiny-{preset}.gguf"
+        )
+    (repo / "README.md").write_text("two quantizations of tiny\n")
+    with serving("ember-test/tiny-GGUF", repo, private=False) as hub:
+        cp.create(
+            "gguf",
+            model={
+                "name": MODEL,
+                "source": "hf://ember-test/tiny-GGUF@main",
+                "file": "tiny-Q4_0.gguf",
+                "endpoint": hub.hub_url,
+            },
+            replicas={"min": 1, "max": 1},
+        )
+        cp.wait_converged("gguf", 1, 0, timeout=120)
+        (pod,) = cp.pods("gguf", "active")
+        assert (
+            "--model=/model-cache/hf/ember-test/tiny-GGUF/main/tiny-Q4_0.gguf"
+            in pod["spec"]["containers"][0]["args"]
+        )
+        log = cp.kubelet.log_path(NAMESPACE, pod["metadata"]["name"], "fetch-model").read_text()
+        assert "ember fetch-model: done: 1 files" in log, log
+        downloaded = {path for origin, path, _ in hub.requests if "/resolve/" in path or origin == "storage"}
+        assert not any("Q8_0" in path or "README" in path for path in downloaded), downloaded
+        with fresh_client(30) as client:
+            reply = client.post(
+                f"{cp.url('gguf')}/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+    cp.remove("gguf")

@@ -17,8 +17,10 @@ import pytest
 from server_util import running_server
 
 from ember_engine import LLM, SamplingParams
+from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.model import gguf, gguf_vocab
 from ember_engine.server.chat import render_chat
+from ember_router.main import _tokenizer_dir
 
 BUILD = "gguf_build.py"
 
@@ -258,8 +260,10 @@ def test_a_file_alone_runs_with_its_own_tokenizer(quantized_model, tmp_path: Pat
     shutil.copy(quantized_model("tiny", "Q8_0", BUILD) / "model.gguf", alone)
     own = LLM(str(alone), num_kv_blocks=32, max_num_seqs=2)
     base = LLM(str(alone), tokenizer=str(tiny_model), num_kv_blocks=32, max_num_seqs=2)
+    # the router in front of the engines reads the same tokenizer from the file (`ember router --model F`)
+    routers = Tokenizer(_tokenizer_dir(str(alone), None))
     for text in corpus()[:40]:
-        assert own.tokenizer.encode(text) == base.tokenizer.encode(text)
+        assert own.tokenizer.encode(text) == base.tokenizer.encode(text) == routers.encode(text)
     assert own.tokenizer.chat_template == base.tokenizer.chat_template
     assert own.tokenizer.chat_template
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

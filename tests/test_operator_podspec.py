@@ -305,9 +305,38 @@ def test_s3_and_pvc_sources_and_a_fetched_draft_share_one_cache() -> None:
     assert "initContainers" not in pod_of()
 
 
+def test_a_gguf_file_of_the_source_is_fetched_alone_and_served() -> None:
+    pod = pod_of(model={"name": "m", "source": "hf://org/Llama-GGUF@v2", "file": "Llama-Q4_K_M.gguf"})
+    (fetch,) = pod["spec"]["initContainers"]
+    cache = "/model-cache/hf/org/Llama-GGUF/v2"
+    assert fetch["args"] == ["hf://org/Llama-GGUF@v2", cache, "--include=Llama-Q4_K_M.gguf"]
+    assert f"--model={cache}/Llama-Q4_K_M.gguf" in engine(pod)["args"]
+    parsed = build_parser().parse_args(["fetch-model", *fetch["args"]])
+    assert parsed.include == ["Llama-Q4_K_M.gguf"]
+    # the first part of a split model: every part is fetched, and the engine names the first
+    split = "Q8_0/Llama-Q8_0-00001-of-00003.gguf"
+    pod = pod_of(model={"name": "m", "source": "s3://models/gguf", "file": split})
+    (fetch,) = pod["spec"]["initContainers"]
+    assert fetch["args"][2:] == [
+        f"--include={split}",
+        "--include=Q8_0/Llama-Q8_0-[0-9][0-9][0-9][0-9][0-9]-of-00003.gguf",
+    ]
+    assert f"--model=/model-cache/s3/models/gguf/{split}" in engine(pod)["args"]
+    # a path source: the file in it, nothing fetched
+    pod = pod_of(model={"name": "m", "source": "/models/gguf/", "file": "m.gguf", "volumeClaim": "w"})
+    assert "initContainers" not in pod and "--model=/models/gguf/m.gguf" in engine(pod)["args"]
+    # the file is part of the pod template: changing it rolls the pods
+    assert template_hash(make_spec(model={"name": "m", "source": "/m", "file": "a.gguf"})) != template_hash(
+        make_spec(model={"name": "m", "source": "/m", "file": "b.gguf"})
+    )
+
+
 @pytest.mark.parametrize(
     ("model", "named"),
     [
+        ({"source": "/m", "file": "../m.gguf"}, "file"),
+        ({"source": "/m", "file": "/abs/m.gguf"}, "file"),
+        ({"source": "/m", "file": "model.safetensors"}, "file"),
         ({"source": "gs://bucket/x"}, "source must be"),
         ({"source": "hf://just-a-name"}, "source must be"),
         ({"source": "s3://Bad_Bucket/x"}, "source must be"),
@@ -463,6 +492,7 @@ def custom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         ({"podTemplate": {"metadata": {"labels": {"app.kubernetes.io/name": "x"}}}}, "labels may not set"),
         ({"model": {"name": "m", "source": "gs://x/y"}}, "source must be"),
         ({"model": {"name": "m", "source": "hf://a/b", "volumeClaim": "w"}}, "volumeClaim goes with a path"),
+        ({"model": {"name": "m", "source": "hf://a/b", "file": "q/../../etc.gguf"}}, "file"),
         (
             {"lifecycle": {"drainSeconds": 120, "terminationGracePeriodSeconds": 60}},
             "must cover drainSeconds",

@@ -141,7 +141,7 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
     """`ember serve`'s options for this spec."""
     e = spec.engine
     args = [
-        f"--model={modelsource.engine_path(spec.model.source)}",
+        f"--model={modelsource.model_path(spec)}",
         f"--served-model-name={spec.model.name}",
         f"--dtype={spec.model.dtype}",
         "--host=0.0.0.0",

@@ -9,7 +9,9 @@ cache (an emptyDir, or `model.cache.volumeClaim` shared between pods), and the e
 - `s3://bucket/prefix` from S3 or an S3-compatible `model.endpoint`, AWS_* keys from the Secret;
 - `pvc://claim/path`, copied from the claim (mounted read-only in the init container only) onto the cache.
 
-The draft model of `speculative.draftSource` is fetched the same way, by a second init container.
+The draft model of `speculative.draftSource` is fetched the same way, by a second init container. Where
+`model.file` names a GGUF file, the fetch takes that file (and its other parts) alone, and the engine serves
+it.
 """
 
 from __future__ import annotations
@@ -46,9 +48,22 @@ def cache_path(source: str) -> str:
     return f"{CACHE_DIR}/{scheme}/{rest}"
 
 
-def engine_path(source: str) -> str:
-    """What the engine's --model (or --draft-model) names for `source`."""
-    return cache_path(source) if is_fetched(source) else source
+def engine_path(source: str, file: str | None = None) -> str:
+    """What the engine's --model (or --draft-model) names for `source`: its directory, or `file` in it."""
+    root = cache_path(source) if is_fetched(source) else source
+    return root if file is None else f"{root.rstrip('/')}/{file}"
+
+
+def model_path(spec: InferenceServiceSpec) -> str:
+    """The engine's (and the router's) --model."""
+    return engine_path(spec.model.source, spec.model.file)
+
+
+def file_patterns(file: str) -> list[str]:
+    """What a fetch takes of a source for a GGUF `file`: the file, and the other parts where it is the
+    first part of a split model (NAME-00001-of-0000N.gguf: NAME-*-of-0000N.gguf)."""
+    m = re.match(r"^(?P<prefix>.+)-00001-of-(?P<count>\d{5})\.gguf$", file)
+    return [file] if m is None else [file, f"{m['prefix']}-[0-9][0-9][0-9][0-9][0-9]-of-{m['count']}.gguf"]
 
 
 def _fetch_source(source: str) -> str:
@@ -84,6 +99,8 @@ def init_containers(spec: InferenceServiceSpec, security_context: dict[str, Any]
     out = []
     for name, source in fetches(spec):
         args = [_fetch_source(source), cache_path(source)]
+        if name == FETCH_CONTAINERS[0] and m.file is not None:
+            args += [f"--include={p}" for p in file_patterns(m.file)]
         if m.endpoint is not None:
             args.append(f"--endpoint={m.endpoint}")
         mounts: list[dict[str, Any]] = [{"name": CACHE_VOLUME, "mountPath": CACHE_DIR}]

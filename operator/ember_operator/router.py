@@ -107,7 +107,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
     # router re-reads, not here: a change to these arguments rolls the routers.
     routes = [f"--routes={POLICY_DIR}/{ROUTES_FILE}"] if spec.routing else []
     return [
-        f"--model={modelsource.engine_path(spec.model.source)}",
+        f"--model={modelsource.model_path(spec)}",
         f"--kube-selector={selector_string(active_selector(owner.name))}",
         "--kube-namespace=$(POD_NAMESPACE)",
         "--host=0.0.0.0",

@@ -58,6 +58,8 @@ SOURCE_URI = (
     r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^ ]*)?)$"
 )
 SOURCE_MESSAGE = "source must be a path, hf://org/name[@revision], s3://bucket[/prefix] or pvc://claim[/path]"
+# A .gguf file under the source: path segments that do not start with a dot (so none is "..").
+GGUF_FILE = r"^[A-Za-z0-9_][-A-Za-z0-9_.+]*(/[A-Za-z0-9_][-A-Za-z0-9_.+]*)*\.gguf$"
 
 
 class ModelCache(_Object):
@@ -105,6 +107,15 @@ class Model(_Object):
         "(`ember fetch-model`): hf://org/name[@revision] (the Hugging Face hub, or `endpoint`), "
         "s3://bucket/prefix (S3 or an S3-compatible `endpoint`), pvc://claim/path (copied from a "
         "PersistentVolumeClaim onto the cache).",
+    )
+    file: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=GGUF_FILE,
+        description="A GGUF file of the source to serve (a path relative to it, e.g. "
+        "model-Q4_K_M.gguf; for a model split into parts, its first part, NAME-00001-of-0000N.gguf): "
+        "the engine serves that file, with the tokenizer it carries, and a fetched source brings that file "
+        "(and its other parts) alone.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["fp8", "w8a16", "w4a16", "w8a8", "bitsandbytes"] | None = Field(

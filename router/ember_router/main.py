@@ -11,11 +11,28 @@ if TYPE_CHECKING:
     from ember_router.proxy import Router
 
 
+def _tokenizer_dir(model: str, tokenizer: str | None) -> str:
+    """Where the engines' tokenizer is: `tokenizer`, or for a GGUF file the directory the engine describes
+    it as (`gguf_dir.materialize`), else the checkpoint directory."""
+    from ember_engine.model.gguf import is_gguf
+
+    if is_gguf(model):
+        from ember_engine.model import gguf_dir
+
+        return str(gguf_dir.materialize(model, tokenizer))
+    return tokenizer or model
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="checkpoint directory whose tokenizer and chat template the engines use",
+        help="checkpoint directory whose tokenizer and chat template the engines use, or the GGUF file they "
+        "serve (its tokenizer: --tokenizer, else the one beside it, else the one it carries)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="the directory of the tokenizer files when they are not the model's (a GGUF file's base model)",
     )
     p.add_argument(
         "--endpoint",
@@ -146,7 +163,7 @@ def build(args: argparse.Namespace) -> Router:
         )
     return Router(
         EnginePool(args.endpoint, poll_interval=args.poll_interval),
-        Tokenizer(args.model),
+        Tokenizer(_tokenizer_dir(args.model, args.tokenizer)),
         RouterSettings(
             epsilon=args.epsilon,
             session_header=args.session_header.lower(),
