@@ -22,6 +22,7 @@ def _documents(path: Path) -> list[dict[str, Any]]:
 def test_the_examples_exist() -> None:
     assert [p.name for p in FILES] == [
         "fallback-pair.yaml",
+        "gguf.yaml",
         "inferenceservice.yaml",
         "local-fallback.yaml",
         "local.yaml",
@@ -86,3 +87,17 @@ def test_tensor_parallel_examples_use_every_gpu_of_their_replicas() -> None:
     )
     assert (big.tensor_parallel_size, big.resources.nodes) == (4, 1)
     assert (huge.tensor_parallel_size, huge.resources.nodes) == (16, 2)
+
+
+def test_gguf_example_fetches_its_file_alone() -> None:
+    (doc,) = _documents(EXAMPLES / "gguf.yaml")
+    pod = desired_pod(
+        Owner("llama-gguf", "default", "uid"), InferenceServiceSpec.model_validate(doc["spec"]), WARM, "h"
+    )
+    (fetch,) = pod["spec"]["initContainers"]
+    assert fetch["args"][2:] == ["--include=Llama-3.2-3B-Instruct-Q4_K_M.gguf"]
+    engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+    assert any(
+        a.startswith("--model=/model-cache/hf/bartowski/") and a.endswith("Q4_K_M.gguf")
+        for a in engine["args"]
+    )
