@@ -88,11 +88,23 @@ def _byte_level_file(spec: dict, path: Path, pre: str, **fields) -> Path:  # typ
     )
 
 
+# tokenizer.ggml.pre -> how the tokenizer.json of a model of that kind spells its pre-tokenizer (the
+# pattern, or GPT-2's ByteLevel regex where None) and whether its BPE takes a word that is a token whole;
+# and whether llama.cpp adds BOS where the file does not say.
+KINDS = {
+    "gpt-2": (None, False, False),
+    "llama-bpe": (gguf_vocab.LLAMA3_REGEX, True, True),
+    "smaug-bpe": (gguf_vocab.LLAMA3_REGEX, False, False),
+    "qwen2": (gguf_vocab.QWEN2_REGEX, False, False),
+    "tekken": (gguf_vocab.TEKKEN_REGEX, True, True),
+}
+
+
 def _split_style(spec: dict, pre: str) -> dict:
-    """The same vocabulary and merges under Llama 3's pre-tokenizer (a whole-word token taken whole) or
-    Qwen2's, as their tokenizer.json files spell them."""
+    """The same vocabulary and merges under the pre-tokenizer of `pre`'s kind, as its tokenizer.json
+    spells it."""
     spec = json.loads(json.dumps(spec))
-    regex = gguf_vocab.LLAMA3_REGEX if pre == "llama-bpe" else gguf_vocab.QWEN2_REGEX
+    regex, whole, _ = KINDS[pre]
     spec["pre_tokenizer"] = {
         "type": "Sequence",
         "pretokenizers": [
@@ -100,7 +112,7 @@ def _split_style(spec: dict, pre: str) -> dict:
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         ],
     }
-    spec["model"]["ignore_merges"] = pre == "llama-bpe"
+    spec["model"]["ignore_merges"] = whole
     return spec
 
 
@@ -111,7 +123,7 @@ def _built(path: Path):  # type: ignore[no-untyped-def]
     return Tokenizer.from_str(files["tokenizer.json"].decode()), json.loads(files["tokenizer_config.json"])
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2"])
+@pytest.mark.parametrize("pre", list(KINDS))
 def test_byte_level_tokenizer_encodes_as_its_source(pre: str, tmp_path: Path, tiny_model: Path) -> None:
     from tokenizers import Tokenizer
 
@@ -129,9 +141,10 @@ def test_byte_level_tokenizer_encodes_as_its_source(pre: str, tmp_path: Path, ti
     assert (sum(other.encode(t).ids != source.encode(t).ids for t in texts) > len(texts) // 2) == (
         pre != "gpt-2"
     )
-    # llama.cpp adds BOS for Llama 3's family unless the file says otherwise; for the others, where it says so
+    # llama.cpp adds BOS for Llama 3's family and Tekken unless the file says otherwise; for the others, where
+    # it says so
     assert (config["add_bos_token"], config["bos_token"], config["eos_token"]) == (
-        pre == "llama-bpe",
+        KINDS[pre][2],
         "<|bos|>",
         "<|eos|>",
     )

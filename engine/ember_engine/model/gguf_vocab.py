@@ -3,10 +3,11 @@ the file carries (`tokenizer.ggml.*`), for a file served without its base model'
 
 Two of llama.cpp's tokenizer models are read, with llama.cpp's rules for them (`llama-vocab.cpp`):
 - "gpt2": byte-level BPE, the tokens and `merges` as stored. The pre-tokenizer is the one
-  `tokenizer.ggml.pre` names: "gpt-2" (GPT-2's pattern), Llama 3's family ("llama-bpe", "llama3",
-  "llama-v3", "falcon3", "pixtral", ...: Llama 3's pattern, a word that is itself a token taken whole,
-  BOS added unless the file says otherwise) or Qwen2's ("qwen2", "deepseek-r1-qwen": Qwen2's pattern).
-  Another pre-tokenizer is refused by name.
+  `tokenizer.ggml.pre` names (`PRE_TOKENIZERS`): "gpt-2" (GPT-2's pattern), Llama 3's family
+  ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", ...: Llama 3's pattern, a word that is itself
+  a token taken whole, BOS added unless the file says otherwise), "smaug-bpe" (Llama 3's pattern alone),
+  "tekken" (Mistral Nemo's: its pattern, whole words, BOS) or Qwen2's ("qwen2", "deepseek-r1-qwen": Qwen2's
+  pattern). Another pre-tokenizer is refused by name.
 - "llama": SentencePiece BPE with byte fallback (Llama 2, Mistral). The file has scores, not merges: two
   pieces merge where their concatenation is a token, the highest-scoring such token first, as llama.cpp's
   tokenizer does; a space is put before the text unless `tokenizer.ggml.add_space_prefix` is false, and
@@ -21,16 +22,27 @@ from typing import Any
 from ember_engine.model.gguf import GGUFError, field
 
 CONTROL, USER_DEFINED = 3, 4
-GPT2_PATTERN = "gpt-2"
-LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
-QWEN2_NAMES = ("qwen2", "deepseek-r1-qwen")
-# The pre-tokenizer patterns of Llama 3's and Qwen2's tokenizer.json: digits one to three at a time, and
-# one at a time.
+# The pre-tokenizer patterns of Llama 3's, Qwen2's and Mistral's Tekken tokenizer.json (digits one to
+# three at a time; one at a time; one at a time, and words split where lower case turns upper).
 LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+TEKKEN_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> (pattern, None for GPT-2's own; whether a word that is itself a token is taken
+# whole; whether BOS is added where the file does not say), as llama.cpp reads each name.
+PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {"gpt-2": (None, False, False)}
+PRE_TOKENIZERS |= {
+    k: (LLAMA3_REGEX, True, True)
+    for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
+}
+PRE_TOKENIZERS |= {"smaug-bpe": (LLAMA3_REGEX, False, False), "tekken": (TEKKEN_REGEX, True, True)}
+PRE_TOKENIZERS |= {k: (QWEN2_REGEX, False, False) for k in ("qwen2", "deepseek-r1-qwen")}
 SPACE = "\u2581"  # SentencePiece's "▁"
 
 
@@ -93,17 +105,15 @@ def _byte_level(reader: Any, path: Any, tokens: list[str]) -> tuple[Any, bool]:
             f"{path}: a gpt2 tokenizer needs its merges (tokenizer.ggml.merges); the file has none"
         )
     pre = field(reader, "tokenizer.ggml.pre", "default")
-    llama3 = pre in LLAMA3_NAMES
-    pattern = LLAMA3_REGEX if llama3 else QWEN2_REGEX if pre in QWEN2_NAMES else None
-    if pattern is None and pre != GPT2_PATTERN:
+    if pre not in PRE_TOKENIZERS:
         raise GGUFError(
             f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; supported: "
-            f"{', '.join((GPT2_PATTERN, *LLAMA3_NAMES, *QWEN2_NAMES))}; give the base model's tokenizer "
-            "(--tokenizer DIR)"
+            f"{', '.join(PRE_TOKENIZERS)}; give the base model's tokenizer (--tokenizer DIR)"
         )
+    pattern, whole, bos = PRE_TOKENIZERS[pre]
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # a repeated token: its first id
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=llama3))
+    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=whole))
     if pattern is not None:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -114,7 +124,7 @@ def _byte_level(reader: Any, path: Any, tokens: list[str]) -> tuple[Any, bool]:
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    return tok, bool(field(reader, "tokenizer.ggml.add_bos_token", llama3))
+    return tok, bool(field(reader, "tokenizer.ggml.add_bos_token", bos))
 
 
 def _sentencepiece(reader: Any, path: Any, tokens: list[str], types: list[int]) -> tuple[Any, bool]:
