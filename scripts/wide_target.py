@@ -1,0 +1,38 @@
+"""Trains a target like the packaged pair's, but with every matrix a whole number of GGUF's 256-value K
+blocks (hidden size 256, MLP 768), so that K-quant files of a trained model can be measured
+(`ember bench quant`): `python scripts/wide_target.py OUT` writes the checkpoint to OUT (under 2 minutes
+on 2 CPU cores). Same tokenizer, corpus and training recipe as the pair's target (`ember make-spec-pair`)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ember_engine.tools import testmodel
+from ember_engine.tools.spec_pair import TARGET_TRAINING, _write_checkpoint
+from ember_engine.tools.training import TrainingLlama, corpus_tokens, train_target
+
+SIZE = testmodel.ModelSize(256, 768, 6, 4, 2, 2048)
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(2)
+    tok_dir = out.with_name(out.name + ".tokenizer")
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    ids = testmodel.write_tokenizer(tok_dir)
+    train, _, _ = corpus_tokens(tok_dir / "tokenizer.json", ids[testmodel.EOS])
+    config = testmodel.llama_config(SIZE, ids, tie_word_embeddings=True)
+    torch.manual_seed(TARGET_TRAINING.seed)
+    model = TrainingLlama(config)
+    model.init_weights(torch.Generator().manual_seed(TARGET_TRAINING.seed))
+    start = time.perf_counter()
+    loss = train_target(model, train, TARGET_TRAINING, print)
+    print(f"trained in {time.perf_counter() - start:.0f} s, final loss {loss:.3f}")
+    _write_checkpoint(out, model, config, tok_dir, ids)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
