@@ -40,21 +40,13 @@ def test_unknown_scheme_is_refused_by_the_schema_enum() -> None:
         InferenceServiceSpec.model_validate(_spec(quantization="awq"))
 
 
-def test_quantization_with_several_ranks_is_refused_by_cel_and_pydantic() -> None:
+def test_quantization_with_several_ranks_reaches_the_engine() -> None:
     rules = _schema()["x-kubernetes-validations"]
     two_gpus = {**_spec(quantization="fp8"), "resources": {"gpus": 2, "nodes": 1}, "engine": {}}
-    causes = check_rules(rules, two_gpus, None, "spec", "InferenceService")
-    assert any("model.quantization is not supported with tensor parallelism" in str(c) for c in causes)
-    one_rank = {**two_gpus, "engine": {"tensorParallelSize": 1}}
-    assert not check_rules(rules, one_rank, None, "spec", "InferenceService")
-    with pytest.raises(
-        ValidationError, match=r"model\.quantization is not supported with tensor parallelism"
-    ):
-        InferenceServiceSpec.model_validate({**_spec(quantization="fp8"), "resources": {"gpus": 2}})
-    assert (
-        InferenceServiceSpec.model_validate({**one_rank, "resources": {"gpus": 2}}).model.quantization
-        == "fp8"
-    )
+    assert not check_rules(rules, two_gpus, None, "spec", "InferenceService")
+    spec = InferenceServiceSpec.model_validate(two_gpus)
+    args = engine_args(spec)
+    assert "--quantization=fp8" in args and "--tensor-parallel-size=2" in args
 
 
 def test_extra_args_cannot_set_quantization() -> None:

@@ -63,9 +63,12 @@ def test_unsupported_scheme_is_named_with_the_supported_ones(tiny_model: Path) -
         LLM(str(tiny_model), quantization="awq")
 
 
-def test_quantization_refuses_tensor_parallelism(tiny_model: Path) -> None:
-    with pytest.raises(ValueError, match="quantization: is not supported with tensor_parallel_size > 1"):
-        EngineConfig(model=str(tiny_model), quantization="fp8", tensor_parallel_size=2).validate()
+def test_a_checkpoint_method_refuses_tensor_parallelism(tiny_model: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"quantization: a quantized checkpoint's method \(awq\) is not supported with"
+    ):
+        EngineConfig(model=str(tiny_model), quantization="awq", tensor_parallel_size=2).validate()
+    EngineConfig(model=str(tiny_model), quantization="fp8", tensor_parallel_size=2).validate()  # at load
 
 
 def test_unsupported_checkpoint_format_is_named(tiny_model: Path, tmp_path: Path) -> None:

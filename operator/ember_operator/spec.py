@@ -123,8 +123,8 @@ class Model(_Object):
         description="Quantize the weights as the engine loads them (`ember serve --quantization`): fp8 "
         "(FP8 weights and activations), w8a16 (int8 weights), w4a16 (int4 weights, groups of 128), w8a8 "
         "(int8 weights and activations), bitsandbytes (NF4 weights, blocks of 64). A "
-        "checkpoint that is already quantized runs in its own scheme and needs none. Not with tensor "
-        "parallelism.",
+        "checkpoint that is already quantized runs in its own scheme and needs none. With tensor "
+        "parallelism each rank quantizes its shard as the whole model's is quantized.",
     )
     volume_claim: str | None = Field(
         default=None,
@@ -527,12 +527,6 @@ _PARALLEL_RULES: list[dict[str, Any]] = [
         "message": "engine.tensorParallelSize must be a multiple of resources.nodes, with at most "
         "resources.gpus ranks on each node",
     },
-    {
-        # The engine's ranks: engine.tensorParallelSize, else one per GPU of the replica.
-        "rule": "!has(self.model.quantization) || (has(self.engine.tensorParallelSize) ? "
-        "self.engine.tensorParallelSize == 1 : self.resources.gpus * self.resources.nodes <= 1)",
-        "message": "model.quantization is not supported with tensor parallelism (more than one engine rank)",
-    },
 ]
 
 
@@ -600,8 +594,6 @@ class InferenceServiceSpec(_Object):
                 f"{_PARALLEL_RULES[1]['message']}: got tensorParallelSize {tp} for {r.nodes} node(s) "
                 f"of {r.gpus} GPU(s)"
             )
-        if self.model.quantization is not None and self.tensor_parallel_size > 1:
-            raise ValueError(f"{_PARALLEL_RULES[2]['message']}: got {self.tensor_parallel_size} ranks")
         return self
 
     @property

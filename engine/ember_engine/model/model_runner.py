@@ -119,7 +119,7 @@ class ModelRunner:
         else:
             load_weights(self.model, weights_dir)
             if self.quant is not None:
-                quant_apply.quantize_model(self.model, self.quant)
+                quant_apply.quantize_model(self.model, self.quant, tp)
         self.model.eval()
         # One block table serves every rank: the cache is as large as the most constrained rank allows.
         self.num_blocks = tp.min_over_ranks(

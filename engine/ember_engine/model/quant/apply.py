@@ -25,6 +25,7 @@ from ember_engine.model.quant.spec import QuantSpec
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 HEAD = "lm_head"
 _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
+ROW_SPLIT = ("o_proj", "down_proj")  # split by input columns under tensor parallelism (their sums reduced)
 
 
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -128,10 +129,23 @@ def _empty(
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, spec: QuantSpec) -> None:
-    """Quantize every projection of a loaded full-precision model in place (online quantization)."""
+def quantize_model(model: nn.Module, spec: QuantSpec, tp: Any = None) -> None:
+    """Quantize every projection of a loaded full-precision model in place (online quantization). On a
+    tensor-parallel rank (`tp`, size > 1) the projections split by input columns (`ROW_SPLIT`) are
+    quantized as the whole model's are: a scale per output row from the row's largest value over every
+    rank, and groups (or tiles) of input columns that lie within a rank's columns, else refused."""
+    split = tp is not None and tp.size > 1
     for parent, name, linear in _projections(model):
-        setattr(parent, name, quantize_linear(linear, spec.scheme, spec.group_size))
+        row_max = None
+        if split and name in ROW_SPLIT:
+            if spec.group_size and linear.in_features % spec.group_size:
+                raise UnsupportedQuantizationError(
+                    f"{spec.scheme}: groups of {spec.group_size} input columns do not fall within a rank's "
+                    f"{linear.in_features} columns of {name} with tensor_parallel_size {tp.size}"
+                )
+            if not spec.group_size:
+                row_max = tp.max_over_ranks(linear.weight.detach().abs().amax(dim=1).float())
+        setattr(parent, name, quantize_linear(linear, spec.scheme, spec.group_size, row_max))
 
 
 def warm_up_cpu(spec: QuantSpec) -> None:

@@ -57,11 +57,17 @@ def make_layer(
     return Fp8Linear(in_features, out_features, bias, dtype)
 
 
-def quantize_linear(linear: nn.Linear, scheme: str, group_size: int) -> QuantLinear:
+def quantize_linear(
+    linear: nn.Linear, scheme: str, group_size: int, row_max: torch.Tensor | None = None
+) -> QuantLinear:
     """A full-precision layer's quantized counterpart (online quantization; fp8 with `group_size` in
-    square tiles of that side; "bitsandbytes" is NF4, `group_size` its block)."""
+    square tiles of that side; "bitsandbytes" is NF4, `group_size` its block). `row_max` (per output row,
+    with a scale per row): the largest magnitude of each whole row where this layer holds a part of its
+    columns (a tensor-parallel rank's), so that the row's scale is the whole row's."""
     scheme = schemes.LAYER_SCHEME.get(scheme, scheme)
     w = linear.weight.detach()
+    if row_max is not None:  # one more column holding the row's largest value sets the scale; then dropped
+        w = torch.cat([w, row_max.to(w.dtype).reshape(-1, 1)], dim=1)
     layer = make_layer(
         scheme, linear.in_features, linear.out_features, linear.bias is not None, w.dtype, group_size
     )
@@ -74,6 +80,8 @@ def quantize_linear(linear: nn.Linear, scheme: str, group_size: int) -> QuantLin
         "bnb-nf4": lambda t: schemes.quantize_nf4(t, group_size),
     }[scheme]
     q, scale = quantize(w)
+    if row_max is not None:
+        q = q[:, :-1].contiguous()
     layer.set_rows(0, q, scale)
     if isinstance(layer, CodebookLinear):
         layer.set_code(torch.tensor(schemes.NF4_VALUES), "nf4")
