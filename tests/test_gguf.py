@@ -6,7 +6,6 @@ name."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -445,13 +444,22 @@ def test_tensor_parallelism_splits_a_file_of_full_precision(quantized_model, tin
         split.engine.shutdown()
 
 
-def test_tensor_parallelism_refuses_a_quantized_file_by_its_name(quantized_model, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
-    from ember_engine.model.parallel import TensorParallelError, refuse_quantized
-
-    path = _file(quantized_model, "Q8_0")
-    directory = gguf_dir.materialize(path, tiny_model)
-    with pytest.raises(TensorParallelError, match=f"gguf in {re.escape(str(path.resolve()))}"):
-        refuse_quantized(directory)
+@pytest.mark.parametrize("preset", ["Q8_0", "Q4_K_M"])
+def test_two_ranks_run_a_quantized_file_as_one(preset: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
+    """Each rank holds its rows (q/k/v, gate/up) or its columns (o, down: whole groups of 32 and 16) of the
+    file's values and scales, and the LM head (Q4_K_M's Q6_K) dequantized, split by vocabulary rows."""
+    path = str(_file(quantized_model, preset))
+    prompts = torch.load(_file(quantized_model, preset).with_name("oracle.pt"))["prompts"][:4]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = LLM(path, dtype="float32", num_kv_blocks=64)
+    expected = [o.token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    split = LLM(path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        quant = split.engine.runner.quant
+        assert quant is not None and quant.format == "gguf"
+        assert [o.token_ids for o in split.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        split.engine.shutdown()
 
 
 def test_concurrent_writes_of_the_description(tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM
 from ember_engine.cli import main as ember
-from ember_engine.core.config import EngineConfig
 from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant.apply import weight_bytes
 from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear
@@ -61,14 +60,6 @@ def test_unsupported_scheme_is_named_with_the_supported_ones(tiny_model: Path) -
         ValueError, match=r"'awq' names a quantized checkpoint's method, but .* is not quantized"
     ):
         LLM(str(tiny_model), quantization="awq")
-
-
-def test_a_checkpoint_method_refuses_tensor_parallelism(tiny_model: Path) -> None:
-    with pytest.raises(
-        ValueError, match=r"quantization: a quantized checkpoint's method \(awq\) is not supported with"
-    ):
-        EngineConfig(model=str(tiny_model), quantization="awq", tensor_parallel_size=2).validate()
-    EngineConfig(model=str(tiny_model), quantization="fp8", tensor_parallel_size=2).validate()  # at load
 
 
 def test_unsupported_checkpoint_format_is_named(tiny_model: Path, tmp_path: Path) -> None:

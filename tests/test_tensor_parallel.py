@@ -136,7 +136,64 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     )
 
 
-def test_groups_a_rank_would_cut_are_refused(tiny_model: Path) -> None:
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a16"])
+def test_two_ranks_run_a_quantized_checkpoint_as_one(wide_model: Path, tmp_path: Path, scheme: str) -> None:
+    """A compressed-tensors checkpoint (`ember quantize`, which transformers loads): each rank takes its
+    rows or its columns of the stored values, scales and groups."""
+    from ember_engine.cli import main as ember
+
+    out = tmp_path / scheme
+    assert ember(["quantize", str(wide_model), str(out), "--scheme", scheme]) in (0, None)
+    prompts = PROMPTS[:6]
+    expected, _ = generate(out, prompts, GREEDY, max_num_seqs=4)
+    got, _ = generate(out, prompts, GREEDY, max_num_seqs=4, tensor_parallel_size=2)
+    assert got == expected
+
+
+def test_llm_compressor_fp8_checkpoint_splits(tiny_model: Path, quantized_model) -> None:  # type: ignore[no-untyped-def]
+    """FP8_DYNAMIC: the stored FP8 weights and per-row scales cut exactly; each rank scales its own
+    columns' activations where a projection is split by them, as with fp8 quantized at load."""
+    path = quantized_model("tiny", "FP8_DYNAMIC")
+    prompts = PROMPTS[:6]
+    expected, _ = generate(path, prompts, GREEDY, max_num_seqs=4)
+    got, _ = generate(path, prompts, GREEDY, max_num_seqs=4, tensor_parallel_size=2)
+    plain, _ = generate(tiny_model, prompts, GREEDY, max_num_seqs=4)
+    assert _agreement(got, plain) >= _agreement(expected, plain) - 0.1
+    assert _agreement(got, expected) >= 0.5
+
+
+def test_gptq_checkpoint_splits_and_activation_order_is_refused(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    """GPTQModel's 4-bit checkpoint in groups of 64 (a rank's 64 columns of o are one group) runs as on one
+    rank; with desc_act its columns come in another order, which a rank's share cannot follow."""
+    path = quantized_model("tiny", "INT4", "gptq_build.py")
+    prompts = PROMPTS[:6]
+    expected, _ = generate(path, prompts, GREEDY, max_num_seqs=4)
+    got, _ = generate(path, prompts, GREEDY, max_num_seqs=4, tensor_parallel_size=2)
+    assert got == expected
+    with pytest.raises(
+        UnsupportedQuantizationError, match=r"GPTQ's activation order reorders the input columns"
+    ):
+        LLM(str(quantized_model("tiny", "INT4_ACT", "gptq_build.py")), tensor_parallel_size=2)
+
+
+def test_weights_packed_along_the_input_are_refused(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    # bitsandbytes' NF4: two codes a byte along the input, which a rank's columns would cut
+    with pytest.raises(
+        UnsupportedQuantizationError,
+        match=r"down_proj: its weight is held packed \(\[128, 128\] for 256 input columns\); "
+        r"tensor_parallel_size > 1 is not supported with it",
+    ):
+        LLM(str(quantized_model("tiny", "NF4", "bnb_build.py")), tensor_parallel_size=2)
+
+
+def test_groups_a_rank_would_cut_are_refused(tiny_model: Path, quantized_model) -> None:  # type: ignore[no-untyped-def]
+    # llm-compressor's W4A16: groups of 128 columns, where a rank holds 64 of o's 128
+    with pytest.raises(
+        UnsupportedQuantizationError,
+        match=r"w4a16: groups of 128 input columns do not fall within a rank's 64 columns of o_proj with "
+        r"tensor_parallel_size 2",
+    ):
+        LLM(str(quantized_model("tiny", "W4A16")), tensor_parallel_size=2)
     # tiny's o projection has 128 input columns: 64 a rank, half a group of 128
     with pytest.raises(
         UnsupportedQuantizationError,

@@ -112,16 +112,6 @@ class EngineConfig:
                 f"unsupported scheme {self.quantization!r}; supported: {', '.join(QUANT_SCHEMES)} (at load), "
                 f"or a quantized checkpoint's own method: {', '.join(CHECKPOINT_METHODS)}",
             )
-        if (
-            self.tensor_parallel_size > 1
-            and self.quantization in CHECKPOINT_METHODS
-            and self.quantization != "gguf"
-        ):
-            bad(
-                "quantization",
-                f"a quantized checkpoint's method ({self.quantization}) is not supported with "
-                "tensor_parallel_size > 1; the schemes quantized at load are",
-            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(
                 "kv_cache_dtype",

@@ -21,7 +21,7 @@ from ember_engine.distributed.workers import WorkerPool
 from ember_engine.model import gguf_dir
 from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
-from ember_engine.model.parallel import SINGLE, check_tensor_parallel, refuse_quantized
+from ember_engine.model.parallel import SINGLE, check_tensor_parallel
 from ember_engine.sample.grammar import GrammarCompiler
 from ember_engine.sample.mask_prefetch import MaskPrefetcher, sampling_grammars
 from ember_engine.sample.sampler import Sampler
@@ -72,7 +72,6 @@ class LLMEngine:
         tp, device = SINGLE, None
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(self.model_config, config.tensor_parallel_size)
-            refuse_quantized(config.model)
             self.workers = WorkerPool.start(config)
             tp, device = self.workers.tp, self.workers.membership.device
         try:

@@ -149,7 +149,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCol
             expected |= {".".join([*parts[:-2], shard_name, parts[-1]]) for shard_name in _SPLIT[parts[-2]]}
         elif not (pname == "lm_head.weight" and model.config.tie_word_embeddings):
             expected.add(pname)
-    missing = sorted(expected - loaded) + (quant.missing() if quant is not None else [])
+    placed = quant.split.placed if quant is not None else set()  # a split's quantized head, dequantized
+    missing = sorted(expected - loaded - placed) + (quant.missing() if quant is not None else [])
     if missing:
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:8])}")
     if quant is not None:

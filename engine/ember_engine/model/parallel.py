@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,9 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ember_engine.model import gguf
 from ember_engine.model.model_config import ModelConfig
-from ember_engine.model.quant.checkpoint import read_quantization_config, weights_quantized
 
 
 class TensorParallelError(ValueError):
@@ -112,19 +109,6 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         raise TensorParallelError(
             f"tensor_parallel_size {size} does not divide the model's intermediate size "
             f"{config.intermediate_size}"
-        )
-
-
-def refuse_quantized(model_dir: str | Path) -> None:
-    """Quantized checkpoints store packed weights and scales that this split does not know how to cut. One
-    that quantizes only the KV cache (its weights full precision, its scales per layer or KV head) splits
-    like any other."""
-    qc = read_quantization_config(model_dir)
-    if qc is not None and weights_quantized(qc):
-        method = qc.get("quant_method")
-        where = gguf.file_of(model_dir) or model_dir  # a GGUF file: the file, not the directory describing it
-        raise TensorParallelError(
-            f"tensor_parallel_size > 1 is not supported with quantized checkpoints ({method} in {where})"
         )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember_engine.model.quant import bnb, gptq, modelopt
+from ember_engine.model.quant import bnb, gptq, modelopt, rank_split
 from ember_engine.model.quant.checkpoint import decode
 from ember_engine.model.quant.codebook_linear import CodebookLinear
 from ember_engine.model.quant.fp4_linear import Fp4Linear
@@ -25,7 +25,6 @@ from ember_engine.model.quant.spec import QuantSpec
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 HEAD = "lm_head"
 _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
-ROW_SPLIT = ("o_proj", "down_proj")  # split by input columns under tensor parallelism (their sums reduced)
 
 
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -90,9 +89,12 @@ def prepare(model: nn.Module, spec: QuantSpec) -> None:
         held = layer_spec(spec, f"{parents[id(parent)]}.{name}")
         if held is None:
             continue
+        size = getattr(getattr(model, "shard", None), "size", 1)
+        rank_split.check_groups(held.scheme, held.group_size, name, linear.in_features, size)
         layer = _empty(held, linear.in_features, linear.out_features, linear.bias is not None, linear.weight)
         setattr(parent, name, layer)
-    _prepare_head(model, spec)
+    if getattr(getattr(model, "shard", None), "size", 1) == 1:  # split: held dequantized (`rank_split.py`)
+        _prepare_head(model, spec)
 
 
 def _prepare_head(model: nn.Module, spec: QuantSpec) -> None:
@@ -131,18 +133,14 @@ def _empty(
 @torch.no_grad()
 def quantize_model(model: nn.Module, spec: QuantSpec, tp: Any = None) -> None:
     """Quantize every projection of a loaded full-precision model in place (online quantization). On a
-    tensor-parallel rank (`tp`, size > 1) the projections split by input columns (`ROW_SPLIT`) are
+    tensor-parallel rank (`tp`, size > 1) the projections split by input columns (`rank_split.ROW_SPLIT`) are
     quantized as the whole model's are: a scale per output row from the row's largest value over every
     rank, and groups (or tiles) of input columns that lie within a rank's columns, else refused."""
     split = tp is not None and tp.size > 1
     for parent, name, linear in _projections(model):
         row_max = None
-        if split and name in ROW_SPLIT:
-            if spec.group_size and linear.in_features % spec.group_size:
-                raise UnsupportedQuantizationError(
-                    f"{spec.scheme}: groups of {spec.group_size} input columns do not fall within a rank's "
-                    f"{linear.in_features} columns of {name} with tensor_parallel_size {tp.size}"
-                )
+        if split and name in rank_split.ROW_SPLIT:
+            rank_split.check_groups(spec.scheme, spec.group_size, name, linear.in_features, tp.size)
             if not spec.group_size:
                 row_max = tp.max_over_ranks(linear.weight.detach().abs().amax(dim=1).float())
         setattr(parent, name, quantize_linear(linear, spec.scheme, spec.group_size, row_max))
@@ -195,6 +193,7 @@ class QuantCollector:
         self.rows: dict[tuple[str, int | None], int] = {}  # each part's output rows, once placed
         self.matrices = RotationMatrices(spec.rotations)
         self.done: set[tuple[str, int | None]] = set()
+        self.split = rank_split.RankSplit(model, spec, self.layers, self.specs)
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name with one dot between its module and its own name (bitsandbytes
@@ -207,7 +206,7 @@ class QuantCollector:
         if self.matrices.take(name, tensor_slice):
             return True
         module, _, suffix = target.rpartition(".")
-        if module not in self.layers or suffix == "bias":
+        if module not in self.specs or suffix == "bias":
             return False
         spec = self.specs[module]
         if suffix == "weight_format" and spec.format == "bitsandbytes-8bit":
@@ -234,8 +233,13 @@ class QuantCollector:
                     "(FP8 weights only)"
                 )
             return True  # dynamic activations: a calibrated scale is not used
-        if suffix == "g_idx" and suffix not in spec.required():
-            gptq.input_order(spec, name, tensor_slice[:])  # without desc_act: refuses a reordering
+        if suffix == "g_idx" and (suffix not in spec.required() or self.split.size > 1):
+            order = gptq.input_order(spec, name, tensor_slice[:])  # without desc_act: refuses a reordering
+            if order is not None:  # a rank cannot hold reordered columns
+                raise UnsupportedQuantizationError(
+                    f"{name}: GPTQ's activation order reorders the input columns; not supported with "
+                    "tensor_parallel_size > 1"
+                )
             return True
         self.pending.setdefault(key, {})[suffix] = tensor_slice[...]  # 0-d: a scale per tensor
         self.offsets[key] = offset
@@ -243,11 +247,16 @@ class QuantCollector:
             tensors = self.pending.pop(key)
             if spec.format == modelopt.METHOD:
                 tensors = modelopt.canonical(spec, tensors)
-            layer = self.layers[module]
             projection = name.rpartition(".")[0]
+            if module not in self.layers:  # a split's LM head, held dequantized
+                self.split.head_rows(spec, decode(spec, tensors, projection), _empty)
+                self.done.add(key)
+                return True
+            layer = self.layers[module]
             if "g_idx" in tensors:
                 layer.set_input_order(gptq.input_order(spec, projection, tensors["g_idx"]), projection)
-            weight, scale, zero = decode(spec, tensors, projection)
+            decoded = decode(spec, tensors, projection)
+            weight, scale, zero = self.split.cut(projection, layer.in_features, decoded)
             layer.set_rows(offset, weight.to(layer.weight_scale.device), scale)
             self.rows[key] = weight.shape[0]
             if zero is not None:
@@ -270,7 +279,7 @@ class QuantCollector:
 
     def missing(self) -> list[str]:
         """Projections the checkpoint did not (completely) provide."""
-        absent = []
+        absent = [m for m in self.specs if m not in self.layers and (m, None) not in self.done]
         for module in self.layers:
             parts = _PARTS.get(module.rsplit(".", 1)[-1])
             keys = [(module, None)] if parts is None else [(module, i) for i in range(parts)]
