@@ -111,7 +111,7 @@ def _byte_level(reader: Any, path: Any, tokens: list[str]) -> tuple[Any, bool]:
             f"{', '.join(PRE_TOKENIZERS)}; give the base model's tokenizer (--tokenizer DIR)"
         )
     pattern, whole, bos = PRE_TOKENIZERS[pre]
-    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # a repeated token: its first id
+    vocab = ids_of(tokens)
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=whole))
     if pattern is not None:
@@ -133,7 +133,7 @@ def _sentencepiece(reader: Any, path: Any, tokens: list[str], types: list[int]) 
     scores = field(reader, "tokenizer.ggml.scores")
     if not scores or len(scores) != len(tokens):
         raise GGUFError(f"{path}: a llama tokenizer needs a score per token (tokenizer.ggml.scores)")
-    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    vocab = ids_of(tokens)
     unk = field(reader, "tokenizer.ggml.unknown_token_id", 0)
     tok = Tokenizer(
         models.BPE(
@@ -155,7 +155,7 @@ def _sentencepiece(reader: Any, path: Any, tokens: list[str], types: list[int]) 
 def merges_by_score(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """Every split of a normal token into two tokens, the highest-scoring token's splits first (for equal
     scores, the lower id first; a token's splits, the shorter left piece first)."""
-    ids = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    ids = ids_of(tokens)
     found = []
     for i, piece in enumerate(tokens):
         if types[i] != 1:
@@ -166,6 +166,11 @@ def merges_by_score(tokens: list[str], scores: list[float], types: list[int]) ->
                 found.append((-scores[i], i, cut, left, right))
     found.sort()
     return [(left, right) for *_, left, right in found]
+
+
+def ids_of(tokens: list[str]) -> dict[str, int]:
+    """Each token's id; a token listed twice, its first."""
+    return {t: i for i, t in reversed(list(enumerate(tokens)))}
 
 
 def _add_special(tok: Any, tokens: list[str], types: list[int]) -> None:
