@@ -158,7 +158,7 @@ def q3_k(x: np.ndarray) -> np.ndarray:
     """Q3_K blocks of x [rows, columns] (columns a multiple of 256), rounded to nearest: each group of 16
     scaled so that its value of largest magnitude is -4 steps (values -4..3), its step a 6-bit multiple
     (less 32) of the block's float16 d. Stored: high bits (1 for values >= 0), low 2 bits of the value
-    plus 4 where the high bit is 0, the scales packed (`gguf_blocks._q3_k_scales`), d."""
+    plus 4 where the high bit is 0, the scales packed (`gguf/blocks.py`'s `_q3_k_scales`), d."""
     rows = x.shape[0]
     b = x.reshape(-1, 16, 16).astype(np.float32)
     step = _signed_largest(b) / -4
@@ -200,7 +200,7 @@ def q2_k(x: np.ndarray) -> np.ndarray:
 
 def iq4_nl(x: np.ndarray) -> np.ndarray:
     """IQ4_NL blocks (32 values): d puts the block's value of largest magnitude at -127, each value the
-    nearest of the 16 (`gguf_blocks.IQ4_VALUES`)."""
+    nearest of the 16 (the `gguf` package's `IQ4_NL.kvalues`)."""
     rows = x.shape[0]
     b = x.reshape(-1, 1, 32).astype(np.float32)
     d = (_signed_largest(b) / -127).astype(np.float16)

@@ -1,4 +1,4 @@
-"""GGUF files (`model/gguf.py`): ember computes what transformers computes from the same file
+"""GGUF files (`model/gguf/`): ember computes what transformers computes from the same file
 (`gguf_build.py` writes it as llama.cpp lays a llama model out, and transformers' own GGUF loading is the
 oracle); Q8_0 and Q4_0 projections run as the file stores them; what ember cannot read is refused by
 name."""
@@ -17,7 +17,9 @@ from server_util import running_server
 from test_quant_modelopt import _forward
 
 from ember_engine import LLM, SamplingParams
-from ember_engine.model import gguf, gguf_blocks, gguf_dir
+from ember_engine.model import gguf
+from ember_engine.model.gguf import blocks as gguf_blocks
+from ember_engine.model.gguf import directory as gguf_dir
 from ember_engine.model.quant import schemes
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError

@@ -1,4 +1,4 @@
-"""Split GGUF files (`model/gguf_split.py`): a model written as several parts runs, named by its first part,
+"""Split GGUF files (`model/gguf/split.py`): a model written as several parts runs, named by its first part,
 exactly as the same model in one file; a part named instead of the first, a missing part and a first
 part not named as one are refused by name."""
 

@@ -1,4 +1,4 @@
-"""A GGUF file's own tokenizer (`model/gguf_vocab.py`): built from the vocabulary the file carries, it
+"""A GGUF file's own tokenizer (`model/gguf/vocab.py`): built from the vocabulary the file carries, it
 encodes as the tokenizer the file was written from does. The oracles: the source `tokenizer.json` for
 byte-level BPE (GPT-2's and Llama 3's pre-tokenizers), SentencePiece itself for a SentencePiece BPE model
 with byte fallback, stored as llama.cpp's converter stores them."""
@@ -18,7 +18,8 @@ from server_util import running_server
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.core.tokenizer import Tokenizer
-from ember_engine.model import gguf, gguf_vocab
+from ember_engine.model import gguf
+from ember_engine.model.gguf import vocab as gguf_vocab
 from ember_engine.server.chat import render_chat
 from ember_router.main import _tokenizer_dir
 

@@ -92,7 +92,7 @@ def test_fp8_weight_only_kernel_matches_reference(
     assert (torch_path - expected).abs().max().item() <= 1e-5 * scale
 
 
-# GGUF's forms (`model/gguf_blocks.py`): int4 values in groups of 16 (Q3_K, and Q2_K with a float zero point
+# GGUF's forms (`model/gguf/blocks.py`): int4 values in groups of 16 (Q3_K, and Q2_K with a float zero point
 # per group) and 32 (Q4_K), int8 values in groups of 16 and 32 with float zero points (Q5_K, Q6_K, merged
 # parts of different types held alike).
 GGUF_FORMS = [

@@ -13,11 +13,11 @@ if TYPE_CHECKING:
 
 def _tokenizer_dir(model: str, tokenizer: str | None) -> str:
     """Where the engines' tokenizer is: `tokenizer`, or for a GGUF file the directory the engine describes
-    it as (`gguf_dir.materialize`), else the checkpoint directory."""
+    it as (`gguf.directory.materialize`), else the checkpoint directory."""
     from ember_engine.model.gguf import is_gguf
 
     if is_gguf(model):
-        from ember_engine.model import gguf_dir
+        from ember_engine.model.gguf import directory as gguf_dir
 
         return str(gguf_dir.materialize(model, tokenizer))
     return tokenizer or model

@@ -18,7 +18,7 @@ from ember_engine.core.request import Request
 from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.distributed.workers import WorkerPool
-from ember_engine.model import gguf_dir
+from ember_engine.model.gguf import directory as gguf_dir
 from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
 from ember_engine.model.parallel import SINGLE, check_tensor_parallel

@@ -255,7 +255,7 @@ def stop_processes(processes: Sequence[multiprocessing.process.BaseProcess], gra
 def run_node(config: EngineConfig) -> None:
     """`ember serve --node-rank K` for K > 0: this node's ranks (the first in this process, the others
     spawned) until rank 0 stops them. Raises TensorParallelFailure when the group breaks."""
-    from ember_engine.model import gguf_dir
+    from ember_engine.model.gguf import directory as gguf_dir
 
     gguf_dir.describe(config)
     local_size = config.tensor_parallel_size // config.nnodes

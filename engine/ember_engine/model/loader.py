@@ -51,7 +51,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def iter_slices(model_dir: Path) -> Iterator[tuple[str, Any]]:
     """(name, safetensors slice) of every checkpoint tensor: nothing is read until the slice is indexed.
-    A GGUF file's directory (`gguf_dir.materialize`) gives its tensors, read from the file."""
+    A GGUF file's directory (`gguf.directory.materialize`) gives its tensors, read from the file."""
     if gguf.file_of(model_dir) is not None:
         yield from gguf.iter_tensors(model_dir)
         return

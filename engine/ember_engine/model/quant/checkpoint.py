@@ -15,8 +15,8 @@ Formats read:
   `input_scale` or none; NVFP4 weights. `modelopt.canonical` gives their tensors compressed-tensors' forms.
 - AMD Quark (`quant_method: quark`): read by `quark.py`; FP8 `weight` with `weight_scale` per tensor or
   channel, static `input_scale` or none.
-- GGUF (a `.gguf` file, described as a model directory by `model/gguf_dir.py`, `quant_method: gguf`): the
-  projections of the types `gguf.KEPT` lists, decoded by `model/gguf_blocks.py`, as `w8a16` and `w4a16`.
+- GGUF (a `.gguf` file, described as a model directory by `model/gguf/directory.py`, `quant_method: gguf`): the
+  projections of the types `gguf.KEPT` lists, decoded by `model/gguf/blocks.py`, as `w8a16` and `w4a16`.
 Anything else is refused by name, with what is supported.
 """
 
@@ -194,7 +194,7 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
         return gptq.decode(spec, tensors)
     if spec.scheme in ("nvfp4a16", "nvfp4"):  # compressed-tensors', or ModelOpt's in their names
         return _decode_nvfp4(tensors)
-    if spec.format == "gguf":  # `gguf_blocks.decode`'s forms already
+    if spec.format == "gguf":  # `gguf.blocks.decode`'s forms already
         return tensors["weight"], tensors["weight_scale"].float(), tensors.get("weight_zero")
     if spec.format == "bitsandbytes":
         return bnb.decode_bnb(spec, tensors, what)

@@ -1,12 +1,15 @@
 """GGUF checkpoints (llama.cpp's single-file format; what "…-GGUF" downloads hold), read with the `gguf`
-package: the model's config from the file's metadata (`read_config`), its tensors under the Hugging Face
+package; here the file's reader, its config, its tensors and the scheme of the projections it runs.
+
+Here: the model's config from the file's metadata (`read_config`), its tensors under the Hugging Face
 names the engine loads (`iter_tensors`), and the scheme of the projections it runs as stored (`parse`).
-`gguf_dir.py` describes the file as a model directory; the loader reads the tensors from the file.
+Beside it: `blocks.py` (the block layouts run as stored), `directory.py` (the file described as a model
+directory), `vocab.py` (the tokenizer a file carries), `split.py` (a file split into parts).
 
 - Q8_0, Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS run as `w8a16` in groups of 32, Q6_K as `w8a16` in groups
   of 16, Q4_0, Q4_1 and Q4_K as `w4a16` in groups of 32, and Q3_K and Q2_K as `w4a16` in groups of 16;
   the types with a minimum per group (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) with a real zero point per group
-  (`gguf_blocks.py`): the file's values, and its scales in float32, are what the engine multiplies with.
+  (`blocks.py`): the file's values, and its scales in float32, are what the engine multiplies with.
   The parts of a merged projection (q/k/v, gate/up) stored in different ones of these types run alike,
   as `w8a16` in groups of 16 with zero points (`COMMON`).
 - Every other type (F32, F16, BF16, the IQ types but IQ4_NL and IQ4_XS, ...) is dequantized at load by
@@ -30,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ember_engine.model import gguf_blocks, gguf_split
+from ember_engine.model.gguf import blocks as gguf_blocks
+from ember_engine.model.gguf import split as gguf_split
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
 
@@ -39,7 +43,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 PERMUTED = ("llama",)
 # The bias tensors an architecture has (Qwen2's q, k and v); any other is refused.
 BIASES = {"qwen2": ("attn_q", "attn_k", "attn_v")}
-# The types run as they are stored (`gguf_blocks.py`): their scheme and bits a value.
+# The types run as they are stored (`blocks.py`): their scheme and bits a value.
 KEPT = {k: ("w8a16", 8) for k in ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")}
 KEPT |= {k: ("w4a16", 4) for k in ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")}
 ZEROED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")  # a minimum per group: held as a float32 zero point
@@ -85,7 +89,7 @@ def reader_of(path: Path) -> Any:
         except (ValueError, OSError) as exc:
             raise GGUFError(f"{p}: not a readable GGUF file ({exc})") from exc
 
-    try:  # a split file's parts are read as one (`gguf_split.py`)
+    try:  # a split file's parts are read as one (`split.py`)
         return gguf_split.join(open_part(path), path, open_part)
     except gguf_split.SplitError as exc:
         raise GGUFError(str(exc)) from exc
@@ -157,7 +161,7 @@ def read_config(reader: Any, path: Path) -> dict[str, Any]:
         "max_position_embeddings": int(field(reader, f"{arch}.context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": dtype,
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),  # the stop ids: gguf_dir.materialize
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),  # the stop ids: directory.materialize
         "gguf_file": str(path),
     }
     factors = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)

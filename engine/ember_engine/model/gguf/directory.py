@@ -1,6 +1,6 @@
 """A GGUF file described as a model directory: what the engine reads of a checkpoint directory
 (`config.json`, the tokenizer's files) written from the file's metadata (`gguf.read_config`) and the
-base model's tokenizer (or the file's own, `gguf_vocab`), under $EMBER_CACHE_DIR (default ~/.cache/ember)/gguf/. The weights stay in the
+base model's tokenizer (or the file's own, `vocab.py`), under $EMBER_CACHE_DIR (default ~/.cache/ember)/gguf/. The weights stay in the
 file; the loader reads them from it (`gguf.iter_tensors`)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ember_engine.model import gguf_split, gguf_vocab
 from ember_engine.model.gguf import GGUFError, field, is_gguf, read_config, reader_of
+from ember_engine.model.gguf import split as gguf_split
+from ember_engine.model.gguf import vocab as gguf_vocab
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _UNUSED = 5  # GGUF's token type of a padding entry (llama.cpp's converter writes "[PAD<id>]" for them)
@@ -40,7 +41,7 @@ def describe(config: Any) -> Any:
 def materialize(path: str | Path, tokenizer: str | Path | None = None) -> Path:
     """The directory describing GGUF file `path`. The tokenizer comes from `tokenizer` (a directory with
     tokenizer.json, the base model's), else from the file's own directory, else from the vocabulary the
-    file carries (`gguf_vocab`); where the file lists its vocabulary, a tokenizer directory's must be the
+    file carries (`vocab.py`); where the file lists its vocabulary, a tokenizer directory's must be the
     same. The end-of-sequence ids are the file's EOS, EOT and EOM and those of the tokenizer directory's
     generation_config.json."""
     path = Path(path).resolve()
