@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from ember_engine.tools import testmodel
-from ember_engine.tools.spec_pair import TARGET_TRAINING, _write_checkpoint
-from ember_engine.tools.training import TrainingLlama, corpus_tokens, train_target
+from ember_engine.tools.spec_pair import _write_checkpoint, trained_target
+from ember_engine.tools.training import corpus_tokens
 
 SIZE = testmodel.ModelSize(256, 768, 6, 4, 2, 2048)
 
@@ -25,11 +25,8 @@ def main(out: Path) -> None:
     ids = testmodel.write_tokenizer(tok_dir)
     train, _, _ = corpus_tokens(tok_dir / "tokenizer.json", ids[testmodel.EOS])
     config = testmodel.llama_config(SIZE, ids, tie_word_embeddings=True)
-    torch.manual_seed(TARGET_TRAINING.seed)
-    model = TrainingLlama(config)
-    model.init_weights(torch.Generator().manual_seed(TARGET_TRAINING.seed))
     start = time.perf_counter()
-    loss = train_target(model, train, TARGET_TRAINING, print)
+    model, loss = trained_target(config, train, print)
     print(f"trained in {time.perf_counter() - start:.0f} s, final loss {loss:.3f}")
     _write_checkpoint(out, model, config, tok_dir, ids)
 

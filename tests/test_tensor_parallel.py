@@ -95,21 +95,10 @@ def test_two_ranks_match_one(tiny_model: Path, case: str) -> None:
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random llama 256 wide (MLP 512, 2 layers): a rank's 128 columns of o are a whole group of 128."""
-    import json
-
-    from safetensors.torch import save_file
-
     from ember_engine.tools import testmodel
 
     out = tmp_path_factory.mktemp("wide") / "model"
-    out.mkdir()
-    ids = testmodel.write_tokenizer(out)
-    config = testmodel.llama_config(testmodel.ModelSize(256, 512, 2, 4, 2, 2048), ids)
-    (out / "config.json").write_text(json.dumps(config))
-    save_file(
-        testmodel.random_llama_weights(config, 3), str(out / "model.safetensors"), metadata={"format": "pt"}
-    )
-    return out
+    return testmodel.make_test_model(out, testmodel.ModelSize(256, 512, 2, 4, 2, 2048), seed=3)
 
 
 @pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "bitsandbytes", "fp8", "w8a8"])

@@ -102,6 +102,16 @@ def _dir_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
 
 
+def trained_target(
+    config: dict[str, Any], train: torch.Tensor, log: Log = None
+) -> tuple[TrainingLlama, float]:
+    """A target of `config` trained on `train` with the pair's target recipe, and its final loss."""
+    torch.manual_seed(TARGET_TRAINING.seed)
+    model = TrainingLlama(config)
+    model.init_weights(torch.Generator().manual_seed(TARGET_TRAINING.seed))
+    return model, train_target(model, train, TARGET_TRAINING, log)
+
+
 def make_spec_pair(out: Path, force: bool = False, log: Log = None) -> tuple[Path, Path]:
     """Train the pair and write `out/target`, `out/draft` and `out/training.json` (settings, losses,
     agreement, sizes, timings); refuses to replace an existing pair unless force."""
@@ -127,11 +137,8 @@ def make_spec_pair(out: Path, force: bool = False, log: Log = None) -> tuple[Pat
         target_config = testmodel.llama_config(TARGET_SIZE, ids, tie_word_embeddings=True)
         draft_config = testmodel.llama_config(DRAFT_SIZE, ids, tie_word_embeddings=True)
 
-        torch.manual_seed(TARGET_TRAINING.seed)
-        target = TrainingLlama(target_config)
-        target.init_weights(torch.Generator().manual_seed(TARGET_TRAINING.seed))
         t0 = time.perf_counter()
-        target_train_loss = train_target(target, train, TARGET_TRAINING, log)
+        target, target_train_loss = trained_target(target_config, train, log)
         target_s = time.perf_counter() - t0
 
         torch.manual_seed(DRAFT_TRAINING.seed)

@@ -173,9 +173,12 @@ def random_llama_weights(config: dict, seed: int) -> dict:
     return {k: t.contiguous() for k, t in w.items()}
 
 
-def make_test_model(directory: str | Path, size: str = "tiny", seed: int = 0, force: bool = False) -> Path:
-    """Write a checkpoint; refuses a non-empty directory unless force."""
-    if size not in SIZES:
+def make_test_model(
+    directory: str | Path, size: str | ModelSize = "tiny", seed: int = 0, force: bool = False
+) -> Path:
+    """Write a checkpoint of a named size (`SIZES`) or of `size` itself; refuses a non-empty directory
+    unless force."""
+    if isinstance(size, str) and size not in SIZES:
         raise ValueError(f"unknown size {size!r}; valid sizes: {', '.join(SIZES)}")
     out = Path(directory)
     if out.exists() and any(out.iterdir()):
@@ -187,7 +190,7 @@ def make_test_model(directory: str | Path, size: str = "tiny", seed: int = 0, fo
     from safetensors.torch import save_file
 
     ids = write_tokenizer(out)
-    config = llama_config(SIZES[size], ids)
+    config = llama_config(SIZES[size] if isinstance(size, str) else size, ids)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids["<|end|>"]], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
