@@ -93,8 +93,7 @@ def prepare(model: nn.Module, spec: QuantSpec) -> None:
         rank_split.check_groups(held.scheme, held.group_size, name, linear.in_features, size)
         layer = _empty(held, linear.in_features, linear.out_features, linear.bias is not None, linear.weight)
         setattr(parent, name, layer)
-    if getattr(getattr(model, "shard", None), "size", 1) == 1:  # split: held dequantized (`rank_split.py`)
-        _prepare_head(model, spec)
+    _prepare_head(model, spec)
 
 
 def _prepare_head(model: nn.Module, spec: QuantSpec) -> None:
@@ -108,6 +107,8 @@ def _prepare_head(model: nn.Module, spec: QuantSpec) -> None:
             f"{HEAD}: the checkpoint's quantization config holds it in {held.scheme}, but tie_word_embeddings "
             "ties it to embed_tokens, which ember keeps in the model dtype"
         )
+    if getattr(getattr(model, "shard", None), "size", 1) > 1:  # split: held dequantized (`rank_split.py`)
+        return
     rows, columns = head.weight.shape
     setattr(model, HEAD, _empty(held, columns, rows, False, head.weight))
 
