@@ -55,6 +55,7 @@ def test_logits_and_greedy_tokens_match_transformers_with_compressed_tensors(
                 else:  # every head its own scale, as written
                     assert isinstance(ours, torch.Tensor) and torch.equal(ours.cpu(), stored)
                     assert len(stored.unique()) == len(stored) == 2
+    rows = []
     for prompt in _prompts(4, 40):
         with torch.inference_mode():
             theirs = hf(torch.tensor([prompt])).logits[0]
@@ -64,11 +65,18 @@ def test_logits_and_greedy_tokens_match_transformers_with_compressed_tensors(
         assert ours is not None
         span = (theirs.max() - theirs.min()).item()
         # The oracle does quantize the cache: its logits move by far more than ours differ from them.
-        # Measured: 4.2e-5 of the range per layer, 6.2e-6 per head; a float32 rounding difference upstream
-        # (ember computes q, k and v in one matmul) can move a key or value to the neighbouring E4M3 step.
-        # Dividing by the scale instead of multiplying by its float32 reciprocal changes neither figure.
-        assert (theirs - unquantized).abs().max().item() > 0.005 * span
-        assert (ours - theirs).abs().max().item() <= 1e-4 * span
+        effect = (theirs - unquantized).abs().max().item()
+        assert effect > 0.005 * span
+        # A float32 rounding difference upstream (ember computes q, k and v in one matmul) can move a key
+        # or value to the neighbouring E4M3 step, and every later position of that prompt with it: less
+        # than a tenth of what quantizing the cache moves. Measured on one build of the scales: 3 prompts
+        # within 8.6e-7 of the range, and one whose position 14 rounds the other way, 5.4e-4 from there on
+        # (the cache's own effect 1.2e-2); on another build every prompt within 6.2e-6 per head, 4.2e-5 per
+        # layer. Dividing by the scale instead of multiplying by its float32 reciprocal changes none of these.
+        assert (ours - theirs).abs().max().item() <= 0.1 * effect
+        rows += ((ours - theirs).abs().max(dim=1).values / span).tolist()
+    # the positions no flipped step reaches (the median of every prompt's): as transformers computes them
+    assert sorted(rows)[len(rows) // 2] <= 1e-5
     prompts = _prompts(8, 20)
     expected = hf_greedy(hf, prompts, 12)
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
