@@ -274,10 +274,13 @@ class Demo:
     def ready(self, name: str, warm: bool = False, active: int = 1) -> bool:
         status = self.eis(name).get("status") or {}
         conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
-        # The Service selects the routers: until they are Ready too, nothing reaches the engines.
+        # The Service selects the routers: until they are Ready too, nothing reaches the engines; the demo
+        # waits for every router it wants, so that the spike goes through all of them.
+        routers = status.get("router") or {}
         return (
             conditions.get("Ready") == "True"
             and conditions.get("RouterReady") == "True"
+            and (routers.get("ready") or 0) >= (routers.get("desired") or 0)
             and (not warm or conditions.get("WarmPoolReady") == "True")
             and (status.get("readyReplicas") or 0) >= active
             and bool(status.get("endpoint"))
