@@ -9,15 +9,18 @@ activations as they are), FP8_KV (FP8 with FP8_KV_CFG's static K and V scales) o
 (FP8 with layer 1's MLP and layer 0's o_proj left unquantized, which the export lists in its
 `exclude_modules`), MIXED (FP8 on the attention projections but layer 3's o_proj, FP8_PB_WO's
 block-scaled weights on the MLPs: ModelOpt exports MIXED_PRECISION, a `quantized_layers` entry a
-projection) or W4A16_NVFP4 (W4A16_NVFP4_CFG: FP4 weights in groups of 16 with E4M3 scales under a
-scale per tensor, activations as they are).
+projection), W4A16_NVFP4 (W4A16_NVFP4_CFG: FP4 weights in groups of 16 with E4M3 scales under a
+scale per tensor, activations as they are) or NVFP4 (NVFP4_DEFAULT_CFG: those weights, and activations
+quantized to NVFP4 as the model runs, under a calibrated global scale per projection).
 
 No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own: for the FP8 presets its
 simulated quantization, the model the checkpoint was exported from (holding the exported weights, see
-`_exported_weights`); for W4A16_NVFP4, whose simulation ModelOpt runs on CUDA only (its weights need no
-calibration data, so none is run), transformers' model holding the weights ModelOpt's `NVFP4QTensor`
-dequantizes from the export. `oracle.pt` beside the checkpoint holds that model's logits for fixed
-prompts, its greedy tokens after some of them, and each quantized projection's output for a fixed input.
+`_exported_weights`); for W4A16_NVFP4 and NVFP4, whose simulation ModelOpt runs on CUDA only,
+transformers' model holding the weights ModelOpt's `NVFP4QTensor` dequantizes from the export (W4A16_NVFP4's
+weights need no calibration data, so none is run), and for NVFP4 each quantized projection's input
+quantized by `NVFP4QTensor` too, under the exported `input_scale` (`_nvfp4_inputs`). `oracle.pt` beside
+the checkpoint holds that model's logits for fixed prompts, its greedy tokens after some of them, and
+each quantized projection's output for a fixed input.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def _config(preset: str) -> dict:  # type: ignore[type-arg]
         return copy.deepcopy(mtq.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
     if preset == "W4A16_NVFP4":
         return copy.deepcopy(mtq.W4A16_NVFP4_CFG)
+    if preset == "NVFP4":
+        return copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
     config = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
     if preset == "FP8_KV":
         config["quant_cfg"] += copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
@@ -104,6 +109,33 @@ def _nvfp4_model(src: Path, dst: Path):  # type: ignore[no-untyped-def]
     return model
 
 
+def _nvfp4_inputs(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
+    """Quantize each exported NVFP4 projection's input to NVFP4 and back as ModelOpt's `NVFP4QTensor`
+    quantizes a tensor (per group of 16 columns an E4M3 scale of the group's max|x| / 6 under the global
+    scale, each value rounded to E2M1), its global scale the exported `input_scale`."""
+    import torch
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    from safetensors.torch import load_file
+
+    stored = load_file(str(dst / "model.safetensors"))
+
+    def hook(global_scale: torch.Tensor):  # type: ignore[no-untyped-def]
+        def quantize(module, args):  # type: ignore[no-untyped-def]
+            x = args[0]
+            flat = x.reshape(-1, x.shape[-1]).float()
+            packed, scale, double = NVFP4QTensor.quantize(flat, 16, weights_scaling_factor_2=global_scale)
+            flat = packed.dequantize(
+                dtype=torch.float32, scale=scale, double_scale=double, block_sizes={-1: 16}
+            )
+            return (flat.reshape(x.shape).to(x.dtype), *args[1:])
+
+        return quantize
+
+    for name in _quantized(stored):
+        scale = stored[f"{name}.input_scale"].float()
+        model.get_submodule(name).register_forward_pre_hook(hook(scale))
+
+
 def _quantized(stored: dict) -> list[str]:  # type: ignore[type-arg]
     return [name.removesuffix(".weight_scale") for name in stored if name.endswith(".weight_scale")]
 
@@ -137,12 +169,14 @@ def build(src: Path, dst: Path, preset: str) -> None:
         for row in rows:
             m(row)
 
-    nvfp4 = preset == "W4A16_NVFP4"
-    model = mtq.quantize(model, _config(preset), forward_loop=None if nvfp4 else calibrate)
+    weight_only = preset == "W4A16_NVFP4"
+    model = mtq.quantize(model, _config(preset), forward_loop=None if weight_only else calibrate)
     export_hf_checkpoint(model, export_dir=dst)
     copy_tokenizer(src, dst)
-    if nvfp4:
+    if preset in ("W4A16_NVFP4", "NVFP4"):
         model = _nvfp4_model(src, dst)
+        if preset == "NVFP4":
+            _nvfp4_inputs(model, dst)
     else:
         _exported_weights(model, dst)
     oracle(model, dst)

@@ -165,14 +165,22 @@ def test_gptq_checkpoint_splits_and_activation_order_is_refused(quantized_model)
         LLM(str(quantized_model("tiny", "INT4_ACT", "gptq_build.py")), tensor_parallel_size=2)
 
 
-def test_weights_packed_along_the_input_are_refused(quantized_model) -> None:  # type: ignore[no-untyped-def]
-    # bitsandbytes' NF4: two codes a byte along the input, which a rank's columns would cut
-    with pytest.raises(
-        UnsupportedQuantizationError,
-        match=r"down_proj: its weight is held packed \(\[128, 128\] for 256 input columns\); "
-        r"tensor_parallel_size > 1 is not supported with it",
-    ):
-        LLM(str(quantized_model("tiny", "NF4", "bnb_build.py")), tensor_parallel_size=2)
+@pytest.mark.parametrize(
+    ("preset", "script"),
+    [("NVFP4", "quant_build.py"), ("NVFP4", "modelopt_build.py"), ("NF4", "bnb_build.py")],
+)
+def test_two_ranks_run_4_bit_codes_packed_along_the_input_as_one(
+    quantized_model, preset: str, script: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Two 4-bit codes a byte along the input (NVFP4's E2M1 values, llm-compressor's and ModelOpt's, FP4
+    activations too; bitsandbytes' NF4 codes): a rank takes its columns' bytes and groups (16 and 64 columns
+    a group), and NVFP4's activations, quantized per group of 16 under one global scale, are quantized alike
+    on either side of the split. Refused before ("its weight is held packed")."""
+    path = quantized_model("tiny", preset, script)
+    prompts = PROMPTS[:6]
+    expected, _ = generate(path, prompts, GREEDY, max_num_seqs=4)
+    got, _ = generate(path, prompts, GREEDY, max_num_seqs=4, tensor_parallel_size=2)
+    assert got == expected
 
 
 def test_groups_a_rank_would_cut_are_refused(tiny_model: Path, quantized_model) -> None:  # type: ignore[no-untyped-def]

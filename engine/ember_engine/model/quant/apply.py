@@ -268,7 +268,9 @@ class QuantCollector:
                 layer.set_global_rows(offset, weight.shape[0], tensors["weight_global_scale"])
             if "input_global_scale" in tensors:
                 assert isinstance(layer, Fp4Linear)
-                layer.set_input_global(tensors["input_global_scale"], projection)
+                layer.set_input_global(
+                    tensors["input_global_scale"], projection, spec.format == modelopt.METHOD
+                )
             if "weight_quant_map" in tensors:
                 assert isinstance(layer, CodebookLinear)
                 layer.set_code(tensors["weight_quant_map"], projection)

@@ -42,16 +42,20 @@ class Fp4Linear(QuantLinear):
         """A checkpoint projection's global scale for output rows start.. (start + rows)."""
         self.weight_global.narrow(0, start, rows).fill_(global_scale.float().reshape(()).item())
 
-    def set_input_global(self, value: torch.Tensor, name: str) -> None:
+    def set_input_global(self, value: torch.Tensor, name: str, smallest: bool = False) -> None:
         """A part's calibrated activation global scale (W4A4). The parts of a merged projection share its
-        input and so one quantization of it: the largest of their global scales."""
+        input and so one quantization of it: the largest of their global scales (compressed-tensors'), or
+        with `smallest` the smallest (ModelOpt's, whose parts' input scales are these' reciprocals and
+        the largest of them is taken)."""
         g = value.float().reshape(-1)
         if g.numel() != 1 or not torch.isfinite(g).all() or g.item() <= 0:
             raise schemes.UnsupportedQuantizationError(
                 f"{name}: input_global_scale must be one positive finite number, found {g.tolist()[:4]}"
             )
         g = g.to(self.weight_global.device)
-        self.input_global = g if self.input_global is None else torch.maximum(self.input_global, g)
+        if self.input_global is not None:
+            g = (torch.minimum if smallest else torch.maximum)(self.input_global, g)
+        self.input_global = g
         self.scheme = "nvfp4"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,14 @@ float32):
   `weight_scale` per group of 16 input columns and a float32 `weight_scale_2` per tensor that multiplies
   it, activations as they are (`nvfp4a16`: compressed-tensors' NVFP4A16, whose global scale divides,
   is its reciprocal);
+- NVFP4: W4A16_NVFP4's weights, and activations quantized to NVFP4 as the model runs (per token and
+  group of 16 columns, under the projection's calibrated `input_scale`, amax / (6 * 448)): `nvfp4`,
+  compressed-tensors' NVFP4, whose `input_global_scale` is the reciprocal; the q/k/v (gate/up) parts of a
+  merged projection take the largest of their input scales, as vLLM takes them;
 - MIXED_PRECISION (what `mtq.auto_quantize` exports, or a config that quantizes layers differently):
   `quantized_layers` gives each quantized projection its own algorithm of these; a projection it does not
   list stays in full precision (`mixed`, each group's projections named).
-The others ModelOpt exports (NVFP4 with FP4 activations, MXFP8, int4 AWQ, int8 SmoothQuant, W4A8) are
-refused by name.
+The others ModelOpt exports (NVFP4_AWQ, MXFP8, int4 AWQ, int8 SmoothQuant, W4A8) are refused by name.
 
 Excluded modules are written as names or wildcards ("model.layers.1.mlp*"); a projection is left in full
 precision where an entry is its name, matches it as a shell-style wildcard (`fnmatch`) or, for an entry
@@ -53,6 +56,7 @@ ALGOS = {
     "FP8_PER_CHANNEL_PER_TOKEN": QuantSpec("fp8", METHOD, group_size=0),
     "FP8_PB_WO": QuantSpec("w8a16-fp8", METHOD, group_size=BLOCK, block_rows=BLOCK),
     "W4A16_NVFP4": QuantSpec("nvfp4a16", METHOD, group_size=16, num_bits=4),
+    "NVFP4": QuantSpec("nvfp4", METHOD, group_size=16, num_bits=4, static_input=True),
 }
 KV_ALGOS = ("FP8",)
 MIXED = "MIXED_PRECISION"
@@ -156,14 +160,24 @@ def _algo_spec(algo: str, group_sizes: set[Any], where: str) -> QuantSpec:
 
 def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One projection's tensors in the names and shapes the compressed-tensors forms have: FP8_PB_WO's
-    `weight_scale` as [row tiles, column tiles]; W4A16_NVFP4's as NVFP4A16's (`weight_packed`, and
-    `weight_global_scale`, the reciprocal of `weight_scale_2`)."""
-    if spec.scheme == "nvfp4a16":
-        return {
+    `weight_scale` as [row tiles, column tiles]; W4A16_NVFP4's and NVFP4's as NVFP4A16's and NVFP4's
+    (`weight_packed`, `weight_global_scale`, the reciprocal of `weight_scale_2`, and NVFP4's
+    `input_global_scale`, the reciprocal of `input_scale`)."""
+    if spec.scheme in ("nvfp4a16", "nvfp4"):
+        fp4 = {
             "weight_packed": tensors["weight"],
             "weight_scale": tensors["weight_scale"],
             "weight_global_scale": 1.0 / tensors["weight_scale_2"].float(),
         }
+        if spec.scheme == "nvfp4":
+            scale = tensors["input_scale"].float().reshape(-1)
+            if scale.numel() != 1 or not torch.isfinite(scale).all() or scale.item() <= 0:
+                raise UnsupportedQuantizationError(
+                    f"modelopt checkpoint: NVFP4's input_scale must be one positive finite number, found "
+                    f"{scale.tolist()[:4]}"
+                )
+            fp4["input_global_scale"] = 1.0 / scale
+        return fp4
     if not spec.block_rows:
         return tensors
     scale = tensors["weight_scale"]

@@ -3,9 +3,10 @@
 are cut to the rank's shard as `Shard.checkpoint_range` cuts a full-precision tensor: output rows for the
 projections split by output (q/k/v, gate/up), input columns for those split by input (o, down), whose
 groups must lie within a rank's columns; a row's scale is the whole row's, so each rank holds the unsplit
-model's very values and scales. A quantized LM head is held dequantized, split by vocabulary rows as a
-full-precision one. What cannot be cut so (weights packed along the input, run-time rotations, GPTQ's
-activation order) is refused by name."""
+model's very values and scales. 4-bit codes two a byte along the input (NVFP4's E2M1 values, bitsandbytes'
+NF4 and FP4 codes: uint8 [out, in / 2]) are cut by bytes, at the groups' edges. A quantized LM head is
+held dequantized, split by vocabulary rows as a full-precision one. What cannot be cut so (other weights
+packed along the input, run-time rotations, GPTQ's activation order) is refused by name."""
 
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ class RankSplit:
             return decoded
         dim, start, length = span
         columns = in_features * self.size if dim == 1 else in_features
-        if weight.dim() != 2 or weight.shape[1] != columns:
+        per_byte = (
+            2 if weight.dtype == torch.uint8 and weight.dim() == 2 and weight.shape[1] * 2 == columns else 1
+        )
+        if weight.dim() != 2 or weight.shape[1] * per_byte != columns:
             raise UnsupportedQuantizationError(
                 f"{projection}: its weight is held packed ({list(weight.shape)} for {columns} input columns); "
                 "tensor_parallel_size > 1 is not supported with it"
@@ -75,7 +79,9 @@ class RankSplit:
                 )
             scale = scale[:, start // size : (start + length) // size]
             zero = None if zero is None else zero[:, start // size : (start + length) // size]
-        return weight[:, start : start + length].contiguous(), scale, zero
+        assert start % per_byte == 0 and length % per_byte == 0  # whole groups of 16 or 64 columns
+        cut = weight[:, start // per_byte : (start + length) // per_byte]
+        return cut.contiguous(), scale, zero
 
     def head_rows(self, spec: Any, decoded: Decoded, empty: Callable[..., Any]) -> None:
         """Fill the rank's LM head rows from the whole head's decoded tensors (`empty(spec, in, out, bias,

@@ -111,7 +111,7 @@ class QuantSpec:
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
             "quark": scaled,
             "gguf": frozenset({"weight", "weight_scale"}) | ({"weight_zero"} if self.zero_points else set()),
-            "modelopt": scaled | ({"weight_scale_2"} if self.scheme == "nvfp4a16" else set()),
+            "modelopt": scaled | ({"weight_scale_2"} if self.scheme in ("nvfp4a16", "nvfp4") else set()),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "awq": GPTQ_TENSORS,
