@@ -8,16 +8,18 @@ prompts and the greedy tokens after 6 of them, from transformers loading the GGU
 the q and k rows back in order), and the source model's own logits. The `gguf` package quantizes Q8_0,
 Q4_0, Q4_1, Q5_0, Q5_1 and BF16; it writes no K-quants and no IQ types, so Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
 IQ4_NL and IQ4_XS are written here, rounded to nearest (llama.cpp searches for better scales), their
-layouts read back by the package's own dequantizers.
+layouts read back by the package's own dequantizers. The lattice i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
+IQ2_S, IQ3_XXS, IQ3_S) are written in their layouts with random grid entries (`i_quant`).
 
 PRESET: F32, F16 (matrices F16, norms F32), Q8_0, Q4_0, Q4_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS, or any
 other type the `gguf` package quantizes (every matrix in that type), Q4_K_M and Q5_K_M (Q4_K or Q5_K, but
 Q6_K for the LM head and for the v and down projections of the layers llama.cpp gives more bits,
 `more_bits`), Q3_K_M (Q3_K, but Q4_K for o, Q5_K for v in layers 0 and 1 and for down in the first
 sixteenth of the layers, Q4_K for the other v and down, Q6_K for the head), MIXED (q and k Q4_0, v Q8_0, o Q5_1, gate Q4_1 and up BF16,
-down Q5_0 but layer 0's Q6_K, embeddings Q8_0, LM head F16). A matrix whose rows are no whole number of
-256-value K blocks takes Q5_0 for Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K and IQ4_NL for Q2_K, Q3_K and
-IQ4_XS, as llama.cpp does.
+down Q5_0 but layer 0's Q6_K, embeddings Q8_0, LM head F16), IQ (layer i's matrices in `IQ_TYPES[i % 7]`,
+embeddings Q8_0, LM head Q6_K). A matrix whose rows are no whole number of 256-value K blocks takes Q5_0
+for Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K and IQ4_NL for Q2_K, Q3_K, IQ4_XS and the lattice i-quants, as
+llama.cpp does.
 """
 
 from __future__ import annotations
@@ -47,8 +49,13 @@ MIXED = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q
 MIXED |= {"ffn_gate": "Q4_1", "ffn_up": "BF16", "ffn_down": "Q5_0", "token_embd": "Q8_0", "output": "F16"}
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 ARCHITECTURES |= {"Qwen3ForCausalLM": "qwen3"}
+# The lattice i-quants, one a layer in the IQ preset (layer i takes IQ_TYPES[i % 7])
+IQ_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+# Each i-quant's largest weight over its block's d: the grid's largest value times the largest group factor
+IQ_PEAK = {"IQ2_XXS": 43 * 15.5 / 4, "IQ2_XS": 43 * 15.5 / 4, "IQ2_S": 43 * 15.5 / 4}
+IQ_PEAK |= {"IQ3_XXS": 62 * 15.5 / 2, "IQ3_S": 15 * 31, "IQ1_S": 1.125 * 15, "IQ1_M": 1.125 * 15}
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"} | {
-    k: "IQ4_NL" for k in ("Q2_K", "Q3_K", "IQ4_XS")
+    k: "IQ4_NL" for k in ("Q2_K", "Q3_K", "IQ4_XS", *IQ_TYPES)
 }
 
 
@@ -79,6 +86,11 @@ def kind_of(preset: str, name: str, layers: int, columns: int) -> str:
         return "F32"
     if preset == "MIXED":
         return "Q6_K" if name == "blk.0.ffn_down.weight" else MIXED[short]
+    if preset == "IQ":  # an i-quant a layer; embeddings Q8_0, the head Q6_K
+        if not name.startswith("blk."):
+            return "Q8_0" if short == "token_embd" else "Q6_K"
+        kind = IQ_TYPES[int(name.split(".")[1]) % len(IQ_TYPES)]
+        return FALLBACK[kind] if columns % 256 else kind
     kind = preset
     if preset == "Q3_K_M":  # after llama.cpp's Q3_K_M: v, o, down and the head get more bits
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
@@ -227,6 +239,34 @@ def iq4_xs(x: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=1).reshape(rows, -1)
 
 
+def i_quant(kind: str):  # type: ignore[no-untyped-def]
+    """An encoder of `kind` blocks (a lattice i-quant) that keeps of x only each block's largest magnitude:
+    its grid entries, signs, group scales and shifts are random bytes (fixed by x), under a float16 d that
+    makes the block's largest possible weight x's largest. The file is in the type's layout, its values
+    the type's, for the `gguf` package and ember to decode alike; it is no quantization of x (llama.cpp's
+    search for the nearest grid points is not reproduced here)."""
+
+    def encode(x: np.ndarray) -> np.ndarray:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        rows = x.shape[0]
+        blocks = x.reshape(-1, 256).astype(np.float32)
+        size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
+        rng = np.random.default_rng(int(np.abs(blocks).sum() * 1e3) % 2**32)
+        b = rng.integers(0, 256, (blocks.shape[0], size), dtype=np.uint8)
+        d = (np.abs(blocks).max(axis=1) / IQ_PEAK[kind]).astype(np.float16)
+        if kind == "IQ1_M":  # d's four nibbles are the top nibbles of the four 16-bit scale words
+            words = np.ascontiguousarray(b[:, 48:56]).view("<u2").copy()
+            bits = d.view(np.uint16)[:, None] >> np.array([0, 4, 8, 12], np.uint16)
+            words = (words & 0x0FFF) | ((bits & 15) << 12)
+            b[:, 48:56] = words.astype("<u2").view(np.uint8)
+        else:
+            b[:, :2] = d.view(np.uint8).reshape(-1, 2)
+        return b.reshape(rows, -1)
+
+    return encode
+
+
 def _signed_largest(b: np.ndarray) -> np.ndarray:
     """Each group's (the last axis) value of largest magnitude, with its sign."""
     return np.take_along_axis(b, np.abs(b).argmax(axis=-1)[..., None], axis=-1)[..., 0]
@@ -267,7 +307,7 @@ ENCODERS = {
     "Q2_K": q2_k,
     "IQ4_NL": iq4_nl,
     "IQ4_XS": iq4_xs,
-}
+} | {kind: i_quant(kind) for kind in IQ_TYPES}
 
 
 def write_vocabulary(w, src: Path, config: dict) -> None:  # type: ignore[no-untyped-def]

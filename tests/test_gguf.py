@@ -13,6 +13,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from gguf_build import IQ_TYPES
 from server_util import running_server
 from test_quant_modelopt import _forward
 
@@ -20,6 +21,7 @@ from ember_engine import LLM, SamplingParams
 from ember_engine.model import gguf
 from ember_engine.model.gguf import blocks as gguf_blocks
 from ember_engine.model.gguf import directory as gguf_dir
+from ember_engine.model.gguf import iq_blocks
 from ember_engine.model.quant import schemes
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
@@ -487,30 +489,35 @@ def test_concurrent_writes_of_the_description(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
-@pytest.fixture(scope="module", params=["Q4_K_M", "Q5_K_M", "Q3_K_M"])
-def wide_k_m(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
-    """A random llama of 8 layers whose matrices are whole K blocks (hidden size 256), written as llama.cpp's
-    Q4_K_M or Q5_K_M lays it out (layers 0, 3, 6 and 7 hold v and down in Q6_K beside q and k in Q4_K or
-    Q5_K), or after its Q3_K_M (q and k Q3_K beside v in Q5_K or Q4_K in every layer)."""
+def _wide_file(tmp_path_factory: pytest.TempPathFactory, preset: str) -> Path:
+    """A random llama of 8 layers whose matrices are whole K blocks (hidden size 256), written as `preset`."""
     import subprocess
     import sys
 
+    from safetensors.torch import save_file
+
     from ember_engine.tools import testmodel
 
-    src = tmp_path_factory.mktemp(f"wide-{request.param}") / "model"
+    src = tmp_path_factory.mktemp(f"wide-{preset}") / "model"
     src.mkdir()
     ids = testmodel.write_tokenizer(src)
     config = testmodel.llama_config(testmodel.ModelSize(256, 512, 8, 4, 2, 2048), ids)
     (src / "config.json").write_text(json.dumps(config))
-    from safetensors.torch import save_file
-
     save_file(
         testmodel.random_llama_weights(config, 5), str(src / "model.safetensors"), metadata={"format": "pt"}
     )
     dst = src.parent / "gguf"
     build = Path(__file__).with_name(BUILD)
-    subprocess.run([sys.executable, str(build), str(src), str(dst), request.param], check=True)
+    subprocess.run([sys.executable, str(build), str(src), str(dst), preset], check=True)
     return dst / "model.gguf"
+
+
+@pytest.fixture(scope="module", params=["Q4_K_M", "Q5_K_M", "Q3_K_M"])
+def wide_k_m(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """The wide llama written as llama.cpp's Q4_K_M or Q5_K_M lays it out (layers 0, 3, 6 and 7 hold v and
+    down in Q6_K beside q and k in Q4_K or Q5_K), or after its Q3_K_M (q and k Q3_K beside v in Q5_K or Q4_K
+    in every layer)."""
+    return _wide_file(tmp_path_factory, request.param)
 
 
 def test_k_and_q6_k_parts_of_one_layer_run_alike(wide_k_m: Path) -> None:
@@ -531,6 +538,74 @@ def test_k_and_q6_k_parts_of_one_layer_run_alike(wide_k_m: Path) -> None:
             assert isinstance(qkv, Int4Linear if four else Int8Linear) and qkv.group_size == 32
             assert qkv.weight_zero is not None
         assert isinstance(layer.mlp.gate_up_proj, Int4Linear if four else Int8Linear)
+    worst = 0.0
+    for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
+        diff = (_forward(runner, prompt) - theirs).abs().max().item() / (theirs.max() - theirs.min()).item()
+        worst = max(worst, diff)
+    assert worst <= 1e-5, worst
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [g.token_ids for g in llm.generate(oracle["prompts"][:6], params, use_tqdm=False)]
+    assert got == oracle["greedy"]
+
+
+@pytest.mark.parametrize("kind", list(iq_blocks.GROUP))
+def test_i_quant_blocks_decode_to_what_the_gguf_package_dequantizes(kind: str) -> None:
+    """Random blocks of each lattice i-quant (every field random but d): ember's int8 values times their
+    group's scale are, bit for bit, the weights the `gguf` package dequantizes."""
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gguf_quants
+
+    rng = np.random.default_rng(4)
+    rows, blocks = 6, 3
+    b = rng.integers(0, 256, (rows, blocks, iq_blocks.BYTES[kind]), dtype=np.uint8)
+    d = rng.uniform(1e-4, 1e-2, (rows, blocks)).astype(np.float16)
+    if kind == "IQ1_M":  # d's nibbles top the four 16-bit scale words
+        words = np.ascontiguousarray(b[:, :, 48:56]).view("<u2").copy()
+        words = (words & 0x0FFF) | (
+            ((d.view(np.uint16)[..., None] >> np.array([0, 4, 8, 12], np.uint16)) & 15) << 12
+        )
+        b[:, :, 48:56] = words.view(np.uint8)
+    else:
+        b[:, :, :2] = d.view(np.uint8).reshape(rows, blocks, 2)
+    values, scale, zero = gguf_blocks.decode(b.reshape(rows, -1), kind)
+    group = iq_blocks.GROUP[kind]
+    assert zero is None and values.dtype == torch.int8 and scale.shape == (rows, blocks * 256 // group)
+    ours = (values.float().reshape(rows, -1, group) * scale[:, :, None]).reshape(rows, -1)
+    theirs = torch.from_numpy(gguf_quants.dequantize(b.reshape(rows, -1), GGMLQuantizationType[kind]))
+    assert torch.equal(ours, theirs.reshape(rows, -1))
+
+
+@pytest.fixture(scope="module")
+def wide_iq(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wide llama with each layer's matrices in one lattice i-quant (`gguf_build.IQ_TYPES`)."""
+    return _wide_file(tmp_path_factory, "IQ")
+
+
+def test_lattice_i_quants_run_as_int8_groups(wide_iq: Path) -> None:
+    """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S run as w8a16: the grids' values as int8
+    under the groups' scales, each held weight the `gguf` package's, and the model transformers' (they were
+    dequantized to the model dtype at load before: twice the bytes of int8 in bfloat16)."""
+    import gguf as gguf_package
+
+    stored = {t.name: t for t in gguf_package.GGUFReader(str(wide_iq)).tensors}
+    oracle = torch.load(wide_iq.with_name("oracle.pt"))
+    llm = LLM(str(wide_iq), dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    runner = llm.engine.runner
+    assert runner.quant.format == "gguf"
+    for i, layer in enumerate(runner.model.model.layers):
+        kind = IQ_TYPES[i % len(IQ_TYPES)]
+        assert stored[f"blk.{i}.ffn_down.weight"].tensor_type.name == kind
+        for module in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
+            assert isinstance(module, Int8Linear), (kind, module)
+            assert module.group_size == iq_blocks.GROUP[kind] and module.weight_zero is None
+        t = stored[f"blk.{i}.ffn_down.weight"]
+        theirs = torch.from_numpy(gguf_package.quants.dequantize(np.asarray(t.data), t.tensor_type))
+        assert torch.equal(layer.mlp.down_proj.dequantized(torch.float32), theirs)
     worst = 0.0
     for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
         diff = (_forward(runner, prompt) - theirs).abs().max().item() / (theirs.max() - theirs.min()).item()

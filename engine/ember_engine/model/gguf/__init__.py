@@ -3,16 +3,19 @@ package; here the file's reader, its config, its tensors and the scheme of the p
 
 Here: the model's config from the file's metadata (`read_config`), its tensors under the Hugging Face
 names the engine loads (`iter_tensors`), and the scheme of the projections it runs as stored (`parse`).
-Beside it: `blocks.py` (the block layouts run as stored), `directory.py` (the file described as a model
-directory), `vocab.py` (the tokenizer a file carries), `split.py` (a file split into parts).
+Beside it: `blocks.py` (the block layouts run as stored; the lattice i-quants' in `iq_blocks.py`),
+`directory.py` (the file described as a model directory), `vocab.py` (the tokenizer a file carries),
+`split.py` (a file split into parts).
 
 - Q8_0, Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS run as `w8a16` in groups of 32, Q6_K as `w8a16` in groups
   of 16, Q4_0, Q4_1 and Q4_K as `w4a16` in groups of 32, and Q3_K and Q2_K as `w4a16` in groups of 16;
+  the other i-quants as `w8a16`, their grids' values as int8: IQ2_XXS, IQ3_XXS, IQ3_S and IQ1_S in groups
+  of 32, IQ2_XS, IQ2_S and IQ1_M in groups of 16 (`iq_blocks.py`);
   the types with a minimum per group (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) with a real zero point per group
   (`blocks.py`): the file's values, and its scales in float32, are what the engine multiplies with.
   The parts of a merged projection (q/k/v, gate/up) stored in different ones of these types run alike,
   as `w8a16` in groups of 16 with zero points (`COMMON`).
-- Every other type (F32, F16, BF16, the IQ types but IQ4_NL and IQ4_XS, ...) is dequantized at load by
+- Every other type (F32, F16, BF16, TQ1_0, TQ2_0, MXFP4, ...) is dequantized at load by
   the `gguf` package into the model dtype, and so are the token embeddings, and the parts of a merged
   projection when one of them is of such a type.
 
@@ -45,6 +48,7 @@ PERMUTED = ("llama",)
 BIASES = {"qwen2": ("attn_q", "attn_k", "attn_v")}
 # The types run as they are stored (`blocks.py`): their scheme and bits a value.
 KEPT = {k: ("w8a16", 8) for k in ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")}
+KEPT |= {k: ("w8a16", 8) for k in gguf_blocks.iq_blocks.GROUP}
 KEPT |= {k: ("w4a16", 4) for k in ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")}
 ZEROED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")  # a minimum per group: held as a float32 zero point
 # The parts of a merged projection stored in different types of KEPT (llama.cpp's Q4_K_M gives some

@@ -24,7 +24,8 @@ and dmin are float16:
   group scales s (bits 2 g), 4 bytes of their low nibbles (group 2 i low, 2 i + 1 high), then each group's
   16 bytes of nibbles as IQ4_NL's; the weight d (s - 32) IQ4_VALUES[q].
 The weight a q + b of a type with a minimum is held as scale a times (q - mid - z), z = -(mid + b / a),
-mid being 8 or 16 (`_affine`): w4a16's or w8a16's zero points, any real number.
+mid being 8 or 16 (`_affine`): w4a16's or w8a16's zero points, any real number. The other i-quants'
+layouts (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: values of lattice grids) are `iq_blocks.py`'s.
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ember_engine.model.gguf import iq_blocks
+
 GROUP = {k: 32 for k in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS")}
 GROUP |= {k: 16 for k in ("Q6_K", "Q2_K", "Q3_K")}  # values a scale
 _BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q6_K": 210, "Q4_K": 144, "Q5_K": 176}
 _BYTES |= {"Q2_K": 84, "Q3_K": 110, "IQ4_NL": 18, "IQ4_XS": 136}
+GROUP |= iq_blocks.GROUP
+_BYTES |= iq_blocks.BYTES
 # IQ4_NL's and IQ4_XS's 16 values, in code order (llama.cpp's kvalues_iq4nl)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
@@ -82,6 +87,8 @@ def decode(data: np.ndarray, kind: str) -> Decoded:
         high = (np.ascontiguousarray(b[:, :, 2:4]).view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
         sub = (low.reshape(*b.shape[:2], 8) | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
         values, scale = IQ4_VALUES[_nibbles(b[:, :, 8:], 16)], sub * _half(b[:, :, :2])
+    elif kind in iq_blocks.GROUP:
+        values, scale = iq_blocks.decode(b, kind)
     elif kind in ("Q4_K", "Q5_K"):
         scale_k, minimum = _k_scales(b)
         q = _nibbles(b[:, :, 16:144] if kind == "Q4_K" else b[:, :, 48:176], 32).reshape(*b.shape[:2], 8, 32)
