@@ -88,9 +88,10 @@ def kind_of(preset: str, name: str, layers: int, columns: int) -> str:
         return "Q6_K" if name == "blk.0.ffn_down.weight" else MIXED[short]
     if preset == "IQ":  # an i-quant a layer; embeddings Q8_0, the head Q6_K
         if not name.startswith("blk."):
-            return "Q8_0" if short == "token_embd" else "Q6_K"
-        kind = IQ_TYPES[int(name.split(".")[1]) % len(IQ_TYPES)]
-        return FALLBACK[kind] if columns % 256 else kind
+            kind = "Q8_0" if short == "token_embd" else "Q6_K"
+        else:
+            kind = IQ_TYPES[int(name.split(".")[1]) % len(IQ_TYPES)]
+        return FALLBACK.get(kind, kind) if columns % 256 else kind
     kind = preset
     if preset == "Q3_K_M":  # after llama.cpp's Q3_K_M: v, o, down and the head get more bits
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1

@@ -23,6 +23,7 @@ from ember_engine.model.gguf import blocks as gguf_blocks
 from ember_engine.model.gguf import directory as gguf_dir
 from ember_engine.model.gguf import iq_blocks
 from ember_engine.model.quant import schemes
+from ember_engine.model.quant.codebook_linear import CodebookLinear
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.sample.grammar import Constraint
@@ -448,10 +449,11 @@ def test_tensor_parallelism_splits_a_file_of_full_precision(quantized_model, tin
         split.engine.shutdown()
 
 
-@pytest.mark.parametrize("preset", ["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("preset", ["Q8_0", "Q4_K_M", "IQ"])
 def test_two_ranks_run_a_quantized_file_as_one(preset: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
     """Each rank holds its rows (q/k/v, gate/up) or its columns (o, down: whole groups of 32 and 16) of the
-    file's values and scales, and the LM head (Q4_K_M's Q6_K) dequantized, split by vocabulary rows."""
+    file's values and scales (IQ: down's 4-bit codes of IQ2_XXS, IQ2_XS, IQ2_S and IQ3_XXS, two a byte),
+    and the LM head (Q4_K_M's Q6_K) dequantized, split by vocabulary rows."""
     path = str(_file(quantized_model, preset))
     prompts = torch.load(_file(quantized_model, preset).with_name("oracle.pt"))["prompts"][:4]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -461,6 +463,7 @@ def test_two_ranks_run_a_quantized_file_as_one(preset: str, quantized_model) -> 
     try:
         quant = split.engine.runner.quant
         assert quant is not None and quant.format == "gguf"
+        assert ("codebook" in {m.scheme for m in quant.members()}) == (preset == "IQ")
         assert [o.token_ids for o in split.generate(prompts, params, use_tqdm=False)] == expected
     finally:
         split.engine.shutdown()
@@ -520,6 +523,18 @@ def wide_k_m(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
     return _wide_file(tmp_path_factory, request.param)
 
 
+def _matches_oracle(llm: LLM, oracle: dict) -> None:  # type: ignore[type-arg]
+    """The logits within 1e-5 of the range of transformers' on every prompt, and its greedy tokens."""
+    worst = 0.0
+    for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
+        ours = _forward(llm.engine.runner, prompt)
+        worst = max(worst, (ours - theirs).abs().max().item() / (theirs.max() - theirs.min()).item())
+    assert worst <= 1e-5, worst
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [g.token_ids for g in llm.generate(oracle["prompts"][:6], params, use_tqdm=False)]
+    assert got == oracle["greedy"]
+
+
 def test_k_and_q6_k_parts_of_one_layer_run_alike(wide_k_m: Path) -> None:
     oracle = torch.load(wide_k_m.with_name("oracle.pt"))
     llm = LLM(str(wide_k_m), dtype="float32", num_kv_blocks=64, max_num_seqs=4)
@@ -538,14 +553,7 @@ def test_k_and_q6_k_parts_of_one_layer_run_alike(wide_k_m: Path) -> None:
             assert isinstance(qkv, Int4Linear if four else Int8Linear) and qkv.group_size == 32
             assert qkv.weight_zero is not None
         assert isinstance(layer.mlp.gate_up_proj, Int4Linear if four else Int8Linear)
-    worst = 0.0
-    for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
-        diff = (_forward(runner, prompt) - theirs).abs().max().item() / (theirs.max() - theirs.min()).item()
-        worst = max(worst, diff)
-    assert worst <= 1e-5, worst
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    got = [g.token_ids for g in llm.generate(oracle["prompts"][:6], params, use_tqdm=False)]
-    assert got == oracle["greedy"]
+    _matches_oracle(llm, oracle)
 
 
 @pytest.mark.parametrize("kind", list(iq_blocks.GROUP))
@@ -581,36 +589,32 @@ def wide_iq(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _wide_file(tmp_path_factory, "IQ")
 
 
-def test_lattice_i_quants_run_as_int8_groups(wide_iq: Path) -> None:
-    """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S run as w8a16: the grids' values as int8
-    under the groups' scales, each held weight the `gguf` package's, and the model transformers' (they were
-    dequantized to the model dtype at load before: twice the bytes of int8 in bfloat16)."""
+def test_lattice_i_quants_run_as_4_bit_codes_into_their_grid_values(wide_iq: Path) -> None:
+    """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S hold at most 16 distinct integers each; they
+    run as 4-bit codes into them under the groups' scales (`codebook`), each held weight the `gguf`
+    package's, and the model transformers' (they were dequantized to the model dtype at load before)."""
     import gguf as gguf_package
 
     stored = {t.name: t for t in gguf_package.GGUFReader(str(wide_iq)).tensors}
     oracle = torch.load(wide_iq.with_name("oracle.pt"))
     llm = LLM(str(wide_iq), dtype="float32", num_kv_blocks=64, max_num_seqs=4)
     runner = llm.engine.runner
-    assert runner.quant.format == "gguf"
+    # the i-quants' groups, and the Q6_K head's
+    assert runner.quant.format == "gguf" and {g.scheme for g in runner.quant.groups} == {"codebook", "w8a16"}
     for i, layer in enumerate(runner.model.model.layers):
         kind = IQ_TYPES[i % len(IQ_TYPES)]
         assert stored[f"blk.{i}.ffn_down.weight"].tensor_type.name == kind
-        for module in (
+        modules = (
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
-        ):
-            assert isinstance(module, Int8Linear), (kind, module)
-            assert module.group_size == iq_blocks.GROUP[kind] and module.weight_zero is None
+        )
+        for module in modules:
+            assert isinstance(module, CodebookLinear) and module.scheme == "codebook", (kind, module)
+            assert module.group_size == iq_blocks.GROUP[kind]
+            assert torch.equal(module.code, torch.from_numpy(iq_blocks.table(kind)))
         t = stored[f"blk.{i}.ffn_down.weight"]
         theirs = torch.from_numpy(gguf_package.quants.dequantize(np.asarray(t.data), t.tensor_type))
         assert torch.equal(layer.mlp.down_proj.dequantized(torch.float32), theirs)
-    worst = 0.0
-    for prompt, theirs in zip(oracle["prompts"], oracle["logits"], strict=True):
-        diff = (_forward(runner, prompt) - theirs).abs().max().item() / (theirs.max() - theirs.min()).item()
-        worst = max(worst, diff)
-    assert worst <= 1e-5, worst
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    got = [g.token_ids for g in llm.generate(oracle["prompts"][:6], params, use_tqdm=False)]
-    assert got == oracle["greedy"]
+    _matches_oracle(llm, oracle)

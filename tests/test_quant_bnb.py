@@ -105,19 +105,22 @@ def test_logits_and_greedy_tokens_match_transformers(pair) -> None:  # type: ign
     assert _greedy_agreement(llm, oracle, _prompts(8, 20)) == 8, preset
 
 
+@pytest.mark.parametrize("block", [64, 32, 16])  # bitsandbytes' blocks; GGUF i-quants' groups
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
-def test_cpu_loops_and_triton_kernel_give_the_float64_product(rows: int) -> None:
+def test_cpu_loops_and_triton_kernel_give_the_float64_product(rows: int, block: int) -> None:
     g = torch.Generator().manual_seed(rows)
     codes = torch.randint(0, 256, (70, 96), dtype=torch.uint8, generator=g)
     table = torch.randn(16, generator=g)
-    scale = torch.rand(70, 3, generator=g) + 0.1
+    scale = torch.rand(70, 192 // block, generator=g) + 0.1
     x = torch.randn(rows, 192, generator=g)
     low, high = (codes & 15).long(), (codes >> 4).long()
-    weight = torch.stack([table[low], table[high]], dim=-1).reshape(70, 192) * scale.repeat_interleave(64, 1)
+    weight = torch.stack([table[low], table[high]], dim=-1).reshape(70, 192) * scale.repeat_interleave(
+        block, 1
+    )
     expected = x.double() @ weight.double().t()
     for path in (
         cpu_codebook.codebook_matmul(x, codes, cpu_codebook.pair_table(table), scale),
-        triton_gemm.codebook_matmul(x, codes, table, scale, 64),  # TRITON_INTERPRET=1 on this machine
+        triton_gemm.codebook_matmul(x, codes, table, scale, block),  # TRITON_INTERPRET=1 on this machine
     ):
         assert path.shape == (rows, 70)
         assert (path.double() - expected).abs().max() <= 1e-6 * expected.abs().max()

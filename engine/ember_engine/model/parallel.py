@@ -27,6 +27,9 @@ from torch import nn
 
 from ember_engine.model.model_config import ModelConfig
 
+# The row-parallel projections: split by input columns, each rank's partial sums all-reduced.
+INPUT_SPLIT = ("o_proj", "down_proj")
+
 
 class TensorParallelError(ValueError):
     pass
@@ -161,10 +164,9 @@ class Shard:
             return 0, self.first_kv_head * head_dim, self.num_kv_heads * head_dim
         if module in ("gate_proj", "up_proj"):
             return 0, self.rank * self.intermediate_size, self.intermediate_size
-        if module == "o_proj" and not is_bias:
-            return 1, self.rank * self.num_heads * head_dim, self.num_heads * head_dim
-        if module == "down_proj" and not is_bias:
-            return 1, self.rank * self.intermediate_size, self.intermediate_size
+        if module in INPUT_SPLIT and not is_bias:
+            width = self.num_heads * head_dim if module == "o_proj" else self.intermediate_size
+            return 1, self.rank * width, width
         if module in ("embed_tokens", "lm_head"):
             return 0, self.vocab_start, self.vocab_rows
         return None

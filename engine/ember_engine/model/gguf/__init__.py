@@ -9,8 +9,8 @@ Beside it: `blocks.py` (the block layouts run as stored; the lattice i-quants' i
 
 - Q8_0, Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS run as `w8a16` in groups of 32, Q6_K as `w8a16` in groups
   of 16, Q4_0, Q4_1 and Q4_K as `w4a16` in groups of 32, and Q3_K and Q2_K as `w4a16` in groups of 16;
-  the other i-quants as `w8a16`, their grids' values as int8: IQ2_XXS, IQ3_XXS, IQ3_S and IQ1_S in groups
-  of 32, IQ2_XS, IQ2_S and IQ1_M in groups of 16 (`iq_blocks.py`);
+  the lattice i-quants as `codebook`, 4-bit codes into the type's at most 16 grid values: IQ2_XXS,
+  IQ3_XXS, IQ3_S and IQ1_S in groups of 32, IQ2_XS, IQ2_S and IQ1_M in groups of 16 (`iq_blocks.py`);
   the types with a minimum per group (Q4_1, Q5_1, Q4_K, Q5_K, Q2_K) with a real zero point per group
   (`blocks.py`): the file's values, and its scales in float32, are what the engine multiplies with.
   The parts of a merged projection (q/k/v, gate/up) stored in different ones of these types run alike,
@@ -48,7 +48,7 @@ PERMUTED = ("llama",)
 BIASES = {"qwen2": ("attn_q", "attn_k", "attn_v")}
 # The types run as they are stored (`blocks.py`): their scheme and bits a value.
 KEPT = {k: ("w8a16", 8) for k in ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS")}
-KEPT |= {k: ("w8a16", 8) for k in gguf_blocks.iq_blocks.GROUP}
+KEPT |= {k: ("codebook", 4) for k in gguf_blocks.iq_blocks.GROUP}
 KEPT |= {k: ("w4a16", 4) for k in ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")}
 ZEROED = ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")  # a minimum per group: held as a float32 zero point
 # The parts of a merged projection stored in different types of KEPT (llama.cpp's Q4_K_M gives some
@@ -218,8 +218,8 @@ def file_of(model_dir: str | Path) -> Path | None:
 def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) of every tensor in the file: the projections `kept_projections` lists as
     int values [out, in] (int8) with "weight_scale" [out, groups] beside them (and for the types in
-    `ZEROED` "weight_zero" [out, groups]), everything else in
-    float32 (the loader casts it to the model dtype)."""
+    `ZEROED` "weight_zero" [out, groups]; for the `codebook` types 4-bit codes [out, in / 2] and the
+    type's "weight_quant_map"), everything else in float32 (the loader casts it to the model dtype)."""
     from gguf import quants
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -242,6 +242,9 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 values, scale, zero = gguf_blocks.regroup(
                     values, scale, zero, gguf_blocks.GROUP[kind], COMMON_GROUP
                 )
+            elif KEPT[kind][0] == "codebook":
+                values = torch.from_numpy(gguf_blocks.iq_blocks.pack(values.numpy(), kind))
+                yield f"{module}.weight_quant_map", torch.from_numpy(gguf_blocks.iq_blocks.table(kind))
             yield name, _unpermute(values, rows)
             yield f"{module}.weight_scale", _unpermute(scale, rows)
             if zero is not None:

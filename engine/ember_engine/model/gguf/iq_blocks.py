@@ -1,6 +1,9 @@
-"""GGUF's i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) held as int8 values under a
-float32 scale per group (w8a16): each weight is a small integer of one of llama.cpp's lattice grids, the
-grid as the `gguf` package holds it, signed, times its group's scale. Blocks of 256 values; d is float16:
+"""GGUF's lattice i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): each weight is a small
+integer of one of llama.cpp's grids (as the `gguf` package holds them), signed, times its group's scale.
+A type has at most 16 such integers (`table`), so a weight is held as a 4-bit code into them (`pack`:
+`CodebookLinear`'s form, scheme `codebook`) under a float32 scale per group; `decode` gives the integers
+themselves as int8 (for the parts of a merged projection in different types, held as `w8a16`). Blocks of
+256 values; d is float16:
 - IQ2_XXS (66 bytes, groups of 32): d, then per group two little-endian 32-bit words: the first four
   bytes index a 256-entry grid of 8 values (8, 25, 43), the second holds four 7-bit sign indices (bits
   7 k) into `ksigns` (8 signs of even parity) and the group scale s in its top 4 bits; the weight d (0.5 +
@@ -69,6 +72,30 @@ def _nibbles(b: np.ndarray) -> np.ndarray:
     return ((b[..., None] >> np.array([0, 4], np.uint8)) & 15).reshape(*b.shape[:-1], -1)
 
 
+@cache
+def _values(kind: str) -> tuple[int, ...]:
+    """The type's signed integers, increasing (none is 0): IQ2's +-8, 25, 43; IQ3_XXS's +-4, 12, ..., 52,
+    62; IQ3_S's odd +-1..15; IQ1's 8 g +- 1 for g in -1, 0, 1."""
+    if kind.startswith("IQ1"):
+        return tuple(sorted({8 * g + s for g in (-1, 0, 1) for s in (-1, 1)}))
+    return tuple(sorted({s * int(m) for m in np.unique(_grid(kind)) for s in (-1, 1)}))
+
+
+def table(kind: str) -> np.ndarray:
+    """The type's integers padded with zeros to 16 entries (float32): a codebook layer's table."""
+    values = _values(kind)
+    return np.array(values + (0,) * (16 - len(values)), np.float32)
+
+
+def pack(values: np.ndarray, kind: str) -> np.ndarray:
+    """int8 values of `kind` [out, in] -> their 4-bit codes into `table(kind)`, two a byte (column 2 j in the
+    low nibble): uint8 [out, in / 2]."""
+    index = np.zeros(256, np.uint8)
+    index[np.array(_values(kind)) + 128] = np.arange(len(_values(kind)), dtype=np.uint8)
+    codes = index[values.astype(np.int16) + 128]
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
 def decode(b: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """Blocks [out, blocks, BYTES[kind]] -> (int8 values [out, blocks, 256], float32 scales [out, blocks,
     256 / GROUP[kind]])."""
@@ -123,5 +150,5 @@ def decode(b: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
         values = 8 * _grid(kind)[index] + shift[..., None]
         scale = d[..., None] * (2 * sub + 1) * np.float32(0.125)
     else:
-        raise ValueError(f"GGUF type {kind} is not an i-quant ember holds as int8")
+        raise ValueError(f"GGUF type {kind} is not a lattice i-quant")
     return values.reshape(rows, n, 256).astype(np.int8), scale.astype(np.float32)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ember_engine.model.parallel import INPUT_SPLIT
 from ember_engine.model.quant import bnb, gptq, modelopt, rank_split
 from ember_engine.model.quant.checkpoint import decode
 from ember_engine.model.quant.codebook_linear import CodebookLinear
@@ -134,13 +135,13 @@ def _empty(
 @torch.no_grad()
 def quantize_model(model: nn.Module, spec: QuantSpec, tp: Any = None) -> None:
     """Quantize every projection of a loaded full-precision model in place (online quantization). On a
-    tensor-parallel rank (`tp`, size > 1) the projections split by input columns (`rank_split.ROW_SPLIT`) are
+    tensor-parallel rank (`tp`, size > 1) the projections split by input columns (`parallel.INPUT_SPLIT`) are
     quantized as the whole model's are: a scale per output row from the row's largest value over every
     rank, and groups (or tiles) of input columns that lie within a rank's columns, else refused."""
     split = tp is not None and tp.size > 1
     for parent, name, linear in _projections(model):
         row_max = None
-        if split and name in rank_split.ROW_SPLIT:
+        if split and name in INPUT_SPLIT:
             rank_split.check_groups(spec.scheme, spec.group_size, name, linear.in_features, tp.size)
             if not spec.group_size:
                 row_max = tp.max_over_ranks(linear.weight.detach().abs().amax(dim=1).float())
@@ -157,7 +158,7 @@ def warm_up_cpu(spec: QuantSpec) -> None:
             continue  # torch's int8 matmul: nothing to compile
         if scheme == "w4a16":
             cpu_int4.warm_up(float_zeros=any(s.float_zeros for s in spec.members()))
-        elif scheme in ("bnb-nf4", "bnb-fp4"):
+        elif scheme in ("bnb-nf4", "bnb-fp4", "codebook"):
             cpu_codebook.warm_up()
         elif scheme in ("nvfp4a16", "nvfp4"):
             cpu_fp4.warm_up()

@@ -12,7 +12,8 @@ Formats read:
 - bitsandbytes 4- and 8-bit (`quant_method: bitsandbytes`): read by `bnb.py`.
 - ModelOpt (`quant_method: modelopt`, or an older export's `hf_quant_config.json`): read by
   `modelopt.py`; FP8 `weight` with `weight_scale` per tensor, channel or 128 x 128 tile, static
-  `input_scale` or none; NVFP4 weights, and activations. `modelopt.canonical` gives their tensors compressed-tensors' forms.
+  `input_scale` or none; NVFP4 weights, and activations. `modelopt.canonical` gives their tensors
+  compressed-tensors' forms.
 - AMD Quark (`quant_method: quark`): read by `quark.py`; FP8 `weight` with `weight_scale` per tensor or
   channel, static `input_scale` or none.
 - GGUF (a `.gguf` file, described as a model directory by `model/gguf/directory.py`, `quant_method: gguf`): the

@@ -1,8 +1,9 @@
-"""4-bit codebook weights: bitsandbytes' NF4 and FP4 (`bnb.py` reads their checkpoints). Each weight is
-one of 16 values (the checkpoint's `quant_map`, the layer's `code`) times its block's absolute maximum,
-a float32 per output row and block of 64 input columns (double-quantized checkpoints' one-byte absmax
-are decoded to it at load). Codes are held two a byte, column 2j in the low nibble; activations stay as
-they are and the products are taken in float32."""
+"""4-bit codebook weights: bitsandbytes' NF4 and FP4 (`bnb.py` reads their checkpoints) and GGUF's lattice
+i-quants (scheme `codebook`: `gguf/iq_blocks.py`). Each weight is one of 16 values (the checkpoint's
+`quant_map`, the layer's `code`; an i-quant's grid values) times its block's scale, a float32 per output
+row and block of input columns: bitsandbytes' absolute maximum of 64 (double-quantized checkpoints'
+one-byte absmax are decoded to it at load), an i-quant's group scale of 16 or 32. Codes are held two a
+byte, column 2j in the low nibble; activations stay as they are and the products are taken in float32."""
 
 from __future__ import annotations
 

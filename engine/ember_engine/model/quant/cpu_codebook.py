@@ -1,19 +1,21 @@
-"""4-bit codebook weights on the CPU (bitsandbytes NF4 and FP4): loops compiled with numba (the options
-live in this file because numba's cache knows a function by its file's contents).
+"""4-bit codebook weights on the CPU (bitsandbytes NF4 and FP4, GGUF's lattice i-quants): loops compiled
+with numba (the options live in this file because numba's cache knows a function by its file's contents).
 
 A byte holds two 4-bit codes, column 2j in its low nibble; a weight is `table[code]` (16 float32 values)
 times its block's scale (one float32 per output row and block of `block` input columns). The loops look a
 whole byte up in a 256-entry table of value pairs (`pair_table`: the two float32 values side by side, one
 64-bit entry), so one lookup gives two weights in column order. Decode batches (up to
-`CODEBOOK_FUSED_ROWS` activation rows) never widen the weight in memory: for one row each block's 64
-values are looked up into a small buffer, then multiplied and summed, the sum times the block's scale;
-for more, each weight row is decoded once into a float32 row (which stays in the core's cache) and
-multiplied with every activation row. Larger batches decode a block of weight rows into a float32
-scratch for torch's float32 matmul (`cpu_decode.blocked`). Either way y = x @ (table[codes] * scale)^T in
-float32, the activations as they are. On one 8192 x 2048 weight (best of 5; float32's matmul 3.3 ms at
-one row): at one row 16.2 ms looking each code up inside the product loop, 9.5 looking a block's codes up
-first, 5.4 a byte at a time; at 4 rows 11.3 and 7.5, at 32 rows 24.1 and 18.1 (the last two columns:
-code by code and byte by byte).
+`CODEBOOK_FUSED_ROWS` activation rows) never widen the weight in memory: for one row a weight row's
+values are looked up into a buffer (a few KB), then each block's multiplied and summed, the sum times the
+block's scale; for more, each weight row is decoded once into a float32 row (which stays in the core's
+cache) and multiplied with every activation row. Larger batches decode a block of weight rows into a
+float32 scratch for torch's float32 matmul (`cpu_decode.blocked`). Either way y = x @ (table[codes] *
+scale)^T in float32, the activations as they are. On one 8192 x 2048 weight (best of 5; float32's matmul
+3.3 ms at one row): at one row 16.2 ms looking each code up inside the product loop, 9.5 looking a block's
+codes up first, 5.4 a byte at a time; at 4 rows 11.3 and 7.5, at 32 rows 24.1 and 18.1 (the last two
+columns: code by code and byte by byte). Later, at one row (best of 7; float32's 2.8 ms), looking a whole
+weight row's bytes up before the blocks' products rather than each block's just before its own: 3.8 ms
+to 2.0 in blocks of 64 columns, 6.2 to 2.3 in blocks of 32 and 10.6 to 2.7 in blocks of 16.
 """
 
 from __future__ import annotations
@@ -61,20 +63,23 @@ def _decode_row(src, pairs, scale, i, buf, row):
 
 @_compiled
 def _times_row(src, pairs, scale, x, out):
-    """One activation row: out[0, i] = sum over blocks of the block's scale times its sum of products, a
-    block's values looked up into a small buffer first (the products then vectorize)."""
-    per = src.shape[1] // scale.shape[1]  # bytes per block
-    buf = np.empty(per, dtype=np.int64)
+    """One activation row: out[0, i] = sum over blocks of the block's scale times its sum of products, the
+    weight row's bytes all looked up into a buffer first (one long loop), then each block's products (they
+    vectorize). Looking a block's bytes up just before its products cost 2x to 4x more with blocks of 64 to
+    16 columns: the short loops did not pay their way."""
+    n = src.shape[1]
+    per = n // scale.shape[1]  # bytes per block
+    buf = np.empty(n, dtype=np.int64)
     values = buf.view(np.float32)
     for i in range(src.shape[0]):
+        for j in range(n):
+            buf[j] = pairs[src[i, j]]
         total = np.float32(0)
         for g in range(scale.shape[1]):
-            base = per * g
-            for j in range(per):
-                buf[j] = pairs[src[i, base + j]]
+            base = 2 * per * g
             acc = np.float32(0)
             for j in range(2 * per):
-                acc += values[j] * x[0, 2 * base + j]
+                acc += values[base + j] * x[0, base + j]
             total += acc * scale[i, g]
         out[0, i] = total
 

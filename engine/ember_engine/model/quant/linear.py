@@ -33,7 +33,7 @@ def make_layer(
     `zero_points`: a w4a16 checkpoint's own, one per group (int8, or with `float_zeros` float32: any real
     number); w8a16's are float32. `outlier_threshold`: bitsandbytes 8-bit's
     (LLM.int8())."""
-    if scheme in ("bnb-nf4", "bnb-fp4"):  # from a checkpoint only (the code table set at load)
+    if scheme in ("bnb-nf4", "bnb-fp4", "codebook"):  # from a checkpoint only (the code table set at load)
         return CodebookLinear(in_features, out_features, bias, dtype, scheme, group_size)
     if scheme == "bnb-int8":  # from a checkpoint only
         return LlmInt8Linear(in_features, out_features, bias, dtype, outlier_threshold)

@@ -4,7 +4,7 @@ are cut to the rank's shard as `Shard.checkpoint_range` cuts a full-precision te
 projections split by output (q/k/v, gate/up), input columns for those split by input (o, down), whose
 groups must lie within a rank's columns; a row's scale is the whole row's, so each rank holds the unsplit
 model's very values and scales. 4-bit codes two a byte along the input (NVFP4's E2M1 values, bitsandbytes'
-NF4 and FP4 codes: uint8 [out, in / 2]) are cut by bytes, at the groups' edges. A quantized LM head is
+NF4 and FP4 codes, GGUF i-quants' codes: uint8 [out, in / 2]) are cut by bytes, at the groups' edges. A quantized LM head is
 held dequantized, split by vocabulary rows as a full-precision one. What cannot be cut so (other weights
 packed along the input, run-time rotations, GPTQ's activation order) is refused by name."""
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ember_engine.model.parallel import INPUT_SPLIT
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 
 Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -79,7 +80,7 @@ class RankSplit:
                 )
             scale = scale[:, start // size : (start + length) // size]
             zero = None if zero is None else zero[:, start // size : (start + length) // size]
-        assert start % per_byte == 0 and length % per_byte == 0  # whole groups of 16 or 64 columns
+        assert start % per_byte == 0 and length % per_byte == 0  # whole groups (16, 32 or 64 columns)
         cut = weight[:, start // per_byte : (start + length) // per_byte]
         return cut.contiguous(), scale, zero
 
@@ -98,12 +99,9 @@ class RankSplit:
         self.placed.add(f"{HEAD}.weight")
 
 
-ROW_SPLIT = ("o_proj", "down_proj")  # split by input columns under tensor parallelism (their sums reduced)
-
-
 def check_groups(scheme: str, group: int, name: str, in_features: int, size: int) -> None:
     """A rank's columns of a projection split by them must be whole groups."""
-    if size > 1 and group and name in ROW_SPLIT and in_features % group:
+    if size > 1 and group and name in INPUT_SPLIT and in_features % group:
         raise UnsupportedQuantizationError(
             f"{scheme}: groups of {group} input columns do not fall within a rank's {in_features} columns of "
             f"{name} with tensor_parallel_size {size}"

@@ -37,7 +37,7 @@ class OnlineRotation:
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
     # fp8 | w8a16 | w4a16 | w8a8 | bnb-nf4 | from a checkpoint only: w8a16-fp8, nvfp4a16, nvfp4, bnb-fp4,
-    # bnb-int8, mixed (see groups)
+    # bnb-int8, codebook (GGUF's lattice i-quants), mixed (see groups)
     scheme: str
     # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
     # hf-fp8 | modelopt | quark | gguf | gptq | gptq_v2 | awq | bitsandbytes | bitsandbytes-8bit | mixed-precision (a
@@ -110,7 +110,9 @@ class QuantSpec:
             | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
             "quark": scaled,
-            "gguf": frozenset({"weight", "weight_scale"}) | ({"weight_zero"} if self.zero_points else set()),
+            "gguf": frozenset({"weight", "weight_scale"})
+            | ({"weight_zero"} if self.zero_points else set())
+            | ({"weight_quant_map"} if self.scheme == "codebook" else set()),
             "modelopt": scaled | ({"weight_scale_2"} if self.scheme in ("nvfp4a16", "nvfp4") else set()),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
