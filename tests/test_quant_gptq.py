@@ -188,7 +188,7 @@ GPTQ_REFUSALS = [
     (
         {"quant_method": "eetq"},
         None,
-        r"quant_method 'eetq' is not supported; supported: compressed-tensors .*, fp8, gptq, awq, "
+        r"quant_method 'eetq' is not supported; supported: compressed-tensors .*, fp8, fbgemm_fp8, gptq, awq, "
         r"bitsandbytes \(4- and 8-bit\), modelopt \(FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, "
         r"W4A16_NVFP4, NVFP4\), quark \(FP8\)$",
     ),

@@ -17,6 +17,7 @@ CHECKPOINT_METHODS = (
     "modelopt",
     "quark",
     "gguf",
+    "fbgemm_fp8",
 )
 # KV cache element types (README "FP8 KV cache"): auto is the model's dtype; fp8_e4m3 is fp8 (vLLM's
 # name for the same cache); fp8_e5m2 is E5M2, with the same per-layer scales.

@@ -129,6 +129,9 @@ def _empty(
         outlier_threshold=held.outlier_threshold,
         float_zeros=held.float_zeros,
     )
+    if held.activation_ub:
+        assert isinstance(layer, Fp8Linear)
+        layer.activation_ub = held.activation_ub
     return layer.to(like.device)
 
 

@@ -8,6 +8,9 @@ Formats read:
 - Hugging Face `fp8` (`quant_method: fp8`): FP8 `weight` with `weight_scale_inv` per tensor or per channel,
   or per tile of `weight_block_size` [rows, columns] (block-scaled: the tiles' scales are kept, and
   activations are quantized per token and group of `columns` input columns).
+- fbgemm FP8 (`quant_method: fbgemm_fp8`, Meta's "…-FP8" Llama releases): FP8 `weight` with a
+  `weight_scale` [out, 1] per channel; activations per token, a token's largest magnitude taken as at most
+  `activation_scale_ub`.
 - GPTQ and AWQ (`quant_method: gptq`, `awq`): read by `gptq.py`.
 - bitsandbytes 4- and 8-bit (`quant_method: bitsandbytes`): read by `bnb.py`.
 - ModelOpt (`quant_method: modelopt`, or an older export's `hf_quant_config.json`): read by
@@ -116,12 +119,12 @@ def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
 
 def _ignored(qc: dict[str, Any]) -> tuple[str, ...]:
     """`QuantSpec.ignore` for the formats other than compressed-tensors (their scheme covers every linear
-    layer but these): Hugging Face fp8's and AWQ's `modules_to_not_convert` and bitsandbytes'
+    layer but these): Hugging Face fp8's, fbgemm_fp8's and AWQ's `modules_to_not_convert` and bitsandbytes'
     `llm_int8_skip_modules` (a module is left out where an entry, a pattern, matches the start of its
     name, or where its name ends with the entry, as transformers reads them); GPTQModel's `dynamic` for AWQ
     ("-:" patterns, `gptq.dynamic_rules`; GPTQ's own are read by `gptq.parse_gptq`)."""
     method = qc.get("quant_method")
-    if method in ("fp8", "awq", "bitsandbytes"):
+    if method in ("fp8", "fbgemm_fp8", "awq", "bitsandbytes"):
         field = "llm_int8_skip_modules" if method == "bitsandbytes" else "modules_to_not_convert"
         left_out = compressed_tensors.name_list(field, qc.get(field))
         ignore = tuple(p for m in left_out for p in (f"re:{m}", f"re:.*{re.escape(m)}$"))
@@ -151,13 +154,20 @@ def _scheme(qc: dict[str, Any]) -> QuantSpec:
                 f"fp8 checkpoint: weight_block_size {block!r}: columns per block must be a multiple of 16"
             )
         return QuantSpec("fp8", "hf-fp8", group_size=block[1], block_rows=block[0])
+    if method == "fbgemm_fp8":  # transformers' default bound: 1200
+        ub = qc.get("activation_scale_ub", 1200.0)
+        if isinstance(ub, bool) or not isinstance(ub, (int, float)) or not 0 < ub < float("inf"):
+            raise UnsupportedQuantizationError(
+                f"fbgemm_fp8 checkpoint: activation_scale_ub must be a positive number, found {ub!r}"
+            )
+        return QuantSpec("fp8", "fbgemm_fp8", group_size=0, activation_ub=float(ub))
     if method in ("gptq", "awq"):
         return gptq.parse_gptq(qc) if method == "gptq" else gptq.parse_awq(qc)
     if method == "bitsandbytes":
         return bnb.parse_bnb(qc)
     raise UnsupportedQuantizationError(
         f"quantization_config: quant_method {method!r} is not supported; supported: compressed-tensors "
-        f"({', '.join(compressed_tensors.FORMATS)}, {compressed_tensors.MIXED}), fp8, gptq, awq, "
+        f"({', '.join(compressed_tensors.FORMATS)}, {compressed_tensors.MIXED}), fp8, fbgemm_fp8, gptq, awq, "
         f"bitsandbytes (4- and 8-bit), {modelopt.METHOD} ({', '.join(modelopt.ALGOS)}), {quark.METHOD} (FP8)"
     )
 

@@ -12,7 +12,8 @@ from ember_engine.model.quant.layer import QuantLinear, use_triton
 
 
 class Fp8Linear(QuantLinear):
-    """E4M3 weight with a scale per output channel; activations quantized per token at run time, or, once
+    """E4M3 weight with a scale per output channel; activations quantized per token at run time (with
+    `activation_ub`, fbgemm_fp8's bound, a token's largest magnitude taken as at most it), or, once
     `set_input_scale` has given it a checkpoint's calibrated scale, with that scale for every token."""
 
     scheme = "fp8"
@@ -24,6 +25,7 @@ class Fp8Linear(QuantLinear):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("input_scale", None)
+        self.activation_ub = 0.0
 
     def weight_data(self) -> torch.Tensor:
         return self.weight
@@ -44,11 +46,13 @@ class Fp8Linear(QuantLinear):
         if use_triton(x):
             from ember_engine.model.quant import triton_gemm
 
-            return triton_gemm.fp8_matmul(x, self.weight, self.weight_scale, self.input_scale)
+            return triton_gemm.fp8_matmul(
+                x, self.weight, self.weight_scale, self.input_scale, self.activation_ub
+            )
         if self.input_scale is not None:
             xq, x_scale = schemes.quantize_activation_fp8_static(x, self.input_scale)
         else:
-            xq, x_scale = schemes.quantize_activation_fp8(x)
+            xq, x_scale = schemes.quantize_activation_fp8(x, self.activation_ub)
         if x.device.type == "cpu":
             return cpu_decode.fp8_matmul(xq, x_scale, self.weight, self.weight_scale).to(x.dtype)
         n, k = self.weight.shape

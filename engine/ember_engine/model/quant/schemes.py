@@ -119,9 +119,14 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return (q.float() * scale.float().repeat_interleave(group_size, dim=1)).to(dtype)
 
 
-def quantize_activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (row) dynamic E4M3: (values [n, in], float32 scale [n, 1])."""
-    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
+def quantize_activation_fp8(x: torch.Tensor, ub: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (row) dynamic E4M3: (values [n, in], float32 scale [n, 1]). With `ub` (fbgemm_fp8's
+    `activation_scale_ub`) a row's largest magnitude is taken as at most `ub`, and its values beyond
+    saturate at +-448."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    if ub:
+        amax = amax.clamp(max=ub)
+    scale = amax.clamp(min=_TINY) / FP8_MAX
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

@@ -40,9 +40,9 @@ class QuantSpec:
     # bnb-int8, codebook (GGUF's lattice i-quants), mixed (see groups)
     scheme: str
     # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
-    # hf-fp8 | modelopt | quark | gguf | gptq | gptq_v2 | awq | bitsandbytes | bitsandbytes-8bit | mixed-precision (a
-    # compressed-tensors config of scheme mixed: each group has its own format; a mixed GPTQ one keeps
-    # gptq or gptq_v2)
+    # hf-fp8 | fbgemm_fp8 | modelopt | quark | gguf | gptq | gptq_v2 | awq | bitsandbytes |
+    # bitsandbytes-8bit | mixed-precision (a compressed-tensors config of scheme mixed: each group has its
+    # own format; a mixed GPTQ one keeps gptq or gptq_v2)
     format: str
     group_size: int = schemes.DEFAULT_GROUP_SIZE  # input columns per scale (fp8: 0 unless block-scaled)
     num_bits: int = 8
@@ -58,6 +58,8 @@ class QuantSpec:
     nested: bool = False  # bitsandbytes double quantization: each block's absmax is itself quantized
     # bitsandbytes 8-bit (LLM.int8()): input columns with a value at or above it run unquantized
     outlier_threshold: float = 0.0
+    # fbgemm_fp8's activation_scale_ub: a token's largest magnitude is taken as at most this (0: unbounded)
+    activation_ub: float = 0.0
     # Which of the checkpoint's linear layers hold the scheme (compressed-tensors' `targets` and `ignore`:
     # a module name, "re:" and a pattern matched from its start, or a class name, "Linear"); the others
     # are in full precision.
@@ -109,6 +111,7 @@ class QuantSpec:
             "nvfp4-pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_global_scale"})
             | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
+            "fbgemm_fp8": frozenset({"weight", "weight_scale"}),
             "quark": scaled,
             "gguf": frozenset({"weight", "weight_scale"})
             | ({"weight_zero"} if self.zero_points else set())

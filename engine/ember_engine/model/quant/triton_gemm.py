@@ -189,12 +189,17 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, grou
 
 
 def fp8_matmul(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    activation_ub: float = 0.0,
 ) -> torch.Tensor:
-    """x [M, K] quantized to E4M3 per token (or with the static `input_scale` for every token), @ (E4M3
-    w [N, K] * scale [N])^T, in x's dtype."""
+    """x [M, K] quantized to E4M3 per token (a token's largest magnitude taken as at most `activation_ub`
+    where it is set; or with the static `input_scale` for every token), @ (E4M3 w [N, K] * scale [N])^T,
+    in x's dtype."""
     if input_scale is None:
-        xq, x_scale = quantize_activation_fp8(x)
+        xq, x_scale = quantize_activation_fp8(x, activation_ub)
     else:
         xq, x_scale = quantize_activation_fp8_static(x, input_scale)
     return _launch(
