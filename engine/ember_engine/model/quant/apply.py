@@ -10,7 +10,7 @@ from torch import nn
 
 from ember_engine.model.parallel import INPUT_SPLIT
 from ember_engine.model.quant import bnb, gptq, modelopt, rank_split
-from ember_engine.model.quant.checkpoint import decode
+from ember_engine.model.quant.checkpoint import canonical, decode
 from ember_engine.model.quant.codebook_linear import CodebookLinear
 from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8Linear
@@ -250,9 +250,8 @@ class QuantCollector:
         self.offsets[key] = offset
         if spec.required() <= self.pending[key].keys():
             tensors = self.pending.pop(key)
-            if spec.format == modelopt.METHOD:
-                tensors = modelopt.canonical(spec, tensors)
             projection = name.rpartition(".")[0]
+            tensors = canonical(spec, tensors, projection)
             if module not in self.layers:  # a split's LM head, held dequantized
                 self.split.head_rows(spec, decode(spec, tensors, projection), _empty)
                 self.done.add(key)

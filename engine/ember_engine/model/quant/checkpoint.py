@@ -194,6 +194,17 @@ def _decode_nvfp4(tensors: dict[str, torch.Tensor]) -> Decoded:
     return packed, scale, None
 
 
+def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """One projection's tensors (`name`) in the forms `decode` and the layers take: ModelOpt's renamed as
+    compressed-tensors' (`modelopt.canonical`), MXFP4's as a codebook's (`compressed_tensors.canonical_mxfp4`),
+    the others as they are."""
+    if spec.format == modelopt.METHOD:
+        return modelopt.canonical(spec, tensors)
+    if spec.format == "mxfp4-pack-quantized":
+        return compressed_tensors.canonical_mxfp4(tensors, name)
+    return tensors
+
+
 def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") -> Decoded:
     """One projection's checkpoint tensors -> (canonical weight, scale, zero points): FP8/int8 weight
     [out, in] and scale [out] (per channel), or [out, in / group] (grouped; block-scaled fp8: each row its
@@ -205,7 +216,7 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
         return gptq.decode(spec, tensors)
     if spec.scheme in ("nvfp4a16", "nvfp4"):  # compressed-tensors', or ModelOpt's in their names
         return _decode_nvfp4(tensors)
-    if spec.format == "gguf":  # `gguf.blocks.decode`'s forms already
+    if spec.format in ("gguf", "mxfp4-pack-quantized"):  # `gguf.blocks.decode`'s, `canonical`'s forms
         return tensors["weight"], tensors["weight_scale"].float(), tensors.get("weight_zero")
     if spec.format == "bitsandbytes":
         return bnb.decode_bnb(spec, tensors, what)

@@ -3,8 +3,8 @@ writes): the scheme each config group describes, and which linear layers hold it
 
 Formats: `float-quantized` (FP8 `weight` + `weight_scale`, per channel, tensor or block), `pack-quantized`
 (`weight_packed` int32 words + `weight_scale` + `weight_shape`, 4- or 8-bit), `int-quantized` (int8
-`weight` + `weight_scale`), `naive-quantized` (their common base; FP8 weight-only among others) and
-`nvfp4-pack-quantized`. A config whose groups hold different schemes is mixed precision: its format is
+`weight` + `weight_scale`), `naive-quantized` (their common base; FP8 weight-only among others),
+`nvfp4-pack-quantized` and `mxfp4-pack-quantized` (`canonical_mxfp4`). A config whose groups hold different schemes is mixed precision: its format is
 `mixed-precision` with each group naming its own (or, where they share one, that format), and each layer
 takes the group compressed-tensors gives it (`QuantSpec.layer_spec`). Beside the groups: `transform_config`
 (rotations folded into the weights need nothing; those at a layer's input or output as the model runs are
@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+import torch
+
+from ember_engine.model.quant.schemes import E2M1_VALUES, UnsupportedQuantizationError
 from ember_engine.model.quant.spec import OnlineRotation, QuantSpec
 
 FORMATS = (
@@ -25,6 +27,7 @@ FORMATS = (
     "int-quantized",
     "naive-quantized",
     "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
 )
 MIXED = "mixed-precision"
 
@@ -155,6 +158,8 @@ def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str
     what = f"{kind} {bits}-bit weights, strategy {strategy!r}"
     if fmt == "nvfp4-pack-quantized":
         return _nvfp4(weights, acts, where)
+    if fmt == "mxfp4-pack-quantized":
+        return _mxfp4(weights, acts, where)
     if not weights.get("symmetric", True):
         if (kind, bits, strategy, fmt) != ("int", 4, "group", "pack-quantized") or acts:
             raise UnsupportedQuantizationError(
@@ -217,14 +222,22 @@ def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str
     )
 
 
-def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> QuantSpec:
+def _fp4_weights(
+    weights: dict[str, Any], fmt: str, strategy: str, group: int, preset: str, where: str
+) -> None:
+    """Refuse, by name, an FP4 format's weights other than symmetric float 4-bit in `strategy`, groups of
+    `group`."""
     got = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"), weights.get("group_size"))
-    if got != ("float", 4, "tensor_group", 16) or not weights.get("symmetric", True):
+    if got != ("float", 4, strategy, group) or not weights.get("symmetric", True):
         raise UnsupportedQuantizationError(
-            f"{where}nvfp4-pack-quantized with {got[0]} {got[1]}-bit weights, strategy {got[2]!r}, groups of "
-            f"{got[3]} (symmetric={weights.get('symmetric', True)}) is not supported; supported: float 4-bit, "
-            "tensor_group, groups of 16, symmetric (NVFP4A16)"
+            f"{where}{fmt} with {got[0]} {got[1]}-bit weights, strategy {got[2]!r}, groups of {got[3]} "
+            f"(symmetric={weights.get('symmetric', True)}) is not supported; supported: float 4-bit, "
+            f"{strategy}, groups of {group}, symmetric ({preset})"
         )
+
+
+def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> QuantSpec:
+    _fp4_weights(weights, "nvfp4-pack-quantized", "tensor_group", 16, "NVFP4A16", where)
     if acts:
         got_acts = tuple(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size", "dynamic"))
         if got_acts != ("float", 4, "tensor_group", 16, "local") or not acts.get("symmetric", True):
@@ -235,3 +248,33 @@ def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> 
             )
         return QuantSpec("nvfp4", "nvfp4-pack-quantized", group_size=16, num_bits=4, static_input=True)
     return QuantSpec("nvfp4a16", "nvfp4-pack-quantized", group_size=16, num_bits=4)
+
+
+def _mxfp4(weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> QuantSpec:
+    """MXFP4A16 (llm-compressor's preset): E2M1 weights, two a byte, under a power-of-two scale per group of
+    32 (E8M0: a byte e, the scale 2^(e - 127)), run as `codebook` (the 16 E2M1 values its table)."""
+    _fp4_weights(weights, "mxfp4-pack-quantized", "group", 32, "MXFP4A16", where)
+    if acts:
+        got_acts = tuple(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size"))
+        raise UnsupportedQuantizationError(
+            f"{where}MXFP4 weights with input activations {got_acts} (MXFP4, W4A4) are not supported; "
+            "supported: none (MXFP4A16)"
+        )
+    return QuantSpec("codebook", "mxfp4-pack-quantized", group_size=32, num_bits=4)
+
+
+def canonical_mxfp4(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """An MXFP4 projection's tensors in `CodebookLinear`'s forms: its bytes as 4-bit codes (`weight`,
+    column 2j in the low nibble, as compressed-tensors packs them), its E8M0 scales as float32 powers of
+    two, and the E2M1 values as the codes' table (code 8 + k is -E2M1[k])."""
+    exponent = tensors["weight_scale"]
+    if exponent.dtype != torch.uint8 or bool((exponent == 255).any()):
+        raise UnsupportedQuantizationError(
+            f"{name}: MXFP4 scales must be E8M0 bytes other than 255 (NaN), found {exponent.dtype}"
+        )
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+    return {
+        "weight": tensors["weight_packed"],
+        "weight_scale": torch.exp2(exponent.float() - 127.0),
+        "weight_quant_map": table,
+    }

@@ -37,7 +37,7 @@ class OnlineRotation:
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
     # fp8 | w8a16 | w4a16 | w8a8 | bnb-nf4 | from a checkpoint only: w8a16-fp8, nvfp4a16, nvfp4, bnb-fp4,
-    # bnb-int8, codebook (GGUF's lattice i-quants), mixed (see groups)
+    # bnb-int8, codebook (GGUF's lattice i-quants, MXFP4A16), mixed (see groups)
     scheme: str
     # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
     # hf-fp8 | fbgemm_fp8 | modelopt | quark | gguf | gptq | gptq_v2 | awq | bitsandbytes |
@@ -108,6 +108,7 @@ class QuantSpec:
             | ({"weight_zero_point"} if self.zero_points else set()),
             "int-quantized": frozenset({"weight", "weight_scale"}),
             "naive-quantized": scaled,
+            "mxfp4-pack-quantized": frozenset({"weight_packed", "weight_scale"}),
             "nvfp4-pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_global_scale"})
             | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
