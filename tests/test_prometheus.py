@@ -470,6 +470,50 @@ def _load(base: str, seconds: float) -> dict[int | str, int]:
     return outcomes
 
 
+def _over_the_client_limit(cluster: DevCluster, name: str) -> dict[int | str, int]:
+    """One client's three requests straight at one of `name`'s engines, the third sent once the engine
+    has admitted the first two (their streams' headers come at admission): maxConcurrentPerClient 2 refuses
+    it with 429, whatever the queue holds (the engine checks a client's limit first, and a client-limit
+    refusal never goes to the fallback). Behind the router, `_load`'s clients may meet only its own sheds
+    and the engines' full queues (503), so this is where the limit is sure to be reached. Counts by status,
+    and those the fallback served (the engine may send the waiting one there)."""
+    selector = f"app.kubernetes.io/instance={name},ember.dev/role=active"
+    pod = next(
+        p
+        for p in cluster.api.list("v1", "Pod", "default", label_selector=selector)
+        if p["status"].get("podIP")
+    )
+    url = f"http://{pod['status']['podIP']}:8000/v1/completions"
+    body = {"model": "tiny", "prompt": "def fib(n):\n", "max_tokens": 512, "ignore_eos": True, "stream": True}
+    headers = {"x-ember-client": "over-the-limit"}
+    outcomes: dict[int | str, int] = {}
+    admitted = [threading.Event(), threading.Event()]
+    lock = threading.Lock()
+
+    def stream(i: int) -> None:
+        with (
+            httpx.Client(timeout=120) as http,
+            http.stream("POST", url, json=body, headers=headers) as response,
+        ):
+            admitted[i].set()
+            for _ in response.iter_bytes():
+                pass
+        with lock:
+            outcomes[response.status_code] = outcomes.get(response.status_code, 0) + 1
+            if response.headers.get("x-ember-served-by") == "fallback":  # the engine's own, past a long wait
+                outcomes["fallback"] = outcomes.get("fallback", 0) + 1
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(60) for event in admitted)
+    third = httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, headers=headers, timeout=60)
+    outcomes[third.status_code] = outcomes.get(third.status_code, 0) + 1
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Observed]:
     root = tmp_path_factory.mktemp("prometheus")
@@ -521,6 +565,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iter
             what="chat and small Ready",
         )
         outcomes = _load(_service_url(cluster, "chat"), seconds=25)
+        for status, count in _over_the_client_limit(cluster, "chat").items():
+            outcomes[status] = outcomes.get(status, 0) + count
         wait_for(
             lambda: _condition(cluster, "broken", "Stalled").get("status") == "True",
             timeout=120,
