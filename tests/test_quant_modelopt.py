@@ -324,3 +324,13 @@ def test_nvfp4_input_scale_must_be_one_positive_number(value: float, quantized_m
     copy = _nvfp4_copy(path, tmp_path / "m", edit)
     with pytest.raises(ValueError, match=r"NVFP4's input_scale must be one positive finite number, found \["):
         LLM(str(copy), num_kv_blocks=16)
+
+
+def test_vllms_name_for_modelopts_fp4_checkpoints_is_taken(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    """`quantization="modelopt_fp4"` (what vLLM's documentation gives for "nvidia/...-FP4") names an NVFP4
+    or W4A16_NVFP4 export's method; for an FP8 export it names another, and is refused."""
+    for preset in ("NVFP4", "W4A16_NVFP4"):
+        llm = LLM(str(quantized_model("tiny", preset, BUILD)), num_kv_blocks=16, quantization="modelopt_fp4")
+        assert llm.engine.runner.quant.format == "modelopt"
+    with pytest.raises(ValueError, match=r"'modelopt_fp4' requested, but .* is already quantized as 'fp8'"):
+        LLM(str(quantized_model("tiny", "FP8", BUILD)), num_kv_blocks=16, quantization="modelopt_fp4")

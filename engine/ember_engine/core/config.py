@@ -15,6 +15,7 @@ CHECKPOINT_METHODS = (
     "awq",
     "awq_marlin",
     "modelopt",
+    "modelopt_fp4",
     "quark",
     "gguf",
     "fbgemm_fp8",

@@ -87,6 +87,8 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
     method = str(qc.get("quant_method"))
     own = {method} | ({f"{method}_marlin"} if method in ("gptq", "awq") else set())
     own |= set() if spec.groups else {spec.scheme}
+    if method == modelopt.METHOD and spec.scheme in ("nvfp4", "nvfp4a16"):
+        own.add("modelopt_fp4")  # vLLM's name for ModelOpt's FP4 checkpoints
     if requested is not None and requested not in own:
         if requested not in CHECKPOINT_METHODS:
             schemes.check_scheme(requested)
@@ -196,12 +198,12 @@ def _decode_nvfp4(tensors: dict[str, torch.Tensor]) -> Decoded:
 
 def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
     """One projection's tensors (`name`) in the forms `decode` and the layers take: ModelOpt's renamed as
-    compressed-tensors' (`modelopt.canonical`), MXFP4's as a codebook's (`compressed_tensors.canonical_mxfp4`),
+    compressed-tensors' (`modelopt.canonical`), MX formats' with float32 scales (`compressed_tensors.canonical_mx`),
     the others as they are."""
     if spec.format == modelopt.METHOD:
         return modelopt.canonical(spec, tensors)
-    if spec.format == "mxfp4-pack-quantized":
-        return compressed_tensors.canonical_mxfp4(tensors, name)
+    if spec.format in compressed_tensors.MX:
+        return compressed_tensors.canonical_mx(spec, tensors, name)
     return tensors
 
 

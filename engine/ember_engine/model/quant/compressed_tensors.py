@@ -4,7 +4,7 @@ writes): the scheme each config group describes, and which linear layers hold it
 Formats: `float-quantized` (FP8 `weight` + `weight_scale`, per channel, tensor or block), `pack-quantized`
 (`weight_packed` int32 words + `weight_scale` + `weight_shape`, 4- or 8-bit), `int-quantized` (int8
 `weight` + `weight_scale`), `naive-quantized` (their common base; FP8 weight-only among others),
-`nvfp4-pack-quantized` and `mxfp4-pack-quantized` (`canonical_mxfp4`). A config whose groups hold different schemes is mixed precision: its format is
+`nvfp4-pack-quantized`, and `mxfp4-pack-quantized` and `mxfp8-quantized` (`canonical_mx`). A config whose groups hold different schemes is mixed precision: its format is
 `mixed-precision` with each group naming its own (or, where they share one, that format), and each layer
 takes the group compressed-tensors gives it (`QuantSpec.layer_spec`). Beside the groups: `transform_config`
 (rotations folded into the weights need nothing; those at a layer's input or output as the model runs are
@@ -28,8 +28,11 @@ FORMATS = (
     "naive-quantized",
     "nvfp4-pack-quantized",
     "mxfp4-pack-quantized",
+    "mxfp8-quantized",
 )
 MIXED = "mixed-precision"
+# The OCP microscaling formats: (bits, llm-compressor's weight-only preset, what runs it)
+MX = {"mxfp4-pack-quantized": (4, "MXFP4A16", "codebook"), "mxfp8-quantized": (8, "MXFP8A16", "w8a16-fp8")}
 
 
 def name_list(field: str, value: Any) -> tuple[str, ...]:
@@ -158,8 +161,8 @@ def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str
     what = f"{kind} {bits}-bit weights, strategy {strategy!r}"
     if fmt == "nvfp4-pack-quantized":
         return _nvfp4(weights, acts, where)
-    if fmt == "mxfp4-pack-quantized":
-        return _mxfp4(weights, acts, where)
+    if fmt in MX:
+        return _mx(fmt, weights, acts, where)
     if not weights.get("symmetric", True):
         if (kind, bits, strategy, fmt) != ("int", 4, "group", "pack-quantized") or acts:
             raise UnsupportedQuantizationError(
@@ -250,31 +253,40 @@ def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> 
     return QuantSpec("nvfp4a16", "nvfp4-pack-quantized", group_size=16, num_bits=4)
 
 
-def _mxfp4(weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> QuantSpec:
-    """MXFP4A16 (llm-compressor's preset): E2M1 weights, two a byte, under a power-of-two scale per group of
-    32 (E8M0: a byte e, the scale 2^(e - 127)), run as `codebook` (the 16 E2M1 values its table)."""
-    _fp4_weights(weights, "mxfp4-pack-quantized", "group", 32, "MXFP4A16", where)
+def _mx(fmt: str, weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> QuantSpec:
+    """MXFP4A16 and MXFP8A16 (llm-compressor's presets): E2M1 weights two a byte, or E4M3 weights, under a
+    power-of-two scale per group of 32 (E8M0: a byte e, the scale 2^(e - 127)). MXFP4A16 runs as `codebook`
+    (the 16 E2M1 values its table), MXFP8A16 as `w8a16-fp8` with a scale per row and group of 32."""
+    bits, preset, scheme = MX[fmt]
+    got = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"), weights.get("group_size"))
+    if got != ("float", bits, "group", 32) or not weights.get("symmetric", True):
+        raise UnsupportedQuantizationError(
+            f"{where}{fmt} with {got[0]} {got[1]}-bit weights, strategy {got[2]!r}, groups of {got[3]} "
+            f"(symmetric={weights.get('symmetric', True)}) is not supported; supported: float {bits}-bit, "
+            f"group, groups of 32, symmetric ({preset})"
+        )
     if acts:
         got_acts = tuple(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size"))
         raise UnsupportedQuantizationError(
-            f"{where}MXFP4 weights with input activations {got_acts} (MXFP4, W4A4) are not supported; "
-            "supported: none (MXFP4A16)"
+            f"{where}MXFP{bits} weights with input activations {got_acts} ({preset[:-3]}, W{bits}A{got_acts[1]}) "
+            f"are not supported; supported: none ({preset})"
         )
-    return QuantSpec("codebook", "mxfp4-pack-quantized", group_size=32, num_bits=4)
+    if bits == 4:
+        return QuantSpec(scheme, fmt, group_size=32, num_bits=4)
+    return QuantSpec(scheme, fmt, group_size=32, block_rows=1)
 
 
-def canonical_mxfp4(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
-    """An MXFP4 projection's tensors in `CodebookLinear`'s forms: its bytes as 4-bit codes (`weight`,
-    column 2j in the low nibble, as compressed-tensors packs them), its E8M0 scales as float32 powers of
-    two, and the E2M1 values as the codes' table (code 8 + k is -E2M1[k])."""
+def canonical_mx(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """An MX projection's tensors in the forms its layer takes: its E8M0 scales as float32 powers of two;
+    MXFP4's bytes as 4-bit codes (`weight`, column 2j in the low nibble, as compressed-tensors packs them)
+    with the E2M1 values as their table (code 8 + k is -E2M1[k])."""
     exponent = tensors["weight_scale"]
     if exponent.dtype != torch.uint8 or bool((exponent == 255).any()):
         raise UnsupportedQuantizationError(
-            f"{name}: MXFP4 scales must be E8M0 bytes other than 255 (NaN), found {exponent.dtype}"
+            f"{name}: MX scales must be E8M0 bytes other than 255 (NaN), found {exponent.dtype}"
         )
+    scale = torch.exp2(exponent.float() - 127.0)
+    if spec.format == "mxfp8-quantized":
+        return {"weight": tensors["weight"], "weight_scale": scale}
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
-    return {
-        "weight": tensors["weight_packed"],
-        "weight_scale": torch.exp2(exponent.float() - 127.0),
-        "weight_quant_map": table,
-    }
+    return {"weight": tensors["weight_packed"], "weight_scale": scale, "weight_quant_map": table}

@@ -109,6 +109,7 @@ class QuantSpec:
             "int-quantized": frozenset({"weight", "weight_scale"}),
             "naive-quantized": scaled,
             "mxfp4-pack-quantized": frozenset({"weight_packed", "weight_scale"}),
+            "mxfp8-quantized": frozenset({"weight", "weight_scale"}),
             "nvfp4-pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_global_scale"})
             | ({"input_global_scale"} if self.static_input else set()),
             "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
