@@ -4,8 +4,8 @@ writes): the scheme each config group describes, and which linear layers hold it
 Formats: `float-quantized` (FP8 `weight` + `weight_scale`, per channel, tensor or block), `pack-quantized`
 (`weight_packed` int32 words + `weight_scale` + `weight_shape`, 4- or 8-bit), `int-quantized` (int8
 `weight` + `weight_scale`), `naive-quantized` (their common base; FP8 weight-only among others),
-`nvfp4-pack-quantized`, and `mxfp4-pack-quantized` and `mxfp8-quantized` (`canonical_mx`). A config whose groups hold different schemes is mixed precision: its format is
-`mixed-precision` with each group naming its own (or, where they share one, that format), and each layer
+`nvfp4-pack-quantized`, and `mxfp4-pack-quantized` and `mxfp8-quantized` (`canonical_mx`). A config
+whose groups hold different schemes is mixed precision: its format is `mixed-precision` with each group naming its own (or, where they share one, that format), and each layer
 takes the group compressed-tensors gives it (`QuantSpec.layer_spec`). Beside the groups: `transform_config`
 (rotations folded into the weights need nothing; those at a layer's input or output as the model runs are
 read here and applied by `rotations.py`) and `sparsity_config` (dense storage only).
@@ -225,22 +225,22 @@ def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str
     )
 
 
-def _fp4_weights(
-    weights: dict[str, Any], fmt: str, strategy: str, group: int, preset: str, where: str
+def _float_weights(
+    weights: dict[str, Any], fmt: str, bits: int, strategy: str, group: int, preset: str, where: str
 ) -> None:
-    """Refuse, by name, an FP4 format's weights other than symmetric float 4-bit in `strategy`, groups of
+    """Refuse, by name, a format's weights other than symmetric float `bits`-bit in `strategy`, groups of
     `group`."""
     got = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"), weights.get("group_size"))
-    if got != ("float", 4, strategy, group) or not weights.get("symmetric", True):
+    if got != ("float", bits, strategy, group) or not weights.get("symmetric", True):
         raise UnsupportedQuantizationError(
             f"{where}{fmt} with {got[0]} {got[1]}-bit weights, strategy {got[2]!r}, groups of {got[3]} "
-            f"(symmetric={weights.get('symmetric', True)}) is not supported; supported: float 4-bit, "
+            f"(symmetric={weights.get('symmetric', True)}) is not supported; supported: float {bits}-bit, "
             f"{strategy}, groups of {group}, symmetric ({preset})"
         )
 
 
 def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> QuantSpec:
-    _fp4_weights(weights, "nvfp4-pack-quantized", "tensor_group", 16, "NVFP4A16", where)
+    _float_weights(weights, "nvfp4-pack-quantized", 4, "tensor_group", 16, "NVFP4A16", where)
     if acts:
         got_acts = tuple(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size", "dynamic"))
         if got_acts != ("float", 4, "tensor_group", 16, "local") or not acts.get("symmetric", True):
@@ -258,13 +258,7 @@ def _mx(fmt: str, weights: dict[str, Any], acts: dict[str, Any] | None, where: s
     power-of-two scale per group of 32 (E8M0: a byte e, the scale 2^(e - 127)). MXFP4A16 runs as `codebook`
     (the 16 E2M1 values its table), MXFP8A16 as `w8a16-fp8` with a scale per row and group of 32."""
     bits, preset, scheme = MX[fmt]
-    got = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"), weights.get("group_size"))
-    if got != ("float", bits, "group", 32) or not weights.get("symmetric", True):
-        raise UnsupportedQuantizationError(
-            f"{where}{fmt} with {got[0]} {got[1]}-bit weights, strategy {got[2]!r}, groups of {got[3]} "
-            f"(symmetric={weights.get('symmetric', True)}) is not supported; supported: float {bits}-bit, "
-            f"group, groups of 32, symmetric ({preset})"
-        )
+    _float_weights(weights, fmt, bits, "group", 32, preset, where)
     if acts:
         got_acts = tuple(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size"))
         raise UnsupportedQuantizationError(
@@ -282,8 +276,13 @@ def canonical_mx(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -
     with the E2M1 values as their table (code 8 + k is -E2M1[k])."""
     exponent = tensors["weight_scale"]
     if exponent.dtype != torch.uint8 or bool((exponent == 255).any()):
+        found = (
+            f"255 in {int((exponent == 255).sum())} of them"
+            if exponent.dtype == torch.uint8
+            else exponent.dtype
+        )
         raise UnsupportedQuantizationError(
-            f"{name}: MX scales must be E8M0 bytes other than 255 (NaN), found {exponent.dtype}"
+            f"{name}: MX scales must be E8M0 bytes other than 255 (NaN), found {found}"
         )
     scale = torch.exp2(exponent.float() - 127.0)
     if spec.format == "mxfp8-quantized":
