@@ -78,7 +78,13 @@ def _label(spec: QuantSpec, among: set[QuantSpec | None]) -> str:
     if all(s.scheme != spec.scheme for s in among if s is not None and s != spec):
         return spec.scheme
     scales = f"groups of {spec.group_size}" if spec.group_size else "per channel"
-    static = ", static input scales" if spec.static_input else ""
+    static = (
+        ", static input scales"
+        if spec.static_input
+        else f", MXFP{spec.input_mx} inputs"
+        if spec.input_mx
+        else ""
+    )
     return f"{spec.scheme} ({spec.format}, {scales}{static}{', zero points' if spec.zero_points else ''})"
 
 
@@ -128,6 +134,7 @@ def _empty(
         zero_points=held.zero_points,
         outlier_threshold=held.outlier_threshold,
         float_zeros=held.float_zeros,
+        input_mx=held.input_mx,
     )
     if held.activation_ub:
         assert isinstance(layer, Fp8Linear)

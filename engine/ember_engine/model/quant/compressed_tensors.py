@@ -254,17 +254,32 @@ def _nvfp4(weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> 
 
 
 def _mx(fmt: str, weights: dict[str, Any], acts: dict[str, Any] | None, where: str) -> QuantSpec:
-    """MXFP4A16 and MXFP8A16 (llm-compressor's presets): E2M1 weights two a byte, or E4M3 weights, under a
-    power-of-two scale per group of 32 (E8M0: a byte e, the scale 2^(e - 127)). MXFP4A16 runs as `codebook`
-    (the 16 E2M1 values its table), MXFP8A16 as `w8a16-fp8` with a scale per row and group of 32."""
+    """llm-compressor's MX presets: E2M1 weights two a byte, or E4M3 weights, under a power-of-two scale per
+    group of 32 (E8M0: a byte e, the scale 2^(e - 127)); activations as they are (MXFP4A16, MXFP8A16) or
+    quantized the same way at run time (MXFP4, MXFP8: `schemes.quantize_activation_mx`). MXFP4 runs as
+    `codebook` (the 16 E2M1 values its table); MXFP8A16 as `w8a16-fp8`, MXFP8 as block-scaled `fp8`, each
+    with a scale per row and group of 32."""
     bits, preset, scheme = MX[fmt]
     _float_weights(weights, fmt, bits, "group", 32, preset, where)
     if acts:
-        got_acts = tuple(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size"))
-        raise UnsupportedQuantizationError(
-            f"{where}MXFP{bits} weights with input activations {got_acts} ({preset[:-3]}, W{bits}A{got_acts[1]}) "
-            f"are not supported; supported: none ({preset})"
-        )
+        got_acts = tuple(acts.get(f) for f in ("type", "num_bits", "strategy", "group_size", "dynamic"))
+        # compressed-tensors takes power-of-two (E8M0) activation scales where scale_dtype is uint8; its
+        # versions before scale_dtype existed did so for every float 4-bit group of 32
+        power_of_two = acts.get("scale_dtype", "torch.uint8") == "torch.uint8"
+        if (
+            got_acts != ("float", bits, "group", 32, True)
+            or not acts.get("symmetric", True)
+            or not power_of_two
+        ):
+            raise UnsupportedQuantizationError(
+                f"{where}MXFP{bits} weights with input activations {got_acts} (scale_dtype "
+                f"{acts.get('scale_dtype')}, symmetric={acts.get('symmetric', True)}) are not supported; "
+                f"supported: none ({preset}), or float {bits}-bit, group, groups of 32, dynamic, symmetric, "
+                f"scale_dtype torch.uint8 ({preset[:-3]})"
+            )
+        if bits == 4:
+            return QuantSpec(scheme, fmt, group_size=32, num_bits=4, input_mx=4)
+        return QuantSpec("fp8", fmt, group_size=32, block_rows=1, input_mx=8)
     if bits == 4:
         return QuantSpec(scheme, fmt, group_size=32, num_bits=4)
     return QuantSpec(scheme, fmt, group_size=32, block_rows=1)

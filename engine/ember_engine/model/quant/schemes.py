@@ -211,6 +211,33 @@ def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Te
     return (q * scale).reshape(n, k)
 
 
+MX_GROUP = 32
+MX_BINADE = {4: 2, 8: 8}  # the largest binade of E2M1 (6 = 1.5 * 2^2) and of E4M3 (448 = 1.75 * 2^8)
+
+
+def quantize_activation_mx(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX activations (compressed-tensors' MXFP4 and MXFP8 presets), per token and group of 32 columns:
+    (values [n, in], E4M3 for 8 bits, E2M1 values in float32 for 4; float32 power-of-two scale
+    [n, in / 32]). A group's scale is its largest magnitude rounded to a power of two (up where the
+    mantissa is 1.75 or more, else down) over 2^2 or 2^8, an exponent within E8M0's [-127, 127]; each
+    value over it saturates at the format's largest (6 or 448) and rounds to the nearest value, ties to
+    the even one."""
+    n, k = x.shape
+    groups = x.float().reshape(n, k // MX_GROUP, MX_GROUP)
+    mantissa, exponent = torch.frexp(groups.abs().amax(dim=-1))  # amax = mantissa * 2^exponent, [0.5, 1)
+    binade = exponent - 1 + (mantissa >= 0.875).to(exponent.dtype)
+    scale = torch.exp2((binade - MX_BINADE[bits]).clamp(-127, 127).float())
+    v = groups / scale[..., None]
+    q = v.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn) if bits == 8 else round_to_e2m1(v.clamp(-6.0, 6.0))
+    return q.reshape(n, k), scale
+
+
+def fake_quantize_mx(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """MX activations quantized and dequantized (`quantize_activation_mx`), float32 [n, in]."""
+    q, scale = quantize_activation_mx(x, bits)
+    return (q.float().reshape(*scale.shape, MX_GROUP) * scale[..., None]).reshape(x.shape)
+
+
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Each value (in [-6, 6]) to the nearest E2M1 value, a tie to the one with an even mantissa: the
     grid steps by 0.5 below 2, by 1 below 4 and by 2 up to 6, and rounding half to even on the grid

@@ -37,7 +37,7 @@ class OnlineRotation:
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
     # fp8 | w8a16 | w4a16 | w8a8 | bnb-nf4 | from a checkpoint only: w8a16-fp8, nvfp4a16, nvfp4, bnb-fp4,
-    # bnb-int8, codebook (GGUF's lattice i-quants, MXFP4A16), mixed (see groups)
+    # bnb-int8, codebook (GGUF's lattice i-quants, MXFP4A16 and MXFP4), mixed (see groups)
     scheme: str
     # online | float-quantized | pack-quantized | int-quantized | naive-quantized | nvfp4-pack-quantized |
     # hf-fp8 | fbgemm_fp8 | modelopt | quark | gguf | gptq | gptq_v2 | awq | bitsandbytes |
@@ -58,6 +58,9 @@ class QuantSpec:
     nested: bool = False  # bitsandbytes double quantization: each block's absmax is itself quantized
     # bitsandbytes 8-bit (LLM.int8()): input columns with a value at or above it run unquantized
     outlier_threshold: float = 0.0
+    # MX activations (compressed-tensors' MXFP4 and MXFP8 presets): the inputs quantized at run time per
+    # token and group of 32 columns under power-of-two scales to E2M1 (4) or E4M3 (8); 0: none
+    input_mx: int = 0
     # fbgemm_fp8's activation_scale_ub: a token's largest magnitude is taken as at most this (0: unbounded)
     activation_ub: float = 0.0
     # Which of the checkpoint's linear layers hold the scheme (compressed-tensors' `targets` and `ignore`:

@@ -8,8 +8,9 @@ widened in registers, so only the quantized bytes cross memory:
 - fp8: activations quantized per token (or with a checkpoint's static scale) beforehand; E4M3 × E4M3
   dots where the device has them (compute capability ≥ 8.9), widened otherwise, both scales applied
   after the K loop;
-- block-scaled fp8: activations quantized per token and group of GROUP columns beforehand; the same dots,
-  each BLOCK_K step (which lies in one group) scaled by its activation and weight scales as it is added;
+- block-scaled fp8 (and MXFP8): activations quantized per token and group of GROUP columns beforehand;
+  the same dots, each BLOCK_K step (which lies in one group) scaled by its activation and weight scales
+  as it is added;
 - nvfp4a16 and nvfp4: two E2M1 values a byte, decoded from their bits in registers, scaled per group of
   16 as w4a16's are, each group's scale its E4M3 byte over the row's global scale (passed as x_scale);
   nvfp4's activations come quantized and dequantized (`schemes.fake_quantize_nvfp4`), with no FP4 dots;
@@ -17,7 +18,7 @@ widened in registers, so only the quantized bytes cross memory:
   tensor cores on the GPU), both scales applied after the K loop;
 - w8a16-fp8: E4M3 weight bytes widened in registers and scaled per channel (or per row and group of
   columns: block-scaled weights) as w8a16's are, the activations as they are;
-- bnb-nf4 and bnb-fp4: two 4-bit codes a byte, each looked up in the layer's 16-value table (passed as
+- bnb-nf4, bnb-fp4 and codebook (MXFP4's activations come as nvfp4's do): two 4-bit codes a byte, each looked up in the layer's 16-value table (passed as
   x_scale) and scaled per block of GROUP columns as w4a16's are.
 """
 
@@ -32,6 +33,7 @@ from ember_engine.model.quant.schemes import (
     quantize_activation_fp8_groups,
     quantize_activation_fp8_static,
     quantize_activation_int8,
+    quantize_activation_mx,
 )
 
 # WEIGHT: 0 int8, 1 packed int4, 2 fp8, 3 block-scaled fp8 (fp8 stored as bytes, reinterpreted in the
@@ -243,10 +245,15 @@ def w8a8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.
     )
 
 
-def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x [M, K] quantized per token and group of `group_size` columns to E4M3, @ (E4M3 w [N, K] * scale
-    [N, K / group_size])^T, in x's dtype."""
-    xq, x_scale = quantize_activation_fp8_groups(x, group_size)
+def fp8_block_matmul(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: int, mx: bool = False
+) -> torch.Tensor:
+    """x [M, K] quantized per token and group of `group_size` columns to E4M3 (with `mx`, MXFP8's groups
+    of 32 under power-of-two scales), @ (E4M3 w [N, K] * scale [N, K / group_size])^T, in x's dtype."""
+    if mx:
+        xq, x_scale = quantize_activation_mx(x, 8)
+    else:
+        xq, x_scale = quantize_activation_fp8_groups(x, group_size)
     return _launch(
         xq.view(torch.uint8),
         w.view(torch.uint8),
