@@ -78,13 +78,8 @@ def _label(spec: QuantSpec, among: set[QuantSpec | None]) -> str:
     if all(s.scheme != spec.scheme for s in among if s is not None and s != spec):
         return spec.scheme
     scales = f"groups of {spec.group_size}" if spec.group_size else "per channel"
-    static = (
-        ", static input scales"
-        if spec.static_input
-        else f", MXFP{spec.input_mx} inputs"
-        if spec.input_mx
-        else ""
-    )
+    static = ", static input scales" if spec.static_input else ""
+    static += f", MXFP{spec.input_mx} inputs" if spec.input_mx else ""
     return f"{spec.scheme} ({spec.format}, {scales}{static}{', zero points' if spec.zero_points else ''})"
 
 
