@@ -25,12 +25,12 @@ from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8WeightOnlyLin
 from ember_engine.model.quant.linear import make_layer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# llm-compressor's preset -> (ember's scheme, its layer, the format, the bits of its MX activations)
+# llm-compressor's preset -> (ember's scheme, its layer, the format, its inputs' quantization)
 PRESETS = {
-    "MXFP4A16": ("codebook", CodebookLinear, "mxfp4-pack-quantized", 0),
-    "MXFP8A16": ("w8a16-fp8", Fp8WeightOnlyLinear, "mxfp8-quantized", 0),
-    "MXFP4": ("codebook", CodebookLinear, "mxfp4-pack-quantized", 4),
-    "MXFP8": ("fp8", Fp8BlockLinear, "mxfp8-quantized", 8),
+    "MXFP4A16": ("codebook", CodebookLinear, "mxfp4-pack-quantized", ""),
+    "MXFP8A16": ("w8a16-fp8", Fp8WeightOnlyLinear, "mxfp8-quantized", ""),
+    "MXFP4": ("codebook", CodebookLinear, "mxfp4-pack-quantized", "mxfp4"),
+    "MXFP8": ("fp8", Fp8BlockLinear, "mxfp8-quantized", "mxfp8"),
 }
 
 
@@ -51,15 +51,19 @@ def pair(quantized_model, request: pytest.FixtureRequest):  # type: ignore[no-un
 
 def test_weights_are_the_oracles(pair) -> None:  # type: ignore[no-untyped-def]
     preset, _, llm, hf = pair
-    scheme, layer_class, fmt, input_mx = PRESETS[preset]
+    scheme, layer_class, fmt, input_quant = PRESETS[preset]
     runner = llm.engine.runner
-    assert runner.quant.format == fmt and runner.quant.scheme == scheme and runner.quant.input_mx == input_mx
+    assert (
+        runner.quant.format == fmt
+        and runner.quant.scheme == scheme
+        and runner.quant.input_quant == input_quant
+    )
     checked = 0
     for i, layer in enumerate(runner.model.model.layers):
         for module, name, parts in PARTS:
             ours = getattr(getattr(layer, module), name)
             assert isinstance(ours, layer_class) and ours.group_size == 32
-            assert getattr(ours, "input_mx", 0) == input_mx
+            assert getattr(ours, "input_quant", "") == input_quant
             block = getattr(hf.model.layers[i], module)
             theirs = torch.cat([getattr(block, p).weight.detach() for p in parts])
             assert torch.equal(ours.dequantized(torch.float32), theirs), (i, name)
@@ -124,7 +128,7 @@ def test_activations_quantize_as_compressed_tensors_quantizes_them(bits: int, qu
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         theirs = forward_quantize(module, xd.clone(), "input", args)
-        ours = schemes.fake_quantize_mx(xd, bits).to(dtype)
+        ours = schemes.fake_quantize_input(xd, f"mxfp{bits}").to(dtype)
         assert torch.equal(ours, theirs), (bits, dtype)
     values, scale = schemes.quantize_activation_mx(x, bits)
     assert scale.shape == (9, module.in_features // 32)
@@ -144,7 +148,7 @@ def test_each_path_computes_the_product_of_the_quantized_activations(
     g = torch.Generator().manual_seed(rows * 10 + bits)
     n, k = 72, 256
     scheme = "codebook" if bits == 4 else "fp8"
-    layer = make_layer(scheme, k, n, False, torch.float32, 32, input_mx=bits)
+    layer = make_layer(scheme, k, n, False, torch.float32, 32, input_quant=f"mxfp{bits}")
     scales = torch.exp2(torch.randint(-9, 3, (n, k // 32), generator=g).float())
     if isinstance(layer, CodebookLinear):
         layer.weight_packed.copy_(torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8))
@@ -157,7 +161,7 @@ def test_each_path_computes_the_product_of_the_quantized_activations(
     x = (torch.randn(rows, k, generator=g) * torch.logspace(-2, 2, k)[torch.randperm(k, generator=g)]).to(
         DEVICE
     )
-    expected = schemes.fake_quantize_mx(x, bits).double() @ layer.dequantized().double().t()
+    expected = schemes.fake_quantize_input(x, f"mxfp{bits}").double() @ layer.dequantized().double().t()
     monkeypatch.setenv("EMBER_QUANT_GEMM", path)
     got = layer(x)
     assert got.shape == (rows, n) and got.dtype == torch.float32
@@ -264,4 +268,4 @@ def test_an_older_writers_mx_activations_without_scale_dtype_run_as_mx(
 
     path = edited_checkpoint(quantized_model("tiny", "MXFP4"), tmp_path / "m", group=older)
     llm = LLM(str(path), num_kv_blocks=16)
-    assert llm.engine.runner.quant.input_mx == 4
+    assert llm.engine.runner.quant.input_quant == "mxfp4"

@@ -79,7 +79,7 @@ def _label(spec: QuantSpec, among: set[QuantSpec | None]) -> str:
         return spec.scheme
     scales = f"groups of {spec.group_size}" if spec.group_size else "per channel"
     static = ", static input scales" if spec.static_input else ""
-    static += f", MXFP{spec.input_mx} inputs" if spec.input_mx else ""
+    static += f", {spec.input_quant} inputs" if spec.input_quant else ""
     return f"{spec.scheme} ({spec.format}, {scales}{static}{', zero points' if spec.zero_points else ''})"
 
 
@@ -129,7 +129,7 @@ def _empty(
         zero_points=held.zero_points,
         outlier_threshold=held.outlier_threshold,
         float_zeros=held.float_zeros,
-        input_mx=held.input_mx,
+        input_quant=held.input_quant,
     )
     if held.activation_ub:
         assert isinstance(layer, Fp8Linear)

@@ -235,6 +235,11 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
     else:
         weight = tensors["weight"]
         out, inp = weight.shape
+        if spec.num_bits == 4 and bool(((weight < -8) | (weight > 7)).any()):
+            raise UnsupportedQuantizationError(
+                f"{what or spec.scheme}: int4 weights held one a byte must lie in [-8, 7], found "
+                f"{int(weight.min())} to {int(weight.max())}"
+            )
     if spec.block_rows:
         tiles = (-(-out // spec.block_rows), -(-inp // spec.group_size))
         if tuple(scale.shape) != tiles:

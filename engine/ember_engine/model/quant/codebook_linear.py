@@ -3,7 +3,7 @@ i-quants (scheme `codebook`: `gguf/iq_blocks.py`). Each weight is one of 16 valu
 `quant_map`, the layer's `code`; an i-quant's grid values) times its block's scale, a float32 per output
 row and block of input columns: bitsandbytes' absolute maximum of 64 (double-quantized checkpoints'
 one-byte absmax are decoded to it at load), an i-quant's group scale of 16 or 32. Codes are held two a
-byte, column 2j in the low nibble; activations stay as they are, or (`input_mx` 4: MXFP4's W4A4) are quantized
+byte, column 2j in the low nibble; activations stay as they are, or (`input_quant` mxfp4: MXFP4's W4A4) are quantized
 and dequantized to MXFP4 first, and the products are taken in float32."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class CodebookLinear(QuantLinear):
         # the CPU loops' form of the table, derived from it: each byte's two values (2 KB, not weights)
         self.code_pairs = cpu_codebook.pair_table(self.code)
         self._code_from: str | None = None
-        self.input_mx = 0  # 4: the activations quantized to MXFP4 (`schemes.fake_quantize_mx`)
+        self.input_quant = ""  # mxfp4: the activations quantized to MXFP4 (`schemes.fake_quantize_input`)
 
     def weight_data(self) -> torch.Tensor:
         return self.weight_packed
@@ -58,8 +58,8 @@ class CodebookLinear(QuantLinear):
         self.code_pairs = cpu_codebook.pair_table(table)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_mx:
-            x = schemes.fake_quantize_mx(x, self.input_mx).to(x.dtype)
+        if self.input_quant:
+            x = schemes.fake_quantize_input(x, self.input_quant).to(x.dtype)
         if use_triton(x):
             from ember_engine.model.quant import triton_gemm
 

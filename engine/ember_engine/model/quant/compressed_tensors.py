@@ -208,10 +208,20 @@ def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str
                 "8-bit, dynamic per token, symmetric (W8A8, w8a8)"
             )
         return QuantSpec("w8a8", fmt, group_size=0, num_bits=8)
+    if acts and kind == "int" and bits == 4 and strategy == "group":
+        got = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"), acts.get("symmetric", True))
+        if got not in (("float", 8, "token", True), ("int", 8, "token", True)) or not acts.get("dynamic"):
+            raise UnsupportedQuantizationError(
+                f"{where}int4 weights with input activations {got[0]} {got[1]}-bit, strategy {got[2]!r} "
+                f"(dynamic={acts.get('dynamic')}, symmetric={got[3]}) are not supported; supported: float or "
+                "int 8-bit, dynamic per token, symmetric (W4AFP8, W4A8)"
+            )
+        quant = "fp8" if got[0] == "float" else "int8"
+        return QuantSpec("w4a16", fmt, group_size=int(weights["group_size"]), num_bits=4, input_quant=quant)
     if acts:
         raise UnsupportedQuantizationError(
             f"{where}quantized activations with {what} are not supported; supported: fp8 (W8A8-FP8), w8a8 "
-            "(int8 per channel with int8 activations), w8a16, w4a16"
+            "(int8 per channel with int8 activations), w4a16 with fp8 or int8 per token (W4AFP8, W4A8)"
         )
     if kind == "int" and bits == 8 and strategy in ("channel", "tensor"):
         return QuantSpec("w8a16", fmt, group_size=0, num_bits=8)
@@ -278,8 +288,8 @@ def _mx(fmt: str, weights: dict[str, Any], acts: dict[str, Any] | None, where: s
                 f"scale_dtype torch.uint8 ({preset[:-3]})"
             )
         if bits == 4:
-            return QuantSpec(scheme, fmt, group_size=32, num_bits=4, input_mx=4)
-        return QuantSpec("fp8", fmt, group_size=32, block_rows=1, input_mx=8)
+            return QuantSpec(scheme, fmt, group_size=32, num_bits=4, input_quant="mxfp4")
+        return QuantSpec("fp8", fmt, group_size=32, block_rows=1, input_quant="mxfp8")
     if bits == 4:
         return QuantSpec(scheme, fmt, group_size=32, num_bits=4)
     return QuantSpec(scheme, fmt, group_size=32, block_rows=1)

@@ -27,22 +27,24 @@ def make_layer(
     zero_points: bool = False,
     outlier_threshold: float = 0.0,
     float_zeros: bool = False,
-    input_mx: int = 0,
+    input_quant: str = "",
 ) -> QuantLinear:
     """`group_size`: input columns per scale (w4a16; w8a16, fp8 and w8a16-fp8, where 0 means one scale
     per output channel; fp8 and w8a16-fp8 with groups are block-scaled; w8a8 takes 0 only).
     `zero_points`: a w4a16 checkpoint's own, one per group (int8, or with `float_zeros` float32: any real
     number); w8a16's are float32. `outlier_threshold`: bitsandbytes 8-bit's
-    (LLM.int8()). `input_mx`: MX activations (codebook: 4, MXFP4; block-scaled fp8: 8, MXFP8)."""
-    if input_mx:
-        if (scheme, input_mx) not in (("codebook", 4), ("fp8", 8)) or not group_size:
+    (LLM.int8()). `input_quant`: the inputs quantized at run time, where the scheme leaves them as they
+    are (codebook: mxfp4; block-scaled fp8: mxfp8, in place of its own; w4a16: fp8 or int8 per token)."""
+    if input_quant:
+        runs = {"codebook": ("mxfp4",), "fp8": ("mxfp8",), "w4a16": ("fp8", "int8")}
+        if input_quant not in runs.get(scheme, ()) or not group_size:
             raise schemes.UnsupportedQuantizationError(
-                f"{scheme}: MX activations of {input_mx} bits are not supported; supported: codebook with "
-                "4 (MXFP4), block-scaled fp8 with 8 (MXFP8)"
+                f"{scheme}: inputs quantized to {input_quant} are not supported; supported: codebook with "
+                "mxfp4, block-scaled fp8 with mxfp8, w4a16 with fp8 or int8"
             )
         layer = make_layer(scheme, in_features, out_features, bias, dtype, group_size)
-        assert isinstance(layer, (CodebookLinear, Fp8BlockLinear))
-        layer.input_mx = input_mx
+        assert isinstance(layer, (CodebookLinear, Fp8BlockLinear, Int4Linear))
+        layer.input_quant = input_quant
         return layer
     if scheme in ("bnb-nf4", "bnb-fp4", "codebook"):  # from a checkpoint only (the code table set at load)
         return CodebookLinear(in_features, out_features, bias, dtype, scheme, group_size)

@@ -232,10 +232,14 @@ def quantize_activation_mx(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, to
     return q.reshape(n, k), scale
 
 
-def fake_quantize_mx(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """MX activations quantized and dequantized (`quantize_activation_mx`), float32 [n, in]."""
-    q, scale = quantize_activation_mx(x, bits)
-    return (q.float().reshape(*scale.shape, MX_GROUP) * scale[..., None]).reshape(x.shape)
+def fake_quantize_input(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Activations [n, in] quantized and dequantized, float32: `kind` mxfp4 or mxfp8
+    (`quantize_activation_mx`), or fp8 or int8 per token (`quantize_activation_fp8`, `_int8`)."""
+    if kind in ("mxfp4", "mxfp8"):
+        q, scale = quantize_activation_mx(x, 4 if kind == "mxfp4" else 8)
+        return (q.float().reshape(*scale.shape, MX_GROUP) * scale[..., None]).reshape(x.shape)
+    q, scale = quantize_activation_fp8(x) if kind == "fp8" else quantize_activation_int8(x)
+    return q.float() * scale
 
 
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:

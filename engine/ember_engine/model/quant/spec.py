@@ -58,9 +58,11 @@ class QuantSpec:
     nested: bool = False  # bitsandbytes double quantization: each block's absmax is itself quantized
     # bitsandbytes 8-bit (LLM.int8()): input columns with a value at or above it run unquantized
     outlier_threshold: float = 0.0
-    # MX activations (compressed-tensors' MXFP4 and MXFP8 presets): the inputs quantized at run time per
-    # token and group of 32 columns under power-of-two scales to E2M1 (4) or E4M3 (8); 0: none
-    input_mx: int = 0
+    # The inputs quantized at run time where the weight scheme otherwise leaves them as they are (``: not):
+    # mxfp4, mxfp8 (compressed-tensors' MXFP4 and MXFP8: per token and group of 32 columns under
+    # power-of-two scales, to E2M1 or E4M3), fp8, int8 (W4AFP8 and W4A8: w4a16's weights, the inputs
+    # per token to E4M3 or int8)
+    input_quant: str = ""
     # fbgemm_fp8's activation_scale_ub: a token's largest magnitude is taken as at most this (0: unbounded)
     activation_ub: float = 0.0
     # Which of the checkpoint's linear layers hold the scheme (compressed-tensors' `targets` and `ignore`:
