@@ -11,14 +11,21 @@ activations as they are), FP8_KV (FP8 with FP8_KV_CFG's static K and V scales) o
 block-scaled weights on the MLPs: ModelOpt exports MIXED_PRECISION, a `quantized_layers` entry a
 projection), W4A16_NVFP4 (W4A16_NVFP4_CFG: FP4 weights in groups of 16 with E4M3 scales under a
 scale per tensor, activations as they are) or NVFP4 (NVFP4_DEFAULT_CFG: those weights, and activations
-quantized to NVFP4 as the model runs, under a calibrated global scale per projection).
+quantized to NVFP4 as the model runs, under a calibrated global scale per projection), W8A16
+(INT8_WEIGHT_ONLY_CFG: int8 weights per output channel, activations as they are) or W4A16_AWQ
+(INT4_AWQ_CFG: int4 weights in groups of 128 after AWQ's smoothing, calibrated; the export packs two a
+byte along the output and keeps a `pre_quant_scale` per input column where it cannot fold it into the
+layer before), or MXFP8 (MXFP8_DEFAULT_CFG: E4M3 weights under an E8M0 scale per group of 32, and
+activations quantized the same way as the model runs).
 
-No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own: for the FP8 presets its
-simulated quantization, the model the checkpoint was exported from (holding the exported weights, see
+No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own: for the FP8, W8A16 and
+W4A16_AWQ presets its simulated quantization (AWQ's smoothing scales applied to each input as it runs), the model the checkpoint was exported from (holding the exported weights, see
 `_exported_weights`); for W4A16_NVFP4 and NVFP4, whose simulation ModelOpt runs on CUDA only,
 transformers' model holding the weights ModelOpt's `NVFP4QTensor` dequantizes from the export (W4A16_NVFP4's
 weights need no calibration data, so none is run), and for NVFP4 each quantized projection's input
-quantized by `NVFP4QTensor` too, under the exported `input_scale` (`_nvfp4_inputs`). `oracle.pt` beside
+quantized by `NVFP4QTensor` too, under the exported `input_scale` (`_nvfp4_inputs`); for MXFP8, whose
+activations ModelOpt simulates on CUDA only too, the weights `MXFP8QTensor` dequantizes and each input
+quantized and dequantized by `MXFP8QTensor` (`_mxfp8_inputs`). `oracle.pt` beside
 the checkpoint holds that model's logits for fixed prompts, its greedy tokens after some of them, and
 each quantized projection's output for a fixed input.
 """
@@ -45,6 +52,12 @@ def _config(preset: str) -> dict:  # type: ignore[type-arg]
         return copy.deepcopy(mtq.W4A16_NVFP4_CFG)
     if preset == "NVFP4":
         return copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    if preset == "W8A16":
+        return copy.deepcopy(mtq.INT8_WEIGHT_ONLY_CFG)
+    if preset == "W4A16_AWQ":
+        return copy.deepcopy(mtq.INT4_AWQ_CFG)
+    if preset == "MXFP8":
+        return copy.deepcopy(mtq.MXFP8_DEFAULT_CFG)
     config = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
     if preset == "FP8_KV":
         config["quant_cfg"] += copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
@@ -77,7 +90,11 @@ def _exported_weights(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
         if f"{name}.weight_scale" not in stored:
             continue
         weight, scale = stored[f"{name}.weight"], stored[f"{name}.weight_scale"].float()
-        if scale.dim() == 4:  # [row tiles, 1, column tiles, 1] of 128 x 128
+        if weight.dtype == torch.uint8:  # int4 two a byte along the output, a scale per group of 128
+            nibbles = torch.stack([weight & 15, weight >> 4], dim=1).reshape(-1, weight.shape[1])
+            weight = nibbles.to(torch.int8) - 16 * (nibbles >= 8).to(torch.int8)
+            scale = scale.repeat_interleave(128, dim=1)
+        elif scale.dim() == 4:  # [row tiles, 1, column tiles, 1] of 128 x 128
             scale = scale[:, 0, :, 0].repeat_interleave(128, 0).repeat_interleave(128, 1)
             scale = scale[: weight.shape[0], : weight.shape[1]]
         else:
@@ -136,6 +153,31 @@ def _nvfp4_inputs(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
         model.get_submodule(name).register_forward_pre_hook(hook(scale))
 
 
+def _mxfp8_model(src: Path, dst: Path):  # type: ignore[no-untyped-def]
+    """transformers' model of `src` holding, for each exported MXFP8 projection, the weight ModelOpt's
+    `MXFP8QTensor` dequantizes, and quantizing its input by `MXFP8QTensor` (a scale per group of 32
+    from the group's largest magnitude) and back."""
+    import torch
+    from modelopt.torch.quantization.qtensor.mxfp8_tensor import MXFP8QTensor
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    stored = load_file(str(dst / "model.safetensors"))
+
+    def quantize(module, args):  # type: ignore[no-untyped-def]
+        x = args[0]
+        packed, scale = MXFP8QTensor.quantize(x.float())
+        return (packed.dequantize(dtype=torch.float32, scale=scale).to(x.dtype), *args[1:])
+
+    for name in _quantized(stored):
+        module = model.get_submodule(name)
+        packed = MXFP8QTensor(module.weight.shape, torch.float32, stored[f"{name}.weight"])
+        module.weight.data = packed.dequantize(dtype=torch.float32, scale=stored[f"{name}.weight_scale"])
+        module.register_forward_pre_hook(quantize)
+    return model
+
+
 def _quantized(stored: dict) -> list[str]:  # type: ignore[type-arg]
     return [name.removesuffix(".weight_scale") for name in stored if name.endswith(".weight_scale")]
 
@@ -169,11 +211,13 @@ def build(src: Path, dst: Path, preset: str) -> None:
         for row in rows:
             m(row)
 
-    weight_only = preset == "W4A16_NVFP4"
+    weight_only = preset in ("W4A16_NVFP4", "W8A16", "MXFP8")  # MXFP8's inputs: no calibration, on CUDA only
     model = mtq.quantize(model, _config(preset), forward_loop=None if weight_only else calibrate)
     export_hf_checkpoint(model, export_dir=dst)
     copy_tokenizer(src, dst)
-    if preset in ("W4A16_NVFP4", "NVFP4"):
+    if preset == "MXFP8":
+        model = _mxfp8_model(src, dst)
+    elif preset in ("W4A16_NVFP4", "NVFP4"):
         model = _nvfp4_model(src, dst)
         if preset == "NVFP4":
             _nvfp4_inputs(model, dst)

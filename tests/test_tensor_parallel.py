@@ -139,6 +139,25 @@ def test_two_ranks_run_a_quantized_checkpoint_as_one(wide_model: Path, tmp_path:
     assert got == expected
 
 
+def test_two_ranks_run_modelopts_awq_export_as_one(wide_model: Path, tmp_path: Path) -> None:
+    """ModelOpt's W4A16_AWQ export (`tests/modelopt_build.py`): its o and down projections keep AWQ's
+    smoothing factors, one per input column, and a rank multiplies its own columns by theirs. (Before, a
+    rank was given the whole vector: "down_proj: pre_quant_scale must hold 256 finite factors, one per
+    input column, found 512".)"""
+    import subprocess
+    import sys
+
+    out = tmp_path / "awq"
+    build = Path(__file__).with_name("modelopt_build.py")
+    subprocess.run([sys.executable, str(build), str(wide_model), str(out), "W4A16_AWQ"], check=True)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.down_proj.pre_quant_scale").shape == (512,)
+    prompts = PROMPTS[:6]
+    expected, _ = generate(out, prompts, GREEDY, max_num_seqs=4)
+    got, _ = generate(out, prompts, GREEDY, max_num_seqs=4, tensor_parallel_size=2)
+    assert got == expected
+
+
 def test_llm_compressor_fp8_checkpoint_splits(tiny_model: Path, quantized_model) -> None:  # type: ignore[no-untyped-def]
     """FP8_DYNAMIC: the stored FP8 weights and per-row scales cut exactly; each rank scales its own
     columns' activations where a projection is split by them, as with fp8 quantized at load."""

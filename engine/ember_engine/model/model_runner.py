@@ -291,7 +291,7 @@ class ModelRunner:
         from ember_engine.model.kernel_launch import LEDGER
 
         if self.quant is not None and self.device.type == "cpu":
-            from ember_engine.model.quant.apply import warm_up_cpu
+            from ember_engine.model.quant.linear import warm_up_cpu
 
             warm_up_cpu(self.quant)
         if not attention._use_triton(torch.empty(0, device=self.device)):

@@ -153,24 +153,6 @@ def quantize_model(model: nn.Module, spec: QuantSpec, tp: Any = None) -> None:
         setattr(parent, name, quantize_linear(linear, spec.scheme, spec.group_size, row_max))
 
 
-def warm_up_cpu(spec: QuantSpec) -> None:
-    """Compile the CPU loops of the schemes a model runs before serving (or read them from numba's
-    cache)."""
-    from ember_engine.model.quant import cpu_codebook, cpu_decode, cpu_fp4, cpu_int4
-
-    for scheme in dict.fromkeys(s.scheme for s in spec.members()):
-        if scheme == "bnb-int8":
-            continue  # torch's int8 matmul: nothing to compile
-        if scheme == "w4a16":
-            cpu_int4.warm_up(float_zeros=any(s.float_zeros for s in spec.members()))
-        elif scheme in ("bnb-nf4", "bnb-fp4", "codebook"):
-            cpu_codebook.warm_up()
-        elif scheme in ("nvfp4a16", "nvfp4"):
-            cpu_fp4.warm_up()
-        else:
-            cpu_decode.warm_up("fp8" if scheme == "w8a16-fp8" else scheme)
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and persistent buffer, a tied weight counted once."""
     seen: set[int] = set()
@@ -222,6 +204,10 @@ class QuantCollector:
                 raise UnsupportedQuantizationError(
                     f"{name}: weight_format {layout} is not supported; supported: 0 (row)"
                 )
+            return True
+        if suffix == "pre_quant_scale" and spec.format == modelopt.METHOD and module in self.layers:
+            factors = self.split.columns(name.rpartition(".")[0], tensor_slice[:])
+            self.layers[module].set_input_smooth(factors, name.rpartition(".")[0])
             return True
         if suffix not in spec.required() and suffix not in ("input_scale", "weight_zero_point", "g_idx"):
             raise UnsupportedQuantizationError(f"unexpected tensor {name!r} in a {spec.format} checkpoint")
@@ -299,7 +285,9 @@ class QuantCollector:
     def finish(self, model: nn.Module) -> None:
         """Give each quantized layer the rotations the config applies to it as the model runs (`rotations.py`);
         the parts of a merged layer must share its input's, and a layer in full precision the config rotates
-        is refused by name."""
+        is refused by name. A merged layer's parts must be smoothed alike (AWQ's `pre_quant_scale`)."""
+        for name, layer in self.layers.items():
+            layer.check_input_smooth(_parts(name))
         if not self.spec.rotations:
             return
         for name, layer in self.layers.items():

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ember_engine.model.quant.schemes import E2M1_VALUES, UnsupportedQuantizationError
+from ember_engine.model.quant.schemes import E2M1_VALUES, UnsupportedQuantizationError, e8m0_scales
 from ember_engine.model.quant.spec import OnlineRotation, QuantSpec
 
 FORMATS = (
@@ -299,17 +299,7 @@ def canonical_mx(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -
     """An MX projection's tensors in the forms its layer takes: its E8M0 scales as float32 powers of two;
     MXFP4's bytes as 4-bit codes (`weight`, column 2j in the low nibble, as compressed-tensors packs them)
     with the E2M1 values as their table (code 8 + k is -E2M1[k])."""
-    exponent = tensors["weight_scale"]
-    if exponent.dtype != torch.uint8 or bool((exponent == 255).any()):
-        found = (
-            f"255 in {int((exponent == 255).sum())} of them"
-            if exponent.dtype == torch.uint8
-            else exponent.dtype
-        )
-        raise UnsupportedQuantizationError(
-            f"{name}: MX scales must be E8M0 bytes other than 255 (NaN), found {found}"
-        )
-    scale = torch.exp2(exponent.float() - 127.0)
+    scale = e8m0_scales(tensors["weight_scale"], name)
     if spec.format == "mxfp8-quantized":
         return {"weight": tensors["weight"], "weight_scale": scale}
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))

@@ -115,7 +115,7 @@ class Fp8BlockLinear(QuantLinear):
     """Block-scaled FP8 (Hugging Face's `weight_block_size` checkpoints, MXFP8): E4M3 weight [out, in] with a
     scale per (output row, group of `group_size` input columns), each row holding its tile's scale;
     activations quantized per token and group at run time, to a scale of the group's largest magnitude
-    over 448, or (`input_quant` mxfp8) to a power of two (`schemes.quantize_activation_mx`).
+    over 448, or (`input_quant` mxfp8, mxfp8-fit: MXFP8) to a power of two (`schemes.quantize_activation_mx`).
     y = sum over groups of (x_g . w_g) * x_scale_g * w_scale_g."""
 
     scheme = "fp8"
@@ -144,10 +144,10 @@ class Fp8BlockLinear(QuantLinear):
             from ember_engine.model.quant import triton_gemm
 
             return triton_gemm.fp8_block_matmul(
-                x, self.weight, self.weight_scale, self.group_size, self.input_quant == "mxfp8"
+                x, self.weight, self.weight_scale, self.group_size, self.input_quant
             )
-        if self.input_quant == "mxfp8":
-            xq, x_scale = schemes.quantize_activation_mx(x, 8)
+        if self.input_quant:  # MXFP8's
+            xq, x_scale = schemes.quantize_activation_mx(x, *schemes.MX_INPUTS[self.input_quant])
         else:
             xq, x_scale = schemes.quantize_activation_fp8_groups(x, self.group_size)
         if x.device.type == "cpu":

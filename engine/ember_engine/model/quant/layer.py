@@ -49,6 +49,10 @@ class QuantLinear(nn.Module):
         # of the output after it
         self.input_rotation: nn.Module | None = None
         self.output_rotation: nn.Module | None = None
+        # AWQ's smoothing, where a checkpoint keeps it (ModelOpt's `pre_quant_scale`): each input column
+        # times its factor before the product; the parts that gave it (a merged layer's must all agree)
+        self.input_smooth: torch.Tensor | None = None
+        self._smooth_from: list[str] = []
 
     def set_input_order(self, order: torch.Tensor | None, name: str) -> None:
         if self._order_from is not None:
@@ -66,8 +70,36 @@ class QuantLinear(nn.Module):
         self._order_from = name
         self.input_order = None if order is None else order.to(self.weight_scale.device)
 
+    def set_input_smooth(self, factors: torch.Tensor, name: str) -> None:
+        """A part's smoothing factors [in] (a merged projection's parts share its input, so they must be the
+        same factors)."""
+        factors = factors.float().reshape(-1)
+        if factors.numel() != self.in_features or not torch.isfinite(factors).all():
+            raise schemes.UnsupportedQuantizationError(
+                f"{name}: pre_quant_scale must hold {self.in_features} finite factors, one per input column, "
+                f"found {factors.numel()}"
+            )
+        if self.input_smooth is not None and not torch.equal(factors, self.input_smooth.cpu()):
+            raise schemes.UnsupportedQuantizationError(
+                f"{name}: its pre_quant_scale differs from {self._smooth_from[0]}'s, with which it is merged "
+                "(they share an input); not supported"
+            )
+        self.input_smooth = factors.to(self.weight_scale.device)
+        self._smooth_from.append(name)
+
+    def check_input_smooth(self, parts: list[str]) -> None:
+        """Every part of a merged layer smoothed alike, or none (after loading)."""
+        if self._smooth_from and len(set(self._smooth_from)) != len(parts):
+            missing = sorted(set(parts) - set(self._smooth_from))
+            raise schemes.UnsupportedQuantizationError(
+                f"{', '.join(missing)}: no pre_quant_scale, where {self._smooth_from[0]}, with which it is "
+                "merged (they share an input), has one; not supported"
+            )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.input_smooth is not None:
+            x = (x * self.input_smooth).to(x.dtype)
         if self.input_rotation is not None:
             x = self.input_rotation(x)
         if self.input_order is not None:

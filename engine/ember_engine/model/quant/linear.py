@@ -1,7 +1,7 @@
 """Which quantized layer each scheme runs (`make_layer`), and online quantization of a full-precision
 `nn.Linear` into it (`quantize_linear`). The layers: `fp8_linear.py`, `int_linear.py`, `fp4_linear.py`,
 `codebook_linear.py`; their base and the
-choice of GPU and CPU paths: `layer.py`."""
+choice of GPU and CPU paths: `layer.py`. `warm_up_cpu` compiles the CPU loops a model's schemes run."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear, Fp8We
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 from ember_engine.model.quant.layer import QuantLinear
 from ember_engine.model.quant.llm_int8_linear import LlmInt8Linear
+from ember_engine.model.quant.spec import QuantSpec
 
 
 def make_layer(
@@ -34,13 +35,14 @@ def make_layer(
     `zero_points`: a w4a16 checkpoint's own, one per group (int8, or with `float_zeros` float32: any real
     number); w8a16's are float32. `outlier_threshold`: bitsandbytes 8-bit's
     (LLM.int8()). `input_quant`: the inputs quantized at run time, where the scheme leaves them as they
-    are (codebook: mxfp4; block-scaled fp8: mxfp8, in place of its own; w4a16: fp8 or int8 per token)."""
+    are (codebook: mxfp4; block-scaled fp8: mxfp8 or mxfp8-fit, in place of its own; w4a16: fp8 or int8
+    per token)."""
     if input_quant:
-        runs = {"codebook": ("mxfp4",), "fp8": ("mxfp8",), "w4a16": ("fp8", "int8")}
+        runs = {"codebook": ("mxfp4",), "fp8": ("mxfp8", "mxfp8-fit"), "w4a16": ("fp8", "int8")}
         if input_quant not in runs.get(scheme, ()) or not group_size:
             raise schemes.UnsupportedQuantizationError(
                 f"{scheme}: inputs quantized to {input_quant} are not supported; supported: codebook with "
-                "mxfp4, block-scaled fp8 with mxfp8, w4a16 with fp8 or int8"
+                "mxfp4, block-scaled fp8 with mxfp8 or mxfp8-fit, w4a16 with fp8 or int8"
             )
         layer = make_layer(scheme, in_features, out_features, bias, dtype, group_size)
         assert isinstance(layer, (CodebookLinear, Fp8BlockLinear, Int4Linear))
@@ -106,3 +108,21 @@ def quantize_linear(
 def _fp8_blocks(w: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = schemes.quantize_fp8_blocks(w, (side, side))
     return q, schemes.block_scales_per_row(scale, w.shape[0], side)
+
+
+def warm_up_cpu(spec: QuantSpec) -> None:
+    """Compile the CPU loops of the schemes a model runs before serving (or read them from numba's
+    cache)."""
+    from ember_engine.model.quant import cpu_codebook, cpu_decode, cpu_fp4, cpu_int4
+
+    for scheme in dict.fromkeys(s.scheme for s in spec.members()):
+        if scheme == "bnb-int8":
+            continue  # torch's int8 matmul: nothing to compile
+        if scheme == "w4a16":
+            cpu_int4.warm_up(float_zeros=any(s.float_zeros for s in spec.members()))
+        elif scheme in ("bnb-nf4", "bnb-fp4", "codebook"):
+            cpu_codebook.warm_up()
+        elif scheme in ("nvfp4a16", "nvfp4"):
+            cpu_fp4.warm_up()
+        else:
+            cpu_decode.warm_up("fp8" if scheme == "w8a16-fp8" else scheme)

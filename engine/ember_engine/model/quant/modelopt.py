@@ -24,10 +24,21 @@ float32):
   group of 16 columns, under the projection's calibrated `input_scale`, amax / (6 * 448)): `nvfp4`,
   compressed-tensors' NVFP4, whose `input_global_scale` is the reciprocal; the q/k/v (gate/up) parts of a
   merged projection take the largest of their input scales, as vLLM takes them;
+- W8A16 (INT8_WEIGHT_ONLY_CFG): int8 `weight` with a float32 `weight_scale` per output channel,
+  activations as they are (`w8a16`);
+- W4A16_AWQ (INT4_AWQ_CFG, and INT4_BLOCKWISE_WEIGHT_ONLY_CFG without AWQ's smoothing): `weight` two int4
+  values a byte along the output (row 2r in the low nibble, 2r + 1 in the high, two's complement), a
+  float32 `weight_scale` per output row and group of 128 input columns (`w4a16`), and where the export
+  could not fold AWQ's smoothing into the layer before, a `pre_quant_scale` per input column that the
+  input is multiplied by first (`QuantLinear.set_input_smooth`);
+- MXFP8 (MXFP8_DEFAULT_CFG): an E4M3 `weight` with an E8M0 `weight_scale` (bytes, 2^(e - 127)) per output
+  row and group of 32 input columns, activations quantized to MXFP8 as the model runs under ModelOpt's
+  scale, the smallest power of two at least max|x| / 448 (block-scaled `fp8`, `mxfp8-fit` inputs);
 - MIXED_PRECISION (what `mtq.auto_quantize` exports, or a config that quantizes layers differently):
   `quantized_layers` gives each quantized projection its own algorithm of these; a projection it does not
   list stays in full precision (`mixed`, each group's projections named).
-The others ModelOpt exports (NVFP4_AWQ, MXFP8, int4 AWQ, int8 SmoothQuant, W4A8) are refused by name.
+The others ModelOpt exports (NVFP4_AWQ, int8 SmoothQuant, W4A8_AWQ) are refused by name, as is a
+W4A16_AWQ export with zero points (`has_zero_point`).
 
 Excluded modules are written as names or wildcards ("model.layers.1.mlp*"); a projection is left in full
 precision where an entry is its name, matches it as a shell-style wildcard (`fnmatch`) or, for an entry
@@ -45,7 +56,7 @@ from typing import Any
 
 import torch
 
-from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError, e8m0_scales
 from ember_engine.model.quant.spec import QuantSpec
 
 METHOD = "modelopt"
@@ -57,6 +68,9 @@ ALGOS = {
     "FP8_PB_WO": QuantSpec("w8a16-fp8", METHOD, group_size=BLOCK, block_rows=BLOCK),
     "W4A16_NVFP4": QuantSpec("nvfp4a16", METHOD, group_size=16, num_bits=4),
     "NVFP4": QuantSpec("nvfp4", METHOD, group_size=16, num_bits=4, static_input=True),
+    "W8A16": QuantSpec("w8a16", METHOD, group_size=0),
+    "W4A16_AWQ": QuantSpec("w4a16", METHOD, group_size=128, num_bits=4),
+    "MXFP8": QuantSpec("fp8", METHOD, group_size=32, block_rows=1, input_quant="mxfp8-fit"),
 }
 KV_ALGOS = ("FP8",)
 MIXED = "MIXED_PRECISION"
@@ -124,6 +138,7 @@ def parse(qc: dict[str, Any]) -> QuantSpec:
         sizes = {legacy.get("group_size")} if isinstance(legacy, dict) else {qc.get("group_size")}
         for group in (qc.get("config_groups") or {}).values():
             sizes.add(((group or {}).get("weights") or {}).get("group_size"))
+        _no_zero_points(legacy if isinstance(legacy, dict) else qc, algo, "")
         return dataclasses.replace(_algo_spec(algo, sizes - {None}, ""), ignore=ignore)
     layers = (qc.get("quantization") or qc).get("quantized_layers")
     if not (isinstance(layers, dict) and layers and all(isinstance(c, dict) for c in layers.values())):
@@ -134,12 +149,21 @@ def parse(qc: dict[str, Any]) -> QuantSpec:
     for name, config in layers.items():
         algo = str(config.get("quant_algo", "")).upper()
         _algo_spec(algo, {config.get("group_size")} - {None}, f"{name}: ")
+        _no_zero_points(config, algo, f"{name}: ")
         names.setdefault(algo, []).append(name)
     groups = tuple(
         dataclasses.replace(_algo_spec(algo, set(), ""), targets=tuple(sorted(members)), ignore=ignore)
         for algo, members in sorted(names.items())
     )
     return QuantSpec("mixed", METHOD, group_size=0, targets=(), ignore=ignore, groups=groups)
+
+
+def _no_zero_points(config: dict[str, Any], algo: str, where: str) -> None:
+    if config.get("has_zero_point"):
+        raise UnsupportedQuantizationError(
+            f"modelopt checkpoint: {where}{algo} with zero points (has_zero_point) is not supported; "
+            "supported: symmetric"
+        )
 
 
 def _algo_spec(algo: str, group_sizes: set[Any], where: str) -> QuantSpec:
@@ -150,7 +174,7 @@ def _algo_spec(algo: str, group_sizes: set[Any], where: str) -> QuantSpec:
             f"{', '.join(ALGOS)}" + ("" if where else f", {MIXED}")
         )
     spec = ALGOS[algo]
-    if spec.num_bits == 4 and group_sizes - {spec.group_size}:
+    if (spec.num_bits == 4 or spec.input_quant) and group_sizes - {spec.group_size}:
         raise UnsupportedQuantizationError(
             f"modelopt checkpoint: {where}{algo} in groups of {sorted(group_sizes - {spec.group_size})[0]} is "
             f"not supported; supported: groups of {spec.group_size}"
@@ -178,6 +202,17 @@ def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> dict[str, to
                 )
             fp4["input_global_scale"] = 1.0 / scale
         return fp4
+    if spec.scheme == "w4a16":
+        packed = tensors["weight"]
+        if packed.dtype != torch.uint8 or packed.dim() != 2:
+            raise UnsupportedQuantizationError(
+                f"modelopt checkpoint: W4A16_AWQ's weight must be bytes [out / 2, in], two int4 values each, "
+                f"found {packed.dtype} {list(packed.shape)}"
+            )
+        nibbles = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
+        return {**tensors, "weight": nibbles - 16 * (nibbles >= 8).to(torch.int8)}
+    if spec.input_quant == "mxfp8-fit":
+        return {**tensors, "weight_scale": e8m0_scales(tensors["weight_scale"], "modelopt checkpoint: MXFP8")}
     if not spec.block_rows:
         return tensors
     scale = tensors["weight_scale"]

@@ -3,7 +3,8 @@
 are cut to the rank's shard as `Shard.checkpoint_range` cuts a full-precision tensor: output rows for the
 projections split by output (q/k/v, gate/up), input columns for those split by input (o, down), whose
 groups must lie within a rank's columns; a row's scale is the whole row's, so each rank holds the unsplit
-model's very values and scales. 4-bit codes two a byte along the input (NVFP4's E2M1 values, bitsandbytes'
+model's very values and scales, and a per-column tensor (AWQ's smoothing factors) is cut as the columns
+are (`columns`). 4-bit codes two a byte along the input (NVFP4's E2M1 values, bitsandbytes'
 NF4 and FP4 codes, GGUF i-quants' codes: uint8 [out, in / 2]) are cut by bytes, at the groups' edges. A quantized LM head is
 held dequantized, split by vocabulary rows as a full-precision one. What cannot be cut so (other weights
 packed along the input, run-time rotations, GPTQ's activation order) is refused by name."""
@@ -83,6 +84,17 @@ class RankSplit:
         assert start % per_byte == 0 and length % per_byte == 0  # whole groups (16, 32 or 64 columns)
         cut = weight[:, start // per_byte : (start + length) // per_byte]
         return cut.contiguous(), scale, zero
+
+    def columns(self, projection: str, vector: torch.Tensor) -> torch.Tensor:
+        """A per-input-column tensor [in] of checkpoint projection `projection` (AWQ's smoothing factors):
+        this rank's columns of a projection split by input, the whole of one split by output."""
+        if self.shard is None or self.size == 1:
+            return vector
+        span = self.shard.checkpoint_range(f"{projection}.weight", self.head_dim)
+        if span is None or span[0] == 0:
+            return vector
+        _, start, length = span
+        return vector.reshape(-1)[start : start + length]
 
     def head_rows(self, spec: Any, decoded: Decoded, empty: Callable[..., Any]) -> None:
         """Fill the rank's LM head rows from the whole head's decoded tensors (`empty(spec, in, out, bias,

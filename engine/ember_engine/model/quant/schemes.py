@@ -215,28 +215,55 @@ MX_GROUP = 32
 MX_BINADE = {4: 2, 8: 8}  # the largest binade of E2M1 (6 = 1.5 * 2^2) and of E4M3 (448 = 1.75 * 2^8)
 
 
-def quantize_activation_mx(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """MX activations (compressed-tensors' MXFP4 and MXFP8 presets), per token and group of 32 columns:
-    (values [n, in], E4M3 for 8 bits, E2M1 values in float32 for 4; float32 power-of-two scale
-    [n, in / 32]). A group's scale is its largest magnitude rounded to a power of two (up where the
-    mantissa is 1.75 or more, else down) over 2^2 or 2^8, an exponent within E8M0's [-127, 127]; each
-    value over it saturates at the format's largest (6 or 448) and rounds to the nearest value, ties to
-    the even one."""
+def quantize_activation_mx(
+    x: torch.Tensor, bits: int, fit: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX activations per token and group of 32 columns: (values [n, in], E4M3 for 8 bits, E2M1 values in
+    float32 for 4; float32 power-of-two scale [n, in / 32]). A group's scale, as compressed-tensors takes
+    it (its MXFP4 and MXFP8 presets): its largest magnitude rounded to a power of two (up where the
+    mantissa is 1.75 or more, else down) over 2^2 or 2^8, an exponent within E8M0's [-127, 127]; with
+    `fit`, as ModelOpt's MXFP8 takes it: the smallest power of two at least max|x| / 448 (that quotient
+    rounded to float32 first), 1 for a zero group. Each value over the scale saturates at the format's
+    largest (6 or 448) and rounds to the nearest value, ties to the even one."""
     n, k = x.shape
     groups = x.float().reshape(n, k // MX_GROUP, MX_GROUP)
-    mantissa, exponent = torch.frexp(groups.abs().amax(dim=-1))  # amax = mantissa * 2^exponent, [0.5, 1)
-    binade = exponent - 1 + (mantissa >= 0.875).to(exponent.dtype)
-    scale = torch.exp2((binade - MX_BINADE[bits]).clamp(-127, 127).float())
+    amax = groups.abs().amax(dim=-1)
+    if fit:
+        mantissa, exponent = torch.frexp(amax / FP8_MAX)  # [0.5, 1): a power of two where it is 0.5
+        power = torch.where(amax > 0, exponent - (mantissa == 0.5).to(exponent.dtype), 0)
+    else:
+        mantissa, exponent = torch.frexp(amax)
+        power = exponent - 1 + (mantissa >= 0.875).to(exponent.dtype) - MX_BINADE[bits]
+    scale = torch.exp2(power.clamp(-127, 127).float())
     v = groups / scale[..., None]
     q = v.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn) if bits == 8 else round_to_e2m1(v.clamp(-6.0, 6.0))
     return q.reshape(n, k), scale
 
 
+def e8m0_scales(exponent: torch.Tensor, name: str) -> torch.Tensor:
+    """MX scales as a checkpoint holds them, E8M0 bytes e (2^(e - 127); 255 is NaN), as float32."""
+    if exponent.dtype != torch.uint8 or bool((exponent == 255).any()):
+        found = (
+            f"255 in {int((exponent == 255).sum())} of them"
+            if exponent.dtype == torch.uint8
+            else exponent.dtype
+        )
+        raise UnsupportedQuantizationError(
+            f"{name}: MX scales must be E8M0 bytes other than 255 (NaN), found {found}"
+        )
+    return torch.exp2(exponent.float() - 127.0)
+
+
+# The activations a weight scheme may quantize at run time (`QuantSpec.input_quant`): MX's per group of
+# 32, compressed-tensors' rule (mxfp4, mxfp8) or ModelOpt's (mxfp8-fit); or per token (fp8, int8)
+MX_INPUTS = {"mxfp4": (4, False), "mxfp8": (8, False), "mxfp8-fit": (8, True)}
+
+
 def fake_quantize_input(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """Activations [n, in] quantized and dequantized, float32: `kind` mxfp4 or mxfp8
+    """Activations [n, in] quantized and dequantized, float32: `kind` one of MX_INPUTS
     (`quantize_activation_mx`), or fp8 or int8 per token (`quantize_activation_fp8`, `_int8`)."""
-    if kind in ("mxfp4", "mxfp8"):
-        q, scale = quantize_activation_mx(x, 4 if kind == "mxfp4" else 8)
+    if kind in MX_INPUTS:
+        q, scale = quantize_activation_mx(x, *MX_INPUTS[kind])
         return (q.float().reshape(*scale.shape, MX_GROUP) * scale[..., None]).reshape(x.shape)
     q, scale = quantize_activation_fp8(x) if kind == "fp8" else quantize_activation_int8(x)
     return q.float() * scale

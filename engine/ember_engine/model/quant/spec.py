@@ -60,7 +60,8 @@ class QuantSpec:
     outlier_threshold: float = 0.0
     # The inputs quantized at run time where the weight scheme otherwise leaves them as they are (``: not):
     # mxfp4, mxfp8 (compressed-tensors' MXFP4 and MXFP8: per token and group of 32 columns under
-    # power-of-two scales, to E2M1 or E4M3), fp8, int8 (W4AFP8 and W4A8: w4a16's weights, the inputs
+    # power-of-two scales, to E2M1 or E4M3), mxfp8-fit (ModelOpt's MXFP8: the same under its rule for the
+    # scale, `schemes.quantize_activation_mx`), fp8, int8 (W4AFP8 and W4A8: w4a16's weights, the inputs
     # per token to E4M3 or int8)
     input_quant: str = ""
     # fbgemm_fp8's activation_scale_ub: a token's largest magnitude is taken as at most this (0: unbounded)

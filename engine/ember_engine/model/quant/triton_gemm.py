@@ -246,12 +246,13 @@ def w8a8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.
 
 
 def fp8_block_matmul(
-    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: int, mx: bool = False
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: int, mx: str = ""
 ) -> torch.Tensor:
-    """x [M, K] quantized per token and group of `group_size` columns to E4M3 (with `mx`, MXFP8's groups
-    of 32 under power-of-two scales), @ (E4M3 w [N, K] * scale [N, K / group_size])^T, in x's dtype."""
+    """x [M, K] quantized per token and group of `group_size` columns to E4M3 (with `mx`, mxfp8 or
+    mxfp8-fit, MXFP8's groups of 32 under power-of-two scales), @ (E4M3 w [N, K] * scale [N, K /
+    group_size])^T, in x's dtype."""
     if mx:
-        xq, x_scale = quantize_activation_mx(x, 8)
+        xq, x_scale = quantize_activation_mx(x, 8, fit=mx == "mxfp8-fit")
     else:
         xq, x_scale = quantize_activation_fp8_groups(x, group_size)
     return _launch(
