@@ -38,26 +38,24 @@ from pathlib import Path
 
 PROMPTS, PROMPT_LENGTH, GREEDY_PROMPTS, GREEDY_TOKENS = 8, 40, 6, 12
 PARTIAL = ["*layers.1.mlp*", "*layers.0.self_attn.o_proj*"]
+# presets that are ModelOpt's configs as they are
+CONFIGS = {
+    "FP8_PCPT": "FP8_PER_CHANNEL_PER_TOKEN_CFG",
+    "FP8_PB_WO": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG",
+    "W4A16_NVFP4": "W4A16_NVFP4_CFG",
+    "NVFP4": "NVFP4_DEFAULT_CFG",
+    "W8A16": "INT8_WEIGHT_ONLY_CFG",
+    "W4A16_AWQ": "INT4_AWQ_CFG",
+    "MXFP8": "MXFP8_DEFAULT_CFG",
+}
 
 
 def _config(preset: str) -> dict:  # type: ignore[type-arg]
     """The preset's config, its rules (applied in order, a later one winning) extended for ours."""
     import modelopt.torch.quantization as mtq
 
-    if preset == "FP8_PCPT":
-        return copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG)
-    if preset == "FP8_PB_WO":
-        return copy.deepcopy(mtq.FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG)
-    if preset == "W4A16_NVFP4":
-        return copy.deepcopy(mtq.W4A16_NVFP4_CFG)
-    if preset == "NVFP4":
-        return copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
-    if preset == "W8A16":
-        return copy.deepcopy(mtq.INT8_WEIGHT_ONLY_CFG)
-    if preset == "W4A16_AWQ":
-        return copy.deepcopy(mtq.INT4_AWQ_CFG)
-    if preset == "MXFP8":
-        return copy.deepcopy(mtq.MXFP8_DEFAULT_CFG)
+    if preset in CONFIGS:
+        return copy.deepcopy(getattr(mtq, CONFIGS[preset]))
     config = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
     if preset == "FP8_KV":
         config["quant_cfg"] += copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])

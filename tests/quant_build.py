@@ -10,7 +10,8 @@ training split. W8A16_PARTIAL is W8A16 with layer 1's MLP and layer 0's o_proj l
 W4A16_GPTQ W4A16 by llm-compressor's GPTQ (calibrated, activation order "weight"), and FP8_DYNAMIC_GPTQ
 FP8_DYNAMIC by the same GPTQ (FP8 weights rounded to compensate each other's error). FP8_WEIGHT is FP8
 weights per channel with no input activations (weight-only; vLLM's W8A16-FP8), a scheme of ours given to
-llm-compressor as a config group.
+llm-compressor as a config group, and W8A8_STATIC W8A8's int8 weights with int8 activations under one
+calibrated scale per projection (static per tensor), another.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-CALIBRATED = ("FP8", "NVFP4", "W4A16_GPTQ", "FP8_DYNAMIC_GPTQ")
+CALIBRATED = ("FP8", "NVFP4", "W4A16_GPTQ", "FP8_DYNAMIC_GPTQ", "W8A8_STATIC")
 GPTQ = {"W4A16_GPTQ": "W4A16", "FP8_DYNAMIC_GPTQ": "FP8_DYNAMIC"}  # presets of ours: llm-compressor's GPTQ
 # Presets of ours: (llm-compressor's preset, extra ignore entries, targets). Some projections left in full
 # precision by name or pattern, or only the attention projections quantized.
@@ -40,13 +41,15 @@ def build(src: Path, dst: Path, scheme: str) -> None:
         from llmcompressor.modifiers.gptq import GPTQModifier
 
         recipe = GPTQModifier(targets="Linear", scheme=GPTQ[scheme], ignore=["lm_head"], actorder="weight")
-    elif scheme == "FP8_WEIGHT":
+    elif scheme in ("FP8_WEIGHT", "W8A8_STATIC"):
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-        weights = QuantizationArgs(
-            num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False
+        kind = "float" if scheme == "FP8_WEIGHT" else "int"
+        weights = QuantizationArgs(num_bits=8, type=kind, strategy="channel", symmetric=True, dynamic=False)
+        inputs = QuantizationArgs(num_bits=8, type="int", strategy="tensor", symmetric=True, dynamic=False)
+        group = QuantizationScheme(
+            targets=["Linear"], weights=weights, input_activations=inputs if kind == "int" else None
         )
-        group = QuantizationScheme(targets=["Linear"], weights=weights)
         recipe = QuantizationModifier(config_groups={"group_0": group}, ignore=["lm_head"])
     else:
         recipe = QuantizationModifier(targets=targets, scheme=preset, ignore=["lm_head", *ignore])

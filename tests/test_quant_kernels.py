@@ -130,3 +130,25 @@ def test_gguf_forms_kernel_matches_reference(
     got = layer(x)
     scale = expected.abs().max().item()
     assert (got - expected).abs().max().item() <= 1e-3 * scale, form
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_w8a8_with_a_static_input_scale_matches_reference(shape: tuple[int, int, int], monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """int8 activations under a checkpoint's calibrated scale (llm-compressor's static W8A8), values beyond
+    its range saturating at -128 and 127: the Triton kernel and the CPU's int8 matmul."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m + k + n)
+    linear = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+    layer = quantize_linear(linear, "w8a8", group_size=0)
+    layer.set_input_scale(torch.tensor([0.02]), "probe")
+    layer.to(DEVICE)
+    x = (torch.randn(m, k, generator=g) * 2).to(DEVICE)  # some beyond 127 * 0.02
+    xq, xs = schemes.quantize_activation_int8_static(x, layer.input_scale)
+    assert bool((xq == 127).any()) and bool((xq == -128).any())
+    expected = (xq.float() * xs) @ layer.dequantized().t()
+    for path in ("triton", "torch"):
+        monkeypatch.setenv("EMBER_QUANT_GEMM", path)
+        got = layer(x)
+        assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item(), path

@@ -1,9 +1,9 @@
 """Checkpoints llm-compressor wrote (compressed-tensors: FP8_DYNAMIC, FP8_BLOCK and FP8 (static activation
-scales) float-quantized, W8A8 int-quantized, W8A16, W4A16 (round-to-nearest and GPTQ) and W4A16_ASYM
+scales) float-quantized, W8A8 (dynamic per-token and static per-tensor activations) int-quantized, W8A16, W4A16 (round-to-nearest and GPTQ) and W4A16_ASYM
 pack-quantized, FP8 weights without input activations naive-quantized) load into ember and compute what
 transformers computes on the same checkpoint.
 The keys below are ember's schemes, "fp8-block" being fp8 with block-scaled weights and "fp8-static" fp8
-with calibrated per-tensor activation scales."""
+(and "w8a8-static" w8a8) with calibrated per-tensor activation scales."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ PRESETS = {
     "fp8-block": "FP8_BLOCK",
     "fp8-static": "FP8",
     "w8a8": "W8A8",
+    "w8a8-static": "W8A8_STATIC",
     "w4a16-gptq": "W4A16_GPTQ",
     "w8a16-fp8": "FP8_WEIGHT",
 }
@@ -38,6 +39,7 @@ LAYERS = {
     "fp8-block": Fp8BlockLinear,
     "fp8-static": Fp8Linear,
     "w8a8": W8A8Linear,
+    "w8a8-static": W8A8Linear,
     "w4a16-gptq": Int4Linear,
     "w8a16-fp8": Fp8WeightOnlyLinear,
 }
@@ -53,6 +55,7 @@ TOLERANCE = {
     "fp8-block": 2e-2,
     "fp8-static": 2e-2,
     "w8a8": 2e-2,
+    "w8a8-static": 2e-2,
     "w4a16-gptq": 1e-4,
     "w8a16-fp8": 1e-4,
 }
@@ -66,6 +69,7 @@ GREEDY_AGREEMENT = {
     "fp8-block": 0.75,
     "fp8-static": 0.75,
     "w8a8": 0.75,
+    "w8a8-static": 0.75,
     "w4a16-gptq": 1.0,
     "w8a16-fp8": 1.0,
 }
@@ -139,7 +143,9 @@ def _projection_inputs_and_outputs(
     return seen
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "w8a16", "fp8-block", "fp8-static", "w8a8", "w8a16-fp8"])
+@pytest.mark.parametrize(
+    "scheme", ["fp8", "w8a16", "fp8-block", "fp8-static", "w8a8", "w8a8-static", "w8a16-fp8"]
+)
 def test_projections_compute_what_the_oracles_layers_compute(scheme: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
     """Each FP8_DYNAMIC (W8A16, FP8_BLOCK) projection, given the very input the transformers +
     compressed-tensors layer saw, gives that layer's output: for fp8 the same per-token activation scales
@@ -147,7 +153,8 @@ def test_projections_compute_what_the_oracles_layers_compute(scheme: str, quanti
     per-channel (per 128x128 tile) weight scales; for w8a16 the same int8 weights and
     per-group scales, multiplied with the float32 activations as they are; for FP8 each projection's
     calibrated activation scale, the same for every token; for W8A8 the same int8 weights and per-token
-    int8 activations (scale max|x| / 127.5, compressed-tensors' rule). (Whole-model fp8 logits differ
+    int8 activations (scale max|x| / 127.5, compressed-tensors' rule), or, static, int8 activations under
+    the projection's calibrated scale (rounded half to even, saturated to [-128, 127]). (Whole-model fp8 logits differ
     a little more, because a float rounding difference elsewhere can move an activation across an E4M3
     rounding boundary.)"""
     path = quantized_model("tiny", PRESETS[scheme])
@@ -236,9 +243,14 @@ def test_asymmetric_weights_other_than_int4_groups_are_refused_by_name(
     ("edit", "message"),
     [
         (
-            lambda acts: acts.update(dynamic=False, strategy="tensor"),
-            r"int8 weights with input activations int 8-bit, strategy 'tensor' \(dynamic=False, "
-            r"symmetric=True\) are not supported; supported: int 8-bit, dynamic per token, symmetric",
+            lambda acts: acts.update(dynamic=False),
+            r"int8 weights with input activations int 8-bit, strategy 'token' \(dynamic=False, "
+            r"symmetric=True\) are not supported; supported: int 8-bit, symmetric, dynamic per token or "
+            r"static per tensor \(W8A8, w8a8\)",
+        ),
+        (
+            lambda acts: acts.update(strategy="tensor"),
+            r"int8 weights with input activations int 8-bit, strategy 'tensor' \(dynamic=True, ",
         ),
         (
             lambda acts: acts.update(symmetric=False),
@@ -251,9 +263,9 @@ def test_asymmetric_weights_other_than_int4_groups_are_refused_by_name(
             r"supported",
         ),
     ],
-    ids=["static", "asymmetric", "fp8-activations"],
+    ids=["static-per-token", "dynamic-per-tensor", "asymmetric", "fp8-activations"],
 )
-def test_w8a8_activation_schemes_other_than_dynamic_symmetric_int8_per_token_are_refused(
+def test_w8a8_activation_schemes_other_than_symmetric_int8_dynamic_per_token_or_static_are_refused(
     edit, message: str, quantized_model, tmp_path: Path, edited_checkpoint
 ) -> None:  # type: ignore[no-untyped-def]
     path = edited_checkpoint(

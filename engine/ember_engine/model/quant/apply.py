@@ -14,7 +14,7 @@ from ember_engine.model.quant.checkpoint import canonical, decode
 from ember_engine.model.quant.codebook_linear import CodebookLinear
 from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8Linear
-from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
+from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 from ember_engine.model.quant.layer import QuantLinear
 from ember_engine.model.quant.linear import make_layer, quantize_linear
 from ember_engine.model.quant.rotations import OutputRotations, RotationMatrices
@@ -266,7 +266,7 @@ class QuantCollector:
                 assert isinstance(layer, CodebookLinear)
                 layer.set_code(tensors["weight_quant_map"], projection)
             if "input_scale" in tensors:
-                assert isinstance(layer, Fp8Linear)
+                assert isinstance(layer, (Fp8Linear, W8A8Linear))
                 layer.set_input_scale(tensors["input_scale"], projection)
             self.done.add(key)
         return True

@@ -201,13 +201,16 @@ def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str
         return QuantSpec("fp8", fmt, group_size=int(block[1]), block_rows=int(block[0]))
     if acts and kind == "int" and bits == 8 and strategy in ("channel", "tensor"):
         got = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"), acts.get("symmetric", True))
-        if got != ("int", 8, "token", True) or not acts.get("dynamic"):
+        static = acts.get("dynamic") is False and got[2] == "tensor"
+        if got[:2] + got[3:] != ("int", 8, True) or not (
+            static or (acts.get("dynamic") and got[2] == "token")
+        ):
             raise UnsupportedQuantizationError(
                 f"{where}int8 weights with input activations {got[0]} {got[1]}-bit, strategy {got[2]!r} "
                 f"(dynamic={acts.get('dynamic')}, symmetric={got[3]}) are not supported; supported: int "
-                "8-bit, dynamic per token, symmetric (W8A8, w8a8)"
+                "8-bit, symmetric, dynamic per token or static per tensor (W8A8, w8a8)"
             )
-        return QuantSpec("w8a8", fmt, group_size=0, num_bits=8)
+        return QuantSpec("w8a8", fmt, group_size=0, num_bits=8, static_input=static)
     if acts and kind == "int" and bits == 4 and strategy == "group":
         got = (acts.get("type"), acts.get("num_bits"), acts.get("strategy"), acts.get("symmetric", True))
         if got not in (("float", 8, "token", True), ("int", 8, "token", True)) or not acts.get("dynamic"):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ember_engine.model.quant import cpu_decode, schemes
-from ember_engine.model.quant.layer import QuantLinear, use_triton
+from ember_engine.model.quant.layer import QuantLinear, merged_input_scale, use_triton
 
 
 class Fp8Linear(QuantLinear):
@@ -31,16 +31,8 @@ class Fp8Linear(QuantLinear):
         return self.weight
 
     def set_input_scale(self, scale: torch.Tensor, name: str) -> None:
-        """A part's calibrated activation scale. The parts of a merged projection share its input, so
-        they share one scale: the largest of theirs, which saturates none of them (vLLM's rule too)."""
-        value = scale.float().reshape(-1)
-        if value.numel() != 1 or not torch.isfinite(value).all() or value.item() <= 0:
-            raise schemes.UnsupportedQuantizationError(
-                f"{name}: input_scale must be one positive finite number (static per tensor), "
-                f"found {value.tolist()[:4]}"
-            )
-        value = value.to(self.weight_scale.device)
-        self.input_scale = value if self.input_scale is None else torch.maximum(self.input_scale, value)
+        """A part's calibrated activation scale; a merged projection's parts share the largest."""
+        self.input_scale = merged_input_scale(self.input_scale, scale, name, self.weight_scale.device)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ember_engine.model.quant import cpu_decode, cpu_int4, schemes
-from ember_engine.model.quant.layer import QuantLinear, use_triton
+from ember_engine.model.quant.layer import QuantLinear, merged_input_scale, use_triton
 
 
 class _ZeroPoints(QuantLinear):
@@ -106,20 +106,30 @@ def less_zero_points(
 
 class W8A8Linear(Int8Linear):
     """int8 weights with a scale per output channel, and int8 activations with a scale per token taken at
-    run time (W8A8-INT8): y = (xq . q) * x_scale * w_scale, the dot products exact int32 sums (torch's
-    int8 x int8 -> int32 matmul on the CPU, int8 dots in the Triton GEMM)."""
+    run time (W8A8-INT8), or, once `set_input_scale` has given it a checkpoint's calibrated scale, with
+    that scale for every token: y = (xq . q) * x_scale * w_scale, the dot products exact int32 sums
+    (torch's int8 x int8 -> int32 matmul on the CPU, int8 dots in the Triton GEMM)."""
 
     scheme = "w8a8"
+    input_scale: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__(in_features, out_features, bias, dtype, group_size=0)
+        self.register_buffer("input_scale", None)
+
+    def set_input_scale(self, scale: torch.Tensor, name: str) -> None:
+        """A part's calibrated activation scale; a merged projection's parts share the largest."""
+        self.input_scale = merged_input_scale(self.input_scale, scale, name, self.weight_scale.device)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x) and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0)):
             from ember_engine.model.quant import triton_gemm  # int8 dots: compute capability 8.0 and up
 
-            return triton_gemm.w8a8_matmul(x, self.weight, self.weight_scale)
-        xq, x_scale = schemes.quantize_activation_int8(x)
+            return triton_gemm.w8a8_matmul(x, self.weight, self.weight_scale, self.input_scale)
+        if self.input_scale is not None:
+            xq, x_scale = schemes.quantize_activation_int8_static(x, self.input_scale)
+        else:
+            xq, x_scale = schemes.quantize_activation_int8(x)
         if x.device.type == "cpu" and x.shape[0] > 0:
             sums = torch._int_mm(xq, self.weight.t())
             return (sums.float() * x_scale * self.weight_scale.reshape(1, -1)).to(x.dtype)

@@ -31,6 +31,22 @@ def use_triton(x: torch.Tensor) -> bool:
     return mode == "triton" or x.is_cuda
 
 
+def merged_input_scale(
+    current: torch.Tensor | None, scale: torch.Tensor, name: str, device: torch.device
+) -> torch.Tensor:
+    """A part's calibrated static activation scale, merged into the layer's: the parts of a merged
+    projection share its input, so they share one scale, the largest of theirs, which saturates none of
+    them (vLLM's rule too)."""
+    value = scale.float().reshape(-1)
+    if value.numel() != 1 or not torch.isfinite(value).all() or value.item() <= 0:
+        raise schemes.UnsupportedQuantizationError(
+            f"{name}: input_scale must be one positive finite number (static per tensor), "
+            f"found {value.tolist()[:4]}"
+        )
+    value = value.to(device)
+    return value if current is None else torch.maximum(current, value)
+
+
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W held quantized. Subclasses set the scheme and the buffers."""
 

@@ -140,6 +140,15 @@ def quantize_activation_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> tupl
     return q, s.expand(x.shape[0], 1)
 
 
+def quantize_activation_int8_static(
+    x: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 with a calibrated scale for every token (compressed-tensors' static per-tensor activations):
+    round(x / scale) (half to even) saturated to [-128, 127]; (values [n, in], float32 scale [n, 1])."""
+    s = scale.float().reshape(1, 1)
+    return torch.round(x.float() / s).clamp_(-128, 127).to(torch.int8), s.expand(x.shape[0], 1)
+
+
 def quantize_activation_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (row) dynamic int8, compressed-tensors' symmetric rule (the format's reference): scale
     max|x| / 127.5, values round(x / scale) (half to even) in [-128, 127]: (values [n, in], float32 scale

@@ -112,7 +112,7 @@ class QuantSpec:
             "float-quantized": scaled,
             "pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_shape"})
             | ({"weight_zero_point"} if self.zero_points else set()),
-            "int-quantized": frozenset({"weight", "weight_scale"}),
+            "int-quantized": scaled,
             "naive-quantized": scaled,
             "mxfp4-pack-quantized": frozenset({"weight_packed", "weight_scale"}),
             "mxfp8-quantized": frozenset({"weight", "weight_scale"}),

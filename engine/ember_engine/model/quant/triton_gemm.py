@@ -33,6 +33,7 @@ from ember_engine.model.quant.schemes import (
     quantize_activation_fp8_groups,
     quantize_activation_fp8_static,
     quantize_activation_int8,
+    quantize_activation_int8_static,
     quantize_activation_mx,
 )
 
@@ -231,9 +232,15 @@ def fp4_matmul(
     )
 
 
-def w8a8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] quantized per token to int8, @ (int8 w [N, K] * scale [N, 1])^T, in x's dtype."""
-    xq, x_scale = quantize_activation_int8(x)
+def w8a8_matmul(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] quantized to int8 per token (or with the static `input_scale` for every token), @ (int8 w
+    [N, K] * scale [N, 1])^T, in x's dtype."""
+    if input_scale is None:
+        xq, x_scale = quantize_activation_int8(x)
+    else:
+        xq, x_scale = quantize_activation_int8_static(x, input_scale)
     return _launch(
         xq,
         w,
