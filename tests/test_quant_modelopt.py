@@ -409,6 +409,14 @@ QKV = "model.layers.1.self_attn"
             lambda q: q.update(group_size=64),
             r"W4A16_AWQ in groups of 64 is not supported; supported: groups of 128",
         ),
+        (  # config.json's form names no group size: the scales' shape tells (groups of 64 here)
+            lambda s: s.update(
+                {k: v.repeat_interleave(2, dim=1) for k, v in s.items() if k.endswith("weight_scale")}
+            ),
+            None,
+            r"model.layers.\d.\w+.\w+: W4A16_AWQ's weight_scale \[\d+, \d+\] for \d+ input columns is not one "
+            r"scale per row and group of 128; supported: groups of 128",
+        ),
     ],
 )
 def test_awq_exports_it_cannot_run_are_refused_by_name(

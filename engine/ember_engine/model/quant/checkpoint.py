@@ -201,7 +201,7 @@ def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> d
     compressed-tensors' (`modelopt.canonical`), MX formats' with float32 scales (`compressed_tensors.canonical_mx`),
     the others as they are."""
     if spec.format == modelopt.METHOD:
-        return modelopt.canonical(spec, tensors)
+        return modelopt.canonical(spec, tensors, name)
     if spec.format in compressed_tensors.MX:
         return compressed_tensors.canonical_mx(spec, tensors, name)
     return tensors

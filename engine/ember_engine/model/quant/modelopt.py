@@ -182,7 +182,7 @@ def _algo_spec(algo: str, group_sizes: set[Any], where: str) -> QuantSpec:
     return spec
 
 
-def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
     """One projection's tensors in the names and shapes the compressed-tensors forms have: FP8_PB_WO's
     `weight_scale` as [row tiles, column tiles]; W4A16_NVFP4's and NVFP4's as NVFP4A16's and NVFP4's
     (`weight_packed`, `weight_global_scale`, the reciprocal of `weight_scale_2`, and NVFP4's
@@ -209,10 +209,16 @@ def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> dict[str, to
                 f"modelopt checkpoint: W4A16_AWQ's weight must be bytes [out / 2, in], two int4 values each, "
                 f"found {packed.dtype} {list(packed.shape)}"
             )
+        scale = tensors["weight_scale"]
+        if scale.dim() != 2 or scale.shape[1] * spec.group_size != packed.shape[1]:
+            raise UnsupportedQuantizationError(  # config.json's form names no group size: 128 is taken
+                f"{name}: W4A16_AWQ's weight_scale {list(scale.shape)} for {packed.shape[1]} input columns is "
+                f"not one scale per row and group of {spec.group_size}; supported: groups of {spec.group_size}"
+            )
         nibbles = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
         return {**tensors, "weight": nibbles - 16 * (nibbles >= 8).to(torch.int8)}
     if spec.input_quant == "mxfp8-fit":
-        return {**tensors, "weight_scale": e8m0_scales(tensors["weight_scale"], "modelopt checkpoint: MXFP8")}
+        return {**tensors, "weight_scale": e8m0_scales(tensors["weight_scale"], name)}
     if not spec.block_rows:
         return tensors
     scale = tensors["weight_scale"]
