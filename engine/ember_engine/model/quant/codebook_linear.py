@@ -36,7 +36,6 @@ class CodebookLinear(QuantLinear):
         # the CPU loops' form of the table, derived from it: each byte's two values (2 KB, not weights)
         self.code_pairs = cpu_codebook.pair_table(self.code)
         self._code_from: str | None = None
-        self.input_quant = ""  # mxfp4: the activations quantized to MXFP4 (`schemes.fake_quantize_input`)
 
     def weight_data(self) -> torch.Tensor:
         return self.weight_packed

@@ -126,7 +126,6 @@ class Fp8BlockLinear(QuantLinear):
         self.register_buffer(
             "weight_scale", torch.ones(out_features, in_features // group_size, dtype=torch.float32)
         )
-        self.input_quant = ""
 
     def weight_data(self) -> torch.Tensor:
         return self.weight

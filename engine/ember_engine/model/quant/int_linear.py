@@ -165,8 +165,6 @@ class Int4Linear(_ZeroPoints):
         zero_dtype = torch.float32 if float_zeros else torch.int8
         zeros = torch.zeros(out_features, groups, dtype=zero_dtype) if zero_points else None
         self.register_buffer("weight_zero", zeros)
-        # fp8 or int8 (compressed-tensors' W4AFP8, W4A8): the inputs quantized per token and back first
-        self.input_quant = ""
 
     def weight_data(self) -> torch.Tensor:
         return self.weight_packed

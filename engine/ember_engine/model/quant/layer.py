@@ -69,6 +69,10 @@ class QuantLinear(nn.Module):
         # times its factor before the product; the parts that gave it (a merged layer's must all agree)
         self.input_smooth: torch.Tensor | None = None
         self._smooth_from: list[str] = []
+        # The inputs quantized at run time where the scheme otherwise leaves them (`QuantSpec.input_quant`,
+        # set by `linear.make_layer`): the codebook and w4a16 layers quantize and dequantize them first
+        # (`schemes.fake_quantize_input`); block-scaled fp8 takes MXFP8's scales in place of its own.
+        self.input_quant = ""
 
     def set_input_order(self, order: torch.Tensor | None, name: str) -> None:
         if self._order_from is not None:
