@@ -10,6 +10,9 @@ from ember_engine.model.quant import schemes
 from ember_engine.model.quant.linear import quantize_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The torch path's tolerance for fp8 activations: on the CPU float32 sums (their rounding only); on a GPU
+# cuBLAS's FP8 matmul, whose tensor cores (Hopper's) add the products with fewer bits than float32 has.
+TORCH_FP8_TOLERANCE = 1e-3 if DEVICE == "cuda" else 1e-5
 # (rows, in, out): a decode row, ragged tiles on every side, a prefill-sized block.
 SHAPES = [(1, 128, 64), (5, 256, 96), (33, 128, 200)]
 
@@ -55,7 +58,8 @@ def test_kernel_matches_reference(layout: tuple[str, int], shape: tuple[int, int
     scale = expected.abs().max().item()
     assert (got - expected).abs().max().item() <= 1e-3 * scale, scheme
     # The torch path computes in the activations' dtype (float32 here): rounding of the sums only.
-    assert (torch_path - expected).abs().max().item() <= 1e-5 * scale, scheme
+    tolerance = TORCH_FP8_TOLERANCE if scheme == "fp8" and not group_size else 1e-5
+    assert (torch_path - expected).abs().max().item() <= tolerance * scale, scheme
 
 
 @pytest.mark.parametrize("tile", [0, 32], ids=["per-channel", "tiles-32"])
@@ -81,7 +85,7 @@ def test_fp8_weight_only_kernel_matches_reference(
     layer = layer.to(DEVICE)
     x = torch.randn(m, k, generator=g).to(DEVICE)
     expected = (x.double() @ layer.dequantized().double().t()).float()
-    assert (layer.dequantized() - w).abs().max().item() <= 0.07 * w.abs().max().item()  # E4M3's step
+    assert (layer.dequantized().cpu() - w).abs().max().item() <= 0.07 * w.abs().max().item()  # E4M3's step
     monkeypatch.setenv("EMBER_QUANT_GEMM", "triton")
     got = layer(x)
     monkeypatch.setenv("EMBER_QUANT_GEMM", "torch")

@@ -165,7 +165,10 @@ def test_each_path_computes_the_product_of_the_quantized_activations(
     monkeypatch.setenv("EMBER_QUANT_GEMM", path)
     got = layer(x)
     assert got.shape == (rows, n) and got.dtype == torch.float32
-    assert (got.double() - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
+    # Hopper's FP8 tensor cores (the Triton GEMM's E4M3 dots, in tiles of 64 rows) add a step's products
+    # with fewer bits than float32 has; each step's sum is then added in float32.
+    tolerance = 1e-3 if DEVICE == "cuda" and bits == 8 and path == "triton" else 1e-6
+    assert (got.double() - expected).abs().max().item() <= tolerance * expected.abs().max().item()
 
 
 def _activations(bits: int, **changed):  # type: ignore[no-untyped-def]

@@ -56,6 +56,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "ember_engine.bench.quant",
         "quantized weights (fp8, w8a16, w4a16, w8a8) against full precision",
     ),
+    "gemm": ("ember_engine.bench.gemm", "each quantized layer's product against full precision's, by shape"),
     "step": ("ember_engine.bench.step", "host time per engine step, model forward stubbed, by component"),
     "scale": (
         "ember_localcluster.bench_scale",

@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -201,17 +202,30 @@ def main(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else packaged_pair()[0]
     text = held_out(model)
     torch.set_num_threads(torch.get_num_threads())
-    configs = [measure(model, None, args, text)]
-    configs += [measure(model, s, args, text) for s in args.schemes.split(",") if s]
-    if args.kv_fp8:
-        configs.append(measure(model, None, args, text, kv_cache_dtype="fp8"))
-    if args.kv_e5m2:
-        configs.append(measure(model, None, args, text, kv_cache_dtype="fp8_e5m2"))
+    checkpoints = []
     for spec in args.checkpoint:
         label, sep, path = spec.partition("=")
         if not sep or not label or not path:
             raise SystemExit(f"--checkpoint: expected LABEL=DIR, got {spec!r}")
-        configs.append(measure(Path(path), None, args, text, label=label))
+        checkpoints.append((label, Path(path)))
+    start = time.perf_counter()
+
+    def timed(
+        row: tuple[dict[str, Any], Any, list[list[int]]],
+    ) -> tuple[dict[str, Any], Any, list[list[int]]]:
+        print(
+            f"measured {row[0]['scheme']} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True
+        )
+        return row
+
+    configs = [timed(measure(model, None, args, text))]
+    configs += [timed(measure(model, s, args, text)) for s in args.schemes.split(",") if s]
+    if args.kv_fp8:
+        configs.append(timed(measure(model, None, args, text, kv_cache_dtype="fp8")))
+    if args.kv_e5m2:
+        configs.append(timed(measure(model, None, args, text, kv_cache_dtype="fp8_e5m2")))
+    for label, path in checkpoints:
+        configs.append(timed(measure(path, None, args, text, label=label)))
     measure_rates(configs, args.repeats)
     rows = [row for row, _, _ in configs]
     base = rows[0]

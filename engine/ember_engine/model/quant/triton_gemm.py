@@ -20,6 +20,13 @@ widened in registers, so only the quantized bytes cross memory:
   columns: block-scaled weights) as w8a16's are, the activations as they are;
 - bnb-nf4, bnb-fp4 and codebook (MXFP4's activations come as nvfp4's do): two 4-bit codes a byte, each looked up in the layer's 16-value table (passed as
   x_scale) and scaled per block of GROUP columns as w4a16's are.
+
+Where a K step lies in one group of scales (groups of 32 columns or more: int8, int4, the 4-bit codes,
+fp8 weight-only), the step's values are multiplied as they are (int4, int8 and E4M3 are exact in bf16 and
+fp16) and its sums scaled per column; nvfp4's groups of 16 are scaled value by value before the dot.
+float32 activations are multiplied in float32 (`input_precision="ieee"`), as torch's float32 matmul does
+by default: the tensor cores' TF32 would round the operands to 10 bits. Tiles are chosen by the number of
+rows and the output width (`_blocks`), not tuned per device.
 """
 
 from __future__ import annotations
@@ -44,6 +51,15 @@ _INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8, _FP4, _CODEBOOK, _FP8_WEIGHT = 0, 1, 2, 3
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with float32 sums; float32 operands multiplied in full float32 (`IEEE`), as torch's float32
+    matmul does by default, not rounded to TF32 by the tensor cores."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr,
     w_ptr,
@@ -61,6 +77,8 @@ def _gemm_kernel(
     GROUP: tl.constexpr,
     WEIGHT: tl.constexpr,
     FP8_DOT: tl.constexpr,
+    STEP_SCALE: tl.constexpr,
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -104,12 +122,18 @@ def _gemm_kernel(
                 q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
                 if WEIGHT == 7:  # E4M3 bytes
                     q = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            sptrs = scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None]
-            s = tl.load(sptrs, mask=wmask, other=0)
-            if WEIGHT == 5:  # E4M3 group scales (bytes) over the row's global scale
-                gs = tl.load(x_scale_ptr + offs_n, mask=mask_n, other=1.0)
-                s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) / gs[None, :]
-            acc += tl.dot(x, (q.to(tl.float32) * s).to(x.dtype))
+            if STEP_SCALE:
+                # The step lies in one group: the values (exact in the activations' dtype: int4, int8,
+                # E4M3) are multiplied as they are and the step's sums scaled per column.
+                s = tl.load(scale_ptr + offs_n * stride_sn + k0 // GROUP, mask=mask_n, other=0)
+                acc += _dot(x, q.to(x.dtype), IEEE) * s[None, :]
+            else:
+                sptrs = scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None]
+                s = tl.load(sptrs, mask=wmask, other=0)
+                if WEIGHT == 5:  # E4M3 group scales (bytes) over the row's global scale
+                    gs = tl.load(x_scale_ptr + offs_n, mask=mask_n, other=1.0)
+                    s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) / gs[None, :]
+                acc += _dot(x, (q.to(tl.float32) * s).to(x.dtype), IEEE)
         else:
             raw = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
             w8 = raw.to(tl.float8e4nv, bitcast=True)
@@ -132,9 +156,18 @@ def _gemm_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _blocks(m: int) -> tuple[int, int, int]:
-    # Decode-sized batches take thin M tiles; tl.dot needs every tile side >= 16.
-    return (16 if m <= 16 else 32 if m <= 32 else 64), 64, 64
+def _blocks(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, pipeline stages) for an [m, K] x [K, n] product. Decode-sized
+    batches read the weight once and are bound by memory: thin M tiles, N tiles narrow enough that every
+    multiprocessor has programs (132 on an H100/H200), long K steps with several loads in flight. Larger
+    batches are bound by the dots: wide tiles. tl.dot needs every tile side >= 16."""
+    if m <= 16:
+        return 16, (32 if n <= 8192 else 64), 128, 4, 4
+    if m <= 64:
+        return (32 if m <= 32 else 64), 64, 64, 4, 4
+    if m <= 256:
+        return 64, 128, 64, 4, 3
+    return 128, 128, 64, 8, 3
 
 
 def _launch(
@@ -150,9 +183,14 @@ def _launch(
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    bm, bn, bk = _blocks(m)
+    bm, bn, bk, warps, stages = _blocks(m, n)
     if weight == _FP8_BLOCK:  # a BLOCK_K step must lie within one group of scales
-        bk = next(b for b in (64, 32, 16) if group % b == 0)
+        bk = next(b for b in (bk, 64, 32, 16) if group % b == 0)
+    # Scales per group applied to each step's sums where a step lies in one group (groups of 32 columns
+    # or more); nvfp4's groups of 16 are scaled value by value.
+    step_scale = weight in (_INT8, _INT4, _CODEBOOK, _FP8_WEIGHT) and group % 32 == 0
+    if step_scale:
+        bk = next(b for b in (bk, 64, 32) if group % b == 0)
     fp8_dot = (
         weight in (_FP8, _FP8_BLOCK) and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
     )
@@ -174,9 +212,13 @@ def _launch(
         GROUP=group,
         WEIGHT=weight,
         FP8_DOT=fp8_dot,
+        STEP_SCALE=step_scale,
+        IEEE=x.dtype == torch.float32,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        num_warps=warps,
+        num_stages=stages,
     )
     return y
 
