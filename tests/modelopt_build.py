@@ -15,12 +15,17 @@ quantized to NVFP4 as the model runs, under a calibrated global scale per projec
 (INT8_WEIGHT_ONLY_CFG: int8 weights per output channel, activations as they are) or W4A16_AWQ
 (INT4_AWQ_CFG: int4 weights in groups of 128 after AWQ's smoothing, calibrated; the export packs two a
 byte along the output and keeps a `pre_quant_scale` per input column where it cannot fold it into the
-layer before), or MXFP8 (MXFP8_DEFAULT_CFG: E4M3 weights under an E8M0 scale per group of 32, and
-activations quantized the same way as the model runs).
+layer before), MXFP8 (MXFP8_DEFAULT_CFG: E4M3 weights under an E8M0 scale per group of 32, and
+activations quantized the same way as the model runs), INT8_SQ (INT8_SMOOTHQUANT_CFG: SmoothQuant's
+factors per input column, int8 weights per output channel, int8 activations under a calibrated scale
+per projection; the export keeps the factors as `pre_quant_scale`) or W4A8_AWQ (W4A8_AWQ_BETA_CFG:
+W4A16_AWQ's int4 weights, each then rounded to E4M3 under a scale per tensor, and FP8 activations under
+a calibrated scale per projection).
 
-No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own: for the FP8, W8A16 and
-W4A16_AWQ presets its simulated quantization (AWQ's smoothing scales applied to each input as it runs), the model the checkpoint was exported from (holding the exported weights, see
-`_exported_weights`); for W4A16_NVFP4 and NVFP4, whose simulation ModelOpt runs on CUDA only,
+No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own: for the FP8, W8A16,
+W4A16_AWQ, INT8_SQ and W4A8_AWQ presets its simulated quantization (AWQ's and SmoothQuant's factors applied
+to each input as it runs), the model the checkpoint was exported from (holding the exported weights, see
+`_exported_weights`; W4A8_AWQ's as its two weight quantizers compute them); for W4A16_NVFP4 and NVFP4, whose simulation ModelOpt runs on CUDA only,
 transformers' model holding the weights ModelOpt's `NVFP4QTensor` dequantizes from the export (W4A16_NVFP4's
 weights need no calibration data, so none is run), and for NVFP4 each quantized projection's input
 quantized by `NVFP4QTensor` too, under the exported `input_scale` (`_nvfp4_inputs`); for MXFP8, whose
@@ -47,6 +52,9 @@ CONFIGS = {
     "W8A16": "INT8_WEIGHT_ONLY_CFG",
     "W4A16_AWQ": "INT4_AWQ_CFG",
     "MXFP8": "MXFP8_DEFAULT_CFG",
+    "INT8_SQ": "INT8_SMOOTHQUANT_CFG",
+    "W4A8_AWQ": "W4A8_AWQ_BETA_CFG",
+    "NVFP4_AWQ": "NVFP4_DEFAULT_CFG",  # then smoothed by `_smooth`
 }
 
 
@@ -73,7 +81,7 @@ def _config(preset: str) -> dict:  # type: ignore[type-arg]
     return config
 
 
-def _exported_weights(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
+def _exported_weights(model, dst: Path, simulated: dict | None = None) -> None:  # type: ignore[no-untyped-def,type-arg]
     """Give each quantized projection of the simulated model the weight its export holds (E4M3 values
     times their scales). The export divides a weight by its scale where the simulation multiplies by the
     scale's reciprocal, and the two can round a value at the midpoint of two E4M3 steps apart (measured:
@@ -88,6 +96,12 @@ def _exported_weights(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
         if f"{name}.weight_scale" not in stored:
             continue
         weight, scale = stored[f"{name}.weight"], stored[f"{name}.weight_scale"].float()
+        if f"{name}.weight_scale_2" in stored:  # W4A8_AWQ: its two weight quantizers' product
+            module.weight.data = _w4a8_weight(weight, scale, stored[f"{name}.weight_scale_2"].float())
+            if f"{name}.pre_quant_scale" in stored:  # not re-smoothed by the export: the simulation's weight
+                assert torch.allclose(module.weight.data, simulated[name], rtol=1e-6, atol=0), name
+            module.weight_quantizer.disable()  # applied twice, the two are not idempotent
+            continue
         if weight.dtype == torch.uint8:  # int4 two a byte along the output, a scale per group of 128
             nibbles = torch.stack([weight & 15, weight >> 4], dim=1).reshape(-1, weight.shape[1])
             weight = nibbles.to(torch.int8) - 16 * (nibbles >= 8).to(torch.int8)
@@ -103,6 +117,73 @@ def _exported_weights(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
         assert torch.allclose(again, module.weight, rtol=1e-6, atol=0), name
 
 
+def _w4a8_weight(packed, scale, outer):  # type: ignore[no-untyped-def]
+    """W4A8_AWQ's exported weight as the weight ModelOpt's simulation computes with: its int4 values (two a
+    byte along the output) times their group's scale, rounded to E4M3 under `weight_scale_2` (the second of
+    its two weight quantizers), times that scale."""
+    import torch
+
+    nibbles = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1, packed.shape[1])
+    values = (nibbles.to(torch.int8) - 16 * (nibbles >= 8).to(torch.int8)).float()
+    fp8 = (values * scale.repeat_interleave(128, dim=1) / outer).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return fp8.float() * outer
+
+
+def _simulated_weights(model) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """Each quantized projection's weight as the simulation computes with it (before the export packs the
+    model's weights in place)."""
+    import torch
+
+    with torch.inference_mode():
+        return {
+            name: module.weight_quantizer(module.weight).clone()
+            for name, module in model.named_modules()
+            if getattr(module, "weight_quantizer", None) is not None and module.weight_quantizer.is_enabled
+        }
+
+
+def _input_maxima(model, calibrate) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """Each projection's largest input magnitude per column over the calibration rows."""
+    import torch
+
+    maxima: dict = {}  # type: ignore[type-arg]
+
+    def hook(name: str):  # type: ignore[no-untyped-def]
+        def record(module, args):  # type: ignore[no-untyped-def]
+            m = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
+            maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
+
+        return record
+
+    handles = [
+        module.register_forward_pre_hook(hook(name))
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers.")
+    ]
+    with torch.no_grad():
+        calibrate(model)
+    for handle in handles:
+        handle.remove()
+    return maxima
+
+
+def _smooth(model, maxima: dict, calibrate) -> None:  # type: ignore[no-untyped-def,type-arg]
+    """AWQ's smoothing set by hand (its search runs NVFP4's simulation, which ModelOpt has on CUDA only):
+    each projection's weight columns times sqrt(max|x|), its input quantizer's `pre_quant_scale` the
+    reciprocal, then every amax calibrated again. The export writes NVFP4_AWQ, folding the factors into
+    the norms before q/k/v and gate/up (and down's into up's rows) and keeping o's as `pre_quant_scale`."""
+    import modelopt.torch.quantization as mtq
+    import torch
+
+    for name, module in model.named_modules():
+        if name in maxima:
+            factors = maxima[name].clamp(min=1e-2).sqrt()
+            with torch.no_grad():
+                module.weight.mul_(factors)
+            module.input_quantizer.pre_quant_scale = 1 / factors
+    mtq.calibrate(model, algorithm="max", forward_loop=calibrate)
+
+
 def _nvfp4_model(src: Path, dst: Path):  # type: ignore[no-untyped-def]
     """transformers' model of `src` holding, for each projection the export quantized, the weight
     ModelOpt's NVFP4QTensor dequantizes from the exported tensors (in float32)."""
@@ -113,6 +194,13 @@ def _nvfp4_model(src: Path, dst: Path):  # type: ignore[no-untyped-def]
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     stored = load_file(str(dst / "model.safetensors"))
+    own = model.state_dict()
+    with (
+        torch.no_grad()
+    ):  # what the export changed besides the projections: the norms it folded smoothing into
+        for key, value in stored.items():
+            if key in own and value.dtype == own[key].dtype and value.shape == own[key].shape:
+                own[key].copy_(value)
     for name in _quantized(stored):
         module = model.get_submodule(name)
         packed = NVFP4QTensor(module.weight.shape, torch.float32, stored[f"{name}.weight"])
@@ -127,16 +215,17 @@ def _nvfp4_model(src: Path, dst: Path):  # type: ignore[no-untyped-def]
 def _nvfp4_inputs(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
     """Quantize each exported NVFP4 projection's input to NVFP4 and back as ModelOpt's `NVFP4QTensor`
     quantizes a tensor (per group of 16 columns an E4M3 scale of the group's max|x| / 6 under the global
-    scale, each value rounded to E2M1), its global scale the exported `input_scale`."""
+    scale, each value rounded to E2M1), its global scale the exported `input_scale`; first times the
+    exported `pre_quant_scale`, where there is one (NVFP4_AWQ)."""
     import torch
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
     from safetensors.torch import load_file
 
     stored = load_file(str(dst / "model.safetensors"))
 
-    def hook(global_scale: torch.Tensor):  # type: ignore[no-untyped-def]
+    def hook(global_scale: torch.Tensor, smooth: torch.Tensor | None):  # type: ignore[no-untyped-def]
         def quantize(module, args):  # type: ignore[no-untyped-def]
-            x = args[0]
+            x = args[0] if smooth is None else args[0] * smooth
             flat = x.reshape(-1, x.shape[-1]).float()
             packed, scale, double = NVFP4QTensor.quantize(flat, 16, weights_scaling_factor_2=global_scale)
             flat = packed.dequantize(
@@ -148,7 +237,8 @@ def _nvfp4_inputs(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
 
     for name in _quantized(stored):
         scale = stored[f"{name}.input_scale"].float()
-        model.get_submodule(name).register_forward_pre_hook(hook(scale))
+        smooth = stored.get(f"{name}.pre_quant_scale")
+        model.get_submodule(name).register_forward_pre_hook(hook(scale, smooth))
 
 
 def _mxfp8_model(src: Path, dst: Path):  # type: ignore[no-untyped-def]
@@ -210,17 +300,21 @@ def build(src: Path, dst: Path, preset: str) -> None:
             m(row)
 
     weight_only = preset in ("W4A16_NVFP4", "W8A16", "MXFP8")  # MXFP8's inputs: no calibration, on CUDA only
+    maxima = _input_maxima(model, calibrate) if preset == "NVFP4_AWQ" else {}
     model = mtq.quantize(model, _config(preset), forward_loop=None if weight_only else calibrate)
+    if maxima:
+        _smooth(model, maxima, calibrate)
+    simulated = _simulated_weights(model) if preset == "W4A8_AWQ" else None
     export_hf_checkpoint(model, export_dir=dst)
     copy_tokenizer(src, dst)
     if preset == "MXFP8":
         model = _mxfp8_model(src, dst)
-    elif preset in ("W4A16_NVFP4", "NVFP4"):
+    elif preset in ("W4A16_NVFP4", "NVFP4", "NVFP4_AWQ"):
         model = _nvfp4_model(src, dst)
-        if preset == "NVFP4":
+        if preset != "W4A16_NVFP4":
             _nvfp4_inputs(model, dst)
     else:
-        _exported_weights(model, dst)
+        _exported_weights(model, dst, simulated)
     oracle(model, dst)
 
 

@@ -19,7 +19,7 @@ from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant import modelopt, schemes
 from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear, Fp8WeightOnlyLinear
-from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
+from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 from ember_engine.model.quant.spec import QuantSpec
 
 BUILD = "modelopt_build.py"
@@ -36,11 +36,14 @@ PRESETS = {
     "W8A16": ("w8a16", False, Int8Linear),
     "W4A16_AWQ": ("w4a16", False, Int4Linear),
     "MXFP8": ("fp8", False, Fp8BlockLinear),
+    "NVFP4_AWQ": ("nvfp4", True, Fp4Linear),
+    "INT8_SQ": ("w8a8", True, W8A8Linear),
+    "W4A8_AWQ": ("fp8", True, Fp8Linear),  # held as the E4M3 weights it computes with
 }
 # the same products as ModelOpt's, float rounding apart: weight-only, and NVFP4, whose activations both
 # sides quantize under the same scales (measured: every prompt's logits within 2.3e-7 of their range;
 # W8A16 and W4A16_AWQ within 4.3e-7), as MXFP8's do (within 2.9e-7)
-EXACT = ("FP8_PB_WO", "W4A16_NVFP4", "NVFP4", "W8A16", "W4A16_AWQ", "MXFP8")
+EXACT = ("FP8_PB_WO", "W4A16_NVFP4", "NVFP4", "NVFP4_AWQ", "W8A16", "W4A16_AWQ", "MXFP8")
 DOWN = "model.layers.0.mlp.down_proj"
 
 
@@ -99,11 +102,26 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
         assert torch.equal(down.input_smooth, stored[DOWN + ".pre_quant_scale"])
         attention = model.layers[0].self_attn
         assert attention.qkv_proj.input_smooth is None and attention.o_proj.input_smooth is not None
+    elif preset == "W4A8_AWQ":  # int4 values times their group's scale, rounded to E4M3 under weight_scale_2
+        packed, outer = stored[DOWN + ".weight"], stored[DOWN + ".weight_scale_2"]
+        values = torch.stack([packed & 15, packed >> 4], dim=1).reshape(128, 256).to(torch.int8)
+        values = values - 16 * (values >= 8).to(torch.int8)
+        fp8 = (values * scale.repeat_interleave(128, dim=1) / outer).to(torch.float8_e4m3fn)
+        assert torch.equal(down.weight.view(torch.uint8), fp8.view(torch.uint8))
+        assert torch.equal(down.weight_scale, outer.expand(128))
+        # AWQ's smoothing where the export kept it (o and down; folded into the norms before q/k/v, gate/up)
+        assert torch.equal(down.input_smooth, stored[DOWN + ".pre_quant_scale"])
+        assert model.layers[0].self_attn.qkv_proj.input_smooth is None
     else:
         assert torch.equal(down.weight_data().view(torch.uint8), stored[DOWN + ".weight"].view(torch.uint8))
-    if layer_class is Int8Linear:
+    if layer_class is W8A8Linear:  # SmoothQuant's factors on every projection's input, q/k/v's shared
         assert torch.equal(down.weight_scale.reshape(-1), scale)
-    elif layer_class is Int4Linear:
+        assert torch.equal(down.input_smooth, stored[DOWN + ".pre_quant_scale"])
+        qkv = model.layers[0].self_attn.qkv_proj
+        assert torch.equal(qkv.input_smooth, stored["model.layers.0.self_attn.k_proj.pre_quant_scale"])
+    elif layer_class is Int8Linear:
+        assert torch.equal(down.weight_scale.reshape(-1), scale)
+    elif layer_class is Int4Linear or preset == "W4A8_AWQ":
         pass
     elif layer_class is Fp8BlockLinear:  # E8M0 bytes e, a scale 2^(e - 127) per row and group of 32
         assert stored[DOWN + ".weight_scale"].dtype == torch.uint8 and down.input_quant == "mxfp8-fit"
@@ -123,6 +141,12 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
         assert torch.equal(down.input_global.reshape(()), 1 / stored[DOWN + ".input_scale"])
     elif static:
         assert torch.equal(down.input_scale.reshape(()), stored[DOWN + ".input_scale"])
+    if (
+        preset == "NVFP4_AWQ"
+    ):  # the smoothing the export kept: o's (it folded the others into the layers before)
+        o_proj = model.layers[0].self_attn.o_proj
+        assert torch.equal(o_proj.input_smooth, stored["model.layers.0.self_attn.o_proj.pre_quant_scale"])
+        assert down.input_smooth is None and model.layers[0].self_attn.qkv_proj.input_smooth is None
     if preset == "FP8_PARTIAL":  # exclude_modules: "model.layers.0.self_attn.o_proj", "model.layers.1.mlp*"
         plain = [
             model.layers[0].self_attn.o_proj,
@@ -206,10 +230,11 @@ def _edit_legacy(path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
     ("edit", "options", "error"),
     [
         (
-            lambda q: q["quantization"].update(quant_algo="NVFP4_AWQ"),
+            lambda q: q["quantization"].update(quant_algo="W4A8_NVFP4_FP8"),
             {},
-            r"modelopt checkpoint: quant_algo 'NVFP4_AWQ' is not supported; supported: FP8, "
-            r"FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4, NVFP4, W8A16, W4A16_AWQ, MXFP8, MIXED_PRECISION$",
+            r"modelopt checkpoint: quant_algo 'W4A8_NVFP4_FP8' is not supported; supported: FP8, "
+            r"FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4, NVFP4, W8A16, W4A16_AWQ, MXFP8, "
+            r"NVFP4_AWQ, W8A8_SQ_PER_CHANNEL, W4A8_AWQ, MIXED_PRECISION$",
         ),
         (
             lambda q: q["quantization"].update(quant_algo="W4A16_NVFP4", group_size=32),
@@ -250,10 +275,11 @@ def _layers(q: dict) -> dict:  # type: ignore[type-arg]
     [
         (
             lambda q: _layers(q).update(
-                {"model.layers.0.mlp.gate_proj": {"quant_algo": "W4A8_AWQ", "group_size": 128}}
+                {"model.layers.0.mlp.gate_proj": {"quant_algo": "W4A8_NVFP4_FP8", "group_size": 16}}
             ),
-            r"modelopt checkpoint: model.layers.0.mlp.gate_proj: quant_algo 'W4A8_AWQ' is not supported; "
-            r"supported: FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4, NVFP4, W8A16, W4A16_AWQ, MXFP8$",
+            r"modelopt checkpoint: model.layers.0.mlp.gate_proj: quant_algo 'W4A8_NVFP4_FP8' is not supported; "
+            r"supported: FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4, NVFP4, W8A16, W4A16_AWQ, MXFP8, "
+            r"NVFP4_AWQ, W8A8_SQ_PER_CHANNEL, W4A8_AWQ$",
         ),
         (
             lambda q: _layers(q).update(
@@ -360,10 +386,10 @@ def test_vllms_name_for_modelopts_fp4_checkpoints_is_taken(quantized_model) -> N
         LLM(str(quantized_model("tiny", "FP8", BUILD)), num_kv_blocks=16, quantization="modelopt_fp4")
 
 
-def _awq_copy(quantized_model, dst: Path, edit, config=None) -> Path:  # type: ignore[no-untyped-def]
-    """A copy of the W4A16_AWQ export with `edit(state dict)` applied; with `config`, as an older export
+def _awq_copy(quantized_model, dst: Path, edit, config=None, preset: str = "W4A16_AWQ") -> Path:  # type: ignore[no-untyped-def]
+    """A copy of the `preset` export with `edit(state dict)` applied; with `config`, as an older export
     (hf_quant_config.json alone), `config(its quantization)` applied."""
-    src = quantized_model("tiny", "W4A16_AWQ", BUILD)
+    src = quantized_model("tiny", preset, BUILD)
     if config is not None:
         src = _legacy(src, dst.with_name("legacy"))
         _edit_legacy(src, lambda raw: config(raw["quantization"]))
@@ -424,6 +450,41 @@ def test_awq_exports_it_cannot_run_are_refused_by_name(
 ) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=error):
         LLM(str(_awq_copy(quantized_model, tmp_path / "m", edit, config)), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize(
+    ("edit", "config", "error"),
+    [
+        (
+            lambda s: s.update({f"{QKV}.o_proj.weight_scale_2": torch.tensor(0.0)}),
+            None,
+            rf"{QKV}.o_proj: W4A8_AWQ's weight_scale_2 must be one positive finite number, found \[0.0\]",
+        ),
+        (
+            lambda s: None,
+            lambda q: q.update(group_size=64),
+            r"W4A8_AWQ in groups of 64 is not supported; supported: groups of 128",
+        ),
+        (
+            lambda s: s.update(
+                {k: v.repeat_interleave(2, dim=1) for k, v in s.items() if k.endswith(".weight_scale")}
+            ),
+            None,
+            r"model.layers.\d.\w+.\w+: W4A8_AWQ's weight_scale \[\d+, \d+\] for \d+ input columns is not one "
+            r"scale per row and group of 128; supported: groups of 128",
+        ),
+        (
+            lambda s: s.pop(f"{QKV}.o_proj.weight_scale_2"),
+            None,
+            rf"checkpoint .* is missing tensor\(s\): {QKV}.o_proj$",
+        ),
+    ],
+)
+def test_w4a8_exports_it_cannot_run_are_refused_by_name(
+    edit, config, error: str, quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=error):
+        LLM(str(_awq_copy(quantized_model, tmp_path / "m", edit, config, "W4A8_AWQ")), num_kv_blocks=16)
 
 
 def test_mxfp8_activations_quantize_as_modelopt_quantizes_them() -> None:

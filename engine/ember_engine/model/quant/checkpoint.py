@@ -235,7 +235,9 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
     else:
         weight = tensors["weight"]
         out, inp = weight.shape
-        if spec.num_bits == 4 and bool(((weight < -8) | (weight > 7)).any()):
+        # int4 values one a byte (W4A8_AWQ's 4-bit weights arrive as the E4M3 values they stand for)
+        int4 = spec.num_bits == 4 and not weight.is_floating_point()
+        if int4 and bool(((weight < -8) | (weight > 7)).any()):
             raise UnsupportedQuantizationError(
                 f"{what or spec.scheme}: int4 weights held one a byte must lie in [-8, 7], found "
                 f"{int(weight.min())} to {int(weight.max())}"

@@ -37,8 +37,18 @@ float32):
 - MIXED_PRECISION (what `mtq.auto_quantize` exports, or a config that quantizes layers differently):
   `quantized_layers` gives each quantized projection its own algorithm of these; a projection it does not
   list stays in full precision (`mixed`, each group's projections named).
-The others ModelOpt exports (NVFP4_AWQ, int8 SmoothQuant, W4A8_AWQ) are refused by name, as is a
-W4A16_AWQ export with zero points (`has_zero_point`).
+- W8A8_SQ_PER_CHANNEL (INT8_SMOOTHQUANT_CFG): int8 `weight` with a float32 `weight_scale` per output
+  channel, activations quantized to int8 under the projection's calibrated `input_scale` (amax / 127,
+  values beyond it saturating at -128 and 127) after SmoothQuant's `pre_quant_scale` per input column
+  (`w8a8`, static input scales, `QuantLinear.set_input_smooth`);
+- W4A8_AWQ (W4A8_AWQ_BETA_CFG): W4A16_AWQ's int4 values and group scales, each weight's value then
+  rounded to E4M3 under a float32 `weight_scale_2` per tensor, as ModelOpt quantizes it twice; FP8
+  activations under the calibrated `input_scale`, after AWQ's `pre_quant_scale` where the export kept it.
+  Held as the FP8 weight it computes with (`fp8`, static input scales: 8 bits a weight where the file holds
+  4.5).
+- NVFP4_AWQ (NVFP4 after AWQ's smoothing): NVFP4's tensors, and a `pre_quant_scale` per input column
+  where the export did not fold the factors into the layer before (o_proj's; `nvfp4`).
+A W4A16_AWQ or W4A8_AWQ export with zero points (`has_zero_point`) is refused by name.
 
 Excluded modules are written as names or wildcards ("model.layers.1.mlp*"); a projection is left in full
 precision where an entry is its name, matches it as a shell-style wildcard (`fnmatch`) or, for an entry
@@ -71,7 +81,14 @@ ALGOS = {
     "W8A16": QuantSpec("w8a16", METHOD, group_size=0),
     "W4A16_AWQ": QuantSpec("w4a16", METHOD, group_size=128, num_bits=4),
     "MXFP8": QuantSpec("fp8", METHOD, group_size=32, block_rows=1, input_quant="mxfp8-fit"),
+    # NVFP4 after AWQ's smoothing: its pre_quant_scale where the export keeps one
+    "NVFP4_AWQ": QuantSpec("nvfp4", METHOD, group_size=16, num_bits=4, static_input=True),
+    "W8A8_SQ_PER_CHANNEL": QuantSpec("w8a8", METHOD, group_size=0, static_input=True),
+    # int4 values in groups of 128, each times its group's scale, rounded to E4M3 under weight_scale_2:
+    # held as the FP8 weights they stand for (`canonical`)
+    "W4A8_AWQ": QuantSpec("fp8", METHOD, group_size=0, num_bits=4, static_input=True),
 }
+AWQ_GROUP = 128  # W4A16_AWQ's and W4A8_AWQ's input columns per weight scale
 KV_ALGOS = ("FP8",)
 MIXED = "MIXED_PRECISION"
 
@@ -174,10 +191,11 @@ def _algo_spec(algo: str, group_sizes: set[Any], where: str) -> QuantSpec:
             f"{', '.join(ALGOS)}" + ("" if where else f", {MIXED}")
         )
     spec = ALGOS[algo]
-    if (spec.num_bits == 4 or spec.input_quant) and group_sizes - {spec.group_size}:
+    group = AWQ_GROUP if algo == "W4A8_AWQ" else spec.group_size
+    if (spec.num_bits == 4 or spec.input_quant) and group_sizes - {group}:
         raise UnsupportedQuantizationError(
-            f"modelopt checkpoint: {where}{algo} in groups of {sorted(group_sizes - {spec.group_size})[0]} is "
-            f"not supported; supported: groups of {spec.group_size}"
+            f"modelopt checkpoint: {where}{algo} in groups of {sorted(group_sizes - {group})[0]} is "
+            f"not supported; supported: groups of {group}"
         )
     return spec
 
@@ -203,20 +221,9 @@ def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> d
             fp4["input_global_scale"] = 1.0 / scale
         return fp4
     if spec.scheme == "w4a16":
-        packed = tensors["weight"]
-        if packed.dtype != torch.uint8 or packed.dim() != 2:
-            raise UnsupportedQuantizationError(
-                f"modelopt checkpoint: W4A16_AWQ's weight must be bytes [out / 2, in], two int4 values each, "
-                f"found {packed.dtype} {list(packed.shape)}"
-            )
-        scale = tensors["weight_scale"]
-        if scale.dim() != 2 or scale.shape[1] * spec.group_size != packed.shape[1]:
-            raise UnsupportedQuantizationError(  # config.json's form names no group size: 128 is taken
-                f"{name}: W4A16_AWQ's weight_scale {list(scale.shape)} for {packed.shape[1]} input columns is "
-                f"not one scale per row and group of {spec.group_size}; supported: groups of {spec.group_size}"
-            )
-        nibbles = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
-        return {**tensors, "weight": nibbles - 16 * (nibbles >= 8).to(torch.int8)}
+        return {**tensors, "weight": _awq_values(tensors, "W4A16_AWQ", name)}
+    if spec.scheme == "fp8" and spec.num_bits == 4:
+        return _w4a8_weight(tensors, name)
     if spec.input_quant == "mxfp8-fit":
         return {**tensors, "weight_scale": e8m0_scales(tensors["weight_scale"], name)}
     if not spec.block_rows:
@@ -229,6 +236,42 @@ def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> d
     elif scale.numel() == 1 and tiles == (1, 1):
         scale = scale.reshape(1, 1)
     return {**tensors, "weight_scale": scale}
+
+
+def _awq_values(tensors: dict[str, torch.Tensor], algo: str, name: str) -> torch.Tensor:
+    """An AWQ export's int4 values as int8 [out, in]: two a byte along the output (row 2r in the low
+    nibble), two's complement; its `weight_scale` checked to be one per row and group of 128."""
+    packed = tensors["weight"]
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise UnsupportedQuantizationError(
+            f"modelopt checkpoint: {algo}'s weight must be bytes [out / 2, in], two int4 values each, "
+            f"found {packed.dtype} {list(packed.shape)}"
+        )
+    scale = tensors["weight_scale"]
+    if scale.dim() != 2 or scale.shape[1] * AWQ_GROUP != packed.shape[1]:
+        raise UnsupportedQuantizationError(  # config.json's form names no group size: 128 is taken
+            f"{name}: {algo}'s weight_scale {list(scale.shape)} for {packed.shape[1]} input columns is "
+            f"not one scale per row and group of {AWQ_GROUP}; supported: groups of {AWQ_GROUP}"
+        )
+    nibbles = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
+    return nibbles - 16 * (nibbles >= 8).to(torch.int8)
+
+
+def _w4a8_weight(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """W4A8_AWQ's weight as the FP8 weight it stands for: ModelOpt quantizes each weight to int4 in its
+    group of 128 and that value again to E4M3 under one scale per tensor (`weight_scale_2`), so the
+    product runs on E4M3(value x group scale / weight_scale_2) x weight_scale_2, with FP8 activations
+    under the calibrated `input_scale`. Held so (8 bits a weight), as `fp8` with static input scales."""
+    values = _awq_values(tensors, "W4A8_AWQ", name)
+    outer = tensors["weight_scale_2"].float().reshape(-1)
+    if outer.numel() != 1 or not torch.isfinite(outer).all() or outer.item() <= 0:
+        raise UnsupportedQuantizationError(
+            f"{name}: W4A8_AWQ's weight_scale_2 must be one positive finite number, found {outer.tolist()[:4]}"
+        )
+    groups = tensors["weight_scale"].float().repeat_interleave(AWQ_GROUP, dim=1)
+    weight = (values.float() * groups / outer).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rest = {k: v for k, v in tensors.items() if k not in ("weight", "weight_scale", "weight_scale_2")}
+    return {**rest, "weight": weight, "weight_scale": outer.reshape(())}
 
 
 def check_kv_scheme(qc: dict[str, Any]) -> None:
