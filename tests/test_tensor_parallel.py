@@ -139,17 +139,21 @@ def test_two_ranks_run_a_quantized_checkpoint_as_one(wide_model: Path, tmp_path:
     assert got == expected
 
 
-def test_two_ranks_run_modelopts_awq_export_as_one(wide_model: Path, tmp_path: Path) -> None:
-    """ModelOpt's W4A16_AWQ export (`tests/modelopt_build.py`): its o and down projections keep AWQ's
-    smoothing factors, one per input column, and a rank multiplies its own columns by theirs. (Before, a
-    rank was given the whole vector: "down_proj: pre_quant_scale must hold 256 finite factors, one per
-    input column, found 512".)"""
+@pytest.mark.parametrize("preset", ["W4A16_AWQ", "INT8_SQ", "W4A8_AWQ"])
+def test_two_ranks_run_modelopts_smoothed_exports_as_one(
+    wide_model: Path, tmp_path: Path, preset: str
+) -> None:
+    """ModelOpt's AWQ and SmoothQuant exports (`tests/modelopt_build.py`): their o and down projections
+    keep the smoothing factors, one per input column, and a rank multiplies its own columns by theirs
+    (SmoothQuant: with int8 inputs under the projection's static scale; W4A8_AWQ: FP8 weights and inputs).
+    (Before, a rank was given the whole vector: "down_proj: pre_quant_scale must hold 256 finite factors,
+    one per input column, found 512".)"""
     import subprocess
     import sys
 
-    out = tmp_path / "awq"
+    out = tmp_path / "smoothed"
     build = Path(__file__).with_name("modelopt_build.py")
-    subprocess.run([sys.executable, str(build), str(wide_model), str(out), "W4A16_AWQ"], check=True)
+    subprocess.run([sys.executable, str(build), str(wide_model), str(out), preset], check=True)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.mlp.down_proj.pre_quant_scale").shape == (512,)
     prompts = PROMPTS[:6]

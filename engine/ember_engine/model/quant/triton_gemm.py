@@ -22,8 +22,9 @@ widened in registers, so only the quantized bytes cross memory:
   x_scale) and scaled per block of GROUP columns as w4a16's are.
 
 Where a K step lies in one group of scales (groups of 32 columns or more: int8, int4, the 4-bit codes,
-fp8 weight-only), the step's values are multiplied as they are (int4, int8 and E4M3 are exact in bf16 and
-fp16) and its sums scaled per column; nvfp4's groups of 16 are scaled value by value before the dot.
+fp8 weight-only), the step's values are multiplied as they are and its sums scaled per column (int4, int8
+and E4M3 values are exact in bf16 and fp16; a code table's values are rounded to the activations' dtype,
+as the scaled values were before); nvfp4's groups of 16 are scaled value by value before the dot.
 float32 activations are multiplied in float32 (`input_precision="ieee"`), as torch's float32 matmul does
 by default: the tensor cores' TF32 would round the operands to 10 bits. Tiles are chosen by the number of
 rows and the output width (`_blocks`), not tuned per device.
@@ -123,8 +124,8 @@ def _gemm_kernel(
                 if WEIGHT == 7:  # E4M3 bytes
                     q = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             if STEP_SCALE:
-                # The step lies in one group: the values (exact in the activations' dtype: int4, int8,
-                # E4M3) are multiplied as they are and the step's sums scaled per column.
+                # The step lies in one group: the values are multiplied as they are (in the activations'
+                # dtype) and the step's sums scaled per column.
                 s = tl.load(scale_ptr + offs_n * stride_sn + k0 // GROUP, mask=mask_n, other=0)
                 acc += _dot(x, q.to(x.dtype), IEEE) * s[None, :]
             else:
