@@ -20,7 +20,9 @@ activations quantized the same way as the model runs), INT8_SQ (INT8_SMOOTHQUANT
 factors per input column, int8 weights per output channel, int8 activations under a calibrated scale
 per projection; the export keeps the factors as `pre_quant_scale`) or W4A8_AWQ (W4A8_AWQ_BETA_CFG:
 W4A16_AWQ's int4 weights, each then rounded to E4M3 under a scale per tensor, and FP8 activations under
-a calibrated scale per projection).
+a calibrated scale per projection), NVFP4_AWQ (NVFP4 after AWQ-style smoothing, see `_smooth`) or
+W4A8_NVFP4 (W4A8_NVFP4_FP8_CFG: NVFP4's weights with FP8 activations under a calibrated scale per
+projection).
 
 No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own: for the FP8, W8A16,
 W4A16_AWQ, INT8_SQ and W4A8_AWQ presets its simulated quantization (AWQ's and SmoothQuant's factors applied
@@ -55,6 +57,7 @@ CONFIGS = {
     "INT8_SQ": "INT8_SMOOTHQUANT_CFG",
     "W4A8_AWQ": "W4A8_AWQ_BETA_CFG",
     "NVFP4_AWQ": "NVFP4_DEFAULT_CFG",  # then smoothed by `_smooth`
+    "W4A8_NVFP4": "W4A8_NVFP4_FP8_CFG",
 }
 
 
@@ -212,6 +215,27 @@ def _nvfp4_model(src: Path, dst: Path):  # type: ignore[no-untyped-def]
     return model
 
 
+def _nvfp4_weights(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
+    """W4A8_NVFP4: the simulated model (whose FP8 input quantizers run on a CPU) holding the weights
+    `NVFP4QTensor` dequantizes from the export, its NVFP4 weight quantizers (CUDA only) disabled."""
+    import torch
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    from safetensors.torch import load_file
+
+    stored = load_file(str(dst / "model.safetensors"))
+    for name in _quantized(stored):
+        module = model.get_submodule(name)  # the export left the packed bytes in its weight
+        shape = torch.Size([module.out_features, module.in_features])
+        packed = NVFP4QTensor(shape, torch.float32, stored[f"{name}.weight"])
+        scale = stored[f"{name}.weight_scale"]
+        module.weight.data = packed.dequantize(
+            scale=scale,
+            double_scale=stored[f"{name}.weight_scale_2"],
+            block_sizes={-1: module.in_features // scale.shape[1]},  # groups of 32 (its config's)
+        )
+        module.weight_quantizer.disable()
+
+
 def _nvfp4_inputs(model, dst: Path) -> None:  # type: ignore[no-untyped-def]
     """Quantize each exported NVFP4 projection's input to NVFP4 and back as ModelOpt's `NVFP4QTensor`
     quantizes a tensor (per group of 16 columns an E4M3 scale of the group's max|x| / 6 under the global
@@ -309,6 +333,8 @@ def build(src: Path, dst: Path, preset: str) -> None:
     copy_tokenizer(src, dst)
     if preset == "MXFP8":
         model = _mxfp8_model(src, dst)
+    elif preset == "W4A8_NVFP4":
+        _nvfp4_weights(model, dst)
     elif preset in ("W4A16_NVFP4", "NVFP4", "NVFP4_AWQ"):
         model = _nvfp4_model(src, dst)
         if preset != "W4A16_NVFP4":

@@ -190,7 +190,8 @@ GPTQ_REFUSALS = [
         None,
         r"quant_method 'eetq' is not supported; supported: compressed-tensors .*, fp8, fbgemm_fp8, gptq, awq, "
         r"bitsandbytes \(4- and 8-bit\), modelopt \(FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, "
-        r"W4A16_NVFP4, NVFP4, W8A16, W4A16_AWQ, MXFP8, NVFP4_AWQ, W8A8_SQ_PER_CHANNEL, W4A8_AWQ\), quark \(FP8\)$",
+        r"W4A16_NVFP4, NVFP4, W8A16, W4A16_AWQ, MXFP8, NVFP4_AWQ, W4A8_NVFP4_FP8, W8A8_SQ_PER_CHANNEL, "
+        r"W4A8_AWQ\), quark \(FP8\)$",
     ),
     (
         None,

@@ -37,6 +37,7 @@ PRESETS = {
     "W4A16_AWQ": ("w4a16", False, Int4Linear),
     "MXFP8": ("fp8", False, Fp8BlockLinear),
     "NVFP4_AWQ": ("nvfp4", True, Fp4Linear),
+    "W4A8_NVFP4": ("nvfp4a16", True, Fp4Linear),  # NVFP4's weights, FP8 inputs under a static scale
     "INT8_SQ": ("w8a8", True, W8A8Linear),
     "W4A8_AWQ": ("fp8", True, Fp8Linear),  # held as the E4M3 weights it computes with
 }
@@ -127,9 +128,11 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
         assert stored[DOWN + ".weight_scale"].dtype == torch.uint8 and down.input_quant == "mxfp8-fit"
         assert torch.equal(down.weight_scale, torch.exp2(scale - 127))
     elif layer_class is Fp4Linear:  # E4M3 group scales as they are; weight_scale_2 multiplies, ours divides
-        assert torch.equal(
-            down.weight_scale.view(torch.uint8), stored[DOWN + ".weight_scale"].view(torch.uint8)
-        )
+        groups = stored[DOWN + ".weight_scale"].view(torch.uint8)
+        if preset == "W4A8_NVFP4":  # a scale per 32 columns, held for each of its two groups of 16
+            assert groups.shape == (128, 256 // 32)
+            groups = groups.repeat_interleave(2, dim=1)
+        assert torch.equal(down.weight_scale.view(torch.uint8), groups)
         assert torch.equal(down.weight_global, (1 / stored[DOWN + ".weight_scale_2"]).expand(128))
     elif layer_class is Fp8WeightOnlyLinear:  # [1, 1, 2, 1]: one row of tiles, two of columns
         assert down.weight_scale.shape == (128, 2) and torch.equal(
@@ -137,10 +140,12 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
         )
     else:
         assert torch.equal(down.weight_scale, scale.reshape(-1).expand(128))
-    if static and layer_class is Fp4Linear:  # NVFP4's input global scale: the reciprocal of input_scale
+    if static and layer_class is Fp4Linear and preset != "W4A8_NVFP4":  # NVFP4's: input_scale's reciprocal
         assert torch.equal(down.input_global.reshape(()), 1 / stored[DOWN + ".input_scale"])
     elif static:
         assert torch.equal(down.input_scale.reshape(()), stored[DOWN + ".input_scale"])
+    if preset == "W4A8_NVFP4":  # FP8 inputs, not NVFP4's
+        assert down.input_global is None and down.scheme == "nvfp4a16"
     if (
         preset == "NVFP4_AWQ"
     ):  # the smoothing the export kept: o's (it folded the others into the layers before)
@@ -230,16 +235,21 @@ def _edit_legacy(path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
     ("edit", "options", "error"),
     [
         (
-            lambda q: q["quantization"].update(quant_algo="W4A8_NVFP4_FP8"),
+            lambda q: q["quantization"].update(quant_algo="W4A8_MXFP4_FP8"),
             {},
-            r"modelopt checkpoint: quant_algo 'W4A8_NVFP4_FP8' is not supported; supported: FP8, "
+            r"modelopt checkpoint: quant_algo 'W4A8_MXFP4_FP8' is not supported; supported: FP8, "
             r"FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4, NVFP4, W8A16, W4A16_AWQ, MXFP8, "
-            r"NVFP4_AWQ, W8A8_SQ_PER_CHANNEL, W4A8_AWQ, MIXED_PRECISION$",
+            r"NVFP4_AWQ, W4A8_NVFP4_FP8, W8A8_SQ_PER_CHANNEL, W4A8_AWQ, MIXED_PRECISION$",
         ),
         (
             lambda q: q["quantization"].update(quant_algo="W4A16_NVFP4", group_size=32),
             {},
             r"modelopt checkpoint: W4A16_NVFP4 in groups of 32 is not supported; supported: groups of 16",
+        ),
+        (
+            lambda q: q["quantization"].update(quant_algo="W4A8_NVFP4_FP8", group_size=16),
+            {},
+            r"modelopt checkpoint: W4A8_NVFP4_FP8 in groups of 16 is not supported; supported: groups of 32",
         ),
         (
             lambda q: q["quantization"].update(kv_cache_quant_algo="NVFP4"),
@@ -275,11 +285,11 @@ def _layers(q: dict) -> dict:  # type: ignore[type-arg]
     [
         (
             lambda q: _layers(q).update(
-                {"model.layers.0.mlp.gate_proj": {"quant_algo": "W4A8_NVFP4_FP8", "group_size": 16}}
+                {"model.layers.0.mlp.gate_proj": {"quant_algo": "W4A8_MXFP4_FP8", "group_size": 32}}
             ),
-            r"modelopt checkpoint: model.layers.0.mlp.gate_proj: quant_algo 'W4A8_NVFP4_FP8' is not supported; "
+            r"modelopt checkpoint: model.layers.0.mlp.gate_proj: quant_algo 'W4A8_MXFP4_FP8' is not supported; "
             r"supported: FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4, NVFP4, W8A16, W4A16_AWQ, MXFP8, "
-            r"NVFP4_AWQ, W8A8_SQ_PER_CHANNEL, W4A8_AWQ$",
+            r"NVFP4_AWQ, W4A8_NVFP4_FP8, W8A8_SQ_PER_CHANNEL, W4A8_AWQ$",
         ),
         (
             lambda q: _layers(q).update(

@@ -190,7 +190,12 @@ def test_gptq_checkpoint_splits_and_activation_order_is_refused(quantized_model)
 
 @pytest.mark.parametrize(
     ("preset", "script"),
-    [("NVFP4", "quant_build.py"), ("NVFP4", "modelopt_build.py"), ("NF4", "bnb_build.py")],
+    [
+        ("NVFP4", "quant_build.py"),
+        ("NVFP4", "modelopt_build.py"),
+        ("W4A8_NVFP4", "modelopt_build.py"),
+        ("NF4", "bnb_build.py"),
+    ],
 )
 def test_two_ranks_run_4_bit_codes_packed_along_the_input_as_one(
     quantized_model, preset: str, script: str
@@ -198,7 +203,8 @@ def test_two_ranks_run_4_bit_codes_packed_along_the_input_as_one(
     """Two 4-bit codes a byte along the input (NVFP4's E2M1 values, llm-compressor's and ModelOpt's, FP4
     activations too; bitsandbytes' NF4 codes): a rank takes its columns' bytes and groups (16 and 64 columns
     a group), and NVFP4's activations, quantized per group of 16 under one global scale, are quantized alike
-    on either side of the split. Refused before ("its weight is held packed")."""
+    on either side of the split, as are ModelOpt's W4A8_NVFP4_FP8's FP8 ones under one static scale.
+    Refused before ("its weight is held packed")."""
     path = quantized_model("tiny", preset, script)
     prompts = PROMPTS[:6]
     expected, _ = generate(path, prompts, GREEDY, max_num_seqs=4)

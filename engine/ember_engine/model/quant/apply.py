@@ -266,7 +266,7 @@ class QuantCollector:
                 assert isinstance(layer, CodebookLinear)
                 layer.set_code(tensors["weight_quant_map"], projection)
             if "input_scale" in tensors:
-                assert isinstance(layer, (Fp8Linear, W8A8Linear))
+                assert isinstance(layer, (Fp8Linear, W8A8Linear, Fp4Linear))
                 layer.set_input_scale(tensors["input_scale"], projection)
             self.done.add(key)
         return True

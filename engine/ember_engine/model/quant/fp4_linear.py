@@ -1,5 +1,6 @@
 """NVFP4 weights (compressed-tensors' `nvfp4-pack-quantized`) with activations as they are (NVFP4A16) or
-quantized to NVFP4 too (NVFP4, W4A4: `set_input_global`). The weights are held as the checkpoint holds
+quantized to NVFP4 too (NVFP4, W4A4: `set_input_global`), or to FP8 E4M3 under a calibrated scale
+(ModelOpt's W4A8_NVFP4_FP8: `set_input_scale`). The weights are held as the checkpoint holds
 them, 4.5 bits a weight: two FP4 E2M1 values a byte (column 2j in the low nibble), an FP8 E4M3 scale per
 output row and group of 16 input columns, and a global scale per output row (the checkpoint's per-tensor
 one, kept per row so that merged q/k/v and gate/up parts keep theirs). A weight is its E2M1 value times
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ember_engine.model.quant import cpu_fp4, schemes
-from ember_engine.model.quant.layer import QuantLinear, use_triton
+from ember_engine.model.quant.layer import QuantLinear, merged_input_scale, use_triton
 
 GROUP = 16
 
@@ -21,6 +22,7 @@ class Fp4Linear(QuantLinear):
     weight_packed: torch.Tensor
     weight_global: torch.Tensor
     input_global: torch.Tensor | None
+    input_scale: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__(in_features, out_features, bias, dtype)
@@ -34,6 +36,7 @@ class Fp4Linear(QuantLinear):
         self.register_buffer("weight_scale", torch.ones(out_features, groups, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_global", torch.ones(out_features, dtype=torch.float32))
         self.register_buffer("input_global", None)
+        self.register_buffer("input_scale", None)
 
     def weight_data(self) -> torch.Tensor:
         return self.weight_packed
@@ -58,9 +61,17 @@ class Fp4Linear(QuantLinear):
         self.input_global = g
         self.scheme = "nvfp4"
 
+    def set_input_scale(self, scale: torch.Tensor, name: str) -> None:
+        """A part's calibrated FP8 activation scale (W4A8_NVFP4_FP8); a merged projection's parts share the
+        largest."""
+        self.input_scale = merged_input_scale(self.input_scale, scale, name, self.weight_global.device)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_global is not None:  # W4A4: the activations as NVFP4 gives them, then multiplied
             x = schemes.fake_quantize_nvfp4(x, self.input_global).to(x.dtype)
+        elif self.input_scale is not None:  # FP8 activations under their static scale, then multiplied
+            xq, scale = schemes.quantize_activation_fp8_static(x, self.input_scale)
+            x = (xq.float() * scale).to(x.dtype)
         if use_triton(x):
             from ember_engine.model.quant import triton_gemm
 

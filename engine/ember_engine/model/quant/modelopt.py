@@ -46,6 +46,10 @@ float32):
   activations under the calibrated `input_scale`, after AWQ's `pre_quant_scale` where the export kept it.
   Held as the FP8 weight it computes with (`fp8`, static input scales: 8 bits a weight where the file holds
   4.5).
+- W4A8_NVFP4_FP8 (W4A8_NVFP4_FP8_CFG): NVFP4's weights with an E4M3 scale per group of 32 input columns
+  (held for each of its two groups of 16) under a `weight_scale_2` of amax / 448, activations quantized to
+  E4M3 under the projection's calibrated `input_scale` (`nvfp4a16` with static FP8 inputs,
+  `Fp4Linear.set_input_scale`);
 - NVFP4_AWQ (NVFP4 after AWQ's smoothing): NVFP4's tensors, and a `pre_quant_scale` per input column
   where the export did not fold the factors into the layer before (o_proj's; `nvfp4`).
 A W4A16_AWQ or W4A8_AWQ export with zero points (`has_zero_point`) is refused by name.
@@ -83,12 +87,16 @@ ALGOS = {
     "MXFP8": QuantSpec("fp8", METHOD, group_size=32, block_rows=1, input_quant="mxfp8-fit"),
     # NVFP4 after AWQ's smoothing: its pre_quant_scale where the export keeps one
     "NVFP4_AWQ": QuantSpec("nvfp4", METHOD, group_size=16, num_bits=4, static_input=True),
+    # NVFP4's weights (weight_scale_2 amax / 448) with FP8 activations under a calibrated scale
+    "W4A8_NVFP4_FP8": QuantSpec("nvfp4a16", METHOD, group_size=16, num_bits=4, static_input=True),
     "W8A8_SQ_PER_CHANNEL": QuantSpec("w8a8", METHOD, group_size=0, static_input=True),
     # int4 values in groups of 128, each times its group's scale, rounded to E4M3 under weight_scale_2:
     # held as the FP8 weights they stand for (`canonical`)
     "W4A8_AWQ": QuantSpec("fp8", METHOD, group_size=0, num_bits=4, static_input=True),
 }
 AWQ_GROUP = 128  # W4A16_AWQ's and W4A8_AWQ's input columns per weight scale
+W4A8_NVFP4_GROUP = 32  # W4A8_NVFP4_FP8's input columns per E4M3 weight scale (NVFP4's are 16)
+GROUPS = {"W4A8_AWQ": AWQ_GROUP, "W4A8_NVFP4_FP8": W4A8_NVFP4_GROUP}  # where the spec's group_size is not it
 KV_ALGOS = ("FP8",)
 MIXED = "MIXED_PRECISION"
 
@@ -191,7 +199,7 @@ def _algo_spec(algo: str, group_sizes: set[Any], where: str) -> QuantSpec:
             f"{', '.join(ALGOS)}" + ("" if where else f", {MIXED}")
         )
     spec = ALGOS[algo]
-    group = AWQ_GROUP if algo == "W4A8_AWQ" else spec.group_size
+    group = GROUPS.get(algo, spec.group_size)
     if (spec.num_bits == 4 or spec.input_quant) and group_sizes - {group}:
         raise UnsupportedQuantizationError(
             f"modelopt checkpoint: {where}{algo} in groups of {sorted(group_sizes - {group})[0]} is "
@@ -211,6 +219,16 @@ def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> d
             "weight_scale": tensors["weight_scale"],
             "weight_global_scale": 1.0 / tensors["weight_scale_2"].float(),
         }
+        if spec.scheme == "nvfp4a16" and spec.static_input:  # W4A8_NVFP4_FP8
+            fp4["input_scale"] = tensors["input_scale"]  # its FP8 activations' static scale
+            scale, columns = tensors["weight_scale"], tensors["weight"].shape[1] * 2
+            if scale.dim() != 2 or scale.shape[1] * W4A8_NVFP4_GROUP != columns:
+                raise UnsupportedQuantizationError(
+                    f"{name}: W4A8_NVFP4_FP8's weight_scale {list(scale.shape)} for {columns} input columns is "
+                    f"not one scale per row and group of {W4A8_NVFP4_GROUP}"
+                )
+            # each scale of a group of 32 held for its two groups of 16: the same product
+            fp4["weight_scale"] = scale.repeat_interleave(W4A8_NVFP4_GROUP // 16, dim=1)
         if spec.scheme == "nvfp4":
             scale = tensors["input_scale"].float().reshape(-1)
             if scale.numel() != 1 or not torch.isfinite(scale).all() or scale.item() <= 0:
