@@ -30,7 +30,10 @@ to each input as it runs), the model the checkpoint was exported from (holding t
 `_exported_weights`; W4A8_AWQ's as its two weight quantizers compute them); for W4A16_NVFP4 and NVFP4, whose simulation ModelOpt runs on CUDA only,
 transformers' model holding the weights ModelOpt's `NVFP4QTensor` dequantizes from the export (W4A16_NVFP4's
 weights need no calibration data, so none is run), and for NVFP4 each quantized projection's input
-quantized by `NVFP4QTensor` too, under the exported `input_scale` (`_nvfp4_inputs`); for MXFP8, whose
+quantized by `NVFP4QTensor` too, under the exported `input_scale` (`_nvfp4_inputs`; for NVFP4_AWQ times its
+`pre_quant_scale` first, the model holding the norms the export folded the other factors into); for
+W4A8_NVFP4 the simulated model, whose FP8 input quantizers run on a CPU, holding the weights `NVFP4QTensor`
+dequantizes (`_nvfp4_weights`); for MXFP8, whose
 activations ModelOpt simulates on CUDA only too, the weights `MXFP8QTensor` dequantizes and each input
 quantized and dequantized by `MXFP8QTensor` (`_mxfp8_inputs`). `oracle.pt` beside
 the checkpoint holds that model's logits for fixed prompts, its greedy tokens after some of them, and
@@ -198,9 +201,8 @@ def _nvfp4_model(src: Path, dst: Path):  # type: ignore[no-untyped-def]
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     stored = load_file(str(dst / "model.safetensors"))
     own = model.state_dict()
-    with (
-        torch.no_grad()
-    ):  # what the export changed besides the projections: the norms it folded smoothing into
+    # what the export changed besides the projections: the norms it folded smoothing into
+    with torch.no_grad():
         for key, value in stored.items():
             if key in own and value.dtype == own[key].dtype and value.shape == own[key].shape:
                 own[key].copy_(value)
