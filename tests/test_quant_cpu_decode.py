@@ -1,8 +1,8 @@
 """The CPU's weight decoders (`cpu_decode`, `cpu_int4`). fp8: every E4M3 byte decodes to torch's value, bit for bit, and
 the product (fused for decode batches, blocked above them) is the float64 product of the dequantized
-operands to float32 precision, whatever the row blocks, scales and batch. int4: unpacking inverts
-packing, and the product (fused, or through the int8 matmul) is the dequantized one to float32
-precision. w8a16: one activation row's fused product is the dequantized one to float32 precision."""
+operands to float32 precision, whatever the row blocks, scales and batch. int4 and w8a16: every byte
+decodes to its value, and the product (fused, blocked, or for int8 with a scale per channel the digit
+split) is the dequantized one to float32 precision, zero points and groups included."""
 
 from __future__ import annotations
 
@@ -88,8 +88,10 @@ def test_an_empty_batch_gives_an_empty_product() -> None:
     assert cpu_decode.fp8_matmul(xq, xs, wq, ws).shape == (0, 8)
     xq, xs = schemes.quantize_activation_fp8_groups(torch.randn(0, 16), 8)
     assert cpu_decode.fp8_matmul(xq, xs, wq, torch.ones(8, 2)).shape == (0, 8)
-    q, scale = schemes.quantize_int4(torch.randn(1024, 512), 128)  # the int8 digit split's size
+    q, scale = schemes.quantize_int4(torch.randn(1024, 512), 128)
     assert cpu_int4.int4_matmul(torch.randn(0, 512), schemes.pack_int4(q), scale).shape == (0, 1024)
+    q, scale = schemes.quantize_int8(torch.randn(1024, 512), 128)
+    assert cpu_decode.int8_matmul(torch.randn(0, 512), q, scale).shape == (0, 1024)
 
 
 def test_the_layers_take_the_decoder_on_a_cpu() -> None:
@@ -116,28 +118,46 @@ def test_the_layers_take_the_decoder_on_a_cpu() -> None:
     assert (got.double() - want).abs().max().item() <= 2**-8 * want.abs().max().item()
 
 
-def test_int4_unpacking_inverts_packing_for_every_byte() -> None:
+@pytest.mark.parametrize("zero", [None, "int8", "float32"])
+def test_the_blocked_int4_decode_gives_every_byte_s_two_values(zero: str | None) -> None:
+    # One weight row of every byte value (512 columns, two groups): times the identity (512 rows, so the
+    # blocked decode), each column's product is its value, less its group's zero point, times the scale.
     every = torch.arange(256, dtype=torch.uint8)[None]
-    values = cpu_int4.int4_unpack(every)
-    assert values.dtype == torch.int8 and values.shape == (1, 512)
-    assert torch.equal(schemes.pack_int4(values), every)
-    assert torch.equal(values, schemes.unpack_int4(every))
+    values = schemes.unpack_int4(every).double()[0]
+    assert torch.equal(schemes.pack_int4(schemes.unpack_int4(every)), every)
+    scale = torch.tensor([[0.5, 0.25]])
+    zeros = None if zero is None else torch.tensor([[3, -5]], dtype=getattr(torch, zero))
+    got = cpu_int4.int4_matmul(torch.eye(512), every, scale, zeros)[:, 0].double()
+    z = torch.zeros(2) if zeros is None else zeros[0].double()
+    want = (values - z.repeat_interleave(256)) * scale[0].double().repeat_interleave(256)
+    assert torch.equal(got, want)
 
 
-# 3 and 8 rows: the fused loop; 9: unpacked to int8 for the int8 matmul (widened to float32 for the small
-# weight, the digit split for the larger one).
+# 3 and 8 rows: the fused loop; 9: the blocked decode.
 @pytest.mark.parametrize("m", [3, 8, 9])
 @pytest.mark.parametrize("shape", [(48, 64), (512, 512)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zeros", [None, "int8", "float32"])
 def test_the_int4_product_is_the_dequantized_product(
-    m: int, shape: tuple[int, int], dtype: torch.dtype
+    m: int, shape: tuple[int, int], dtype: torch.dtype, zeros: str | None
 ) -> None:
     assert cpu_int4.INT4_FUSED_ROWS == 8
     n, k = shape
     g = torch.Generator().manual_seed(n)
     q, scale = schemes.quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
-    layer = Int4Linear(k, n, bias=False, dtype=dtype, group_size=32)
+    layer = Int4Linear(
+        k,
+        n,
+        bias=False,
+        dtype=dtype,
+        group_size=32,
+        zero_points=zeros is not None,
+        float_zeros=zeros == "float32",
+    )
     layer.set_rows(0, q, scale)
+    if zeros is not None:  # a checkpoint's zero points (less 8): whole in int8, any real number in float32
+        z = torch.randint(-3, 4, (n, k // 32), generator=g).float()
+        layer.set_zero_rows(0, z if zeros == "int8" else z + torch.rand(n, k // 32, generator=g))
     x = torch.randn(m, k, generator=g).to(dtype)
     want = x.double() @ layer.dequantized(torch.float64).t()
     got = layer(x)
@@ -158,9 +178,15 @@ def test_the_fused_int4_loop_reads_the_nibbles_in_packing_order() -> None:
         assert cpu_int4.int4_matmul(x, every, torch.full((1, 1), 0.5)).item() == 0.5 * values[col].item()
 
 
-@pytest.mark.parametrize("group", [0, 32])
-@pytest.mark.parametrize("m", [1, 3])  # the fused loop; the int8 digit split
-def test_the_int8_product_is_the_dequantized_product(m: int, group: int) -> None:
+@pytest.mark.parametrize("group", [0, 16, 32])
+# 1: the fused loop; 3, 4 (per group: the four-row fused loop, else the digit split); 5, 9, 40 (per group:
+# blocked, here in blocks of 8 rows, the last one short)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 40])
+def test_the_int8_product_is_the_dequantized_product(
+    m: int, group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu_decode, "SCRATCH_BYTES", 4096)
+    assert cpu_decode.INT8_FUSED_ROWS == 4
     n, k = 96, 128
     g = torch.Generator().manual_seed(m + group)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -188,9 +214,9 @@ def test_the_engine_compiles_its_loops_while_starting_and_serving_adds_no_signat
     if scheme == "fp8":
         loops = [cpu_decode._decode, cpu_decode._fp8_times_row, cpu_decode._fp8_times_rows]
     elif scheme == "w4a16":
-        loops = [cpu_int4._unpack, cpu_int4._nibbles_times_row, cpu_int4._nibbles_times_rows]
+        loops = [cpu_int4._nibbles_decode, cpu_int4._nibbles_times_row, cpu_int4._nibbles_times_rows]
     else:
-        loops = [cpu_decode._int8_times_row]
+        loops = [cpu_decode._int8_times_row, cpu_decode._int8_times_rows, cpu_decode._int8_decode]
     llm = LLM(str(tiny_model), quantization=scheme, num_kv_blocks=64)
     # Every loop compiled (or read from the cache) before any request. (Another test in this process may
     # have compiled a loop for other types too: float32 zero points, GGUF's Q4_K.)

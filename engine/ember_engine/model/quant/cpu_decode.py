@@ -1,23 +1,24 @@
-"""The CPU's quantized-weight loops, compiled (numba): `fp8` (E4M3 bytes) and `w8a16`'s for a single
-activation row, and the fused product both share with `cpu_int4` (w4a16). They run where torch's own
-operations go one element at a time: its E4M3 conversion and `_scaled_mm` on a CPU took 45 and 95 ms a
-call on an 8192 x 2048 weight, where a float32 matmul takes 4. The options live in this file because
-numba's cache knows a function by its file's contents.
+"""The CPU's quantized-weight loops, compiled (numba): `fp8` (E4M3 bytes) and `w8a16`'s (int8, for a single
+activation row, and for a few where the scales are per group of columns), and the fused and blocked
+products they share with `cpu_int4` (w4a16). They run where torch's own operations go one element at a
+time: its E4M3 conversion and `_scaled_mm` on a CPU took 45 and 95 ms a call on an 8192 x 2048 weight,
+where a float32 matmul takes 4. The options live in this file because numba's cache knows a function by
+its file's contents.
 
-Decode batches (up to `FP8_FUSED_ROWS` activation rows; one row for int8) go through one loop that reads
-each weight byte once, turns it into its value (E4M3 through a float16 with the same bits) and adds its
-products with every row into float32 sums, a group of input columns at a time, each group's sums times its
-scale. The loops vectorise: each group is a slice, sums may be reassociated (NaN and infinities keep their
-meaning), and up to four activation rows share every decoded value. They run on the calling thread:
-handing half the weight rows to a second thread lost in the engine (the `small` test model decoded 10-16 %
-slower at batch 1), torch's own threads still spinning for work between layers.
+Decode batches (up to `FP8_FUSED_ROWS` activation rows; for int8 one row, or `INT8_FUSED_ROWS` in groups)
+go through one loop that reads each weight byte once, turns it into its value (E4M3 through a float16 with
+the same bits) and adds its products with every row into float32 sums, a group of input columns at a time,
+each group's sums times its scale. The loops vectorise: each group is a slice, sums may be reassociated
+(NaN and infinities keep their meaning), and up to four activation rows share every decoded value. They
+run on the calling thread: handing half the weight rows to a second thread lost in the engine (the `small`
+test model decoded 10-16 % slower at batch 1), torch's own threads still spinning for work between layers.
 
-Larger fp8 batches (prefill) are bound by arithmetic, not by weight bytes: a block of weight rows is
-decoded into a float32 scratch that stays in the cache, each value times its channel's or tile's scale,
-and multiplied with torch's float32 matmul. Either way the arithmetic is the dequantized product
-transformers + compressed-tensors computes for these checkpoints, in float32: y = (q_x * s_x) @ (q_w *
-s_w)^T, the activations quantized per token (or per token and group of columns) and the weights scaled
-per output channel (or per tile).
+Larger batches (prefill) are bound by arithmetic, not by weight bytes: a block of weight rows is decoded
+into a float32 scratch that stays in the cache, each value times its channel's, tile's or group's scale,
+and multiplied with torch's float32 matmul (`blocked`). Either way the arithmetic is the dequantized
+product transformers + compressed-tensors computes for these checkpoints, in float32: y = (q_x * s_x) @
+(q_w * s_w)^T, the activations quantized per token (or per token and group of columns; int8 weights take
+them as they are) and the weights scaled per output channel (or per tile or group).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ SCRATCH_BYTES = 1 << 21
 # two cores (best of 15): fused 7.5 ms against blocked 8.8 at 8 rows, 10.1 against 10.4 at 12, 12.8
 # against 8.6 at 16. At one row the fused loop takes 1.4 ms, where float32's matmul takes 3.9.
 FP8_FUSED_ROWS = 8
+# Activation rows up to which an int8 product with a scale per group of columns takes the fused loop; above,
+# the blocked matmul. On a 4096 x 14336 weight in groups of 128 on two cores (median of 5): fused 8.7 ms
+# against blocked 10.6 and the digit split's 12.6 at four rows; 16.7, 15.8 and 16.6 at eight; blocked
+# 17.2 against the split's 23.9 at 16, 44 against 85 at 64 and 150 against 993 at 256 (float32: 162).
+INT8_FUSED_ROWS = 4
 FAST = {"reassoc", "contract"}
 
 
@@ -168,6 +174,55 @@ def _int8_times_row(src, scale, x, out):
         out[0, i] = total
 
 
+@_compiled
+def _int8_times_rows(src, scale, x, out):
+    """w8a16: `_fp8_times_rows` for int8 weights src (each value as it is)."""
+    cols = src.shape[1]
+    groups = scale.shape[1]
+    group = cols // groups
+    for i in range(src.shape[0]):
+        for c in range(0, x.shape[0], 4):
+            t0 = t1 = t2 = t3 = np.float32(0)
+            for g in range(groups):
+                lo = g * group
+                bs = src[i, lo : lo + group]
+                x0 = x[c, lo : lo + group]
+                x1 = x[c + 1, lo : lo + group]
+                x2 = x[c + 2, lo : lo + group]
+                x3 = x[c + 3, lo : lo + group]
+                a0 = a1 = a2 = a3 = np.float32(0)
+                for j in range(group):
+                    v = np.float32(bs[j])
+                    a0 += v * x0[j]
+                    a1 += v * x1[j]
+                    a2 += v * x2[j]
+                    a3 += v * x3[j]
+                s = scale[i, g]
+                t0 += a0 * s
+                t1 += a1 * s
+                t2 += a2 * s
+                t3 += a3 * s
+            out[c, i] = t0
+            out[c + 1, i] = t1
+            out[c + 2, i] = t2
+            out[c + 3, i] = t3
+
+
+@_compiled
+def _int8_decode(src, scale, out):
+    """out[i, j] = int8 src[i, j] times scale[i, j // group], group = columns / groups."""
+    rows, cols = src.shape
+    groups = scale.shape[1]
+    group = cols // groups
+    for i in range(rows):
+        for g in range(groups):
+            s = scale[i, g]
+            bs = src[i, g * group : (g + 1) * group]
+            os = out[i, g * group : (g + 1) * group]
+            for j in range(bs.shape[0]):
+                os[j] = np.float32(bs[j]) * s
+
+
 def rows_of_four(x: torch.Tensor) -> np.ndarray:
     """x as float32 [m, k], rows padded with zeros to a multiple of four."""
     m, k = x.shape
@@ -253,13 +308,21 @@ def fused(one, four, m: int, n: int, weight: tuple, xs: tuple[torch.Tensor, ...]
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [m, in] times the int8 `weight` [out, in] (float32 scale [out, groups]), transposed: [m, out] in
-    x's dtype, at float32 precision. One row takes the fused loop; more go through `cpu_int8`'s digit
-    split, whose int8 matmul gains more from each added row (on an 8192 x 2048 weight: 1.5 against 2.7 ms
-    at one row, 2.9 against 2.5 at four, 8.0 against 3.2 at eight)."""
-    if x.shape[0] != 1:
+    x's dtype, at float32 precision. One row takes the fused loop, and so do up to `INT8_FUSED_ROWS` rows
+    where the scales are per group; more rows go through `cpu_int8`'s digit split where the scales are per
+    output channel (its int8 matmul gains more from each added row: on an 8192 x 2048 weight 1.5 against
+    2.7 ms at one row, 2.9 against 2.5 at four, 8.0 against 3.2 at eight), and through the blocked decode
+    for torch's float32 matmul where they are per group (the split would take one int8 matmul a group)."""
+    m, n = x.shape[0], weight.shape[0]
+    if m == 0:
+        return x.new_zeros(0, n)
+    if m > 1 and (scale.dim() == 1 or scale.shape[1] == 1):
         return cpu_int8.int8_matmul(x, weight, scale)
-    n = weight.shape[0]
-    y = fused(_int8_times_row, None, 1, n, (weight.contiguous().numpy(), as_grid(scale, n)), (x.float(),))
+    arrays = (weight.contiguous().numpy(), as_grid(scale, n))
+    if m <= INT8_FUSED_ROWS:
+        y = fused(_int8_times_row, _int8_times_rows, m, n, arrays, (x.float(),))
+    else:
+        y = blocked(_int8_decode, arrays, x.float())
     return y.to(x.dtype)
 
 
@@ -272,3 +335,5 @@ def warm_up(scheme: str) -> None:
             fp8_matmul(torch.zeros(m, 16, dtype=torch.float8_e4m3fn), torch.ones(m, 1), w, torch.ones(2, 2))
     elif scheme == "w8a16":
         int8_matmul(torch.zeros(1, 16), torch.zeros(2, 16, dtype=torch.int8), torch.ones(2, 1))
+        for m in (2, INT8_FUSED_ROWS + 1):  # a scale per group
+            int8_matmul(torch.zeros(m, 16), torch.zeros(2, 16, dtype=torch.int8), torch.ones(2, 2))

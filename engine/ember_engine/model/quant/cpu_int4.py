@@ -4,11 +4,14 @@ function by its file's contents), and `cpu_decode`'s fused product.
 Decode batches (up to `INT4_FUSED_ROWS` activation rows) go through one loop that reads each packed byte
 once and multiplies its two nibbles, less 8, with the activations' even and odd columns, a group of 128
 columns at a time, each group's sum (less its zero point times the group's sum of the activations, for a
-checkpoint with zero points) times its scale: the weight is never widened. Larger batches unpack
-the weight to int8 (a compiled loop) for `cpu_int8`'s exact int8 matmul (the activations' int8 digits,
-group by group). Either way y = x @ (q_w * s_w)^T in float32, the activations at float32 precision.
-Unpacking with tensor operations, then dequantizing to float32, took 115 ms a call for one 8192 x 2048
-weight at batch 1; unpacking with the loop and the int8 matmul take 6.9 ms, the fused loop 2.3.
+checkpoint with zero points) times its scale: the weight is never widened. Larger batches, bound by
+arithmetic rather than by weight bytes, decode a block of weight rows at a time to float32 ((value - zero)
+* scale, in a cache-sized scratch) for torch's float32 matmul (`cpu_decode.blocked`). Either way y = x @
+((q_w - z_w) * s_w)^T in float32, the activations at float32 precision. On one 8192 x 2048 weight at
+batch 1, unpacking with tensor operations, then dequantizing to float32, took 115 ms a call, the fused
+loop 2.3. On a 4096 x 14336 weight (two cores, median of 5) the blocked decode took 18 ms at 16 rows, 45
+at 64 and 160 at 256, where unpacking to int8 for the group-by-group int8 matmul took 47, 88 and 1000,
+and float32's matmul 29, 64 and 181.
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from ember_engine.model.quant import cpu_int8
-from ember_engine.model.quant.cpu_decode import as_grid, fused
+from ember_engine.model.quant.cpu_decode import as_grid, blocked, fused
 
 # Activation rows up to which the fused loop is faster than unpacking for the int8 matmul: on an 8192 x
 # 2048 weight on two cores (best of 15), 7.4 ms against 7.0-7.4 at 8 rows, 11.1 against 8.1 at 12.
@@ -109,58 +111,51 @@ def _nibbles_times_rows(src, scale, zero, xe, xo, xsum, out):
 
 
 @_compiled
-def _unpack(src, out):
-    """out[i, 2j] = low nibble of src[i, j] - 8, out[i, 2j + 1] = high nibble - 8 (`schemes.pack_int4`)."""
+def _nibbles_decode(src, scale, zero, out):
+    """out[i, 2j] and out[i, 2j + 1] = (low and high nibble of src[i, j], each less 8, less zero[i, g]) times
+    scale[i, g] for the group g of their columns; `zero` as `_nibbles_times_row`'s."""
+    zeros = zero.shape[0] > 0
     rows, cols = src.shape
+    groups = scale.shape[1]
+    group = cols // groups  # bytes a group
     for i in range(rows):
-        s = src[i]
-        o = out[i]
-        for j in range(cols):
-            b = np.int32(s[j])
-            o[2 * j] = np.int8((b & np.int32(15)) - np.int32(8))
-            o[2 * j + 1] = np.int8((b >> np.int32(4)) - np.int32(8))
-
-
-def int4_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """Packed bytes [out, in / 2] -> int8 values [out, in] in [-8, 7]."""
-    rows, cols = packed.shape
-    out = torch.empty(rows, 2 * cols, dtype=torch.int8)
-    _unpack(packed.contiguous().numpy(), out.numpy())
-    return out
+        for g in range(groups):
+            s = scale[i, g]
+            z = np.float32(zero[i, g]) if zeros else np.float32(0)
+            bs = src[i, g * group : (g + 1) * group]
+            os = out[i, 2 * g * group : 2 * (g + 1) * group]
+            for j in range(group):
+                b = np.int32(bs[j])
+                os[2 * j] = (np.float32((b & 15) - 8) - z) * s
+                os[2 * j + 1] = (np.float32((b >> 4) - 8) - z) * s
 
 
 def int4_matmul(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [m, in] times the int4 weight (packed [out, in / 2], float32 scale [out, groups], and a
-    checkpoint's zero points, each less 8, int8 or float32 [out, groups], where it has them), transposed: [m, out]
-    in x's dtype, at float32 precision. Zero points are taken only up to `INT4_FUSED_ROWS` rows, in the
-    fused loops (each group's sum less zero point times the group's sum of x); above them the caller
-    subtracts them."""
-    m = x.shape[0]
-    if not 0 < m <= INT4_FUSED_ROWS:
-        if zero is not None:
-            raise ValueError("int4_matmul: zero points are taken in the fused loops only")
-        return cpu_int8.int8_matmul(x, int4_unpack(packed), scale)
-    n = packed.shape[0]
+    checkpoint's zero points, each less 8, int8 or float32 [out, groups], where it has them), transposed:
+    [m, out] in x's dtype, at float32 precision: the fused loops up to `INT4_FUSED_ROWS` rows, the blocked
+    decode for torch's float32 matmul above."""
+    m, n = x.shape[0], packed.shape[0]
     xf = x.float()
-    groups = scale.shape[1]
-    if zero is None:  # symmetric: no zero points, and no sums of x to take
-        zeros, xsum = _NO_ZEROS, xf[:, :0]
-    else:
-        zeros, xsum = zero.contiguous().numpy(), xf.reshape(m, groups, -1).sum(dim=-1)
+    zeros = _NO_ZEROS if zero is None else zero.contiguous().numpy()
     weight = (packed.contiguous().numpy(), as_grid(scale, n), zeros)
+    if not 0 < m <= INT4_FUSED_ROWS:
+        return blocked(_nibbles_decode, weight, xf).to(x.dtype)
+    groups = scale.shape[1]
+    # a group's sum of x, for the zero points (none to take for a symmetric weight)
+    xsum = xf[:, :0] if zero is None else xf.reshape(m, groups, -1).sum(dim=-1)
     y = fused(_nibbles_times_row, _nibbles_times_rows, m, n, weight, (xf[:, 0::2], xf[:, 1::2], xsum))
     return y.to(x.dtype)
 
 
 def warm_up(float_zeros: bool = False) -> None:
     """Compile the loops (or load them from numba's cache) before serving: the fused ones for one and for
-    several rows, and the larger batches' unpacking; with `float_zeros` the fused ones for float32 zero
-    points too."""
+    several rows, and the larger batches' decode; with `float_zeros` each for float32 zero points too."""
     for m in (1, 2, INT4_FUSED_ROWS + 1):
         int4_matmul(torch.zeros(m, 16), torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 1))
-    for m in (1, 2) if float_zeros else ():
+    for m in (1, 2, INT4_FUSED_ROWS + 1) if float_zeros else ():
         int4_matmul(
             torch.zeros(m, 16), torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 1), torch.zeros(2, 1)
         )

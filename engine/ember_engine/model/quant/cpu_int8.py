@@ -8,11 +8,10 @@ float32's own precision. Then x . q = sx * (d0 . q + d1 . q / 254 + d2 . q / 254
 an exact int32 sum (|d . q| <= 127^2 * in < 2^31 for fewer than 133 000 input columns), and the three
 digit rows of every token go through one `_int_mm` call, which reads the int8 weights once: at decode
 batch sizes the product costs a quarter of float32's weight bytes and keeps its precision (relative error
-about 1e-7, that of a float32 matmul itself). With a scale per group of input columns the sums are taken
-group by group and each scaled before they are added. Weights small enough that widening them costs
-less than the split, and weights whose groups are narrower than `NARROW_GROUP` columns (one `_int_mm` a
-group costs more than widening: GGUF's Q8_0 and Q4_0 groups of 32, Q6_K's of 16), are multiplied
-dequantized, in float32, a block of rows at a time.
+about 1e-7, that of a float32 matmul itself). This is for a scale per output channel; with a scale per
+group of input columns the sums would need one `_int_mm` a group, and `cpu_decode`'s compiled loops take
+those weights instead. Weights small enough that widening them costs less than the split are multiplied
+dequantized, in float32.
 """
 
 from __future__ import annotations
@@ -26,10 +25,6 @@ MAX_INPUT = (2**31 - 1) // (127 * 127)  # input columns whose exact int32 sum ca
 # small tensor operations of the digit split (a model with hidden size 128 decodes 1.5x faster that way);
 # above it, reading a quarter of float32's bytes wins.
 DEQUANTIZE_BELOW = 1 << 18
-# Groups narrower than this are widened, a block of rows at a time: on a 768 x 2048 weight at 9 activation
-# rows, 0.84 against 3.7 ms (groups of 16) and 0.57 against 2.4 (32); at 128 the split wins, 0.53 against 0.76.
-NARROW_GROUP = 64
-_BLOCK_BYTES = 2 << 20  # float32 bytes of weight rows widened at once (they stay in the core's cache)
 
 
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,38 +47,22 @@ def _combine(sums: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [n, in] (any float dtype) times the int8 `weight` [out, in] with float32 `scale` [out, groups]
-    (one scale per output channel when groups is 1), transposed: [n, out] in x's dtype, at float32
-    precision either way."""
+    """x [n, in] (any float dtype) times the int8 `weight` [out, in] with a float32 `scale` per output
+    channel ([out] or [out, 1]), transposed: [n, out] in x's dtype, at float32 precision either way."""
+    if scale.dim() == 2 and scale.shape[1] != 1:
+        raise ValueError(f"cpu_int8: a scale per output channel, not {scale.shape[1]} groups a row")
     if x.shape[0] == 0:  # nothing to split (the digit sums' reshapes need a row)
         return x.new_zeros(0, weight.shape[0])
-    out, k = weight.shape
-    groups = scale.shape[1]
-    if weight.numel() >= DEQUANTIZE_BELOW and (groups == 1 or k // groups >= NARROW_GROUP):
+    if weight.numel() >= DEQUANTIZE_BELOW:
         return digit_matmul(x, weight, scale)
-    rows = max(1, _BLOCK_BYTES // (4 * k))
-    xf = x.float()
-    y = torch.empty(x.shape[0], out, dtype=torch.float32, device=x.device)
-    for r in range(0, out, rows):
-        block = weight[r : r + rows].float().reshape(-1, groups, k // groups) * scale[r : r + rows, :, None]
-        torch.matmul(xf, block.reshape(-1, k).t(), out=y[:, r : r + rows])
-    return y.to(x.dtype)
+    return (x.float() @ (weight.float() * scale.reshape(-1, 1)).t()).to(x.dtype)
 
 
 def digit_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`int8_matmul` through the digit split and torch's int8 matmul."""
-    n, k = x.shape
-    groups = scale.shape[1]
-    g = k // groups
-    if g > MAX_INPUT:
-        raise ValueError(f"w8a16: {g} input columns per scale overflow int32 sums (at most {MAX_INPUT})")
+    k = x.shape[1]
+    if k > MAX_INPUT:
+        raise ValueError(f"w8a16: {k} input columns overflow int32 sums (at most {MAX_INPUT})")
     digits, x_scale = split(x)
-    if groups == 1:
-        y = _combine(torch._int_mm(digits, weight.t()), n).mul_(scale.reshape(1, -1))
-    else:
-        y = torch.zeros(n, weight.shape[0], dtype=torch.float32, device=x.device)
-        for j in range(groups):
-            cols = slice(j * g, (j + 1) * g)
-            part = _combine(torch._int_mm(digits[:, cols], weight[:, cols].t()), n)
-            y.add_(part.mul_(scale[:, j]))
+    y = _combine(torch._int_mm(digits, weight.t()), x.shape[0]).mul_(scale.reshape(1, -1))
     return y.mul_(x_scale).to(x.dtype)

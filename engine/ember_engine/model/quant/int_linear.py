@@ -181,11 +181,8 @@ class Int4Linear(_ZeroPoints):
             from ember_engine.model.quant import triton_gemm
 
             y = triton_gemm.int4_matmul(x, self.weight_packed, self.weight_scale, self.group_size)
-        elif x.device.type == "cpu":
-            if self.weight_zero is not None and 0 < x.shape[0] <= cpu_int4.INT4_FUSED_ROWS:
-                # decode batches: the fused loops subtract the zero points as they go
-                return cpu_int4.int4_matmul(x, self.weight_packed, self.weight_scale, self.weight_zero)
-            y = cpu_int4.int4_matmul(x, self.weight_packed, self.weight_scale)
+        elif x.device.type == "cpu":  # the compiled loops take the zero points as they go
+            return cpu_int4.int4_matmul(x, self.weight_packed, self.weight_scale, self.weight_zero)
         else:
             return F.linear(x, self.dequantized(x.dtype))
         return self._less_zero_points(x, y)

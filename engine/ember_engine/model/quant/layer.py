@@ -6,9 +6,9 @@ stays a parameter in the model dtype. CUDA inputs go to the Triton kernels (`tri
 path runs compiled loops and torch (`cpu_decode.py`, `cpu_int4.py`): at decode batch sizes one loop
 reads each weight byte once and multiplies its value with the activations in float32 (fp8 activations
 quantized per token, per token and group, or with a checkpoint's static scale, then decoded); above
-them `w8a16` takes the exact int8 matmul on the activations split into int8 digits (`cpu_int8.py`),
-`fp8` a float32 matmul over weight rows decoded a block at a time, and `w4a16` its weight unpacked to
-int8 for the int8 matmul; `w8a8` takes the int8 matmul on its int8 activations at every batch size.
+them `w8a16` with a scale per channel takes the exact int8 matmul on the activations split into int8
+digits (`cpu_int8.py`), and `fp8`, `w4a16` and `w8a16` in groups a float32 matmul over weight rows
+decoded a block at a time; `w8a8` takes the int8 matmul on its int8 activations at every batch size.
 bf16 activations with one w8a16 scale per channel take torch's int8 weight-pack matmul at every batch
 size. Other devices without Triton take torch's scaled matmul (fp8) or the dequantized product.
 `EMBER_QUANT_GEMM=triton` or `=torch` overrides the choice.
