@@ -57,3 +57,13 @@ def test_a_divergence_is_close_only_when_each_token_is_in_the_other_side_s_top()
         ],
     }
     assert logprobs_close(row, base) == 0.5
+
+
+def test_the_batch_32_rate_decodes_32_sequences_whatever_the_greedy_prompts(tmp_path: Path) -> None:
+    """--prompts sets the greedy-agreement prompts; the batch-32 rate still decodes 32 at once."""
+    out = tmp_path / "quant.json"
+    args = ["bench", "quant", "--schemes", "", "--no-kv-fp8", "--ppl-windows", "1", "--prompts", "4"]
+    assert ember([*args, "--repeats", "1", "--json", str(out)]) == 0
+    (full,) = json.loads(out.read_text())["rows"]
+    assert full["decode_sequences_b1"] == 1 and full["decode_sequences_b32"] == 32
+    assert full["decode_tok_s_b32"] > 0

@@ -30,6 +30,7 @@ import torch
 
 GEN_TOKENS = 64
 PROMPT_TOKENS = 64
+RATE_BATCH = 32  # sequences decoded together for the "b32" rate
 CLOSE_TOP = 5  # how many of a side's most likely tokens a first divergence may fall among
 _KV_LABELS = {"fp8": "kv-fp8", "fp8_e5m2": "kv-fp8-e5m2"}  # rows of a KV cache dtype, full-precision weights
 
@@ -61,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         " (0: quality and sizes only, no rates)",
     )
     p.add_argument("--ppl-windows", type=int, default=16, help="held-out windows of 512 tokens scored")
-    p.add_argument("--prompts", type=int, default=32, help="greedy-agreement prompts (also batch 32's)")
+    p.add_argument("--prompts", type=int, default=32, help="greedy-agreement prompts")
     p.add_argument(
         "--checkpoint",
         action="append",
@@ -111,14 +112,15 @@ def score(llm: Any, tokens: torch.Tensor, windows: int, length: int = 512) -> tu
     return math.exp(nll / count), torch.cat(argmax)
 
 
-def _decode_rate(llm: Any, prompts: list[list[int]]) -> float:
+def _decode_rate(llm: Any, prompts: list[list[int]]) -> tuple[float, int]:
+    """Tokens/s decoding `prompts` together, and how many sequences that was."""
     from ember_engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=GEN_TOKENS, ignore_eos=True)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start), len(outs)
 
 
 def measure(
@@ -129,7 +131,8 @@ def measure(
     kv_cache_dtype: str = "auto",
     label: str = "",
 ) -> tuple[dict[str, Any], Any, list[list[int]]]:
-    """One configuration's row (all but its decode rates), its engine, and the prompts it decodes."""
+    """One configuration's row (all but its decode rates), its engine, and the `RATE_BATCH` prompts its
+    rates decode (the greedy-agreement ones are `--prompts` others)."""
     from ember_engine import LLM, SamplingParams
     from ember_engine.model.quant.apply import PROJECTIONS, weight_bytes
 
@@ -172,7 +175,7 @@ def measure(
         "decode_tok_s_b1": 0.0,
         "decode_tok_s_b32": 0.0,
     }
-    return row, llm, prompts
+    return row, llm, prompts_from(text, RATE_BATCH)
 
 
 def logprobs_close(row: dict[str, Any], base: dict[str, Any]) -> float:
@@ -192,8 +195,9 @@ def measure_rates(configs: list[tuple[dict[str, Any], Any, list[list[int]]]], re
     the best kept: a change in the machine's load then touches every configuration alike."""
     for _ in range(repeats):
         for row, llm, prompts in configs:
-            row["decode_tok_s_b1"] = max(row["decode_tok_s_b1"], _decode_rate(llm, prompts[:1]))
-            row["decode_tok_s_b32"] = max(row["decode_tok_s_b32"], _decode_rate(llm, prompts[:32]))
+            for key, batch in (("b1", 1), ("b32", RATE_BATCH)):
+                rate, row[f"decode_sequences_{key}"] = _decode_rate(llm, prompts[:batch])
+                row[f"decode_tok_s_{key}"] = max(row[f"decode_tok_s_{key}"], rate)
 
 
 def main(args: argparse.Namespace) -> int:
