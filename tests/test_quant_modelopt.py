@@ -21,6 +21,7 @@ from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear, Fp8WeightOnlyLinear
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 from ember_engine.model.quant.spec import QuantSpec
+from ember_engine.model.quant.w4a8_linear import W4Fp8Linear
 
 BUILD = "modelopt_build.py"
 # preset -> (ember's scheme, static input scales, its layer class)
@@ -39,7 +40,7 @@ PRESETS = {
     "NVFP4_AWQ": ("nvfp4", True, Fp4Linear),
     "W4A8_NVFP4": ("nvfp4a16", True, Fp4Linear),  # NVFP4's weights, FP8 inputs under a static scale
     "INT8_SQ": ("w8a8", True, W8A8Linear),
-    "W4A8_AWQ": ("fp8", True, Fp8Linear),  # held as the E4M3 weights it computes with
+    "W4A8_AWQ": ("w4a8-fp8", True, W4Fp8Linear),  # codes, and each group's E4M3 values of them
 }
 # the same products as ModelOpt's, float rounding apart: weight-only, and NVFP4, whose activations both
 # sides quantize under the same scales (measured: every prompt's logits within 2.3e-7 of their range;
@@ -108,8 +109,15 @@ def test_exports_compute_what_modelopt_simulates(preset: str, quantized_model) -
         values = torch.stack([packed & 15, packed >> 4], dim=1).reshape(128, 256).to(torch.int8)
         values = values - 16 * (values >= 8).to(torch.int8)
         fp8 = (values * scale.repeat_interleave(128, dim=1) / outer).to(torch.float8_e4m3fn)
-        assert torch.equal(down.weight.view(torch.uint8), fp8.view(torch.uint8))
+        assert torch.equal(down.e4m3_weight().view(torch.uint8), fp8.view(torch.uint8))
         assert torch.equal(down.weight_scale, outer.expand(128))
+        # held: the file's 4-bit values (as codes, value + 8) and 16 E4M3 bytes a row and group of 128
+        assert torch.equal(schemes.unpack_int4(down.weight_packed), values)
+        assert down.weight_packed.shape == (128, 128) and down.weight_table.shape == (128, 2, 16)
+        held = sum(
+            t.numel() * t.element_size() for t in (down.weight_packed, down.weight_table, down.weight_scale)
+        )
+        assert held == 128 * 256 * 5 // 8 + 4 * 128  # 5 bits a weight, and weight_scale_2 per row
         # AWQ's smoothing where the export kept it (o and down; folded into the norms before q/k/v, gate/up)
         assert torch.equal(down.input_smooth, stored[DOWN + ".pre_quant_scale"])
         assert model.layers[0].self_attn.qkv_proj.input_smooth is None

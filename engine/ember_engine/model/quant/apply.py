@@ -20,6 +20,7 @@ from ember_engine.model.quant.linear import make_layer, quantize_linear
 from ember_engine.model.quant.rotations import OutputRotations, RotationMatrices
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
+from ember_engine.model.quant.w4a8_linear import W4Fp8Linear
 
 # The decoder's projections; embeddings and norms keep the model dtype, and so does the LM head unless a
 # compressed-tensors config (or GPTQ's `lm_head: true`) quantizes it (`HEAD`).
@@ -257,6 +258,9 @@ class QuantCollector:
             if "weight_global_scale" in tensors:
                 assert isinstance(layer, Fp4Linear)
                 layer.set_global_rows(offset, weight.shape[0], tensors["weight_global_scale"])
+            if "weight_scale_2" in tensors:  # W4A8_AWQ's (NVFP4's become weight_global_scale)
+                assert isinstance(layer, W4Fp8Linear)
+                layer.set_outer_rows(offset, weight.shape[0], tensors["weight_scale_2"])
             if "input_global_scale" in tensors:
                 assert isinstance(layer, Fp4Linear)
                 layer.set_input_global(
@@ -266,7 +270,7 @@ class QuantCollector:
                 assert isinstance(layer, CodebookLinear)
                 layer.set_code(tensors["weight_quant_map"], projection)
             if "input_scale" in tensors:
-                assert isinstance(layer, (Fp8Linear, W8A8Linear, Fp4Linear))
+                assert isinstance(layer, (Fp8Linear, W8A8Linear, Fp4Linear, W4Fp8Linear))
                 layer.set_input_scale(tensors["input_scale"], projection)
             self.done.add(key)
         return True

@@ -235,13 +235,15 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
     else:
         weight = tensors["weight"]
         out, inp = weight.shape
-        # int4 values one a byte (W4A8_AWQ's 4-bit weights arrive as the E4M3 values they stand for)
+        # int4 values one a byte
         int4 = spec.num_bits == 4 and not weight.is_floating_point()
         if int4 and bool(((weight < -8) | (weight > 7)).any()):
             raise UnsupportedQuantizationError(
                 f"{what or spec.scheme}: int4 weights held one a byte must lie in [-8, 7], found "
                 f"{int(weight.min())} to {int(weight.max())}"
             )
+        if spec.scheme == "w4a8-fp8":  # int4 values, and each row's and group's E4M3 values of their codes
+            return weight, scale, None
     if spec.block_rows:
         tiles = (-(-out // spec.block_rows), -(-inp // spec.group_size))
         if tuple(scale.shape) != tiles:

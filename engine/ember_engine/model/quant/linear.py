@@ -1,6 +1,6 @@
 """Which quantized layer each scheme runs (`make_layer`), and online quantization of a full-precision
 `nn.Linear` into it (`quantize_linear`). The layers: `fp8_linear.py`, `int_linear.py`, `fp4_linear.py`,
-`codebook_linear.py`; their base and the
+`codebook_linear.py`, `w4a8_linear.py`; their base and the
 choice of GPU and CPU paths: `layer.py`. `warm_up_cpu` compiles the CPU loops a model's schemes run."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Line
 from ember_engine.model.quant.layer import QuantLinear
 from ember_engine.model.quant.llm_int8_linear import LlmInt8Linear
 from ember_engine.model.quant.spec import QuantSpec
+from ember_engine.model.quant.w4a8_linear import W4Fp8Linear
 
 
 def make_layer(
@@ -30,7 +31,7 @@ def make_layer(
     float_zeros: bool = False,
     input_quant: str = "",
 ) -> QuantLinear:
-    """`group_size`: input columns per scale (w4a16; w8a16, fp8 and w8a16-fp8, where 0 means one scale
+    """`group_size`: input columns per scale (w4a16, w4a8-fp8; w8a16, fp8 and w8a16-fp8, where 0 means one scale
     per output channel; fp8 and w8a16-fp8 with groups are block-scaled; w8a8 takes 0 only).
     `zero_points`: a w4a16 checkpoint's own, one per group (int8, or with `float_zeros` float32: any real
     number); w8a16's are float32. `outlier_threshold`: bitsandbytes 8-bit's
@@ -56,6 +57,8 @@ def make_layer(
         return Fp8WeightOnlyLinear(in_features, out_features, bias, dtype, group_size)
     if scheme in ("nvfp4a16", "nvfp4"):  # from a checkpoint only (nvfp4's activation scales set at load)
         return Fp4Linear(in_features, out_features, bias, dtype)
+    if scheme == "w4a8-fp8":  # from a checkpoint only (ModelOpt's W4A8_AWQ)
+        return W4Fp8Linear(in_features, out_features, bias, dtype, group_size)
     if schemes.check_scheme(scheme) == "w4a16":
         return Int4Linear(in_features, out_features, bias, dtype, group_size, zero_points, float_zeros)
     if scheme == "w8a16":
@@ -113,7 +116,7 @@ def _fp8_blocks(w: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]
 def warm_up_cpu(spec: QuantSpec) -> None:
     """Compile the CPU loops of the schemes a model runs before serving (or read them from numba's
     cache)."""
-    from ember_engine.model.quant import cpu_codebook, cpu_decode, cpu_fp4, cpu_int4
+    from ember_engine.model.quant import cpu_codebook, cpu_decode, cpu_fp4, cpu_int4, cpu_w4a8
 
     for scheme in dict.fromkeys(s.scheme for s in spec.members()):
         if scheme == "bnb-int8":
@@ -124,5 +127,7 @@ def warm_up_cpu(spec: QuantSpec) -> None:
             cpu_codebook.warm_up()
         elif scheme in ("nvfp4a16", "nvfp4"):
             cpu_fp4.warm_up()
+        elif scheme == "w4a8-fp8":
+            cpu_w4a8.warm_up()
         else:
             cpu_decode.warm_up("fp8" if scheme == "w8a16-fp8" else scheme)

@@ -44,8 +44,8 @@ float32):
 - W4A8_AWQ (W4A8_AWQ_BETA_CFG): W4A16_AWQ's int4 values and group scales, each weight's value then
   rounded to E4M3 under a float32 `weight_scale_2` per tensor, as ModelOpt quantizes it twice; FP8
   activations under the calibrated `input_scale`, after AWQ's `pre_quant_scale` where the export kept it.
-  Held as the FP8 weight it computes with (`fp8`, static input scales: 8 bits a weight where the file holds
-  4.5).
+  Held as its 4-bit codes and, for each row and group of 128, the 16 E4M3 values they stand for
+  (`w4a8-fp8`: 5 bits a weight; `w4a8_linear.py`).
 - W4A8_NVFP4_FP8 (W4A8_NVFP4_FP8_CFG): NVFP4's weights with an E4M3 scale per group of 32 input columns
   (held for each of its two groups of 16) under a `weight_scale_2` of amax / 448, activations quantized to
   E4M3 under the projection's calibrated `input_scale` (`nvfp4a16` with static FP8 inputs,
@@ -91,12 +91,12 @@ ALGOS = {
     "W4A8_NVFP4_FP8": QuantSpec("nvfp4a16", METHOD, group_size=16, num_bits=4, static_input=True),
     "W8A8_SQ_PER_CHANNEL": QuantSpec("w8a8", METHOD, group_size=0, static_input=True),
     # int4 values in groups of 128, each times its group's scale, rounded to E4M3 under weight_scale_2:
-    # held as the FP8 weights they stand for (`canonical`)
-    "W4A8_AWQ": QuantSpec("fp8", METHOD, group_size=0, num_bits=4, static_input=True),
+    # held as codes and each group's 16 E4M3 values (`canonical`, `w4a8_linear.py`)
+    "W4A8_AWQ": QuantSpec("w4a8-fp8", METHOD, group_size=128, num_bits=4, static_input=True),
 }
 AWQ_GROUP = 128  # W4A16_AWQ's and W4A8_AWQ's input columns per weight scale
 W4A8_NVFP4_GROUP = 32  # W4A8_NVFP4_FP8's input columns per E4M3 weight scale (NVFP4's are 16)
-GROUPS = {"W4A8_AWQ": AWQ_GROUP, "W4A8_NVFP4_FP8": W4A8_NVFP4_GROUP}  # where the spec's group_size is not it
+GROUPS = {"W4A8_NVFP4_FP8": W4A8_NVFP4_GROUP}  # where the spec's group_size is not it
 KV_ALGOS = ("FP8",)
 MIXED = "MIXED_PRECISION"
 
@@ -240,7 +240,7 @@ def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> d
         return fp4
     if spec.scheme == "w4a16":
         return {**tensors, "weight": _awq_values(tensors, "W4A16_AWQ", name)}
-    if spec.scheme == "fp8" and spec.num_bits == 4:
+    if spec.scheme == "w4a8-fp8":
         return _w4a8_weight(tensors, name)
     if spec.input_quant == "mxfp8-fit":
         return {**tensors, "weight_scale": e8m0_scales(tensors["weight_scale"], name)}
@@ -276,20 +276,27 @@ def _awq_values(tensors: dict[str, torch.Tensor], algo: str, name: str) -> torch
 
 
 def _w4a8_weight(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
-    """W4A8_AWQ's weight as the FP8 weight it stands for: ModelOpt quantizes each weight to int4 in its
-    group of 128 and that value again to E4M3 under one scale per tensor (`weight_scale_2`), so the
-    product runs on E4M3(value x group scale / weight_scale_2) x weight_scale_2, with FP8 activations
-    under the calibrated `input_scale`. Held so (8 bits a weight), as `fp8` with static input scales."""
+    """W4A8_AWQ's weight as `w4a8-fp8` holds it: ModelOpt quantizes each weight to int4 in its group of
+    128 and that value again to E4M3 under one scale per tensor (`weight_scale_2`), so the product runs on
+    E4M3(value x group scale / weight_scale_2) x weight_scale_2, with FP8 activations under the
+    calibrated `input_scale`. Returned: the int4 values as int8 `weight` [out, in], each row's and group's
+    E4M3 values of the 16 codes (code c: value c - 8) as `weight_scale` [out, groups, 16], worked out
+    with the same float32 operations, and `weight_scale_2`."""
     values = _awq_values(tensors, "W4A8_AWQ", name)
     outer = tensors["weight_scale_2"].float().reshape(-1)
     if outer.numel() != 1 or not torch.isfinite(outer).all() or outer.item() <= 0:
         raise UnsupportedQuantizationError(
             f"{name}: W4A8_AWQ's weight_scale_2 must be one positive finite number, found {outer.tolist()[:4]}"
         )
-    groups = tensors["weight_scale"].float().repeat_interleave(AWQ_GROUP, dim=1)
-    weight = (values.float() * groups / outer).clamp(-448, 448).to(torch.float8_e4m3fn)
+    codes = torch.arange(-8, 8, dtype=torch.float32)
+    table = (codes * tensors["weight_scale"].float()[:, :, None] / outer).clamp(-448, 448)
     rest = {k: v for k, v in tensors.items() if k not in ("weight", "weight_scale", "weight_scale_2")}
-    return {**rest, "weight": weight, "weight_scale": outer.reshape(())}
+    return {
+        **rest,
+        "weight": values,
+        "weight_scale": table.to(torch.float8_e4m3fn),
+        "weight_scale_2": outer.reshape(()),
+    }
 
 
 def check_kv_scheme(qc: dict[str, Any]) -> None:

@@ -71,7 +71,7 @@ class RankSplit:
                 _rows(scale, rows, start, length),
                 _rows(zero, rows, start, length),
             )
-        groups = scale.shape[1] if scale.dim() == 2 else 1
+        groups = scale.shape[1] if scale.dim() >= 2 else 1  # w4a8-fp8's [out, groups, 16] tables too
         if groups > 1:
             size = columns // groups
             if start % size or length % size:

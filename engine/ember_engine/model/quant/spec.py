@@ -126,11 +126,7 @@ class QuantSpec:
             | ({"weight_quant_map"} if self.scheme == "codebook" else set()),
             # weight_scale_2: NVFP4's per-tensor scale over its group scales; W4A8_AWQ's E4M3 scale
             "modelopt": scaled
-            | (
-                {"weight_scale_2"}
-                if self.scheme in ("nvfp4a16", "nvfp4") or (self.scheme, self.num_bits) == ("fp8", 4)
-                else set()
-            ),
+            | ({"weight_scale_2"} if self.scheme in ("nvfp4a16", "nvfp4", "w4a8-fp8") else set()),
             "gptq": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "gptq_v2": GPTQ_TENSORS | ({"g_idx"} if self.act_order else set()),
             "awq": GPTQ_TENSORS,

@@ -7,27 +7,24 @@ widened in registers, so only the quantized bytes cross memory:
 - w4a16: two int4 per byte, unpacked by shift and mask, scaled the same way;
 - fp8: activations quantized per token (or with a checkpoint's static scale) beforehand; E4M3 × E4M3
   dots where the device has them (compute capability ≥ 8.9), widened otherwise, both scales applied
-  after the K loop;
+  after the K loop; w4a8-fp8 the same, each 4-bit code's E4M3 byte loaded from its row's group's table;
 - block-scaled fp8 (and MXFP8): activations quantized per token and group of GROUP columns beforehand;
-  the same dots, each BLOCK_K step (which lies in one group) scaled by its activation and weight scales
-  as it is added;
+  the same dots, each BLOCK_K step (in one group) scaled by its activation and weight scales as added;
 - nvfp4a16 and nvfp4: two E2M1 values a byte, decoded from their bits in registers, scaled per group of
   16 as w4a16's are, each group's scale its E4M3 byte over the row's global scale (passed as x_scale);
   nvfp4's activations come quantized and dequantized (`schemes.fake_quantize_nvfp4`), with no FP4 dots;
 - w8a8: activations quantized to int8 per token beforehand; int8 dots with int32 sums (exact; int8
   tensor cores on the GPU), both scales applied after the K loop;
-- w8a16-fp8: E4M3 weight bytes widened in registers and scaled per channel (or per row and group of
-  columns: block-scaled weights) as w8a16's are, the activations as they are;
-- bnb-nf4, bnb-fp4 and codebook (MXFP4's activations come as nvfp4's do): two 4-bit codes a byte, each looked up in the layer's 16-value table (passed as
-  x_scale) and scaled per block of GROUP columns as w4a16's are.
+- w8a16-fp8: E4M3 weight bytes widened in registers and scaled as w8a16's are, the activations as they are;
+- bnb-nf4, bnb-fp4 and codebook (MXFP4's activations come as nvfp4's do): two 4-bit codes a byte, each
+  looked up in the layer's 16-value table (passed as x_scale) and scaled per block as w4a16's are.
 
 Where a K step lies in one group of scales (groups of 32 columns or more: int8, int4, the 4-bit codes,
 fp8 weight-only), the step's values are multiplied as they are and its sums scaled per column (int4, int8
 and E4M3 values are exact in bf16 and fp16; a code table's values are rounded to the activations' dtype,
 as the scaled values were before); nvfp4's groups of 16 are scaled value by value before the dot.
-float32 activations are multiplied in float32 (`input_precision="ieee"`), as torch's float32 matmul does
-by default: the tensor cores' TF32 would round the operands to 10 bits. Tiles are chosen by the number of
-rows and the output width (`_blocks`), not tuned per device.
+float32 activations are multiplied in float32 (`input_precision="ieee"`), as torch's float32 matmul does,
+not in TF32. Tiles are chosen by rows and output width (`_blocks`), not tuned per device.
 """
 
 from __future__ import annotations
@@ -45,10 +42,10 @@ from ember_engine.model.quant.schemes import (
     quantize_activation_mx,
 )
 
-# WEIGHT: 0 int8, 1 packed int4, 2 fp8, 3 block-scaled fp8 (fp8 stored as bytes, reinterpreted in the
-# kernel), 4 int8 with int8 activations, 5 packed FP4 (E2M1), 6 packed 4-bit codes of a 16-value table, 7
-# fp8 weights with unquantized activations.
-_INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8, _FP4, _CODEBOOK, _FP8_WEIGHT = 0, 1, 2, 3, 4, 5, 6, 7
+# WEIGHT: 0 int8, 1 packed int4, 2 fp8 (bytes, reinterpreted in the kernel), 3 block-scaled fp8, 4 int8 with
+# int8 activations, 5 packed FP4 (E2M1), 6 4-bit codes of a 16-value table, 7 fp8 weights with unquantized
+# activations, 8 4-bit codes of E4M3 tables per row and group (w4a8-fp8).
+_INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8, _FP4, _CODEBOOK, _FP8_WEIGHT, W4_FP8 = 0, 1, 2, 3, 4, 5, 6, 7, 8
 
 
 @triton.jit
@@ -104,7 +101,7 @@ def _gemm_kernel(
             # int8 x int8 dots with int32 sums (exact), widened to the float32 accumulator each step.
             q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
             acc += tl.dot(x, q, out_dtype=tl.int32).to(tl.float32)
-        elif WEIGHT < 2 or WEIGHT >= 5:
+        elif WEIGHT < 2 or (WEIGHT >= 5 and WEIGHT != 8):
             if WEIGHT != 0 and WEIGHT != 7:
                 # [BLOCK_K, BLOCK_N]: column k of the weight is nibble k % 2 of byte k // 2.
                 ptrs = w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
@@ -136,7 +133,13 @@ def _gemm_kernel(
                     s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) / gs[None, :]
                 acc += _dot(x, (q.to(tl.float32) * s).to(x.dtype), IEEE)
         else:
-            raw = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
+            if WEIGHT == 8:  # each code's E4M3 byte in its row's and group's table of 16
+                ptrs = w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
+                code = (tl.load(ptrs, mask=wmask, other=0).to(tl.int32) >> ((offs_k % 2) * 4)[:, None]) & 0xF
+                tptrs = scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None] * 16 + code
+                raw = tl.load(tptrs, mask=wmask, other=0)
+            else:
+                raw = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
             w8 = raw.to(tl.float8e4nv, bitcast=True)
             x8 = x.to(tl.float8e4nv, bitcast=True)
             if FP8_DOT:  # noqa: SIM108 (a constexpr branch in the kernel)
@@ -153,6 +156,8 @@ def _gemm_kernel(
     if WEIGHT == 2 or WEIGHT == 4:
         acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0)[None, :]
         acc = acc * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0)[:, None]
+    if WEIGHT == 8:  # one scale per output column: its weight scale times the static input scale
+        acc = acc * tl.load(x_scale_ptr + offs_n, mask=mask_n, other=0)[None, :]
     y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -171,7 +176,7 @@ def _blocks(m: int, n: int) -> tuple[int, int, int, int, int]:
     return 128, 128, 64, 8, 3
 
 
-def _launch(
+def run_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
     scale: torch.Tensor,
@@ -181,6 +186,7 @@ def _launch(
     x_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    """y [M, n] = x [M, K] times weight kind `weight` held as `w` and `scale` (and `x_scale`), transposed."""
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
@@ -193,7 +199,9 @@ def _launch(
     if step_scale:
         bk = next(b for b in (bk, 64, 32) if group % b == 0)
     fp8_dot = (
-        weight in (_FP8, _FP8_BLOCK) and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        weight in (_FP8, _FP8_BLOCK, W4_FP8)
+        and x.is_cuda
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
     )
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _gemm_kernel[grid](
@@ -226,12 +234,12 @@ def _launch(
 
 def int8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] @ (int8 w [N, K] * scale [N, K / group_size])^T, in x's dtype."""
-    return _launch(x, w, scale.float().contiguous(), w.shape[0], _INT8, group=group_size)
+    return run_gemm(x, w, scale.float().contiguous(), w.shape[0], _INT8, group=group_size)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] @ (int4 w [N, K] packed as [N, K / 2], scale [N, K / group_size])^T, in x's dtype."""
-    return _launch(x, packed, scale.float().contiguous(), packed.shape[0], _INT4, group=group_size)
+    return run_gemm(x, packed, scale.float().contiguous(), packed.shape[0], _INT4, group=group_size)
 
 
 def fp8_matmul(
@@ -248,7 +256,7 @@ def fp8_matmul(
         xq, x_scale = quantize_activation_fp8(x, activation_ub)
     else:
         xq, x_scale = quantize_activation_fp8_static(x, input_scale)
-    return _launch(
+    return run_gemm(
         xq.view(torch.uint8),
         w.view(torch.uint8),
         scale.float().contiguous(),
@@ -264,7 +272,7 @@ def fp4_matmul(
 ) -> torch.Tensor:
     """x [M, K] @ (E2M1 w [N, K] packed as [N, K / 2], times E4M3 scale [N, K / group_size] over global
     scale [N])^T, in x's dtype."""
-    return _launch(
+    return run_gemm(
         x,
         packed,
         scale.contiguous().view(torch.uint8),
@@ -284,7 +292,7 @@ def w8a8_matmul(
         xq, x_scale = quantize_activation_int8(x)
     else:
         xq, x_scale = quantize_activation_int8_static(x, input_scale)
-    return _launch(
+    return run_gemm(
         xq,
         w,
         scale.float().reshape(-1).contiguous(),
@@ -305,7 +313,7 @@ def fp8_block_matmul(
         xq, x_scale = quantize_activation_mx(x, 8, fit=mx == "mxfp8-fit")
     else:
         xq, x_scale = quantize_activation_fp8_groups(x, group_size)
-    return _launch(
+    return run_gemm(
         xq.view(torch.uint8),
         w.view(torch.uint8),
         scale.float().contiguous(),
@@ -322,7 +330,7 @@ def codebook_matmul(
 ) -> torch.Tensor:
     """x [M, K] @ (code[w] for 4-bit codes w [N, K] packed as [N, K / 2], times scale [N, K / group_size])^T,
     in x's dtype."""
-    return _launch(
+    return run_gemm(
         x,
         packed,
         scale.float().contiguous(),
@@ -339,4 +347,4 @@ def fp8_weight_matmul(
     """x [M, K] as it is @ (E4M3 w [N, K] * scale [N] or [N, K / group_size])^T, in x's dtype."""
     k = w.shape[1]
     scale = scale.float().reshape(w.shape[0], -1).contiguous()
-    return _launch(x, w.view(torch.uint8), scale, w.shape[0], _FP8_WEIGHT, group=group_size or k)
+    return run_gemm(x, w.view(torch.uint8), scale, w.shape[0], _FP8_WEIGHT, group=group_size or k)
