@@ -18,7 +18,8 @@ python3 -m pytest -p no:cacheprovider -q -n 8 -o addopts="-ra" \
   tests/test_quant_kernels.py \
   tests/test_quant_fp8_static.py::test_kernels_quantize_every_token_with_the_static_scale \
   tests/test_quant_mx.py::test_each_path_computes_the_product_of_the_quantized_activations \
-  tests/test_quant_nvfp4.py::test_each_path_computes_the_dequantized_product > "$OUT/kernels.log" 2>&1
+  tests/test_quant_nvfp4.py::test_each_path_computes_the_dequantized_product \
+  tests/test_quant_w4a8_fp8.py::test_the_triton_kernel_gives_the_e4m3_product > "$OUT/kernels.log" 2>&1
 tail -5 "$OUT/kernels.log"
 python3 -m pytest -p no:cacheprovider -q -p no:xdist -o addopts="-ra" \
   tests/test_attention.py tests/test_fp8_kv_attention.py tests/test_rejection_sampler.py \

@@ -179,15 +179,15 @@ def test_the_fused_int4_loop_reads_the_nibbles_in_packing_order() -> None:
 
 
 @pytest.mark.parametrize("group", [0, 16, 32])
-# 1: the fused loop; 3, 4 (per group: the four-row fused loop, else the digit split); 5, 9, 40 (per group:
-# blocked, here in blocks of 8 rows, the last one short)
+# 1: the fused loop; 3, 4 (per group: the four-row fused loop; per channel this small weight is widened
+# whole); 5, 9, 40 (per group: blocked, here in blocks of 8 rows, the last one short)
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 40])
 def test_the_int8_product_is_the_dequantized_product(
     m: int, group: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(cpu_decode, "SCRATCH_BYTES", 4096)
     assert cpu_decode.INT8_FUSED_ROWS == 4
-    n, k = 96, 128
+    n, k = 97, 128
     g = torch.Generator().manual_seed(m + group)
     w = torch.randn(n, k, generator=g) * 0.05
     q, scale = schemes.quantize_int8(w, group)

@@ -54,16 +54,16 @@ def test_the_table_stands_for_modelopt_s_e4m3_weight() -> None:
     assert sum(t.numel() * t.element_size() for t in held) == 8 * 256 * 5 // 8 + 4 * 8
 
 
-# 1: one row; 3, 8: the fused loop; 9, 40: blocked (here in blocks of 8 rows of 128 columns, the last short)
+# 1: one row; 3, 8: the fused loop; 9, 40: blocked (here in blocks of 4 rows of 256 columns, the last short)
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
 def test_the_cpu_product_is_the_e4m3_product(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_decode, "SCRATCH_BYTES", 4096)
-    layer = _layer(100, 256, 128, m)
+    layer = _layer(102, 256, 128, m)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)) * 0.5
     monkeypatch.setenv("EMBER_QUANT_GEMM", "torch")
     got = layer(x)
     want = _expected(layer, x)
-    assert got.shape == (m, 100) and got.dtype == torch.float32
+    assert got.shape == (m, 102) and got.dtype == torch.float32
     assert (got.double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
 
 
@@ -96,5 +96,7 @@ def test_the_triton_kernel_gives_the_e4m3_product(
     monkeypatch.setenv("EMBER_QUANT_GEMM", "triton")
     got = layer(x)
     assert got.shape == (m, n)
-    # float32 sums in another order, and the two scales multiplied before they scale the sums
-    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    # float32 sums in another order, and the two scales multiplied before they scale the sums; on a GPU
+    # the E4M3 dots' tensor cores (Hopper's) add with fewer bits, as for `fp8` (test_quant_kernels.py)
+    tolerance = 1e-3 if DEVICE == "cuda" else 1e-5
+    assert (got.double() - want).abs().max().item() <= tolerance * want.abs().max().item()

@@ -162,6 +162,53 @@ def test_two_ranks_run_modelopts_smoothed_exports_as_one(
     assert got == expected
 
 
+def _w4a8_head(state: dict[str, torch.Tensor]) -> None:
+    """The LM head quantized as W4A8_AWQ writes a projection: int4 values two a byte along the output
+    (row 2r in the low nibble), a scale per row and group of 128, one weight_scale_2 and input_scale."""
+    w = state["lm_head.weight"].float()
+    out, k = w.shape
+    groups = w.reshape(out, k // 128, 128).abs().amax(dim=-1) / 7
+    values = torch.round(w / groups.repeat_interleave(128, dim=1)).clamp(-8, 7).to(torch.int8)
+    nibbles = (values & 15).to(torch.uint8).reshape(out // 2, 2, k)
+    state["lm_head.weight"] = nibbles[:, 0] | (nibbles[:, 1] << 4)
+    state["lm_head.weight_scale"] = groups
+    state["lm_head.weight_scale_2"] = groups.max() * 8 / 448  # a value of 8 group scales is E4M3's largest
+    state["lm_head.input_scale"] = torch.tensor(0.05)
+
+
+def test_a_w4a8_head_splits_with_its_outer_scale(wide_model: Path, tmp_path: Path) -> None:
+    """A W4A8_AWQ head held quantized: each rank holds its vocabulary rows of the whole head dequantized,
+    weight_scale_2 included. (Before, the split head left weight_scale_2 out, and every logit came out
+    divided by it: log-probabilities of 0.0 where one rank gave -1.3 to -2.1.)"""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "head"
+    build = Path(__file__).with_name("modelopt_build.py")
+    subprocess.run([sys.executable, str(build), str(wide_model), str(out), "W4A8_AWQ"], check=True)
+    state = load_file(str(out / "model.safetensors"))
+    _w4a8_head(state)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["ignore"].remove("lm_head")
+    (out / "config.json").write_text(json.dumps(config))
+    heads = []
+    for size in (1, 2):
+        with engine(out, max_num_seqs=4, tensor_parallel_size=size) as llm:
+            model = llm.engine.runner.model
+            head = model.lm_head.dequantized() if size == 1 else model.lm_head.weight.detach()
+            heads.append((head.float(), model.shard.vocab_start if size > 1 else 0))
+            tokens = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    (whole, _), (part, start) = heads
+    assert start == 0 and part.shape[0] == whole.shape[0] // 2
+    # rank 0's rows: the whole head's, dequantized alike (weight_scale_2 included), bit for bit
+    assert torch.equal(part, whole[: part.shape[0]])
+    assert all(len(o.token_ids) == MAX_NEW for o in tokens)
+
+
 def test_llm_compressor_fp8_checkpoint_splits(tiny_model: Path, quantized_model) -> None:  # type: ignore[no-untyped-def]
     """FP8_DYNAMIC: the stored FP8 weights and per-row scales cut exactly; each rank scales its own
     columns' activations where a projection is split by them, as with fp8 quantized at load."""

@@ -132,7 +132,7 @@ def measure(
     label: str = "",
 ) -> tuple[dict[str, Any], Any, list[list[int]]]:
     """One configuration's row (all but its decode rates), its engine, and the `RATE_BATCH` prompts its
-    rates decode (the greedy-agreement ones are `--prompts` others)."""
+    rates decode (the greedy-agreement prompts are `--prompts` of their own)."""
     from ember_engine import LLM, SamplingParams
     from ember_engine.model.quant.apply import PROJECTIONS, weight_bytes
 

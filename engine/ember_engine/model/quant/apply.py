@@ -116,6 +116,21 @@ def _prepare_head(model: nn.Module, spec: QuantSpec) -> None:
     setattr(model, HEAD, _empty(held, columns, rows, False, head.weight))
 
 
+def _weight_scales(
+    layer: QuantLinear, offset: int, rows: int, tensors: dict[str, torch.Tensor], projection: str
+) -> None:
+    """The weight's scales beside `set_rows`' (NVFP4's global scale, W4A8_AWQ's outer one, a code table)."""
+    if "weight_global_scale" in tensors:
+        assert isinstance(layer, Fp4Linear)
+        layer.set_global_rows(offset, rows, tensors["weight_global_scale"])
+    if "weight_scale_2" in tensors:  # W4A8_AWQ's (NVFP4's become weight_global_scale)
+        assert isinstance(layer, W4Fp8Linear)
+        layer.set_outer_rows(offset, rows, tensors["weight_scale_2"])
+    if "weight_quant_map" in tensors:
+        assert isinstance(layer, CodebookLinear)
+        layer.set_code(tensors["weight_quant_map"], projection)
+
+
 def _empty(
     held: QuantSpec, in_features: int, out_features: int, bias: bool, like: torch.Tensor
 ) -> QuantLinear:
@@ -242,7 +257,8 @@ class QuantCollector:
             projection = name.rpartition(".")[0]
             tensors = canonical(spec, tensors, projection)
             if module not in self.layers:  # a split's LM head, held dequantized
-                self.split.head_rows(spec, decode(spec, tensors, projection), _empty)
+                place = lambda head: _weight_scales(head, 0, head.out_features, tensors, projection)  # noqa: E731
+                self.split.head_rows(spec, decode(spec, tensors, projection), _empty, place)
                 self.done.add(key)
                 return True
             layer = self.layers[module]
@@ -255,20 +271,12 @@ class QuantCollector:
             if zero is not None:
                 assert isinstance(layer, (Int4Linear, Int8Linear))
                 layer.set_zero_rows(offset, zero)
-            if "weight_global_scale" in tensors:
-                assert isinstance(layer, Fp4Linear)
-                layer.set_global_rows(offset, weight.shape[0], tensors["weight_global_scale"])
-            if "weight_scale_2" in tensors:  # W4A8_AWQ's (NVFP4's become weight_global_scale)
-                assert isinstance(layer, W4Fp8Linear)
-                layer.set_outer_rows(offset, weight.shape[0], tensors["weight_scale_2"])
+            _weight_scales(layer, offset, weight.shape[0], tensors, projection)
             if "input_global_scale" in tensors:
                 assert isinstance(layer, Fp4Linear)
                 layer.set_input_global(
                     tensors["input_global_scale"], projection, spec.format == modelopt.METHOD
                 )
-            if "weight_quant_map" in tensors:
-                assert isinstance(layer, CodebookLinear)
-                layer.set_code(tensors["weight_quant_map"], projection)
             if "input_scale" in tensors:
                 assert isinstance(layer, (Fp8Linear, W8A8Linear, Fp4Linear, W4Fp8Linear))
                 layer.set_input_scale(tensors["input_scale"], projection)

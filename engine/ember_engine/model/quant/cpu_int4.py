@@ -22,8 +22,10 @@ from numba import njit
 
 from ember_engine.model.quant.cpu_decode import as_grid, blocked, fused
 
-# Activation rows up to which the fused loop is faster than unpacking for the int8 matmul: on an 8192 x
-# 2048 weight on two cores (best of 15), 7.4 ms against 7.0-7.4 at 8 rows, 11.1 against 8.1 at 12.
+# Activation rows up to which the fused loop is faster than the blocked decode: on a 4096 x 14336 weight
+# in groups of 128 on two cores (median of 5), 14.6 ms against 17.5 at 8 rows (the blocked decode 18.7
+# at 9). (Against the earlier path above it, unpacking for the int8 matmul, on an 8192 x 2048 weight: 7.4
+# ms against 7.0-7.4 at 8 rows, 11.1 against 8.1 at 12.)
 INT4_FUSED_ROWS = 8
 _NO_ZEROS = np.zeros((0, 0), dtype=np.int8)  # what the fused loops get for a symmetric weight
 FAST = {"reassoc", "contract"}

@@ -96,9 +96,12 @@ class RankSplit:
         _, start, length = span
         return vector.reshape(-1)[start : start + length]
 
-    def head_rows(self, spec: Any, decoded: Decoded, empty: Callable[..., Any]) -> None:
+    def head_rows(
+        self, spec: Any, decoded: Decoded, empty: Callable[..., Any], place: Callable[[Any], None]
+    ) -> None:
         """Fill the rank's LM head rows from the whole head's decoded tensors (`empty(spec, in, out, bias,
-        like)` makes the quantized layer that dequantizes them as one rank would)."""
+        like)` makes the quantized layer that dequantizes them as one rank would; `place(layer)` gives it
+        the scales beside the decoded ones)."""
         weight, scale, zero = decoded
         assert self.shard is not None
         like = self.head.weight
@@ -106,6 +109,7 @@ class RankSplit:
         full.set_rows(0, weight.to(like.device), scale)
         if zero is not None:
             full.set_zero_rows(0, zero)
+        place(full)
         start, rows = self.shard.vocab_start, self.shard.vocab_rows
         like.data[:rows].copy_(full.dequantized(like.dtype)[start : start + rows])
         self.placed.add(f"{HEAD}.weight")
