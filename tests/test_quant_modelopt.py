@@ -6,6 +6,7 @@ on the exported weights (`oracle.pt`), excluded modules, FP8 KV-cache scales and
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -392,6 +393,23 @@ def test_nvfp4_input_scale_must_be_one_positive_number(value: float, quantized_m
     copy = _nvfp4_copy(path, tmp_path / "m", edit)
     with pytest.raises(ValueError, match=r"NVFP4's input_scale must be one positive finite number, found \["):
         LLM(str(copy), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("preset", ["W4A8_AWQ", "NVFP4"])
+def test_a_refused_quantization_names_only_values_that_are_taken(preset: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint run in a scheme of its own (w4a8-fp8, nvfp4) with another `quantization` is refused
+    naming what it takes; each name given is then taken. (The scheme's own name was offered too, and then
+    refused as an unsupported scheme.)"""
+    path = str(quantized_model("tiny", preset, BUILD))
+    with pytest.raises(
+        ValueError, match=r"'w8a16' requested, .* give ([\w, -]+), or no quantization"
+    ) as info:
+        LLM(path, num_kv_blocks=16, quantization="w8a16")
+    names = re.search(r"give ([\w, -]+), or no quantization", str(info.value)).group(1)  # type: ignore[union-attr]
+    offered = [n for part in names.split(", ") for n in part.split(" or ")]
+    assert "modelopt" in offered
+    for name in offered:
+        assert LLM(path, num_kv_blocks=16, quantization=name).engine.runner.quant.format == "modelopt"
 
 
 def test_vllms_name_for_modelopts_fp4_checkpoints_is_taken(quantized_model) -> None:  # type: ignore[no-untyped-def]

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ember_engine.core.config import CHECKPOINT_METHODS
+from ember_engine.core.config import CHECKPOINT_METHODS, QUANT_SCHEMES
 from ember_engine.model.quant import bnb, compressed_tensors, gptq, modelopt, quark, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
@@ -94,9 +94,10 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
             schemes.check_scheme(requested)
         layers = sorted({g.scheme for g in spec.groups})
         how = f"{method}: {' and '.join(layers)} by layer" if layers else method
+        taken = sorted(n for n in own if n in QUANT_SCHEMES + CHECKPOINT_METHODS)  # what `quantization` takes
         raise UnsupportedQuantizationError(
             f"quantization: {requested!r} requested, but {model_dir} is already quantized as {spec.scheme!r} "
-            f"({how}); it runs in that scheme: give {' or '.join(sorted(own))}, or no quantization"
+            f"({how}); it runs in that scheme: give {' or '.join(taken)}, or no quantization"
         )
     return spec
 
