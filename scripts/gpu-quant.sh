@@ -2,7 +2,7 @@
 # The quantized GEMMs on a GPU (run from the repository root, in a Python with torch and Triton for CUDA):
 # the kernel tests compiled for real, the engine-side GPU tests one at a time (an engine sizes its KV
 # cache from the GPU's free memory, so they do not share the device with other test processes), `bench
-# gemm`, and `bench quant` on the packaged trained target. Results go under $OUT.
+# gemm` (fp8 also through cuBLAS), and `bench quant` on the packaged trained target. Results go under $OUT.
 #
 # The kernel tests import compressed-tensors: install it (and pydantic, loguru) where it is missing, e.g.
 # from wheels: `pip install --target /tmp/site WHEELS` and PYTHONPATH=/tmp/site. CKPT, when set, is a
@@ -15,7 +15,7 @@ export EMBER_TEST_CACHE=${EMBER_TEST_CACHE:-/tmp/ember-tests}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python3 -m pytest -p no:cacheprovider -q -n 8 -o addopts="-ra" \
-  tests/test_quant_kernels.py \
+  tests/test_quant_kernels.py tests/test_quant_act_kernel.py \
   tests/test_quant_fp8_static.py::test_kernels_quantize_every_token_with_the_static_scale \
   tests/test_quant_mx.py::test_each_path_computes_the_product_of_the_quantized_activations \
   tests/test_quant_nvfp4.py::test_each_path_computes_the_dequantized_product \
@@ -26,6 +26,8 @@ python3 -m pytest -p no:cacheprovider -q -p no:xdist -o addopts="-ra" \
   tests/test_kernel_variants.py tests/test_engine_greedy.py > "$OUT/engine.log" 2>&1
 tail -5 "$OUT/engine.log"
 python3 -m ember_engine bench gemm --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.log"
+# fp8 through cuBLAS's FP8 matmul (`torch._scaled_mm`, the torch path), against the Triton rows above
+python3 -m ember_engine bench gemm --layouts fp8 --gemm torch --json "$OUT/gemm-torch.json" 2>&1 | tee "$OUT/gemm-torch.log"
 rows=()
 if [ -n "${CKPT:-}" ]; then
   for name in nvfp4 mxfp8 fp8_block; do

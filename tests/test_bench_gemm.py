@@ -4,6 +4,7 @@ checked against its reference, its weight bytes against the full weight's, and b
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,17 @@ def test_bad_options_are_refused_by_name(option: str, value: str, message: str) 
     base = ["bench", "gemm", "--shapes", "64x32", "--rows", "1", "--layouts", "w8a16"]
     with pytest.raises(SystemExit, match=message):
         ember([*base, option, value])  # the option given last is the one taken
+
+
+def test_the_path_is_chosen_for_the_run_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--gemm torch` sets the layers' path (EMBER_QUANT_GEMM) for the run, records it, and puts the
+    variable back; `--gemm triton` needs CUDA and is refused on the CPU by name."""
+    monkeypatch.delenv("EMBER_QUANT_GEMM", raising=False)
+    out = tmp_path / "gemm.json"
+    base = ["bench", "gemm", "--shapes", "64x32", "--rows", "1", "--layouts", "fp8", "--device", "cpu"]
+    assert ember([*base, "--repeats", "1", "--gemm", "torch", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["gemm"] == "torch" and result["rows"][0]["rel_error"] <= 1e-5
+    assert "EMBER_QUANT_GEMM" not in os.environ
+    with pytest.raises(SystemExit, match="--gemm triton: the Triton kernels run compiled on CUDA only"):
+        ember([*base, "--gemm", "triton"])

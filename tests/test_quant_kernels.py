@@ -156,3 +156,57 @@ def test_w8a8_with_a_static_input_scale_matches_reference(shape: tuple[int, int,
         monkeypatch.setenv("EMBER_QUANT_GEMM", path)
         got = layer(x)
         assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item(), path
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter takes either path; a GPU only its own")
+@pytest.mark.parametrize("kind", ["fp8", "fp8-block", "nvfp4", "w8a16-fp8", "w4a8-fp8"])
+def test_e4m3_decoded_with_integers_gives_the_same_product(kind: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where Triton has no E4M3 type (compute capability 8.0) the GEMM decodes E4M3 bytes with integer
+    arithmetic; the product is the one the E4M3 type gives, to the bit."""
+    from ember_engine.model.quant import triton_gemm
+    from ember_engine.model.quant import triton_gemm_config as cfg
+
+    g = torch.Generator().manual_seed(5)
+    m, k, n = 5, 256, 96
+
+    def e4m3_bytes(*shape: int) -> torch.Tensor:
+        raw = torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+        return torch.where((raw & 0x7F) == 0x7F, raw & 0x80, raw)  # no NaN
+
+    x = torch.randn(m, k, generator=g)
+    scale = torch.rand(n, k // 64, generator=g) + 0.5
+    calls = {
+        "fp8": (
+            e4m3_bytes(m, k),
+            e4m3_bytes(n, k),
+            scale[:, 0].contiguous(),
+            cfg.FP8,
+            1,
+            torch.rand(m) + 0.1,
+        ),
+        "fp8-block": (
+            e4m3_bytes(m, k),
+            e4m3_bytes(n, k),
+            scale,
+            cfg.FP8_BLOCK,
+            64,
+            torch.rand(m, k // 64) + 0.1,
+        ),
+        "nvfp4": (x, e4m3_bytes(n, k // 2), e4m3_bytes(n, k // 16) & 0x7F, cfg.FP4, 16, torch.rand(n) + 1),
+        "w8a16-fp8": (x, e4m3_bytes(n, k), scale, cfg.FP8_WEIGHT, 64, None),
+        "w4a8-fp8": (
+            e4m3_bytes(m, k),
+            e4m3_bytes(n, k // 2),
+            e4m3_bytes(n, k // 64 * 16),
+            cfg.W4_FP8,
+            64,
+            torch.rand(n),
+        ),
+    }
+    xs, w, s, weight, group, x_scale = calls[kind]
+    out = torch.float32
+    native = triton_gemm.run_gemm(xs, w, s, n, weight, group=group, x_scale=x_scale, out_dtype=out)
+    monkeypatch.setattr(triton_gemm, "capability", lambda device: (8, 0))
+    decoded = triton_gemm.run_gemm(xs, w, s, n, weight, group=group, x_scale=x_scale, out_dtype=out)
+    assert torch.isfinite(native).all() and native.abs().max() > 0
+    assert torch.equal(decoded, native)

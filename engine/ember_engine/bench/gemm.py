@@ -15,6 +15,7 @@ import argparse
 import copy
 import functools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -48,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="activations and full weights (auto: bfloat16 on CUDA)")
     p.add_argument("--device", default="auto", help="cuda or cpu (auto: cuda when available)")
     p.add_argument("--repeats", type=int, default=20, help="calls per timing run (see `time_call`)")
+    p.add_argument(
+        "--gemm",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="the layers' path (EMBER_QUANT_GEMM): auto, the engine's (Triton on CUDA, the compiled loops on "
+        "the CPU); torch on CUDA: cuBLAS's FP8 matmul for fp8, the dequantized weight otherwise; triton: CUDA only",
+    )
     p.add_argument("--json", help="write the results here")
 
 
@@ -168,12 +176,38 @@ def measure(
     return out
 
 
+def _run(
+    layouts: list[str],
+    shapes: list[tuple[int, int]],
+    rows: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+) -> list[dict[str, Any]]:
+    results = []
+    for k, n in shapes:
+        for layout in layouts:
+            try:
+                measured = measure(layout, k, n, rows, dtype, device, repeats)
+            except schemes.UnsupportedQuantizationError as e:
+                raise SystemExit(f"{layout} at {k}x{n}: {e}") from None
+            for r in measured:
+                results.append(r)
+                print(
+                    f"{r['layout']:<13} {f'{k}x{n}':>11} {r['rows']:>5} {r['full_us']:9.1f} {r['quant_us']:9.1f}"
+                    f" {r['speedup']:7.2f} {r['weight_ratio']:8.3f} {r['rel_error']:9.2e}"
+                )
+    return results
+
+
 def main(args: argparse.Namespace) -> int:
     layouts, shapes, rows = _parse(args)
     kind = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if kind not in ("cuda", "cpu") or (kind == "cuda" and not torch.cuda.is_available()):
         raise SystemExit(f"--device: {args.device!r} is not available here (cuda when there is one, or cpu)")
     device = torch.device(kind)
+    if args.gemm == "triton" and kind != "cuda":
+        raise SystemExit("--gemm triton: the Triton kernels run compiled on CUDA only (here: cpu)")
     if args.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
@@ -186,24 +220,29 @@ def main(args: argparse.Namespace) -> int:
         if device.type == "cuda"
         else f"cpu ({torch.get_num_threads()} threads)"
     )
-    print(f"device: {name}; dtype {str(dtype).removeprefix('torch.')}; {args.repeats} calls a run")
+    path = args.gemm if args.gemm != "auto" else os.environ.get("EMBER_QUANT_GEMM") or "auto"
+    print(
+        f"device: {name}; dtype {str(dtype).removeprefix('torch.')}; {args.repeats} calls a run; path {path}"
+    )
     print(
         f"{'layout':<13} {'K x N':>11} {'rows':>5} {'full us':>9} {'quant us':>9} {'x full':>7} {'bytes x':>8} {'rel err':>9}"
     )
-    results = []
-    for k, n in shapes:
-        for layout in layouts:
-            try:
-                measured = measure(layout, k, n, rows, dtype, device, args.repeats)
-            except schemes.UnsupportedQuantizationError as e:
-                raise SystemExit(f"{layout} at {k}x{n}: {e}") from None
-            for r in measured:
-                results.append(r)
-                print(
-                    f"{r['layout']:<13} {f'{k}x{n}':>11} {r['rows']:>5} {r['full_us']:9.1f} {r['quant_us']:9.1f}"
-                    f" {r['speedup']:7.2f} {r['weight_ratio']:8.3f} {r['rel_error']:9.2e}"
-                )
+    before = os.environ.get("EMBER_QUANT_GEMM")
+    if args.gemm != "auto":
+        os.environ["EMBER_QUANT_GEMM"] = args.gemm
+    try:
+        results = _run(layouts, shapes, rows, dtype, device, args.repeats)
+    finally:
+        if before is None:
+            os.environ.pop("EMBER_QUANT_GEMM", None)
+        else:
+            os.environ["EMBER_QUANT_GEMM"] = before
     if args.json:
-        meta = {"device": name, "dtype": str(dtype).removeprefix("torch."), "repeats": args.repeats}
+        meta = {
+            "device": name,
+            "dtype": str(dtype).removeprefix("torch."),
+            "repeats": args.repeats,
+            "gemm": path,
+        }
         Path(args.json).write_text(json.dumps({**meta, "rows": results}, indent=2) + "\n")
     return 0

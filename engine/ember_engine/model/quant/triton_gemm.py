@@ -3,28 +3,26 @@
 One kernel shape serves every scheme: a program computes a [BLOCK_M, BLOCK_N] tile of y = x W^T,
 walking K in BLOCK_K steps with a float32 accumulator. The weight tile is loaded in its stored form and
 widened in registers, so only the quantized bytes cross memory:
-- w8a16: int8 widened and scaled per (channel, group) in the loop (per channel: one group of K);
-- w4a16: two int4 per byte, unpacked by shift and mask, scaled the same way;
-- fp8: activations quantized per token (or with a checkpoint's static scale) beforehand; E4M3 × E4M3
-  dots where the device has them (compute capability ≥ 8.9), widened otherwise, both scales applied
+- w8a16 and w4a16: int8, or two int4 a byte (unpacked by shift and mask), scaled per (channel, group);
+- fp8: activations quantized per token (or with a checkpoint's static scale) beforehand, in one launch
+  (`triton_act_quant`, as are w8a8's and block-scaled fp8's); E4M3 × E4M3 dots where the device has
+  them (compute capability ≥ 8.9), else both decoded by integer arithmetic (`triton_fp8`), scales applied
   after the K loop; w4a8-fp8 the same, each 4-bit code's E4M3 byte loaded from its row's group's table;
-- block-scaled fp8 (and MXFP8): activations quantized per token and group of GROUP columns beforehand;
-  the same dots, each BLOCK_K step (in one group) scaled by its activation and weight scales as added;
-- nvfp4a16 and nvfp4: two E2M1 values a byte, decoded from their bits in registers, scaled per group of
-  16 as w4a16's are, each group's scale its E4M3 byte over the row's global scale (passed as x_scale);
-  nvfp4's activations come quantized and dequantized (`schemes.fake_quantize_nvfp4`), with no FP4 dots;
-- w8a8: activations quantized to int8 per token beforehand; int8 dots with int32 sums (exact; int8
-  tensor cores on the GPU), both scales applied after the K loop;
+- block-scaled fp8 (and MXFP8): activations quantized per token and group; the same dots, each BLOCK_K
+  step (in one group) scaled by its activation and weight scales as added;
+- nvfp4a16 and nvfp4: two E2M1 values a byte, decoded from their bits, scaled per group of 16, each
+  group's scale its E4M3 byte over the row's global scale (passed as x_scale); nvfp4's activations come
+  quantized and dequantized (`schemes.fake_quantize_nvfp4`), with no FP4 dots;
+- w8a8: int8 activations per token; int8 dots with int32 sums (exact), both scales after the K loop;
 - w8a16-fp8: E4M3 weight bytes widened in registers and scaled as w8a16's are, the activations as they are;
 - bnb-nf4, bnb-fp4 and codebook (MXFP4's activations come as nvfp4's do): two 4-bit codes a byte, each
   looked up in the layer's 16-value table (passed as x_scale) and scaled per block as w4a16's are.
 
 Where a K step lies in one group of scales (groups of 32 columns or more: int8, int4, the 4-bit codes,
 fp8 weight-only), the step's values are multiplied as they are and its sums scaled per column (int4, int8
-and E4M3 values are exact in bf16 and fp16; a code table's values are rounded to the activations' dtype,
-as the scaled values were before); nvfp4's groups of 16 are scaled value by value before the dot.
-float32 activations are multiplied in float32 (`input_precision="ieee"`), as torch's float32 matmul does,
-not in TF32. Tiles are chosen by rows and output width (`_blocks`), not tuned per device.
+and E4M3 values are exact in bf16 and fp16; a code table's values are rounded to the activations' dtype);
+nvfp4's groups of 16 are scaled value by value before the dot. float32 activations are multiplied in
+float32 (`input_precision="ieee"`), not in TF32. Tiles: `triton_gemm_config`.
 """
 
 from __future__ import annotations
@@ -33,19 +31,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ember_engine.model.quant.schemes import (
-    quantize_activation_fp8,
-    quantize_activation_fp8_groups,
-    quantize_activation_fp8_static,
-    quantize_activation_int8,
-    quantize_activation_int8_static,
-    quantize_activation_mx,
+from ember_engine.model.quant import triton_act_quant as act
+from ember_engine.model.quant.schemes import quantize_activation_mx
+from ember_engine.model.quant.triton_fp8 import e4m3 as _e4m3
+from ember_engine.model.quant.triton_gemm_config import (
+    CODEBOOK,
+    FP4,
+    FP8,
+    FP8_BLOCK,
+    FP8_WEIGHT,
+    INT4,
+    INT8,
+    W8A8,
+    capability,
+    kernel_options,
 )
-
-# WEIGHT: 0 int8, 1 packed int4, 2 fp8 (bytes, reinterpreted in the kernel), 3 block-scaled fp8, 4 int8 with
-# int8 activations, 5 packed FP4 (E2M1), 6 4-bit codes of a 16-value table, 7 fp8 weights with unquantized
-# activations, 8 4-bit codes of E4M3 tables per row and group (w4a8-fp8).
-_INT8, _INT4, _FP8, _FP8_BLOCK, _W8A8, _FP4, _CODEBOOK, _FP8_WEIGHT, W4_FP8 = 0, 1, 2, 3, 4, 5, 6, 7, 8
 
 
 @triton.jit
@@ -75,6 +75,7 @@ def _gemm_kernel(
     GROUP: tl.constexpr,
     WEIGHT: tl.constexpr,
     FP8_DOT: tl.constexpr,
+    FP8_TYPES: tl.constexpr,
     STEP_SCALE: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -119,7 +120,7 @@ def _gemm_kernel(
             else:
                 q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
                 if WEIGHT == 7:  # E4M3 bytes
-                    q = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    q = _e4m3(q, FP8_TYPES)
             if STEP_SCALE:
                 # The step lies in one group: the values are multiplied as they are (in the activations'
                 # dtype) and the step's sums scaled per column.
@@ -130,7 +131,7 @@ def _gemm_kernel(
                 s = tl.load(sptrs, mask=wmask, other=0)
                 if WEIGHT == 5:  # E4M3 group scales (bytes) over the row's global scale
                     gs = tl.load(x_scale_ptr + offs_n, mask=mask_n, other=1.0)
-                    s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) / gs[None, :]
+                    s = _e4m3(s, FP8_TYPES) / gs[None, :]
                 acc += _dot(x, (q.to(tl.float32) * s).to(x.dtype), IEEE)
         else:
             if WEIGHT == 8:  # each code's E4M3 byte in its row's and group's table of 16
@@ -140,12 +141,10 @@ def _gemm_kernel(
                 raw = tl.load(tptrs, mask=wmask, other=0)
             else:
                 raw = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
-            w8 = raw.to(tl.float8e4nv, bitcast=True)
-            x8 = x.to(tl.float8e4nv, bitcast=True)
-            if FP8_DOT:  # noqa: SIM108 (a constexpr branch in the kernel)
-                part = tl.dot(x8, w8)
-            else:
-                part = tl.dot(x8.to(tl.float32), w8.to(tl.float32))
+            if FP8_DOT:
+                part = tl.dot(x.to(tl.float8e4nv, bitcast=True), raw.to(tl.float8e4nv, bitcast=True))
+            else:  # E4M3 values are exact in TF32
+                part = tl.dot(_e4m3(x, FP8_TYPES), _e4m3(raw, FP8_TYPES))
             if WEIGHT == 3:
                 g = k0 // GROUP
                 xs = tl.load(x_scale_ptr + offs_m * stride_xsm + g, mask=mask_m, other=0)
@@ -162,20 +161,6 @@ def _gemm_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _blocks(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, pipeline stages) for an [m, K] x [K, n] product. Decode-sized
-    batches read the weight once and are bound by memory: thin M tiles, N tiles narrow enough that every
-    multiprocessor has programs (132 on an H100/H200), long K steps with several loads in flight. Larger
-    batches are bound by the dots: wide tiles. tl.dot needs every tile side >= 16."""
-    if m <= 16:
-        return 16, (32 if n <= 8192 else 64), 128, 4, 4
-    if m <= 64:
-        return (32 if m <= 32 else 64), 64, 64, 4, 4
-    if m <= 256:
-        return 64, 128, 64, 4, 3
-    return 128, 128, 64, 8, 3
-
-
 def run_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -190,20 +175,8 @@ def run_gemm(
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = _blocks(m, n)
-    if weight == _FP8_BLOCK:  # a BLOCK_K step must lie within one group of scales
-        bk = next(b for b in (bk, 64, 32, 16) if group % b == 0)
-    # Scales per group applied to each step's sums where a step lies in one group (groups of 32 columns
-    # or more); nvfp4's groups of 16 are scaled value by value.
-    step_scale = weight in (_INT8, _INT4, _CODEBOOK, _FP8_WEIGHT) and group % 32 == 0
-    if step_scale:
-        bk = next(b for b in (bk, 64, 32) if group % b == 0)
-    fp8_dot = (
-        weight in (_FP8, _FP8_BLOCK, W4_FP8)
-        and x.is_cuda
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)
-    )
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    options = kernel_options(weight, m, n, group, x.dtype, capability(x.device))
+    grid = (triton.cdiv(m, options["BLOCK_M"]), triton.cdiv(n, options["BLOCK_N"]))
     _gemm_kernel[grid](
         x,
         w,
@@ -218,28 +191,19 @@ def run_gemm(
         scale.stride(0),
         x_scale.stride(0) if x_scale is not None else 0,
         y.stride(0),
-        GROUP=group,
-        WEIGHT=weight,
-        FP8_DOT=fp8_dot,
-        STEP_SCALE=step_scale,
-        IEEE=x.dtype == torch.float32,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        num_warps=warps,
-        num_stages=stages,
+        **options,
     )
     return y
 
 
 def int8_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] @ (int8 w [N, K] * scale [N, K / group_size])^T, in x's dtype."""
-    return run_gemm(x, w, scale.float().contiguous(), w.shape[0], _INT8, group=group_size)
+    return run_gemm(x, w, scale.float().contiguous(), w.shape[0], INT8, group=group_size)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] @ (int4 w [N, K] packed as [N, K / 2], scale [N, K / group_size])^T, in x's dtype."""
-    return run_gemm(x, packed, scale.float().contiguous(), packed.shape[0], _INT4, group=group_size)
+    return run_gemm(x, packed, scale.float().contiguous(), packed.shape[0], INT4, group=group_size)
 
 
 def fp8_matmul(
@@ -253,15 +217,15 @@ def fp8_matmul(
     where it is set; or with the static `input_scale` for every token), @ (E4M3 w [N, K] * scale [N])^T,
     in x's dtype."""
     if input_scale is None:
-        xq, x_scale = quantize_activation_fp8(x, activation_ub)
+        xq, x_scale = act.fp8_rows(x, activation_ub)
     else:
-        xq, x_scale = quantize_activation_fp8_static(x, input_scale)
+        xq, x_scale = act.fp8_static(x, input_scale)
     return run_gemm(
         xq.view(torch.uint8),
         w.view(torch.uint8),
         scale.float().contiguous(),
         w.shape[0],
-        _FP8,
+        FP8,
         x_scale=x_scale.reshape(-1).contiguous(),
         out_dtype=x.dtype,
     )
@@ -277,7 +241,7 @@ def fp4_matmul(
         packed,
         scale.contiguous().view(torch.uint8),
         packed.shape[0],
-        _FP4,
+        FP4,
         group=group_size,
         x_scale=global_scale.float().contiguous(),
     )
@@ -289,15 +253,15 @@ def w8a8_matmul(
     """x [M, K] quantized to int8 per token (or with the static `input_scale` for every token), @ (int8 w
     [N, K] * scale [N, 1])^T, in x's dtype."""
     if input_scale is None:
-        xq, x_scale = quantize_activation_int8(x)
+        xq, x_scale = act.int8_rows(x)
     else:
-        xq, x_scale = quantize_activation_int8_static(x, input_scale)
+        xq, x_scale = act.int8_static(x, input_scale)
     return run_gemm(
         xq,
         w,
         scale.float().reshape(-1).contiguous(),
         w.shape[0],
-        _W8A8,
+        W8A8,
         x_scale=x_scale.reshape(-1).contiguous(),
         out_dtype=x.dtype,
     )
@@ -312,13 +276,13 @@ def fp8_block_matmul(
     if mx:
         xq, x_scale = quantize_activation_mx(x, 8, fit=mx == "mxfp8-fit")
     else:
-        xq, x_scale = quantize_activation_fp8_groups(x, group_size)
+        xq, x_scale = act.fp8_groups(x, group_size)
     return run_gemm(
         xq.view(torch.uint8),
         w.view(torch.uint8),
         scale.float().contiguous(),
         w.shape[0],
-        _FP8_BLOCK,
+        FP8_BLOCK,
         group=group_size,
         x_scale=x_scale.contiguous(),
         out_dtype=x.dtype,
@@ -335,7 +299,7 @@ def codebook_matmul(
         packed,
         scale.float().contiguous(),
         packed.shape[0],
-        _CODEBOOK,
+        CODEBOOK,
         group=group_size,
         x_scale=code.float().contiguous(),
     )
@@ -347,4 +311,4 @@ def fp8_weight_matmul(
     """x [M, K] as it is @ (E4M3 w [N, K] * scale [N] or [N, K / group_size])^T, in x's dtype."""
     k = w.shape[1]
     scale = scale.float().reshape(w.shape[0], -1).contiguous()
-    return run_gemm(x, w.view(torch.uint8), scale, w.shape[0], _FP8_WEIGHT, group=group_size or k)
+    return run_gemm(x, w.view(torch.uint8), scale, w.shape[0], FP8_WEIGHT, group=group_size or k)

@@ -79,21 +79,22 @@ class W4Fp8Linear(QuantLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale is None:
             raise schemes.UnsupportedQuantizationError("w4a8-fp8: no input_scale was loaded for this layer")
-        xq, x_scale = schemes.quantize_activation_fp8_static(x, self.input_scale)
         if use_triton(x):
-            from ember_engine.model.quant import triton_gemm
+            from ember_engine.model.quant import triton_act_quant, triton_gemm, triton_gemm_config
 
+            xq, _ = triton_act_quant.fp8_static(x, self.input_scale)
             n = self.out_features
             return triton_gemm.run_gemm(
                 xq.view(torch.uint8),
                 self.weight_packed,
                 self.weight_table.view(torch.uint8).reshape(n, -1),  # a row's tables, group after group
                 n,
-                triton_gemm.W4_FP8,
+                triton_gemm_config.W4_FP8,
                 group=self.group_size,
                 x_scale=(self.weight_scale * self.input_scale.reshape(())).contiguous(),  # per column
                 out_dtype=x.dtype,
             )
+        xq, x_scale = schemes.quantize_activation_fp8_static(x, self.input_scale)
         if x.device.type == "cpu":
             return cpu_w4a8.matmul(xq, x_scale, self.weight_packed, self.weight_table, self.weight_scale).to(
                 x.dtype

@@ -1,0 +1,65 @@
+"""How the quantized GEMM kernel (`triton_gemm._gemm_kernel`) is configured for a product on a device:
+its weight kinds, its tiles by rows and output width, and its FP8 choices by compute capability. Pure
+functions of sizes and capability, so that every variant a GPU would compile can be compiled ahead of
+time for it (`tests/test_quant_kernels_compile.py`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ember_engine.model.quant.triton_fp8 import fp8_types_on
+
+# WEIGHT: 0 int8, 1 packed int4, 2 fp8 (bytes, reinterpreted in the kernel), 3 block-scaled fp8, 4 int8 with
+# int8 activations, 5 packed FP4 (E2M1), 6 4-bit codes of a 16-value table, 7 fp8 weights with unquantized
+# activations, 8 4-bit codes of E4M3 tables per row and group (w4a8-fp8).
+INT8, INT4, FP8, FP8_BLOCK, W8A8, FP4, CODEBOOK, FP8_WEIGHT, W4_FP8 = 0, 1, 2, 3, 4, 5, 6, 7, 8
+
+
+def blocks(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, pipeline stages) for an [m, K] x [K, n] product. Decode-sized
+    batches read the weight once and are bound by memory: thin M tiles, N tiles narrow enough that every
+    multiprocessor has programs (132 on an H100/H200), long K steps with several loads in flight. Larger
+    batches are bound by the dots: wide tiles. tl.dot needs every tile side >= 16."""
+    if m <= 16:
+        return 16, (32 if n <= 8192 else 64), 128, 4, 4
+    if m <= 64:
+        return (32 if m <= 32 else 64), 64, 64, 4, 4
+    if m <= 256:
+        return 64, 128, 64, 4, 3
+    return 128, 128, 64, 8, 3
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """The GPU's compute capability; None in Triton's CPU interpreter."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def kernel_options(
+    weight: int, m: int, n: int, group: int, dtype: torch.dtype, cc: tuple[int, int] | None
+) -> dict[str, Any]:
+    """`_gemm_kernel`'s constexprs and launch options for an [m, K] x [K, n] product of weight kind
+    `weight` in activations of `dtype`, on a GPU of compute capability `cc` (None: the interpreter)."""
+    bm, bn, bk, warps, stages = blocks(m, n)
+    if weight == FP8_BLOCK:  # a BLOCK_K step must lie within one group of scales
+        bk = next(b for b in (bk, 64, 32, 16) if group % b == 0)
+    # Scales per group applied to each step's sums where a step lies in one group (groups of 32 columns
+    # or more); nvfp4's groups of 16 are scaled value by value.
+    step_scale = weight in (INT8, INT4, CODEBOOK, FP8_WEIGHT) and group % 32 == 0
+    if step_scale:
+        bk = next(b for b in (bk, 64, 32) if group % b == 0)
+    fp8_types = fp8_types_on(cc)
+    return {
+        "GROUP": group,
+        "WEIGHT": weight,
+        "FP8_DOT": weight in (FP8, FP8_BLOCK, W4_FP8) and cc is not None and fp8_types,
+        "FP8_TYPES": fp8_types,
+        "STEP_SCALE": step_scale,
+        "IEEE": dtype == torch.float32,
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "BLOCK_K": bk,
+        "num_warps": warps,
+        "num_stages": stages,
+    }

@@ -1,0 +1,143 @@
+"""Compiles the engine's Triton kernels ahead of time for NVIDIA GPUs, on a machine without one, and prints
+what came of each variant as JSON: `python kernel_compile.py [VARIANTS]`. The quantized GEMM and the
+activation quantizer in every variant their configuration gives; the attention and KV-cache kernels in the
+variants an engine launched (VARIANTS: a JSON file of the launch ledger's entries, as
+`test_kernels_compile.ledger_variants` writes them).
+
+Run in its own process with TRITON_INTERPRET unset: under the interpreter, which the test process sets,
+`@triton.jit` gives functions Triton's compiler cannot take. Each variant is compiled with the constexprs
+and launch options `triton_gemm_config.kernel_options` gives the engine on that GPU, through Triton's
+own compiler and the ptxas it ships."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ember_engine.model.quant import triton_act_quant, triton_gemm  # noqa: E402
+from ember_engine.model.quant import triton_gemm_config as cfg  # noqa: E402
+
+# 7.5 (T4) has no bfloat16: its models run in float16
+CAPABILITIES = [(7, 5), (8, 0), (8, 9), (9, 0)]
+POINTERS = ("x_ptr", "w_ptr", "scale_ptr", "x_scale_ptr", "y_ptr")
+# weight kind -> (x, w, scale, x_scale as the wrappers in triton_gemm pass them; "act": the activations'
+# dtype), the group size a layer of that kind takes, the kind's name
+KINDS: dict[int, tuple[tuple[str, str, str, str], int, str]] = {
+    cfg.INT8: (("act", "*i8", "*fp32", "*fp32"), 128, "w8a16"),
+    cfg.INT4: (("act", "*u8", "*fp32", "*fp32"), 128, "w4a16"),
+    cfg.FP8: (("*u8", "*u8", "*fp32", "*fp32"), 1, "fp8"),
+    cfg.FP8_BLOCK: (("*u8", "*u8", "*fp32", "*fp32"), 128, "fp8-block"),
+    cfg.W8A8: (("*i8", "*i8", "*fp32", "*fp32"), 1, "w8a8"),
+    cfg.FP4: (("act", "*u8", "*u8", "*fp32"), 16, "nvfp4"),
+    cfg.CODEBOOK: (("act", "*u8", "*fp32", "*fp32"), 64, "codebook"),
+    cfg.FP8_WEIGHT: (("act", "*u8", "*fp32", "*fp32"), 128, "w8a16-fp8"),
+    cfg.W4_FP8: (("*u8", "*u8", "*u8", "*fp32"), 128, "w4a8-fp8"),
+}
+TRITON_TYPE = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+ROWS = (1, 16, 32, 128, 256, 512)  # every tile class of `triton_gemm_config.blocks`
+# the kernels launched through `kernel_launch.launch`, by name
+LAUNCHED = {
+    "_attention_kernel": "ember_engine.model.triton_attention",
+    "_merge_splits_kernel": "ember_engine.model.triton_attention",
+    "_store_kv_kernel": "ember_engine.model.triton_kv_store",
+}
+
+
+def _compile(
+    fn: Any, signature: dict[str, str], constexprs: dict[str, Any], cc: tuple[int, int]
+) -> dict[str, Any]:
+    options = {key: constexprs.pop(key) for key in ("num_warps", "num_stages") if key in constexprs}
+    for name in fn.arg_names:
+        signature.setdefault(name, "constexpr" if name in constexprs else "i32")
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32), options=options)
+    except Exception as e:  # a variant the GPU's compiler refuses: reported, not raised
+        return {"ok": False, "error": str(e).strip().splitlines()[-1][:400]}
+    ptx = str(kernel.asm["ptx"])
+    return {
+        "ok": bool(kernel.asm["cubin"]),
+        "fp8_dots": bool(re.search(r"mma[\w.]*\.e4m3", ptx)),
+        "e4m3": "e4m3" in ptx,
+        "div_rn": "div.rn.f32" in ptx,
+        "div_approx": bool(re.search(r"div\.(full|approx)", ptx)),
+    }
+
+
+def gemm(kind: int, m: int, dtype: torch.dtype, cc: tuple[int, int]) -> dict[str, Any]:
+    operands, group, _ = KINDS[kind]
+    x_type = operands[0] if operands[0] != "act" else TRITON_TYPE[dtype]
+    signature = dict(zip(POINTERS, [x_type, *operands[1:], TRITON_TYPE[dtype]], strict=True))
+    # run_gemm passes the activations it is given: for fp8, w8a8 and w4a8-fp8 their quantized bytes
+    x_dtype = dtype if operands[0] == "act" else torch.uint8
+    return _compile(
+        triton_gemm._gemm_kernel, signature, cfg.kernel_options(kind, m, 4096, group, x_dtype, cc), cc
+    )
+
+
+def quantizer(kind: int, static: bool, cc: tuple[int, int], dtype: torch.dtype) -> dict[str, Any]:
+    signature = {"x_ptr": TRITON_TYPE[dtype], "q_ptr": "*u8" if kind == triton_act_quant.FP8 else "*i8"}
+    signature |= {"scale_ptr": "*fp32", "static_ptr": "*fp32", "ub": "fp32"}
+    constexprs = {"QMAX": 448.0, "KIND": kind, "STATIC": static, "CLAMP_UB": not static, "BLOCK": 1024}
+    return _compile(triton_act_quant._quantize_kernel, signature, constexprs, cc)
+
+
+def launched(variant: dict[str, Any], cc: tuple[int, int]) -> dict[str, Any]:
+    """One ledger variant compiled: an integer Triton saw as 1 as the constant it specializes it to, one
+    not recorded (not specialized on) as int32."""
+    fn = getattr(importlib.import_module(LAUNCHED[variant["kernel"]]), variant["kernel"])
+    constexprs = dict(variant["constexprs"])
+    signature = {}
+    for arg, kind in variant["args"].items():
+        if kind == "one":
+            constexprs[arg] = 1
+        else:
+            signature[arg] = kind
+    return _compile(fn, signature, constexprs, cc)
+
+
+def main() -> int:
+    results: dict[str, Any] = {}
+    variants = json.loads(Path(sys.argv[1]).read_text()) if len(sys.argv) > 1 else []
+    for cc in CAPABILITIES:
+        arch = f"sm{cc[0]}{cc[1]}"
+        half = torch.bfloat16 if cc >= (8, 0) else torch.float16
+        for kind, (operands, _, name) in KINDS.items():
+            if kind == cfg.W8A8 and cc < (8, 0):  # int8 dots need 8.0: the layer takes its torch path
+                continue
+            # every tile on Hopper; a decode and a prefill tile elsewhere
+            for m in ROWS if cc == (9, 0) else (1, 512):
+                results[f"gemm/{name}/{arch}/{str(half).removeprefix('torch.')}/{m}"] = gemm(
+                    kind, m, half, cc
+                )
+            if operands[0] == "act":  # float32 activations: IEEE dots
+                results[f"gemm/{name}/{arch}/float32/1"] = gemm(kind, 1, torch.float32, cc)
+        for kind, name in ((triton_act_quant.FP8, "fp8"), (triton_act_quant.INT8, "int8")):
+            for static in (False, True):
+                results[f"quantize/{name}/{arch}/{'static' if static else 'dynamic'}"] = quantizer(
+                    kind, static, cc, half
+                )
+        for i, variant in enumerate(variants):
+            if cc < (8, 0) and "*bf16" in variant["args"].values():
+                continue
+            results[f"launched/{variant['kernel']}/{arch}/{i}"] = launched(variant, cc)
+    json.dump(results, sys.stdout, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The engine's Triton kernels compiled ahead of time, on this machine, for the GPUs users run: compute
+capability 7.5 (T4, float16 only), 8.0 (A100), 8.9 (L4, L40S) and 9.0 (H100, H200), by Triton's own compiler and the ptxas it
+ships (`tests/kernel_compile.py`): the quantized GEMM and the activation quantizer in every variant their
+configuration gives on that GPU, and the attention and KV-cache kernels in every variant engines launched
+while starting here (bfloat16, float16 and float32 models; bfloat16, E4M3 and E5M2 caches; speculative
+queries). The interpreter the other kernel tests run in compiles nothing, so a kernel it runs can still be
+refused by a GPU's compiler (as Triton's E4M3 type is on 8.0); here every variant must reach machine
+code, and its PTX shows the arithmetic chosen."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ember_engine import LLM
+from ember_engine.model import kernel_launch
+from ember_engine.model.kernel_launch import KernelLedger
+from ember_engine.model.quant.triton_gemm_config import blocks
+
+HERE = Path(__file__).parent
+FP8_DOT_KINDS = ("fp8", "fp8-block", "w4a8-fp8")
+TORCH_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int32": "i32", "int64": "i64"}
+TORCH_TYPES |= {"uint8": "u8", "int8": "i8"}
+# (model dtype, KV cache dtype, speculative options) of the engines whose launches are compiled
+NGRAM = {"speculative_method": "ngram", "speculative_adaptive": False}
+ENGINES = [
+    ("bfloat16", "auto", {}),
+    ("bfloat16", "fp8", NGRAM),
+    ("float16", "fp8_e5m2", {}),
+    ("float32", "auto", NGRAM),
+]
+
+
+def ledger_variants(ledger: Any) -> list[dict[str, Any]]:
+    """A launch ledger's variants (`kernel_launch.KernelLedger`) as JSON: per launch, the kernel's name,
+    each recorded argument's kind (a tensor's dtype, an integer's being 1) and the constexprs."""
+    out = []
+    for name, keys in ledger.variants.items():
+        for key in keys:
+            args, constexprs = {}, {}
+            for arg, spec in key:
+                if isinstance(spec, tuple) and spec and spec[0] == "tensor":
+                    args[arg] = "*" + TORCH_TYPES[str(spec[1]).removeprefix("torch.")]
+                elif isinstance(spec, tuple) and spec and spec[0] == "int":
+                    args[arg] = "one" if spec[1] else "i32"
+                elif isinstance(spec, tuple) and spec and spec[0] == "float":
+                    args[arg] = "fp32"
+                else:
+                    constexprs[arg] = spec
+            out.append({"kernel": name, "args": args, "constexprs": constexprs})
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EMBER_ATTENTION", "triton")
+        mp.setattr(kernel_launch, "LEDGER", KernelLedger())  # these engines' launches only
+        for dtype, kv, spec in ENGINES:  # each launches every attention variant it can reach as it starts
+            LLM(str(tiny_model), max_model_len=512, max_num_seqs=4, dtype=dtype, kv_cache_dtype=kv, **spec)
+        variants = tmp_path_factory.mktemp("kernels") / "variants.json"
+        variants.write_text(json.dumps(ledger_variants(kernel_launch.LEDGER)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, str(HERE / "kernel_compile.py"), str(variants)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results: dict[str, dict[str, Any]] = json.loads(run.stdout)
+    return results
+
+
+def test_every_variant_reaches_machine_code(compiled: dict[str, dict[str, Any]]) -> None:
+    failed = {key: r["error"] for key, r in compiled.items() if not r["ok"]}
+    assert not failed, failed
+    kinds = {key.split("/")[1] for key in compiled if key.startswith("gemm/")}
+    assert len(kinds) == 9 and len(compiled) > 100
+    launched = {key.split("/")[1] for key in compiled if key.startswith("launched/")}
+    assert launched == {"_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel"}
+
+
+def test_fp8_dots_where_the_gpu_has_them_and_no_e4m3_on_ampere(compiled: dict[str, dict[str, Any]]) -> None:
+    """fp8, block-scaled fp8 and w4a8-fp8 multiply E4M3 on the tensor cores: on 8.9 in every tile; on
+    9.0, whose E4M3 products are warpgroup instructions only (64 rows and up), in tiles of 64 rows or
+    more, smaller ones converting E4M3 to float16 (exact) for float16 dots. On 8.0, where Triton has no
+    E4M3 type, and on 7.5, not one E4M3 instruction in any kernel: the bytes are decoded with integers."""
+    checked = 0
+    for key, r in compiled.items():
+        what, kind, arch, *rest = key.split("/")
+        if what == "gemm" and kind in FP8_DOT_KINDS:
+            wide = blocks(int(rest[-1]), 4096)[0] >= 64
+            assert r["fp8_dots"] == (arch == "sm89" or (arch == "sm90" and wide)), key
+            assert r["e4m3"] == (arch not in ("sm75", "sm80")), key
+            checked += 1
+        if arch in ("sm75", "sm80"):
+            assert not r["e4m3"], key
+    assert checked == 3 * (2 + 2 + 2 + 6)
+
+
+def test_the_quantizer_divides_exactly(compiled: dict[str, dict[str, Any]]) -> None:
+    """Every division IEEE's (`div.rn.f32`), none of the approximate ones Triton's `/` gives on a GPU."""
+    quantizers = {key: r for key, r in compiled.items() if key.startswith("quantize/")}
+    assert len(quantizers) == 16
+    for key, r in quantizers.items():
+        assert r["div_rn"] and not r["div_approx"], key
