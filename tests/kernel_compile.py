@@ -1,5 +1,5 @@
 """Compiles the engine's Triton kernels ahead of time for NVIDIA GPUs, on a machine without one, and prints
-what came of each variant as JSON: `python kernel_compile.py [VARIANTS]`. The quantized GEMM and the
+what came of each variant as JSON: `python kernel_compile.py [--resources] [VARIANTS]`. The quantized GEMM and the
 activation quantizer in every variant their configuration gives; the attention and KV-cache kernels in the
 variants an engine launched (VARIANTS: a JSON file of the launch ledger's entries, as
 `test_kernels_compile.ledger_variants` writes them).
@@ -7,7 +7,8 @@ variants an engine launched (VARIANTS: a JSON file of the launch ledger's entrie
 Run in its own process with TRITON_INTERPRET unset: under the interpreter, which the test process sets,
 `@triton.jit` gives functions Triton's compiler cannot take. Each variant is compiled with the constexprs
 and launch options `triton_gemm_config.kernel_options` gives the engine on that GPU, through Triton's
-own compiler and the ptxas it ships."""
+own compiler and the ptxas it ships. With `--resources` each variant also gives the registers a thread
+uses and the bytes it spills to local memory, from ptxas's report on the PTX (`-v`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import importlib
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from ember_engine.model.quant import triton_act_quant, triton_gemm  # noqa: E402
@@ -48,7 +52,7 @@ KINDS: dict[int, tuple[tuple[str, str, str, str], int, str]] = {
     cfg.W4_FP8: (("*u8", "*u8", "*u8", "*fp32"), 128, "w4a8-fp8"),
 }
 TRITON_TYPE = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-ROWS = (1, 16, 32, 128, 256, 512)  # every tile class of `triton_gemm_config.blocks`
+ROWS = (1, 16, 32, 64, 128, 256, 512)  # every tile class of `triton_gemm_config.blocks`
 # the kernels launched through `kernel_launch.launch`, by name
 LAUNCHED = {
     "_attention_kernel": "ember_engine.model.triton_attention",
@@ -69,12 +73,37 @@ def _compile(
     except Exception as e:  # a variant the GPU's compiler refuses: reported, not raised
         return {"ok": False, "error": str(e).strip().splitlines()[-1][:400]}
     ptx = str(kernel.asm["ptx"])
-    return {
+    result = {
         "ok": bool(kernel.asm["cubin"]),
         "fp8_dots": bool(re.search(r"mma[\w.]*\.e4m3", ptx)),
         "e4m3": "e4m3" in ptx,
         "div_rn": "div.rn.f32" in ptx,
         "div_approx": bool(re.search(r"div\.(full|approx)", ptx)),
+    }
+    if RESOURCES:
+        result |= resources(ptx, cc)
+    return result
+
+
+def resources(ptx: str, cc: tuple[int, int]) -> dict[str, int]:
+    """Registers a thread and bytes of spill stores and loads, as ptxas reports them for this PTX."""
+    arch = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE)
+    assert arch, "no .target in the PTX"
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        # the ptxas Triton itself runs for this GPU (`triton.backends.nvidia.compiler.get_ptxas`)
+        ptxas = get_ptxas(cc[0] * 10 + cc[1]).path
+        command = [ptxas, "-v", f"--gpu-name={arch.group(1)}", str(source)]
+        command += ["-o", str(Path(tmp) / "kernel.cubin")]
+        log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    used = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert used and spills, log
+    return {
+        "registers": int(used.group(1)),
+        "spill_stores": int(spills.group(1)),
+        "spill_loads": int(spills.group(2)),
     }
 
 
@@ -110,9 +139,13 @@ def launched(variant: dict[str, Any], cc: tuple[int, int]) -> dict[str, Any]:
     return _compile(fn, signature, constexprs, cc)
 
 
+RESOURCES = "--resources" in sys.argv[1:]
+
+
 def main() -> int:
     results: dict[str, Any] = {}
-    variants = json.loads(Path(sys.argv[1]).read_text()) if len(sys.argv) > 1 else []
+    paths = [a for a in sys.argv[1:] if a != "--resources"]
+    variants = json.loads(Path(paths[0]).read_text()) if paths else []
     for cc in CAPABILITIES:
         arch = f"sm{cc[0]}{cc[1]}"
         half = torch.bfloat16 if cc >= (8, 0) else torch.float16

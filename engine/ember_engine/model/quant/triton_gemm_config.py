@@ -21,14 +21,19 @@ def blocks(m: int, n: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, pipeline stages) for an [m, K] x [K, n] product. Decode-sized
     batches read the weight once and are bound by memory: thin M tiles, N tiles narrow enough that every
     multiprocessor has programs (132 on an H100/H200), long K steps with several loads in flight. Larger
-    batches are bound by the dots: wide tiles. tl.dot needs every tile side >= 16."""
+    batches are bound by the dots: wide tiles, on 8 warps, which is what keeps the widened weight tile and
+    the float32 sums in registers (on 4 warps the 64 x 64 and 64 x 128 tiles, and on 8 a 128 x 128 one,
+    spill 120 to 670 bytes a thread to local memory for most weight kinds on 9.0; ptxas's report for every
+    variant: `python tests/kernel_compile.py --resources`). tl.dot needs every tile side >= 16."""
     if m <= 16:
         return 16, (32 if n <= 8192 else 64), 128, 4, 4
+    if m <= 32:
+        return 32, 64, 64, 4, 4
     if m <= 64:
-        return (32 if m <= 32 else 64), 64, 64, 4, 4
+        return 64, 64, 64, 8, 4
     if m <= 256:
-        return 64, 128, 64, 4, 3
-    return 128, 128, 64, 8, 3
+        return 64, 128, 64, 8, 3
+    return 128, 64, 64, 8, 3
 
 
 def capability(device: torch.device) -> tuple[int, int] | None:
@@ -42,6 +47,10 @@ def kernel_options(
     """`_gemm_kernel`'s constexprs and launch options for an [m, K] x [K, n] product of weight kind
     `weight` in activations of `dtype`, on a GPU of compute capability `cc` (None: the interpreter)."""
     bm, bn, bk, warps, stages = blocks(m, n)
+    # K steps of 32 where 64 or 128 would spill (ptxas's report): float32 operands of IEEE dots in the
+    # decode tile, and the 128-row tile below compute capability 9.0 (mma.sync rather than wgmma).
+    if (dtype == torch.float32 and bm == 16) or (bm == 128 and cc is not None and cc < (9, 0)):
+        bk = 32
     if weight == FP8_BLOCK:  # a BLOCK_K step must lie within one group of scales
         bk = next(b for b in (bk, 64, 32, 16) if group % b == 0)
     # Scales per group applied to each step's sums where a step lies in one group (groups of 32 columns
