@@ -258,6 +258,10 @@ def paged_attention(
     # Decode rows waste all but one token of a q block, so decode-only batches use the smallest tile.
     block_q = max(1, (16 if max_query_len == 1 else 64) // group_p2)
     block_n = 64
+    # 128-wide heads on 4 warps spill registers to local memory in every variant (ptxas's report, 8.0 to
+    # 9.0: `python tests/kernel_compile.py --resources`); on 8 warps none with 16-bit queries do on 8.0 and
+    # 9.0, one prefill variant on 8.9.
+    warps = 8 if head_p2 >= 128 else 4
     segment_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, segment_len)
 
@@ -298,6 +302,7 @@ def paged_attention(
         GROUP_P2=group_p2,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
+        num_warps=warps,
         SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SEARCH_BLOCK=128,
