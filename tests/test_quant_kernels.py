@@ -158,11 +158,12 @@ def test_w8a8_with_a_static_input_scale_matches_reference(shape: tuple[int, int,
         assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item(), path
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter takes either path; a GPU only its own")
 @pytest.mark.parametrize("kind", ["fp8", "fp8-block", "nvfp4", "w8a16-fp8", "w4a8-fp8"])
 def test_e4m3_decoded_with_integers_gives_the_same_product(kind: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Where Triton has no E4M3 type (compute capability 8.0) the GEMM decodes E4M3 bytes with integer
-    arithmetic; the product is the one the E4M3 type gives, to the bit."""
+    arithmetic; the product is the one the E4M3 type gives, to the bit. (On a GPU of 8.9 or more, the
+    E4M3 type's path multiplies fp8, block-scaled fp8 and w4a8-fp8 with E4M3 tensor-core dots, whose sums
+    round otherwise: there, within 1e-3 of the range.)"""
     from ember_engine.model.quant import triton_gemm
     from ember_engine.model.quant import triton_gemm_config as cfg
 
@@ -203,10 +204,15 @@ def test_e4m3_decoded_with_integers_gives_the_same_product(kind: str, monkeypatc
             torch.rand(n),
         ),
     }
-    xs, w, s, weight, group, x_scale = calls[kind]
+    xs, w, s, weight, group, x_scale = (
+        t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in calls[kind]
+    )
     out = torch.float32
     native = triton_gemm.run_gemm(xs, w, s, n, weight, group=group, x_scale=x_scale, out_dtype=out)
     monkeypatch.setattr(triton_gemm, "capability", lambda device: (8, 0))
     decoded = triton_gemm.run_gemm(xs, w, s, n, weight, group=group, x_scale=x_scale, out_dtype=out)
     assert torch.isfinite(native).all() and native.abs().max() > 0
-    assert torch.equal(decoded, native)
+    if DEVICE == "cpu" or kind in ("nvfp4", "w8a16-fp8"):
+        assert torch.equal(decoded, native)
+    else:
+        assert (decoded - native).abs().max().item() <= 1e-3 * native.abs().max().item()
