@@ -47,10 +47,13 @@ def kernel_options(
     """`_gemm_kernel`'s constexprs and launch options for an [m, K] x [K, n] product of weight kind
     `weight` in activations of `dtype`, on a GPU of compute capability `cc` (None: the interpreter)."""
     bm, bn, bk, warps, stages = blocks(m, n)
-    # K steps of 32 where 64 or 128 would spill (ptxas's report): float32 operands of IEEE dots in the
-    # decode tile, and the 128-row tile below compute capability 9.0 (mma.sync rather than wgmma).
+    # Shorter K steps where longer ones would spill (ptxas's report): 32 for float32 operands of IEEE dots
+    # in the decode tile and for the 128-row tile below compute capability 9.0 (mma.sync rather than
+    # wgmma); 64 for the decode tile on 7.5 (T4).
     if (dtype == torch.float32 and bm == 16) or (bm == 128 and cc is not None and cc < (9, 0)):
         bk = 32
+    elif bm == 16 and cc is not None and cc < (8, 0):
+        bk = 64
     if weight == FP8_BLOCK:  # a BLOCK_K step must lie within one group of scales
         bk = next(b for b in (bk, 64, 32, 16) if group % b == 0)
     # Scales per group applied to each step's sums where a step lies in one group (groups of 32 columns
