@@ -13,7 +13,8 @@ from ember_engine.bench.gemm import LAYOUTS
 from ember_engine.cli import main as ember
 
 # Bytes per weight against float32's four: the values, plus a float32 scale per channel or per group
-# (fp8's 128-column tiles: one per 128 x 128 tile, held per row), nf4's absmax per block of 64.
+# (fp8's 128-column tiles: one per 128 x 128 tile, held per row), nf4's absmax per block of 64; w4a8fp8's
+# 16 E4M3 values per row and group of 128 and a float32 scale per row.
 K, N = 256, 96
 EXPECTED_RATIO = {
     "fp8": 1 / 4 + 1 / K,
@@ -24,6 +25,7 @@ EXPECTED_RATIO = {
     "w4a16-g128": 1 / 8 + 1 / 128,
     "w4afp8-g128": 1 / 8 + 1 / 128,
     "nf4-b64": 1 / 8 + 1 / 64,
+    "w4a8fp8-g128": 1 / 8 + 1 / 32 + 1 / K,
 }
 
 

@@ -6,13 +6,27 @@ and weights it stands for. The whole-model check against ModelOpt's own simulati
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from ember_engine.model.quant import cpu_decode, schemes
+from ember_engine.model.quant import cpu_decode, cpu_w4a8, schemes
 from ember_engine.model.quant.w4a8_linear import W4Fp8Linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the CPU's lookups: 16 codes an instruction (AVX-512's vpermps), or one at a time
+LOOKUPS = [
+    pytest.param(False, id="one-at-a-time"),
+    pytest.param(
+        True,
+        id="16-at-a-time",
+        marks=pytest.mark.skipif(not cpu_w4a8.LOOKUP16, reason="this CPU has no AVX-512"),
+    ),
+]
 
 
 def _layer(out: int, k: int, group: int, seed: int) -> W4Fp8Linear:
@@ -54,11 +68,18 @@ def test_the_table_stands_for_modelopt_s_e4m3_weight() -> None:
     assert sum(t.numel() * t.element_size() for t in held) == 8 * 256 * 5 // 8 + 4 * 8
 
 
-# 1: one row; 3, 8: the fused loop; 9, 40: blocked (here in blocks of 4 rows of 256 columns, the last short)
+# 1: one row; 3, 8: the fused loop; 9, 40: blocked (here in blocks of 4 rows of 256 columns, the last
+# short). Groups of 128 and 32 columns: 64 and 16 bytes, looked up 16 at a time where the CPU can; groups
+# of 16 (8 bytes) one at a time on every CPU.
+@pytest.mark.parametrize("lookup16", LOOKUPS)
+@pytest.mark.parametrize("group", [128, 32, 16])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
-def test_the_cpu_product_is_the_e4m3_product(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cpu_product_is_the_e4m3_product(
+    m: int, group: int, lookup16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(cpu_decode, "SCRATCH_BYTES", 4096)
-    layer = _layer(102, 256, 128, m)
+    monkeypatch.setattr(cpu_w4a8, "LOOKUP16", lookup16)
+    layer = _layer(102, 256, group, m)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)) * 0.5
     monkeypatch.setenv("EMBER_QUANT_GEMM", "torch")
     got = layer(x)
@@ -67,8 +88,12 @@ def test_the_cpu_product_is_the_e4m3_product(m: int, monkeypatch: pytest.MonkeyP
     assert (got.double() - want).abs().max().item() <= 1e-6 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("m", [1, 9])  # the fused loop, the blocked decode
-def test_every_table_byte_decodes_to_torch_s_value(m: int) -> None:
+@pytest.mark.parametrize("lookup16", LOOKUPS)
+@pytest.mark.parametrize("m", [1, 2, 9])  # one row, the fused loop, the blocked decode
+def test_every_table_byte_decodes_to_torch_s_value(
+    m: int, lookup16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu_w4a8, "LOOKUP16", lookup16)
     # One output row per group of 16 byte values (0x7F and 0xFF are NaN: left out); each code c of row r
     # stands for byte 16 r + c, and an input of ones picks each column's value out one at a time.
     layer = W4Fp8Linear(32, 16, bias=False, dtype=torch.float32, group_size=32)
@@ -100,3 +125,28 @@ def test_the_triton_kernel_gives_the_e4m3_product(
     # the E4M3 dots' tensor cores (Hopper's) add with fewer bits, as for `fp8` (test_quant_kernels.py)
     tolerance = 1e-3 if DEVICE == "cuda" else 1e-5
     assert (got.double() - want).abs().max().item() <= tolerance * want.abs().max().item()
+
+
+def test_the_loops_compile_for_a_cpu_without_avx512(tmp_path: Path) -> None:
+    """Compiled for an AVX2 CPU (Haswell: F16C for the E4M3 decoding, no AVX-512), the loops leave the
+    16-at-a-time lookups out and still give the E4M3 product."""
+    script = """
+import torch
+from ember_engine.model.quant import cpu_w4a8
+
+assert not cpu_w4a8.LOOKUP16
+cpu_w4a8.warm_up()
+for fn in (cpu_w4a8._decode_row, cpu_w4a8._times_rows, cpu_w4a8._decode):
+    assert all("permvar" not in ir for ir in fn.inspect_llvm().values()), fn
+codes = torch.tensor([[0x10, 0xF2]], dtype=torch.uint8)  # codes 0, 1, 2, 15
+table = torch.tensor([1.0, 2.0, 3.0] + [0.0] * 12 + [-0.5]).to(torch.float8_e4m3fn).reshape(1, 1, 16)
+x = torch.tensor([[1.0, 8.0, 64.0, 256.0]]).to(torch.float8_e4m3fn)  # E4M3 values
+got = cpu_w4a8.matmul(x, torch.ones(1, 1), codes, table, torch.full((1,), 2.0))
+assert got.tolist() == [[2.0 * (1.0 * 1 + 2.0 * 8 + 3.0 * 64 - 0.5 * 256)]], got
+print("ok")
+"""
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

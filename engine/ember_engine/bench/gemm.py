@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ember_engine.model.quant import schemes
 from ember_engine.model.quant.layer import QuantLinear
 from ember_engine.model.quant.linear import quantize_linear
+from ember_engine.model.quant.w4a8_linear import W4Fp8Linear
 
 # name -> (scheme given to quantize_linear, group size, inputs quantized at run time)
 LAYOUTS: dict[str, tuple[str, int, str]] = {
@@ -39,7 +40,10 @@ LAYOUTS: dict[str, tuple[str, int, str]] = {
     "w4a16-g128": ("w4a16", 128, ""),
     "w4afp8-g128": ("w4a16", 128, "fp8"),
     "nf4-b64": ("bitsandbytes", 64, ""),
+    "w4a8fp8-g128": ("w4a8-fp8", 128, ""),  # ModelOpt's W4A8_AWQ arithmetic (`modelopt_w4a8`)
 }
+# w4a8fp8's static activation scale: the inputs are standard normal, E4M3's largest value is 448
+W4A8_INPUT_SCALE = 5.0 / 448
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,6 +121,10 @@ def reference(layer: QuantLinear, x: torch.Tensor, scheme: str, group: int, inpu
     """The product the layer should compute: its quantized activations times its dequantized weight."""
     if inputs:
         xr = schemes.fake_quantize_input(x.float(), inputs)
+    elif scheme == "w4a8-fp8":
+        assert isinstance(layer, W4Fp8Linear) and layer.input_scale is not None
+        xq, xs = schemes.quantize_activation_fp8_static(x.float(), layer.input_scale)  # on x's device
+        xr = xq.float() * xs
     elif scheme == "fp8" and group:
         xq, xs = schemes.quantize_activation_fp8_groups(x.float(), group)
         xr = xq.float() * xs.repeat_interleave(group, dim=1)
@@ -131,6 +139,25 @@ def reference(layer: QuantLinear, x: torch.Tensor, scheme: str, group: int, inpu
     return xr @ layer.dequantized().float().t()
 
 
+def modelopt_w4a8(linear: torch.nn.Linear, group: int) -> W4Fp8Linear:
+    """A weight rounded as ModelOpt's W4A8_AWQ rounds it, without AWQ's smoothing: int4 values v under a
+    scale s_g per row and group of `group` columns (the group's max|w| / 7), then each v * s_g to E4M3 under
+    one scale per tensor (the largest |v * s_g| / 448); activations E4M3 under `W4A8_INPUT_SCALE`."""
+    w = linear.weight.detach().float()
+    n, k = w.shape
+    grouped = w.reshape(n, k // group, group)
+    group_scale = grouped.abs().amax(dim=-1).clamp_min(1e-12) / 7
+    values = torch.round(grouped / group_scale[..., None]).clamp(-8, 7)
+    outer = (values * group_scale[..., None]).abs().max() / 448
+    codes = torch.arange(-8, 8, dtype=torch.float32)
+    table = (codes * group_scale[..., None] / outer).to(torch.float8_e4m3fn)
+    layer = W4Fp8Linear(k, n, bias=False, dtype=linear.weight.dtype, group_size=group)
+    layer.set_rows(0, values.reshape(n, k).to(torch.int8), table)
+    layer.set_outer_rows(0, n, outer)
+    layer.set_input_scale(torch.tensor(W4A8_INPUT_SCALE), "input")
+    return layer
+
+
 def layer_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.buffers(), *module.parameters()])
 
@@ -143,7 +170,10 @@ def measure(
     linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(n, k, generator=g) * 0.02)
-    layer = quantize_linear(linear, scheme, group_size=group)
+    if scheme == "w4a8-fp8":
+        layer: QuantLinear = modelopt_w4a8(linear, group)
+    else:
+        layer = quantize_linear(linear, scheme, group_size=group)
     if inputs:
         layer.input_quant = inputs
     layer = layer.to(device)
