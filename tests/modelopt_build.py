@@ -22,7 +22,10 @@ per projection; the export keeps the factors as `pre_quant_scale`) or W4A8_AWQ (
 W4A16_AWQ's int4 weights, each then rounded to E4M3 under a scale per tensor, and FP8 activations under
 a calibrated scale per projection), NVFP4_AWQ (NVFP4 after AWQ-style smoothing, see `_smooth`) or
 W4A8_NVFP4 (W4A8_NVFP4_FP8_CFG: NVFP4's weights with FP8 activations under a calibrated scale per
-projection).
+projection). MXFP4 (MXFP4_DEFAULT_CFG: E2M1 weights under an E8M0 scale per group of 32, activations
+quantized the same way), MXFP4_WO (MXFP4_MLP_WEIGHT_ONLY_CFG: those weights on the MLPs, activations as
+they are) and W4A8_MXFP4 (W4A8_MXFP4_FP8_CFG: those weights, FP8 activations under a scale per tensor
+taken as the model runs) are exported for the refusals ember gives them, with no oracle.
 
 No library loads these checkpoints on a CPU, so the oracle is ModelOpt's own: for the FP8, W8A16,
 W4A16_AWQ, INT8_SQ and W4A8_AWQ presets its simulated quantization (AWQ's and SmoothQuant's factors applied
@@ -61,7 +64,12 @@ CONFIGS = {
     "W4A8_AWQ": "W4A8_AWQ_BETA_CFG",
     "NVFP4_AWQ": "NVFP4_DEFAULT_CFG",  # then smoothed by `_smooth`
     "W4A8_NVFP4": "W4A8_NVFP4_FP8_CFG",
+    "MXFP4": "MXFP4_DEFAULT_CFG",
+    "MXFP4_WO": "MXFP4_MLP_WEIGHT_ONLY_CFG",
+    "W4A8_MXFP4": "W4A8_MXFP4_FP8_CFG",
 }
+# presets ember refuses: exported only (their configs calibrate nothing), no oracle
+REFUSED = ("MXFP4", "MXFP4_WO", "W4A8_MXFP4")
 
 
 def _config(preset: str) -> dict:  # type: ignore[type-arg]
@@ -325,7 +333,8 @@ def build(src: Path, dst: Path, preset: str) -> None:
         for row in rows:
             m(row)
 
-    weight_only = preset in ("W4A16_NVFP4", "W8A16", "MXFP8")  # MXFP8's inputs: no calibration, on CUDA only
+    # MXFP8's inputs: no calibration, on CUDA only; the refused presets calibrate nothing
+    weight_only = preset in ("W4A16_NVFP4", "W8A16", "MXFP8", *REFUSED)
     maxima = _input_maxima(model, calibrate) if preset == "NVFP4_AWQ" else {}
     model = mtq.quantize(model, _config(preset), forward_loop=None if weight_only else calibrate)
     if maxima:
@@ -333,6 +342,8 @@ def build(src: Path, dst: Path, preset: str) -> None:
     simulated = _simulated_weights(model) if preset == "W4A8_AWQ" else None
     export_hf_checkpoint(model, export_dir=dst)
     copy_tokenizer(src, dst)
+    if preset in REFUSED:
+        return
     if preset == "MXFP8":
         model = _mxfp8_model(src, dst)
     elif preset == "W4A8_NVFP4":

@@ -244,9 +244,9 @@ def _edit_legacy(path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
     ("edit", "options", "error"),
     [
         (
-            lambda q: q["quantization"].update(quant_algo="W4A8_MXFP4_FP8"),
+            lambda q: q["quantization"].update(quant_algo="NVFP4_SVD"),
             {},
-            r"modelopt checkpoint: quant_algo 'W4A8_MXFP4_FP8' is not supported; supported: FP8, "
+            r"modelopt checkpoint: quant_algo 'NVFP4_SVD' is not supported; supported: FP8, "
             r"FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4, NVFP4, W8A16, W4A16_AWQ, MXFP8, "
             r"NVFP4_AWQ, W4A8_NVFP4_FP8, W8A8_SQ_PER_CHANNEL, W4A8_AWQ, MIXED_PRECISION$",
         ),
@@ -285,6 +285,37 @@ def test_configs_it_cannot_run_are_refused_by_name(
         LLM(str(path), num_kv_blocks=16, **options)
 
 
+def test_mxfp4_exports_are_refused_saying_why(quantized_model) -> None:  # type: ignore[no-untyped-def]
+    """ModelOpt exports MXFP4 weights with quantized activations and without under one name, so both are
+    refused, saying so; W4A8_MXFP4_FP8's activations take a scale per tensor as the model runs (the export
+    holds no input_scale), and it is refused, saying that."""
+    w4a4, weight_only = (quantized_model("tiny", preset, BUILD) for preset in ("MXFP4", "MXFP4_WO"))
+    configs = [
+        json.loads((p / "config.json").read_text())["quantization_config"] for p in (w4a4, weight_only)
+    ]
+    assert [c["quant_algo"] for c in configs] == ["mxfp4", "mxfp4"]
+    assert {k for c in configs for k in c} <= {"quant_algo", "ignore", "producer", "quant_method"}
+    for path in (w4a4, weight_only):
+        with pytest.raises(
+            ValueError,
+            match=r"modelopt checkpoint: quant_algo 'MXFP4' is not supported \(ModelOpt writes it both where "
+            r"MXFP4 activations were simulated \(MXFP4_DEFAULT_CFG\) and where the activations stay as they "
+            r"are \(MXFP4_MLP_WEIGHT_ONLY_CFG\), and nothing in the export says which; compressed-tensors' "
+            r"MXFP4 and MXFP4A16 say\); supported: FP8, ",
+        ):
+            LLM(str(path), num_kv_blocks=16)
+    w4a8 = quantized_model("tiny", "W4A8_MXFP4", BUILD)
+    stored = load_file(str(w4a8 / "model.safetensors"))
+    assert f"{DOWN}.weight_scale" in stored and not any(k.endswith("input_scale") for k in stored)
+    with pytest.raises(
+        ValueError,
+        match=r"quant_algo 'W4A8_MXFP4_FP8' is not supported \(its FP8 activations take one scale per "
+        r"tensor as the model runs \(the export has no input_scale\), which would make each request's "
+        r"output depend on the others batched with it\); supported: FP8, ",
+    ):
+        LLM(str(w4a8), num_kv_blocks=16)
+
+
 def _layers(q: dict) -> dict:  # type: ignore[type-arg]
     return q["quantization"]["quantized_layers"]
 
@@ -294,9 +325,9 @@ def _layers(q: dict) -> dict:  # type: ignore[type-arg]
     [
         (
             lambda q: _layers(q).update(
-                {"model.layers.0.mlp.gate_proj": {"quant_algo": "W4A8_MXFP4_FP8", "group_size": 32}}
+                {"model.layers.0.mlp.gate_proj": {"quant_algo": "NVFP4_SVD", "group_size": 16}}
             ),
-            r"modelopt checkpoint: model.layers.0.mlp.gate_proj: quant_algo 'W4A8_MXFP4_FP8' is not supported; "
+            r"modelopt checkpoint: model.layers.0.mlp.gate_proj: quant_algo 'NVFP4_SVD' is not supported; "
             r"supported: FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, W4A16_NVFP4, NVFP4, W8A16, W4A16_AWQ, MXFP8, "
             r"NVFP4_AWQ, W4A8_NVFP4_FP8, W8A8_SQ_PER_CHANNEL, W4A8_AWQ$",
         ),

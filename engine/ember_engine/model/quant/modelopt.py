@@ -52,7 +52,8 @@ float32):
   `Fp4Linear.set_input_scale`);
 - NVFP4_AWQ (NVFP4 after AWQ's smoothing): NVFP4's tensors, and a `pre_quant_scale` per input column
   where the export did not fold the factors into the layer before (o_proj's; `nvfp4`).
-A W4A16_AWQ or W4A8_AWQ export with zero points (`has_zero_point`) is refused by name.
+A W4A16_AWQ or W4A8_AWQ export with zero points (`has_zero_point`) is refused by name, and so, saying
+why (`REFUSED`), are MXFP4 (`mxfp4`) and W4A8_MXFP4_FP8 exports.
 
 Excluded modules are written as names or wildcards ("model.layers.1.mlp*"); a projection is left in full
 precision where an entry is its name, matches it as a shell-style wildcard (`fnmatch`) or, for an entry
@@ -93,6 +94,18 @@ ALGOS = {
     # int4 values in groups of 128, each times its group's scale, rounded to E4M3 under weight_scale_2:
     # held as codes and each group's 16 E4M3 values (`canonical`, `w4a8_linear.py`)
     "W4A8_AWQ": QuantSpec("w4a8-fp8", METHOD, group_size=128, num_bits=4, static_input=True),
+}
+# Algorithms ModelOpt exports that are refused, with the reason the error gives
+REFUSED = {
+    "MXFP4": (
+        "ModelOpt writes it both where MXFP4 activations were simulated (MXFP4_DEFAULT_CFG) and where the "
+        "activations stay as they are (MXFP4_MLP_WEIGHT_ONLY_CFG), and nothing in the export says which; "
+        "compressed-tensors' MXFP4 and MXFP4A16 say"
+    ),
+    "W4A8_MXFP4_FP8": (
+        "its FP8 activations take one scale per tensor as the model runs (the export has no input_scale), "
+        "which would make each request's output depend on the others batched with it"
+    ),
 }
 AWQ_GROUP = 128  # W4A16_AWQ's and W4A8_AWQ's input columns per weight scale
 W4A8_NVFP4_GROUP = 32  # W4A8_NVFP4_FP8's input columns per E4M3 weight scale (NVFP4's are 16)
@@ -194,8 +207,9 @@ def _no_zero_points(config: dict[str, Any], algo: str, where: str) -> None:
 def _algo_spec(algo: str, group_sizes: set[Any], where: str) -> QuantSpec:
     """The spec of one algorithm (`where`: the layer it is for, in a mixed config), its group sizes checked."""
     if algo not in ALGOS:
+        why = f" ({REFUSED[algo]})" if algo in REFUSED else ""
         raise UnsupportedQuantizationError(
-            f"modelopt checkpoint: {where}quant_algo {algo!r} is not supported; supported: "
+            f"modelopt checkpoint: {where}quant_algo {algo!r} is not supported{why}; supported: "
             f"{', '.join(ALGOS)}" + ("" if where else f", {MIXED}")
         )
     spec = ALGOS[algo]
