@@ -216,3 +216,40 @@ def test_e4m3_decoded_with_integers_gives_the_same_product(kind: str, monkeypatc
         assert torch.equal(decoded, native)
     else:
         assert (decoded - native).abs().max().item() <= 1e-3 * native.abs().max().item()
+
+
+# Every layout the online schemes give, in the two widest tile classes (64 x 128 at 100 rows, 128 x 64 at
+# 300), with the K steps each capability's GPU compiles; w8a8 not on 7.5, where its int8 dots do not exist
+# and the layer takes its torch path
+CAPABILITY_LAYOUTS = [
+    pytest.param(layout, cc, id=f"{layout[0]}-g{layout[1]}-sm{cc[0]}{cc[1]}")
+    for cc in [(7, 5), (8, 0), (8, 9)]
+    for layout in LAYOUTS
+    if not (layout[0] == "w8a8" and cc < (8, 0))
+]
+
+
+@pytest.mark.parametrize("m", [100, 300])
+@pytest.mark.parametrize(("layout", "cc"), CAPABILITY_LAYOUTS)
+def test_each_capability_s_tiles_give_the_product(
+    layout: tuple[str, int], m: int, cc: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiles a GPU of compute capability `cc` runs (`triton_gemm_config.kernel_options`: shorter K
+    steps below 9.0, 16 on 7.5 and for block-scaled fp8 decoded with integers on 8.0) give the product the
+    interpreter's own tiles give: the same sums in another order, within float32 rounding. (8.9's E4M3
+    dots run here as the interpreter's.)"""
+    from ember_engine.model.quant import triton_gemm
+
+    scheme, group_size = layout
+    g = torch.Generator().manual_seed(m + 7)
+    k, n = 128, 160
+    linear = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+    layer = quantize_linear(linear, scheme, group_size=group_size).to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(DEVICE)
+    monkeypatch.setenv("EMBER_QUANT_GEMM", "triton")
+    default = layer(x)
+    monkeypatch.setattr(triton_gemm, "capability", lambda device: cc)
+    got = layer(x)
+    assert (got - default).abs().max().item() <= 1e-5 * default.abs().max().item(), scheme

@@ -257,11 +257,13 @@ def paged_attention(
     head_p2 = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
     # Decode rows waste all but one token of a q block, so decode-only batches use the smallest tile.
     block_q = max(1, (16 if max_query_len == 1 else 64) // group_p2)
-    block_n = 64
-    # 128-wide heads on 4 warps spill registers to local memory in every variant (ptxas's report, 8.0 to
-    # 9.0: `python tests/kernel_compile.py --resources`); on 8 warps none with 16-bit queries do on 8.0 and
-    # 9.0, one prefill variant on 8.9.
-    warps = 8 if head_p2 >= 128 else 4
+    # Tiles that keep every variant's values in registers on compute capability 7.5 to 9.0 (ptxas's report:
+    # `python tests/kernel_compile.py --resources`). 128-wide heads on 4 warps spilled in every variant;
+    # keys of FP8 caches decoded in registers, and float32's IEEE dots, spilled in
+    # tiles with 64 keys a step, and decode tiles on 4 warps.
+    decode, costly = max_query_len == 1, fp8 or q.dtype == torch.float32
+    block_n = 64 if not costly else 16 if q.dtype == torch.float32 and not decode else 32
+    warps = 8 if head_p2 >= 128 or (decode and costly) else 4
     segment_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, segment_len)
 

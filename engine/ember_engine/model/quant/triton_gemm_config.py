@@ -47,13 +47,21 @@ def kernel_options(
     """`_gemm_kernel`'s constexprs and launch options for an [m, K] x [K, n] product of weight kind
     `weight` in activations of `dtype`, on a GPU of compute capability `cc` (None: the interpreter)."""
     bm, bn, bk, warps, stages = blocks(m, n)
-    # Shorter K steps where longer ones would spill (ptxas's report): 32 for float32 operands of IEEE dots
-    # in the decode tile and for the 128-row tile below compute capability 9.0 (mma.sync rather than
-    # wgmma); 64 for the decode tile on 7.5 (T4).
-    if (dtype == torch.float32 and bm == 16) or (bm == 128 and cc is not None and cc < (9, 0)):
+    fp8_types = fp8_types_on(cc)
+    # Shorter K steps where longer ones would spill (ptxas's report on every tile for each capability):
+    # 32 for float32 operands of IEEE dots in the decode tile; below compute capability 9.0 (mma.sync
+    # rather than wgmma), in every tile of 32 rows or more, 32 (16 on 7.5, the T4), and 16 for block-scaled
+    # fp8 decoded with integers (no E4M3 type: 8.0) in the 64 x 128 and 128 x 64 tiles; 64 for the decode
+    # tile on 7.5.
+    if dtype == torch.float32 and bm == 16:
         bk = 32
-    elif bm == 16 and cc is not None and cc < (8, 0):
-        bk = 64
+    elif cc is not None and cc < (9, 0):
+        if bm == 16:
+            bk = 64 if cc < (8, 0) else bk
+        elif cc < (8, 0) or (weight == FP8_BLOCK and not fp8_types and bm * bn >= 64 * 128):
+            bk = 16
+        else:
+            bk = 32
     if weight == FP8_BLOCK:  # a BLOCK_K step must lie within one group of scales
         bk = next(b for b in (bk, 64, 32, 16) if group % b == 0)
     # Scales per group applied to each step's sums where a step lies in one group (groups of 32 columns
@@ -61,7 +69,6 @@ def kernel_options(
     step_scale = weight in (INT8, INT4, CODEBOOK, FP8_WEIGHT) and group % 32 == 0
     if step_scale:
         bk = next(b for b in (bk, 64, 32) if group % b == 0)
-    fp8_types = fp8_types_on(cc)
     return {
         "GROUP": group,
         "WEIGHT": weight,
