@@ -6,6 +6,9 @@ split) is the dequantized one to float32 precision, zero points and groups inclu
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -227,3 +230,35 @@ def test_the_engine_compiles_its_loops_while_starting_and_serving_adds_no_signat
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     # Prefill, one-row and several-row decode took the warm-up's types.
     assert [len(loop.signatures) for loop in loops] == started
+
+
+def test_the_loops_compile_and_decode_exactly_without_f16c(tmp_path: Path) -> None:
+    """Compiled for a CPU without F16C (numba's `generic` x86-64, as portable images set NUMBA_CPU_NAME),
+    where LLVM has no instruction for float16 to float32 and no library function to call for it: the
+    loops convert with integer operations instead, every float16 bit pattern to the value torch gives it,
+    and every E4M3 byte, and the layers' loops compile."""
+    script = """
+import torch
+from ember_engine.model.quant import cpu_decode, cpu_fp4, cpu_half, cpu_w4a8
+
+assert not cpu_half.NATIVE_HALF
+halves = torch.arange(1 << 16, dtype=torch.int32)
+got = cpu_half.halves_to_float(halves)
+want = halves.to(torch.int16).view(torch.float16).float()
+nan = want.isnan()
+assert bool(got[nan].isnan().all()) and torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)[None]
+got, want = cpu_decode.fp8_dequantize(q, torch.ones(1))[0], q[0].float()
+nan = want.isnan()
+assert bool(got[nan].isnan().all()) and torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+cpu_decode.warm_up("fp8")
+cpu_fp4.warm_up()
+cpu_w4a8.warm_up()
+print("ok")
+"""
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop("NUMBA_CPU_FEATURES", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])

@@ -7,8 +7,9 @@ its file's contents.
 
 Decode batches (up to `FP8_FUSED_ROWS` activation rows; for int8 one row, or `INT8_FUSED_ROWS` in groups)
 go through one loop that reads each weight byte once, turns it into its value (E4M3 through a float16 with
-the same bits) and adds its products with every row into float32 sums, a group of input columns at a time,
-each group's sums times its scale. The loops vectorise: each group is a slice, sums may be reassociated
+the same bits, converted by an instruction, or with integer operations where the CPU has none:
+`cpu_half`) and adds its products with every row into float32 sums, a group of input columns at a
+time, each group's sums times its scale. The loops vectorise: each group is a slice, sums may be reassociated
 (NaN and infinities keep their meaning), and up to four activation rows share every decoded value. They
 run on the calling thread: handing half the weight rows to a second thread lost in the engine (the `small`
 test model decoded 10-16 % slower at batch 1), torch's own threads still spinning for work between layers.
@@ -27,11 +28,10 @@ import threading
 
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from ember_engine.model.quant import cpu_int8
+from ember_engine.model.quant.cpu_half import half_to_float
 
 # Weight rows decoded per blocked fp8 matmul call: this many bytes of float32 scratch, about a core's L2.
 SCRATCH_BYTES = 1 << 21
@@ -56,18 +56,6 @@ def _compiled(fn):
         return njit(cache=True, nogil=True, fastmath=FAST, error_model="numpy")(fn)
     except RuntimeError:  # no writable cache location: compile in each process instead
         return njit(cache=False, nogil=True, fastmath=FAST, error_model="numpy")(fn)
-
-
-@intrinsic
-def half_to_float(typingctx, bits):
-    """The float16 whose bits are the low 16 of the int32 `bits`, as float32 (exact; one vector conversion
-    instruction where the CPU has one, as x86-64 CPUs since 2012 and AArch64 do)."""
-
-    def codegen(context, builder, signature, args):
-        half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
-        return builder.fpext(half, ir.FloatType())
-
-    return types.float32(types.int32), codegen
 
 
 # `e4m3` gives a byte's value over this; the loops fold it into the scales (a power of two: exact).

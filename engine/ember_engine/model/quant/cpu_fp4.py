@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from numba import njit
 
-from ember_engine.model.quant.cpu_decode import E4M3_UNIT, blocked, e4m3, half_to_float
+from ember_engine.model.quant.cpu_decode import E4M3_UNIT, blocked, e4m3
+from ember_engine.model.quant.cpu_half import half_to_float
 
 FP4_FUSED_ROWS = 8
 FAST = {"reassoc", "contract"}
@@ -45,7 +46,7 @@ def _e2m1(nibble):
     """The E2M1 value of a nibble (int32 in [0, 16)) divided by `E2M1_UNIT`, as float32, exact: the sign
     moved to a float16's top bit and the exponent and mantissa to the low bits of its exponent and the top
     of its mantissa make a float16 worth exactly 2^-14 of the value, the subnormal 0.5 included, which
-    converts to float32 in one vector instruction (`cpu_decode.half_to_float`)."""
+    converts to float32 in one vector instruction (`cpu_half.half_to_float`)."""
     bits = ((nibble & np.int32(8)) << np.int32(12)) | ((nibble & np.int32(7)) << np.int32(9))
     return half_to_float(bits)  # type: ignore[call-arg]
 

@@ -25,11 +25,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import config, njit, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ember_engine.model.quant.cpu_decode import E4M3_UNIT, blocked, e4m3, fp8_dequantize
+from ember_engine.model.quant.cpu_half import target_has
 
 W4A8_FUSED_ROWS = 8
 FAST = {"reassoc", "contract"}
@@ -39,23 +40,7 @@ _I32X16 = ir.VectorType(ir.IntType(32), LANES)
 _U8X16 = ir.VectorType(ir.IntType(8), LANES)
 
 
-def _has_avx512() -> bool:
-    """Whether the code numba compiles may use AVX-512F: the host's features, or those numba is told to
-    compile for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)."""
-    features, name = getattr(config, "CPU_FEATURES", None), getattr(config, "CPU_NAME", None)
-    if features is not None:
-        return "+avx512f" in features.split(",")
-    if name not in (None, "host"):
-        return False
-    try:
-        import llvmlite.binding as llvm
-
-        return "+avx512f" in llvm.get_host_cpu_features().flatten().split(",")
-    except RuntimeError:  # features unknown on this platform
-        return False
-
-
-LOOKUP16 = _has_avx512()  # the products' choice (a test may turn it off)
+LOOKUP16 = target_has("avx512f")  # the products' choice (a test may turn it off)
 # The loops' compile-time guard: where it is False their AVX-512 branches are pruned before LLVM sees them
 # (numba freezes a global's value when it compiles), so they compile for any CPU.
 _COMPILE16 = LOOKUP16
