@@ -259,8 +259,8 @@ def paged_attention(
     block_q = max(1, (16 if max_query_len == 1 else 64) // group_p2)
     # Tiles that keep every variant's values in registers on compute capability 7.5 to 9.0 (ptxas's report:
     # `python tests/kernel_compile.py --resources`). 128-wide heads on 4 warps spilled in every variant;
-    # keys of FP8 caches decoded in registers, and float32's IEEE dots, spilled in
-    # tiles with 64 keys a step, and decode tiles on 4 warps.
+    # FP8 caches (their keys decoded in registers) and float32's IEEE dots spilled in tiles of 64 keys a
+    # step, and in decode tiles on 4 warps.
     decode, costly = max_query_len == 1, fp8 or q.dtype == torch.float32
     block_n = 64 if not costly else 16 if q.dtype == torch.float32 and not decode else 32
     warps = 8 if head_p2 >= 128 or (decode and costly) else 4

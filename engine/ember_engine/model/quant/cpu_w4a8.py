@@ -14,8 +14,8 @@ multiplied with the row's even and odd columns as they are looked up, never writ
 and multiplied with every activation row. Larger batches decode a block of rows for torch's float32
 matmul (`cpu_decode.blocked`). Either way y = (q_x * s_x) @ (e4m3 * s2)^T in float32, the product
 transformers and ModelOpt's simulation compute, the activations E4M3 under their static scale, then
-decoded. On one 4096 x 14336 weight at one row (best of 7, this module's test machine, an AMD EPYC with
-AVX-512; float32's matmul on two threads 8.0 ms): 19.9 ms one code at a time, 10.1 with 16 at a time
+decoded. On one 4096 x 14336 weight at one row (best of 7 on two cores of an AMD EPYC with AVX-512;
+float32's matmul on both 8.0 ms): 19.9 ms one code at a time, 10.1 with 16 at a time
 into a decoded row, 9.3 looked up into the products, 4.8 with each row's tables decoded in one loop
 rather than group by group.
 """
