@@ -61,7 +61,21 @@ LAUNCHED = {
 }
 
 
+_COMPILED: dict[str, dict[str, Any]] = {}
+
+
 def _compile(
+    fn: Any, signature: dict[str, str], constexprs: dict[str, Any], cc: tuple[int, int]
+) -> dict[str, Any]:
+    """What came of compiling `fn` so; row classes that share a tile (1 and 16 rows, 128 and 256) share
+    one compilation."""
+    key = json.dumps([fn.__name__, signature, constexprs, cc], sort_keys=True, default=str)
+    if key not in _COMPILED:
+        _COMPILED[key] = _compile_once(fn, dict(signature), dict(constexprs), cc)
+    return _COMPILED[key]
+
+
+def _compile_once(
     fn: Any, signature: dict[str, str], constexprs: dict[str, Any], cc: tuple[int, int]
 ) -> dict[str, Any]:
     options = {key: constexprs.pop(key) for key in ("num_warps", "num_stages") if key in constexprs}
@@ -156,8 +170,9 @@ def main() -> int:
                 results[f"gemm/{name}/{arch}/{str(half).removeprefix('torch.')}/{m}"] = gemm(
                     kind, m, half, cc
                 )
-            if operands[0] == "act":  # float32 activations: IEEE dots
-                results[f"gemm/{name}/{arch}/float32/1"] = gemm(kind, 1, torch.float32, cc)
+            if operands[0] == "act":  # float32 activations: IEEE dots, in every tile class too
+                for m in ROWS:
+                    results[f"gemm/{name}/{arch}/float32/{m}"] = gemm(kind, m, torch.float32, cc)
         for kind, name in ((triton_act_quant.FP8, "fp8"), (triton_act_quant.INT8, "int8")):
             for static in (False, True):
                 results[f"quantize/{name}/{arch}/{'static' if static else 'dynamic'}"] = quantizer(

@@ -235,7 +235,8 @@ def test_each_capability_s_tiles_give_the_product(
     layout: tuple[str, int], m: int, cc: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tiles a GPU of compute capability `cc` runs (`triton_gemm_config.kernel_options`: shorter K
-    steps below 9.0, 16 on 7.5 and for block-scaled fp8 decoded with integers on 8.0) give the product the
+    steps below 9.0, 16 on 7.5 and for block-scaled fp8 decoded with integers on 8.0; for these float32
+    activations of the unquantized kinds, 64 x 64 tiles with K steps of 16) give the product the
     interpreter's own tiles give: the same sums in another order, within float32 rounding. (8.9's E4M3
     dots run here as the interpreter's.)"""
     from ember_engine.model.quant import triton_gemm

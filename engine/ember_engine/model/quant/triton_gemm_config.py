@@ -1,7 +1,7 @@
 """How the quantized GEMM kernel (`triton_gemm._gemm_kernel`) is configured for a product on a device:
 its weight kinds, its tiles by rows and output width, and its FP8 choices by compute capability. Pure
 functions of sizes and capability, so that every variant a GPU would compile can be compiled ahead of
-time for it (`tests/test_quant_kernels_compile.py`)."""
+time for it (`tests/test_kernels_compile.py`)."""
 
 from __future__ import annotations
 
@@ -49,12 +49,17 @@ def kernel_options(
     bm, bn, bk, warps, stages = blocks(m, n)
     fp8_types = fp8_types_on(cc)
     # Shorter K steps where longer ones would spill (ptxas's report on every tile for each capability):
-    # 32 for float32 operands of IEEE dots in the decode tile; below compute capability 9.0 (mma.sync
-    # rather than wgmma), in every tile of 32 rows or more, 32 (16 on 7.5, the T4), and 16 for block-scaled
-    # fp8 decoded with integers (no E4M3 type: 8.0) in the 64 x 128 and 128 x 64 tiles; 64 for the decode
-    # tile on 7.5.
+    # 32 for float32 operands of IEEE dots in the decode tile; on a GPU, float32 operands in tiles of 32
+    # rows or more (IEEE dots are FMAs, each thread holding its slices of both operands beside its sums)
+    # take 16 and tiles of at most 64 x 64, which spilled up to 11 KB a thread with K steps of 32 and 64
+    # and 8 to 24 bytes as 64 x 128 or 128 x 64; below compute capability 9.0 (mma.sync rather than
+    # wgmma), in every tile of 32 rows or more, 32 (16 on 7.5, the T4), and 16 for block-scaled fp8
+    # decoded with integers (no E4M3 type: 8.0) in the 64 x 128 and 128 x 64 tiles; 64 for the decode tile
+    # on 7.5.
     if dtype == torch.float32 and bm == 16:
         bk = 32
+    elif dtype == torch.float32 and cc is not None:
+        bm, bn, bk = min(bm, 64), min(bn, 64), 16
     elif cc is not None and cc < (9, 0):
         if bm == 16:
             bk = 64 if cc < (8, 0) else bk
