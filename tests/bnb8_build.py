@@ -8,6 +8,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import)
+PRELOAD = (
+    "torch",
+    "transformers",
+    "bitsandbytes",
+)
+
 
 def build(src: Path, dst: Path, preset: str) -> None:
     import torch

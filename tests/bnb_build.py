@@ -14,6 +14,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import)
+PRELOAD = (
+    "torch",
+    "transformers",
+    "bitsandbytes",
+)
+
 PRESETS = {  # (quant type, double quantization, modules left in full precision)
     "NF4": ("nf4", True, None),
     "NF4_SINGLE": ("nf4", False, None),

@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,8 @@ import torch
 # Triton reads TRITON_INTERPRET as each @triton.jit decorator runs, so it is set before any test module
 # can import a kernel: without a GPU, Triton kernels run only in its CPU interpreter.
 os.environ["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+from script_runs import run_script
 
 import ember_engine.tools.testmodel as testmodel
 
@@ -70,7 +70,7 @@ def quantized_checkpoint(size: str, preset: str, script: str = "quant_build.py")
             source = packaged_pair()[0]
         else:
             source = _checkpoint(size)
-        subprocess.run([sys.executable, str(build), str(source), str(tmp), preset], check=True)
+        run_script(build, source, tmp, preset)
         if path.exists():
             shutil.rmtree(tmp)
         else:

@@ -31,6 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import)
+PRELOAD = (
+    "torch",
+    "gguf",
+    "gguf.quants",
+    "tokenizers",
+    "safetensors.torch",
+    "transformers",
+)
+
 PROMPT_LENGTH = 12
 _NAMES = {
     "self_attn.q_proj": "attn_q",

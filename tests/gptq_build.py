@@ -18,6 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import);
+# not gptqmodel, whose import starts threads (its worker pools), which a forked run would not have
+PRELOAD = ("torch", "transformers")
+
 # preset: (method, bits, act-order, symmetric)
 PRESETS = {
     "INT4": ("gptq", 4, False, True),

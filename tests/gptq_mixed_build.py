@@ -14,6 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import);
+# not gptqmodel, whose import starts threads (its worker pools), which a forked run would not have
+PRELOAD = ("torch", "transformers")
+
 PRESETS = {"INT4_MIXED": {r"+:.*mlp\.down_proj": {"bits": 8, "group_size": 32}}}
 
 

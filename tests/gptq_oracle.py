@@ -12,6 +12,14 @@ import os
 import sys
 from pathlib import Path
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import);
+# not gptqmodel, whose import starts threads (its worker pools), which a forked run would not have
+PRELOAD = (
+    "torch",
+    "transformers",
+    "safetensors.torch",
+)
+
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
 

@@ -93,6 +93,7 @@ def _compile_once(
         "e4m3": "e4m3" in ptx,
         "div_rn": "div.rn.f32" in ptx,
         "div_approx": bool(re.search(r"div\.(full|approx)", ptx)),
+        "shared": int(kernel.metadata.shared),  # bytes of shared memory a program needs at launch
     }
     if RESOURCES:
         result |= resources(ptx, cc)

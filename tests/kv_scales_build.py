@@ -10,6 +10,15 @@ import shutil
 import sys
 from pathlib import Path
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import)
+PRELOAD = (
+    "torch",
+    "datasets",
+    "transformers",
+    "llmcompressor",
+    "llmcompressor.modifiers.quantization",
+)
+
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 

@@ -49,6 +49,8 @@ import copy
 import sys
 from pathlib import Path
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import)
+PRELOAD = ("torch", "transformers", "safetensors.torch", "modelopt.torch.quantization")
 PROMPTS, PROMPT_LENGTH, GREEDY_PROMPTS, GREEDY_TOKENS = 8, 40, 6, 12
 PARTIAL = ["*layers.1.mlp*", "*layers.0.self_attn.o_proj*"]
 # presets that are ModelOpt's configs as they are

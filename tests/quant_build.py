@@ -20,6 +20,17 @@ import shutil
 import sys
 from pathlib import Path
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import)
+PRELOAD = (
+    "torch",
+    "datasets",
+    "transformers",
+    "compressed_tensors.quantization",
+    "llmcompressor",
+    "llmcompressor.modifiers.quantization",
+    "llmcompressor.modifiers.gptq",
+)
+
 CALIBRATED = ("FP8", "NVFP4", "W4A16_GPTQ", "FP8_DYNAMIC_GPTQ", "W8A8_STATIC")
 GPTQ = {"W4A16_GPTQ": "W4A16", "FP8_DYNAMIC_GPTQ": "FP8_DYNAMIC"}  # presets of ours: llm-compressor's GPTQ
 # Presets of ours: (llm-compressor's preset, extra ignore entries, targets). Some projections left in full

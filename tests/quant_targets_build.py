@@ -21,6 +21,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import)
+PRELOAD = (
+    "torch",
+    "transformers",
+    "compressed_tensors.quantization",
+    "llmcompressor",
+    "llmcompressor.modifiers.quantization",
+    "llmcompressor.modifiers.transform",
+)
+
 ATTENTION = r"re:.*self_attn\..*"
 MLP = r"re:.*mlp\..*"
 # preset: ((llm-compressor preset, targets) for each config group, in order; ignore)

@@ -17,6 +17,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+# what a run imports, imported ahead by `script_server.py` (which serves many runs from one import)
+PRELOAD = (
+    "torch",
+    "transformers",
+    "quark.torch",
+    "quark.torch.quantization.config.config",
+)
+
 SCHEMES = {
     "FP8": ("fp8", None),
     "FP8_KV": ("fp8", "fp8"),

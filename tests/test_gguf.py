@@ -14,6 +14,7 @@ import openai
 import pytest
 import torch
 from gguf_build import IQ_TYPES
+from script_runs import run_script
 from server_util import running_server
 from test_quant_modelopt import _forward
 
@@ -494,8 +495,6 @@ def test_concurrent_writes_of_the_description(tmp_path: Path) -> None:
 
 def _wide_file(tmp_path_factory: pytest.TempPathFactory, preset: str) -> Path:
     """A random llama of 8 layers whose matrices are whole K blocks (hidden size 256), written as `preset`."""
-    import subprocess
-    import sys
 
     from safetensors.torch import save_file
 
@@ -511,7 +510,7 @@ def _wide_file(tmp_path_factory: pytest.TempPathFactory, preset: str) -> Path:
     )
     dst = src.parent / "gguf"
     build = Path(__file__).with_name(BUILD)
-    subprocess.run([sys.executable, str(build), str(src), str(dst), preset], check=True)
+    run_script(build, src, dst, preset)
     return dst / "model.gguf"
 
 

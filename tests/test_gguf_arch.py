@@ -7,12 +7,11 @@ itself."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from script_runs import run_script
 from test_architectures import COMMON, LLAMA3_ROPE
 from test_engine_greedy import hf_greedy
 from test_quant_modelopt import _forward
@@ -51,7 +50,7 @@ def files(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):  # type: 
         build = Path(__file__).with_name("gguf_build.py")
         for preset in ("F32", "Q8_0"):
             dst = src.parent / preset
-            subprocess.run([sys.executable, str(build), str(src), str(dst), preset], check=True)
+            run_script(build, src, dst, preset)
             out.setdefault(name, {})[preset] = dst / "model.gguf"
     return out
 

@@ -181,3 +181,21 @@ def test_the_attention_and_cache_kernels_keep_their_values_in_registers(
         if r["spill_stores"] or r["spill_loads"]
     }
     assert not spilled, spilled
+
+
+# The shared memory one block may take on each capability's GPUs (CUDA's opt-in maximum a block, which
+# Triton reads as `max_shared_mem` and holds each launch to, refusing one that needs more with
+# OutOfResources): T4 64 KB, A100 163 KB, L4 and L40S 99 KB, H100 and H200 227 KB.
+SHARED_LIMIT = {"sm75": 65536, "sm80": 166912, "sm89": 101376, "sm90": 232448}
+
+
+def test_every_variant_fits_its_gpu_s_shared_memory(compiled: dict[str, dict[str, Any]]) -> None:
+    """Each variant's pipeline buffers (`num_stages` K steps of both operands) fit one block's shared
+    memory on its GPU; a variant that did not would compile here and be refused at its first launch."""
+    over = {
+        key: r["shared"]
+        for key, r in compiled.items()
+        if r["ok"] and r["shared"] > SHARED_LIMIT[key.split("/")[2]]
+    }
+    assert not over, over
+    assert all(r["shared"] > 0 for key, r in compiled.items() if key.startswith("gemm/"))

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from script_runs import run_script
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.model_runner import Chunk
@@ -69,10 +68,7 @@ def gptq(request: pytest.FixtureRequest, quantized_model: Callable[..., Path], t
     work = tmp_path_factory.mktemp(preset.lower())
     (work / "prompts.json").write_text(json.dumps(_prompts()))
     oracle = Path(__file__).with_name("gptq_oracle.py")
-    subprocess.run(
-        [sys.executable, str(oracle), str(path), str(work / "oracle.pt"), str(work / "prompts.json")],
-        check=True,
-    )
+    run_script(oracle, path, work / "oracle.pt", work / "prompts.json")
     return preset, path, torch.load(work / "oracle.pt")
 
 

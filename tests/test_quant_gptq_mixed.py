@@ -6,12 +6,11 @@ transformers holding those weights (`gptq_mixed_oracle.py`)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from script_runs import run_script
 from test_quant_gptq import BEFORE, MERGED, _edited, _prompts
 
 from ember_engine import LLM, SamplingParams
@@ -27,10 +26,7 @@ def mixed(quantized_model, tmp_path_factory) -> tuple[Path, dict]:  # type: igno
     work = tmp_path_factory.mktemp("gptq-mixed")
     (work / "prompts.json").write_text(json.dumps(_prompts()))
     oracle = Path(__file__).with_name("gptq_mixed_oracle.py")
-    subprocess.run(
-        [sys.executable, str(oracle), str(path), str(work / "oracle.pt"), str(work / "prompts.json")],
-        check=True,
-    )
+    run_script(oracle, path, work / "oracle.pt", work / "prompts.json")
     return path, torch.load(work / "oracle.pt")
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from script_runs import run_script
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.distributed.step_channel import HEADER, decode, encode
@@ -148,12 +149,10 @@ def test_two_ranks_run_modelopts_smoothed_exports_as_one(
     (SmoothQuant: with int8 inputs under the projection's static scale; W4A8_AWQ: FP8 weights and inputs).
     (Before, a rank was given the whole vector: "down_proj: pre_quant_scale must hold 256 finite factors,
     one per input column, found 512".)"""
-    import subprocess
-    import sys
 
     out = tmp_path / "smoothed"
     build = Path(__file__).with_name("modelopt_build.py")
-    subprocess.run([sys.executable, str(build), str(wide_model), str(out), preset], check=True)
+    run_script(build, wide_model, out, preset)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.mlp.down_proj.pre_quant_scale").shape == (512,)
     prompts = PROMPTS[:6]
@@ -181,14 +180,12 @@ def test_a_w4a8_head_splits_with_its_outer_scale(wide_model: Path, tmp_path: Pat
     weight_scale_2 included. (Before, the split head left weight_scale_2 out, and every logit came out
     divided by it: log-probabilities of 0.0 where one rank gave -1.3 to -2.1.)"""
     import json
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file, save_file
 
     out = tmp_path / "head"
     build = Path(__file__).with_name("modelopt_build.py")
-    subprocess.run([sys.executable, str(build), str(wide_model), str(out), "W4A8_AWQ"], check=True)
+    run_script(build, wide_model, out, "W4A8_AWQ")
     state = load_file(str(out / "model.safetensors"))
     _w4a8_head(state)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
