@@ -54,9 +54,9 @@ class _ScriptServer:
                 answer = ""
             if not answer:  # the server itself ended: its import failed, say
                 raise RuntimeError(f"{self.script.name} could not be run: {self.log.read_text()[-3000:]}")
-            output = log.read_text(errors="replace") if log.exists() else ""
             code = int(answer)
-            if code:
+            if code:  # the run's output, for the failing test's report
+                output = log.read_text(errors="replace") if log.exists() else ""
                 sys.stderr.write(output)
                 raise subprocess.CalledProcessError(code, [sys.executable, str(self.script), *args], output)
 

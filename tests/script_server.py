@@ -1,14 +1,14 @@
 """Runs one Python script many times, each run as `python SCRIPT ARGS...` would, without paying for its
 imports each time: this process runs SCRIPT's top level once and imports the modules its `PRELOAD` names
 (torch, transformers and the quantization tool the script drives take 5 to 7 s to import, more than most
-builds of a test model take), then forks a child
-for each request, which runs the script as `__main__` with the request's arguments, environment and
-working directory, its output written to the request's log file. A child starts from the state the
-import left, never from another run's.
+builds of a test model take), then forks a child for each request, which runs the script as `__main__`
+with the request's arguments, environment and working directory, its output written to the request's
+log file. A child starts from the state the import left, never from another run's.
 
 It first answers `ready` on stdout, or `threads NAMES` and ends if the imports started threads (see
-`main`). Requests are JSON lines on stdin, `{"argv": [...], "env": {...}, "cwd": "...", "log": "..."}`; each is
-answered on stdout with the child's exit status as `python` reports it (a signal's number negated).
+`main`). Requests are JSON lines on stdin, `{"argv": [...], "env": {...}, "cwd": "...", "log": "..."}`;
+each is answered on stdout with the child's exit status as `python` reports it (a signal's number
+negated).
 `script_runs.run_script` keeps one such process per script and test process."""
 
 from __future__ import annotations

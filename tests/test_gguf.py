@@ -495,7 +495,6 @@ def test_concurrent_writes_of_the_description(tmp_path: Path) -> None:
 
 def _wide_file(tmp_path_factory: pytest.TempPathFactory, preset: str) -> Path:
     """A random llama of 8 layers whose matrices are whole K blocks (hidden size 256), written as `preset`."""
-
     from safetensors.torch import save_file
 
     from ember_engine.tools import testmodel

@@ -149,7 +149,6 @@ def test_two_ranks_run_modelopts_smoothed_exports_as_one(
     (SmoothQuant: with int8 inputs under the projection's static scale; W4A8_AWQ: FP8 weights and inputs).
     (Before, a rank was given the whole vector: "down_proj: pre_quant_scale must hold 256 finite factors,
     one per input column, found 512".)"""
-
     out = tmp_path / "smoothed"
     build = Path(__file__).with_name("modelopt_build.py")
     run_script(build, wide_model, out, preset)
