@@ -39,18 +39,20 @@ from ember_engine.model.quant import triton_gemm_config as cfg  # noqa: E402
 CAPABILITIES = [(7, 5), (8, 0), (8, 9), (9, 0)]
 POINTERS = ("x_ptr", "w_ptr", "scale_ptr", "x_scale_ptr", "y_ptr")
 # weight kind -> (x, w, scale, x_scale as the wrappers in triton_gemm pass them; "act": the activations'
-# dtype), the group size a layer of that kind takes, the kind's name
-KINDS: dict[int, tuple[tuple[str, str, str, str], int, str]] = {
-    cfg.INT8: (("act", "*i8", "*fp32", "*fp32"), 128, "w8a16"),
-    cfg.INT4: (("act", "*u8", "*fp32", "*fp32"), 128, "w4a16"),
-    cfg.FP8: (("*u8", "*u8", "*fp32", "*fp32"), 1, "fp8"),
-    cfg.FP8_BLOCK: (("*u8", "*u8", "*fp32", "*fp32"), 128, "fp8-block"),
-    cfg.W8A8: (("*i8", "*i8", "*fp32", "*fp32"), 1, "w8a8"),
-    cfg.FP4: (("act", "*u8", "*u8", "*fp32"), 16, "nvfp4"),
-    cfg.CODEBOOK: (("act", "*u8", "*fp32", "*fp32"), 64, "codebook"),
-    cfg.FP8_WEIGHT: (("act", "*u8", "*fp32", "*fp32"), 128, "w8a16-fp8"),
-    cfg.W4_FP8: (("*u8", "*u8", "*u8", "*fp32"), 128, "w4a8-fp8"),
+# dtype), the group size a layer of that kind takes, the kind's name, and the row strides of its scale and
+# x_scale for a 4096 x 4096 weight (0: no x_scale, the kernel given the scale in its place)
+KINDS: dict[int, tuple[tuple[str, str, str, str], int, str, tuple[int, int]]] = {
+    cfg.INT8: (("act", "*i8", "*fp32", "*fp32"), 128, "w8a16", (32, 0)),
+    cfg.INT4: (("act", "*u8", "*fp32", "*fp32"), 128, "w4a16", (32, 0)),
+    cfg.FP8: (("*u8", "*u8", "*fp32", "*fp32"), 1, "fp8", (1, 1)),
+    cfg.FP8_BLOCK: (("*u8", "*u8", "*fp32", "*fp32"), 128, "fp8-block", (32, 32)),
+    cfg.W8A8: (("*i8", "*i8", "*fp32", "*fp32"), 1, "w8a8", (1, 1)),
+    cfg.FP4: (("act", "*u8", "*u8", "*fp32"), 16, "nvfp4", (256, 1)),
+    cfg.CODEBOOK: (("act", "*u8", "*fp32", "*fp32"), 64, "codebook", (64, 1)),
+    cfg.FP8_WEIGHT: (("act", "*u8", "*fp32", "*fp32"), 128, "w8a16-fp8", (32, 0)),
+    cfg.W4_FP8: (("*u8", "*u8", "*u8", "*fp32"), 128, "w4a8-fp8", (512, 1)),
 }
+PACKED = (cfg.INT4, cfg.FP4, cfg.CODEBOOK, cfg.W4_FP8)  # two weights a byte: rows of K / 2 bytes
 TRITON_TYPE = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 ROWS = (1, 16, 32, 64, 128, 256, 512)  # every tile class of `triton_gemm_config.blocks`
 # the kernels launched through `kernel_launch.launch`, by name
@@ -64,14 +66,24 @@ LAUNCHED = {
 _COMPILED: dict[str, dict[str, Any]] = {}
 
 
+def specialized(name: str, value: int) -> tuple[str, Any]:
+    """How Triton's launcher passes the integer argument `name` of value `value` to the compiler: 1 as the
+    constant it specializes it to, a multiple of 16 as an i32 known to be one (`:16`), else a plain i32."""
+    if value == 1:
+        return "constexpr", 1
+    return ("i32:16" if value % 16 == 0 else "i32"), None
+
+
 def _compile(
     fn: Any, signature: dict[str, str], constexprs: dict[str, Any], cc: tuple[int, int]
 ) -> dict[str, Any]:
     """What came of compiling `fn` so; row classes that share a tile (1 and 16 rows, 128 and 256) share
-    one compilation."""
+    one compilation. A type marked `:16` (a pointer 16-byte aligned, an integer a multiple of 16) is
+    compiled with that divisibility known, as Triton's launcher specializes every launch on it."""
     key = json.dumps([fn.__name__, signature, constexprs, cc], sort_keys=True, default=str)
     if key not in _COMPILED:
         _COMPILED[key] = _compile_once(fn, dict(signature), dict(constexprs), cc)
+        _COMPILED[key]["signature"] = signature
     return _COMPILED[key]
 
 
@@ -81,7 +93,13 @@ def _compile_once(
     options = {key: constexprs.pop(key) for key in ("num_warps", "num_stages") if key in constexprs}
     for name in fn.arg_names:
         signature.setdefault(name, "constexpr" if name in constexprs else "i32")
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    attrs = {
+        (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name, kind in signature.items()
+        if kind.endswith(":16")
+    }
+    signature = {name: kind.removesuffix(":16") for name, kind in signature.items()}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     try:
         kernel = triton.compile(source, target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32), options=options)
     except Exception as e:  # a variant the GPU's compiler refuses: reported, not raised
@@ -94,6 +112,8 @@ def _compile_once(
         "div_rn": "div.rn.f32" in ptx,
         "div_approx": bool(re.search(r"div\.(full|approx)", ptx)),
         "shared": int(kernel.metadata.shared),  # bytes of shared memory a program needs at launch
+        # loads from global memory of one byte each (a weight tile's loads not vectorized)
+        "byte_loads": len(re.findall(r"ld\.global[\w.]*\.[bus]8\b", ptx)),
     }
     if RESOURCES:
         result |= resources(ptx, cc)
@@ -123,26 +143,44 @@ def resources(ptx: str, cc: tuple[int, int]) -> dict[str, int]:
 
 
 def gemm(kind: int, m: int, dtype: torch.dtype, cc: tuple[int, int]) -> dict[str, Any]:
-    operands, group, _ = KINDS[kind]
+    """The GEMM variant a layer of kind `kind` with a 4096 x 4096 weight launches for `m` rows: every
+    tensor 16-byte aligned, each integer specialized as Triton's launcher does."""
+    operands, group, _, (stride_sn, stride_xsm) = KINDS[kind]
     x_type = operands[0] if operands[0] != "act" else TRITON_TYPE[dtype]
-    signature = dict(zip(POINTERS, [x_type, *operands[1:], TRITON_TYPE[dtype]], strict=True))
+    pointers = [x_type, *operands[1:], TRITON_TYPE[dtype]]
+    signature = {name: f"{kind}:16" for name, kind in zip(POINTERS, pointers, strict=True)}
     # run_gemm passes the activations it is given: for fp8, w8a8 and w4a8-fp8 their quantized bytes
     x_dtype = dtype if operands[0] == "act" else torch.uint8
-    return _compile(
-        triton_gemm._gemm_kernel, signature, cfg.kernel_options(kind, m, 4096, group, x_dtype, cc), cc
-    )
+    constexprs = cfg.kernel_options(kind, m, 4096, group, x_dtype, cc)
+    k = n = 4096
+    integers = {"M": m, "N": n, "K": k, "stride_xm": k, "stride_wn": k // 2 if kind in PACKED else k}
+    integers |= {"stride_sn": stride_sn, "stride_xsm": stride_xsm, "stride_ym": n}
+    for name, value in integers.items():
+        signature[name], constant = specialized(name, value)
+        if constant is not None:
+            constexprs[name] = constant
+    return _compile(triton_gemm._gemm_kernel, signature, constexprs, cc)
 
 
 def quantizer(kind: int, static: bool, cc: tuple[int, int], dtype: torch.dtype) -> dict[str, Any]:
+    """The activation quantizer as a 4096-wide layer launches it, per token (or per group of 128: the
+    same specialization) or with a static scale."""
     signature = {"x_ptr": TRITON_TYPE[dtype], "q_ptr": "*u8" if kind == triton_act_quant.FP8 else "*i8"}
-    signature |= {"scale_ptr": "*fp32", "static_ptr": "*fp32", "ub": "fp32"}
+    signature |= {"scale_ptr": "*fp32", "static_ptr": "*fp32"}
+    signature = {name: f"{kind}:16" for name, kind in signature.items()} | {"ub": "fp32"}
     constexprs = {"QMAX": 448.0, "KIND": kind, "STATIC": static, "CLAMP_UB": not static, "BLOCK": 1024}
+    integers = {"group": 4096, "stride_xm": 4096, "stride_qm": 4096, "stride_sm": 0 if static else 1}
+    for name, value in integers.items():
+        signature[name], constant = specialized(name, value)
+        if constant is not None:
+            constexprs[name] = constant
     return _compile(triton_act_quant._quantize_kernel, signature, constexprs, cc)
 
 
 def launched(variant: dict[str, Any], cc: tuple[int, int]) -> dict[str, Any]:
-    """One ledger variant compiled: an integer Triton saw as 1 as the constant it specializes it to, one
-    not recorded (not specialized on) as int32."""
+    """One ledger variant compiled: an integer Triton saw as 1 as the constant it specializes it to; a
+    tensor it saw 16-byte aligned and an integer a multiple of 16 marked so (`:16`); an integer not
+    recorded (not specialized on) as a plain int32."""
     fn = getattr(importlib.import_module(LAUNCHED[variant["kernel"]]), variant["kernel"])
     constexprs = dict(variant["constexprs"])
     signature = {}
@@ -164,7 +202,7 @@ def main() -> int:
     for cc in CAPABILITIES:
         arch = f"sm{cc[0]}{cc[1]}"
         half = torch.bfloat16 if cc >= (8, 0) else torch.float16
-        for kind, (operands, _, name) in KINDS.items():
+        for kind, (operands, _, name, _) in KINDS.items():
             if kind == cfg.W8A8 and cc < (8, 0):  # int8 dots need 8.0: the layer takes its torch path
                 continue
             for m in ROWS:  # every tile class
@@ -180,7 +218,7 @@ def main() -> int:
                     kind, static, cc, half
                 )
         for i, variant in enumerate(variants):
-            if cc < (8, 0) and "*bf16" in variant["args"].values():
+            if cc < (8, 0) and any(kind.startswith("*bf16") for kind in variant["args"].values()):
                 continue
             results[f"launched/{variant['kernel']}/{arch}/{i}"] = launched(variant, cc)
     json.dump(results, sys.stdout, indent=1)

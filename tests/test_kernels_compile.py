@@ -40,16 +40,18 @@ ENGINES = [
 
 def ledger_variants(ledger: Any) -> list[dict[str, Any]]:
     """A launch ledger's variants (`kernel_launch.KernelLedger`) as JSON: per launch, the kernel's name,
-    each recorded argument's kind (a tensor's dtype, an integer's being 1) and the constexprs."""
+    each recorded argument's kind (a tensor's dtype, an integer's being 1; `:16`: a tensor 16-byte
+    aligned, an integer a multiple of 16) and the constexprs."""
     out = []
     for name, keys in ledger.variants.items():
         for key in keys:
             args, constexprs = {}, {}
             for arg, spec in key:
                 if isinstance(spec, tuple) and spec and spec[0] == "tensor":
-                    args[arg] = "*" + TORCH_TYPES[str(spec[1]).removeprefix("torch.")]
+                    aligned = ":16" if spec[2] else ""
+                    args[arg] = "*" + TORCH_TYPES[str(spec[1]).removeprefix("torch.")] + aligned
                 elif isinstance(spec, tuple) and spec and spec[0] == "int":
-                    args[arg] = "one" if spec[1] else "i32"
+                    args[arg] = "one" if spec[1] else ("i32:16" if spec[2] else "i32")
                 elif isinstance(spec, tuple) and spec and spec[0] == "float":
                     args[arg] = "fp32"
                 else:
@@ -116,6 +118,35 @@ def test_every_variant_reaches_machine_code(compiled: dict[str, dict[str, Any]])
     assert launched == {"_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel"}
 
 
+def test_each_variant_is_compiled_as_the_launcher_specializes_it(
+    compiled: dict[str, dict[str, Any]], variants: list[dict[str, Any]]
+) -> None:
+    """Triton's launcher compiles a kernel for what it knows of a launch: an integer of 1 as a constant,
+    a tensor 16-byte aligned and an integer a multiple of 16 as such, which decides whether the compiler
+    may use vector loads and asynchronous copies. The variants compiled here are those: a layer's GEMM
+    with aligned operands and sizes of 4096, one row as the constant 1; the attention and cache kernels
+    with what the ledger saw."""
+    decode = compiled["gemm/w4a16/sm90/bfloat16/1"]["signature"]
+    assert decode["M"] == "constexpr"  # one row: the constant 1
+    assert decode["w_ptr"] == "*u8:16" and decode["x_ptr"] == "*bf16:16"
+    assert decode["K"] == decode["N"] == decode["stride_wn"] == "i32:16"
+    assert compiled["gemm/w4a16/sm90/bfloat16/128"]["signature"]["M"] == "i32:16"
+    kinds = [kind for v in variants for kind in v["args"].values()]
+    assert "*bf16:16" in kinds and "i32:16" in kinds
+
+
+def test_the_weight_tiles_are_loaded_in_vectors(compiled: dict[str, dict[str, Any]]) -> None:
+    """No GEMM variant whose weights are bytes (int8, E4M3) or two to a byte (int4, the 4-bit codes)
+    loads them a byte at a time. The 4-bit kinds did, on every capability: the weight of column k was
+    nibble k % 2 of byte k // 2, each byte loaded once for each nibble by a load of its own (4 to 128
+    single-byte loads in a variant's PTX); each byte is now loaded once, contiguous with its row's next, and its two
+    nibbles multiplied with the even and odd activation columns. nvfp4 still loads its E4M3 group scales
+    as bytes (one a group of 16), and w4a8-fp8 its codes' E4M3 table entries."""
+    gemms = {key: r for key, r in compiled.items() if key.startswith("gemm/")}
+    by_byte = {key: r["byte_loads"] for key, r in gemms.items() if r["byte_loads"]}
+    assert {key.split("/")[1] for key in by_byte} == {"nvfp4", "w4a8-fp8"}, by_byte
+
+
 def test_fp8_dots_where_the_gpu_has_them_and_no_e4m3_on_ampere(compiled: dict[str, dict[str, Any]]) -> None:
     """fp8, block-scaled fp8 and w4a8-fp8 multiply E4M3 on the tensor cores: on 8.9 in every tile; on
     9.0, whose E4M3 products are warpgroup instructions only (64 rows and up), in tiles of 64 rows or
@@ -149,7 +180,9 @@ def test_the_gemm_tiles_keep_their_sums_in_registers(compiled: dict[str, dict[st
     capability; then, with K steps of 64, every tile of 32 rows and more on 7.5 (up to 4,312 bytes), the
     64 x 128 tile on 8.0 and 8.9 for three or four kinds and block-scaled fp8 in every tile of 32 rows
     and more on 8.0; and float32 activations (IEEE dots) in tiles of 32 rows and more, on 8.0, 8.9 and
-    9.0, with the K steps and tiles the half types take (64 of 140 variants, up to 11 KB a thread)."""
+    9.0, with the K steps and tiles the half types take (64 of 140 variants, up to 11 KB a thread).
+    Compiled as the launcher specializes them (aligned operands, sizes multiples of 16), the 32-row tile
+    with K steps of 32 spilled 8 bytes for int8 weights in bfloat16 on 8.9."""
     gemms = {key: r for key, r in compiled.items() if key.startswith("gemm/")}
     # 7.5: 8 kinds (no w8a8) in 7 row classes; 8.0, 8.9, 9.0: 9 kinds; and on each, the 5 kinds whose
     # activations are not quantized in float32 too

@@ -58,6 +58,21 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _nibble_value(nibble, table_ptr, WEIGHT: tl.constexpr):
+    """The weight a 4-bit field stands for: int4 (offset by 8), E2M1 (nvfp4), or its entry in the
+    layer's 16-value table (the 4-bit codes)."""
+    if WEIGHT == 1:
+        return nibble - 8
+    elif WEIGHT == 6:
+        return tl.load(table_ptr + nibble)
+    else:  # E2M1: twice the value is m (exponent 0) or (2 + m) << (exponent - 1)
+        e = (nibble >> 1) & 3
+        m = nibble & 1
+        twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
+        return tl.where((nibble & 8) != 0, -twice, twice).to(tl.float32) * 0.5
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr,
     w_ptr,
@@ -102,25 +117,33 @@ def _gemm_kernel(
             # int8 x int8 dots with int32 sums (exact), widened to the float32 accumulator each step.
             q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
             acc += tl.dot(x, q, out_dtype=tl.int32).to(tl.float32)
-        elif WEIGHT < 2 or (WEIGHT >= 5 and WEIGHT != 8):
-            if WEIGHT != 0 and WEIGHT != 7:
-                # [BLOCK_K, BLOCK_N]: column k of the weight is nibble k % 2 of byte k // 2.
-                ptrs = w_ptr + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
-                packed = tl.load(ptrs, mask=wmask, other=0).to(tl.int32)
-                nibble = (packed >> ((offs_k % 2) * 4)[:, None]) & 0xF
-                if WEIGHT == 1:
-                    q = nibble - 8
-                elif WEIGHT == 6:
-                    q = tl.load(x_scale_ptr + nibble)
-                else:  # E2M1: twice the value is m (exponent 0) or (2 + m) << (exponent - 1)
-                    e = (nibble >> 1) & 3
-                    m = nibble & 1
-                    twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
-                    q = tl.where((nibble & 8) != 0, -twice, twice).to(tl.float32) * 0.5
-            else:
-                q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
-                if WEIGHT == 7:  # E4M3 bytes
-                    q = _e4m3(q, FP8_TYPES)
+        elif WEIGHT == 1 or WEIGHT == 5 or WEIGHT == 6:
+            # Two weights a byte, column 2j of the step in the low nibble of its byte j and column 2j + 1
+            # in the high one: each byte loaded once (contiguous, so the loads are vectors), its nibbles
+            # multiplied with the step's even and odd activation columns.
+            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            bmask = (offs_j < K // 2)[:, None] & mask_n[None, :]
+            ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_j[:, None]
+            packed = tl.load(ptrs, mask=bmask, other=0).to(tl.int32)
+            lo = _nibble_value(packed & 0xF, x_scale_ptr, WEIGHT)
+            hi = _nibble_value((packed >> 4) & 0xF, x_scale_ptr, WEIGHT)
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+            if STEP_SCALE:
+                s = tl.load(scale_ptr + offs_n * stride_sn + k0 // GROUP, mask=mask_n, other=0)
+                part = _dot(x_even, lo.to(x.dtype), IEEE) + _dot(x_odd, hi.to(x.dtype), IEEE)
+                acc += part * s[None, :]
+            else:  # both nibbles of a byte lie in one group (groups are even)
+                sptrs = scale_ptr + offs_n[None, :] * stride_sn + ((2 * offs_j) // GROUP)[:, None]
+                s = tl.load(sptrs, mask=bmask, other=0)
+                if WEIGHT == 5:  # E4M3 group scales (bytes) over the row's global scale
+                    gs = tl.load(x_scale_ptr + offs_n, mask=mask_n, other=1.0)
+                    s = _e4m3(s, FP8_TYPES) / gs[None, :]
+                acc += _dot(x_even, (lo.to(tl.float32) * s).to(x.dtype), IEEE)
+                acc += _dot(x_odd, (hi.to(tl.float32) * s).to(x.dtype), IEEE)
+        elif WEIGHT == 0 or WEIGHT == 7:
+            q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
+            if WEIGHT == 7:  # E4M3 bytes
+                q = _e4m3(q, FP8_TYPES)
             if STEP_SCALE:
                 # The step lies in one group: the values are multiplied as they are (in the activations'
                 # dtype) and the step's sums scaled per column.
@@ -129,9 +152,6 @@ def _gemm_kernel(
             else:
                 sptrs = scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None]
                 s = tl.load(sptrs, mask=wmask, other=0)
-                if WEIGHT == 5:  # E4M3 group scales (bytes) over the row's global scale
-                    gs = tl.load(x_scale_ptr + offs_n, mask=mask_n, other=1.0)
-                    s = _e4m3(s, FP8_TYPES) / gs[None, :]
                 acc += _dot(x, (q.to(tl.float32) * s).to(x.dtype), IEEE)
         else:
             if WEIGHT == 8:  # each code's E4M3 byte in its row's and group's table of 16

@@ -53,9 +53,10 @@ def kernel_options(
     # rows or more (IEEE dots are FMAs, each thread holding its slices of both operands beside its sums)
     # take 16 and tiles of at most 64 x 64, which spilled up to 11 KB a thread with K steps of 32 and 64
     # and 8 to 24 bytes as 64 x 128 or 128 x 64; below compute capability 9.0 (mma.sync rather than
-    # wgmma), in every tile of 32 rows or more, 32 (16 on 7.5, the T4), and 16 for block-scaled fp8
-    # decoded with integers (no E4M3 type: 8.0) in the 64 x 128 and 128 x 64 tiles; 64 for the decode tile
-    # on 7.5.
+    # wgmma), in every tile of more than 32 rows, 32 (16 on 7.5, the T4, in the 32-row tile too), and 16
+    # for block-scaled fp8 decoded with integers (no E4M3 type: 8.0) in the 64 x 128 and 128 x 64 tiles;
+    # 64 for the decode tile on 7.5. The 32-row tile keeps 64 on 8.0 and 8.9: with 32, int8 weights in
+    # bfloat16 spilled 8 bytes on 8.9 (as launched: aligned operands, sizes multiples of 16).
     if dtype == torch.float32 and bm == 16:
         bk = 32
     elif dtype == torch.float32 and cc is not None:
@@ -65,8 +66,14 @@ def kernel_options(
             bk = 64 if cc < (8, 0) else bk
         elif cc < (8, 0) or (weight == FP8_BLOCK and not fp8_types and bm * bn >= 64 * 128):
             bk = 16
-        else:
+        elif bm > 32:
             bk = 32
+    if weight in (INT4, FP4, CODEBOOK) and bk < 32:
+        # Two weights a byte: a step's dots each take half its columns (a byte's low nibbles, then its high
+        # ones), at least 16. On 7.5 the 64 x 128 tile then spilled for int4: 64 columns there.
+        bk = 32
+        if cc is not None and cc < (8, 0):
+            bn = min(bn, 64)
     if weight == FP8_BLOCK:  # a BLOCK_K step must lie within one group of scales
         bk = next(b for b in (bk, 64, 32, 16) if group % b == 0)
     # Scales per group applied to each step's sums where a step lies in one group (groups of 32 columns
