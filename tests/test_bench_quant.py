@@ -67,3 +67,47 @@ def test_the_batch_32_rate_decodes_32_sequences_whatever_the_greedy_prompts(tmp_
     (full,) = json.loads(out.read_text())["rows"]
     assert full["decode_sequences_b1"] == 1 and full["decode_sequences_b32"] == 32
     assert full["decode_tok_s_b32"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--schemes", "fp8,w8a61"], "--schemes: unknown 'w8a61'; choose from fp8, w8a16, w4a16, w8a8"),
+        (["--prompts", "0"], "argument --prompts: expected a positive integer, got '0'"),
+        (["--ppl-windows", "0"], "argument --ppl-windows: expected a positive integer, got '0'"),
+        (["--repeats", "-1"], "argument --repeats: expected a non-negative integer, got '-1'"),
+        (["--kv-cache-memory", "0"], "argument --kv-cache-memory: expected a positive integer, got '0'"),
+        (["--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
+        (["--checkpoint", "x"], "--checkpoint: expected LABEL=DIR, got 'x'"),
+        (["--checkpoint", "x=/nonexistent"], "--checkpoint x: /nonexistent has no config.json"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_measured(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each refused by name before the first row is measured (minutes, with the defaults), not as a
+    traceback after it."""
+    with pytest.raises(SystemExit) as refused:
+        ember(["bench", "quant", *args])
+    assert refused.value.code not in (0, None)
+    err = capsys.readouterr().err + str(refused.value.code)
+    assert message in err and "measured" not in err
+
+
+def test_a_checkpoint_of_another_model_is_refused(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --checkpoint row is compared with --model's rows position by position: a checkpoint of another
+    model (here the tiny test model against the packaged target) would give a row of nonsense."""
+    with pytest.raises(SystemExit) as refused:
+        ember(["bench", "quant", "--checkpoint", f"tiny={tiny_model}"])
+    err = capsys.readouterr().err + str(refused.value.code)
+    assert f"--checkpoint tiny: {tiny_model} is not a checkpoint of" in err
+    assert "num_hidden_layers 4 against 12" in err and "measured" not in err
+
+
+def test_scheme_names_may_be_spaced(tmp_path: Path) -> None:
+    out = tmp_path / "quant.json"
+    args = ["bench", "quant", "--schemes", "fp8, w8a16", "--no-kv-fp8", "--ppl-windows", "1"]
+    assert ember([*args, "--prompts", "1", "--repeats", "0", "--json", str(out)]) == 0
+    assert [r["scheme"] for r in json.loads(out.read_text())["rows"]] == ["full", "fp8", "w8a16"]

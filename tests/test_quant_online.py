@@ -112,6 +112,12 @@ def test_ember_quantize_writes_what_transformers_loads(
     [
         ("w8a16", "32", "--block-size applies to the fp8 scheme only, not w8a16"),
         ("fp8", "40", "--block-size must be a positive multiple of 16, got 40"),
+        ("fp8", "0", "--block-size must be a positive multiple of 16, got 0"),
+        ("fp8", "-16", "--block-size must be a positive multiple of 16, got -16"),
+        # The tiny model's projections take 128 and 256 input columns: tiles of 48 (or 512) split their
+        # rows, whose activations' groups neither transformers nor ember can take.
+        ("fp8", "48", "is not a multiple of the block size 48"),
+        ("fp8", "512", "is not a multiple of the block size 512"),
     ],
 )
 def test_ember_quantize_refuses_a_block_size_it_cannot_write(
@@ -180,6 +186,12 @@ def test_ember_quantize_refuses_what_it_would_overwrite_or_cannot_read(
     assert ember(["quantize", str(missing), str(again), "--scheme", "fp8"]) == 2
     assert f"{missing} has no config.json" in capsys.readouterr().err
     assert not again.exists()
+
+    dangling = tmp_path / "dangling"  # a symbolic link to nothing exists all the same
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert ember(["quantize", str(tiny_model), str(dangling), "--scheme", "fp8"]) == 2
+    assert f"{dangling} already exists" in capsys.readouterr().err
+    assert dangling.is_symlink() and not (tmp_path / "nowhere").exists()
 
 
 def test_a_quantized_checkpoints_own_method_may_be_named(quantized_model) -> None:  # type: ignore[no-untyped-def]

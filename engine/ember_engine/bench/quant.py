@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ember_engine.bench.arg_types import non_negative_int, positive_int
+
 GEN_TOKENS = 64
 PROMPT_TOKENS = 64
 RATE_BATCH = 32  # sequences decoded together for the "b32" rate
@@ -40,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schemes", default="fp8,w8a16,w4a16,w8a8", help="comma-separated, run after full precision"
     )
-    p.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes for the KV-block count")
+    p.add_argument(
+        "--kv-cache-memory", type=positive_int, default=64 << 20, help="bytes for the KV-block count"
+    )
     p.add_argument(
         "--kv-fp8",
         action=argparse.BooleanOptionalAction,
@@ -53,16 +57,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=False,
         help="add the E5M2 KV cache's row (kv_cache_dtype fp8_e5m2, full-precision weights)",
     )
-    p.add_argument("--dtype", default="auto", help="the model dtype of every row (default: the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="the model dtype of every row (default: the checkpoint's)",
+    )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=non_negative_int,
         default=3,
         help="decode rates are measured this many times, round-robin over the configurations; best kept"
         " (0: quality and sizes only, no rates)",
     )
-    p.add_argument("--ppl-windows", type=int, default=16, help="held-out windows of 512 tokens scored")
-    p.add_argument("--prompts", type=int, default=32, help="greedy-agreement prompts")
+    p.add_argument(
+        "--ppl-windows", type=positive_int, default=16, help="held-out windows of 512 tokens scored"
+    )
+    p.add_argument("--prompts", type=positive_int, default=32, help="greedy-agreement prompts")
     p.add_argument(
         "--checkpoint",
         action="append",
@@ -200,18 +211,66 @@ def measure_rates(configs: list[tuple[dict[str, Any], Any, list[list[int]]]], re
                 row[f"decode_tok_s_{key}"] = max(row[f"decode_tok_s_{key}"], rate)
 
 
+# What makes two checkpoints the same model for these rows, compared position by position.
+_SHAPE = (
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+def checked_schemes(text: str) -> list[str]:
+    """--schemes as names of online quantization (spaces around a name allowed); an unknown one is refused
+    by name before anything is measured."""
+    from ember_engine.core.config import QUANT_SCHEMES
+
+    schemes = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in schemes if s not in QUANT_SCHEMES]
+    if unknown:
+        names = ", ".join(repr(s) for s in unknown)
+        raise SystemExit(f"--schemes: unknown {names}; choose from {', '.join(QUANT_SCHEMES)}")
+    return schemes
+
+
+def checked_checkpoints(specs: list[str], model: Path) -> list[tuple[str, Path]]:
+    """--checkpoint LABEL=DIR rows: each DIR a checkpoint of `model`'s shape (its rows are compared with
+    the model's token by token), refused by name otherwise, before anything is measured."""
+    ours = json.loads((model / "config.json").read_text())
+    checkpoints = []
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise SystemExit(f"--checkpoint: expected LABEL=DIR, got {spec!r}")
+        config = Path(path) / "config.json"
+        if not config.is_file():
+            raise SystemExit(f"--checkpoint {label}: {path} has no config.json")
+        theirs = json.loads(config.read_text())
+        differ = [
+            f"{k} {theirs[k]} against {ours[k]}"
+            for k in _SHAPE
+            if k in theirs and k in ours and theirs[k] != ours[k]  # head_dim: written by some tools only
+        ]
+        if differ:
+            raise SystemExit(
+                f"--checkpoint {label}: {path} is not a checkpoint of {model}: {', '.join(differ)}"
+            )
+        checkpoints.append((label, Path(path)))
+    return checkpoints
+
+
 def main(args: argparse.Namespace) -> int:
     from ember_engine.tools.spec_pair import packaged_pair
 
     model = Path(args.model) if args.model else packaged_pair()[0]
+    schemes = checked_schemes(args.schemes)
+    checkpoints = checked_checkpoints(args.checkpoint, model)
     text = held_out(model)
     torch.set_num_threads(torch.get_num_threads())
-    checkpoints = []
-    for spec in args.checkpoint:
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not path:
-            raise SystemExit(f"--checkpoint: expected LABEL=DIR, got {spec!r}")
-        checkpoints.append((label, Path(path)))
     start = time.perf_counter()
 
     def timed(
@@ -223,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
         return row
 
     configs = [timed(measure(model, None, args, text))]
-    configs += [timed(measure(model, s, args, text)) for s in args.schemes.split(",") if s]
+    configs += [timed(measure(model, s, args, text)) for s in schemes]
     if args.kv_fp8:
         configs.append(timed(measure(model, None, args, text, kv_cache_dtype="fp8")))
     if args.kv_e5m2:

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 # `x as x`: re-exported, so `bench_serve.summary` and the like keep working where they were.
+from ember_engine.bench.arg_types import fraction, positive, positive_int
 from ember_engine.bench.client import Outcome, send
 from ember_engine.bench.client import parse_sse_line as parse_sse_line
 from ember_engine.bench.report import _json_rate, _label, _pyplot, format_table, plot, summarize
@@ -97,27 +98,6 @@ def main(args: argparse.Namespace) -> int:
     return 0 if any(r["completed"] for r in results) else 1
 
 
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a positive number or inf, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
-    return value
-
-
 def _header(text: str) -> tuple[str, str]:
     key, sep, value = text.partition(":")
     if not sep or not key.strip():
@@ -129,23 +109,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
     add("--url", default="http://127.0.0.1:8000", help="server base URL")
     add("--model", required=True, help="model name sent in each request")
-    add("--rate", type=_positive, nargs="+", default=[math.inf], metavar="R", help="requests/s (or inf)")
-    add("--num-requests", type=_positive_int, default=100, metavar="N", help="per rate")
-    add("--burstiness", type=_positive, default=1.0, metavar="B", help="arrival gaps' gamma shape")
+    add("--rate", type=positive, nargs="+", default=[math.inf], metavar="R", help="requests/s (or inf)")
+    add("--num-requests", type=positive_int, default=100, metavar="N", help="per rate")
+    add("--burstiness", type=positive, default=1.0, metavar="B", help="arrival gaps' gamma shape")
     add("--dataset", choices=["random", "shared-prefix"], default="random")
     add("--input-len", type=parse_range, default=(128, 512), metavar="A:B", help="prompt words")
     add("--output-len", type=parse_range, default=(64, 256), metavar="A:B", help="max_tokens")
-    add("--prefix-len", type=_positive_int, default=1024, metavar="N", help="shared-prefix words")
-    add("--long-fraction", type=_fraction, default=0.0, metavar="F", help="share of long prompts")
-    add("--long-factor", type=_positive_int, default=8, metavar="K", help="how many times longer")
-    add("--slo-ttft", type=_positive, metavar="MS", help="goodput: TTFT bound")
-    add("--slo-tpot", type=_positive, metavar="MS", help="goodput: TPOT bound")
-    add("--max-concurrency", type=_positive_int, metavar="C", help="cap on in-flight requests")
+    add("--prefix-len", type=positive_int, default=1024, metavar="N", help="shared-prefix words")
+    add("--long-fraction", type=fraction, default=0.0, metavar="F", help="share of long prompts")
+    add("--long-factor", type=positive_int, default=8, metavar="K", help="how many times longer")
+    add("--slo-ttft", type=positive, metavar="MS", help="goodput: TTFT bound")
+    add("--slo-tpot", type=positive, metavar="MS", help="goodput: TPOT bound")
+    add("--max-concurrency", type=positive_int, metavar="C", help="cap on in-flight requests")
     add("--seed", type=int, default=0, help="seeds arrivals and prompts")
-    add("--timeout", type=_positive, default=300.0, metavar="S", help="per request, then it failed")
+    add("--timeout", type=positive, default=300.0, metavar="S", help="per request, then it failed")
     add("--header", type=_header, action="append", default=[], metavar="K:V", help="repeatable")
     add("--json", metavar="FILE", help="write the arguments and results here")
     add("--plot", metavar="FILE.png", help="plot TTFT and ITL against offered rate")
     from ember_engine.bench.structured import add_arguments as add_structured
 
-    add_structured(add, _positive_int)
+    add_structured(add, positive_int)

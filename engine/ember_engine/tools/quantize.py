@@ -45,21 +45,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block-size",
         type=int,
-        default=0,
+        default=None,
         help="fp8: one scale per N x N weight tile (FP8_BLOCK; N a multiple of 16) instead of per channel",
     )
 
 
-def check_options(scheme: str, group_size: int | None, block_size: int) -> int:
+def check_options(scheme: str, group_size: int | None, block_size: int | None) -> int:
     """Refuses, by name, an option `scheme` does not take or a size it cannot write; returns the group size
     (w4a16's, `DEFAULT_GROUP_SIZE` unless given; unused by the other schemes)."""
     if group_size is not None and scheme != "w4a16":
         raise ValueError(f"--group-size applies to the w4a16 scheme only, not {scheme}")
     if group_size is not None and (group_size <= 0 or group_size % 2):
         raise ValueError(f"--group-size must be a positive even number, got {group_size}")
-    if block_size and scheme != "fp8":
+    if block_size is not None and scheme != "fp8":
         raise ValueError(f"--block-size applies to the fp8 scheme only, not {scheme}")
-    if block_size < 0 or block_size % 16:
+    if block_size is not None and (block_size <= 0 or block_size % 16):
         raise ValueError(f"--block-size must be a positive multiple of 16, got {block_size}")
     return DEFAULT_GROUP_SIZE if group_size is None else group_size
 
@@ -111,6 +111,10 @@ def quantize_tensor(
 
     base = name.removesuffix(".weight")
     if scheme == "fp8" and block_size:
+        if w.shape[1] % block_size:  # each row's tiles are its activations' groups, which must fill it
+            raise ValueError(
+                f"fp8: {name}: input size {w.shape[1]} is not a multiple of the block size {block_size}"
+            )
         q, scale = schemes.quantize_fp8_blocks(w, (block_size, block_size))
         return {f"{base}.weight": q, f"{base}.weight_scale": scale.to(w.dtype)}
     if scheme == "fp8":
@@ -133,7 +137,11 @@ def quantize_tensor(
 
 
 def quantize_checkpoint(
-    src: str | Path, dst: str | Path, scheme: str, group_size: int | None = None, block_size: int = 0
+    src: str | Path,
+    dst: str | Path,
+    scheme: str,
+    group_size: int | None = None,
+    block_size: int | None = None,
 ) -> Path:
     """Writes the quantized copy of `src` to `dst`, which must not exist. Every tensor is quantized before
     `dst` is made, so a refusal (a ValueError naming the cause) leaves nothing behind."""
@@ -151,7 +159,7 @@ def quantize_checkpoint(
         )
     group = check_options(scheme, group_size, block_size)
     src, dst = Path(src), Path(dst)
-    if dst.exists():
+    if dst.exists() or dst.is_symlink():  # a link to nothing is there all the same
         raise ValueError(f"{dst} already exists")
     if not (src / "config.json").is_file():
         raise ValueError(f"{src} has no config.json: not a Hugging Face checkpoint directory")
@@ -164,11 +172,11 @@ def quantize_checkpoint(
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 t = f.get_tensor(name)
                 out.update(
-                    quantize_tensor(name, t, scheme, group, block_size)
+                    quantize_tensor(name, t, scheme, group, block_size or 0)
                     if _PROJECTION.match(name)
                     else {name: t}
                 )
-    config["quantization_config"] = quantization_config(scheme, group, block_size)
+    config["quantization_config"] = quantization_config(scheme, group, block_size or 0)
     # Written beside dst and renamed into place, so an interrupted write leaves no dst behind.
     # (A directory of its own, made as any other is: mkdtemp's would keep its owner-only mode.)
     dst.parent.mkdir(parents=True, exist_ok=True)
