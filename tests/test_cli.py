@@ -58,3 +58,13 @@ def test_a_model_that_cannot_load_ends_serve_with_one_fatal_line_last(tmp_path: 
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ember serve: fatal: cannot load the model: FileNotFoundError: ")
     assert "config.json not found" in last
+
+
+def test_serve_refuses_an_unknown_quantization_before_it_starts(tmp_path: Path) -> None:
+    """As an unknown --kv-cache-dtype is: argparse names the value and what `quantization` takes (the
+    online schemes and the quantized checkpoints' own methods), before a server or a model is started."""
+    result = run("serve", "--model", str(tmp_path / "missing"), "--quantization", "w8a61", "--port", "0")
+    assert result.returncode == 2
+    assert "argument --quantization: invalid choice: 'w8a61'" in result.stderr
+    assert "fp8" in result.stderr and "gptq_marlin" in result.stderr
+    assert "fatal" not in result.stderr and "Traceback" not in result.stderr

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from ember_engine.core.config import KV_CACHE_DTYPES
+from ember_engine.core.config import CHECKPOINT_METHODS, KV_CACHE_DTYPES, QUANT_SCHEMES
 
 log = logging.getLogger("ember.serve")
 
@@ -46,8 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--quantization",
+        choices=QUANT_SCHEMES + CHECKPOINT_METHODS,
+        metavar="{" + ",".join(QUANT_SCHEMES) + ",...}",
         help="quantize the weights at load: fp8, w8a16, w4a16, w8a8 or bitsandbytes (NF4); a quantized "
-        "checkpoint needs none, and takes its own method or scheme (gptq, awq, compressed-tensors, ...)",
+        "checkpoint needs none, and takes its own method or scheme: " + ", ".join(CHECKPOINT_METHODS),
     )
     p.add_argument(
         "--kv-cache-dtype",
