@@ -4,6 +4,7 @@ the podTemplate patch is checked against the Kubernetes API's own types before i
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from ember_engine.cli import build_parser
+from ember_engine.server import serve
 from ember_localcluster.apiserver import APIServer
 from ember_localcluster.apiserver.podsecurity import violations
 from ember_operator.desired import WARM, Owner, desired_pod, engine_args, template_hash
@@ -488,6 +490,15 @@ def custom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     ("spec", "named"),
     [
         ({"engine": {"extraArgs": ["--port=1"]}}, "extraArgs may not set an option the operator sets"),
+        # argparse takes an unambiguous prefix for the option: the engine would read these as
+        # --quantization, --kv-cache-dtype, --max-num-seqs and --draft-model.
+        ({"engine": {"extraArgs": ["--quant=w8a16"]}}, "extraArgs may not set an option the operator sets"),
+        ({"engine": {"extraArgs": ["--kv-cache-dt=fp8"]}}, "extraArgs may not set an option the operator"),
+        (
+            {"engine": {"extraArgs": ["--max-num-s", "4"]}},
+            "extraArgs may not set an option the operator sets",
+        ),
+        ({"engine": {"extraArgs": ["--dra=x"]}}, "extraArgs may not set an option the operator sets"),
         ({"pod": {"labels": {"ember.dev/role": "active"}}}, "labels may not set"),
         ({"podTemplate": {"metadata": {"labels": {"app.kubernetes.io/name": "x"}}}}, "labels may not set"),
         ({"model": {"name": "m", "source": "gs://x/y"}}, "source must be"),
@@ -545,6 +556,21 @@ def test_the_api_server_refuses_what_the_model_refuses(custom: Any, spec: dict[s
         custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, obj)
     assert refused.value.status == 422
     assert named in json.loads(refused.value.body)["message"]
+
+
+def test_the_api_server_takes_every_engine_option_the_operator_does_not_set(custom: Any) -> None:
+    """The CRD's rule refuses the operator's options and their prefixes, and nothing else `ember serve`
+    takes: each other option, as extraArgs, is created."""
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    free = [o for o in options if o.removeprefix("--") not in PROTECTED_FLAGS]
+    assert len(free) > 10 and "--seed" in free
+    body = {"model": {"name": "m", "source": "/m"}, "engine": {"extraArgs": [f"{o}=1" for o in free]}}
+    InferenceServiceSpec.model_validate(body)
+    obj = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": "free"}, "spec": body}
+    custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, obj)
+    custom.delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "free")
 
 
 def test_the_api_server_takes_a_full_placement_spec(custom: Any) -> None:

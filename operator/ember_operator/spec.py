@@ -206,6 +206,29 @@ PROTECTED_FLAGS = {
 }
 
 
+def _any_prefix(words: list[str]) -> str:
+    """A regular expression for every non-empty prefix of the words (a trie of them, each node optional
+    below the first character): what argparse would take as one of those options. Letters and hyphens
+    only, which stand for themselves (no escapes, which a CEL string would have to escape again)."""
+    trie: dict[str, Any] = {}
+    for word in words:
+        assert re.fullmatch(r"[a-z-]+", word), word
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+
+    def below(node: dict[str, Any]) -> str:
+        parts = [ch + below(child) for ch, child in sorted(node.items())]
+        return f"({'|'.join(parts)})?" if parts else ""
+
+    return below(trie).removesuffix("?")
+
+
+# extraArgs' rule on the API server: an item naming a protected option, or a prefix argparse would take
+# for one, with or without `=value` (`_not_protected` is the same rule in Python).
+PROTECTED_PATTERN = f"^--{_any_prefix(sorted(PROTECTED_FLAGS))}(=.*)?$"
+
+
 class Engine(_Object):
     max_num_seqs: int = Field(default=256, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=2048, ge=1, le=1048576)
@@ -240,7 +263,7 @@ class Engine(_Object):
             "items": {"type": "string", "maxLength": 1024},
             "x-kubernetes-validations": [
                 {
-                    "rule": f"self.all(a, !a.matches('^--({'|'.join(PROTECTED_FLAGS)})(=.*)?$'))",
+                    "rule": f"self.all(a, !a.matches('{PROTECTED_PATTERN}'))",
                     "message": "extraArgs may not set an option the operator sets: use its field instead",
                 }
             ],
