@@ -52,16 +52,19 @@ register(
 
 
 @contextlib.contextmanager
-def operator_cluster(tmp: Path) -> Iterator[tuple[APIServer, PodRunner, Any]]:
-    """The API server (the InferenceService CRD installed), a pod runner, and the real operator under
-    `KopfRunner` watching NAMESPACE; yields (API server, pod runner, a CustomObjectsApi)."""
+def operator_cluster(
+    tmp: Path, crd: dict[str, Any] | None = None
+) -> Iterator[tuple[APIServer, PodRunner, Any]]:
+    """The API server (the InferenceService CRD installed: `crd`, or the repository's), a pod runner, and
+    the real operator under `KopfRunner` watching NAMESPACE; yields (API server, pod runner, a
+    CustomObjectsApi)."""
     mp = pytest.MonkeyPatch()
     with APIServer(pod_graceful_deletion=False, bookmark_interval=1.0) as api:
         kubeconfig = api.write_kubeconfig(tmp / "kubeconfig")
         # kopf logs in through the kubernetes client, which fixed its default path when it was imported.
         mp.setenv("KUBECONFIG", str(kubeconfig))
         mp.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-        api.install_crd(crd_manifest())
+        api.install_crd(crd or crd_manifest())
         runner = PodRunner(api).start()
         deployments = DeploymentController(kubeconfig).start()
         script = tmp / "operator.py"

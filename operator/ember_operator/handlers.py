@@ -205,24 +205,30 @@ class Reconciler:
         name, namespace = meta["name"], meta["namespace"]
         generation = int(meta.get("generation") or 0)
         now = _now()
+        troubles: list[Trouble] = []
         try:
             spec = InferenceServiceSpec.model_validate(raw_spec)
+            memory.last_spec = spec
         except ValidationError as e:  # only without the CRD's own validation (an old or edited CRD)
             problem = Trouble("InvalidSpec", "; ".join(err["msg"] for err in e.errors()))
-            self._stalled_event(body, memory, [problem])
-            condition = Condition("Stalled", True, problem.reason, problem.message)
-            patch.status["observedGeneration"] = generation
-            patch.status["conditions"] = render_conditions(
-                [condition, Condition("Reconciling", False, "Stalled")],
-                status.get("conditions") or [],
-                generation,
-                now,
-            )
-            return
+            if memory.last_spec is None:  # no spec taken yet (or since the operator started): nothing to run
+                self._stalled_event(body, memory, [problem])
+                condition = Condition("Stalled", True, problem.reason, problem.message)
+                patch.status["observedGeneration"] = generation
+                patch.status["conditions"] = render_conditions(
+                    [condition, Condition("Reconciling", False, "Stalled")],
+                    status.get("conditions") or [],
+                    generation,
+                    now,
+                )
+                return
+            # The service keeps running on the last spec taken (failover, replacement, scaling), and the
+            # refusal is reported with whatever else is wrong.
+            spec = memory.last_spec
+            troubles.append(problem)
 
         owner = Owner(name, namespace, meta["uid"])
         kube = await self.kube()
-        troubles: list[Trouble] = []
         memory.known.begin(self.settings.resync)
         fallback_url = await self._fallback_url(kube, spec, owner, troubles, memory.known)
         route_urls = await self._routing_urls(kube, spec, owner, troubles)

@@ -54,6 +54,8 @@ class Memory:
     has_groups: bool | None = None  # whether the last LeaderWorkerSet LIST found any (None: not listed)
     known: Known = field(default_factory=Known)  # children made sure of, until the next resync
     releases: Releases = field(default_factory=Releases)  # when a pod of its last went away
+    # The last spec the model took: a later one it refuses (under an older CRD) leaves the service on it.
+    last_spec: InferenceServiceSpec | None = None
 
     @classmethod
     def restored(cls, status: dict[str, Any]) -> Memory:
