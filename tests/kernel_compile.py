@@ -66,19 +66,21 @@ LAUNCHED = {
 _COMPILED: dict[str, dict[str, Any]] = {}
 
 
-def specialized(name: str, value: int) -> tuple[str, Any]:
-    """How Triton's launcher passes the integer argument `name` of value `value` to the compiler: 1 as the
-    constant it specializes it to, a multiple of 16 as an i32 known to be one (`:16`), else a plain i32."""
-    if value == 1:
-        return "constexpr", 1
-    return ("i32:16" if value % 16 == 0 else "i32"), None
+def specialize(integers: dict[str, int], signature: dict[str, str], constexprs: dict[str, Any]) -> None:
+    """Integer arguments as Triton's launcher passes them to the compiler: 1 as the constant it
+    specializes it to, a multiple of 16 as an i32 known to be one (`:16`), else a plain i32."""
+    for name, value in integers.items():
+        if value == 1:
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = "i32:16" if value % 16 == 0 else "i32"
 
 
 def _compile(
     fn: Any, signature: dict[str, str], constexprs: dict[str, Any], cc: tuple[int, int]
 ) -> dict[str, Any]:
-    """What came of compiling `fn` so; row classes that share a tile (1 and 16 rows, 128 and 256) share
-    one compilation. A type marked `:16` (a pointer 16-byte aligned, an integer a multiple of 16) is
+    """What came of compiling `fn` so; row classes that share a tile (128 and 256 rows) share one
+    compilation. A type marked `:16` (a pointer 16-byte aligned, an integer a multiple of 16) is
     compiled with that divisibility known, as Triton's launcher specializes every launch on it."""
     key = json.dumps([fn.__name__, signature, constexprs, cc], sort_keys=True, default=str)
     if key not in _COMPILED:
@@ -148,17 +150,14 @@ def gemm(kind: int, m: int, dtype: torch.dtype, cc: tuple[int, int]) -> dict[str
     operands, group, _, (stride_sn, stride_xsm) = KINDS[kind]
     x_type = operands[0] if operands[0] != "act" else TRITON_TYPE[dtype]
     pointers = [x_type, *operands[1:], TRITON_TYPE[dtype]]
-    signature = {name: f"{kind}:16" for name, kind in zip(POINTERS, pointers, strict=True)}
+    signature = {name: f"{t}:16" for name, t in zip(POINTERS, pointers, strict=True)}
     # run_gemm passes the activations it is given: for fp8, w8a8 and w4a8-fp8 their quantized bytes
     x_dtype = dtype if operands[0] == "act" else torch.uint8
     constexprs = cfg.kernel_options(kind, m, 4096, group, x_dtype, cc)
     k = n = 4096
     integers = {"M": m, "N": n, "K": k, "stride_xm": k, "stride_wn": k // 2 if kind in PACKED else k}
     integers |= {"stride_sn": stride_sn, "stride_xsm": stride_xsm, "stride_ym": n}
-    for name, value in integers.items():
-        signature[name], constant = specialized(name, value)
-        if constant is not None:
-            constexprs[name] = constant
+    specialize(integers, signature, constexprs)
     return _compile(triton_gemm._gemm_kernel, signature, constexprs, cc)
 
 
@@ -167,13 +166,10 @@ def quantizer(kind: int, static: bool, cc: tuple[int, int], dtype: torch.dtype) 
     same specialization) or with a static scale."""
     signature = {"x_ptr": TRITON_TYPE[dtype], "q_ptr": "*u8" if kind == triton_act_quant.FP8 else "*i8"}
     signature |= {"scale_ptr": "*fp32", "static_ptr": "*fp32"}
-    signature = {name: f"{kind}:16" for name, kind in signature.items()} | {"ub": "fp32"}
+    signature = {name: f"{t}:16" for name, t in signature.items()} | {"ub": "fp32"}
     constexprs = {"QMAX": 448.0, "KIND": kind, "STATIC": static, "CLAMP_UB": not static, "BLOCK": 1024}
     integers = {"group": 4096, "stride_xm": 4096, "stride_qm": 4096, "stride_sm": 0 if static else 1}
-    for name, value in integers.items():
-        signature[name], constant = specialized(name, value)
-        if constant is not None:
-            constexprs[name] = constant
+    specialize(integers, signature, constexprs)
     return _compile(triton_act_quant._quantize_kernel, signature, constexprs, cc)
 
 
