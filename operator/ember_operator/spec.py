@@ -270,6 +270,12 @@ class Engine(_Object):
         },
     )
 
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _one_name_for_e4m3(cls, dtype: str) -> str:
+        # fp8_e4m3 and fp8 are the same cache: one name keeps the pod template (and its hash) the same.
+        return "fp8" if dtype == "fp8_e4m3" else dtype
+
     @field_validator("extra_args")
     @classmethod
     def _not_protected(cls, args: list[str]) -> list[str]:
