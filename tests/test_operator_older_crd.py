@@ -6,13 +6,17 @@ took: a failed active pod is still replaced by the warm pod, and the pool refill
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
-from operator_harness import PodRunner, crd_manifest, operator_cluster, wait_for
+from operator_harness import NAMESPACE, PodRunner, crd_manifest, operator_cluster, wait_for
+from test_operator_cli import operator_process
 from test_operator_kopf import condition, converged, create, patch_spec, pods, service, status
 
 from ember_localcluster.apiserver import APIServer
+from ember_localcluster.deployment_controller import DeploymentController
 
 
 def older_crd() -> dict[str, Any]:
@@ -58,3 +62,45 @@ def test_a_spec_the_operator_refuses_stalls_and_the_last_good_one_keeps_serving(
     patch_spec(custom, "held", {"engine": {"extraArgs": None}})
     wait_for(lambda: converged(api, "held", 1, 1), what="converged again once the spec is fixed")
     assert condition(api, "held", "Stalled").get("status") == "False"
+
+
+def test_a_restarted_operator_keeps_serving_on_the_last_spec_taken(tmp_path: Path) -> None:
+    """The spec turns invalid while the operator is away (restarted, or another replica taking over): the
+    operator that comes up has taken no spec itself, and runs the service on the one the last took."""
+    with APIServer(pod_graceful_deletion=False, bookmark_interval=1.0) as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        api.install_crd(older_crd())
+        runner = PodRunner(api).start()
+        deployments = DeploymentController(kubeconfig).start()
+        custom = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(kubeconfig)))
+        flags = ("--namespace", NAMESPACE, "--standalone", "--health-port=0", "--metrics-port=0")
+        try:
+            with operator_process(kubeconfig, tmp_path / "first.log", *flags):
+                create(custom, service("kept", warmPool={"size": 1}))
+                wait_for(lambda: converged(api, "kept", 1, 1), timeout=60, what="1 active, 1 warm")
+            patch_spec(custom, "kept", {"engine": {"extraArgs": ["--quant=w8a16"]}})
+            with operator_process(kubeconfig, tmp_path / "second.log", *flags):
+                wait_for(
+                    lambda: condition(api, "kept", "Stalled").get("reason") == "InvalidSpec",
+                    timeout=60,
+                    what="Stalled with InvalidSpec",
+                )
+                (active,) = pods(api, "kept", "active")
+                (warm,) = pods(api, "kept", "warm")
+                runner.fail(active["metadata"]["name"])
+                wait_for(
+                    lambda: (
+                        [p["metadata"]["name"] for p in pods(api, "kept", "active")]
+                        == [warm["metadata"]["name"]]
+                    ),
+                    timeout=60,
+                    what="the warm pod promoted in the failed pod's place",
+                )
+                wait_for(lambda: len(pods(api, "kept", "warm")) == 1, timeout=60, what="the pool refilled")
+                for pod in pods(api, "kept"):
+                    assert not any(
+                        "--quant" in a for c in pod["spec"]["containers"] for a in c.get("args") or []
+                    )
+        finally:
+            runner.stop()
+            deployments.stop()

@@ -33,6 +33,7 @@ from ember_operator.desired import (
     MANAGED_BY_LABEL,
     NAME_LABEL,
     ROLE_LABEL,
+    SPEC_FILE,
     WARM,
     Owner,
     active_selector,
@@ -40,6 +41,7 @@ from ember_operator.desired import (
     desired_pod,
     desired_policy_configmap,
     desired_service,
+    policy_configmap_name,
     selector_string,
     service_endpoint,
     template_hash,
@@ -211,7 +213,9 @@ class Reconciler:
             memory.last_spec = spec
         except ValidationError as e:  # only without the CRD's own validation (an old or edited CRD)
             problem = Trouble("InvalidSpec", "; ".join(err["msg"] for err in e.errors()))
-            if memory.last_spec is None:  # no spec taken yet (or since the operator started): nothing to run
+            if memory.last_spec is None:  # none taken since the operator started: the one an earlier took
+                memory.last_spec = await self._spec_taken_before(meta)
+            if memory.last_spec is None:  # no spec taken yet: nothing to run
                 self._stalled_event(body, memory, [problem])
                 condition = Condition("Stalled", True, problem.reason, problem.message)
                 patch.status["observedGeneration"] = generation
@@ -333,6 +337,21 @@ class Reconciler:
         )
         metrics.DESIRED.labels(namespace, name).set(memory.desired)
         metrics.publish_status(namespace, name, dict(patch.status))
+
+    async def _spec_taken_before(self, meta: kopf.Meta) -> InferenceServiceSpec | None:
+        """The spec recorded in the service's policy ConfigMap by the last pass that took one, if it is
+        there and this operator's model takes it."""
+        kube = await self.kube()
+        cm = await asyncio.to_thread(
+            kube.owned_config_map, meta["namespace"], policy_configmap_name(meta["name"]), meta["uid"]
+        )
+        recorded = ((cm or {}).get("data") or {}).get(SPEC_FILE)
+        if recorded is None:
+            return None
+        try:
+            return InferenceServiceSpec.model_validate(json.loads(recorded))
+        except (ValueError, ValidationError):  # not JSON, or a spec this operator's model refuses too
+            return None
 
     async def _fallback_url(
         self, kube: Kube, spec: InferenceServiceSpec, owner: Owner, troubles: list[Trouble], known: Known
