@@ -78,7 +78,7 @@ def test_the_batch_32_rate_decodes_32_sequences_whatever_the_greedy_prompts(tmp_
         (["--repeats", "-1"], "argument --repeats: expected a non-negative integer, got '-1'"),
         (["--kv-cache-memory", "0"], "argument --kv-cache-memory: expected a positive integer, got '0'"),
         (["--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
-        (["--checkpoint", "x"], "--checkpoint: expected LABEL=DIR, got 'x'"),
+        (["--checkpoint", "x"], "--checkpoint: expected LABEL=PATH, got 'x'"),
         (["--checkpoint", "x=/nonexistent"], "--checkpoint x: /nonexistent has no config.json"),
     ],
 )
@@ -104,6 +104,31 @@ def test_a_checkpoint_of_another_model_is_refused(
     err = capsys.readouterr().err + str(refused.value.code)
     assert f"--checkpoint tiny: {tiny_model} is not a checkpoint of" in err
     assert "num_hidden_layers 4 against 12" in err and "measured" not in err
+
+
+def test_a_gguf_file_is_a_checkpoint_row(tmp_path: Path, tiny_model: Path) -> None:
+    """A GGUF file is given as the file itself (it holds its config): taken when it is the same model,
+    refused by name when it is another's, or not there."""
+    from gguf_build import write
+
+    from ember_engine.bench.quant import checked_checkpoints
+
+    target = packaged_pair()[0]
+    ours, theirs = tmp_path / "target.gguf", tmp_path / "tiny.gguf"
+    write(target, ours, "Q8_0")
+    write(tiny_model, theirs, "Q8_0")
+    assert checked_checkpoints([f"q8={ours}"], target) == [("q8", ours)]
+    with pytest.raises(
+        SystemExit,
+        match=rf"--checkpoint tiny: {theirs} is not a checkpoint of .*"
+        r"num_hidden_layers 4 against 12",
+    ):
+        checked_checkpoints([f"tiny={theirs}"], target)
+    with pytest.raises(SystemExit, match=r"--checkpoint gone: .*gone\.gguf not found"):
+        checked_checkpoints([f"gone={tmp_path / 'gone.gguf'}"], target)
+    (tmp_path / "junk.gguf").write_bytes(b"not a model")
+    with pytest.raises(SystemExit, match=r"--checkpoint junk: .*junk\.gguf: not a readable GGUF file"):
+        checked_checkpoints([f"junk={tmp_path / 'junk.gguf'}"], target)
 
 
 def test_scheme_names_may_be_spaced(tmp_path: Path) -> None:

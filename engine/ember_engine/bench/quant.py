@@ -11,8 +11,9 @@ quantized models: a divergence between near-tied tokens passes), and teacher-for
 text before it). The FP8 KV cache's row
 (`kv-fp8`) keeps full-precision weights and stores K and V as E4M3 (`kv-fp8-e5m2`, with `--kv-e5m2`: as
 E5M2). Default model: the packaged trained target, whose held-out split (files its
-training never saw) is the perplexity text. `--checkpoint LABEL=DIR` adds a row for a checkpoint quantized
-elsewhere (llm-compressor's, `ember quantize`'s) of the same model, loaded in its own scheme.
+training never saw) is the perplexity text. `--checkpoint LABEL=PATH` adds a row for a checkpoint quantized
+elsewhere (llm-compressor's, `ember quantize`'s: a directory; a GGUF file) of the same model, loaded in
+its own scheme.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--checkpoint",
         action="append",
         default=[],
-        metavar="LABEL=DIR",
-        help="a row for a quantized checkpoint of the same model (repeatable)",
+        metavar="LABEL=PATH",
+        help="a row for a quantized checkpoint (directory or GGUF file) of the same model (repeatable)",
     )
     p.add_argument("--json", help="write the results here")
 
@@ -237,19 +238,32 @@ def checked_schemes(text: str) -> list[str]:
     return schemes
 
 
+def _config_of(label: str, path: str) -> dict[str, Any]:
+    """The config of a --checkpoint: a directory's config.json, or the one a GGUF file's metadata makes."""
+    from ember_engine.model import gguf
+
+    if gguf.is_gguf(path):
+        try:
+            return gguf.read_config(gguf.reader_of(Path(path)), Path(path))
+        except (OSError, gguf.GGUFError) as e:  # not there, not a GGUF file, a model ember does not run
+            raise SystemExit(f"--checkpoint {label}: {e}") from e
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"--checkpoint {label}: {path} has no config.json")
+    return dict(json.loads(config.read_text()))
+
+
 def checked_checkpoints(specs: list[str], model: Path) -> list[tuple[str, Path]]:
-    """--checkpoint LABEL=DIR rows: each DIR a checkpoint of `model`'s shape (its rows are compared with
-    the model's token by token), refused by name otherwise, before anything is measured."""
+    """--checkpoint LABEL=PATH rows: each PATH a checkpoint directory or GGUF file of `model`'s shape (its
+    rows are compared with the model's token by token), refused by name otherwise, before anything is
+    measured."""
     ours = json.loads((model / "config.json").read_text())
     checkpoints = []
     for spec in specs:
         label, sep, path = spec.partition("=")
         if not sep or not label or not path:
-            raise SystemExit(f"--checkpoint: expected LABEL=DIR, got {spec!r}")
-        config = Path(path) / "config.json"
-        if not config.is_file():
-            raise SystemExit(f"--checkpoint {label}: {path} has no config.json")
-        theirs = json.loads(config.read_text())
+            raise SystemExit(f"--checkpoint: expected LABEL=PATH, got {spec!r}")
+        theirs = _config_of(label, path)
         differ = [
             f"{k} {theirs[k]} against {ours[k]}"
             for k in _SHAPE
@@ -312,11 +326,17 @@ def main(args: argparse.Namespace) -> int:
         "ppl (x full)    agree64 close5 next-token"
     )
     print(f"model: {model} ({base['dtype']}; KV cache memory {args.kv_cache_memory} bytes)\n{head}")
+
+    def rate_cell(r: dict[str, Any], key: str, digits: int) -> str:  # "-" where --repeats 0 took none
+        if not args.repeats:
+            return f"{'-':>{digits}}       "
+        return f"{r[f'decode_tok_s_{key}']:{digits}.1f} ({r[f'{key}_speedup']:.2f})"
+
     for r in rows:
         print(
             f"{r['scheme']:<{width}} {r['weight_bytes'] / 1e6:7.2f} ({r['weight_ratio']:.2f})  {r['projection_bytes_vs_bf16']:8.3f}"
-            f" {r['kv_blocks']:9d} ({r['kv_blocks_ratio']:.2f}) {r['decode_tok_s_b1']:7.1f} ({r['b1_speedup']:.2f})"
-            f" {r['decode_tok_s_b32']:8.1f} ({r['b32_speedup']:.2f}) {r['perplexity']:7.3f} ({r['perplexity_ratio']:.3f})"
+            f" {r['kv_blocks']:9d} ({r['kv_blocks_ratio']:.2f}) {rate_cell(r, 'b1', 7)}"
+            f" {rate_cell(r, 'b32', 8)} {r['perplexity']:7.3f} ({r['perplexity_ratio']:.3f})"
             f" {r['greedy_agreement']:8.3f} {r['logprobs_close']:6.3f} {r['next_token_agreement']:10.4f}"
         )
     if args.json:
