@@ -243,8 +243,9 @@ def test_the_model_dtype_is_the_files(quantized_model) -> None:  # type: ignore[
 def test_quantization_options(quantized_model) -> None:  # type: ignore[no-untyped-def]
     q8 = str(_file(quantized_model, "Q8_0"))
     assert LLM(q8, quantization="gguf", num_kv_blocks=16).engine.runner.quant.scheme == "w8a16"
-    with pytest.raises(UnsupportedQuantizationError, match="already quantized as 'w8a16'"):
+    with pytest.raises(UnsupportedQuantizationError, match="already quantized as 'w8a16'") as refused:
         LLM(q8, quantization="fp8", num_kv_blocks=16)
+    assert f"but {q8} is already" in str(refused.value)  # the file given, not the directory made of it
     f16 = str(_file(quantized_model, "F16"))  # no projection stored quantized: quantized at load
     assert LLM(f16, quantization="fp8", dtype="float32", num_kv_blocks=16).engine.runner.quant.scheme == "fp8"
     assert LLM(f16, quantization="gguf", num_kv_blocks=16).engine.runner.quant is None
