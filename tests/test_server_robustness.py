@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from server_util import InProcessServer, running_server, server_process
 
@@ -324,3 +325,38 @@ def test_log_interval_zero_turns_the_load_log_off_and_a_negative_one_is_refused(
         after = resource.getrusage(resource.RUSAGE_SELF)
         busy = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         assert busy < 0.2, f"an idle server used {busy:.2f} s of CPU in 1 s"
+
+
+def test_a_model_that_computes_nan_gets_well_formed_errors(tiny_model: Path, tmp_path: Path) -> None:
+    """A checkpoint whose final norm is NaN (a diverged fine-tune): its logprobs are not numbers. The
+    answer is an OpenAI-shaped 500, and a stream ends with an error event and [DONE], every event JSON;
+    never a plain-text 500 nor a NaN in an event."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan"
+    broken.mkdir()
+    for f in tiny_model.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    for f in tiny_model.glob("*.safetensors"):
+        tensors = load_file(f)
+        if "model.norm.weight" in tensors:
+            tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
+        save_file(tensors, broken / f.name, metadata={"format": "pt"})
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    with running_server(broken, "--served-model-name", MODEL) as s:
+        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500
+        error = r.json()["error"]
+        assert error["type"] == "internal_server_error" and "NaN" in error["message"]
+        with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=60) as st:
+            assert st.status_code == 200
+            events = [line.removeprefix("data: ") for line in st.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+
+        def not_a_number(constant: str) -> None:
+            pytest.fail(f"{constant} in a stream event: {events}")
+
+        parsed = [json.loads(e, parse_constant=not_a_number) for e in events[:-1]]
+        assert parsed[-1]["error"]["type"] == "internal_server_error"
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200  # the server still serves

@@ -176,6 +176,42 @@ def test_completions_json_object_and_guided_fields(client: openai.OpenAI) -> Non
         assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
 
 
+def test_logprobs_under_a_constraint_are_json_numbers(server: InProcessServer, client: openai.OpenAI) -> None:
+    """Tokens the constraint rules out have no probability: their logprob is sent as -9999.0 (as vLLM
+    sends it), never as -Infinity, which is not JSON, streamed or not."""
+    choice = {"guided_choice": ["alpha", "beta"]}
+    r = client.completions.create(
+        model=MODEL, prompt="x = ", max_tokens=3, temperature=0, logprobs=5, extra_body=choice
+    )
+    assert r.choices[0].text in ("alpha", "beta")
+    logprobs = r.choices[0].logprobs
+    assert logprobs is not None and logprobs.top_logprobs
+    first = logprobs.top_logprobs[0]
+    assert len(first) == 5 and -9999.0 in first.values()  # two allowed first tokens, three ruled out
+    assert all(lp == -9999.0 or lp > -100 for top in logprobs.top_logprobs for lp in top.values())
+    body = {"model": MODEL, "prompt": "x = ", "max_tokens": 3, "temperature": 0, "logprobs": 5, **choice}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        assert s.status_code == 200
+        events = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: {")]
+
+    def not_a_number(constant: str) -> None:
+        pytest.fail(f"{constant} in a stream event: {events}")
+
+    for event in events:
+        json.loads(event, parse_constant=not_a_number)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        response_format=RESPONSE_FORMAT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    content = chat.choices[0].logprobs and chat.choices[0].logprobs.content
+    assert content and any(t.logprob == -9999.0 for item in content for t in item.top_logprobs)
+
+
 def test_truncated_output_says_length(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL,

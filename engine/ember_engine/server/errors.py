@@ -33,6 +33,11 @@ def add_error_handlers(app: FastAPI) -> None:
         err = APIError(exc.status_code, message, type=kind, headers=dict(exc.headers or {}))
         return _error_response(err)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A fault of the server's, not the request's (the traceback is logged): still an OpenAI body.
+        return _error_response(internal_error(exc))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -46,6 +51,10 @@ def add_error_handlers(app: FastAPI) -> None:
             param = msg.split(": ", 1)[0]
             return _error_response(APIError(400, msg, param=param))
         return _error_response(APIError(400, f"{param or 'body'}: {msg}", param=param))
+
+
+def internal_error(exc: Exception) -> APIError:
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}"[:500], type="internal_server_error")
 
 
 def _timeout_error(deadline: float) -> APIError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -14,7 +15,11 @@ from ember_engine.server.tools import ToolStream, parse_tool_calls
 
 
 def sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    """One server-sent event; a payload holding a float JSON cannot write (NaN, infinity) raises
+    ValueError rather than sending one."""
+    data = (
+        payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), allow_nan=False)
+    )
     return f"data: {data}\n\n"
 
 
@@ -76,11 +81,16 @@ class Formatter:
             for lp in items:
                 tok = self._token(lp.token_id)
                 top = [
-                    {"token": self._token(t), "logprob": v, "bytes": list(self._token(t).encode())}
+                    {"token": self._token(t), "logprob": _number(v), "bytes": list(self._token(t).encode())}
                     for t, v in lp.top
                 ]
                 content.append(
-                    {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top}
+                    {
+                        "token": tok,
+                        "logprob": _number(lp.logprob),
+                        "bytes": list(tok.encode()),
+                        "top_logprobs": top,
+                    }
                 )
             return {"content": content}
         tokens, offsets, offset = [], [], text_offset
@@ -91,8 +101,8 @@ class Formatter:
             offset += len(tok)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in items],
+            "token_logprobs": [_number(lp.logprob) for lp in items],
+            "top_logprobs": [{self._token(t): _number(v) for t, v in lp.top} for lp in items],
             "text_offset": offsets,
         }
 
@@ -170,6 +180,17 @@ class Formatter:
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage.to_dict()
         return body
+
+
+# A token the sampling constraint (a grammar, a choice) rules out has probability 0: its logprob, -inf,
+# is not a JSON number, and is sent as this (vLLM's value for it).
+RULED_OUT_LOGPROB = -9999.0
+
+
+def _number(logprob: float) -> float:
+    if math.isnan(logprob):  # the model computed no number at all (e.g. NaN weights)
+        raise ValueError("the model computed a logprob that is NaN")
+    return max(logprob, RULED_OUT_LOGPROB)
 
 
 def _finish(reason: str | None) -> str | None:

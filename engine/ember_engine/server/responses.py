@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,10 +15,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ember_engine.core.outputs import RequestOutput
-from ember_engine.server.errors import _timeout_error
+from ember_engine.server.errors import _timeout_error, internal_error
 from ember_engine.server.openai_format import Formatter, Usage, sse
 from ember_engine.server.protocol import APIError
 from ember_engine.server.state import ServerState, _Ticket
+
+log = logging.getLogger("ember.server")
 
 
 class _TicketedStream(StreamingResponse):
@@ -183,12 +186,19 @@ async def _stream(
                 if o.logprobs is not None:
                     new_lps = o.logprobs[sent_logprobs[index] :]
                     sent_logprobs[index] = len(o.logprobs)
-                chunk = fmt.chunk(index, o, new_lps, first=index not in started)
-                if continuous_usage:
-                    so_far[i] = (len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
-                    now = Usage(sum(p for p, _ in so_far.values()), sum(c for _, c in so_far.values()))
-                    chunk["usage"] = now.to_dict()
-                yield sse(chunk)
+                try:
+                    chunk = fmt.chunk(index, o, new_lps, first=index not in started)
+                    if continuous_usage:
+                        so_far[i] = (len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+                        now = Usage(sum(p for p, _ in so_far.values()), sum(c for _, c in so_far.values()))
+                        chunk["usage"] = now.to_dict()
+                    event = sse(chunk)
+                except ValueError as exc:  # an output JSON cannot carry (a NaN): the server's fault
+                    log.exception("a stream's output could not be sent")
+                    yield sse(internal_error(exc).body())
+                    yield sse("[DONE]")
+                    return
+                yield event
                 started.add(index)
             if out.finished:
                 usage.prompt_tokens += len(out.prompt_token_ids)
