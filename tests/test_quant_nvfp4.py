@@ -239,5 +239,7 @@ def test_merged_parts_calibrated_apart_share_the_largest_activation_global_scale
     def drop(state: dict[str, torch.Tensor]) -> None:
         del state["model.layers.1.mlp.down_proj.input_global_scale"]
 
-    with pytest.raises(ValueError, match=r"is missing tensor\(s\): model.layers.1.mlp.down_proj$"):
+    with pytest.raises(
+        ValueError, match=r"is missing tensor\(s\): model.layers.1.mlp.down_proj.input_global_scale$"
+    ):
         LLM(str(edited_checkpoint(src, tmp_path / "b", tensors=drop)), num_kv_blocks=16)

@@ -131,6 +131,29 @@ def _weight_scales(
         layer.set_code(tensors["weight_quant_map"], projection)
 
 
+def _finite_scales(tensors: dict[str, torch.Tensor], projection: str) -> None:
+    """Scales that are numbers: a NaN or infinite one would make every output of the layer NaN."""
+    for key in ("weight_scale", "weight_scale_inv", "weight_global_scale", "weight_scale_2"):
+        scale = tensors.get(key)
+        if scale is not None and scale.is_floating_point() and not bool(torch.isfinite(scale.float()).all()):
+            bad = scale.float().reshape(-1)
+            at = int((~torch.isfinite(bad)).nonzero()[0])
+            raise UnsupportedQuantizationError(
+                f"{projection}.{key}: not finite ({bad[at].item()} at flat index {at} of {list(scale.shape)})"
+            )
+
+
+def _misfit(
+    spec: QuantSpec, tensors: dict[str, torch.Tensor], projection: str, layer: QuantLinear, e: Exception
+) -> str:
+    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in sorted(tensors.items()) if v.dim())
+    grouping = f", groups of {spec.group_size}" if spec.group_size else ""
+    return (
+        f"{projection}: the checkpoint's tensors ({shapes}) do not fit its config's {spec.scheme}{grouping} "
+        f"for a layer of {layer.in_features} inputs ({e})"
+    )
+
+
 def _empty(
     held: QuantSpec, in_features: int, out_features: int, bias: bool, like: torch.Tensor
 ) -> QuantLinear:
@@ -194,6 +217,7 @@ class QuantCollector:
             assert held is not None, n
             self.specs[n] = held
         self.pending: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
+        self.names: dict[tuple[str, int | None], str] = {}  # the checkpoint projection of each key
         self.offsets: dict[tuple[str, int | None], int] = {}
         self.rows: dict[tuple[str, int | None], int] = {}  # each part's output rows, once placed
         self.matrices = RotationMatrices(spec.rotations)
@@ -252,10 +276,12 @@ class QuantCollector:
             return True
         self.pending.setdefault(key, {})[suffix] = tensor_slice[...]  # 0-d: a scale per tensor
         self.offsets[key] = offset
+        self.names[key] = name.rpartition(".")[0]
         if spec.required() <= self.pending[key].keys():
             tensors = self.pending.pop(key)
             projection = name.rpartition(".")[0]
             tensors = canonical(spec, tensors, projection)
+            _finite_scales(tensors, projection)
             if module not in self.layers:  # a split's LM head, held dequantized
                 place = lambda head: _weight_scales(head, 0, head.out_features, tensors, projection)  # noqa: E731
                 self.split.head_rows(spec, decode(spec, tensors, projection), _empty, place)
@@ -265,12 +291,15 @@ class QuantCollector:
             if "g_idx" in tensors:
                 layer.set_input_order(gptq.input_order(spec, projection, tensors["g_idx"]), projection)
             decoded = decode(spec, tensors, projection)
-            weight, scale, zero = self.split.cut(projection, layer.in_features, decoded)
-            layer.set_rows(offset, weight.to(layer.weight_scale.device), scale)
+            try:
+                weight, scale, zero = self.split.cut(projection, layer.in_features, decoded)
+                layer.set_rows(offset, weight.to(layer.weight_scale.device), scale)
+                if zero is not None:
+                    assert isinstance(layer, (Int4Linear, Int8Linear))
+                    layer.set_zero_rows(offset, zero)
+            except RuntimeError as e:  # a shape the config's layer cannot hold
+                raise UnsupportedQuantizationError(_misfit(spec, tensors, projection, layer, e)) from e
             self.rows[key] = weight.shape[0]
-            if zero is not None:
-                assert isinstance(layer, (Int4Linear, Int8Linear))
-                layer.set_zero_rows(offset, zero)
             _weight_scales(layer, offset, weight.shape[0], tensors, projection)
             if "input_global_scale" in tensors:
                 assert isinstance(layer, Fp4Linear)
@@ -284,14 +313,21 @@ class QuantCollector:
         return True
 
     def missing(self) -> list[str]:
-        """Projections the checkpoint did not (completely) provide."""
+        """Projections the checkpoint did not provide, and the tensors of those it gave in part."""
         absent = [m for m in self.specs if m not in self.layers and (m, None) not in self.done]
         for module in self.layers:
             parts = _PARTS.get(module.rsplit(".", 1)[-1])
             keys = [(module, None)] if parts is None else [(module, i) for i in range(parts)]
-            absent += [
-                f"{module}[{p}]" if p is not None else module for _, p in keys if (module, p) not in self.done
-            ]
+            for key in keys:
+                if key in self.done:
+                    continue
+                if key in self.pending:  # some of its tensors came: name the others
+                    given = self.pending[key].keys()
+                    absent += [
+                        f"{self.names[key]}.{t}" for t in sorted(self.specs[module].required() - given)
+                    ]
+                else:
+                    absent.append(f"{module}[{key[1]}]" if key[1] is not None else module)
         return absent
 
     def finish(self, model: nn.Module) -> None:

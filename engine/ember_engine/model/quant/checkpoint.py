@@ -211,6 +211,19 @@ def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> d
     return tensors
 
 
+def _words(values: int, bits: int) -> int:
+    return -(-values * bits // 32)
+
+
+def _packed_as_said(t: torch.Tensor, shape: list[int], name: str, spec: QuantSpec) -> None:
+    """`pack-quantized` words as many as the config's bits and the weight_shape make."""
+    if list(t.shape) != shape:
+        raise UnsupportedQuantizationError(
+            f"{name}: {list(t.shape)} int32 words, where {spec.num_bits}-bit values packed 32 / "
+            f"{spec.num_bits} a word need {shape} (the config's num_bits and the weight_shape)"
+        )
+
+
 def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") -> Decoded:
     """One projection's checkpoint tensors -> (canonical weight, scale, zero points): FP8/int8 weight
     [out, in] and scale [out] (per channel), or [out, in / group] (grouped; block-scaled fp8: each row its
@@ -232,9 +245,16 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
     assert scale is not None
     if spec.format == "pack-quantized":
         out, inp = (int(v) for v in tensors["weight_shape"].tolist())
+        _packed_as_said(
+            tensors["weight_packed"], [out, _words(inp, spec.num_bits)], f"{what}.weight_packed", spec
+        )
         weight = schemes.unpack_int32(tensors["weight_packed"], spec.num_bits, inp)
         if spec.zero_points:  # packed along the output dimension: [out / 8, groups] words
-            zero = schemes.unpack_int32(tensors["weight_zero_point"].t().contiguous(), spec.num_bits, out)
+            zp = tensors["weight_zero_point"]
+            _packed_as_said(
+                zp, [_words(out, spec.num_bits), scale.shape[-1]], f"{what}.weight_zero_point", spec
+            )
+            zero = schemes.unpack_int32(zp.t().contiguous(), spec.num_bits, out)
             return weight, scale.float(), zero.t().contiguous()
     else:
         weight = tensors["weight"]
@@ -256,6 +276,13 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
                 f"{spec.group_size}] needs scales {list(tiles)}, found {list(scale.shape)}"
             )
         return weight, schemes.block_scales_per_row(scale, out, spec.block_rows), None
+    groups = -(-inp // spec.group_size) if spec.group_size else 0
+    if groups and list(scale.shape) != [out, groups]:
+        raise UnsupportedQuantizationError(
+            f"{what}.{'weight_scale' if 'weight_scale' in tensors else 'weight_scale_inv'}: "
+            f"{list(scale.shape)} scales, where a [{out}, {inp}] weight in the config's groups of "
+            f"{spec.group_size} needs [{out}, {groups}]"
+        )
     per_channel = spec.scheme in ("fp8", "w8a16-fp8")  # scales [out]
     if not per_channel and scale.dim() == 2 and scale.shape[1] > 1:
         return weight, scale.float(), None  # grouped

@@ -1,0 +1,65 @@
+"""A checkpoint whose tensors do not fit its config, or hold scales that are no numbers, is refused with an
+error that names the tensor: never loaded into wrong answers, never a bare torch error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ember_engine import LLM
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+
+DOWN = "model.layers.1.mlp.down_proj"
+ANY = r"model\.layers\.\d\.[a-z_]+\.[a-z_]+"  # a config edit reaches every projection: the first loaded
+
+
+def _set(**values: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda group: group["weights"].update(values)
+
+
+def _nan_scale(state: dict[str, torch.Tensor]) -> None:
+    state[f"{DOWN}.weight_scale"][3] = float("nan")
+
+
+def _inf_scale(state: dict[str, torch.Tensor]) -> None:
+    state[f"{DOWN}.weight_scale"][0, 1] = float("inf")
+
+
+def _zero_points_cut(state: dict[str, torch.Tensor]) -> None:
+    state[f"{DOWN}.weight_zero_point"] = state[f"{DOWN}.weight_zero_point"][:3].contiguous()
+
+
+def _no_scale(state: dict[str, torch.Tensor]) -> None:
+    del state[f"{DOWN}.weight_scale"]
+
+
+CASES = [
+    # config says 4 bits, the words hold 8-bit values: was loaded, the extra words dropped (wrong answers)
+    ("W8A16", {"group": _set(num_bits=4)}, rf"{ANY}\.weight_packed: .*4-bit values .* need \[\d+, \d+\]"),
+    # zero points for 3 of the rows' words: was loaded, the rows past them given garbage
+    ("W4A16_ASYM", {"tensors": _zero_points_cut}, rf"{DOWN}\.weight_zero_point: "),
+    # scales in groups of 128, config says 64: was a bare torch error (a layer shape torch could not fit)
+    ("W4A16", {"group": _set(group_size=64)}, rf"{ANY}\.weight_scale: .* groups of 64 needs"),
+    # scales in groups of 128 (the preset's), config says per channel: was a bare torch error
+    ("W8A16", {"group": _set(strategy="channel", group_size=None)}, rf"{ANY}: .*weight_scale \[\d+, 2\]"),
+    ("FP8_DYNAMIC", {"tensors": _nan_scale}, rf"{DOWN}\.weight_scale: .*not finite"),
+    ("W4A16", {"tensors": _inf_scale}, rf"{DOWN}\.weight_scale: .*not finite"),
+    ("FP8_DYNAMIC", {"tensors": _no_scale}, rf"missing tensor\(s\): {DOWN}\.weight_scale"),
+]
+
+
+@pytest.mark.parametrize(
+    ("preset", "edit", "message"),
+    CASES,
+    ids=["bits", "zero-points", "group-size", "strategy", "nan-scale", "inf-scale", "missing-scale"],
+)
+def test_a_checkpoint_its_config_does_not_describe_is_refused_naming_the_tensor(
+    preset: str, edit: dict[str, Any], message: str, quantized_model, edited_checkpoint, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    path = edited_checkpoint(quantized_model("tiny", preset), tmp_path / "m", **edit)
+    with pytest.raises((UnsupportedQuantizationError, ValueError), match=message):
+        LLM(str(path), num_kv_blocks=16)
