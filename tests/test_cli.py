@@ -58,6 +58,19 @@ def test_a_model_that_cannot_load_ends_serve_with_one_fatal_line_last(tmp_path: 
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ember serve: fatal: cannot load the model: FileNotFoundError: ")
     assert "config.json not found" in last
+    assert "Traceback" not in result.stderr  # a refusal of what was given, not a fault: its line alone
+
+
+def test_a_quantization_the_model_refuses_ends_serve_with_its_line_and_no_traceback(tiny_model: Path) -> None:
+    result = run(
+        "serve", "--model", str(tiny_model), "--quantization", "gptq", "--port", "0", "--host", "127.0.0.1"
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ember serve: fatal: cannot load the model: UnsupportedQuantizationError: ")
+    assert "'gptq' names a quantized checkpoint's method" in last
+    assert "Traceback" not in result.stderr
+    assert f"ERROR ember.serve: loading {tiny_model} failed: UnsupportedQuantizationError" in result.stderr
 
 
 def test_serve_refuses_an_unknown_quantization_before_it_starts(tmp_path: Path) -> None:

@@ -224,7 +224,10 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
             try:
                 await asyncio.to_thread(load)
             except BaseException as exc:  # a model that cannot load ends the process (the pod restarts)
-                log.exception("loading %s failed", args.model)
+                if isinstance(exc, (ValueError, OSError)):  # what was given is refused: its message says why
+                    log.error("loading %s failed: %s: %s", args.model, type(exc).__name__, exc)
+                else:  # a fault: where it happened
+                    log.exception("loading %s failed", args.model)
                 failure.append(exc)
                 server.should_exit = True
 
