@@ -5,6 +5,7 @@ took: a failed active pod is still replaced by the warm pod, and the pool refill
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,11 @@ import kubernetes
 import pytest
 from operator_harness import NAMESPACE, PodRunner, crd_manifest, operator_cluster, wait_for
 from test_operator_cli import operator_process
-from test_operator_kopf import condition, converged, create, patch_spec, pods, service, status
+from test_operator_kopf import condition, converged, create, get, patch_spec, pods, service, status
 
 from ember_localcluster.apiserver import APIServer
 from ember_localcluster.deployment_controller import DeploymentController
+from ember_operator.handlers import SPEC_TAKEN
 
 
 def older_crd() -> dict[str, Any]:
@@ -78,6 +80,11 @@ def test_a_restarted_operator_keeps_serving_on_the_last_spec_taken(tmp_path: Pat
             with operator_process(kubeconfig, tmp_path / "first.log", *flags):
                 create(custom, service("kept", warmPool={"size": 1}))
                 wait_for(lambda: converged(api, "kept", 1, 1), timeout=60, what="1 active, 1 warm")
+                taken = wait_for(
+                    lambda: get(api, "kept")["metadata"]["annotations"][SPEC_TAKEN], what="the spec"
+                )
+                assert json.loads(taken) == get(api, "kept")["spec"]
+                generation = get(api, "kept")["metadata"]["generation"]
             patch_spec(custom, "kept", {"engine": {"extraArgs": ["--quant=w8a16"]}})
             with operator_process(kubeconfig, tmp_path / "second.log", *flags):
                 wait_for(
@@ -97,6 +104,7 @@ def test_a_restarted_operator_keeps_serving_on_the_last_spec_taken(tmp_path: Pat
                     what="the warm pod promoted in the failed pod's place",
                 )
                 wait_for(lambda: len(pods(api, "kept", "warm")) == 1, timeout=60, what="the pool refilled")
+                assert get(api, "kept")["metadata"]["generation"] == generation + 1  # the patch's alone
                 for pod in pods(api, "kept"):
                     assert not any(
                         "--quant" in a for c in pod["spec"]["containers"] for a in c.get("args") or []

@@ -31,9 +31,6 @@ SERVICE_PORT = 80
 POLICY_DIR = "/etc/ember/policy"
 POLICY_FILE = "policy.yaml"
 ROUTES_FILE = "routes.yaml"  # beside the policy: the routers' model-routing rules
-# Beside them too: the spec the operator last took, which one that starts later falls back on when the
-# object's spec is one its model refuses (kept in a child, so the user's object is never written).
-SPEC_FILE = "spec.json"
 MODELS_DIR = "/models"
 SHM_DIR = "/dev/shm"
 
@@ -385,12 +382,9 @@ def desired_policy_configmap(
     fallback_url: str | None,
     routes: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The policy file the engines and routers read live, with spec.routing the routers' routes file
-    (`routes`: its rules, with their targets' addresses), and the spec these were made from."""
-    data = {
-        POLICY_FILE: yaml.safe_dump(policy_document(spec, fallback_url), sort_keys=True),
-        SPEC_FILE: json.dumps(spec.model_dump(by_alias=True, mode="json"), sort_keys=True),
-    }
+    """The policy file the engines and routers read live, and with spec.routing the routers' routes file
+    (`routes`: its rules, with their targets' addresses)."""
+    data = {POLICY_FILE: yaml.safe_dump(policy_document(spec, fallback_url), sort_keys=True)}
     if spec.routing:
         data[ROUTES_FILE] = yaml.safe_dump(routes or [], sort_keys=True)
     return {

@@ -33,7 +33,6 @@ from ember_operator.desired import (
     MANAGED_BY_LABEL,
     NAME_LABEL,
     ROLE_LABEL,
-    SPEC_FILE,
     WARM,
     Owner,
     active_selector,
@@ -41,7 +40,6 @@ from ember_operator.desired import (
     desired_pod,
     desired_policy_configmap,
     desired_service,
-    policy_configmap_name,
     selector_string,
     service_endpoint,
     template_hash,
@@ -211,10 +209,11 @@ class Reconciler:
         try:
             spec = InferenceServiceSpec.model_validate(raw_spec)
             memory.last_spec = spec
+            record_spec_taken(raw_spec, meta, patch)
         except ValidationError as e:  # only without the CRD's own validation (an old or edited CRD)
             problem = Trouble("InvalidSpec", "; ".join(err["msg"] for err in e.errors()))
             if memory.last_spec is None:  # none taken since the operator started: the one an earlier took
-                memory.last_spec = await self._spec_taken_before(meta)
+                memory.last_spec = spec_taken_before(meta)
             if memory.last_spec is None:  # no spec taken yet: nothing to run
                 self._stalled_event(body, memory, [problem])
                 condition = Condition("Stalled", True, problem.reason, problem.message)
@@ -337,21 +336,6 @@ class Reconciler:
         )
         metrics.DESIRED.labels(namespace, name).set(memory.desired)
         metrics.publish_status(namespace, name, dict(patch.status))
-
-    async def _spec_taken_before(self, meta: kopf.Meta) -> InferenceServiceSpec | None:
-        """The spec recorded in the service's policy ConfigMap by the last pass that took one, if it is
-        there and this operator's model takes it."""
-        kube = await self.kube()
-        cm = await asyncio.to_thread(
-            kube.owned_config_map, meta["namespace"], policy_configmap_name(meta["name"]), meta["uid"]
-        )
-        recorded = ((cm or {}).get("data") or {}).get(SPEC_FILE)
-        if recorded is None:
-            return None
-        try:
-            return InferenceServiceSpec.model_validate(json.loads(recorded))
-        except (ValueError, ValidationError):  # not JSON, or a spec this operator's model refuses too
-            return None
 
     async def _fallback_url(
         self, kube: Kube, spec: InferenceServiceSpec, owner: Owner, troubles: list[Trouble], known: Known
@@ -566,6 +550,30 @@ class Reconciler:
         elif memory.stalled is not None:
             kopf.info(body, reason="Recovered", message="no longer stalled")
         memory.stalled = message
+
+
+# The spec the operator last took, as the object's own annotation (as kubectl and kopf keep theirs): an
+# operator that starts while the stored spec is one its model refuses runs the service on it. Whoever
+# can write it can write the spec itself. Too large a spec is not kept (annotations share 256 KiB).
+SPEC_TAKEN = "ember.dev/spec-taken"
+SPEC_TAKEN_LIMIT = 64 * 1024
+
+
+def record_spec_taken(raw_spec: dict[str, Any], meta: kopf.Meta, patch: kopf.Patch) -> None:
+    taken = json.dumps(raw_spec, sort_keys=True, separators=(",", ":"))
+    if len(taken) <= SPEC_TAKEN_LIMIT and (meta.get("annotations") or {}).get(SPEC_TAKEN) != taken:
+        patch.meta.annotations[SPEC_TAKEN] = taken
+
+
+def spec_taken_before(meta: kopf.Meta) -> InferenceServiceSpec | None:
+    """The spec an operator took last, if it is there and this operator's model takes it."""
+    taken = (meta.get("annotations") or {}).get(SPEC_TAKEN)
+    if taken is None:
+        return None
+    try:
+        return InferenceServiceSpec.model_validate(json.loads(taken))
+    except ValueError:  # not JSON, or a spec this operator's model refuses too (a ValidationError)
+        return None
 
 
 def only_changes(status: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:

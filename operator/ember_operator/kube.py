@@ -126,17 +126,6 @@ class Kube:
             if not is_not_found(e):  # already gone is what was asked for
                 raise
 
-    def owned_config_map(self, namespace: str, name: str, owner_uid: str) -> Obj | None:
-        """The ConfigMap `name` if `owner_uid` owns it; None when there is none or it is another's."""
-        try:
-            actual = _json(self.core.read_namespaced_config_map(name, namespace, _preload_content=False))
-        except ApiException as e:
-            if is_not_found(e):
-                return None
-            raise
-        owners = actual["metadata"].get("ownerReferences") or []
-        return actual if any(r.get("uid") == owner_uid for r in owners) else None
-
     def list_groups(self, namespace: str, selector: str) -> list[Obj] | None:
         """LeaderWorkerSets of a selector; None when the cluster does not serve that API (no CRD)."""
         try:
