@@ -37,6 +37,13 @@ def _no_scale(state: dict[str, torch.Tensor]) -> None:
     del state[f"{DOWN}.weight_scale"]
 
 
+def _nan(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        state[name].view(-1)[1] = float("nan")
+
+    return edit
+
+
 CASES = [
     # config says 4 bits, the words hold 8-bit values: was loaded, the extra words dropped (wrong answers)
     ("W8A16", {"group": _set(num_bits=4)}, rf"{ANY}\.weight_packed: .*4-bit values .* need \[\d+, \d+\]"),
@@ -49,17 +56,35 @@ CASES = [
     ("FP8_DYNAMIC", {"tensors": _nan_scale}, rf"{DOWN}\.weight_scale: .*not finite"),
     ("W4A16", {"tensors": _inf_scale}, rf"{DOWN}\.weight_scale: .*not finite"),
     ("FP8_DYNAMIC", {"tensors": _no_scale}, rf"missing tensor\(s\): {DOWN}\.weight_scale"),
+    # GPTQ's, AWQ's and bitsandbytes' own scales (their checkpoints: gptq_build.py, bnb_build.py)
+    ("INT4", {"tensors": _nan(f"{DOWN}.scales")}, rf"{DOWN}\.scales: not finite"),
+    ("AWQ", {"tensors": _nan(f"{DOWN}.scales")}, rf"{DOWN}\.scales: not finite"),
+    ("NF4", {"tensors": _nan(f"{DOWN}.weight.nested_absmax")}, rf"{DOWN}\.weight\.nested_absmax: not finite"),
 ]
+BUILDERS = {"INT4": "gptq_build.py", "AWQ": "gptq_build.py", "NF4": "bnb_build.py"}
 
 
 @pytest.mark.parametrize(
     ("preset", "edit", "message"),
     CASES,
-    ids=["bits", "zero-points", "group-size", "strategy", "nan-scale", "inf-scale", "missing-scale"],
+    ids=[
+        "bits",
+        "zero-points",
+        "group-size",
+        "strategy",
+        "nan-scale",
+        "inf-scale",
+        "missing-scale",
+        "gptq-scales",
+        "awq-scales",
+        "bnb-absmax",
+    ],
 )
 def test_a_checkpoint_its_config_does_not_describe_is_refused_naming_the_tensor(
     preset: str, edit: dict[str, Any], message: str, quantized_model, edited_checkpoint, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    path = edited_checkpoint(quantized_model("tiny", preset), tmp_path / "m", **edit)
+    path = edited_checkpoint(
+        quantized_model("tiny", preset, BUILDERS.get(preset, "quant_build.py")), tmp_path / "m", **edit
+    )
     with pytest.raises((UnsupportedQuantizationError, ValueError), match=message):
         LLM(str(path), num_kv_blocks=16)

@@ -131,16 +131,28 @@ def _weight_scales(
         layer.set_code(tensors["weight_quant_map"], projection)
 
 
+_SCALES = ("weight_scale", "weight_scale_inv", "weight_global_scale", "weight_scale_2")
+_BNB_NAMES = {"weight_absmax": "weight.absmax", "weight_nested_absmax": "weight.nested_absmax"}
+
+
 def _finite_scales(tensors: dict[str, torch.Tensor], projection: str) -> None:
     """Scales that are numbers: a NaN or infinite one would make every output of the layer NaN."""
-    for key in ("weight_scale", "weight_scale_inv", "weight_global_scale", "weight_scale_2"):
+    # compressed-tensors' and Hugging Face's names (ModelOpt's renamed to them), GPTQ's and AWQ's, and
+    # bitsandbytes' (its state flattened: `weight.absmax` as `weight_absmax`)
+    for key in (*_SCALES, "scales", "weight_absmax", "weight_nested_absmax", "SCB"):
         scale = tensors.get(key)
         if scale is not None and scale.is_floating_point() and not bool(torch.isfinite(scale.float()).all()):
             bad = scale.float().reshape(-1)
             at = int((~torch.isfinite(bad)).nonzero()[0])
             raise UnsupportedQuantizationError(
-                f"{projection}.{key}: not finite ({bad[at].item()} at flat index {at} of {list(scale.shape)})"
+                f"{projection}.{in_file(key)}: not finite ({bad[at].item()} at flat index {at} of "
+                f"{list(scale.shape)})"
             )
+
+
+def in_file(suffix: str) -> str:
+    """A tensor's own name as a checkpoint holds it (bitsandbytes' state is read flattened)."""
+    return _BNB_NAMES.get(suffix, suffix)
 
 
 def _misfit(
@@ -297,7 +309,9 @@ class QuantCollector:
                 if zero is not None:
                     assert isinstance(layer, (Int4Linear, Int8Linear))
                     layer.set_zero_rows(offset, zero)
-            except RuntimeError as e:  # a shape the config's layer cannot hold
+            except RuntimeError as e:  # a shape the config's layer cannot hold, but not a device's fault
+                if isinstance(e, torch.OutOfMemoryError) or type(e).__name__ == "AcceleratorError":
+                    raise
                 raise UnsupportedQuantizationError(_misfit(spec, tensors, projection, layer, e)) from e
             self.rows[key] = weight.shape[0]
             _weight_scales(layer, offset, weight.shape[0], tensors, projection)
@@ -323,9 +337,8 @@ class QuantCollector:
                     continue
                 if key in self.pending:  # some of its tensors came: name the others
                     given = self.pending[key].keys()
-                    absent += [
-                        f"{self.names[key]}.{t}" for t in sorted(self.specs[module].required() - given)
-                    ]
+                    needed = self.specs[module].required() - given
+                    absent += [f"{self.names[key]}.{in_file(t)}" for t in sorted(needed)]
                 else:
                     absent.append(f"{module}[{key[1]}]" if key[1] is not None else module)
         return absent
