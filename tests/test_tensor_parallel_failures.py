@@ -4,6 +4,7 @@ outlive the engine's process."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -92,3 +93,23 @@ def test_workers_do_not_outlive_a_killed_engine(tiny_model: Path) -> None:
         while alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(worker)
+
+
+def test_a_stream_the_engine_cannot_finish_ends_with_an_error_event_and_done(tiny_model: Path) -> None:
+    """A rank dies while a response streams: the client gets an OpenAI error event and [DONE], not a
+    connection cut mid-stream."""
+    body = {"model": tiny_model.name, "prompt": "def f(x):", "max_tokens": 1500, "ignore_eos": True}
+    with server_process(tiny_model, "--tensor-parallel-size", "2", "--dtype", "float32") as (url, proc):
+        (worker,) = workers_of(proc.pid)
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            assert s.status_code == 200
+            lines = s.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first.removeprefix("data: "))["choices"]
+            os.kill(worker, signal.SIGKILL)
+            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        proc.wait(timeout=30)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "internal_server_error"
+    assert f"rank 1 (pid {worker}) was killed by SIGKILL" in error["message"]

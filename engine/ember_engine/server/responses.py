@@ -175,6 +175,11 @@ async def _stream(
                 yield sse(APIError(400, str(exc)).body())
                 yield sse("[DONE]")
                 return
+            except Exception as exc:  # the engine could not go on (a rank died): the server's fault
+                log.error("a stream ended early: %s: %s", type(exc).__name__, exc)
+                yield sse(internal_error(exc).body())
+                yield sse("[DONE]")
+                return
             for o in out.outputs:
                 index = i * n + o.index
                 # A finished choice stays in every later update of its prompt: its end was sent once.
