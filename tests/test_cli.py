@@ -71,6 +71,10 @@ def test_a_quantization_the_model_refuses_ends_serve_with_its_line_and_no_traceb
     assert "'gptq' names a quantized checkpoint's method" in last
     assert "Traceback" not in result.stderr
     assert f"ERROR ember.serve: loading {tiny_model} failed: UnsupportedQuantizationError" in result.stderr
+    debug = run(
+        "serve", "--model", str(tiny_model), "--quantization", "gptq", "--port", "0", "--log-level", "debug"
+    )
+    assert debug.returncode == 1 and "Traceback" in debug.stderr  # where it was raised, when asked
 
 
 def test_serve_refuses_an_unknown_quantization_before_it_starts(tmp_path: Path) -> None:

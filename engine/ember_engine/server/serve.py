@@ -226,6 +226,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
             except BaseException as exc:  # a model that cannot load ends the process (the pod restarts)
                 if isinstance(exc, (ValueError, OSError)):  # what was given is refused: its message says why
                     log.error("loading %s failed: %s: %s", args.model, type(exc).__name__, exc)
+                    log.debug("where loading %s failed", args.model, exc_info=exc)
                 else:  # a fault: where it happened
                     log.exception("loading %s failed", args.model)
                 failure.append(exc)
