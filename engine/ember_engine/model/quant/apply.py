@@ -16,10 +16,12 @@ from ember_engine.model.quant.fp4_linear import Fp4Linear
 from ember_engine.model.quant.fp8_linear import Fp8Linear
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
 from ember_engine.model.quant.layer import QuantLinear
+from ember_engine.model.quant.layer_specs import checkpoint_parts, layer_spec
 from ember_engine.model.quant.linear import make_layer, quantize_linear
 from ember_engine.model.quant.rotations import OutputRotations, RotationMatrices
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import QuantSpec
+from ember_engine.model.quant.tensor_checks import finite_scales, in_file, misfit
 from ember_engine.model.quant.w4a8_linear import W4Fp8Linear
 
 # The decoder's projections; embeddings and norms keep the model dtype, and so does the LM head unless a
@@ -37,51 +39,6 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
             if isinstance(child, nn.Linear):
                 found.append((module, name, child))
     return found
-
-
-# The checkpoint's layers a merged projection holds (the others are one layer each, named alike).
-_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def layer_spec(spec: QuantSpec, module: str) -> QuantSpec | None:
-    """The scheme the checkpoint holds projection `module` (e.g. "model.layers.0.self_attn.qkv_proj") in,
-    None for full precision; every part of a merged one alike (parts that differ are refused by name)."""
-    parent = module.rpartition(".")[0]
-    held = {part.rpartition(".")[2]: spec.layer_spec(part) for part in _parts(module)}
-    parts = tuple(held)
-    if len(set(held.values())) == 1:
-        return held[parts[0]]
-
-    def listed(names: list[str], what: str) -> str:
-        return f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} {what}"
-
-    runs = f"ember runs {', '.join(parts)} as one layer, so they must be quantized alike"
-    if None in held.values():
-        full = [p for p, s in held.items() if s is None]
-        quantized = [p for p, s in held.items() if s is not None]
-        raise UnsupportedQuantizationError(
-            f"{parent}: {listed(full, 'left in full precision')} but {listed(quantized, 'quantized')} "
-            f"(ignore/targets); {runs}"
-        )
-    by_scheme: dict[str, list[str]] = {}
-    for part, s in held.items():
-        assert s is not None
-        by_scheme.setdefault(_label(s, set(held.values())), []).append(part)
-    fewest, *others = sorted(by_scheme.items(), key=lambda kv: len(kv[1]))
-    raise UnsupportedQuantizationError(
-        f"{parent}: {listed(fewest[1], fewest[0])} but {'; '.join(listed(ps, s) for s, ps in others)} "
-        f"(config groups); {runs}"
-    )
-
-
-def _label(spec: QuantSpec, among: set[QuantSpec | None]) -> str:
-    """A group's scheme, told apart from the others' where their scheme names are the same."""
-    if all(s.scheme != spec.scheme for s in among if s is not None and s != spec):
-        return spec.scheme
-    scales = f"groups of {spec.group_size}" if spec.group_size else "per channel"
-    static = ", static input scales" if spec.static_input else ""
-    static += f", {spec.input_quant} inputs" if spec.input_quant else ""
-    return f"{spec.scheme} ({spec.format}, {scales}{static}{', zero points' if spec.zero_points else ''})"
 
 
 def prepare(model: nn.Module, spec: QuantSpec) -> None:
@@ -129,41 +86,6 @@ def _weight_scales(
     if "weight_quant_map" in tensors:
         assert isinstance(layer, CodebookLinear)
         layer.set_code(tensors["weight_quant_map"], projection)
-
-
-_SCALES = ("weight_scale", "weight_scale_inv", "weight_global_scale", "weight_scale_2")
-_BNB_NAMES = {"weight_absmax": "weight.absmax", "weight_nested_absmax": "weight.nested_absmax"}
-
-
-def _finite_scales(tensors: dict[str, torch.Tensor], projection: str) -> None:
-    """Scales that are numbers: a NaN or infinite one would make every output of the layer NaN."""
-    # compressed-tensors' and Hugging Face's names (ModelOpt's renamed to them), GPTQ's and AWQ's, and
-    # bitsandbytes' (its state flattened: `weight.absmax` as `weight_absmax`)
-    for key in (*_SCALES, "scales", "weight_absmax", "weight_nested_absmax", "SCB"):
-        scale = tensors.get(key)
-        if scale is not None and scale.is_floating_point() and not bool(torch.isfinite(scale.float()).all()):
-            bad = scale.float().reshape(-1)
-            at = int((~torch.isfinite(bad)).nonzero()[0])
-            raise UnsupportedQuantizationError(
-                f"{projection}.{in_file(key)}: not finite ({bad[at].item()} at flat index {at} of "
-                f"{list(scale.shape)})"
-            )
-
-
-def in_file(suffix: str) -> str:
-    """A tensor's own name as a checkpoint holds it (bitsandbytes' state is read flattened)."""
-    return _BNB_NAMES.get(suffix, suffix)
-
-
-def _misfit(
-    spec: QuantSpec, tensors: dict[str, torch.Tensor], projection: str, layer: QuantLinear, e: Exception
-) -> str:
-    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in sorted(tensors.items()) if v.dim())
-    grouping = f", groups of {spec.group_size}" if spec.group_size else ""
-    return (
-        f"{projection}: the checkpoint's tensors ({shapes}) do not fit its config's {spec.scheme}{grouping} "
-        f"for a layer of {layer.in_features} inputs ({e})"
-    )
 
 
 def _empty(
@@ -293,7 +215,7 @@ class QuantCollector:
             tensors = self.pending.pop(key)
             projection = name.rpartition(".")[0]
             tensors = canonical(spec, tensors, projection)
-            _finite_scales(tensors, projection)
+            finite_scales(tensors, projection)
             if module not in self.layers:  # a split's LM head, held dequantized
                 place = lambda head: _weight_scales(head, 0, head.out_features, tensors, projection)  # noqa: E731
                 self.split.head_rows(spec, decode(spec, tensors, projection), _empty, place)
@@ -312,7 +234,7 @@ class QuantCollector:
             except RuntimeError as e:  # a shape the config's layer cannot hold, but not a device's fault
                 if isinstance(e, torch.OutOfMemoryError) or type(e).__name__ == "AcceleratorError":
                     raise
-                raise UnsupportedQuantizationError(_misfit(spec, tensors, projection, layer, e)) from e
+                raise UnsupportedQuantizationError(misfit(spec, tensors, projection, layer, e)) from e
             self.rows[key] = weight.shape[0]
             _weight_scales(layer, offset, weight.shape[0], tensors, projection)
             if "input_global_scale" in tensors:
@@ -348,11 +270,11 @@ class QuantCollector:
         the parts of a merged layer must share its input's, and a layer in full precision the config rotates
         is refused by name. A merged layer's parts must be smoothed alike (AWQ's `pre_quant_scale`)."""
         for name, layer in self.layers.items():
-            layer.check_input_smooth(_parts(name))
+            layer.check_input_smooth(checkpoint_parts(name))
         if not self.spec.rotations:
             return
         for name, layer in self.layers.items():
-            parts = _parts(name)
+            parts = checkpoint_parts(name)
             short = ", ".join(p.rpartition(".")[2] for p in parts)
             inputs = {
                 tuple(r for r in self.spec.rotations if r.location == "input" and r.applies_to(p))
@@ -386,14 +308,8 @@ class QuantCollector:
         for name, module in model.named_modules():  # a layer left in full precision
             if isinstance(module, QuantLinear) or name.rpartition(".")[2] not in (*PROJECTIONS, HEAD):
                 continue
-            if any(r.applies_to(p) for r in self.spec.rotations for p in _parts(name)):
+            if any(r.applies_to(p) for r in self.spec.rotations for p in checkpoint_parts(name)):
                 raise UnsupportedQuantizationError(
                     f"{name}: the transform_config rotates it as the model runs, but it is in full precision; "
                     "ember applies run-time rotations to quantized layers only"
                 )
-
-
-def _parts(module: str) -> list[str]:
-    """The checkpoint's linear layers ember's layer `module` holds (q/k/v and gate/up merged)."""
-    parent, _, name = module.rpartition(".")
-    return [f"{parent}.{p}" if parent else p for p in _MERGED.get(name, (name,))]

@@ -38,6 +38,7 @@ from ember_engine.core.config import CHECKPOINT_METHODS, QUANT_SCHEMES
 from ember_engine.model.quant import bnb, compressed_tensors, gptq, modelopt, quark, schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
+from ember_engine.model.quant.tensor_checks import packed_as_said, words
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
@@ -211,19 +212,6 @@ def canonical(spec: QuantSpec, tensors: dict[str, torch.Tensor], name: str) -> d
     return tensors
 
 
-def _words(values: int, bits: int) -> int:
-    return -(-values * bits // 32)
-
-
-def _packed_as_said(t: torch.Tensor, shape: list[int], name: str, spec: QuantSpec) -> None:
-    """`pack-quantized` words as many as the config's bits and the weight_shape make."""
-    if list(t.shape) != shape:
-        raise UnsupportedQuantizationError(
-            f"{name}: {list(t.shape)} int32 words, where {spec.num_bits}-bit values packed 32 / "
-            f"{spec.num_bits} a word need {shape} (the config's num_bits and the weight_shape)"
-        )
-
-
 def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") -> Decoded:
     """One projection's checkpoint tensors -> (canonical weight, scale, zero points): FP8/int8 weight
     [out, in] and scale [out] (per channel), or [out, in / group] (grouped; block-scaled fp8: each row its
@@ -245,14 +233,14 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
     assert scale is not None
     if spec.format == "pack-quantized":
         out, inp = (int(v) for v in tensors["weight_shape"].tolist())
-        _packed_as_said(
-            tensors["weight_packed"], [out, _words(inp, spec.num_bits)], f"{what}.weight_packed", spec
+        packed_as_said(
+            tensors["weight_packed"], [out, words(inp, spec.num_bits)], f"{what}.weight_packed", spec
         )
         weight = schemes.unpack_int32(tensors["weight_packed"], spec.num_bits, inp)
         if spec.zero_points:  # packed along the output dimension: [out / 8, groups] words
             zp = tensors["weight_zero_point"]
-            _packed_as_said(
-                zp, [_words(out, spec.num_bits), scale.shape[-1]], f"{what}.weight_zero_point", spec
+            packed_as_said(
+                zp, [words(out, spec.num_bits), scale.shape[-1]], f"{what}.weight_zero_point", spec
             )
             zero = schemes.unpack_int32(zp.t().contiguous(), spec.num_bits, out)
             return weight, scale.float(), zero.t().contiguous()
