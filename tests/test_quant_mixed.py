@@ -162,8 +162,8 @@ def test_each_layer_takes_the_group_compressed_tensors_gives_it(tiny_model: Path
 
 
 def test_parts_in_two_groups_of_one_scheme_are_told_apart_by_their_groups() -> None:
-    from ember_engine.model.quant.layer_specs import layer_spec
     from ember_engine.model.quant.checkpoint import parse_quantization_config
+    from ember_engine.model.quant.layer_specs import layer_spec
 
     def group(size: int, targets: list[str]) -> dict:
         weights = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": size, "symmetric": True}
