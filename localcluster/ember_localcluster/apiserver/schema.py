@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from typing import Any
+
+import re2
 
 from .cel import check_rules
 from .errors import Cause
@@ -145,10 +146,12 @@ def _show(value: Any) -> str:
 
 
 def _matches(pattern: str, value: str) -> bool:
+    """`pattern` as the Go server reads it: RE2 syntax and meaning (`$` is the end of the text, never
+    before a last newline as in Python's `re`; `.` takes no newline)."""
     try:
-        return re.search(pattern, value) is not None
-    except re.error:
-        return False  # a pattern Python cannot compile refuses every value rather than none
+        return re2.search(pattern, value) is not None
+    except re2.error:
+        return False  # a pattern RE2 cannot compile refuses every value rather than none
 
 
 def _join(path: str, key: str) -> str:
