@@ -499,6 +499,11 @@ def custom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             "extraArgs may not set an option the operator sets",
         ),
         ({"engine": {"extraArgs": ["--dra=x"]}}, "extraArgs may not set an option the operator sets"),
+        # A value ending in a newline: RE2's `.` (CEL's `matches`) does not take it.
+        ({"engine": {"extraArgs": ["--quant=fp8\n"]}}, "extraArgs may not set an option the operator sets"),
+        ({"engine": {"extraArgs": ["--kv-cache-dtype=fp8_e5m2\n"]}}, "extraArgs may not set an option"),
+        # Go's `$` (the schema's `pattern`) is the end of the text, not before a last newline as Python's.
+        ({"model": {"name": "m", "source": "/m", "file": "m.gguf\n"}}, "file"),
         ({"pod": {"labels": {"ember.dev/role": "active"}}}, "labels may not set"),
         ({"podTemplate": {"metadata": {"labels": {"app.kubernetes.io/name": "x"}}}}, "labels may not set"),
         ({"model": {"name": "m", "source": "gs://x/y"}}, "source must be"),

@@ -226,7 +226,7 @@ def _any_prefix(words: list[str]) -> str:
 
 # extraArgs' rule on the API server: an item naming a protected option, or a prefix argparse would take
 # for one, with or without `=value` (`_not_protected` is the same rule in Python).
-PROTECTED_PATTERN = f"^--{_any_prefix(sorted(PROTECTED_FLAGS))}(=.*)?$"
+PROTECTED_PATTERN = f"^--{_any_prefix(sorted(PROTECTED_FLAGS))}(=|$)"
 
 
 class Engine(_Object):
