@@ -210,11 +210,9 @@ class QuantCollector:
             return True
         self.pending.setdefault(key, {})[suffix] = tensor_slice[...]  # 0-d: a scale per tensor
         self.offsets[key] = offset
-        self.names[key] = name.rpartition(".")[0]
+        projection = self.names[key] = name.rpartition(".")[0]
         if spec.required() <= self.pending[key].keys():
-            tensors = self.pending.pop(key)
-            projection = name.rpartition(".")[0]
-            tensors = canonical(spec, tensors, projection)
+            tensors = canonical(spec, self.pending.pop(key), projection)
             finite_scales(tensors, projection)
             if module not in self.layers:  # a split's LM head, held dequantized
                 place = lambda head: _weight_scales(head, 0, head.out_features, tensors, projection)  # noqa: E731
