@@ -43,6 +43,10 @@ def test_rows_report_teacher_forced_agreement_and_a_checkpoint_row(
     column = next(line for line in lines if line.startswith("scheme")).index("weight MB")
     for label in rows:  # every label, the long one too, stays in the first column
         assert next(line for line in lines if line.startswith(f"{label} "))[:column].strip() == label
+    # The rates it did not take are not printed as measured zeros.
+    rates = next(line for line in lines if line.startswith("scheme")).index("b1 tok/s")
+    full_line = next(line for line in lines if line.startswith("full "))
+    assert full_line[rates:].split()[:2] == ["-", "-"] and "0.0 (0.00)" not in full_line
 
 
 def test_a_divergence_is_close_only_when_each_token_is_in_the_other_side_s_top() -> None:
