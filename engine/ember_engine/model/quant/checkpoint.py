@@ -62,9 +62,6 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
     checkpoint's `quant_method`, as vLLM takes it: gptq_marlin and awq_marlin for gptq and awq; anything
     else is an error), else `requested` applied at load, else None (full precision)."""
     qc = read_quantization_config(model_dir)
-    config = Path(model_dir) / "config.json"
-    # A GGUF model runs from a directory made of its file: messages name the file the user gave.
-    named = json.loads(config.read_text()).get("gguf_file", model_dir) if config.exists() else model_dir
     if qc is not None and not weights_quantized(qc):
         # sparsity or transforms beside a KV-cache scheme, or alone
         if compressed_tensors.check_parts(qc):
@@ -78,7 +75,7 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
             return None
         if requested in CHECKPOINT_METHODS:
             raise UnsupportedQuantizationError(
-                f"quantization: {requested!r} names a quantized checkpoint's method, but {named} is not "
+                f"quantization: {requested!r} names a quantized checkpoint's method, but {_named(model_dir)} is not "
                 f"quantized; to quantize it at load: {', '.join(schemes.SCHEMES)}"
             )
         schemes.check_scheme(requested)
@@ -100,10 +97,16 @@ def resolve(model_dir: str | Path, requested: str | None) -> QuantSpec | None:
         how = f"{method}: {' and '.join(layers)} by layer" if layers else method
         taken = sorted(n for n in own if n in QUANT_SCHEMES + CHECKPOINT_METHODS)  # what `quantization` takes
         raise UnsupportedQuantizationError(
-            f"quantization: {requested!r} requested, but {named} is already quantized as {spec.scheme!r} "
+            f"quantization: {requested!r} requested, but {_named(model_dir)} is already quantized as {spec.scheme!r} "
             f"({how}); it runs in that scheme: give {' or '.join(taken)}, or no quantization"
         )
     return spec
+
+
+def _named(model_dir: str | Path) -> str | Path:
+    """The model as the user gave it, for a message: a GGUF model runs from a directory made of its file."""
+    config = Path(model_dir) / "config.json"
+    return json.loads(config.read_text()).get("gguf_file", model_dir) if config.exists() else model_dir
 
 
 def parse_quantization_config(qc: dict[str, Any]) -> QuantSpec:
