@@ -426,6 +426,21 @@ def test_nvfp4_input_scale_must_be_one_positive_number(value: float, quantized_m
         LLM(str(copy), num_kv_blocks=16)
 
 
+def test_a_scale_that_is_no_number_is_named_as_the_export_names_it(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """NVFP4's per-tensor scale is `weight_scale_2` in the export (ember holds its reciprocal as the global
+    scale): a NaN there is refused under the export's name, not the name ember holds it by."""
+    path = quantized_model("tiny", "NVFP4", BUILD)
+
+    def edit(state: dict) -> None:  # type: ignore[type-arg]
+        state["model.layers.1.mlp.down_proj.weight_scale_2"] = torch.tensor(float("nan"))
+
+    copy = _nvfp4_copy(path, tmp_path / "m", edit)
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight_scale_2: not finite \(nan"
+    ):
+        LLM(str(copy), num_kv_blocks=16)
+
+
 @pytest.mark.parametrize("preset", ["W4A8_AWQ", "NVFP4"])
 def test_a_refused_quantization_names_only_values_that_are_taken(preset: str, quantized_model) -> None:  # type: ignore[no-untyped-def]
     """A checkpoint run in a scheme of its own (w4a8-fp8, nvfp4) with another `quantization` is refused

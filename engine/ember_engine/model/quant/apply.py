@@ -212,6 +212,7 @@ class QuantCollector:
         self.offsets[key] = offset
         projection = self.names[key] = name.rpartition(".")[0]
         if spec.required() <= self.pending[key].keys():
+            finite_scales(self.pending[key], projection)  # as the file names them, then as derived
             tensors = canonical(spec, self.pending.pop(key), projection)
             finite_scales(tensors, projection)
             if module not in self.layers:  # a split's LM head, held dequantized
