@@ -55,6 +55,8 @@ KINDS: dict[int, tuple[tuple[str, str, str, str], int, str, tuple[int, int]]] = 
 PACKED = (cfg.INT4, cfg.FP4, cfg.CODEBOOK, cfg.W4_FP8)  # two weights a byte: rows of K / 2 bytes
 TRITON_TYPE = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 ROWS = (1, 16, 32, 64, 128, 256, 512)  # every tile class of `triton_gemm_config.blocks`
+# block-scaled fp8's other block widths (any multiple of 16 columns is taken): the K steps that fit them
+BLOCK_WIDTHS = (16, 32, 64)
 # the kernels launched through `kernel_launch.launch`, by name
 LAUNCHED = {
     "_attention_kernel": "ember_engine.model.triton_attention",
@@ -144,10 +146,14 @@ def resources(ptx: str, cc: tuple[int, int]) -> dict[str, int]:
     }
 
 
-def gemm(kind: int, m: int, dtype: torch.dtype, cc: tuple[int, int]) -> dict[str, Any]:
+def gemm(kind: int, m: int, dtype: torch.dtype, cc: tuple[int, int], group: int = 0) -> dict[str, Any]:
     """The GEMM variant a layer of kind `kind` with a 4096 x 4096 weight launches for `m` rows: every
-    tensor 16-byte aligned, each integer specialized as Triton's launcher does."""
-    operands, group, _, (stride_sn, stride_xsm) = KINDS[kind]
+    tensor 16-byte aligned, each integer specialized as Triton's launcher does. `group`: block-scaled
+    fp8's block width, where not its usual 128."""
+    operands, usual, _, (stride_sn, stride_xsm) = KINDS[kind]
+    if group:  # a scale per row tile and group of `group` columns, the activations' per group of them
+        stride_sn = stride_xsm = 4096 // group
+    group = group or usual
     x_type = operands[0] if operands[0] != "act" else TRITON_TYPE[dtype]
     pointers = [x_type, *operands[1:], TRITON_TYPE[dtype]]
     signature = {name: f"{t}:16" for name, t in zip(POINTERS, pointers, strict=True)}
@@ -208,6 +214,11 @@ def main() -> int:
             if operands[0] == "act":  # float32 activations: IEEE dots, in every tile class too
                 for m in ROWS:
                     results[f"gemm/{name}/{arch}/float32/{m}"] = gemm(kind, m, torch.float32, cc)
+        for width in BLOCK_WIDTHS:
+            for m in ROWS:
+                results[f"blocks/{width}/{arch}/{str(half).removeprefix('torch.')}/{m}"] = gemm(
+                    cfg.FP8_BLOCK, m, half, cc, width
+                )
         for kind, name in ((triton_act_quant.FP8, "fp8"), (triton_act_quant.INT8, "int8")):
             for static in (False, True):
                 results[f"quantize/{name}/{arch}/{'static' if static else 'dynamic'}"] = quantizer(

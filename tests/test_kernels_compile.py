@@ -165,6 +165,24 @@ def test_fp8_dots_where_the_gpu_has_them_and_no_e4m3_on_ampere(compiled: dict[st
     assert checked == 3 * 4 * 7  # three kinds, four capabilities, seven row classes
 
 
+def test_block_scaled_fp8_compiles_in_every_block_width_it_takes(compiled: dict[str, dict[str, Any]]) -> None:
+    """A checkpoint's FP8 blocks may be any multiple of 16 columns wide (`ember quantize --block-size`,
+    Hugging Face's `weight_block_size`), and a K step lies within one block. E4M3 tensor-core dots take
+    K steps of 32 or more, so blocks of 16 (or 48, ...) are multiplied as 8.0's are, E4M3 decoded to
+    float32 (exact in TF32): with E4M3 dots in K steps of 16, Triton refused them on 8.9 and 9.0
+    ("K >= 32")."""
+    widths = {key: r for key, r in compiled.items() if key.startswith("blocks/")}
+    assert len(widths) == 3 * 4 * 7  # three widths, four capabilities, seven row classes
+    failed = {key: r["error"] for key, r in widths.items() if not r["ok"]}
+    assert not failed, failed
+    for key, r in widths.items():
+        _, width, arch, _, rows = key.split("/")
+        wide = blocks(int(rows), 4096)[0] >= 64
+        assert r["fp8_dots"] == (width != "16" and (arch == "sm89" or (arch == "sm90" and wide))), key
+    spilled = {key: r["spill_stores"] for key, r in widths.items() if r["spill_stores"] or r["spill_loads"]}
+    assert not spilled, spilled
+
+
 def test_the_quantizer_divides_exactly(compiled: dict[str, dict[str, Any]]) -> None:
     """Every division IEEE's (`div.rn.f32`), none of the approximate ones Triton's `/` gives on a GPU."""
     quantizers = {key: r for key, r in compiled.items() if key.startswith("quantize/")}

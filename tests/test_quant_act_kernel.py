@@ -9,6 +9,7 @@ import torch
 
 from ember_engine.model.quant import schemes
 from ember_engine.model.quant import triton_act_quant as act
+from ember_engine.model.quant.linear import quantize_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -90,3 +91,44 @@ def test_no_rows() -> None:
     x = torch.zeros(0, 64, device=DEVICE)
     q, s = act.fp8_rows(x)
     assert q.shape == (0, 64) and s.shape == (0, 1)
+
+
+def _same_with_nans(
+    got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """As `_same`, NaN matching NaN (a NaN's sign bit, which IEEE leaves open, not compared)."""
+    (q, s), (q_ref, s_ref) = got, expected
+    q, q_ref = q.cpu().float(), q_ref.float()
+    assert torch.equal(q.isnan(), q_ref.isnan()) and torch.equal(q.nan_to_num(), q_ref.nan_to_num())
+    assert torch.equal(s.cpu().isnan(), s_ref.isnan()) and torch.equal(
+        s.cpu().nan_to_num(), s_ref.nan_to_num()
+    )
+
+
+def test_a_nan_reaches_its_scale_as_in_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN in a row (or group) gives that row's (group's) scale NaN and an int8 value of 0, as the
+    reference does, so the product's row is NaN. The quantizer's maxima dropped the NaN: the row's scale
+    came from its other values, int8 saturated the NaN to -128, and a w8a8 layer returned a finite row."""
+    x = _rows((3, 1000), torch.float32, 5)
+    x[1, 600] = float("nan")
+    cases = [
+        (act.fp8_rows(x.to(DEVICE)), schemes.quantize_activation_fp8(x)),
+        (act.fp8_rows(x.to(DEVICE), 0.5), schemes.quantize_activation_fp8(x, 0.5)),
+        (act.int8_rows(x.to(DEVICE)), schemes.quantize_activation_int8(x)),
+        (act.fp8_groups(x[:, :768].to(DEVICE), 128), schemes.quantize_activation_fp8_groups(x[:, :768], 128)),
+    ]
+    scale = torch.tensor(0.003)
+    cases.append(
+        (act.int8_static(x.to(DEVICE), scale.to(DEVICE)), schemes.quantize_activation_int8_static(x, scale))
+    )
+    cases.append(
+        (act.fp8_static(x.to(DEVICE), scale.to(DEVICE)), schemes.quantize_activation_fp8_static(x, scale))
+    )
+    for i, (got, expected) in enumerate(cases):
+        assert bool(expected[1].isnan().any()) == (i < 4)  # the dynamic scales of row 1 (group 4) are NaN
+        _same_with_nans(got, expected)
+    monkeypatch.setenv("EMBER_QUANT_GEMM", "triton")
+    layer = quantize_linear(torch.nn.Linear(1000, 48, bias=False), "w8a8", group_size=0).to(DEVICE)
+    with torch.inference_mode():
+        y = layer(x.to(DEVICE)).cpu()
+    assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())

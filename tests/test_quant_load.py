@@ -7,6 +7,7 @@ The keys below are ember's schemes, "fp8-block" being fp8 with block-scaled weig
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,11 @@ from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.model.model_runner import Chunk
+from ember_engine.model.quant.checkpoint import parse_quantization_config
 from ember_engine.model.quant.fp8_linear import Fp8BlockLinear, Fp8Linear, Fp8WeightOnlyLinear
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear, W8A8Linear
+from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+from ember_engine.tools.quantize import quantization_config
 
 PRESETS = {
     "fp8": "FP8_DYNAMIC",
@@ -273,3 +277,26 @@ def test_w8a8_activation_schemes_other_than_symmetric_int8_dynamic_per_token_or_
     )
     with pytest.raises(ValueError, match=message):
         LLM(str(path), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("block", [[128, 8], [128, 24], [128], [0, 128], "128"])
+def test_fp8_blocks_the_gemm_cannot_step_through_are_refused_by_name(block) -> None:  # type: ignore[no-untyped-def]
+    """A K step of the GPU GEMM lies within one block of columns, the narrowest step 16 columns: blocks
+    of 8 or 24 columns ran on a CPU and then failed on every GPU with a bare StopIteration."""
+    qc = quantization_config("fp8", 128, 128)
+    group = qc["config_groups"]["group_0"]
+    group["weights"]["block_structure"] = block
+    group["input_activations"]["group_size"] = (
+        block[1] if isinstance(block, list) and len(block) == 2 else 128
+    )
+    with pytest.raises(
+        UnsupportedQuantizationError, match=rf"FP8 weights in {re.escape(repr(block))} blocks: "
+    ):
+        parse_quantization_config(qc)
+
+
+def test_fp8_blocks_of_any_multiple_of_16_columns_are_taken() -> None:
+    for columns in (16, 48, 128):
+        qc = quantization_config("fp8", 128, columns)
+        spec = parse_quantization_config(qc)
+        assert (spec.scheme, spec.group_size, spec.block_rows) == ("fp8", columns, columns)

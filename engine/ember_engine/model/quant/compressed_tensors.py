@@ -186,8 +186,16 @@ def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str
             )
         return QuantSpec("fp8", fmt, group_size=0, static_input=static)
     if kind == "float" and bits == 8 and strategy == "block":
-        block = weights.get("block_structure") or []
-        columns = block[1] if len(block) == 2 else None
+        block = weights.get("block_structure")
+        if not (isinstance(block, list) and len(block) == 2 and all(_positive_int(b) for b in block)):
+            raise UnsupportedQuantizationError(
+                f"{where}FP8 weights in {block!r} blocks: block_structure must be [rows, columns]"
+            )
+        columns = block[1]
+        if columns % 16:  # a K step of the GPU GEMM lies within one block, the narrowest step 16 columns
+            raise UnsupportedQuantizationError(
+                f"{where}FP8 weights in {block!r} blocks: columns per block must be a multiple of 16"
+            )
         if not (
             acts
             and acts.get("dynamic")
@@ -236,6 +244,10 @@ def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str
         f"{where}{what} are not supported; supported: FP8 per channel/tensor/block (fp8), int8 per channel "
         "(w8a16), int4 per group (w4a16)"
     )
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _float_weights(

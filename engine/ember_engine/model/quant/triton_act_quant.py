@@ -9,7 +9,8 @@ the scale. The arithmetic is the torch reference's, bit for bit: the scale is th
 (at least 1e-12, at most `ub` where it is set) over 448 (E4M3) or 127.5 (int8), each value is divided
 by it with IEEE division (`tl.div_rn`: Triton's `/` is approximate on NVIDIA GPUs), E4M3 is encoded
 with saturation at ±448 and ties to even (`triton_kv_store.encode_e4m3`, integer arithmetic), and int8
-rounds half to even and saturates at -128 and 127.
+rounds half to even and saturates at -128 and 127. A NaN gives its row's (group's) scale NaN, as torch's
+amax does, and an int8 value of 0, as torch's conversion does.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from ember_engine.model.triton_kv_store import encode_e4m3
 FP8, INT8 = 0, 1
 _QMAX = {FP8: 448.0, INT8: 127.5}
 _MAX_BLOCK = 1024
+
+
+@triton.jit
+def _is_nan(x):
+    """From the bits, as `encode_e4m3` tests: no float comparison for a compiler to fold."""
+    return (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
 
 
 @triton.jit
@@ -49,21 +56,28 @@ def _quantize_kernel(
         scale = tl.load(static_ptr)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        nans = tl.zeros((BLOCK,), dtype=tl.int32)
         for k0 in range(start, start + group, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < start + group, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
+            nans += _is_nan(x).to(tl.int32)
         largest = tl.max(amax, axis=0)
         if CLAMP_UB:
             largest = tl.minimum(largest, ub)
         scale = tl.div_rn(tl.maximum(largest, 1e-12), QMAX)
+        # A GPU's maximum drops a NaN operand where torch's amax keeps it: a row (group) holding one gets
+        # the reference's NaN scale, and so a NaN product, not a scale from its other values.
+        scale = tl.where(tl.max(nans, axis=0) > 0, float("nan"), scale)
         tl.store(scale_ptr + row * stride_sm + tl.program_id(1), scale)
     for k0 in range(start, start + group, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         mask = offs < start + group
         v = tl.div_rn(tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32), scale)
         if KIND == 1:
-            # Clamped first so that adding and removing 1.5 * 2**23 rounds to an integer, ties to even.
+            # NaN to 0, as torch converts it; then clamped so that adding and removing 1.5 * 2**23 rounds
+            # to an integer, ties to even.
+            v = tl.where(_is_nan(v), 0.0, v)
             v = tl.minimum(tl.maximum(v, -129.0), 128.0)
             v = (v + 12582912.0) - 12582912.0
             q = tl.minimum(tl.maximum(v, -128.0), 127.0).to(tl.int8)

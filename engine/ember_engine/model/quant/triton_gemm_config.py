@@ -75,7 +75,9 @@ def kernel_options(
         if cc is not None and cc < (8, 0):
             bn = min(bn, 64)
     if weight == FP8_BLOCK:  # a BLOCK_K step must lie within one group of scales
-        bk = next(b for b in (bk, 64, 32, 16) if group % b == 0)
+        bk = next((b for b in (bk, 64, 32, 16) if group % b == 0), 0)
+        if not bk:  # the loaders refuse such blocks by name
+            raise ValueError(f"block-scaled fp8: blocks of {group} columns are not a multiple of 16")
     # Scales per group applied to each step's sums where a step lies in one group (groups of 32 columns
     # or more); nvfp4's groups of 16 are scaled value by value.
     step_scale = weight in (INT8, INT4, CODEBOOK, FP8_WEIGHT) and group % 32 == 0
@@ -84,7 +86,9 @@ def kernel_options(
     return {
         "GROUP": group,
         "WEIGHT": weight,
-        "FP8_DOT": weight in (FP8, FP8_BLOCK, W4_FP8) and cc is not None and fp8_types,
+        # E4M3 tensor-core dots take K steps of 32 or more (Triton refuses 16: "K >= 32"); block-scaled
+        # fp8 in blocks of 16 (48, ...) columns decodes its E4M3 bytes to float32 instead (exact in TF32)
+        "FP8_DOT": weight in (FP8, FP8_BLOCK, W4_FP8) and cc is not None and fp8_types and bk >= 32,
         "FP8_TYPES": fp8_types,
         "STEP_SCALE": step_scale,
         "IEEE": dtype == torch.float32,
