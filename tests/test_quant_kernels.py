@@ -254,3 +254,45 @@ def test_each_capability_s_tiles_give_the_product(
     monkeypatch.setattr(triton_gemm, "capability", lambda device: cc)
     got = layer(x)
     assert (got - default).abs().max().item() <= 1e-5 * default.abs().max().item(), scheme
+
+
+@pytest.mark.parametrize(
+    "cc", [None, (8, 0), (8, 9), (9, 0)], ids=lambda cc: f"sm{cc[0]}{cc[1]}" if cc else "own"
+)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: f"{s[0]}-g{s[1]}")
+def test_half_activations_give_the_product(
+    layout: tuple[str, int], cc: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float16 activations, in the tiles and K steps each capability takes for a half type: the dots take
+    half operands where float32 activations take IEEE float32 ones, so this is the path bfloat16 models
+    run on a GPU (the same kernel, another type: Triton's interpreter cannot run bfloat16's, converting
+    int8 to it as NaN). The reference is the float32 product of the same operands; the kernel rounds the
+    dequantized weights to float16, hence the wider tolerance."""
+    from ember_engine.model.quant import triton_gemm
+
+    scheme, group_size = layout
+    m, k, n = 65, 128, 200
+    g = torch.Generator().manual_seed(m + n)
+    linear = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+    layer = quantize_linear(linear, scheme, group_size=group_size).to(DEVICE)
+    x = torch.randn(m, k, generator=g).half()
+    if scheme == "fp8" and group_size:
+        xq, xs = schemes.quantize_activation_fp8_groups(x, group_size)
+        operand = xq.float() * xs.repeat_interleave(group_size, dim=1)
+    elif scheme == "fp8":
+        xq, xs = schemes.quantize_activation_fp8(x)
+        operand = xq.float() * xs
+    elif scheme == "w8a8":
+        xq, xs = schemes.quantize_activation_int8(x)
+        operand = xq.float() * xs
+    else:
+        operand = x.float()
+    expected = operand @ layer.dequantized().float().cpu().t()
+    monkeypatch.setenv("EMBER_QUANT_GEMM", "triton")
+    if cc is not None:
+        monkeypatch.setattr(triton_gemm, "capability", lambda device: cc)
+    got = layer(x.to(DEVICE)).cpu()
+    assert got.dtype == torch.float16 and got.shape == (m, n)
+    assert (got.float() - expected).abs().max().item() <= 4e-3 * expected.abs().max().item(), scheme
