@@ -179,7 +179,8 @@ GPTQ_REFUSALS = [
     (
         {"dynamic": {"-:.*o_proj": {}, "+:.*down": {"bits": 8, "damp_percent": 0.1}}},
         None,
-        r"gptq: a \[128, 128\] weight in groups of 64 needs scales \[2, 128\]; found scales \[4, 128\]",
+        r"model\.layers\.\d\.mlp\.down_proj\.scales: a \[128, 128\] weight in groups of 64 needs scales "
+        r"\[2, 128\]; found scales \[4, 128\]",
     ),
     (
         {"quant_method": "eetq"},
@@ -194,7 +195,8 @@ GPTQ_REFUSALS = [
         lambda t: t.__setitem__(
             "model.layers.0.mlp.up_proj.qzeros", t["model.layers.0.mlp.up_proj.qzeros"] + 1
         ),
-        r"gptq: zero points other than the midpoint \(asymmetric weights\) in a checkpoint that declares "
+        r"model\.layers\.0\.mlp\.up_proj\.qzeros: zero points other than the midpoint \(asymmetric weights\) "
+        r"in a checkpoint that declares "
         r"them symmetric",
     ),
     (
@@ -207,7 +209,8 @@ GPTQ_REFUSALS = [
         lambda t: t.__setitem__(
             "model.layers.0.mlp.down_proj.scales", t["model.layers.0.mlp.down_proj.scales"][:1]
         ),
-        r"gptq: a \[128, 256\] weight in groups of 64 needs scales \[4, 128\]; found scales \[1, 128\]",
+        r"model\.layers\.0\.mlp\.down_proj\.scales: a \[128, 256\] weight in groups of 64 needs scales "
+        r"\[4, 128\]; found scales \[1, 128\]",
     ),
 ]
 AWQ_REFUSALS = [
@@ -230,7 +233,8 @@ AWQ_REFUSALS = [
         lambda t: t.__setitem__(
             "model.layers.1.self_attn.o_proj.qzeros", t["model.layers.1.self_attn.o_proj.qzeros"] - 1
         ),
-        r"awq: zero points other than the midpoint \(asymmetric weights\) in a checkpoint that declares "
+        r"model\.layers\.1\.self_attn\.o_proj\.qzeros: zero points other than the midpoint \(asymmetric "
+        r"weights\) in a checkpoint that declares "
         r"them symmetric",
     ),
 ]

@@ -60,8 +60,17 @@ CASES = [
     ("INT4", {"tensors": _nan(f"{DOWN}.scales")}, rf"{DOWN}\.scales: not finite"),
     ("AWQ", {"tensors": _nan(f"{DOWN}.scales")}, rf"{DOWN}\.scales: not finite"),
     ("NF4", {"tensors": _nan(f"{DOWN}.weight.nested_absmax")}, rf"{DOWN}\.weight\.nested_absmax: not finite"),
+    # AWQ's scales in groups of 64, config says 32; GPTQ zero points off the midpoint, config says sym:
+    # both were refused naming no projection ("awq: a [128, 256] weight ...", "gptq: zero points ...")
+    ("AWQ", {"quantization": lambda qc: qc.update(group_size=32)}, rf"{ANY}\.scales: .* groups of 32 needs"),
+    ("INT4_ASYM", {"quantization": lambda qc: qc.update(sym=True)}, rf"{ANY}\.qzeros: zero points other"),
 ]
-BUILDERS = {"INT4": "gptq_build.py", "AWQ": "gptq_build.py", "NF4": "bnb_build.py"}
+BUILDERS = {
+    "INT4": "gptq_build.py",
+    "AWQ": "gptq_build.py",
+    "INT4_ASYM": "gptq_build.py",
+    "NF4": "bnb_build.py",
+}
 
 
 @pytest.mark.parametrize(
@@ -78,6 +87,8 @@ BUILDERS = {"INT4": "gptq_build.py", "AWQ": "gptq_build.py", "NF4": "bnb_build.p
         "gptq-scales",
         "awq-scales",
         "bnb-absmax",
+        "awq-groups",
+        "gptq-symmetric",
     ],
 )
 def test_a_checkpoint_its_config_does_not_describe_is_refused_naming_the_tensor(

@@ -223,7 +223,7 @@ def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") ->
     come in group order (gptq.input_order). nvfp4a16: E2M1 bytes [out, in / 2] and E4M3 scales [out, in / 16]
     as the checkpoint holds them."""
     if spec.format in (*GPTQ_FORMATS, "awq"):
-        return gptq.decode(spec, tensors)
+        return gptq.decode(spec, tensors, what)
     if spec.scheme in ("nvfp4a16", "nvfp4"):  # compressed-tensors', or ModelOpt's in their names
         return _decode_nvfp4(tensors)
     if spec.format in ("gguf", "mxfp4-pack-quantized"):  # `gguf.blocks.decode`'s, `canonical`'s forms

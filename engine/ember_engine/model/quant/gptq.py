@@ -169,7 +169,7 @@ def _zero_points(spec: QuantSpec, what: str, zeros: torch.Tensor) -> torch.Tenso
         return zeros.t().contiguous()
     if torch.count_nonzero(zeros):
         raise UnsupportedQuantizationError(
-            f"{what}: zero points other than the midpoint (asymmetric weights) in a checkpoint that "
+            f"{what}.qzeros: zero points other than the midpoint (asymmetric weights) in a checkpoint that "
             "declares them symmetric"
         )
     return None
@@ -181,15 +181,15 @@ def _check_groups(
     groups = -(-inp // spec.group_size) if spec.group_size else 1
     if tuple(scales.shape) != (groups, out) or tuple(zeros.shape[:1]) != (groups,):
         raise UnsupportedQuantizationError(
-            f"{what}: a [{out}, {inp}] weight in groups of {spec.group_size or inp} needs scales "
+            f"{what}.scales: a [{out}, {inp}] weight in groups of {spec.group_size or inp} needs scales "
             f"[{groups}, {out}]; found scales {list(scales.shape)}, qzeros {list(zeros.shape)}"
         )
 
 
-def _decode_gptq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
+def _decode_gptq(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str) -> Decoded:
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
     inp, out = qweight.shape[0] * 32 // spec.num_bits, qweight.shape[1]
-    _check_groups(spec, "gptq", out, inp, scales, qzeros)
+    _check_groups(spec, what, out, inp, scales, qzeros)
     if spec.format == "gptq":
         # Stored less one, word by word (a zero point of 0 borrows from the next): adding one to every
         # field of each word, carries and all, gives them back, as GPTQModel reads this format.
@@ -200,11 +200,11 @@ def _decode_gptq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
     zeros = schemes.unpack_int32(qzeros, spec.num_bits, out)  # [groups, out]
     g_idx = tensors.get("g_idx")
     if g_idx is not None:
-        order = input_order(spec, "gptq", g_idx)
+        order = input_order(spec, what, g_idx)
         if order is not None:
             weight = weight[:, order].contiguous()
     # Scales and zero points are per group, whatever order its columns come in.
-    return weight, scales.float().t().contiguous(), _zero_points(spec, "gptq", zeros)
+    return weight, scales.float().t().contiguous(), _zero_points(spec, what, zeros)
 
 
 def _unpack_awq(packed: torch.Tensor, columns: int) -> torch.Tensor:
@@ -217,16 +217,18 @@ def _unpack_awq(packed: torch.Tensor, columns: int) -> torch.Tensor:
     return out
 
 
-def _decode_awq(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
+def _decode_awq(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str) -> Decoded:
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
     inp, out = qweight.shape[0], qweight.shape[1] * 8
-    _check_groups(spec, "awq", out, inp, scales, qzeros)
+    _check_groups(spec, what, out, inp, scales, qzeros)
     weight = _unpack_awq(qweight, out).t().contiguous()  # [out, in]
     zeros = _unpack_awq(qzeros, out)  # [groups, out]
-    return weight, scales.float().t().contiguous(), _zero_points(spec, "awq", zeros)
+    return weight, scales.float().t().contiguous(), _zero_points(spec, what, zeros)
 
 
-def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> Decoded:
-    """One projection's tensors -> (values as int8 [out, in], each less the midpoint; scale [out, groups];
-    zero points [out, groups] int8, each less the midpoint, or None)."""
-    return _decode_awq(spec, tensors) if spec.format == "awq" else _decode_gptq(spec, tensors)
+def decode(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str = "") -> Decoded:
+    """One projection's tensors (projection `what`, as its errors name it) -> (values as int8 [out, in],
+    each less the midpoint; scale [out, groups]; zero points [out, groups] int8, each less the midpoint,
+    or None)."""
+    what = what or spec.format
+    return _decode_awq(spec, tensors, what) if spec.format == "awq" else _decode_gptq(spec, tensors, what)
