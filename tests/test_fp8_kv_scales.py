@@ -94,8 +94,12 @@ def test_computed_scales_are_the_same_on_every_load(tiny_model: Path) -> None:
 
     first = scales()
     assert all(k != 1.0 and v != 1.0 for k, v in first)
-    # Neither the engine's seed nor the cache's size nor the step's token budget enters.
+    # Neither the engine's seed nor the cache's size nor the step's token budget enters, nor the longest
+    # sequence: below the calibration's 32 tokens each of these cut its sequences short, and the scales
+    # (so the bytes stored, and greedy text) moved.
     assert first == scales(seed=7) == scales(num_kv_blocks=3, max_num_batched_tokens=48)
+    assert first == scales(max_num_batched_tokens=16) == scales(num_kv_blocks=1)
+    assert first == scales(max_model_len=20) == scales(block_size=8, num_kv_blocks=3)
 
 
 def test_the_model_dtype_cache_ignores_scales(tiny_model: Path) -> None:

@@ -190,38 +190,41 @@ class ModelRunner:
         return blocks
 
     def _allocate_kv_cache(self) -> None:
+        self.kv_cache = self._kv_cache_of(self.num_blocks)
+
+    def _kv_cache_of(self, num_blocks: int) -> torch.Tensor:
+        """A KV cache of `num_blocks` blocks, each attention layer given its views of it."""
         c = self.model_config
         heads = self.model.shard.num_kv_heads
-        shape = (2, c.num_layers, self.num_blocks, self.block_size, heads, c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        shape = (2, c.num_layers, num_blocks, self.block_size, heads, c.head_dim)
+        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+        return cache
 
     @torch.inference_mode()
     def _compute_kv_scales(self) -> None:
         """Give every FP8-cache scale the checkpoint did not: kv_quant's calibration sequences, one forward
-        each (the cache's first blocks), in which each layer takes its scales from the largest |K| and |V|
-        seen so far, before it stores them (over every rank's heads under tensor parallelism, so each rank
-        stores the bytes one rank would). Short, separate sequences keep the result the same whatever the
-        cache's size and the step's token budget."""
+        each, in which each layer takes its scales from the largest |K| and |V| seen so far, before it
+        stores them (over every rank's heads under tensor parallelism, so each rank stores the bytes one
+        rank would). The sequences run whole, in a cache of their own: the result depends on the model
+        alone, not on the cache's size, the step's token budget or the longest sequence served."""
         layers = self.model.attention_layers()
         if all(layer.checkpoint_scales >= {"k", "v"} for layer in layers):
             return
-        n = min(
-            kv_quant.CALIBRATION_LENGTH,
-            self.config.max_num_batched_tokens,
-            self.max_model_len,
-            self.num_blocks * self.block_size,
-        )
+        n = min(kv_quant.CALIBRATION_LENGTH, self.model_config.max_position_embeddings)
         blocks = list(range(-(-n // self.block_size)))
         for layer in layers:
             layer.calibration = torch.zeros(2, device=self.device)
+        scratch = self._kv_cache_of(len(blocks))
         try:
             for tokens in kv_quant.calibration_sequences(self.model_config.vocab_size):
                 self.run([Chunk(blocks, 0, tokens[:n], 0)])
         finally:
-            for layer in layers:
+            for i, layer in enumerate(layers):
                 layer.calibration = None
+                layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            del scratch
         if self.tp.rank == 0:
             log.info(
                 "FP8 KV cache: scales computed where the checkpoint has none; K %s, V %s",
