@@ -346,3 +346,61 @@ def test_dynamic_patterns_are_read_in_order_first_match_deciding() -> None:
     assert parse_quantization_config({**base, "dynamic": {"-:mlp": {}}}).quantizes(
         "model.layers.2.mlp.down_proj"
     )
+
+
+def test_modules_in_block_to_quantize_leaves_the_others_in_full_precision(
+    quantized_model, tiny_model: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """AutoGPTQ's and GPTQModel's `modules_in_block_to_quantize` (each decoder layer's projections that
+    are quantized, in lists or one list): the others are stored in full precision, as transformers +
+    GPTQModel load them. It was not read: such a checkpoint was refused as holding an unexpected tensor."""
+    full = load_file(str(tiny_model / "model.safetensors"))
+
+    def o_proj_in_full(t: dict) -> None:  # type: ignore[type-arg]
+        for name in [n for n in t if ".o_proj." in n]:
+            del t[name]
+        t.update({n: w for n, w in full.items() if n.endswith("o_proj.weight")})
+
+    listed = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]]
+    listed.append(["mlp.down_proj"])
+    path = _edited(
+        quantized_model("tiny", "INT4", "gptq_build.py"),
+        tmp_path / "m",
+        {"modules_in_block_to_quantize": listed},
+        o_proj_in_full,
+    )
+    (tmp_path / "prompts.json").write_text(json.dumps(_prompts()))
+    run_script(
+        Path(__file__).with_name("gptq_oracle.py"), path, tmp_path / "oracle.pt", tmp_path / "prompts.json"
+    )
+    oracle = torch.load(tmp_path / "oracle.pt")
+    assert not any("o_proj" in name for name in oracle["weights"])  # GPTQModel left them unquantized too
+    llm = LLM(str(path), num_kv_blocks=64, dtype="float32")
+    layers = llm.engine.runner.model.model.layers
+    assert all(type(layer.self_attn.o_proj) is not Int4Linear for layer in layers)
+    assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in layers)
+    for prompt, theirs in zip(_prompts(), oracle["logits"], strict=True):
+        blocks = list(range(-(-len(prompt) // 16)))
+        ours = llm.engine.runner.forward([Chunk(blocks, 0, prompt, num_logits=len(prompt))])
+        assert (ours - theirs).abs().max().item() <= 1e-3 * (theirs.max() - theirs.min()).item()
+
+
+@pytest.mark.parametrize(
+    ("listed", "error"),
+    [
+        ("self_attn.q_proj", r"gptq: modules_in_block_to_quantize must be a list of module names"),
+        ([["self_attn.q_proj"], 3], r"gptq: modules_in_block_to_quantize must be a list of module names"),
+        (3, r"gptq: modules_in_block_to_quantize must be a list of module names"),
+    ],
+)
+def test_modules_in_block_to_quantize_not_a_list_of_names_is_refused(listed, error: str) -> None:  # type: ignore[no-untyped-def]
+    from ember_engine.model.quant.checkpoint import parse_quantization_config
+
+    base = {"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True, "desc_act": False}
+    with pytest.raises(UnsupportedQuantizationError, match=error):
+        parse_quantization_config({**base, "modules_in_block_to_quantize": listed})
+    flat = parse_quantization_config({**base, "modules_in_block_to_quantize": ["mlp.down_proj"]})
+    assert flat.quantizes("model.layers.3.mlp.down_proj") and not flat.quantizes("model.layers.3.mlp.up_proj")
+    assert parse_quantization_config({**base, "modules_in_block_to_quantize": []}).quantizes(
+        "model.layers.0.self_attn.o_proj"
+    )

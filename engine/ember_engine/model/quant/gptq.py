@@ -42,6 +42,7 @@ def parse_gptq(qc: dict[str, Any]) -> QuantSpec:
         )
     base = _gptq_format(fmt, {f: qc.get(f, d) for f, d in _STORED.items()}, "gptq")
     ignore, overrides = dynamic_rules(qc, formats=True)
+    ignore += _left_in_blocks(qc.get("modules_in_block_to_quantize"))
     groups = tuple(
         dataclasses.replace(_gptq_format(fmt, fields, f"gptq: dynamic {key!r}"), targets=(pattern,))
         for key, pattern, fields in overrides
@@ -49,6 +50,27 @@ def parse_gptq(qc: dict[str, Any]) -> QuantSpec:
     if not groups:
         return dataclasses.replace(base, ignore=ignore)
     return QuantSpec("mixed", fmt, groups=(*groups, base), ignore=ignore)
+
+
+def _left_in_blocks(listed: Any) -> tuple[str, ...]:
+    """AutoGPTQ's and GPTQModel's `modules_in_block_to_quantize`: each decoder layer's quantized
+    projections, named within the layer ("self_attn.q_proj"), in lists (one per step of the layer's
+    quantization) or one list. The layers' other projections are in full precision: an "re:" pattern for
+    `QuantSpec.ignore` (none where the field is absent or empty: every projection quantized)."""
+    if not listed:
+        return ()
+    flat = (
+        [n for part in listed for n in (part if isinstance(part, list) else [part])]
+        if isinstance(listed, list)
+        else []
+    )
+    if not flat or not all(isinstance(n, str) and n for n in flat):
+        raise UnsupportedQuantizationError(
+            f"gptq: modules_in_block_to_quantize must be a list of module names (or of lists of them), "
+            f"got {listed!r}"
+        )
+    names = "|".join(re.escape(n) for n in flat)
+    return (rf"re:(?:.*\.)?layers\.\d+\.(?!(?:.*\.)?(?:{names})$)",)
 
 
 def _gptq_format(fmt: str, fields: dict[str, Any], where: str) -> QuantSpec:
