@@ -90,3 +90,23 @@ def test_a_config_of_sparsity_alone_quantizes_nothing(fmt: str, tiny_model: Path
     prompt = _prompts(1, 30)[0]
     chunk = [Chunk([0, 1], 0, prompt, num_logits=len(prompt))]
     assert torch.equal(pruned.forward(chunk), plain.forward(chunk))
+
+
+def test_a_config_under_the_older_compression_config_key_runs(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """compressed-tensors' config under `compression_config`, the key older llm-compressor releases
+    wrote (vLLM reads it where `quantization_config` is absent): the same model as under the usual key.
+    It was not read, and the checkpoint was refused as holding unexpected tensors."""
+    import json
+    import shutil
+
+    path = quantized_model("tiny", "W8A16")
+    shutil.copytree(path, tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    raw["compression_config"] = raw.pop("quantization_config")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    usual = LLM(str(path), num_kv_blocks=16).engine.runner
+    older = LLM(str(tmp_path / "m"), num_kv_blocks=16).engine.runner
+    assert older.quant is not None and older.quant.scheme == usual.quant.scheme == "w8a16"
+    for prompt in _prompts(2, 20):
+        chunk = [Chunk(list(range(-(-len(prompt) // 16))), 0, prompt, num_logits=len(prompt))]
+        assert torch.equal(older.forward(chunk), usual.forward(chunk))

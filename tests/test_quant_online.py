@@ -181,6 +181,13 @@ def test_ember_quantize_refuses_what_it_would_overwrite_or_cannot_read(
     assert ember(["quantize", str(dst), str(again), "--scheme", "fp8"]) == 2
     assert f"{dst} is already quantized (compressed-tensors)" in capsys.readouterr().err
     assert not again.exists()
+    # the config under the older `compression_config` key is as quantized
+    config = json.loads((dst / "config.json").read_text())
+    config["compression_config"] = config.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(config))
+    assert ember(["quantize", str(dst), str(again), "--scheme", "fp8"]) == 2
+    assert f"{dst} is already quantized (compressed-tensors)" in capsys.readouterr().err
+    assert not again.exists()
 
     missing = tmp_path / "missing"
     assert ember(["quantize", str(missing), str(again), "--scheme", "fp8"]) == 2

@@ -149,6 +149,7 @@ def quantize_checkpoint(
     from safetensors.torch import save_file
 
     from ember_engine.model.loader import checkpoint_files
+    from ember_engine.model.quant.checkpoint import read_quantization_config
     from ember_engine.model.quant.schemes import check_scheme
 
     check_scheme(scheme)
@@ -164,8 +165,9 @@ def quantize_checkpoint(
     if not (src / "config.json").is_file():
         raise ValueError(f"{src} has no config.json: not a Hugging Face checkpoint directory")
     config = json.loads((src / "config.json").read_text())
-    if "quantization_config" in config:
-        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    held = read_quantization_config(src)  # under either key, or an older ModelOpt export's own file
+    if held is not None:
+        raise ValueError(f"{src} is already quantized ({held.get('quant_method')})")
     out: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(src):
         with safe_open(str(path), framework="pt") as f:
