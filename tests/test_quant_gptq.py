@@ -404,3 +404,22 @@ def test_modules_in_block_to_quantize_not_a_list_of_names_is_refused(listed, err
     assert parse_quantization_config({**base, "modules_in_block_to_quantize": []}).quantizes(
         "model.layers.0.self_attn.o_proj"
     )
+
+
+def test_an_older_gptq_checkpoint_is_read_from_quantize_config_json(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """AutoGPTQ before transformers read GPTQ wrote its config to `quantize_config.json` only, without a
+    `quant_method` (vLLM reads that file for GPTQ): the same model as with the config in `config.json`.
+    It was not read, and the checkpoint was refused as holding unexpected tensors."""
+    path = quantized_model("tiny", "INT4", "gptq_build.py")
+    shutil.copytree(path, tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    qc = raw.pop("quantization_config")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    fields = ("bits", "group_size", "desc_act", "sym", "damp_percent", "true_sequential")
+    (tmp_path / "m" / "quantize_config.json").write_text(json.dumps({f: qc[f] for f in fields if f in qc}))
+    usual = LLM(str(path), num_kv_blocks=16).engine.runner
+    older = LLM(str(tmp_path / "m"), num_kv_blocks=16).engine.runner
+    assert older.quant is not None and (older.quant.scheme, older.quant.format) == ("w4a16", "gptq")
+    for prompt in _prompts()[:2]:
+        chunk = [Chunk(list(range(-(-len(prompt) // 16))), 0, prompt, num_logits=len(prompt))]
+        assert torch.equal(older.forward(chunk), usual.forward(chunk))

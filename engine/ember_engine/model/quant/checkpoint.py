@@ -44,13 +44,15 @@ from ember_engine.model.quant.tensor_checks import packed_as_said, words
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
     """`config.json`'s `quantization_config`; where it has none, its `compression_config` (what older
     llm-compressor releases wrote, as vLLM reads it), then an older ModelOpt export's
-    `hf_quant_config.json` (`modelopt.read_legacy`)."""
+    `hf_quant_config.json` (`modelopt.read_legacy`), then older AutoGPTQ's `quantize_config.json`."""
     path = Path(model_dir) / "config.json"
     raw = json.loads(path.read_text()) if path.exists() else {}
     qc = raw.get("quantization_config")
     if not isinstance(qc, dict):
         qc = raw.get("compression_config")
-    return qc if isinstance(qc, dict) else modelopt.read_legacy(model_dir)
+    if isinstance(qc, dict):
+        return qc
+    return modelopt.read_legacy(model_dir) or gptq.read_legacy(model_dir)
 
 
 def weights_quantized(qc: dict[str, Any]) -> bool:
