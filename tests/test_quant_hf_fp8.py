@@ -9,10 +9,13 @@ against transformers' model with that activation quantization put in front of ea
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from test_engine_greedy import hf_greedy
 from transformers import AutoModelForCausalLM
 
@@ -143,3 +146,62 @@ def test_malformed_blocks_are_refused_by_name() -> None:
     )
     assert zero is None
     assert scale.shape == (200, 2) and scale[127].tolist() == [1.0, 2.0] and scale[128].tolist() == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("names", ["autofp8", "transformers"])
+@pytest.mark.parametrize("preset", ["FP8", "FP8_DYNAMIC"])
+def test_fp8_without_blocks_runs_as_the_same_tensors_under_compressed_tensors(
+    preset: str, names: str, quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """`quant_method: fp8` without `weight_block_size`, its tensors named either way: AutoFP8's and vLLM's
+    (`weight_scale`, a static `input_scale`, `ignored_layers`: the "...-FP8" downloads made before
+    compressed-tensors) or transformers' (`weight_scale_inv`, a static `activation_scale`). They hold the
+    arithmetic of compressed-tensors' FP8 (static, per tensor) and FP8_DYNAMIC (per channel, dynamic per
+    token) presets, so llm-compressor's tensors under this config compute what they compute under their
+    own. Before, `weight_scale` was refused as an unexpected tensor and a static scheme by name."""
+    src = quantized_model("tiny", preset)
+    shutil.copytree(src, tmp_path / "m")
+    raw = json.loads((src / "config.json").read_text())
+    scheme = "static" if preset == "FP8" else "dynamic"
+    raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme}
+    if names == "autofp8":
+        raw["quantization_config"]["ignored_layers"] = ["lm_head"]
+    else:
+        raw["quantization_config"]["modules_to_not_convert"] = ["lm_head"]
+        renamed = {".weight_scale": ".weight_scale_inv", ".input_scale": ".activation_scale"}
+        state = {}
+        for name, tensor in load_file(str(src / "model.safetensors")).items():
+            suffix = next((s for s in renamed if name.endswith(s)), None)
+            state[name.removesuffix(suffix) + renamed[suffix] if suffix else name] = tensor
+        save_file(state, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    own = LLM(str(src), num_kv_blocks=16).engine.runner
+    hf = LLM(str(tmp_path / "m"), num_kv_blocks=16).engine.runner
+    assert hf.quant is not None and (hf.quant.scheme, hf.quant.static_input) == ("fp8", preset == "FP8")
+    g = torch.Generator().manual_seed(3)
+    for n in (9, 30):
+        prompt = torch.randint(10, 4000, (n,), generator=g).tolist()
+        chunk = [Chunk(list(range(-(-n // 16))), 0, prompt, num_logits=n)]
+        assert torch.equal(hf.forward(chunk), own.forward(chunk))
+
+
+def test_fp8_configs_name_what_they_leave_out_and_what_they_cannot_run() -> None:
+    from ember_engine.model.quant.checkpoint import parse_quantization_config
+    from ember_engine.model.quant.schemes import UnsupportedQuantizationError
+
+    # vLLM's `ignored_layers`: whole module names
+    spec = parse_quantization_config(
+        {"quant_method": "fp8", "ignored_layers": ["model.layers.1.mlp.down_proj"]}
+    )
+    assert not spec.quantizes("model.layers.1.mlp.down_proj")
+    assert spec.quantizes("model.layers.11.mlp.down_proj") and spec.quantizes("model.layers.1.mlp.up_proj")
+    for qc, message in (
+        (
+            {"activation_scheme": "static", "weight_block_size": [128, 128]},
+            r"activation_scheme 'static' with ",
+        ),
+        ({"activation_scheme": "per-token"}, r"activation_scheme 'per-token' is not supported; supported: "),
+        ({"ignored_layers": "lm_head"}, r"ignored_layers must be a list of names"),
+    ):
+        with pytest.raises(UnsupportedQuantizationError, match=message):
+            parse_quantization_config({"quant_method": "fp8", **qc})

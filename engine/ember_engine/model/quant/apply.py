@@ -29,6 +29,9 @@ from ember_engine.model.quant.w4a8_linear import W4Fp8Linear
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 HEAD = "lm_head"
 _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
+# `quant_method: fp8` tensors under the names ember holds them by: AutoFP8's and vLLM's weight scale (a
+# multiplier, as transformers' `weight_scale_inv` is) and transformers' static input scale
+HF_FP8_NAMES = {"weight_scale": "weight_scale_inv", "activation_scale": "input_scale"}
 
 
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -172,6 +175,9 @@ class QuantCollector:
         if module not in self.specs or suffix == "bias":
             return False
         spec = self.specs[module]
+        if spec.format == "hf-fp8" and suffix in HF_FP8_NAMES:  # AutoFP8's and vLLM's, transformers'
+            finite_scales({suffix: tensor_slice[...]}, name.rpartition(".")[0])  # named as the file has it
+            suffix = HF_FP8_NAMES[suffix]
         if suffix == "weight_format" and spec.format == "bitsandbytes-8bit":
             layout = tensor_slice[...].reshape(-1).tolist()  # one number, 0-d
             if layout != [0]:  # bitsandbytes' row-major layout

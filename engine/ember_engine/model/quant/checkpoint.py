@@ -143,6 +143,8 @@ def _ignored(qc: dict[str, Any]) -> tuple[str, ...]:
         field = "llm_int8_skip_modules" if method == "bitsandbytes" else "modules_to_not_convert"
         left_out = compressed_tensors.name_list(field, qc.get(field))
         ignore = tuple(p for m in left_out for p in (f"re:{m}", f"re:.*{re.escape(m)}$"))
+        if method == "fp8":  # AutoFP8's and vLLM's field: whole module names
+            ignore += compressed_tensors.name_list("ignored_layers", qc.get("ignored_layers"))
         return ignore + (gptq.dynamic_rules(qc)[0] if method == "awq" else ())
     return ()
 
@@ -150,14 +152,20 @@ def _ignored(qc: dict[str, Any]) -> tuple[str, ...]:
 def _scheme(qc: dict[str, Any]) -> QuantSpec:
     method = qc.get("quant_method")
     if method == "fp8":
-        if qc.get("activation_scheme", "dynamic") != "dynamic":
+        activations = qc.get("activation_scheme", "dynamic")
+        if activations not in ("dynamic", "static"):
             raise UnsupportedQuantizationError(
-                f"fp8 checkpoint: activation_scheme {qc.get('activation_scheme')!r} is not supported; "
-                "supported: dynamic"
+                f"fp8 checkpoint: activation_scheme {activations!r} is not supported; supported: dynamic, "
+                "static (a calibrated scale per projection, without weight_block_size)"
             )
         block = qc.get("weight_block_size")
-        if block is None:
-            return QuantSpec("fp8", "hf-fp8", group_size=0)
+        if block is None:  # per tensor or channel; static: every token under the projection's input scale
+            return QuantSpec("fp8", "hf-fp8", group_size=0, static_input=activations == "static")
+        if activations == "static":
+            raise UnsupportedQuantizationError(
+                f"fp8 checkpoint: activation_scheme 'static' with weight_block_size {block!r} is not "
+                "supported; supported: dynamic (per token and group of the block's columns)"
+            )
         if not (
             isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
         ):

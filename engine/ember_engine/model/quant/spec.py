@@ -118,7 +118,8 @@ class QuantSpec:
             "mxfp8-quantized": frozenset({"weight", "weight_scale"}),
             "nvfp4-pack-quantized": frozenset({"weight_packed", "weight_scale", "weight_global_scale"})
             | ({"input_global_scale"} if self.static_input else set()),
-            "hf-fp8": frozenset({"weight", "weight_scale_inv"}),
+            "hf-fp8": frozenset({"weight", "weight_scale_inv"})
+            | ({"input_scale"} if self.static_input else set()),
             "fbgemm_fp8": frozenset({"weight", "weight_scale"}),
             "quark": scaled,
             "gguf": frozenset({"weight", "weight_scale"})
