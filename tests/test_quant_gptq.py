@@ -180,7 +180,7 @@ GPTQ_REFUSALS = [
         {"dynamic": {"-:.*o_proj": {}, "+:.*down": {"bits": 8, "damp_percent": 0.1}}},
         None,
         r"model\.layers\.\d\.mlp\.down_proj\.scales: a \[128, 128\] weight in groups of 64 needs scales "
-        r"\[2, 128\]; found scales \[4, 128\]",
+        r"\[2, 128\]; found \[4, 128\]",
     ),
     (
         {"quant_method": "eetq"},
@@ -210,7 +210,7 @@ GPTQ_REFUSALS = [
             "model.layers.0.mlp.down_proj.scales", t["model.layers.0.mlp.down_proj.scales"][:1]
         ),
         r"model\.layers\.0\.mlp\.down_proj\.scales: a \[128, 256\] weight in groups of 64 needs scales "
-        r"\[4, 128\]; found scales \[1, 128\]",
+        r"\[4, 128\]; found \[1, 128\]",
     ),
 ]
 AWQ_REFUSALS = [
@@ -423,3 +423,12 @@ def test_an_older_gptq_checkpoint_is_read_from_quantize_config_json(quantized_mo
     for prompt in _prompts()[:2]:
         chunk = [Chunk(list(range(-(-len(prompt) // 16))), 0, prompt, num_logits=len(prompt))]
         assert torch.equal(older.forward(chunk), usual.forward(chunk))
+
+
+@pytest.mark.parametrize("file", ["quantize_config.json", "hf_quant_config.json"])
+def test_an_older_config_file_that_is_not_json_is_named(file: str, tiny_model: Path, tmp_path: Path) -> None:
+    """Was a bare JSONDecodeError naming no file."""
+    shutil.copytree(tiny_model, tmp_path / "m")
+    (tmp_path / "m" / file).write_text('{"bits": 4, "group_size": 128,}')
+    with pytest.raises(UnsupportedQuantizationError, match=rf"{file}: not JSON \(Expecting property name"):
+        LLM(str(tmp_path / "m"), num_kv_blocks=16)

@@ -205,3 +205,34 @@ def test_fp8_configs_name_what_they_leave_out_and_what_they_cannot_run() -> None
     ):
         with pytest.raises(UnsupportedQuantizationError, match=message):
             parse_quantization_config({"quant_method": "fp8", **qc})
+
+
+def test_autofp8_kv_cache_scales_are_the_fp8_caches(quantized_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """AutoFP8 writes `kv_cache_scheme: "static"` (a string) and each layer's `self_attn.k_scale` and
+    `v_scale`: an FP8 cache takes them. The string crashed the load ("'str' object has no attribute
+    'get'"); another string is refused by name."""
+    src = quantized_model("tiny", "FP8")
+    shutil.copytree(src, tmp_path / "m")
+    raw = json.loads((src / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "static",
+        "kv_cache_scheme": "static",
+    }
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    state = load_file(str(src / "model.safetensors"))
+    layers = raw["num_hidden_layers"]
+    for i in range(layers):
+        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.25 + i)
+        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.5 + i)
+    save_file(state, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    attention = LLM(
+        str(tmp_path / "m"), num_kv_blocks=16, kv_cache_dtype="fp8"
+    ).engine.runner.model.attention_layers()
+    assert [(a.k_scale, a.v_scale) for a in attention] == [(0.25 + i, 0.5 + i) for i in range(layers)]
+    raw["quantization_config"]["kv_cache_scheme"] = "dynamic"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(
+        ValueError, match=r"kv_cache_scheme 'dynamic' is not supported with kv_cache_dtype fp8"
+    ):
+        LLM(str(tmp_path / "m"), num_kv_blocks=16, kv_cache_dtype="fp8")

@@ -65,10 +65,45 @@ CASES = [
     ("AWQ", {"quantization": lambda qc: qc.update(group_size=32)}, rf"{ANY}\.scales: .* groups of 32 needs"),
     ("INT4_ASYM", {"quantization": lambda qc: qc.update(sym=True)}, rf"{ANY}\.qzeros: zero points other"),
 ]
+
+
+def _cut(
+    name: str, rows: int | None = None, columns: int | None = None
+) -> Callable[[dict[str, torch.Tensor]], None]:
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        state[name] = state[name][:rows, :columns].contiguous()
+
+    return edit
+
+
+def _as_float(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        state[name] = state[name].float()
+
+    return edit
+
+
+CASES += [
+    # zero points for a quarter of the output columns: loaded, the columns past them given garbage (the
+    # logits 3 off); AWQ's zero points for one group of four: blamed on the scales
+    (
+        "INT4_ASYM",
+        {"tensors": _cut(f"{DOWN}.qzeros", columns=4)},
+        rf"{DOWN}\.qzeros: \[4, 4\] .* needs \[4, 16\]",
+    ),
+    (
+        "AWQ_ASYM",
+        {"tensors": _cut(f"{DOWN}.qzeros", rows=1)},
+        rf"{DOWN}\.qzeros: \[1, 16\] .* needs \[4, 16\]",
+    ),
+    # packed words stored as float32: loaded, the logits 12 off
+    ("INT4", {"tensors": _as_float(f"{DOWN}.qweight")}, rf"{DOWN}\.qweight: torch\.float32 words, where"),
+]
 BUILDERS = {
     "INT4": "gptq_build.py",
     "AWQ": "gptq_build.py",
     "INT4_ASYM": "gptq_build.py",
+    "AWQ_ASYM": "gptq_build.py",
     "NF4": "bnb_build.py",
 }
 
@@ -89,6 +124,9 @@ BUILDERS = {
         "bnb-absmax",
         "awq-groups",
         "gptq-symmetric",
+        "gptq-zero-point-columns",
+        "awq-zero-point-groups",
+        "gptq-float-words",
     ],
 )
 def test_a_checkpoint_its_config_does_not_describe_is_refused_naming_the_tensor(

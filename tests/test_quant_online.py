@@ -4,6 +4,7 @@ transformers (with compressed-tensors) loads and computes as ember does."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,19 @@ def test_ember_quantize_refuses_what_it_would_overwrite_or_cannot_read(
     again = tmp_path / "again"
     assert ember(["quantize", str(dst), str(again), "--scheme", "fp8"]) == 2
     assert f"{dst} is already quantized (compressed-tensors)" in capsys.readouterr().err
+    assert not again.exists()
+    # a pruned model's config, sparsity alone (written with no quant_method under the older key), is no
+    # quantization, but a quantized copy would lose it
+    pruned = tmp_path / "pruned"
+    shutil.copytree(tiny_model, pruned)
+    config = json.loads((pruned / "config.json").read_text())
+    config["compression_config"] = {"sparsity_config": {"format": "dense", "sparsity_structure": "2:4"}}
+    (pruned / "config.json").write_text(json.dumps(config))
+    assert ember(["quantize", str(pruned), str(again), "--scheme", "fp8"]) == 2
+    assert (
+        f"{pruned} holds a compressed-tensors config (sparsity_config) that a quantized copy would lose"
+        in (capsys.readouterr().err)
+    )
     assert not again.exists()
     # the config under the older `compression_config` key is as quantized
     config = json.loads((dst / "config.json").read_text())

@@ -71,6 +71,13 @@ def check_checkpoint_scheme(quantization_config: dict[str, Any] | None) -> None:
     scheme = (quantization_config or {}).get("kv_cache_scheme")
     if not scheme:
         return
+    if isinstance(scheme, str) or not isinstance(scheme, dict):  # AutoFP8's: "static", scales per tensor
+        if scheme != "static" or method != "fp8":
+            raise ValueError(
+                f"kv_cache_scheme {scheme!r} is not supported with kv_cache_dtype fp8; supported: a "
+                'compressed-tensors scheme, or "static" in a quant_method fp8 checkpoint (AutoFP8\'s)'
+            )
+        return
     kind, bits, strategy = scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy")
     if (
         (kind, bits) != ("float", 8)

@@ -149,7 +149,7 @@ def quantize_checkpoint(
     from safetensors.torch import save_file
 
     from ember_engine.model.loader import checkpoint_files
-    from ember_engine.model.quant.checkpoint import read_quantization_config
+    from ember_engine.model.quant.checkpoint import read_quantization_config, weights_quantized
     from ember_engine.model.quant.schemes import check_scheme
 
     check_scheme(scheme)
@@ -165,9 +165,15 @@ def quantize_checkpoint(
     if not (src / "config.json").is_file():
         raise ValueError(f"{src} has no config.json: not a Hugging Face checkpoint directory")
     config = json.loads((src / "config.json").read_text())
-    held = read_quantization_config(src)  # under either key, or an older ModelOpt export's own file
-    if held is not None:
+    held = read_quantization_config(src)  # under either key, or an older export's own file
+    if held is not None and weights_quantized(held):
         raise ValueError(f"{src} is already quantized ({held.get('quant_method')})")
+    if held is not None:  # sparsity or KV-cache scales alone, which the written config would drop
+        parts = [k for k in ("sparsity_config", "kv_cache_scheme", "transform_config") if held.get(k)]
+        raise ValueError(
+            f"{src} holds a {held.get('quant_method')} config ({', '.join(parts) or 'no config groups'}) that "
+            "a quantized copy would lose; serve it with --quantization to quantize it at load instead"
+        )
     out: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(src):
         with safe_open(str(path), framework="pt") as f:

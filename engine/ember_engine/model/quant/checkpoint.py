@@ -48,10 +48,13 @@ def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
     path = Path(model_dir) / "config.json"
     raw = json.loads(path.read_text()) if path.exists() else {}
     qc = raw.get("quantization_config")
-    if not isinstance(qc, dict):
-        qc = raw.get("compression_config")
     if isinstance(qc, dict):
         return qc
+    older = raw.get("compression_config")
+    if isinstance(
+        older, dict
+    ):  # only compressed-tensors wrote it, without a quant_method where it held sparsity alone
+        return {"quant_method": "compressed-tensors", **older}
     return modelopt.read_legacy(model_dir) or gptq.read_legacy(model_dir)
 
 

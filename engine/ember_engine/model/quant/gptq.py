@@ -41,7 +41,10 @@ def read_legacy(model_dir: str | Path) -> dict[str, Any] | None:
     path = Path(model_dir) / LEGACY_FILE
     if not path.exists():
         return None
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UnsupportedQuantizationError(f"{path}: not JSON ({e})") from e
     if not isinstance(raw, dict):
         raise UnsupportedQuantizationError(f"{path}: a GPTQ config must be a JSON object")
     return {"quant_method": "gptq", **raw}
@@ -213,20 +216,35 @@ def _zero_points(spec: QuantSpec, what: str, zeros: torch.Tensor) -> torch.Tenso
 
 
 def _check_groups(
-    spec: QuantSpec, what: str, out: int, inp: int, scales: torch.Tensor, zeros: torch.Tensor
+    spec: QuantSpec, what: str, out: int, inp: int, tensors: dict[str, torch.Tensor], zero_words: int
 ) -> None:
+    """`qweight` and `qzeros` int32 words, `scales` one per group and output channel, `qzeros` a group's
+    `zero_words` words: anything else would load into wrong answers (zero points for some columns only)
+    or fail on a bare torch error."""
+    for name in ("qweight", "qzeros"):
+        if tensors[name].dtype != torch.int32:
+            raise UnsupportedQuantizationError(
+                f"{what}.{name}: {tensors[name].dtype} words, where {spec.format} packs {spec.num_bits}-bit "
+                "values into torch.int32"
+            )
     groups = -(-inp // spec.group_size) if spec.group_size else 1
-    if tuple(scales.shape) != (groups, out) or tuple(zeros.shape[:1]) != (groups,):
+    scales, zeros = tensors["scales"], tensors["qzeros"]
+    if tuple(scales.shape) != (groups, out):
         raise UnsupportedQuantizationError(
             f"{what}.scales: a [{out}, {inp}] weight in groups of {spec.group_size or inp} needs scales "
-            f"[{groups}, {out}]; found scales {list(scales.shape)}, qzeros {list(zeros.shape)}"
+            f"[{groups}, {out}]; found {list(scales.shape)}"
+        )
+    if tuple(zeros.shape) != (groups, zero_words):
+        raise UnsupportedQuantizationError(
+            f"{what}.qzeros: {list(zeros.shape)} words, where a [{out}, {inp}] weight in groups of "
+            f"{spec.group_size or inp} needs [{groups}, {zero_words}] ({spec.num_bits}-bit zero points)"
         )
 
 
 def _decode_gptq(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str) -> Decoded:
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
     inp, out = qweight.shape[0] * 32 // spec.num_bits, qweight.shape[1]
-    _check_groups(spec, what, out, inp, scales, qzeros)
+    _check_groups(spec, what, out, inp, tensors, -(-out * spec.num_bits // 32))
     if spec.format == "gptq":
         # Stored less one, word by word (a zero point of 0 borrows from the next): adding one to every
         # field of each word, carries and all, gives them back, as GPTQModel reads this format.
@@ -257,7 +275,7 @@ def _unpack_awq(packed: torch.Tensor, columns: int) -> torch.Tensor:
 def _decode_awq(spec: QuantSpec, tensors: dict[str, torch.Tensor], what: str) -> Decoded:
     qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
     inp, out = qweight.shape[0], qweight.shape[1] * 8
-    _check_groups(spec, what, out, inp, scales, qzeros)
+    _check_groups(spec, what, out, inp, tensors, -(-out // 8))
     weight = _unpack_awq(qweight, out).t().contiguous()  # [out, in]
     zeros = _unpack_awq(qzeros, out)  # [groups, out]
     return weight, scales.float().t().contiguous(), _zero_points(spec, what, zeros)

@@ -119,7 +119,10 @@ def read_legacy(model_dir: str | Path) -> dict[str, Any] | None:
     path = Path(model_dir) / LEGACY_FILE
     if not path.exists():
         return None
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UnsupportedQuantizationError(f"{path}: not JSON ({e})") from e
     if not isinstance(raw, dict) or not isinstance(raw.get("quantization"), dict):
         raise UnsupportedQuantizationError(
             f"{path}: a ModelOpt config needs a 'quantization' object (quant_algo, exclude_modules)"
