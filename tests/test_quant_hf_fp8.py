@@ -23,6 +23,7 @@ from ember_engine import LLM, SamplingParams
 from ember_engine.model.model_runner import Chunk
 
 GROUP = 128
+K_PROJ = "model.layers.2.self_attn.k_proj"
 PARTS = {
     "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
     "o_proj": ("self_attn", ("o_proj",)),
@@ -236,3 +237,43 @@ def test_autofp8_kv_cache_scales_are_the_fp8_caches(quantized_model, tmp_path: P
         ValueError, match=r"kv_cache_scheme 'dynamic' is not supported with kv_cache_dtype fp8"
     ):
         LLM(str(tmp_path / "m"), num_kv_blocks=16, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize(
+    ("names", "edit", "message"),
+    [
+        (
+            "autofp8",
+            lambda s: s.pop(f"{K_PROJ}.weight_scale"),
+            rf"missing tensor\(s\): {K_PROJ}\.weight_scale$",
+        ),
+        ("transformers", lambda s: s.pop(f"{K_PROJ}.activation_scale"), rf"{K_PROJ}\.activation_scale$"),
+        (
+            "transformers",
+            lambda s: s.__setitem__(f"{K_PROJ}.activation_scale", torch.tensor([0.0])),
+            rf"{K_PROJ}\.activation_scale: must be one positive finite number",
+        ),
+    ],
+    ids=["weight-scale-missing", "activation-scale-missing", "activation-scale-zero"],
+)
+def test_fp8_tensors_are_named_as_the_file_spells_them(
+    names: str, edit, message: str, quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A missing or unusable tensor of a `quant_method: fp8` checkpoint is named as its file spells it,
+    not by ember's name for it (`weight_scale_inv`, `input_scale`)."""
+    src = quantized_model("tiny", "FP8")
+    shutil.copytree(src, tmp_path / "m")
+    raw = json.loads((src / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    state = load_file(str(src / "model.safetensors"))
+    if names == "transformers":
+        renamed = {".weight_scale": ".weight_scale_inv", ".input_scale": ".activation_scale"}
+        for name in list(state):
+            suffix = next((s for s in renamed if name.endswith(s)), None)
+            if suffix:
+                state[name.removesuffix(suffix) + renamed[suffix]] = state.pop(name)
+    edit(state)
+    save_file(state, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path / "m"), num_kv_blocks=16)

@@ -159,6 +159,7 @@ class QuantCollector:
         self.rows: dict[tuple[str, int | None], int] = {}  # each part's output rows, once placed
         self.matrices = RotationMatrices(spec.rotations)
         self.done: set[tuple[str, int | None]] = set()
+        self.spelled: dict[str, str] = {}  # a tensor's name in this checkpoint, where it is not ember's
         self.split = rank_split.RankSplit(model, spec, self.layers, self.specs)
 
     def checkpoint_name(self, name: str) -> str:
@@ -176,7 +177,16 @@ class QuantCollector:
             return False
         spec = self.specs[module]
         if spec.format == "hf-fp8" and suffix in HF_FP8_NAMES:  # AutoFP8's and vLLM's, transformers'
-            finite_scales({suffix: tensor_slice[...]}, name.rpartition(".")[0])  # named as the file has it
+            value = tensor_slice[...]  # checked here, where its name is the file's
+            finite_scales({suffix: value}, name.rpartition(".")[0])
+            one = value.float().reshape(-1)
+            if suffix == "activation_scale" and not (
+                one.numel() == 1 and bool(torch.isfinite(one).all()) and one.item() > 0
+            ):
+                raise UnsupportedQuantizationError(
+                    f"{name}: must be one positive finite number (static per tensor), found {one.tolist()[:4]}"
+                )
+            self.spelled[HF_FP8_NAMES[suffix]] = suffix
             suffix = HF_FP8_NAMES[suffix]
         if suffix == "weight_format" and spec.format == "bitsandbytes-8bit":
             layout = tensor_slice[...].reshape(-1).tolist()  # one number, 0-d
@@ -265,7 +275,7 @@ class QuantCollector:
                 if key in self.pending:  # some of its tensors came: name the others
                     given = self.pending[key].keys()
                     needed = self.specs[module].required() - given
-                    absent += [f"{self.names[key]}.{in_file(t)}" for t in sorted(needed)]
+                    absent += [f"{self.names[key]}.{in_file(self.spelled.get(t, t))}" for t in sorted(needed)]
                 else:
                     absent.append(f"{module}[{key[1]}]" if key[1] is not None else module)
         return absent
