@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM
@@ -194,6 +195,18 @@ def test_ember_quantize_refuses_what_it_would_overwrite_or_cannot_read(
         f"{pruned} holds a compressed-tensors config (sparsity_config) that a quantized copy would lose"
         in (capsys.readouterr().err)
     )
+    assert not again.exists()
+    # quantized tensors its config.json does not describe (an AWQ checkpoint whose config is in a file of
+    # its own): an "fp8" copy was written with the int32 words copied over, which nothing could load
+    awq = tmp_path / "awq"
+    shutil.copytree(tiny_model, awq)
+    state = load_file(str(awq / "model.safetensors"))
+    state["model.layers.0.mlp.down_proj.qweight"] = torch.zeros(16, 128, dtype=torch.int32)
+    del state["model.layers.0.mlp.down_proj.weight"]
+    save_file(state, str(awq / "model.safetensors"))
+    assert ember(["quantize", str(awq), str(again), "--scheme", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert f"{awq} holds quantized weights (model.layers.0.mlp.down_proj.qweight: torch.int32)" in err
     assert not again.exists()
     # the config under the older `compression_config` key is as quantized
     config = json.loads((dst / "config.json").read_text())

@@ -27,6 +27,17 @@ from ember_engine.model.quant.schemes import DEFAULT_GROUP_SIZE
 
 # Written anew (config) or dropped (the shards' index: the copy is one file) rather than copied.
 _REWRITTEN = ("config.json", "model.safetensors.index.json")
+# a quantized checkpoint's tensors beside or in place of a projection's weight (GPTQ's and AWQ's, the
+# compressed-tensors and FP8 forms, bitsandbytes')
+_QUANTIZED_TENSORS = (
+    ".qweight",
+    ".qzeros",
+    ".weight_packed",
+    ".weight_scale",
+    ".weight_scale_inv",
+    ".weight.absmax",
+    ".SCB",
+)
 _PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
@@ -179,6 +190,12 @@ def quantize_checkpoint(
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 t = f.get_tensor(name)
+                quantized = _PROJECTION.match(name) and (not t.is_floating_point() or t.element_size() == 1)
+                if quantized or name.endswith(_QUANTIZED_TENSORS):  # a config this reader does not know of
+                    raise ValueError(
+                        f"{src} holds quantized weights ({name}: {t.dtype}) that its config.json does not "
+                        "describe; give ember quantize a full-precision checkpoint"
+                    )
                 out.update(
                     quantize_tensor(name, t, scheme, group, block_size or 0)
                     if _PROJECTION.match(name)
