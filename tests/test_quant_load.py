@@ -300,3 +300,8 @@ def test_fp8_blocks_of_any_multiple_of_16_columns_are_taken() -> None:
         qc = quantization_config("fp8", 128, columns)
         spec = parse_quantization_config(qc)
         assert (spec.scheme, spec.group_size, spec.block_rows) == ("fp8", columns, columns)
+    # compressed-tensors' older spelling, "ROWSxCOLUMNS", which it still reads as [ROWS, COLUMNS]
+    qc["config_groups"]["group_0"]["weights"]["block_structure"] = "64x128"
+    qc["config_groups"]["group_0"]["input_activations"]["group_size"] = 128
+    spec = parse_quantization_config(qc)
+    assert (spec.group_size, spec.block_rows) == (128, 64)

@@ -14,6 +14,7 @@ read here and applied by `rotations.py`) and `sparsity_config` (dense storage on
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
@@ -187,6 +188,8 @@ def _group_scheme(weights: dict[str, Any], acts: dict[str, Any] | None, fmt: str
         return QuantSpec("fp8", fmt, group_size=0, static_input=static)
     if kind == "float" and bits == 8 and strategy == "block":
         block = weights.get("block_structure")
+        if isinstance(block, str) and re.fullmatch(r"\d+x\d+", block):  # the older "ROWSxCOLUMNS"
+            block = [int(n) for n in block.split("x")]
         if not (isinstance(block, list) and len(block) == 2 and all(_positive_int(b) for b in block)):
             raise UnsupportedQuantizationError(
                 f"{where}FP8 weights in {block!r} blocks: block_structure must be [rows, columns]"
