@@ -20,7 +20,6 @@ them beside the scales, one int8 per group and output channel (`Int4Linear.weigh
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 
 from ember_engine.model.quant import schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
-from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec
+from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec, config_file
 
 LEGACY_FILE = "quantize_config.json"  # older AutoGPTQ's config, beside a config.json without one
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: field k of a word holds column _AWQ_ORDER[k]
@@ -38,13 +37,10 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: field k of a word h
 def read_legacy(model_dir: str | Path) -> dict[str, Any] | None:
     """Older AutoGPTQ's `quantize_config.json` (bits, group_size, desc_act, sym; no `quant_method`), as a
     `quantization_config` (None where there is none), as vLLM reads it for GPTQ."""
-    path = Path(model_dir) / LEGACY_FILE
-    if not path.exists():
+    found = config_file(model_dir, LEGACY_FILE)
+    if found is None:
         return None
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UnsupportedQuantizationError(f"{path}: not JSON ({e})") from e
+    path, raw = found
     if not isinstance(raw, dict):
         raise UnsupportedQuantizationError(f"{path}: a GPTQ config must be a JSON object")
     return {"quant_method": "gptq", **raw}

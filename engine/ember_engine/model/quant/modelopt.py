@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -72,7 +71,7 @@ from typing import Any
 import torch
 
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError, e8m0_scales
-from ember_engine.model.quant.spec import QuantSpec
+from ember_engine.model.quant.spec import QuantSpec, config_file
 
 METHOD = "modelopt"
 LEGACY_FILE = "hf_quant_config.json"
@@ -116,13 +115,10 @@ MIXED = "MIXED_PRECISION"
 
 def read_legacy(model_dir: str | Path) -> dict[str, Any] | None:
     """An older export's `hf_quant_config.json`, as a `quantization_config` (None where there is none)."""
-    path = Path(model_dir) / LEGACY_FILE
-    if not path.exists():
+    found = config_file(model_dir, LEGACY_FILE)
+    if found is None:
         return None
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UnsupportedQuantizationError(f"{path}: not JSON ({e})") from e
+    path, raw = found
     if not isinstance(raw, dict) or not isinstance(raw.get("quantization"), dict):
         raise UnsupportedQuantizationError(
             f"{path}: a ModelOpt config needs a 'quantization' object (quant_algo, exclude_modules)"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -141,3 +144,15 @@ def _matches(name: str, pattern: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
     return pattern in (name, "Linear")
+
+
+def config_file(model_dir: str | Path, name: str) -> tuple[Path, Any] | None:
+    """A quantization config a checkpoint keeps in a file of its own beside `config.json` (older
+    exports'), parsed: (its path, its JSON), or None where there is no such file."""
+    path = Path(model_dir) / name
+    if not path.exists():
+        return None
+    try:
+        return path, json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise schemes.UnsupportedQuantizationError(f"{path}: not JSON ({e})") from e
