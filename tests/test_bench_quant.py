@@ -4,6 +4,7 @@ agreement beside greedy agreement, and a pre-quantized checkpoint as a row of it
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def test_rows_report_teacher_forced_agreement_and_a_checkpoint_row(
     # The checkpoint ember wrote holds what online quantization holds: the same model, row for row.
     for key in ("next_token_agreement", "greedy_agreement", "logprobs_close", "perplexity", "weight_bytes"):
         assert file[key] == fp8[key], key
-    assert full["decode_tok_s_b1"] == fp8["b1_speedup"] == 0.0  # --repeats 0: no rates taken
+    assert full["decode_tok_s_b1"] is fp8["b1_speedup"] is None  # --repeats 0: no rates taken
     lines = capsys.readouterr().out.splitlines()
     column = next(line for line in lines if line.startswith("scheme")).index("weight MB")
     for label in rows:  # every label, the long one too, stays in the first column
@@ -84,6 +85,10 @@ def test_the_batch_32_rate_decodes_32_sequences_whatever_the_greedy_prompts(tmp_
         (["--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
         (["--checkpoint", "x"], "--checkpoint: expected LABEL=PATH, got 'x'"),
         (["--checkpoint", "x=/nonexistent"], "--checkpoint x: /nonexistent has no config.json"),
+        # these were refused late (a traceback after every row was measured) or as a bare traceback
+        (["--json", "/nonexistent/dir/out.json"], "--json: /nonexistent/dir is not a directory"),
+        (["--model", "/nonexistent"], "--model: /nonexistent has no config.json"),
+        (["--ppl-windows", "100"], "--ppl-windows 100: the held-out text holds 49 windows of 512 tokens"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_measured(
@@ -139,4 +144,51 @@ def test_scheme_names_may_be_spaced(tmp_path: Path) -> None:
     out = tmp_path / "quant.json"
     args = ["bench", "quant", "--schemes", "fp8, w8a16", "--no-kv-fp8", "--ppl-windows", "1"]
     assert ember([*args, "--prompts", "1", "--repeats", "0", "--json", str(out)]) == 0
-    assert [r["scheme"] for r in json.loads(out.read_text())["rows"]] == ["full", "fp8", "w8a16"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["scheme"] for r in rows] == ["full", "fp8", "w8a16"]
+    # --repeats 0 measures no rates: null in the JSON, as "-" in the table (it said 0.0 tok/s)
+    assert {r[k] for r in rows for k in ("decode_tok_s_b1", "decode_tok_s_b32", "b1_speedup")} == {None}
+
+
+def test_a_checkpoint_or_model_it_cannot_run_is_refused_before_anything_is_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --checkpoint whose quantization ember does not run was refused by a traceback after the other
+    rows were measured; a --model whose tokenizer has no end-of-text token by a bare StopIteration."""
+    from ember_engine.tools.spec_pair import packaged_pair
+
+    target = packaged_pair()[0]
+    odd = tmp_path / "hqq"
+    shutil.copytree(target, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "hqq"}}))
+    with pytest.raises(SystemExit, match=r"--checkpoint odd: quantization_config: quant_method 'hqq' is not"):
+        ember(["bench", "quant", "--checkpoint", f"odd={odd}"])
+    other = tmp_path / "other"
+    shutil.copytree(target, other)
+    tokenizer = other / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text().replace("<|eos|>", "</s>"))
+    with pytest.raises(SystemExit, match=rf"--model: {other}'s tokenizer has no <\|eos\|> token"):
+        ember(["bench", "quant", "--model", str(other)])
+    assert "measured" not in capsys.readouterr().err
+
+
+def test_the_perplexity_pass_leaves_the_prefix_cache_true_for_the_rates() -> None:
+    """The perplexity windows are written into the cache's first blocks behind the block manager; the
+    prompts cached there before must not be reused from them (the rates decoded on overwritten keys)."""
+    import argparse
+
+    from ember_engine import SamplingParams
+    from ember_engine.bench.quant import GEN_TOKENS, held_out, measure, prompts_from
+    from ember_engine.tools.spec_pair import packaged_pair
+
+    target = packaged_pair()[0]
+    args = argparse.Namespace(kv_cache_memory=64 << 20, dtype="auto", prompts=4, ppl_windows=2)
+    text = held_out(target)
+    row, llm, _ = measure(target, None, args, text)
+    again = llm.generate(
+        prompts_from(text, 4),
+        SamplingParams(temperature=0, max_tokens=GEN_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [list(o.token_ids) for o in again] == row["outputs"]

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ember_engine.bench.arg_types import non_negative_int, positive_int
+from ember_engine.bench.quant_inputs import checked_checkpoints, checked_inputs, checked_schemes
 
 GEN_TOKENS = 64
 PROMPT_TOKENS = 64
@@ -92,7 +93,11 @@ def held_out(model_dir: Path) -> torch.Tensor:
     from ember_engine.tools.training import corpus_tokens
 
     ids = json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]
-    eos = next(t["id"] for t in ids if t["content"] == testmodel.EOS)
+    eos = next((t["id"] for t in ids if t["content"] == testmodel.EOS), None)
+    if eos is None:  # the held-out split is the packaged pair's corpus, in its tokenizer
+        raise SystemExit(
+            f"--model: {model_dir}'s tokenizer has no {testmodel.EOS} token: not a model of the packaged pair's"
+        )
     return corpus_tokens(model_dir / "tokenizer.json", eos)[1]
 
 
@@ -173,6 +178,7 @@ def measure(
         use_tqdm=False,
     )
     ppl, next_tokens = score(llm, text, args.ppl_windows)
+    llm.engine.block_manager.reset_prefix_cache()  # the windows overwrote the blocks the prompts cached
     row = {
         "scheme": label or _KV_LABELS.get(kv_cache_dtype) or scheme or "full",
         "dtype": str(runner.dtype).removeprefix("torch."),
@@ -212,78 +218,13 @@ def measure_rates(configs: list[tuple[dict[str, Any], Any, list[list[int]]]], re
                 row[f"decode_tok_s_{key}"] = max(row[f"decode_tok_s_{key}"], rate)
 
 
-# What makes two checkpoints the same model for these rows, compared position by position.
-_SHAPE = (
-    "architectures",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-)
-
-
-def checked_schemes(text: str) -> list[str]:
-    """--schemes as names of online quantization (spaces around a name allowed); an unknown one is refused
-    by name before anything is measured."""
-    from ember_engine.core.config import QUANT_SCHEMES
-
-    schemes = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in schemes if s not in QUANT_SCHEMES]
-    if unknown:
-        names = ", ".join(repr(s) for s in unknown)
-        raise SystemExit(f"--schemes: unknown {names}; choose from {', '.join(QUANT_SCHEMES)}")
-    return schemes
-
-
-def _config_of(label: str, path: str) -> dict[str, Any]:
-    """The config of a --checkpoint: a directory's config.json, or the one a GGUF file's metadata makes."""
-    from ember_engine.model import gguf
-
-    if gguf.is_gguf(path):
-        try:
-            return gguf.read_config(gguf.reader_of(Path(path)), Path(path))
-        except (OSError, gguf.GGUFError) as e:  # not there, not a GGUF file, a model ember does not run
-            raise SystemExit(f"--checkpoint {label}: {e}") from e
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        raise SystemExit(f"--checkpoint {label}: {path} has no config.json")
-    return dict(json.loads(config.read_text()))
-
-
-def checked_checkpoints(specs: list[str], model: Path) -> list[tuple[str, Path]]:
-    """--checkpoint LABEL=PATH rows: each PATH a checkpoint directory or GGUF file of `model`'s shape (its
-    rows are compared with the model's token by token), refused by name otherwise, before anything is
-    measured."""
-    ours = json.loads((model / "config.json").read_text())
-    checkpoints = []
-    for spec in specs:
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not path:
-            raise SystemExit(f"--checkpoint: expected LABEL=PATH, got {spec!r}")
-        theirs = _config_of(label, path)
-        differ = [
-            f"{k} {theirs[k]} against {ours[k]}"
-            for k in _SHAPE
-            if k in theirs and k in ours and theirs[k] != ours[k]  # head_dim: written by some tools only
-        ]
-        if differ:
-            raise SystemExit(
-                f"--checkpoint {label}: {path} is not a checkpoint of {model}: {', '.join(differ)}"
-            )
-        checkpoints.append((label, Path(path)))
-    return checkpoints
-
-
 def main(args: argparse.Namespace) -> int:
     from ember_engine.tools.spec_pair import packaged_pair
 
     model = Path(args.model) if args.model else packaged_pair()[0]
     schemes = checked_schemes(args.schemes)
     checkpoints = checked_checkpoints(args.checkpoint, model)
-    text = held_out(model)
+    text = checked_inputs(args, model, checkpoints, held_out)
     torch.set_num_threads(torch.get_num_threads())
     start = time.perf_counter()
 
@@ -341,5 +282,8 @@ def main(args: argparse.Namespace) -> int:
         )
     if args.json:
         clean = [{k: v for k, v in r.items() if k not in ("outputs", "tops", "next_tokens")} for r in rows]
+        if not args.repeats:  # no rates taken: null, as the table's "-"
+            rates = ("decode_tok_s_b1", "decode_tok_s_b32", "b1_speedup", "b32_speedup")
+            clean = [r | dict.fromkeys(rates) for r in clean]
         Path(args.json).write_text(json.dumps({"model": str(model), "rows": clean}, indent=2) + "\n")
     return 0

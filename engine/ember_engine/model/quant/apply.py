@@ -130,7 +130,7 @@ def quantize_model(model: nn.Module, spec: QuantSpec, tp: Any = None) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and persistent buffer, a tied weight counted once."""
+    """Bytes of every parameter and buffer (the RoPE tables too), a tied weight counted once."""
     seen: set[int] = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
