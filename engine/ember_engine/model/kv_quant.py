@@ -71,7 +71,7 @@ def check_checkpoint_scheme(quantization_config: dict[str, Any] | None) -> None:
     scheme = (quantization_config or {}).get("kv_cache_scheme")
     if not scheme:
         return
-    if isinstance(scheme, str) or not isinstance(scheme, dict):  # AutoFP8's: "static", scales per tensor
+    if not isinstance(scheme, dict):  # AutoFP8's: the string "static", scales per tensor
         if scheme != "static" or method != "fp8":
             raise ValueError(
                 f"kv_cache_scheme {scheme!r} is not supported with kv_cache_dtype fp8; supported: a "

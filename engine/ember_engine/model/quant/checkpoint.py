@@ -50,10 +50,9 @@ def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
     qc = raw.get("quantization_config")
     if isinstance(qc, dict):
         return qc
+    # Only compressed-tensors wrote the older key, without a quant_method where it held sparsity alone.
     older = raw.get("compression_config")
-    if isinstance(
-        older, dict
-    ):  # only compressed-tensors wrote it, without a quant_method where it held sparsity alone
+    if isinstance(older, dict):
         return {"quant_method": "compressed-tensors", **older}
     return modelopt.read_legacy(model_dir) or gptq.read_legacy(model_dir)
 
