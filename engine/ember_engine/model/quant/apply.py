@@ -228,9 +228,11 @@ class QuantCollector:
         self.offsets[key] = offset
         projection = self.names[key] = name.rpartition(".")[0]
         if spec.required() <= self.pending[key].keys():
-            finite_scales(self.pending[key], projection)  # as the file names them, then as derived
-            tensors = canonical(spec, self.pending.pop(key), projection)
-            finite_scales(tensors, projection)
+            given = self.pending.pop(key)
+            finite_scales(given, projection)  # as the file names them
+            tensors = canonical(spec, given, projection)
+            if tensors is not given:  # renamed or derived (ModelOpt's, the MX formats'): those too
+                finite_scales(tensors, projection)
             if module not in self.layers:  # a split's LM head, held dequantized
                 place = lambda head: _weight_scales(head, 0, head.out_features, tensors, projection)  # noqa: E731
                 self.split.head_rows(spec, decode(spec, tensors, projection), _empty, place)
