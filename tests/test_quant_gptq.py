@@ -425,7 +425,36 @@ def test_an_older_gptq_checkpoint_is_read_from_quantize_config_json(quantized_mo
         assert torch.equal(older.forward(chunk), usual.forward(chunk))
 
 
-@pytest.mark.parametrize("file", ["quantize_config.json", "hf_quant_config.json"])
+@pytest.mark.parametrize("file", ["quant_config.json", "quantize_config.json"])
+def test_an_older_awq_checkpoint_is_read_from_its_own_config_file(
+    file: str, quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """AutoAWQ before transformers read AWQ wrote its config to a file of its own, in its own field names
+    (`w_bit`, `q_group_size`, `zero_point`, `version: "GEMM"`; no `quant_method`), as vLLM reads it: the
+    same model as with the config in `config.json`. It was refused as holding unexpected tensors."""
+    path = quantized_model("tiny", "AWQ_ASYM", "gptq_build.py")
+    shutil.copytree(path, tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    qc = raw.pop("quantization_config")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "m" / "quantize_config.json").unlink()  # GPTQModel's own copy of the config
+    older = {
+        "zero_point": qc["zero_point"],
+        "q_group_size": qc["group_size"],
+        "w_bit": qc["bits"],
+        "version": "GEMM",
+    }
+    (tmp_path / "m" / file).write_text(json.dumps(older))
+    usual = LLM(str(path), num_kv_blocks=16).engine.runner
+    runner = LLM(str(tmp_path / "m"), num_kv_blocks=16).engine.runner
+    assert runner.quant is not None and (runner.quant.scheme, runner.quant.format) == ("w4a16", "awq")
+    assert runner.quant.zero_points
+    for prompt in _prompts()[:2]:
+        chunk = [Chunk(list(range(-(-len(prompt) // 16))), 0, prompt, num_logits=len(prompt))]
+        assert torch.equal(runner.forward(chunk), usual.forward(chunk))
+
+
+@pytest.mark.parametrize("file", ["quantize_config.json", "quant_config.json", "hf_quant_config.json"])
 def test_an_older_config_file_that_is_not_json_is_named(file: str, tiny_model: Path, tmp_path: Path) -> None:
     """Was a bare JSONDecodeError naming no file."""
     shutil.copytree(tiny_model, tmp_path / "m")

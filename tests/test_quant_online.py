@@ -208,6 +208,11 @@ def test_ember_quantize_refuses_what_it_would_overwrite_or_cannot_read(
     err = capsys.readouterr().err
     assert f"{awq} holds quantized weights (model.layers.0.mlp.down_proj.qweight: torch.int32)" in err
     assert not again.exists()
+    # older AutoAWQ's own config file describes them
+    (awq / "quant_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 128, "version": "GEMM"}))
+    assert ember(["quantize", str(awq), str(again), "--scheme", "fp8"]) == 2
+    assert f"{awq} is already quantized (awq)" in capsys.readouterr().err
+    assert not again.exists()
     # the config under the older `compression_config` key is as quantized
     config = json.loads((dst / "config.json").read_text())
     config["compression_config"] = config.pop("quantization_config")

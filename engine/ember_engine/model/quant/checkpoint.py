@@ -44,7 +44,8 @@ from ember_engine.model.quant.tensor_checks import packed_as_said, words
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
     """`config.json`'s `quantization_config`; where it has none, its `compression_config` (what older
     llm-compressor releases wrote, as vLLM reads it), then an older ModelOpt export's
-    `hf_quant_config.json` (`modelopt.read_legacy`), then older AutoGPTQ's `quantize_config.json`."""
+    `hf_quant_config.json` (`modelopt.read_legacy`), then older AutoGPTQ's `quantize_config.json` or
+    AutoAWQ's `quant_config.json` (`gptq.read_legacy`)."""
     path = Path(model_dir) / "config.json"
     raw = json.loads(path.read_text()) if path.exists() else {}
     qc = raw.get("quantization_config")

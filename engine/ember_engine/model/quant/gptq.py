@@ -30,20 +30,26 @@ from ember_engine.model.quant import schemes
 from ember_engine.model.quant.schemes import UnsupportedQuantizationError
 from ember_engine.model.quant.spec import GPTQ_FORMATS, Decoded, QuantSpec, config_file
 
-LEGACY_FILE = "quantize_config.json"  # older AutoGPTQ's config, beside a config.json without one
+# Configs older exports keep in a file of their own, beside a config.json without one: AutoGPTQ's (GPTQModel
+# writes a copy too, with its `quant_method`) and AutoAWQ's.
+LEGACY_FILES = ("quantize_config.json", "quant_config.json")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: field k of a word holds column _AWQ_ORDER[k]
 
 
 def read_legacy(model_dir: str | Path) -> dict[str, Any] | None:
-    """Older AutoGPTQ's `quantize_config.json` (bits, group_size, desc_act, sym; no `quant_method`), as a
-    `quantization_config` (None where there is none), as vLLM reads it for GPTQ."""
-    found = config_file(model_dir, LEGACY_FILE)
-    if found is None:
-        return None
-    path, raw = found
-    if not isinstance(raw, dict):
-        raise UnsupportedQuantizationError(f"{path}: a GPTQ config must be a JSON object")
-    return {"quant_method": "gptq", **raw}
+    """An older export's own config file, as a `quantization_config` (None where there is none), as vLLM
+    reads these files: one without a `quant_method` is AutoAWQ's where it spells its fields AutoAWQ's way
+    (`w_bit`, `q_group_size`), else AutoGPTQ's (bits, group_size, desc_act, sym)."""
+    for name in LEGACY_FILES:
+        found = config_file(model_dir, name)
+        if found is None:
+            continue
+        path, raw = found
+        if not isinstance(raw, dict):
+            raise UnsupportedQuantizationError(f"{path}: a GPTQ or AWQ config must be a JSON object")
+        method = "awq" if "w_bit" in raw or "q_group_size" in raw else "gptq"
+        return {"quant_method": method, **raw}
+    return None
 
 
 def parse_gptq(qc: dict[str, Any]) -> QuantSpec:
@@ -112,7 +118,9 @@ def _gptq_format(fmt: str, fields: dict[str, Any], where: str) -> QuantSpec:
 
 
 def parse_awq(qc: dict[str, Any]) -> QuantSpec:
-    bits, group = qc.get("bits"), qc.get("group_size")
+    """An AWQ config's scheme; AutoAWQ's own names for its fields (`w_bit`, `q_group_size`) read as vLLM
+    reads them."""
+    bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
     version = str(qc.get("version") or qc.get("checkpoint_format") or "gemm").lower()
     if version != "gemm":
         raise UnsupportedQuantizationError(f"awq: version {version!r} is not supported; supported: gemm")
