@@ -16,6 +16,7 @@ from waiting import wait_for
 from ember_localcluster import deployment as d
 from ember_localcluster.apiserver import APIServer
 from ember_localcluster.deployment_controller import DeploymentController
+from ember_localcluster.expectations import Expectations
 
 NS = "default"
 
@@ -241,3 +242,83 @@ def test_the_controller_creates_rolls_and_reports_a_deployment(cluster: APIServe
     api.delete("apps/v1", "Deployment", NS, "web")
     wait_for(lambda: not api.list("apps/v1", "ReplicaSet", NS) and not _pods(api), 10, "garbage collection")
     assert created["metadata"]["uid"]
+
+
+# -- expectations: a ReplicaSet acts again only once it has seen its own creates and deletes ---------------
+
+
+def test_expectations_wait_for_each_create_and_delete_and_expire_after_five_minutes() -> None:
+    now = [0.0]
+    exp = Expectations(clock=lambda: now[0])
+    key = ("ReplicaSet", NS, "web-1")
+    assert exp.satisfied(key)  # nothing recorded
+    exp.expect(key, adds=2)
+    assert not exp.satisfied(key)
+    exp.created(key)
+    assert not exp.satisfied(key)
+    exp.created(key)
+    assert exp.satisfied(key)
+    exp.expect(key, deletes=["a", "b"])
+    exp.deleted(key, "a")
+    exp.deleted(key, "a")  # seen twice (its deletionTimestamp, then its removal): counted once
+    assert not exp.satisfied(key)
+    exp.deleted(key, "b")
+    assert exp.satisfied(key)
+    exp.expect(key, adds=1)
+    now[0] = 299.0
+    assert not exp.satisfied(key)
+    now[0] = 300.5  # upstream's ExpectationsTimeout: five minutes
+    assert exp.satisfied(key)
+    exp.expect(key, adds=1)
+    exp.forget(key)
+    assert exp.satisfied(key)
+
+
+class _LaggingInformers(DeploymentController):
+    """The controller with informers that have not delivered anything yet: what it knows is what the test
+    hands it, as when the pods' events are still on their way."""
+
+    def _informers(self) -> list[Any]:
+        return []
+
+
+def test_a_replicaset_synced_again_before_its_pods_events_arrive_creates_nothing_more(
+    tmp_path: Path,
+) -> None:
+    """kube-controller-manager's ReplicaSet controller records the pods it asked for
+    (`ControllerExpectations`) and does not create or delete again until its informer has seen them. The
+    local controller acted on its stale cache: a second sync before the pods' ADDED events created a
+    second set (6 pods for 3 replicas)."""
+    with APIServer(pod_graceful_deletion=False) as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        rs = api.create(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "metadata": {"name": "lag", "namespace": NS},
+                "spec": {
+                    "replicas": 3,
+                    "selector": {"matchLabels": {"app": "lag"}},
+                    "template": {
+                        "metadata": {"labels": {"app": "lag"}},
+                        "spec": {"containers": [{"name": "c", "image": "img:1"}]},
+                    },
+                },
+            }
+        )
+        key = ("ReplicaSet", NS, "lag")
+        with _LaggingInformers(kubeconfig) as controller:
+            controller._objects[key] = rs
+            for _ in range(2):
+                controller._runtime.run(controller._sync_replicaset(key), timeout=10)
+            pods = api.list("v1", "Pod", NS, label_selector="app=lag")
+            assert len(pods) == 3
+            for pod in pods:  # the events arrive: the next sync acts on what it sees
+                controller._runtime.run(_deliver(controller, "ADDED", pod), timeout=10)
+            controller._objects[key] = rs | {"spec": rs["spec"] | {"replicas": 4}}
+            controller._runtime.run(controller._sync_replicaset(key), timeout=10)
+            assert len(api.list("v1", "Pod", NS, label_selector="app=lag")) == 4
+
+
+async def _deliver(controller: DeploymentController, event: str, obj: dict[str, Any]) -> None:
+    controller._on_event("Pod", event, obj)

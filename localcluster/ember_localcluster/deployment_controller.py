@@ -3,7 +3,8 @@
 `DeploymentController` talks to the API server only through the official `kubernetes` client, as
 kube-controller-manager does through client-go: it lists and watches Deployments, ReplicaSets and pods,
 and after each change takes one step for the object concerned. A ReplicaSet's step creates or deletes its
-pods and writes its status; a Deployment's step creates the ReplicaSet of its current template (a name
+pods and writes its status, and creates or deletes again only once its informer has seen the pods it
+created and deleted (`expectations.py`, as upstream); a Deployment's step creates the ReplicaSet of its current template (a name
 taken by a ReplicaSet of another template raises `status.collisionCount`, as upstream does), sets the
 ReplicaSets' replicas for the rollout, and writes its status. A pod's change wakes its ReplicaSet, a
 ReplicaSet's its Deployment. A step that fails is retried a second later (`workqueue.py`).
@@ -22,6 +23,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ember_localcluster import deployment as d
+from ember_localcluster.expectations import Expectations
 from ember_localcluster.informer import Informer
 from ember_localcluster.workqueue import KeyedController
 
@@ -48,6 +50,7 @@ class DeploymentController(KeyedController[Key]):
         super().__init__(kubeconfig, "deployments", log)
         self._objects: dict[Key, dict[str, Any]] = {}
         self._apps: Any = None
+        self._expectations = Expectations()
 
     def _opened(self) -> None:
         self._apps = client.AppsV1Api(self._runtime.core.api_client)
@@ -83,6 +86,14 @@ class DeploymentController(KeyedController[Key]):
             self._objects.pop(key, None)
         else:
             self._objects[key] = obj
+        if kind == "ReplicaSet" and event == "DELETED":
+            self._expectations.forget(key)
+        if kind == "Pod" and (rs := _owner(obj, "ReplicaSet")):
+            rs_key = ("ReplicaSet", key[1], rs)
+            if event == "DELETED" or obj["metadata"].get("deletionTimestamp"):
+                self._expectations.deleted(rs_key, key[2])
+            elif event == "ADDED":
+                self._expectations.created(rs_key)
         if kind in ("Deployment", "ReplicaSet") and event != "DELETED":
             self._mark(key)
         parent = {"Pod": "ReplicaSet", "ReplicaSet": "Deployment"}.get(kind)
@@ -111,14 +122,25 @@ class DeploymentController(KeyedController[Key]):
         _, namespace, name = key
         core = self._runtime.core
         pods = self._children("Pod", rs)
-        create, delete = d.replicaset_actions(rs, pods)
-        for _ in range(create):
-            await self._call(core.create_namespaced_pod, namespace, d.replicaset_pod(rs))
+        # Until the pods it last created and deleted are in the cache, the cache is stale: no action.
+        create, delete = d.replicaset_actions(rs, pods) if self._expectations.satisfied(key) else (0, [])
+        if create:
+            self._expectations.expect(key, adds=create)
+        for done in range(create):
+            try:
+                await self._call(core.create_namespaced_pod, namespace, d.replicaset_pod(rs))
+            except Exception:
+                for _ in range(create - done):  # none of the rest will be seen
+                    self._expectations.created(key)
+                raise
+        if delete:
+            self._expectations.expect(key, deletes=delete)
         for pod in delete:
             try:
                 await self._call(core.delete_namespaced_pod, pod, namespace)
-            except ApiException as e:
-                if e.status != 404:
+            except Exception as e:
+                self._expectations.deleted(key, pod)
+                if not (isinstance(e, ApiException) and e.status == 404):
                     raise
         status = d.replicaset_status(rs, pods, datetime.now(UTC))
         if create or delete:  # the pods' own events bring the next count
