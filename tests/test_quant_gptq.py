@@ -6,6 +6,7 @@ left in full precision by GPTQModel's `dynamic` overrides."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from script_runs import run_script
 
 from ember_engine import LLM, SamplingParams
+from ember_engine.model.loader import CheckpointError
 from ember_engine.model.model_runner import Chunk
 from ember_engine.model.quant import schemes
 from ember_engine.model.quant.int_linear import Int4Linear, Int8Linear
@@ -383,6 +385,37 @@ def test_modules_in_block_to_quantize_leaves_the_others_in_full_precision(
         blocks = list(range(-(-len(prompt) // 16)))
         ours = llm.engine.runner.forward([Chunk(blocks, 0, prompt, num_logits=len(prompt))])
         assert (ours - theirs).abs().max().item() <= 1e-3 * (theirs.max() - theirs.min()).item()
+
+
+@pytest.mark.parametrize(
+    ("config", "module"),
+    [
+        # a fused name the checkpoint does not store (its projections are gate_proj and up_proj)
+        (
+            {
+                "modules_in_block_to_quantize": [
+                    ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                    ["self_attn.o_proj"],
+                    ["mlp.gate_up_proj"],
+                    ["mlp.down_proj"],
+                ]
+            },
+            "mlp.(gate|up)_proj",
+        ),
+        ({"dynamic": {"-:.*down_proj": {}}}, r"mlp\.down_proj"),
+    ],
+)
+def test_a_quantized_projection_its_config_leaves_in_full_precision_is_named(
+    config: dict, module: str, quantized_model, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A config whose lists leave out projections the file holds quantized (a misspelt or fused name in
+    modules_in_block_to_quantize, a too-wide dynamic pattern): the error said only "no such parameter"."""
+    path = _edited(quantized_model("tiny", "INT4", "gptq_build.py"), tmp_path / "m", config)
+    with pytest.raises(CheckpointError) as refused:
+        LLM(str(path), num_kv_blocks=16)
+    message = str(refused.value)
+    assert re.search(rf"model\.layers\.\d+\.{module} is quantized in the file", message), message
+    assert "the checkpoint's gptq config leaves it in full precision" in message
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,22 @@ def _set_kv_scale(model: LlamaForCausalLM, name: str, target: tuple[str, str], t
         attn.checkpoint_scales.add("v")
 
 
+def _unexpected(
+    name: str, target: str, params: dict[str, torch.nn.Parameter], quant: QuantCollector | None
+) -> str:
+    """Why tensor `name` has no place: no such parameter, or (a quantized tensor of a projection the
+    model holds in full precision) its config leaves a projection out that the file holds quantized."""
+    module = target.rpartition(".")[0]
+    if quant is None or f"{module}.weight" not in params:
+        return f"unexpected tensor {name!r} in checkpoint (no such parameter)"
+    held = name.rpartition(".")[0]
+    return (
+        f"unexpected tensor {name!r} in checkpoint: {held} is quantized in the file, but the checkpoint's "
+        f"{quant.spec.format} config leaves it in full precision (its lists of modules quantized or left out "
+        "do not match the file)"
+    )
+
+
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCollector | None = None) -> None:
     """Copy every checkpoint tensor into place; error naming any missing, unknown or mis-shaped one.
     `quant` takes the tensors of the quantized projections (a quantized checkpoint)."""
@@ -123,7 +139,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCol
                 continue
         param = params.get(target)
         if param is None:
-            raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (no such parameter)")
+            raise CheckpointError(_unexpected(name, target, params, quant))
         tensor = model.shard.read(name, tensor_slice, model.config.head_dim)
         dest = param.data
         if target.split(".")[-2] in ("embed_tokens", "lm_head"):
