@@ -124,7 +124,9 @@ def test_an_overloaded_engine_is_skipped_and_a_full_fleet_sheds_at_once(
             engines[1].state.draining = True
             router.pool.engines[engines[0].url].state.overloaded_until = 0.0  # let both be tried again
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-            assert r.status_code == 503 and "Retry-After" in r.headers
+            # both engines tried refused it: the fleet is overloaded (it was the second engine's own 503)
+            assert r.status_code == 503 and r.headers["Retry-After"]
+            assert r.json()["error"]["code"] == "fleet_overloaded", r.text
             start = time.perf_counter()
             shed = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             elapsed = time.perf_counter() - start
@@ -217,6 +219,75 @@ def test_what_no_engine_can_take_goes_to_the_fallback(
             assert engine_sheds() == sheds_before + 1
         finally:
             engines[0].state.draining = engines[1].state.draining = False
+
+
+def test_when_every_engine_tried_refuses_or_is_gone_the_fallback_takes_the_request(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    """With two engines or more, the second engine's refusal was relayed to the client (its own 503, or a
+    502 when it could not be reached) and the fallback never tried; `/v1/models` answered 502 when the
+    first Ready engine had gone, though another was Ready."""
+    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": "hello", "max_tokens": 1}
+    with ExitStack() as stack:
+        fallback = stack.enter_context(running_server(tiny_model, "--block-size", "16"))
+        settings = RouterSettings(
+            fallback=from_flags(fallback.url, model, frozenset({"Overloaded", "Unavailable"}))
+        )
+        url, _router = stack.enter_context(
+            running_router(tiny_model, [e.url for e in engines], poll_interval=3600, settings=settings)
+        )
+        engines[0].state.draining = engines[1].state.draining = True
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        finally:
+            engines[0].state.draining = engines[1].state.draining = False
+        assert r.status_code == 200, r.text
+        assert r.headers["x-ember-served-by"] == "fallback" and r.headers[ROUTED_TO] == fallback.url
+    # engines gone between polls: the router saw them Ready, they are unreachable now
+    fallback = RouterSettings(fallback=from_flags(engines[0].url, model, frozenset({"Unavailable"})))
+    for settings, code in ((RouterSettings(), 503), (fallback, 200)):
+        with ExitStack() as stack:
+            pair = [stack.enter_context(running_server(tiny_model, "--block-size", "16")) for _ in range(2)]
+            url, _router = stack.enter_context(
+                running_router(tiny_model, [e.url for e in pair], poll_interval=3600, settings=settings)
+            )
+            _stop(pair[0])
+            listed = httpx.get(f"{url}/v1/models", timeout=60)  # from the next Ready engine
+            assert listed.status_code == 200 and listed.json()["data"][0]["id"] == model, listed.text
+            _router.pool.engines[pair[0].url].state.ready = True  # as if no request had found it gone
+            _stop(pair[1])
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == code, r.text
+            if code == 503:
+                assert r.json()["error"]["code"] == "fleet_overloaded" and r.headers["Retry-After"]
+            else:
+                assert r.headers["x-ember-served-by"] == "fallback"
+
+
+def _stop(engine: InProcessServer) -> None:
+    engine.server.should_exit = True
+    wait_for(lambda: _refused(engine.url), what=f"{engine.url} gone")
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def test_a_body_nested_too_deep_for_the_router_to_parse_gets_the_engines_400(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    """The router's own parse raised RecursionError: a 500 in plain text."""
+    with running_router(tiny_model, [engines[0].url]) as (url, _router):
+        deep = "[" * 5000 + "]" * 5000
+        r = httpx.post(
+            f"{url}/v1/completions", content=deep, headers={"content-type": "application/json"}, timeout=60
+        )
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
 
 
 def test_an_engines_fallback_answer_is_counted_by_that_engine_and_not_by_the_router(

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import pytest
 from aiohttp import web
 from server_util import running_server
 
@@ -135,5 +136,55 @@ def test_an_unreadable_answer_leaves_nothing_trusted_from_it_and_polling_goes_on
             assert pool.engines[bad].state.ready is False  # its readiness came in the unreadable answer
             assert pool.engines[half].state.ready is True  # `/ready` said so; only its events are unread
             assert pool.engines[half].state.running == 3.0 and not pool.engines[half].events_live
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        "[]",  # JSON, but not an object
+        "null",
+        '{"block_size": Infinity, "seq": 1, "events": []}',
+        '{"block_size": 16, "seq": "1", "events": []}',
+        '{"block_size": 16, "seq": 1, "events": [["stored"]]}',
+        '{"block_size": 16, "seq": 1, "events": 3}',
+    ],
+)
+def test_events_of_the_wrong_shape_leave_the_events_unread_and_polling_goes_on(events: str) -> None:
+    """Such an answer raised out of the poll (AttributeError, OverflowError) and ended the poller: no engine
+    was polled again, whatever became of it."""
+
+    async def run() -> None:
+        answers = {"/ready": (200, "ok"), "/metrics": (200, _PAGE), "/v1/kv_events": (200, events)}
+        async with _vllm_shaped(answers) as half, _vllm_shaped({"/ready": (200, "ok")}) as other:
+            pool = EnginePool([half, other], poll_interval=0.01)
+            async with aiohttp.ClientSession() as session:
+                poller = asyncio.create_task(pool.run(session))
+                await asyncio.sleep(0.3)
+                alive = not poller.done()
+                poller.cancel()
+            assert alive, poller.exception()
+            assert pool.engines[half].state.ready is True and not pool.engines[half].events_live
+            assert pool.engines[other].state.ready is True
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "load",
+    [
+        "[]",
+        '{"num_requests_waiting": 0, "num_requests_running": 0, "kv_cache_usage_perc": 0, "kv_events": null}',
+    ],
+)
+def test_a_load_answer_of_the_wrong_shape_leaves_the_engine_not_ready(load: str) -> None:
+    async def run() -> None:
+        async with _vllm_shaped({"/v1/load": (200, load)}) as bad:
+            pool = EnginePool([bad])
+            pool.engines[bad].state.ready = True
+            async with aiohttp.ClientSession() as session:
+                await pool.poll_once(session)
+            assert pool.engines[bad].state.ready is False
 
     asyncio.run(run())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -107,6 +108,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the router then counts as ready without engines",
     )
     p.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for an engine's next bytes (its answer's head or the next piece of its body) "
+        "before answering 504 (default: no limit; the engines' own request deadline applies)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -125,8 +133,16 @@ def build(args: argparse.Namespace) -> Router:
     from ember_router.routes_file import RoutesFile
     from ember_router.rules import parse_route
 
-    if args.epsilon < 0:
-        raise SystemExit("ember router: --epsilon must be >= 0")
+    for flag, value, least in (
+        ("--epsilon", args.epsilon, 0.0),
+        ("--poll-interval", args.poll_interval, None),
+        ("--hold-seconds", args.hold_seconds, 0.0),
+        ("--drain-timeout", args.drain_timeout, 0.0),
+        ("--upstream-timeout", args.upstream_timeout if args.upstream_timeout is not None else 1.0, None),
+    ):
+        if not (math.isfinite(value) and (value >= least if least is not None else value > 0)):
+            bound = f">= {least:g}" if least is not None else "> 0"
+            raise SystemExit(f"ember router: {flag} must be a finite number {bound}, got {value:g}")
     try:
         routes = tuple(parse_route(text) for text in args.route)
     except ValueError as e:  # json.JSONDecodeError included
@@ -169,7 +185,8 @@ def build(args: argparse.Namespace) -> Router:
             session_header=args.session_header.lower(),
             fallback=from_flags(args.fallback_url, args.fallback_model, when),
             routes=routes,
-            hold_seconds=max(0.0, args.hold_seconds),
+            hold_seconds=args.hold_seconds,
+            upstream_timeout=args.upstream_timeout,
         ),
         discovery=discovery,
         policy=policy,

@@ -93,7 +93,10 @@ class EnginePool:
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
-            await self.poll_once(session)
+            try:
+                await self.poll_once(session)
+            except Exception:  # whatever one pass met, the engines are polled again
+                log.exception("polling the engines failed; polling goes on")
             await asyncio.sleep(self.poll_interval)
 
     async def poll_once(self, session: aiohttp.ClientSession) -> None:
@@ -111,7 +114,7 @@ class EnginePool:
                 return
             engine.polls_without_load_api += 1
             await self._poll_separately(session, engine)
-        except (ValueError, KeyError, TypeError) as exc:  # an answer that is not what it should be
+        except (ValueError, KeyError, TypeError, ArithmeticError) as exc:  # an answer not as it should be
             log.warning("engine %s answered a poll with something unreadable: %s", engine.url, exc)
             engine.events_live = False
             if engine.load_api:  # its readiness came in that answer too
@@ -132,7 +135,7 @@ class EnginePool:
         engine.state.ready = status == 200
         if status != 200:
             return True
-        body = json.loads(text)
+        body = _object(json.loads(text), "load")
         engine.state.waiting = float(body["num_requests_waiting"])
         engine.state.running = float(body["num_requests_running"])
         engine.state.kv_usage = float(body["kv_cache_usage_perc"])
@@ -162,8 +165,9 @@ class EnginePool:
             return
         self._take_events(engine, json.loads(text))
 
-    def _take_events(self, engine: Engine, body: dict[str, Any]) -> None:
+    def _take_events(self, engine: Engine, answer: Any) -> None:
         """Apply an engine's prefix-cache changes (a `/v1/kv_events` answer) to the index."""
+        body = _object(answer, "kv_events")
         if not body.get("enabled", True):
             engine.events_live = False
             return
@@ -180,3 +184,10 @@ class EnginePool:
                 self.index.removed(engine.url, h)
         engine.seq = body["seq"]
         engine.events_live = True
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    """A JSON answer that must be an object (TypeError, read as an unreadable answer, where it is not)."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} is {type(value).__name__}, not an object")
+    return value

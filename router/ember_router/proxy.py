@@ -38,6 +38,7 @@ from ember_router.metrics import RouterMetrics
 from ember_router.policy import EngineState, choose
 from ember_router.pool import EnginePool
 from ember_router.prompts import request_hashes
+from ember_router.relay import EventFramer, error_event, error_response, openai_errors
 from ember_router.routes_file import RoutesFile
 from ember_router.rules import Request, Rule, decide, requested_max_tokens
 
@@ -64,7 +65,9 @@ class RouterSettings:
     epsilon: float = 0.25  # bounded load: at most (1 + epsilon) x the mean
     session_header: str = "x-session-id"
     retry_after: int = 1  # seconds, when the whole fleet is overloaded or an engine gave none
-    upstream_timeout: float = 600.0
+    # Seconds to wait for an engine's next bytes (its answer's head, or the next piece of its body) before
+    # answering 504; None: as long as the engine takes (its own request deadline applies).
+    upstream_timeout: float | None = None
     # Where requests go that no engine can take (any OpenAI-compatible server), when the router has no policy
     # file (whose fallback then applies instead).
     fallback: FallbackTarget | None = None
@@ -91,10 +94,11 @@ class Router:
     # -- the app ----------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[openai_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_page)
@@ -103,7 +107,9 @@ class Router:
 
     async def _background(self, _app: web.Application) -> Any:
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.settings.upstream_timeout, sock_connect=CONNECT_TIMEOUT),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=CONNECT_TIMEOUT, sock_read=self.settings.upstream_timeout
+            ),
             connector=aiohttp.TCPConnector(limit=0),
             # A proxy: bodies pass as the engine encoded them (with its Content-Encoding), and no cookie
             # one client's answer set is sent on with another client's request.
@@ -149,9 +155,9 @@ class Router:
         )
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        for state in self.pool.states():
+        for state in self.pool.states():  # the first Ready engine that answers
             if state.ready:
-                response = await self._forward(request, state.name, b"", "GET", "only", 0)
+                response = await self._forward(request, state.name, b"", "GET", "only", 0, retry=True)
                 if response is not None:
                     return response
         return _error(503, "no engine is ready", "overloaded", "not_ready", self.settings.retry_after)
@@ -169,7 +175,7 @@ class Router:
         raw = await request.read()
         try:
             body = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what the parser takes
             body = None  # the engine answers the error in its own words
         if len(raw) <= INLINE_TOKENIZE:
             hashes, num_tokens = request_hashes(self.tokenizer, body, chat, self.pool.block_size)
@@ -208,10 +214,9 @@ class Router:
                 next(self._turns),
             )
             if decision.engine is None:
-                ready = any(st.ready for st in self.pool.states())
-                condition = "Overloaded" if ready else "Unavailable"
-                why = "every engine is overloaded" if ready else "no engine is ready"
-                return await self._shed(request, body, arrived, why, condition)
+                break
+            if attempt:
+                self.metrics.retries.inc()
             engine = self.pool.engines[decision.engine]
             self.metrics.decisions.labels(decision.engine, decision.reason).inc()
             log.debug(
@@ -240,13 +245,19 @@ class Router:
                 decision.reason,
                 decision.matched_blocks,
                 arrived,
-                retry=attempt == 0,
+                retry=True,
             )
             if response is not None:
                 return response
             tried.add(decision.engine)
-            self.metrics.retries.inc()
-        return await self._shed(request, body, arrived, "the engines tried were overloaded", "Overloaded")
+        # No engine left to take it, or the engines tried refused it or could not be reached.
+        ready = any(st.ready for st in self.pool.states())
+        why = (
+            ("the engines tried were overloaded" if tried else "every engine is overloaded")
+            if ready
+            else "no engine is ready"
+        )
+        return await self._shed(request, body, arrived, why, "Overloaded" if ready else "Unavailable")
 
     async def _hold(self) -> bool:
         """Wait, counted in `ember_router:pending_requests`, until an engine is Ready; False when
@@ -318,6 +329,13 @@ class Router:
         self.metrics.shed.labels("fleet_overloaded").inc()
         return _error(503, f"{why}; retry later", "overloaded", "fleet_overloaded", self.settings.retry_after)
 
+    def _timed_out(self, engine_url: str, timeout: float | None) -> web.Response:
+        """A 504: the engine has the request but sent nothing for the read deadline. Not retried elsewhere
+        (it may be running still) nor taken as the engine being gone."""
+        seconds = timeout if timeout is not None else self.settings.upstream_timeout
+        return _error(504, f"the engine {engine_url} sent nothing for {seconds:g} s (the router's read deadline)",
+                      "upstream_error", "upstream_timeout", self.settings.retry_after)  # fmt: skip
+
     async def _forward(
         self,
         request: web.Request,
@@ -351,6 +369,11 @@ class Router:
                     timeout=self.session.timeout if timeout is None else _between_reads(timeout),
                 )
                 upstream = await upstream_cm.__aenter__()
+            except aiohttp.SocketTimeoutError:  # it has the request, and said nothing for that long
+                self.metrics.upstream_errors.labels(engine_url).inc()
+                if engine is None and retry:
+                    return None  # the fallback: counted as failed
+                return self._timed_out(engine_url, timeout)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self.metrics.upstream_errors.labels(engine_url).inc()
                 state.ready = False  # until the next poll says otherwise
@@ -382,7 +405,14 @@ class Router:
                 if upstream.content_length is not None and not _is_sse(upstream.content_type):
                     # A whole answer of known length (not a stream): passed on in one piece, headers and
                     # body in one write, instead of chunk by chunk.
-                    body = await upstream.read()
+                    try:
+                        body = await upstream.read()
+                    except (aiohttp.ClientError, TimeoutError) as exc:
+                        self.metrics.upstream_errors.labels(engine_url).inc()
+                        if isinstance(exc, aiohttp.SocketTimeoutError):
+                            return self._timed_out(engine_url, timeout)
+                        return _error(502, f"the engine {engine_url} broke off its answer: {exc!r}",
+                                      "upstream_error", "upstream_error", self.settings.retry_after)  # fmt: skip
                     self.metrics.ttft.observe(time.perf_counter() - arrived)
                     finished = True
                     self.metrics.e2e.observe(time.perf_counter() - arrived)
@@ -391,12 +421,33 @@ class Router:
                     )
                 out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=answer)
                 await out.prepare(request)
+                framer = EventFramer() if _is_sse(upstream.content_type) else None
                 first = True
-                async for chunk in upstream.content.iter_any():
-                    if first:
-                        self.metrics.ttft.observe(time.perf_counter() - arrived)
-                        first = False
-                    await out.write(chunk)
+                try:
+                    async for chunk in upstream.content.iter_any():
+                        if first:
+                            self.metrics.ttft.observe(time.perf_counter() - arrived)
+                            first = False
+                        await out.write(framer.feed(chunk) if framer is not None else chunk)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    # The engine broke off (it died, or said nothing for the read deadline): a stream ends
+                    # with an error event after its last whole event; another body cannot be mended, and its
+                    # connection is closed unfinished so that the client sees it cut.
+                    self.metrics.upstream_errors.labels(engine_url).inc()
+                    log.warning("%s broke off its answer to %s: %r", engine_url, request.path, exc)
+                    if framer is None:
+                        if request.transport is not None:
+                            request.transport.close()
+                        finished = True
+                        return out
+                    await out.write(
+                        error_event(
+                            f"the engine {engine_url} broke off its answer: {exc!r}", "upstream_error"
+                        )
+                    )
+                else:
+                    if framer is not None:
+                        await out.write(framer.rest())
                 await out.write_eof()
                 finished = True
                 self.metrics.e2e.observe(time.perf_counter() - arrived)
@@ -437,5 +488,4 @@ def _retry_after(value: str | None, default: int) -> float:
 
 
 def _error(status: int, message: str, type_: str, code: str, retry_after: int) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return web.json_response(body, status=status, headers={"Retry-After": str(retry_after)})
+    return error_response(status, message, type_, code, retry_after)

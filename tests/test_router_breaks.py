@@ -1,0 +1,105 @@
+"""`ember router` when an engine's answer does not come whole: a read deadline (`--upstream-timeout`) that
+bounds the wait for the engine's next bytes, not the whole answer; an engine that dies mid-stream; and the
+router's own errors (unknown routes, wrong methods, bodies over its limit) in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_util import InProcessServer, running_server, server_process
+from test_router import running_router
+
+from ember_router.proxy import RouterSettings
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Iterator[InProcessServer]:
+    with running_server(tiny_model, "--block-size", "16") as server:
+        yield server
+
+
+def _model(url: str) -> str:
+    return str(httpx.get(f"{url}/v1/models").json()["data"][0]["id"])
+
+
+def _counter(url: str, name: str) -> float:
+    page = httpx.get(f"{url}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(page) for s in f.samples if s.name == name)
+
+
+def test_the_read_deadline_bounds_each_wait_not_the_whole_answer(
+    tiny_model: Path, engine: InProcessServer
+) -> None:
+    """The router's deadline covered the whole answer (600 s, no flag): a longer stream was cut and a longer
+    request run again on another engine, then answered 502 with an empty message and the engines marked
+    not Ready."""
+    settings = RouterSettings(upstream_timeout=1.0)
+    with running_router(tiny_model, [engine.url], settings=settings) as (url, router):
+        model = _model(engine.url)
+        body = {"model": model, "prompt": "go", "max_tokens": 1500, "ignore_eos": True}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.completions.create(
+            model=model,
+            prompt="go",
+            max_tokens=1500,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 1500
+        routed = _counter(url, "ember_router:decisions_total")
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)  # nothing comes until it is done
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "upstream_timeout" and "1 s" in r.json()["error"]["message"]
+        assert _counter(url, "ember_router:decisions_total") == routed + 1  # sent once, not run again
+        assert router.pool.engines[engine.url].state.ready  # slow is not gone
+
+
+def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event(tiny_model: Path) -> None:
+    """The client's stream was cut as an incomplete chunked body, with no error event and no [DONE], and
+    the router logged a traceback without counting an upstream error."""
+    with (
+        server_process(tiny_model, "--block-size", "16") as (engine_url, proc),
+        running_router(tiny_model, [engine_url]) as (url, _router),
+    ):
+        body = {"model": _model(engine_url), "prompt": "go", "max_tokens": 1900, "ignore_eos": True}
+        events: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if len(events) == 3:
+                        proc.send_signal(signal.SIGKILL)
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "upstream_error" and engine_url in error["message"]
+        assert all("choices" in json.loads(e) for e in events[:-2])  # every event before it whole
+        assert _counter(url, "ember_router:upstream_errors_total") == 1
+
+
+def test_the_routers_own_errors_are_openai_shaped(tiny_model: Path, engine: InProcessServer) -> None:
+    """They were aiohttp's plain text (404, 405, 413), and `GET /v1/models/{id}` was a 404 the engine
+    answers."""
+    with running_router(tiny_model, [engine.url]) as (url, _router):
+        for r, status in (
+            (httpx.get(f"{url}/v1/nowhere"), 404),
+            (httpx.get(f"{url}/v1/completions"), 405),
+            (httpx.post(f"{url}/v1/completions", content=b"x" * (32 * 1024 * 1024 + 1)), 413),
+        ):
+            assert r.status_code == status, r.text
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        model = _model(engine.url)
+        one = httpx.get(f"{url}/v1/models/{model}")
+        assert one.status_code == 200 and one.json()["id"] == model, one.text
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert client.models.retrieve(model).id == model
