@@ -367,7 +367,7 @@ def test_tool_history_renders_through_the_template(tool_model: Path, client: ope
     body = ChatCompletionRequest(model=MODEL, messages=messages, tools=[WEATHER])  # type: ignore[arg-type]
     text = render_chat(Tokenizer(tool_model), body.template_messages(), tools=[WEATHER])
     assert (
-        '<tool_call>\n{"arguments": {"city": "Paris", "days": 1}, "name": "get_weather"}\n</tool_call>'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n</tool_call>'
         in text
     )
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text and '"name": "get_weather"' in text
@@ -383,6 +383,11 @@ def test_tools_on_a_template_without_them_is_400(tiny_model: Path) -> None:
         r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400
         assert "does not support tools" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "tools"  # it named messages
+        r = httpx.post(
+            f"{s.url}/tokenize", json={k: body[k] for k in ("model", "messages", "tools")}, timeout=30
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
         r = httpx.post(
             f"{s.url}/v1/chat/completions",
             json={**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -452,3 +457,122 @@ def test_the_router_renders_the_prompt_the_engine_serves(tool_model: Path, serve
         )
         shown = {k: v for k, v in body.items() if k in keys}
         assert httpx.post(f"{server.url}/tokenize", json=shown).json()["tokens"] == routed, extra
+
+
+def test_schemas_differing_only_in_key_order_each_keep_their_own_order(client: openai.OpenAI) -> None:
+    """Compiled grammars were cached by a key that sorted the schema's keys: whichever of two such schemas
+    came first decided the order of the other's output fields ("reasoning" before "answer" is a choice)."""
+    props = {
+        "answer": {"type": "integer", "minimum": 0, "maximum": 9},
+        "reasoning": {"type": "string", "maxLength": 5},
+    }
+    for order in (["answer", "reasoning"], ["reasoning", "answer"]):
+        schema = {
+            "type": "object",
+            "properties": {k: props[k] for k in order},
+            "required": ["answer", "reasoning"],
+            "additionalProperties": False,
+        }
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=150,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},  # type: ignore[typeddict-item]
+        )
+        assert r.choices[0].finish_reason == "stop"
+        assert list(json.loads(r.choices[0].message.content or "")) == order
+
+
+NESTED = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {  # as pydantic writes a model holding another: the inner one under $defs
+            "$defs": {
+                "Loc": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 8}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                }
+            },
+            "type": "object",
+            "properties": {
+                "where": {"$ref": "#/$defs/Loc"},
+                "days": {"type": "integer", "minimum": 1, "maximum": 3},
+            },
+            "required": ["where", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_required_call_whose_schema_refers_to_its_own_defs(client: openai.OpenAI, choice: object) -> None:
+    """The call's grammar nested the parameters inside a schema of its own, so their `#/$defs/...` pointed
+    nowhere: a 400 "cannot compile the grammar" for every nested pydantic model."""
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[NESTED],
+        tool_choice=choice,
+        max_tokens=150,
+        temperature=0,  # type: ignore[arg-type, list-item]
+    )
+    calls = r.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    parameters = NESTED["function"]["parameters"]  # type: ignore[index]
+    jsonschema.validate(json.loads(calls[0].function.arguments), parameters)  # type: ignore[union-attr]
+
+
+def test_templates_render_as_transformers_renders_them(tool_model: Path) -> None:
+    """`tojson` was Jinja's own (HTML-escaped, keys sorted, non-ASCII escaped), where transformers (and so
+    vLLM) write the text as it is, keys in their order; `{% break %}` and `strftime_now` were unknown."""
+    from transformers import AutoTokenizer
+
+    template = TOOL_TEMPLATE.replace(
+        "{{ bos_token }}",
+        "{{ bos_token }}{{ strftime_now('%Y') | length }}{% for m in messages %}{% if loop.index > 1 %}{% break %}"
+        "{% endif %}{{ m.role }}{% endfor %}",
+    )
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The user's weather <city> & météo",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string"}, "city": {"type": "string"}},
+            },
+        },
+    }
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"zone": "l\'île", "city": "Zürich"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    body = ChatCompletionRequest(model=MODEL, messages=messages, tools=[tool])  # type: ignore[arg-type]
+    tokenizer = Tokenizer(tool_model)
+    tokenizer.chat_template = template
+    ours = render_chat(tokenizer, body.template_messages(), tools=[tool])
+    theirs = AutoTokenizer.from_pretrained(str(tool_model)).apply_chat_template(
+        body.template_messages(),
+        tools=[tool],
+        chat_template=template,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert ours == theirs
+    assert "The user's weather <city> & météo" in ours and '"zone": "l\'île", "city": "Zürich"' in ours

@@ -202,7 +202,7 @@ def _prompt_token_ids(
         try:
             return [chat_prompt_ids(tok, body, tools)]
         except ChatTemplateError as exc:
-            raise APIError(400, f"messages: {exc}", param="messages") from exc
+            raise APIError(400, f"{exc.param}: {exc}", param=exc.param) from exc
     return [tok.encode(p) if isinstance(p, str) else p for p in body.prompts()]
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -13,25 +16,49 @@ from ember_engine.core.tokenizer import Tokenizer
 
 
 class ChatTemplateError(ValueError):
-    pass
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param  # the request field at fault
 
 
 def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    """`tojson` as transformers gives it to chat templates (so as the models were trained on, and as vLLM
+    renders): the text as it is, keys in their order; Jinja's own escapes HTML and sorts the keys."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
-    # Templates come with checkpoints: render them sandboxed.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # Templates come with checkpoints: render them sandboxed, in the environment transformers gives them.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
 
 
 @lru_cache(maxsize=8)
 def template_reads_tools(source: str) -> bool:
     """Whether the template reads the `tools` variable, i.e. can show the model its tools."""
-    env = ImmutableSandboxedEnvironment()
+    env = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
     return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
 
 
@@ -52,7 +79,9 @@ def render_chat(
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
     if tools and not template_reads_tools(tokenizer.chat_template):
-        raise ChatTemplateError("the model's chat template does not support tools (it never reads `tools`)")
+        raise ChatTemplateError(
+            "the model's chat template does not support tools (it never reads `tools`)", param="tools"
+        )
     try:
         variables: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
         variables |= extra or {}  # as vLLM: the request's kwargs win, except the messages and tokens

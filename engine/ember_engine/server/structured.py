@@ -117,7 +117,7 @@ class CompileCache:
         self._lock = Lock()
 
     def _compile(self, constraint: Constraint) -> Grammar:
-        key = json.dumps([constraint.kind, constraint.value], sort_keys=True)
+        key = json.dumps([constraint.kind, constraint.value])  # a schema's key order orders its output
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:

@@ -74,7 +74,7 @@ def _tokenize(tok: Tokenizer, body: TokenizeRequest) -> list[int]:
             tools=None if plan is None else plan.tools,
         )
     except ChatTemplateError as exc:
-        raise APIError(400, f"messages: {exc}", param="messages") from exc
+        raise APIError(400, f"{exc.param}: {exc}", param=exc.param) from exc
     return tok.encode(text, add_special_tokens=False)
 
 

@@ -69,14 +69,13 @@ def call_grammar(functions: dict[str, dict[str, Any]], parallel: bool) -> Constr
     separated by newlines, each naming one of `functions` with arguments that follow its schema."""
     rules = []
     for i, (name, fn) in enumerate(functions.items()):
-        schema = {
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": fn["parameters"]},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-            "x-guidance": {"whitespace_flexible": False},
-        }
-        rules.append(f"fn{i}: %json {json.dumps(schema)}")
+        # The arguments are a rule of their own, their schema whole at its root, so that its `$ref`s into
+        # its own `$defs` (every nested pydantic model has them) resolve.
+        head = json.dumps(
+            f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ', ensure_ascii=False
+        )
+        arguments = {**fn["parameters"], "x-guidance": {"whitespace_flexible": False}}
+        rules += [f'fn{i}: {head} args{i} "}}"', f"args{i}: %json {json.dumps(arguments)}"]
     alternatives = " | ".join(f"fn{i}" for i in range(len(functions)))
     repeat = ' ("\\n" call)*' if parallel else ""
     source = "\n".join(
