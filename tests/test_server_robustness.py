@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -360,3 +361,41 @@ def test_a_model_that_computes_nan_gets_well_formed_errors(tiny_model: Path, tmp
         parsed = [json.loads(e, parse_constant=not_a_number) for e in events[:-1]]
         assert parsed[-1]["error"]["type"] == "internal_server_error"
         assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200  # the server still serves
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        # started, then answered every request 413 "limit of -1 bytes"
+        (["--max-request-body-bytes", "-1"], "--max-request-body-bytes: must be 1 or more bytes, not -1"),
+        (["--drain-timeout", "-5"], "--drain-timeout: must be 0 or more seconds, not -5"),
+        (["--drain-timeout", "nan"], "--drain-timeout: must be 0 or more seconds, not nan"),
+    ],
+)
+def test_server_numbers_it_cannot_run_with_are_refused_by_name(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], flags: list[str], error: str
+) -> None:
+    from server_util import serve_args
+
+    with pytest.raises(SystemExit):
+        serve_args(tiny_model, *flags)
+    assert error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("config", "error"),
+    [
+        # taken as unset: the model's whole length
+        ({"max_model_len": 0}, "max_model_len: must be >= 1, got 0"),
+        # both given: the blocks won and the memory was ignored
+        (
+            {"num_kv_blocks": 10, "kv_cache_memory": 100000},
+            "num_kv_blocks and kv_cache_memory: give one or the other, not both",
+        ),
+    ],
+)
+def test_engine_sizes_that_contradict_are_refused_by_name(tiny_model: Path, config: dict, error: str) -> None:  # type: ignore[type-arg]
+    from ember_engine import LLM
+
+    with pytest.raises(ValueError, match=re.escape(error)):
+        LLM(str(tiny_model), **config)

@@ -83,6 +83,10 @@ class EngineConfig:
             bad("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            bad("max_model_len", f"must be >= 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            bad("num_kv_blocks and kv_cache_memory", "give one or the other, not both")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             bad("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

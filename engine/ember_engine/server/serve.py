@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     par.add_argument("--master-port", type=int, default=29500, help="with --nnodes > 1: the port of it")
     p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM"
+        "--drain-timeout", type=_seconds, default=30.0, help="seconds in-flight requests get after SIGTERM"
     )
     p.add_argument(
         "--log-interval",
@@ -109,10 +109,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--max-request-body-bytes",
-        type=int,
+        type=_bytes,
         default=16 << 20,
         help="larger request bodies are refused with 413 before they are read (default 16 MiB)",
     )
+
+
+def _seconds(text: str) -> float:
+    seconds = float(text)
+    if not (seconds >= 0 and seconds != float("inf")):  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, not {text}")
+    return seconds
+
+
+def _bytes(text: str) -> int:
+    size = int(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more bytes, not {text}")
+    return size
 
 
 def _log_interval(text: str) -> float:
