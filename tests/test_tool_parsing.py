@@ -39,8 +39,8 @@ def test_stream_in_pieces_matches_whole(size: int) -> None:
 
 def test_stream_releases_held_text_that_was_no_call() -> None:
     stream = ToolStream()
-    assert stream.feed("a <tool") == ("a ", [])
-    assert stream.feed("box> b", final=True) == ("<toolbox> b", [])
+    assert stream.feed("a <tool") == ("a", [])  # the space held until it is known not to end the answer
+    assert stream.feed("box> b", final=True) == (" <toolbox> b", [])
 
 
 def test_plan_refuses_bad_tools_by_name() -> None:
@@ -53,3 +53,27 @@ def test_plan_refuses_bad_tools_by_name() -> None:
     assert plan is not None and plan.constraint is not None and not plan.parallel
     none = plan_tools([fn], "none", None)
     assert none is not None and not none.parse and none.constraint is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"Sure. {CALL}\n{CALL} done",  # whitespace between calls was dropped: "Sure.  done"
+        f"Hi {CALL} there  ",
+        f"Let me look.\n{CALL}\n\n",
+        f"{CALL}\n  and {CALL}\n",
+        f"A {CALL} b {CALL.replace('{', '{{')} c",  # a block that is no call stays text
+    ],
+)
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_streamed_content_is_the_whole_texts_content(text: str, parallel: bool, size: int) -> None:
+    """What a stream's content deltas add up to is the content of the whole answer, whitespace and all."""
+    whole, calls = parse_tool_calls(text, parallel=parallel)
+    stream = ToolStream(parallel=parallel)
+    content, names = "", []
+    for start in range(0, len(text), size):
+        piece, new = stream.feed(text[start : start + size], final=start + size >= len(text))
+        content += piece
+        names += [c.name for c in new]
+    assert content == whole and names == [c.name for c in calls]

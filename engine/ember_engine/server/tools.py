@@ -157,6 +157,10 @@ class ToolStream:
         self.parallel = parallel
         self._buffer = ""
         self.calls: list[ToolCall] = []
+        # Whitespace at the end of the text so far, sent once more text follows: an answer with calls has
+        # no whitespace at its ends (`parse_tool_calls`), and the stream's content adds up to the same.
+        self._held = ""
+        self._began = False  # some text sent
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         self._buffer += delta
@@ -185,10 +189,13 @@ class ToolStream:
             else:
                 self.calls.append(call)
                 new.append(call)
-        text = "".join(out)
-        if self.calls and not text.strip():
-            text = ""
-        return text, new
+        text = self._held + "".join(out)
+        if self.calls and not self._began:
+            text = text.lstrip()
+        body = text.rstrip() if self.calls or not final else text
+        self._held = "" if final else text[len(body) :]
+        self._began = self._began or bool(body)
+        return body, new
 
 
 def _partial_suffix(text: str, marker: str) -> int:
