@@ -576,3 +576,23 @@ def test_templates_render_as_transformers_renders_them(tool_model: Path) -> None
     )
     assert ours == theirs
     assert "The user's weather <city> & météo" in ours and '"zone": "l\'île", "city": "Zürich"' in ours
+
+
+def test_a_grammar_that_fails_mid_answer_is_an_error_not_a_stop(server: InProcessServer) -> None:
+    """llguidance compiles this pattern but gives up once the answer begins ("too many expressions"): the
+    answer ended at once with `finish_reason: "stop"`, as if the constraint were met, its text breaking
+    it ('"' for a string schema, '' for the regex)."""
+    pattern = {"type": "string", "pattern": "^(a{1000}){1000}$"}
+    for extra in ({"guided_json": pattern}, {"guided_regex": "(a{1000}){1000}"}):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 30, "seed": 3, **extra}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["code"] == "grammar_failed" and "too many expressions" in error["message"], error
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as s:
+            events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "grammar_failed", events
+        finished = [json.loads(e)["choices"][0].get("finish_reason") for e in events[:-2]]
+        assert "stop" not in finished

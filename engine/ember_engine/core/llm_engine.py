@@ -303,8 +303,8 @@ class LLMEngine:
         self, req: Request, tokens: list[int], num_accepted: int, now: float, touched: dict[str, Group]
     ) -> None:
         """Append a request's tokens, the first `num_accepted` verified proposals whose KV is written."""
-        if req.grammar is not None and not req.grammar.accept(tokens):
-            log.warning("request %s: a kept token broke its grammar", req.request_id)
+        if req.grammar is not None:
+            self.outputs.advance_grammar(req, tokens)
         group = self.outputs.append(req, tokens, now)
         if req.finished:
             self.sampling_state.release(req)

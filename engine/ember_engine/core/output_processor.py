@@ -108,8 +108,8 @@ class OutputProcessor:
         and a first sample's siblings queued (at the front, to share its blocks) once it has prefilled."""
         group_of = self._group_of
         for req, token in zip(requests, tokens, strict=True):
-            if req.grammar is not None and not req.grammar.accept([token]):
-                log.warning("request %s: a kept token broke its grammar", req.request_id)
+            if req.grammar is not None:
+                self.advance_grammar(req, [token])
             group = group_of[req]
             self._append_token(req, group.samples[req.index], token, now)
             if req.status is RequestStatus.FINISHED:
@@ -121,6 +121,17 @@ class OutputProcessor:
                 for sibling in group.pending:
                     self.scheduler.add(sibling, front=True)
                 group.pending = []
+
+    @staticmethod
+    def advance_grammar(req: Request, tokens: list[int]) -> None:
+        """Advance the request's grammar by the tokens it keeps. Where the grammar engine cannot (it met an
+        internal limit, or refused a token its own mask allowed), the request ends with `error` set: its
+        text no longer follows the constraint, and must not end as if it did."""
+        assert req.grammar is not None
+        if not req.grammar.accept(tokens):
+            why = req.grammar.error or "it refused a token its own mask allowed"
+            req.error = f"structured output: the grammar engine could not go on: {why}"
+            log.warning("request %s: %s", req.request_id, req.error)
 
     def _append_token(self, req: Request, sample: _Sample, token: int, now: float) -> None:
         req.all_token_ids.append(token)  # `Request.append_token`, inline
@@ -137,7 +148,9 @@ class OutputProcessor:
         # unless its grammar is complete: the grammar then allowed only EOS, and wins.
         may_stop = num_output >= p.min_tokens or (req.grammar is not None and req.grammar.finished)
         reason: str | None = None
-        if may_stop and p.stop_token_ids and token in p.stop_token_ids:
+        if req.error is not None:
+            reason = "abort"
+        elif may_stop and p.stop_token_ids and token in p.stop_token_ids:
             reason, req.stop_reason = "stop", token
         elif may_stop and not p.ignore_eos and token in req.eos_token_ids:
             reason = "stop"
@@ -197,6 +210,7 @@ class OutputProcessor:
             cached,
             preemptions,
         )
+        error = next((s.request.error for s in samples if s.request.error is not None), None)
         return RequestOutput(
-            group.request_id, group.prompt, group.prompt_token_ids, outs, finished, cached, None, metrics
+            group.request_id, group.prompt, group.prompt_token_ids, outs, finished, cached, error, metrics
         )

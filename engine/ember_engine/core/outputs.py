@@ -46,7 +46,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: str | None = None  # set when the request was refused
+    error: str | None = None  # set when the request was refused, or ended unfinished (its grammar broke)
     metrics: RequestMetrics | None = None
 
     # The common n == 1 case reads like the sample itself.

@@ -46,6 +46,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # why it ended unfinished ("abort"): its grammar could not go on
     # speculative decoding
     spec_lookahead: int = 0  # draft slots the engine asks the scheduler for in the next step
     spec_token_ids: list[int] = field(default_factory=list)  # this step's proposals, after the known tokens

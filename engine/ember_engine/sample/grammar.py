@@ -52,7 +52,10 @@ class GrammarState:
 
     def accept(self, tokens: Sequence[int]) -> bool:
         """Advance by tokens the request keeps; False if the grammar refused one (the state is then
-        in error and later masks allow only EOS)."""
+        in error and later masks allow only EOS). A state already in error (its mask could not be
+        computed) refuses too: such a matcher also says it is stopped."""
+        if self.matcher.is_error():
+            return False
         if self.matcher.is_stopped():
             return True  # EOS or a token after the end: nothing left to constrain
         return bool(self.matcher.consume_tokens(list(tokens)))
@@ -68,6 +71,12 @@ class GrammarState:
     @property
     def finished(self) -> bool:
         return bool(self.matcher.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar engine cannot go on (an internal limit met mid-answer), or None."""
+        # its first line: the rest is the engine's state and the whole grammar
+        return str(self.matcher.get_error()).split("\n", 1)[0] if self.matcher.is_error() else None
 
 
 class GrammarCompiler:

@@ -122,6 +122,9 @@ async def _complete(
         work.result()
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
+    for out in finals.values():
+        if out.error is not None:
+            raise _unfinished(out.error)
     usage = Usage()
     outputs = []
     for i, out in finals.items():
@@ -180,6 +183,10 @@ async def _stream(
                 yield sse(internal_error(exc).body())
                 yield sse("[DONE]")
                 return
+            if out.error is not None:
+                yield sse(_unfinished(out.error).body())
+                yield sse("[DONE]")
+                return
             for o in out.outputs:
                 index = i * n + o.index
                 # A finished choice stays in every later update of its prompt: its end was sent once.
@@ -216,3 +223,9 @@ async def _stream(
         with contextlib.suppress(RuntimeError):  # already closed by a cancellation
             await merged.aclose()  # type: ignore[attr-defined]
         ticket.release()
+
+
+def _unfinished(error: str) -> APIError:
+    """A request the engine ended unfinished (its grammar could not go on): the server's fault, not the
+    client's; its text would break the constraint."""
+    return APIError(500, error, type="internal_server_error", code="grammar_failed")
