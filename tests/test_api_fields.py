@@ -286,3 +286,26 @@ def test_tokenize_detokenize_models_and_version(server: InProcessServer) -> None
     assert httpx.get(f"{url}/version").json() == {"version": __version__}
     missing = httpx.get(f"{url}/no/such/route")
     assert missing.status_code == 404 and set(missing.json()) == {"error"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        # fields that take one of several types: the error named the union's member, "priority.str"
+        (
+            "priority",
+            1.5,
+            "priority: Input should be a valid string, or a valid integer, got a number with a fractional part",
+        ),
+        ("stop", 3, "stop: Input should be a valid string, or a valid list"),
+        ("prompt", 3.5, "prompt: Input should be a valid string, or a valid list"),
+    ],
+)
+def test_a_wrong_type_for_a_field_of_several_types_names_the_field(
+    server: InProcessServer, field: str, value: object, message: str
+) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"] == message, error

@@ -3,6 +3,10 @@ errors (validation, malformed JSON) into one, and the error of a request past it
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -43,14 +47,28 @@ def add_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             return _error_response(APIError(400, f"body: malformed JSON ({first.get('msg')})"))
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        param = _field(first.get("loc", ()))
         msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        # A field of several types fails once per type: one message, each type's reason after the first.
+        others = [e for e in exc.errors()[1:] if _field(e.get("loc", ())) == param and param is not None]
+        for reason in dict.fromkeys(str(e.get("msg", "")).removeprefix("Input should be ") for e in others):
+            msg += ", or " + reason
         if (
             param is None and first.get("type") == "value_error" and ": " in msg
         ):  # a whole-body check names the field itself
             param = msg.split(": ", 1)[0]
             return _error_response(APIError(400, msg, param=param))
         return _error_response(APIError(400, f"{param or 'body'}: {msg}", param=param))
+
+
+# pydantic's names for the members of a union in an error's location ("str", "list[int]",
+# "function-after[...]"): no field of the request is named so.
+_TYPE_TAG = re.compile(r"^(?:str|int|float|bool|none|bytes|constrained-\w+|[a-z-]+\[.*\])$")
+
+
+def _field(loc: Sequence[Any]) -> str | None:
+    """The request field an error's location names, without "body" and the union members' tags."""
+    return ".".join(str(p) for p in loc if p != "body" and not _TYPE_TAG.match(str(p))) or None
 
 
 def internal_error(exc: Exception) -> APIError:
