@@ -77,3 +77,23 @@ def test_streamed_content_is_the_whole_texts_content(text: str, parallel: bool, 
         content += piece
         names += [c.name for c in new]
     assert content == whole and names == [c.name for c in calls]
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "g"}}])
+def test_a_tool_whose_parameters_are_no_json_schema_is_refused_by_name(choice: object) -> None:
+    """Under "required" or a named call the error was the grammar engine's, naming tool_choice and listing
+    ember's own grammar; under "auto" the tool reached the model unchecked. OpenAI refuses such a schema."""
+    good = {"type": "function", "function": {"name": "f"}}
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "g",
+            "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}},
+        },
+    }
+    with pytest.raises(APIError) as refused:
+        plan_tools([good, bad], choice, None)
+    assert refused.value.param == "tools"
+    assert str(refused.value).startswith(
+        "tools[1].function.parameters: not a JSON schema: 'nonsense' is not valid"
+    )

@@ -134,4 +134,6 @@ class CompileCache:
         try:
             return await asyncio.to_thread(self._compile, constraint)
         except GrammarError as exc:
-            raise _bad(param, f"cannot compile the {constraint.kind.replace('_', ' ')}: {exc}") from None
+            # A forced call's grammar is ember's own, around the tools' schemas: its listing is no help.
+            why = str(exc).split("\n", 1)[0] if param == "tool_choice" else str(exc)
+            raise _bad(param, f"cannot compile the {constraint.kind.replace('_', ' ')}: {why}") from None

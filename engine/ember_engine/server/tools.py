@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonschema
+
 from ember_engine.sample.constraint import Constraint
 from ember_engine.server.protocol import APIError
 
@@ -60,6 +62,15 @@ def _functions(tools: list[Any]) -> dict[str, dict[str, Any]]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise APIError(400, f"tools[{i}].function.parameters: must be a JSON schema", param="tools")
+        try:  # against its metaschema (2020-12 unless its `$schema` says), as OpenAI checks it
+            jsonschema.validators.validator_for(params).check_schema(params)
+        except jsonschema.SchemaError as e:
+            where = "".join(f"[{p!r}]" for p in e.path)
+            raise APIError(
+                400,
+                f"tools[{i}].function.parameters: not a JSON schema: {e.message} (at {where or 'its root'})",
+                param="tools",
+            ) from None
         out[name] = {**fn, "parameters": params}
     return out
 
