@@ -440,6 +440,17 @@ def test_a_hold_that_runs_out_answers_503_naming_it(tiny_model: Path, engines: l
             )
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_ready"
             assert "Retry-After" in r.headers
+        # With a fallback for Unavailable the held request goes there once the hold runs out (it was the 503).
+        model = httpx.get(f"{engines[1].url}/v1/models").json()["data"][0]["id"]
+        settings = RouterSettings(
+            hold_seconds=0.5, fallback=from_flags(engines[1].url, model, frozenset({"Unavailable"}))
+        )
+        router = Router(EnginePool([engines[0].url], poll_interval=0.1), Tokenizer(str(tiny_model)), settings)
+        with serving(router) as url:
+            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+            body = {"model": model, "prompt": "x", "max_tokens": 1}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback", r.text
     finally:
         engines[0].state.draining = False
 

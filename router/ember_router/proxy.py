@@ -188,6 +188,10 @@ class Router:
             if routed is not None:
                 return routed
         if self.settings.hold_seconds > 0 and not await self._hold():
+            fallback = self._fallback()
+            if fallback is not None and "Unavailable" in fallback.when:  # the hold ran out: over there
+                why = f"no engine became ready within {self.settings.hold_seconds:g} s"
+                return await self._shed(request, body, arrived, why, "Unavailable")
             self.metrics.shed.labels("no_engine_ready").inc()
             return _error(
                 503,
@@ -307,12 +311,15 @@ class Router:
             routed_to=rule.target,
         )
 
+    def _fallback(self) -> FallbackTarget | None:
+        return from_policy(self.policy) if self.policy is not None else self.settings.fallback
+
     async def _shed(
         self, request: web.Request, body: Any, arrived: float, why: str, condition: str
     ) -> web.StreamResponse:
         """No engine takes the request: the fallback serves it if one is set for this `condition` (Overloaded
         or Unavailable) and answers, else a 503 now."""
-        target = from_policy(self.policy) if self.policy is not None else self.settings.fallback
+        target = self._fallback()
         if target is not None and condition in target.when and isinstance(body, dict):
             assert self.session is not None
             model = await self.fallback_models.name(self.session, target)
