@@ -441,7 +441,7 @@ def test_status_and_scale_subresources(custom: CustomObjectsApi) -> None:
     assert ignored["status"]["replicas"] == 2
 
     scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, "default", PLURAL, "chat")
-    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 0
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 1
     assert scale["status"] == {"replicas": 2, "selector": "app=chat"}
     scaled = custom.patch_namespaced_custom_object_scale(
         GROUP, VERSION, "default", PLURAL, "chat", {"spec": {"replicas": 3}}
@@ -548,7 +548,7 @@ def test_every_valid_inferenceservice_serves_scale(custom: CustomObjectsApi) -> 
     )
     for name in ("plain", "external"):
         scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, "default", PLURAL, name)
-        assert scale["spec"]["replicas"] == 0  # 0: no autoscaler has written it yet (the operator reads min)
+        assert scale["spec"]["replicas"] == 1  # the default, clamped by the operator to min..max
     scaled = custom.patch_namespaced_custom_object_scale(
         GROUP, VERSION, "default", PLURAL, "external", {"spec": {"replicas": 3}}
     )

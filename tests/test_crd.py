@@ -115,7 +115,7 @@ def test_defaults_enums_and_ranges() -> None:
     kv = spec["autoscaling"]["properties"]["kvCacheUtilization"]
     assert (kv["minimum"], kv["exclusiveMinimum"], kv["maximum"]) == (0, True, 1)
     assert spec["replicas"]["properties"]["max"]["minimum"] == 1
-    assert spec["replicas"]["properties"]["desired"] == {"default": 0, "minimum": 0, "type": "integer"}
+    assert spec["replicas"]["properties"]["desired"] == {"default": 1, "minimum": 0, "type": "integer"}
     classes = spec["loadShedding"]["properties"]["priorityClasses"]["default"]
     assert [c["name"] for c in classes] == ["critical", "standard", "batch"]
     assert _spec_schema()["required"] == ["model"]

@@ -158,9 +158,11 @@ def test_an_hpa_style_client_drives_scale_on_an_object_applied_without_desired(c
     cp.create("hpa", replicas={"min": 1, "max": 2}, autoscaling={"mode": "External"})
     cp.wait_converged("hpa", 1, 0)
     custom = kubernetes.client.CustomObjectsApi(kubernetes.config.new_client_from_config(str(cp.kubeconfig)))
-    # What the HPA controller does: read the Scale (its status.selector finds the pods), then write it.
+    # What the HPA controller does: read the Scale (its status.selector finds the pods), then write it. It
+    # writes only over a non-zero spec.replicas: 0 is ScalingDisabled ("the replica count of the target is
+    # zero"), so the default must be the one replica that runs.
     scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, NAMESPACE, PLURAL, "hpa")
-    assert scale["spec"]["replicas"] == 0 and scale["status"]["selector"]
+    assert scale["spec"]["replicas"] == 1 and scale["status"]["selector"]
     scale["spec"]["replicas"] = 2
     custom.replace_namespaced_custom_object_scale(GROUP, VERSION, NAMESPACE, PLURAL, "hpa", scale)
     cp.wait_converged("hpa", 2, 0)

@@ -474,7 +474,7 @@ def test_the_operator_never_writes_the_spec(cluster: Any) -> None:
     wait_for(lambda: shape(api, "hands-off")[0] == 3, what="scaled to 3")
     obj = get(api, "hands-off")
     assert obj["metadata"]["generation"] == generation  # Argo CD sees no drift
-    assert obj["spec"]["replicas"]["desired"] == 0  # the schema's default, never the operator's target
+    assert obj["spec"]["replicas"]["desired"] == 1  # the schema's default, never the operator's target
 
 
 # -- real-cluster semantics ---------------------------------------------------------------------------

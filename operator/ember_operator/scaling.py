@@ -94,7 +94,7 @@ async def autoscale(
     if memory.desired is None:  # first pass, or a restart without status: keep what is there
         memory.desired = clamp(sum(v.role == ACTIVE and not v.deleting for v in views), replicas)
     if spec.autoscaling.mode == "External":
-        target = replicas.desired  # clamped below: 0 (nothing written yet) means min
+        target = replicas.desired  # clamped below to replicas.min..max
         record(
             body,
             owner,

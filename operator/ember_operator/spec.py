@@ -350,9 +350,10 @@ class Replicas(_Object):
     min: int = Field(default=1, ge=0, le=1000)
     max: int = Field(default=1, ge=1, le=1000)
     # Written through the scale subresource by an HPA or KEDA when autoscaling.mode is External; clamped to
-    # min..max, so the default 0 ("no autoscaler has written it yet") means min. Always present, because
-    # the API server answers GET /scale with a 500 when the spec replicas path holds no value.
-    desired: int = Field(default=0, ge=0)
+    # min..max. Always present, because the API server answers GET /scale with a 500 when the spec replicas
+    # path holds no value; 1, not 0, because an HPA reads a target of 0 as "scaling is disabled" and never
+    # writes one (a 0 stored by an older CRD still means min).
+    desired: int = Field(default=1, ge=0)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> Self:

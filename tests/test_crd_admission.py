@@ -1,0 +1,71 @@
+"""The committed CRD as the API server applies it: defaults, and the CEL rules that refuse a bad
+InferenceService at apply time (what would otherwise be stored and fail later, in a pod)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+
+from ember_localcluster.apiserver import APIError, APIServer
+from ember_operator.spec import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
+
+REPO = Path(__file__).resolve().parents[1]
+_names = (f"eis-{i}" for i in itertools.count())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[APIServer]:
+    with APIServer() as api:
+        api.install_crd(yaml.safe_load((REPO / "crds" / "inferenceservice.yaml").read_text()))
+        yield api
+
+
+def _body(spec: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": {"name": name or next(_names), "namespace": "default"},
+        "spec": {"model": {"name": "m", "source": "/m"}, **spec},
+    }
+
+
+def create(server: APIServer, spec: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    return server.create(_body(spec, name))
+
+
+def refused(server: APIServer, spec: dict[str, Any], name: str | None = None) -> str:
+    """The 422 message the API server answers a create of `spec` with."""
+    with pytest.raises(APIError) as caught:
+        create(server, spec, name)
+    assert caught.value.code == 422, caught.value
+    return caught.value.message
+
+
+def _custom(server: APIServer, tmp_path: Path) -> kubernetes.client.CustomObjectsApi:
+    configuration = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(
+        config_file=str(server.write_kubeconfig(tmp_path / "kubeconfig")),
+        client_configuration=configuration,
+    )
+    return kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient(configuration))
+
+
+def test_replicas_desired_defaults_to_one_so_the_scale_subresource_is_not_zero(
+    server: APIServer, tmp_path: Path
+) -> None:
+    """An HPA reads spec.replicas 0 as "scaling disabled" (ScalingDisabled) and never writes: a service
+    created without replicas.desired must show a replica count through /scale."""
+    assert InferenceServiceSpec.model_validate({"model": {"name": "m", "source": "/m"}}).replicas.desired == 1
+    created = create(server, {"replicas": {"min": 1, "max": 3}, "autoscaling": {"mode": "External"}})
+    assert created["spec"]["replicas"]["desired"] == 1
+    custom = _custom(server, tmp_path)
+    scale = custom.get_namespaced_custom_object_scale(
+        GROUP, VERSION, "default", PLURAL, created["metadata"]["name"]
+    )
+    assert scale["spec"]["replicas"] == 1
