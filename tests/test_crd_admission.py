@@ -3,6 +3,7 @@ InferenceService at apply time (what would otherwise be stored and fail later, i
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,3 +70,22 @@ def test_replicas_desired_defaults_to_one_so_the_scale_subresource_is_not_zero(
         GROUP, VERSION, "default", PLURAL, created["metadata"]["name"]
     )
     assert scale["spec"]["replicas"] == 1
+
+
+def test_replicas_desired_set_at_creation_in_builtin_mode_is_refused(server: APIServer) -> None:
+    message = refused(server, {"replicas": {"min": 1, "max": 4, "desired": 3}})
+    assert "spec.replicas.desired" in message and "autoscaling.mode is External" in message, message
+    # The default, and any value in External mode, are taken.
+    assert create(server, {"replicas": {"min": 1, "max": 4}})["spec"]["replicas"]["desired"] == 1
+    assert create(server, {"replicas": {"min": 1, "max": 4, "desired": 1}})
+    external = {"replicas": {"min": 1, "max": 4, "desired": 3}, "autoscaling": {"mode": "External"}}
+    assert create(server, external)["spec"]["replicas"]["desired"] == 3
+
+
+def test_an_update_in_builtin_mode_keeps_the_transition_rule(server: APIServer) -> None:
+    name = create(server, {"replicas": {"min": 1, "max": 4}})["metadata"]["name"]
+    patch = functools.partial(server.patch, f"{GROUP}/{VERSION}", KIND, "default", name)
+    with pytest.raises(APIError) as caught:
+        patch({"spec": {"replicas": {"desired": 2}}})
+    assert caught.value.code == 422 and "autoscaling.mode is External" in caught.value.message
+    assert patch({"spec": {"warmPool": {"size": 1}}})["spec"]["warmPool"]["size"] == 1

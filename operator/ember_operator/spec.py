@@ -31,6 +31,7 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Bounded so that the API server's CEL cost estimate for rules over these lists stays within its budget.
 MAX_PRIORITY_CLASSES = 16
 NAME_MAX = 63
+DEFAULT_DESIRED = 1  # replicas.desired until an HPA, KEDA or kubectl scale writes it
 
 
 def _cel(rule: str, message: str) -> dict[str, Any]:
@@ -353,7 +354,7 @@ class Replicas(_Object):
     # min..max. Always present, because the API server answers GET /scale with a 500 when the spec replicas
     # path holds no value; 1, not 0, because an HPA reads a target of 0 as "scaling is disabled" and never
     # writes one (a 0 stored by an older CRD still means min).
-    desired: int = Field(default=1, ge=0)
+    desired: int = Field(default=DEFAULT_DESIRED, ge=0)
 
     @model_validator(mode="after")
     def _min_le_max(self) -> Self:
@@ -563,14 +564,17 @@ _PARALLEL_RULES: list[dict[str, Any]] = [
 class InferenceServiceSpec(_Object):
     # A transition rule, so CEL only: pydantic sees one object, never the change. The scale subresource
     # (kubectl scale, an HPA, KEDA) writes replicas.desired; in Builtin mode nothing would follow it, so the
-    # write is refused rather than silently ignored.
+    # write is refused rather than silently ignored. optionalOldSelf (Kubernetes 1.30+) runs it on create
+    # too, where anything but the default is refused.
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 *_PARALLEL_RULES,
                 {
-                    "rule": "self.autoscaling.mode == 'External' || "
-                    "self.replicas.desired == oldSelf.replicas.desired",
+                    "rule": "self.autoscaling.mode == 'External' || (oldSelf.hasValue() ? "
+                    "self.replicas.desired == oldSelf.value().replicas.desired : "
+                    f"self.replicas.desired == {DEFAULT_DESIRED})",
+                    "optionalOldSelf": True,
                     "message": "replicas.desired (what kubectl scale, an HPA or KEDA writes through the scale "
                     "subresource) is followed only when autoscaling.mode is External; in Builtin mode ember's "
                     "own autoscaler sets the replica count between replicas.min and replicas.max",

@@ -2,7 +2,9 @@
 
 Each rule sees the schema node it sits on as `self` (so `has(self.x)`, `self.a <= self.b` and the
 list macros `all`, `exists`, `exists_one` work), and a transition rule (one that mentions `oldSelf`)
-also sees the previous value; as in Kubernetes, transition rules are skipped on create.
+also sees the previous value; as in Kubernetes, transition rules are skipped on create, unless the rule
+sets `optionalOldSelf` (Kubernetes 1.30+): then it runs on create too, with `oldSelf` an optional
+(`oldSelf.hasValue()`, `oldSelf.value()`, `oldSelf.orValue(v)`), empty when there is no old value.
 `message`, `messageExpression`, `fieldPath` and `reason` shape the error the way the real server does.
 
 Left out: the Kubernetes CEL library extensions (`quantity()`, `url()`, `isSorted()`, regex helpers
@@ -23,6 +25,32 @@ from .errors import Cause
 
 _ENVIRONMENT = celpy.Environment()
 
+
+class _Optional:
+    """CEL's optional type, as far as `optionalOldSelf` needs it."""
+
+    def __init__(self, value: Any) -> None:
+        self.present = value is not None
+        self.held = value
+
+    def has_value(self) -> celtypes.BoolType:
+        return celtypes.BoolType(self.present)
+
+    def value(self) -> Any:
+        if not self.present:
+            raise ValueError("optional.none() dereference")
+        return self.held
+
+    def or_value(self, default: Any) -> Any:
+        return self.held if self.present else default
+
+
+_OPTIONAL_FUNCTIONS: dict[str, Any] = {
+    "hasValue": _Optional.has_value,
+    "value": _Optional.value,
+    "orValue": _Optional.or_value,
+}
+
 _REASON_PREFIX = {
     "FieldValueInvalid": "Invalid value: {value}: ",
     "FieldValueForbidden": "Forbidden: ",
@@ -33,7 +61,7 @@ _REASON_PREFIX = {
 
 @functools.lru_cache(maxsize=512)
 def _program(expression: str) -> celpy.Runner:
-    return _ENVIRONMENT.program(_ENVIRONMENT.compile(expression))
+    return _ENVIRONMENT.program(_ENVIRONMENT.compile(expression), functions=_OPTIONAL_FUNCTIONS)
 
 
 def _evaluate(expression: str, activation: dict[str, Any]) -> tuple[Any, str | None]:
@@ -54,13 +82,17 @@ def _evaluate(expression: str, activation: dict[str, Any]) -> tuple[Any, str | N
 def check_rules(rules: list[dict[str, Any]], value: Any, old: Any, path: str, type_name: str) -> list[Cause]:
     """Causes for the rules of one schema node that `value` breaks."""
     causes = []
-    activation = {"self": celpy.json_to_cel(value)}
-    if old is not None:
-        activation["oldSelf"] = celpy.json_to_cel(old)
+    current = celpy.json_to_cel(value)
+    old_self = celpy.json_to_cel(old) if old is not None else None
     shown = json.dumps(type_name)
     for rule in rules:
         expression = rule.get("rule", "")
-        if "oldSelf" in expression and old is None:
+        activation: dict[str, Any] = {"self": current}
+        if rule.get("optionalOldSelf") is True and "oldSelf" in expression:
+            activation["oldSelf"] = _Optional(old_self)
+        elif old_self is not None:
+            activation["oldSelf"] = old_self
+        elif "oldSelf" in expression:
             continue
         result, failure = _evaluate(expression, activation)
         if failure is not None:
