@@ -89,3 +89,45 @@ def test_an_update_in_builtin_mode_keeps_the_transition_rule(server: APIServer) 
         patch({"spec": {"replicas": {"desired": 2}}})
     assert caught.value.code == 422 and "autoscaling.mode is External" in caught.value.message
     assert patch({"spec": {"warmPool": {"size": 1}}})["spec"]["warmPool"]["size"] == 1
+
+
+BYTE_FIELDS = [
+    ("engine", "kvCacheMemory", "engine.kvCacheMemory"),
+    ("resources", "memory", "resources.memory"),
+    ("resources", "sharedMemory", "resources.sharedMemory"),
+    ("router", "memory", "router.memory"),
+]
+
+
+@pytest.mark.parametrize(("section", "key", "named"), BYTE_FIELDS)
+@pytest.mark.parametrize("value", ["512m", "3u", "7n", "1.5"])
+def test_a_byte_quantity_below_a_byte_is_refused_naming_the_field(
+    server: APIServer, section: str, key: str, named: str, value: str
+) -> None:
+    """512m is 0.512 bytes (m is a thousandth), not 512 megabytes: the engine would get 0 bytes."""
+    spec = {section: {key: value}}
+    message = refused(server, spec)
+    assert named in message and "bytes" in message, message
+    with pytest.raises(ValueError, match=named.replace(".", "[.]")):
+        InferenceServiceSpec.model_validate({"model": {"name": "m", "source": "/m"}, **spec})
+    fine = {section: {key: "512Mi"}}
+    assert create(server, fine)["spec"][section][key] == "512Mi"
+
+
+def test_model_cache_size_limit_is_bytes_too(server: APIServer) -> None:
+    message = refused(server, {"model": {"name": "m", "source": "hf://org/m", "cache": {"sizeLimit": "20m"}}})
+    assert "model.cache.sizeLimit" in message, message
+
+
+def test_kv_cache_memory_of_zero_is_refused_and_fractions_round_up_as_kubernetes_does(
+    server: APIServer,
+) -> None:
+    from ember_operator.desired import engine_args
+
+    message = refused(server, {"engine": {"kvCacheMemory": "0Gi"}})
+    assert "engine.kvCacheMemory" in message and "at least one byte" in message, message
+    spec = InferenceServiceSpec.model_validate(
+        {"model": {"name": "m", "source": "/m"}, "engine": {"kvCacheMemory": "0.0001k"}}
+    )
+    assert "--kv-cache-memory=1" in engine_args(spec)  # 0.1 bytes, rounded up as Quantity.Value() does
+    assert create(server, {"engine": {"kvCacheMemory": "0.5Gi"}})

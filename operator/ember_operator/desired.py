@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import yaml
@@ -110,28 +112,18 @@ def template_hash(spec: InferenceServiceSpec) -> str:
 
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {
-    "n": 1e-9,
-    "u": 1e-6,
-    "m": 1e-3,
-    "": 1,
-    "k": 1e3,
-    "M": 1e6,
-    "G": 1e9,
-    "T": 1e12,
-    "P": 1e15,
-    "E": 1e18,
-}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 
 
 def quantity_bytes(quantity: str) -> int:
-    """A Kubernetes quantity ("8Gi", "500M", "1.5Gi") as a whole number of bytes."""
+    """A Kubernetes quantity ("8Gi", "500M", "1.5Gi") as a whole number of bytes, rounded up as
+    resource.Quantity's Value() rounds."""
     match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGTPE]i|[numkMGTPE]?)", quantity)
     if match is None:
         raise ValueError(f"not a Kubernetes quantity: {quantity!r}")
     number, suffix = match.groups()
-    scale = _BINARY[suffix] if suffix.endswith("i") else _DECIMAL[suffix]
-    return int(float(number) * scale)
+    scale = Decimal(_BINARY[suffix]) if suffix.endswith("i") else Decimal(10) ** _DECIMAL[suffix]
+    return math.ceil(Decimal(number) * scale)
 
 
 ENGINE_COMMAND = ["ember", "serve"]

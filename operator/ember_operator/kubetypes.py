@@ -10,13 +10,48 @@ cost estimate for those rules stays within its budget.
 
 from __future__ import annotations
 
-from typing import Literal, Self
+import re
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 # A Kubernetes resource quantity such as "500m", "8Gi" or "2".
 QUANTITY = r"^[0-9]+(\.[0-9]+)?([numkMGTPE]|[KMGTPE]i)?$"
+# Kubernetes reads m, u and n as thousandths, millionths and billionths, and takes a fraction without a
+# suffix as it is: as a byte count ("512m" is 0.512 bytes) each is a fraction of a byte, never meant.
+# The API server estimates a rule's cost from the string's maxLength: without one, `matches` over a string
+# as long as a request exceeds the per-rule budget and the CRD is refused.
+QUANTITY_MAX = 64
+FRACTIONAL_BYTES = "^[0-9]+[.][0-9]+$|[mun]$"
+ZERO_BYTES = "^0+([.]0+)?([kMGTPE]|[KMGTPE]i)?$"
+
+
+def bytes_message(name: str) -> str:
+    return (
+        f"{name} is a number of bytes: m, u and n are thousandths, millionths and billionths (512m is 0.512 "
+        "bytes) and a number without a suffix takes no fraction; write e.g. 512Mi or 512M"
+    )
+
+
+def byte_rules(name: str, at_least_one: bool = False) -> dict[str, Any]:
+    """The CEL rules of a byte-count quantity field named `name` (`check_bytes` is the same in Python)."""
+    rules = [{"rule": f"!self.matches('{FRACTIONAL_BYTES}')", "message": bytes_message(name)}]
+    if at_least_one:
+        rules.append(
+            {"rule": f"!self.matches('{ZERO_BYTES}')", "message": f"{name} must be at least one byte"}
+        )
+    return {"x-kubernetes-validations": rules}
+
+
+def check_bytes(name: str, value: str | None, at_least_one: bool = False) -> str | None:
+    if value is not None and re.search(FRACTIONAL_BYTES, value):
+        raise ValueError(f"{bytes_message(name)} (got {value!r})")
+    if value is not None and at_least_one and re.search(ZERO_BYTES, value):
+        raise ValueError(f"{name} must be at least one byte (got {value!r})")
+    return value
+
+
 # An object name (DNS-1123 subdomain): Secrets, ConfigMaps, ServiceAccounts, PriorityClasses, ...
 SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 SUBDOMAIN_MAX = 253

@@ -14,10 +14,20 @@ import re
 from datetime import datetime
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from ember_operator.kubetypes import MAX_ENV, QUANTITY, SUBDOMAIN, SUBDOMAIN_MAX, EnvFromSource, EnvVar
+from ember_operator.kubetypes import (
+    MAX_ENV,
+    QUANTITY,
+    QUANTITY_MAX,
+    SUBDOMAIN,
+    SUBDOMAIN_MAX,
+    EnvFromSource,
+    EnvVar,
+    byte_rules,
+    check_bytes,
+)
 from ember_operator.podsettings import Lifecycle, PodSettings, PodTemplate
 
 GROUP = "ember.dev"
@@ -74,7 +84,18 @@ class ModelCache(_Object):
     )
 
     volume_claim: str | None = Field(default=None, max_length=SUBDOMAIN_MAX, pattern=SUBDOMAIN)
-    size_limit: str | None = Field(default=None, pattern=QUANTITY, description="The emptyDir's sizeLimit.")
+    size_limit: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        description="The emptyDir's sizeLimit.",
+        max_length=QUANTITY_MAX,
+        json_schema_extra=byte_rules("model.cache.sizeLimit"),
+    )
+
+    @field_validator("size_limit")
+    @classmethod
+    def _size_in_bytes(cls, value: str | None) -> str | None:
+        return check_bytes("model.cache.sizeLimit", value)
 
     @model_validator(mode="after")
     def _one_kind(self) -> Self:
@@ -237,7 +258,10 @@ class Engine(_Object):
     prefix_caching: bool = True
     max_model_len: int | None = Field(default=None, ge=1)
     kv_cache_memory: str | None = Field(
-        default=None, pattern=QUANTITY
+        default=None,
+        pattern=QUANTITY,
+        max_length=QUANTITY_MAX,
+        json_schema_extra=byte_rules("engine.kvCacheMemory", at_least_one=True),
     )  # None: sized from gpuMemoryUtilization
     gpu_memory_utilization: float = Field(default=0.9, ge=0.1, le=1.0)
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
@@ -270,6 +294,11 @@ class Engine(_Object):
             ],
         },
     )
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _kv_cache_in_bytes(cls, value: str | None) -> str | None:
+        return check_bytes("engine.kvCacheMemory", value, at_least_one=True)
 
     @field_validator("kv_cache_dtype")
     @classmethod
@@ -318,7 +347,12 @@ class Resources(_Object):
         "controller (leaderworkerset.x-k8s.io) must be installed.",
     )
     cpu: str | None = Field(default=None, pattern=QUANTITY)
-    memory: str | None = Field(default=None, pattern=QUANTITY)
+    memory: str | None = Field(
+        default=None,
+        pattern=QUANTITY,
+        max_length=QUANTITY_MAX,
+        json_schema_extra=byte_rules("resources.memory"),
+    )
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     image: str = Field(default="ghcr.io/ember-dev/ember-engine:0.1.0", min_length=1)
@@ -338,7 +372,14 @@ class Resources(_Object):
         description="Size of the memory-backed emptyDir mounted at /dev/shm (a container's own is 64 MiB, "
         "too little for torch's inter-process buffers and NCCL's intra-node transport). Default: 1Gi per "
         'tensor-parallel rank on the pod; "0" for none. Counts against the pod\'s memory.',
+        max_length=QUANTITY_MAX,
+        json_schema_extra=byte_rules("resources.sharedMemory"),
     )
+
+    @field_validator("memory", "shared_memory")
+    @classmethod
+    def _in_bytes(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return check_bytes(f"resources.{to_camel(info.field_name or '')}", value)
 
 
 class Replicas(_Object):
@@ -416,7 +457,11 @@ class Router(_Object):
     replicas: int = Field(default=2, ge=1, le=100)
     cpu: str | None = Field(default=None, pattern=QUANTITY, description="Each router pod's CPU request.")
     memory: str | None = Field(
-        default=None, pattern=QUANTITY, description="Each router pod's memory request and limit."
+        default=None,
+        pattern=QUANTITY,
+        description="Each router pod's memory request and limit.",
+        max_length=QUANTITY_MAX,
+        json_schema_extra=byte_rules("router.memory"),
     )
     epsilon: float = Field(
         default=0.25,
@@ -432,6 +477,11 @@ class Router(_Object):
         description="With no engine Ready, how long a router holds a request for one (the demand that wakes "
         "a service with replicas.min 0); 0: answer 503 at once.",
     )
+
+    @field_validator("memory")
+    @classmethod
+    def _in_bytes(cls, value: str | None) -> str | None:
+        return check_bytes("router.memory", value)
 
 
 class RoutingRule(_Object):
