@@ -131,3 +131,23 @@ def test_kv_cache_memory_of_zero_is_refused_and_fractions_round_up_as_kubernetes
     )
     assert "--kv-cache-memory=1" in engine_args(spec)  # 0.1 bytes, rounded up as Quantity.Value() does
     assert create(server, {"engine": {"kvCacheMemory": "0.5Gi"}})
+
+
+@pytest.mark.parametrize("draft", ["gs://bucket/draft", "hf://just-a-name", "s3://B/x"])
+def test_a_draft_source_gets_the_checks_of_model_source(server: APIServer, draft: str) -> None:
+    spec = {"speculative": {"method": "draft", "draftSource": draft}}
+    message = refused(server, spec)
+    assert "speculative.draftSource must be a path, hf://org/name[@revision]" in message, message
+    with pytest.raises(ValueError, match="draftSource must be a path"):
+        InferenceServiceSpec.model_validate({"model": {"name": "m", "source": "/m"}, **spec})
+    for fine in ("/models/draft", "hf://org/draft@main", "s3://bucket/draft", "pvc://claim/draft"):
+        assert create(server, {"speculative": {"method": "draft", "draftSource": fine}})
+
+
+def test_ngram_takes_no_draft_source(server: APIServer) -> None:
+    spec = {"speculative": {"method": "ngram", "draftSource": "hf://org/draft"}}
+    message = refused(server, spec)
+    assert "draftSource" in message and "ngram" in message, message
+    with pytest.raises(ValueError, match="ngram"):
+        InferenceServiceSpec.model_validate({"model": {"name": "m", "source": "/m"}, **spec})
+    assert create(server, {"speculative": {"method": "ngram"}})

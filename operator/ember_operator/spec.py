@@ -180,21 +180,49 @@ class Model(_Object):
         return self
 
 
+DRAFT_SOURCE_MESSAGE = "speculative.draftSource" + SOURCE_MESSAGE.removeprefix("source")
+NGRAM_MESSAGE = (
+    "speculative.draftSource goes with method draft: ngram proposes tokens from the prompt and runs no draft "
+    "model, so nothing would use it"
+)
+
+
 class Speculative(_Object):
     model_config = ConfigDict(
-        json_schema_extra=_cel(
-            "self.method != 'draft' || has(self.draftSource)", "draftSource is required when method is draft"
-        )
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.method != 'draft' || has(self.draftSource)",
+                    "message": "draftSource is required when method is draft",
+                },
+                {"rule": "self.method != 'ngram' || !has(self.draftSource)", "message": NGRAM_MESSAGE},
+                {
+                    "rule": f"!has(self.draftSource) || !self.draftSource.matches('{SCHEME}') || "
+                    f"self.draftSource.matches('{SOURCE_URI}')",
+                    "message": DRAFT_SOURCE_MESSAGE,
+                },
+            ]
+        }
     )
 
     method: Literal["draft", "ngram"]
-    draft_source: str | None = Field(default=None, min_length=1)
+    draft_source: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="The draft model: a path, or like model.source a URI to fetch (hf://, s3://, pvc://).",
+    )
     num_tokens: int = Field(default=4, ge=1, le=16)
 
     @model_validator(mode="after")
     def _draft_needs_source(self) -> Self:
         if self.method == "draft" and self.draft_source is None:
             raise ValueError("draftSource is required when method is draft")
+        if self.method == "ngram" and self.draft_source is not None:
+            raise ValueError(NGRAM_MESSAGE)
+        source = self.draft_source
+        if source is not None and re.match(SCHEME, source) and not re.match(SOURCE_URI, source):
+            raise ValueError(f"{DRAFT_SOURCE_MESSAGE} (got {source!r})")
         return self
 
 
