@@ -151,3 +151,14 @@ def test_ngram_takes_no_draft_source(server: APIServer) -> None:
     with pytest.raises(ValueError, match="ngram"):
         InferenceServiceSpec.model_validate({"model": {"name": "m", "source": "/m"}, **spec})
     assert create(server, {"speculative": {"method": "ngram"}})
+
+
+def test_builtin_scale_to_zero_without_the_router_is_refused(server: APIServer) -> None:
+    """Only requests the router holds wake a target of 0: without it such a service never serves."""
+    spec = {"replicas": {"min": 0, "max": 2}, "router": {"enabled": False}}
+    message = refused(server, spec)
+    assert "replicas.min 0" in message and "router.enabled" in message and "wake" in message, message
+    with pytest.raises(ValueError, match=r"router\.enabled"):
+        InferenceServiceSpec.model_validate({"model": {"name": "m", "source": "/m"}, **spec})
+    assert create(server, {"replicas": {"min": 0, "max": 2}})  # the router wakes it
+    assert create(server, {**spec, "autoscaling": {"mode": "External"}})  # KEDA may scale from zero

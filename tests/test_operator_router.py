@@ -256,7 +256,10 @@ def test_scale_from_zero_reads_the_ready_routers_held_requests() -> None:
     assert router.router_metrics_targets(pods) == {"a": "http://10.0.0.1:8080/metrics"}
     spec = make_spec(replicas={"min": 0, "max": 2})
     assert router.wakes(spec, 0, 1) and not router.wakes(spec, 0, 0) and not router.wakes(spec, 1, 5)
-    assert not router.wakes(make_spec(replicas={"min": 0, "max": 2}, router={"enabled": False}), 0, 5)
+    no_router = make_spec(
+        replicas={"min": 0, "max": 2}, router={"enabled": False}, autoscaling={"mode": "External"}
+    )
+    assert not router.wakes(no_router, 0, 5)
     (container,) = _pod_spec(make_spec(router={"holdSeconds": 12}))["containers"]
     assert "--hold-seconds=12.0" in container["args"]
 

@@ -639,6 +639,14 @@ _PARALLEL_RULES: list[dict[str, Any]] = [
 ]
 
 
+_WAKE_RULE: dict[str, Any] = {
+    "rule": "self.autoscaling.mode != 'Builtin' || self.replicas.min > 0 || self.router.enabled",
+    "message": "replicas.min 0 in Builtin mode needs router.enabled: only requests the router holds wake a "
+    "service scaled to zero, so without it the service would never serve",
+    "fieldPath": ".replicas.min",
+}
+
+
 class InferenceServiceSpec(_Object):
     # A transition rule, so CEL only: pydantic sees one object, never the change. The scale subresource
     # (kubectl scale, an HPA, KEDA) writes replicas.desired; in Builtin mode nothing would follow it, so the
@@ -648,6 +656,7 @@ class InferenceServiceSpec(_Object):
         json_schema_extra={
             "x-kubernetes-validations": [
                 *_PARALLEL_RULES,
+                _WAKE_RULE,
                 {
                     "rule": "self.autoscaling.mode == 'External' || (oldSelf.hasValue() ? "
                     "self.replicas.desired == oldSelf.value().replicas.desired : "
@@ -695,6 +704,12 @@ class InferenceServiceSpec(_Object):
         description="A strategic-merge patch over each engine pod (metadata.labels, metadata.annotations "
         "and spec), applied after every other field: for what no field covers.",
     )
+
+    @model_validator(mode="after")
+    def _wakes_from_zero(self) -> Self:
+        if self.autoscaling.mode == "Builtin" and self.replicas.min == 0 and not self.router.enabled:
+            raise ValueError(_WAKE_RULE["message"])
+        return self
 
     @model_validator(mode="after")
     def _parallel_fits(self) -> Self:
