@@ -162,3 +162,14 @@ def test_builtin_scale_to_zero_without_the_router_is_refused(server: APIServer) 
         InferenceServiceSpec.model_validate({"model": {"name": "m", "source": "/m"}, **spec})
     assert create(server, {"replicas": {"min": 0, "max": 2}})  # the router wakes it
     assert create(server, {**spec, "autoscaling": {"mode": "External"}})  # KEDA may scale from zero
+
+
+def test_a_multi_node_name_leaves_room_for_the_leaderworkerset_revision_label(server: APIServer) -> None:
+    """A group is a LeaderWorkerSet named `<name>-<5 random>`; its worker StatefulSet `<lws>-0` labels pods
+    with controller-revision-hash `<statefulset>-<hash of up to 10>`, a label value of at most 63: the name
+    may then take 63 - 11 - 2 - 6 = 44 characters."""
+    multi = {"resources": {"gpus": 1, "nodes": 2}}
+    message = refused(server, multi, "a" * 45)
+    assert "44" in message and "resources.nodes" in message and "controller-revision-hash" in message, message
+    assert create(server, multi, "b" * 44)
+    assert create(server, {"resources": {"gpus": 1, "nodes": 1}}, "c" * 52)  # one node: no LeaderWorkerSet

@@ -69,6 +69,10 @@ def _column(name: str, type_: str, path: str, description: str) -> dict[str, str
 
 # The Service takes the name as is (63 at most); pod, ConfigMap and PDB names add suffixes to it.
 MAX_NAME_LENGTH = 52
+# With resources.nodes > 1 a replica is a LeaderWorkerSet named `<name>-` plus 5 generated characters; its
+# worker StatefulSet is `<lws>-0`, whose pods carry controller-revision-hash `<statefulset>-<hash>` (a hash
+# of up to 10 characters), a label value of at most 63.
+MAX_GROUP_NAME_LENGTH = 63 - len("-") - 10 - len("-0") - len("-") - 5
 
 
 def crd_manifest() -> dict[str, Any]:
@@ -87,7 +91,16 @@ def crd_manifest() -> dict[str, Any]:
                 "characters, leaving room for the suffixes of the objects made from it",
                 "fieldPath": ".metadata.name",
                 "reason": "FieldValueInvalid",
-            }
+            },
+            {
+                "rule": f"self.spec.resources.nodes == 1 || size(self.metadata.name) <= {MAX_GROUP_NAME_LENGTH}",
+                "message": f"metadata.name may have at most {MAX_GROUP_NAME_LENGTH} characters when "
+                "resources.nodes > 1: each replica is a LeaderWorkerSet named after it, whose worker "
+                "StatefulSet's pods carry a controller-revision-hash label of the StatefulSet's name and a "
+                "hash, and a label value may not exceed 63 characters",
+                "fieldPath": ".metadata.name",
+                "reason": "FieldValueInvalid",
+            },
         ],
         "properties": {
             "apiVersion": {"type": "string"},
