@@ -106,7 +106,8 @@ def test_defaults_enums_and_ranges() -> None:
     assert spec["engine"]["default"] == {}
     assert spec["model"]["properties"]["dtype"]["enum"] == ["auto", "float32", "bfloat16", "float16"]
     assert spec["resources"]["properties"]["imagePullPolicy"]["enum"] == ["Always", "IfNotPresent", "Never"]
-    assert spec["resources"]["properties"]["nodeSelector"]["additionalProperties"] == {"type": "string"}
+    selector_value = spec["resources"]["properties"]["nodeSelector"]["additionalProperties"]
+    assert (selector_value["type"], selector_value["maxLength"]) == ("string", 63)
     assert spec["autoscaling"]["properties"]["mode"] == {
         "default": "Builtin",
         "enum": ["Builtin", "External"],

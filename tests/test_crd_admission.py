@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,93 @@ def test_a_multi_node_name_leaves_room_for_the_leaderworkerset_revision_label(se
     assert "44" in message and "resources.nodes" in message and "controller-revision-hash" in message, message
     assert create(server, multi, "b" * 44)
     assert create(server, {"resources": {"gpus": 1, "nodes": 1}}, "c" * 52)  # one node: no LeaderWorkerSet
+
+
+QUALIFIED_NAME = (
+    "must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric "
+    "character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for validation is "
+    "'([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')"
+)
+LABEL_VALUE = (
+    "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must "
+    "start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', regex used "
+    "for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')"
+)
+
+
+@pytest.mark.parametrize(
+    ("toleration", "field", "says"),
+    [
+        (
+            {"key": "gpu", "operator": "Exists", "value": "yes"},
+            "operator",
+            "value must be empty when `operator` is 'Exists'",
+        ),
+        (
+            {"operator": "Equal", "value": "x"},
+            "operator",
+            'operator must be Exists when `key` is empty, which means "match all values and all keys"',
+        ),
+        ({"value": "x"}, "operator", "operator must be Exists when `key` is empty"),
+        (
+            {"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30},
+            "effect",
+            "effect must be 'NoExecute' when `tolerationSeconds` is set",
+        ),
+        (
+            {"key": "gpu", "operator": "Exists", "tolerationSeconds": 30},
+            "effect",
+            "effect must be 'NoExecute'",
+        ),
+        ({"key": "bad key", "operator": "Exists"}, "key", "name part " + QUALIFIED_NAME),
+        (
+            {"key": "Example.com/gpu", "operator": "Exists"},
+            "key",
+            "prefix part a lowercase RFC 1123 subdomain",
+        ),
+        ({"key": "/gpu", "operator": "Exists"}, "key", "prefix part must be non-empty"),
+        ({"key": "a/b/c", "operator": "Exists"}, "key", "a qualified name " + QUALIFIED_NAME),
+        ({"key": "g" * 64, "operator": "Exists"}, "key", "name part must be no more than 63 characters"),
+        ({"key": "gpu", "operator": "Equal", "value": "a b"}, "operator", LABEL_VALUE),
+    ],
+)
+def test_tolerations_kube_apiserver_refuses_for_a_pod_are_refused(
+    server: APIServer, toleration: dict[str, Any], field: str, says: str
+) -> None:
+    """kube-apiserver's ValidateTolerations, at apply time rather than when the operator's pod is refused."""
+    spec = {"resources": {"tolerations": [toleration]}}
+    message = refused(server, spec)
+    assert f"spec.resources.tolerations[0].{field}: Invalid value" in message and says in message, message
+    with pytest.raises(ValueError, match=re.escape(says)):
+        InferenceServiceSpec.model_validate({"model": {"name": "m", "source": "/m"}, **spec})
+
+
+def test_tolerations_kube_apiserver_takes_are_taken(server: APIServer) -> None:
+    tolerations = [
+        {"operator": "Exists"},
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "value": "inference", "effect": "NoExecute", "tolerationSeconds": 60},
+        {"key": "k", "operator": "Equal", "value": ""},
+    ]
+    assert create(server, {"resources": {"tolerations": tolerations}})
+
+
+@pytest.mark.parametrize(
+    ("selector", "says"),
+    [({"disk": "fast ssd"}, LABEL_VALUE), ({"disk": "x" * 64}, "63")],
+)
+def test_node_selector_values_must_be_label_values(
+    server: APIServer, selector: dict[str, str], says: str
+) -> None:
+    spec = {"resources": {"nodeSelector": selector}}
+    message = refused(server, spec)
+    assert "spec.resources.nodeSelector" in message and says in message, message
+
+
+def test_node_selector_keys_must_be_label_keys() -> None:
+    """Checked by the operator (the CRD cannot bound a map key's length for CEL's cost estimate)."""
+    for key, says in (("bad key", "name part " + QUALIFIED_NAME), ("a/b/c", "a qualified name")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            InferenceServiceSpec.model_validate(
+                {"model": {"name": "m", "source": "/m"}, "resources": {"nodeSelector": {key: "x"}}}
+            )

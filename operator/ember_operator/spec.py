@@ -28,6 +28,15 @@ from ember_operator.kubetypes import (
     byte_rules,
     check_bytes,
 )
+from ember_operator.labels import (
+    LABEL_KEY_MAX,
+    LABEL_VALUE_MAX,
+    LABEL_VALUE_MESSAGE,
+    label_key_conditions,
+    label_key_errors,
+    label_value_condition,
+    label_value_errors,
+)
 from ember_operator.podsettings import Lifecycle, PodSettings, PodTemplate
 
 GROUP = "ember.dev"
@@ -352,16 +361,75 @@ class Engine(_Object):
         return args
 
 
+def _keyed(condition: str) -> str:
+    return f"!has(self.key) || self.key == '' || ({condition})"
+
+
+# kube-apiserver's ValidateTolerations, with its messages and fields (a bad label value is reported on
+# `operator`, as there): a pod the operator makes from a toleration it refuses would be refused.
+_TOLERATION_RULES: list[Any] = [
+    *(
+        {"rule": _keyed(condition), "message": message, "fieldPath": ".key"}
+        for condition, message in label_key_conditions("self.key")
+    ),
+    {
+        "rule": "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+        "message": 'operator must be Exists when `key` is empty, which means "match all values and all keys"',
+        "fieldPath": ".operator",
+    },
+    {
+        "rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "message": "effect must be 'NoExecute' when `tolerationSeconds` is set",
+        "fieldPath": ".effect",
+    },
+    {
+        "rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+        "message": "value must be empty when `operator` is 'Exists'",
+        "fieldPath": ".operator",
+    },
+    {
+        "rule": "(has(self.operator) && self.operator == 'Exists') || !has(self.value) || "
+        + label_value_condition("self.value")[0],
+        "message": LABEL_VALUE_MESSAGE,
+        "fieldPath": ".operator",
+    },
+]
+
+
 class Toleration(_Object):
-    key: str | None = None
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _TOLERATION_RULES})
+
+    key: str | None = Field(default=None, max_length=LABEL_KEY_MAX)
     operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
+    value: str | None = Field(default=None, max_length=LABEL_VALUE_MAX)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
+
+    @model_validator(mode="after")
+    def _as_kube_apiserver_takes_it(self) -> Self:
+        errors = [f"key: {e}" for e in label_key_errors(self.key)] if self.key else []
+        if not self.key and self.operator != "Exists":
+            errors.append(f"operator: {_TOLERATION_RULES[-4]['message']}")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            errors.append(f"effect: {_TOLERATION_RULES[-3]['message']}")
+        if self.operator == "Exists" and self.value:
+            errors.append(f"operator: {_TOLERATION_RULES[-2]['message']}")
+        if self.operator != "Exists" and self.value is not None:
+            errors += [f"operator: {e}" for e in label_value_errors(self.value)]
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
 
 
 # An extended resource name: a domain prefix (not kubernetes.io's) and a name.
 EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)+[a-z0-9]([-a-z0-9]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+_NODE_SELECTOR_VALUE_RULE: dict[str, Any] = dict(
+    zip(("rule", "message"), label_value_condition("self"), strict=True)
+)
+MAX_NODE_SELECTOR = 64
+MAX_TOLERATIONS = 64
 
 
 class Resources(_Object):
@@ -381,8 +449,20 @@ class Resources(_Object):
         max_length=QUANTITY_MAX,
         json_schema_extra=byte_rules("resources.memory"),
     )
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=MAX_NODE_SELECTOR,
+        description="The pods' nodeSelector. The API server checks the values as label values; the operator "
+        "checks the keys as label keys (the schema cannot bound a key's length for a CEL rule's cost).",
+        json_schema_extra={
+            "additionalProperties": {
+                "type": "string",
+                "maxLength": LABEL_VALUE_MAX,
+                "x-kubernetes-validations": [_NODE_SELECTOR_VALUE_RULE],
+            }
+        },
+    )
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_TOLERATIONS)
     image: str = Field(default="ghcr.io/ember-dev/ember-engine:0.1.0", min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     env: list[EnvVar] = Field(default_factory=list, max_length=MAX_ENV, json_schema_extra=_list_map("name"))
@@ -403,6 +483,15 @@ class Resources(_Object):
         max_length=QUANTITY_MAX,
         json_schema_extra=byte_rules("resources.sharedMemory"),
     )
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, selector: dict[str, str]) -> dict[str, str]:
+        for key, value in selector.items():
+            errors = label_key_errors(key) + label_value_errors(value)
+            if errors:
+                raise ValueError(f"nodeSelector {key!r}: {value!r}: {'; '.join(errors)}")
+        return selector
 
     @field_validator("memory", "shared_memory")
     @classmethod
