@@ -517,3 +517,16 @@ def test_a_fetch_failure_clears_once_the_fetch_has_completed() -> None:
     assert [t.reason for t in held_troubles(held, [crashing], {name: trouble(crashing)}, now)] == [
         "PodsCrashLooping"
     ]
+
+
+def test_shared_memory_counts_in_the_template_hash_as_the_pod_gets_it() -> None:
+    """Writing the default /dev/shm size (1Gi for one rank) leaves the pod as it was, so rolls nothing."""
+    base = make_spec(resources={"gpus": 1})
+    assert (
+        desired_pod(OWNER, base, ACTIVE, "h")["spec"]
+        == desired_pod(OWNER, make_spec(resources={"gpus": 1, "sharedMemory": "1Gi"}), ACTIVE, "h")["spec"]
+    )
+    for same in ("1Gi", "1024Mi"):
+        assert template_hash(make_spec(resources={"gpus": 1, "sharedMemory": same})) == template_hash(base)
+    for other in ("2Gi", "0"):
+        assert template_hash(make_spec(resources={"gpus": 1, "sharedMemory": other})) != template_hash(base)

@@ -86,6 +86,11 @@ _FIRST_RELEASE = {
 }
 
 
+def default_shared_memory(spec: InferenceServiceSpec) -> str:
+    """/dev/shm's size without resources.sharedMemory: 1Gi per tensor-parallel rank on the pod."""
+    return f"{max(1, spec.tensor_parallel_size // spec.resources.nodes)}Gi"
+
+
 def template_hash(spec: InferenceServiceSpec) -> str:
     """A digest of the fields that change what an engine pod runs; a new value means the pods are rolled.
 
@@ -103,6 +108,10 @@ def template_hash(spec: InferenceServiceSpec) -> str:
     affecting["resources"]["env"] = [
         {k: v for k, v in e.items() if v is not None} for e in affecting["resources"]["env"]
     ]
+    # /dev/shm counts as the pod gets it: the default's size written out (1Gi for one rank) rolls nothing.
+    shm = spec.resources.shared_memory
+    if shm is not None and quantity_bytes(shm) == quantity_bytes(default_shared_memory(spec)):
+        affecting["resources"].pop("sharedMemory", None)
     # The tensor-parallel size counts as the engine will run it: pods of several GPUs that ran one rank roll.
     affecting["engine"].pop("tensorParallelSize", None)
     if spec.tensor_parallel_size > 1:
@@ -256,7 +265,7 @@ def desired_pod(owner: Owner, spec: InferenceServiceSpec, role: str, pod_hash: s
     attach_model(pod_spec, container, spec, security)
     # A container's /dev/shm is 64Mi unless mounted: too small for torch's inter-process buffers and for
     # NCCL between the pod's ranks.
-    shm = r.shared_memory or f"{max(1, spec.tensor_parallel_size // r.nodes)}Gi"
+    shm = r.shared_memory or default_shared_memory(spec)
     if shm != "0":
         container["volumeMounts"].append({"name": "dshm", "mountPath": SHM_DIR})
         pod_spec["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
