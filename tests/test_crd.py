@@ -275,3 +275,15 @@ def test_operator_modules_do_not_import_torch(tmp_path: Path) -> None:
         [sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_the_readme_lists_the_printer_columns_kubectl_shows() -> None:
+    columns = " ".join(
+        c["name"].upper() for c in crd_manifest()["spec"]["versions"][0]["additionalPrinterColumns"]
+    )
+    listed = [
+        line.split("#", 1)[1].strip()
+        for line in (REPO / "README.md").read_text().splitlines()
+        if line.startswith(("kubectl get eis ", "kubectl get inferenceservices ")) and "# READY" in line
+    ]
+    assert len(listed) >= 2 and all(text == columns for text in listed), (columns, listed)
