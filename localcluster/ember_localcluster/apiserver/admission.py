@@ -5,6 +5,7 @@
   random lowercase alphanumerics, as in Kubernetes.
 * Custom resources are pruned, defaulted and validated against their CRD's schema (`schema.py`).
 * CRDs are checked enough to be registered and get `Established`/`NamesAccepted` conditions.
+* Pods' tolerations and nodeSelector are checked as kube-apiserver checks them (`podspec.py`).
 * New Pods start `Pending` and new Namespaces `Active`, since no controller here would set that;
   Services get core/v1's default `type: ClusterIP`.
 """
@@ -19,6 +20,7 @@ from typing import Any
 
 from . import schema
 from .errors import Cause, bad_request, invalid
+from .podspec import pod_spec_causes
 from .resources import ResourceType, crd_causes
 
 CRD_STORAGE = ("apiextensions.k8s.io", "customresourcedefinitions")
@@ -97,6 +99,8 @@ def admit(
         if causes:
             raise invalid(rtype.kind, rtype.group, name, causes)
         obj["status"] = _crd_status(obj)
+    elif rtype.storage == PODS and (causes := pod_spec_causes(obj.get("spec"))):
+        raise invalid(rtype.kind, rtype.group, name, causes)
     elif old is None and rtype.storage == PODS:
         obj["status"] = {"phase": "Pending"}
     elif old is None and rtype.storage == NAMESPACES:

@@ -1,0 +1,96 @@
+"""A Pod's tolerations and nodeSelector as kube-apiserver validates them (pkg/apis/core/validation:
+ValidateTolerations, and ValidateLabels for the selector), with its messages.
+
+Left out: the rest of ValidatePodSpec. A toleration refused for a value with `operator: Exists` is shown as
+Go's %#v shows it; where tolerationSeconds is set, Go prints a pointer's address, shown here as `0x...`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ember_operator.labels import label_key_errors, label_value_errors
+
+from .errors import Cause
+
+_OPERATORS = ("Equal", "Exists")
+_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _invalid(field: str, value: Any, message: str) -> Cause:
+    return Cause(field, "FieldValueInvalid", f"Invalid value: {value}: {message}")
+
+
+def _unsupported(field: str, value: str, supported: tuple[str, ...]) -> Cause:
+    listed = ", ".join(json.dumps(v) for v in supported)
+    return Cause(
+        field, "FieldValueNotSupported", f"Unsupported value: {json.dumps(value)}: supported values: {listed}"
+    )
+
+
+def _go_toleration(t: dict[str, Any]) -> str:
+    seconds = "(*int64)(nil)" if t.get("tolerationSeconds") is None else "(*int64)(0x...)"
+    fields = ", ".join(
+        f"{k[0].upper()}{k[1:]}:{json.dumps(t.get(k) or '')}" for k in ("key", "operator", "value", "effect")
+    )
+    return f"core.Toleration{{{fields}, TolerationSeconds:{seconds}}}"
+
+
+def toleration_causes(tolerations: list[Any]) -> list[Cause]:
+    causes = []
+    for i, t in enumerate(tolerations):
+        if not isinstance(t, dict):
+            continue
+        path = f"spec.tolerations[{i}]"
+        key, operator, value = t.get("key") or "", t.get("operator") or "", t.get("value") or ""
+        effect = t.get("effect") or ""
+        if key:
+            causes += [_invalid(f"{path}.key", json.dumps(key), m) for m in label_key_errors(key)]
+        if not key and operator != "Exists":
+            causes.append(
+                _invalid(
+                    f"{path}.operator",
+                    json.dumps(operator),
+                    'operator must be Exists when `key` is empty, which means "match all values and all keys"',
+                )
+            )
+        if t.get("tolerationSeconds") is not None and effect != "NoExecute":
+            causes.append(
+                _invalid(
+                    f"{path}.effect",
+                    json.dumps(effect),
+                    "effect must be 'NoExecute' when `tolerationSeconds` is set",
+                )
+            )
+        if operator in ("Equal", ""):
+            errors = label_value_errors(value)
+            if errors:
+                causes.append(_invalid(f"{path}.operator", json.dumps(value), ";".join(errors)))
+        elif operator == "Exists":
+            if value:
+                message = "value must be empty when `operator` is 'Exists'"
+                causes.append(_invalid(f"{path}.operator", _go_toleration(t), message))
+        else:
+            causes.append(_unsupported(f"{path}.operator", operator, _OPERATORS))
+        if effect and effect not in _EFFECTS:
+            causes.append(_unsupported(f"{path}.effect", effect, _EFFECTS))
+    return causes
+
+
+def node_selector_causes(selector: dict[str, Any]) -> list[Cause]:
+    causes = []
+    for key, value in selector.items():
+        causes += [_invalid("spec.nodeSelector", json.dumps(key), m) for m in label_key_errors(key)]
+        if isinstance(value, str):
+            causes += [_invalid("spec.nodeSelector", json.dumps(value), m) for m in label_value_errors(value)]
+    return causes
+
+
+def pod_spec_causes(spec: Any) -> list[Cause]:
+    """The causes of a 422 for the Pod spec's tolerations and nodeSelector (none: they are valid)."""
+    if not isinstance(spec, dict):
+        return []
+    tolerations, selector = spec.get("tolerations"), spec.get("nodeSelector")
+    causes = toleration_causes(tolerations) if isinstance(tolerations, list) else []
+    return causes + (node_selector_causes(selector) if isinstance(selector, dict) else [])

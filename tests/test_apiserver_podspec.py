@@ -1,0 +1,96 @@
+"""Pod tolerations and nodeSelector as kube-apiserver validates them on create (ValidateTolerations,
+ValidateLabels of pkg/apis/core/validation), with its 422 messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ember_localcluster.apiserver import APIError, APIServer
+from ember_operator.labels import LABEL_VALUE_MESSAGE, QUALIFIED_NAME_MESSAGE
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[APIServer]:
+    with APIServer() as api:
+        yield api
+
+
+def _pod(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"containers": [{"name": "c", "image": "x"}], **spec},
+    }
+
+
+def _refused(server: APIServer, pod: dict[str, Any]) -> str:
+    with pytest.raises(APIError) as caught:
+        server.create(pod)
+    assert caught.value.code == 422 and caught.value.reason == "Invalid", caught.value
+    return caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("toleration", "expected"),
+    [
+        (
+            {"key": "bad key!", "operator": "Exists"},
+            f'spec.tolerations[0].key: Invalid value: "bad key!": name part {QUALIFIED_NAME_MESSAGE}',
+        ),
+        (
+            {"operator": "Equal", "value": "x"},
+            'spec.tolerations[0].operator: Invalid value: "Equal": operator must be Exists when `key` is empty, '
+            'which means "match all values and all keys"',
+        ),
+        (
+            {"key": "a", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30},
+            "spec.tolerations[0].effect: Invalid value: \"NoSchedule\": effect must be 'NoExecute' when "
+            "`tolerationSeconds` is set",
+        ),
+        (
+            {"key": "a", "operator": "Exists", "value": "v"},
+            'spec.tolerations[0].operator: Invalid value: core.Toleration{Key:"a", Operator:"Exists", Value:"v", '
+            "Effect:\"\", TolerationSeconds:(*int64)(nil)}: value must be empty when `operator` is 'Exists'",
+        ),
+        (
+            {"key": "a", "operator": "Equal", "value": "v v"},
+            f'spec.tolerations[0].operator: Invalid value: "v v": {LABEL_VALUE_MESSAGE}',
+        ),
+        (
+            {"key": "a", "operator": "Within"},
+            'spec.tolerations[0].operator: Unsupported value: "Within": supported values: "Equal", "Exists"',
+        ),
+        (
+            {"key": "a", "operator": "Exists", "effect": "Sometimes"},
+            'spec.tolerations[0].effect: Unsupported value: "Sometimes": supported values: "NoSchedule", '
+            '"PreferNoSchedule", "NoExecute"',
+        ),
+    ],
+)
+def test_a_pod_with_a_toleration_kube_apiserver_refuses_is_refused(
+    server: APIServer, toleration: dict[str, Any], expected: str
+) -> None:
+    message = _refused(server, _pod("tol", tolerations=[toleration]))
+    assert message == f'Pod "tol" is invalid: {expected}', message
+
+
+def test_a_pod_with_a_node_selector_kube_apiserver_refuses_is_refused(server: APIServer) -> None:
+    message = _refused(server, _pod("sel", nodeSelector={"bad key!": "v v"}))
+    assert message == (
+        f'Pod "sel" is invalid: [spec.nodeSelector: Invalid value: "bad key!": name part {QUALIFIED_NAME_MESSAGE}, '
+        f'spec.nodeSelector: Invalid value: "v v": {LABEL_VALUE_MESSAGE}]'
+    ), message
+
+
+def test_a_pod_with_valid_tolerations_and_selector_is_created(server: APIServer) -> None:
+    tolerations = [
+        {"operator": "Exists"},
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "value": "inference", "effect": "NoExecute", "tolerationSeconds": 60},
+    ]
+    pod = _pod("fine", tolerations=tolerations, nodeSelector={"example.com/disk": "ssd", "zone": ""})
+    assert server.create(pod)["spec"]["tolerations"] == tolerations
