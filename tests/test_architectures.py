@@ -86,3 +86,61 @@ def test_half_precision_as_accurate_as_transformers(
     our_err = (ours - truth[tokens]).abs().max().item()
     their_err = (half[tokens] - truth[tokens]).abs().max().item()
     assert our_err <= 2 * their_err + 0.02, (our_err, their_err)
+
+
+# Sliding-window attention (each token sees the last `sliding_window` tokens): ember attends over whole
+# sequences, the same up to the window's length, so such a model runs sequences up to the window.
+WINDOWED = {
+    "mistral-window": lambda: MistralConfig(**COMMON, sliding_window=64),
+    "qwen2-window": lambda: Qwen2Config(
+        **COMMON, use_sliding_window=True, sliding_window=64, max_window_layers=0, tie_word_embeddings=False
+    ),
+}
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_a_sliding_window_model_runs_sequences_up_to_its_window(
+    name: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The window was not read: sequences past it decoded unlike transformers, silently (Mistral-7B-v0.1's
+    window is 4096 of its 32768 positions)."""
+    model = _save(WINDOWED[name](), tiny_model, tmp_path / name)
+    llm = LLM(str(tmp_path / name), max_num_batched_tokens=48)
+    assert llm.engine.max_model_len == 64
+    prompts = [PROMPTS[0], list(range(40, 90))]  # 50 tokens + 10 generated: within the window
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [g.token_ids for g in got] == hf_greedy(model, prompts, 10)
+    with pytest.raises(
+        ValueError, match=r"max_model_len: 65 exceeds the model's sliding window of 64 tokens"
+    ):
+        LLM(str(tmp_path / name), max_model_len=65)
+
+
+def test_an_inactive_window_changes_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    """Qwen2 configs carry a sliding_window with use_sliding_window false (or no layer using it)."""
+    for name, config in (
+        (
+            "off",
+            Qwen2Config(**COMMON, use_sliding_window=False, sliding_window=64, tie_word_embeddings=False),
+        ),
+        (
+            "no-layer",
+            Qwen2Config(
+                **COMMON,
+                use_sliding_window=True,
+                sliding_window=64,
+                max_window_layers=2,
+                tie_word_embeddings=False,
+            ),
+        ),
+        ("wider", MistralConfig(**COMMON, sliding_window=4096)),
+    ):
+        _save(config, tiny_model, tmp_path / name)
+        assert LLM(str(tmp_path / name)).engine.max_model_len == 512, name
+
+
+def test_an_activation_other_than_silu_is_refused_by_name(tiny_model: Path, tmp_path: Path) -> None:
+    """`hidden_act` was not read: a gelu model ran as silu, its output wrong."""
+    _save(LlamaConfig(**COMMON, hidden_act="gelu"), tiny_model, tmp_path / "gelu")
+    with pytest.raises(ValueError, match=r"hidden_act 'gelu' is not supported; supported: silu"):
+        LLM(str(tmp_path / "gelu"))

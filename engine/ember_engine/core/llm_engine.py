@@ -58,10 +58,7 @@ class LLMEngine:
         self.config = gguf_dir.describe(config)  # a .gguf model: the directory describing it
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
-        limit = self.model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit of {limit}")
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = self.model_config.max_model_len(config.max_model_len)
         draft_config, extra_block_bytes, reserved = None, 0, 0
         if config.speculation == "draft":
             draft_config = draft_model_config(config, self.model_config, self.max_model_len)

@@ -57,7 +57,7 @@ def device_type(config: EngineConfig) -> str:
 def build_runner(config: EngineConfig, membership: Membership, **options: Any) -> ModelRunner:
     """The target model's runner for this rank: every rank builds it the same way, in step."""
     model_config = ModelConfig.from_dir(config.model)
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    max_model_len = model_config.max_model_len(config.max_model_len)
     return ModelRunner(
         config, model_config, max_model_len, tp=membership.tp, device=membership.device, **options
     )

@@ -41,6 +41,9 @@ class ModelConfig:
     # Per rotary frequency, the number its angle is divided by (a GGUF file's rope_freqs.weight, Llama 3.1's
     # scaling as llama.cpp stores it); None: none.
     rope_freq_factors: tuple[float, ...] | None = None
+    # Attention within the last this many tokens (Mistral's `sliding_window`, Qwen2's with
+    # `use_sliding_window`), where some layer uses it and it is shorter than the positions; None: none.
+    sliding_window: int | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -64,6 +67,9 @@ class ModelConfig:
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
+        activation = raw.get("hidden_act", "silu")
+        if activation not in ("silu", "swish"):  # the same function, as transformers maps them
+            raise UnsupportedModelError(f"hidden_act {activation!r} is not supported; supported: silu")
         if rope_scaling is not None:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if kind not in ("default", "llama3"):
@@ -91,7 +97,41 @@ class ModelConfig:
             eos_token_ids=_eos_ids(Path(model_dir), raw),
             bos_token_id=raw.get("bos_token_id"),
             rope_freq_factors=_freq_factors(raw, rope_scaling, head_dim),
+            sliding_window=_sliding_window(raw, arch),
         )
+
+    def max_model_len(self, requested: int | None) -> int:
+        """The longest sequence to run: `requested` (a ValueError past the model's limit), else that limit.
+        A sliding window limits it too: ember attends over whole sequences, which is the same as attending
+        within the window only up to the window's length."""
+        limit = self.max_position_embeddings
+        why = f"the model's limit of {limit}"
+        if self.sliding_window is not None:
+            limit = self.sliding_window
+            why = (
+                f"the model's sliding window of {limit} tokens (ember attends over whole sequences, which is "
+                "the same only up to the window)"
+            )
+        if requested is not None and requested > limit:
+            raise ValueError(f"max_model_len: {requested} exceeds {why}")
+        return requested or limit
+
+
+def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
+    """The window a layer attends within, as transformers reads it: `sliding_window` where
+    `use_sliding_window` is not false (Qwen2 and Qwen3 default it false), for the layers `layer_types`
+    marks (or, for Qwen, from `max_window_layers` on); None where no layer uses one shorter than the
+    positions."""
+    window = raw.get("sliding_window")
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if not isinstance(window, int) or not raw.get("use_sliding_window", not qwen):
+        return None
+    layers = raw.get("layer_types")
+    if isinstance(layers, list):
+        used = "sliding_attention" in layers
+    else:
+        used = not qwen or raw.get("max_window_layers", 28) < raw["num_hidden_layers"]
+    return window if used and window < raw.get("max_position_embeddings", 4096) else None
 
 
 def _freq_factors(

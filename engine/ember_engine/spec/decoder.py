@@ -90,10 +90,11 @@ def draft_model_config(config: EngineConfig, target: ModelConfig, max_model_len:
     )
     if ours.exists() and theirs.exists() and ours.read_bytes() != theirs.read_bytes():
         raise ValueError("draft_model: its tokenizer.json differs from the target's")
-    if draft.max_position_embeddings < max_model_len:
+    if draft.max_model_len(None) < max_model_len:
         raise ValueError(
-            f"draft_model: max_position_embeddings {draft.max_position_embeddings} is below "
-            f"max_model_len {max_model_len}; lower max_model_len"
+            f"draft_model: it runs sequences of up to {draft.max_model_len(None)} tokens (max_position_embeddings"
+            f" {draft.max_position_embeddings}, sliding_window {draft.sliding_window}), below max_model_len "
+            f"{max_model_len}; lower max_model_len"
         )
     return draft
 
