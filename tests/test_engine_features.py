@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -177,3 +178,34 @@ def test_bad_tensor_is_named(tiny_model: Path, tmp_path: Path, damage: str) -> N
     save_file(tensors, model / "model.safetensors")
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         LLM(str(model))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        # NaN passed the one-sided checks: temperature NaN sampled, repetition_penalty NaN wrote garbage
+        ("temperature", float("nan"), "temperature: must be a finite number >= 0, got nan"),
+        ("temperature", float("inf"), "temperature: must be a finite number >= 0, got inf"),
+        ("repetition_penalty", float("nan"), "repetition_penalty: must be a finite number > 0, got nan"),
+        ("repetition_penalty", float("inf"), "repetition_penalty: must be a finite number > 0, got inf"),
+    ],
+)
+def test_sampling_numbers_that_are_no_finite_numbers_are_refused(
+    field: str, value: float, error: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(error)):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("device", ["tpu", "npu", "cuda:x"])
+def test_an_unknown_device_is_refused_by_name(tiny_model: Path, device: str) -> None:
+    """It failed deep in torch ("Expected one of cpu, cuda, ..."), naming no option."""
+    with pytest.raises(ValueError, match=re.escape(f"device: unknown {device!r}; choose auto, cpu or cuda")):
+        LLM(str(tiny_model), device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a CUDA device")
+def test_cuda_without_a_cuda_device_is_refused_by_name(tiny_model: Path) -> None:
+    """It failed with torch's "AssertionError: Torch not compiled with CUDA enabled"."""
+    with pytest.raises(ValueError, match=r"device: cuda requested, but torch sees no CUDA device"):
+        LLM(str(tiny_model), device="cuda")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # Weight quantization schemes (README "Quantization").
@@ -75,6 +76,13 @@ class EngineConfig:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}")
 
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            bad("device", f"unknown {self.device!r}; choose auto, cpu or cuda (cuda:N for one of several)")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                bad("device", f"{self.device} requested, but torch sees no CUDA device")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             bad("block_size", f"must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

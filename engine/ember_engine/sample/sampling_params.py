@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,16 +59,16 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN too
+            bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            bad("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not -2 <= self.presence_penalty <= 2:
