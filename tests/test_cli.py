@@ -85,3 +85,29 @@ def test_serve_refuses_an_unknown_quantization_before_it_starts(tmp_path: Path) 
     assert "argument --quantization: invalid choice: 'w8a61'" in result.stderr
     assert "fp8" in result.stderr and "gptq_marlin" in result.stderr
     assert "fatal" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_engine_never_overwrites_a_directory_that_holds_something(tmp_path: Path) -> None:
+    """A directory without `model.safetensors` (a sharded checkpoint, notes) was wiped and a random tiny model
+    built in its place. It is served as it is now: here it is no checkpoint, so the server cannot start."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "NOTES.md").write_text("mine\n")
+    (mine / "model-00001-of-00002.safetensors").write_bytes(b"not touched")
+    ember = Path(sys.executable).with_name("ember")
+    run = subprocess.run(
+        [str(ember), "demo-engine", "--dir", str(mine)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and "exited before it was ready" in run.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["NOTES.md", "model-00001-of-00002.safetensors"]
+    assert (mine / "model-00001-of-00002.safetensors").read_bytes() == b"not touched"
+
+
+def test_written_weights_are_readable_by_others_as_the_other_files(tmp_path: Path) -> None:
+    """safetensors writes owner-only files: an engine running as another user (the operator's pods run as
+    non-root) could not read a test model's or a quantized copy's weights."""
+    src = tmp_path / "m"
+    assert main(["make-test-model", str(src), "--size", "tiny"]) == 0
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--scheme", "w8a16"]) == 0
+    for weights in (src / "model.safetensors", tmp_path / "q" / "model.safetensors"):
+        assert weights.stat().st_mode & 0o044 == 0o044, oct(weights.stat().st_mode)

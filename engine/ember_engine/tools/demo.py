@@ -48,7 +48,10 @@ def _free_port() -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`ember demo-engine`."""
-    p.add_argument("--dir", help="serve this checkpoint instead (a tiny test model is built there if empty)")
+    p.add_argument(
+        "--dir",
+        help="serve this checkpoint instead (a tiny test model is built there if it is missing or empty)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -58,9 +61,9 @@ def main(args: argparse.Namespace) -> int:
     draft: Path | None = None
     if args.dir:
         model_dir = Path(args.dir)
-        if not (model_dir / "model.safetensors").exists():
+        if not model_dir.exists() or (model_dir.is_dir() and not any(model_dir.iterdir())):
             print(f"building a tiny test checkpoint in {model_dir} ...")
-            make_test_model(model_dir, size="tiny", force=True)
+            make_test_model(model_dir, size="tiny")  # else served as it is: nothing of it is overwritten
     else:
         model_dir, draft = packaged_pair()
     port = _free_port()

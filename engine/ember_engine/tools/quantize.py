@@ -210,6 +210,7 @@ def quantize_checkpoint(
     part.mkdir()
     try:
         save_file(out, str(part / "model.safetensors"), metadata={"format": "pt"})
+        (part / "model.safetensors").chmod(0o644)  # safetensors writes it owner-only: readable as the rest
         (part / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for other in src.iterdir():
             if other.is_file() and other.suffix != ".safetensors" and other.name not in _REWRITTEN:

@@ -195,6 +195,7 @@ def make_test_model(
     generation = {"bos_token_id": ids[BOS], "eos_token_id": [ids[EOS], ids["<|end|>"]], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     save_file(random_llama_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes it owner-only: readable as the rest
     return out
 
 
