@@ -255,3 +255,97 @@ def test_fetch_model_imports_no_torch(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_a_whole_partial_file_is_checked_where_it_lies(hub: Hub, checkpoint: Path, tmp_path: Path) -> None:
+    """A run killed between the last write and the rename leaves a partial file of the whole size: it asked
+    for the bytes past the end (a 416 from real storage, so every rerun failed). Its digest is checked where
+    it lies now, nothing fetched; and the progress counts it."""
+    weights = (checkpoint / "model.safetensors").read_bytes()
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "model.safetensors.incomplete").write_bytes(weights)
+    done = fetch(f"hf://{REPO_ID}", str(dest), "--endpoint", hub.hub_url, env={"HF_TOKEN": hub.token})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (dest / "model.safetensors").read_bytes() == weights
+    sha = hashlib.sha256(weights).hexdigest()
+    assert [h.get("Range") for origin, path, h in hub.requests if origin == "storage" and sha in path] == []
+    last = [line for line in done.stdout.splitlines() if "%)" in line][-1]
+    assert "(100%)" in last, last  # it counted only what it fetched: resumed bytes were left out
+    # A whole-size partial whose content is not the file's: fetched again from the start.
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "model.safetensors.incomplete").write_bytes(bytes(len(weights)))
+    done = fetch(f"hf://{REPO_ID}", str(again), "--endpoint", hub.hub_url, env={"HF_TOKEN": hub.token})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (again / "model.safetensors").read_bytes() == weights
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    for f in src.rglob("*"):
+        if f.is_file():
+            (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            (dst / f.relative_to(src)).write_bytes(f.read_bytes())
+
+
+def test_a_directory_that_changed_is_fetched_whole_and_leaves_nothing_of_before(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A directory publishes no digests: a partial file of the earlier revision was resumed into the new one
+    (a corrupt file, reported done), and the earlier revision's files stayed beside the new ones (old shards
+    and their index, which the engine then loaded)."""
+    source, dest = tmp_path / "source", tmp_path / "dest"
+    source.mkdir()
+    _copy_tree(checkpoint, source)
+    weights = (source / "model.safetensors").read_bytes()
+    (source / "model.safetensors").unlink()
+    half = len(weights) // 2
+    (source / "model-00001-of-00002.safetensors").write_bytes(weights[:half])
+    (source / "model-00002-of-00002.safetensors").write_bytes(weights[half:])
+    (source / "model.safetensors.index.json").write_text("{}")
+    assert fetch(str(source), str(dest)).returncode == 0
+    # the next revision: one file of weights, the shards gone
+    for name in (
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ):
+        (source / name).unlink()
+    (source / "model.safetensors").write_bytes(weights)
+    # an earlier run of it was cut: a partial file whose bytes are not the new content's
+    (dest / "config.json.incomplete").write_bytes(b"{" + b"x" * 40)
+    done = fetch(str(source), str(dest))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert tree(dest) == expected_files(source)
+
+
+def test_a_local_failure_ends_in_one_fatal_line(checkpoint: Path, tmp_path: Path) -> None:
+    """A destination that is a file, or a link to nothing; a negative --retries: tracebacks before."""
+    (tmp_path / "a-file").write_text("x")
+    done = fetch(str(checkpoint), str(tmp_path / "a-file"))
+    assert done.returncode == 1 and "fatal:" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert str(tmp_path / "a-file") in done.stderr
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    done = fetch(str(checkpoint), str(tmp_path / "dangling"))
+    assert done.returncode == 1 and "fatal:" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    negative = fetch(str(checkpoint), str(tmp_path / "n"), "--retries", "-1")
+    assert negative.returncode == 2 and "--retries" in negative.stderr
+
+
+def test_a_directory_source_follows_links_and_refuses_a_dangling_one(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A linked subdirectory was skipped and a dangling link left out, silently ("done")."""
+    source, elsewhere = tmp_path / "source", tmp_path / "elsewhere"
+    source.mkdir()
+    elsewhere.mkdir()
+    _copy_tree(checkpoint, source)
+    (elsewhere / "tokenizer-extra.json").write_text("{}")
+    (source / "linked").symlink_to(elsewhere, target_is_directory=True)
+    done = fetch(str(source), str(tmp_path / "out"), "--include", "*")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "out" / "linked" / "tokenizer-extra.json").read_text() == "{}"
+    (source / "model-00002-of-00002.safetensors").symlink_to(tmp_path / "nowhere")
+    dangling = fetch(str(source), str(tmp_path / "out2"), "--include", "*")
+    assert dangling.returncode == 1 and "model-00002-of-00002.safetensors" in dangling.stderr, dangling.stderr
+    assert "a link to nothing" in dangling.stderr

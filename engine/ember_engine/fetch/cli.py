@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(*.bin, *.pt, ...) and GGUF files (*.gguf: give --include for the one to serve) are skipped too",
     )
     p.add_argument(
-        "--retries", type=int, default=5, help="tries after a dropped transfer (default: %(default)s)"
+        "--retries", type=_count, default=5, help="tries after a dropped transfer (default: %(default)s)"
     )
     p.add_argument(
         "--progress-interval",
@@ -58,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds between progress lines (default: %(default)s)",
     )
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
 
 
 def _log(message: str) -> None:
@@ -76,8 +83,9 @@ def main(args: argparse.Namespace) -> int:
             log=_log,
         )
         fetch.run()
-    except FetchError as error:
-        # One line the operator reports as the pod's trouble (Stalled, ModelFetchFailed).
+    except (FetchError, OSError) as error:
+        # One line the operator reports as the pod's trouble (Stalled, ModelFetchFailed); an OSError names
+        # its path (a destination that is a file, a full disk, a file it may not read).
         print(f"{PREFIX}: fatal: {error}", file=sys.stderr, flush=True)
         return 1
     return 0

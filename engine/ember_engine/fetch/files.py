@@ -157,8 +157,14 @@ class Fetch:
         if not files:
             raise FetchError(f"{self.source.describe()} has no files to fetch (listed: {len(listed)})")
         ledger = self._ledger()
-        if ledger.get("source") != self.source.describe() or ledger.get("revision") != revision:
+        before: set[str] = set()  # an earlier revision's files, removed once this one is complete
+        changed = ledger.get("source") != self.source.describe() or ledger.get("revision") != revision
+        if changed:
+            before = set(ledger.get("files", {})) if ledger.get("source") == self.source.describe() else set()
             ledger = {"source": self.source.describe(), "revision": revision, "complete": False, "files": {}}
+            self._write_ledger(
+                ledger
+            )  # before any byte: a cut run's partial files are known as this revision's
         total = sum(f.size for f in files)
         self.log(
             f"{self.source.describe()} (revision {revision}): {len(files)} files, {human(total)}, into {self.dest}"
@@ -172,13 +178,16 @@ class Fetch:
                 self.counts["present"] += 1
                 progress.add(f.size, f.path)
                 continue
-            self._fetch_file(f, target, progress)
+            self._fetch_file(f, target, progress, stale=changed and not f.digests)
             for kind in f.digests:
                 checked[kind] = checked.get(kind, 0) + 1
             ledger["files"][f.path] = _record(f)
             self._write_ledger(ledger)
         ledger["complete"] = True
         self._write_ledger(ledger)
+        for path in sorted(before - {f.path for f in files}):  # gone from the source, or no longer selected
+            for old in (_target(self.dest, path), _target(self.dest, path + PARTIAL)):
+                old.unlink(missing_ok=True)
         seconds = time.monotonic() - progress.started
         digests = ", ".join(f"{n} {kind}" for kind, n in sorted(checked.items())) or "none published"
         self.log(
@@ -187,9 +196,14 @@ class Fetch:
             f"digests checked: {digests}"
         )
 
-    def _fetch_file(self, f: RemoteFile, target: Path, progress: Progress) -> None:
+    def _fetch_file(self, f: RemoteFile, target: Path, progress: Progress, stale: bool) -> None:
+        """`stale`: a partial file there may be an earlier revision's, and no digest would tell."""
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + PARTIAL)
+        if partial.exists() and (stale or partial.stat().st_size > f.size):
+            partial.unlink()  # not a prefix of this file, or none known to be
+        if partial.exists():  # an earlier run's bytes, counted as there
+            progress.add(partial.stat().st_size, f.path)
         for attempt in range(self.retries + 1):
             try:
                 self._stream(f, partial, progress)
@@ -205,8 +219,16 @@ class Fetch:
 
     def _stream(self, f: RemoteFile, partial: Path, progress: Progress) -> None:
         have = partial.stat().st_size if partial.exists() else 0
-        if have > f.size:
-            have = 0  # not a prefix of this file: start over
+        if have == f.size:  # cut between the last write and the rename: checked where it lies
+            digests = _Digests(f)
+            with partial.open("rb") as held:
+                for block in iter(lambda: held.read(1 << 20), b""):
+                    digests.update(block)
+            if not digests.mismatches(f):
+                return
+            partial.unlink()
+            progress.add(-have, f.path)
+            have = 0
         start, chunks = self.source.read(f, have)
         if have and start == have:
             self.counts["resumed"] += 1
