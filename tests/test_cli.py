@@ -111,3 +111,28 @@ def test_written_weights_are_readable_by_others_as_the_other_files(tmp_path: Pat
     assert main(["quantize", str(src), str(tmp_path / "q"), "--scheme", "w8a16"]) == 0
     for weights in (src / "model.safetensors", tmp_path / "q" / "model.safetensors"):
         assert weights.stat().st_mode & 0o044 == 0o044, oct(weights.stat().st_mode)
+
+
+def test_make_test_model_and_quantize_refuse_what_they_cannot_write_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert main(["make-test-model", str(a_file)]) == 1  # NotADirectoryError's traceback before
+    assert f"{a_file} is not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # an overflow after the directory was made, before
+        main(["make-test-model", str(tmp_path / "seeded"), "--seed", str(2**70)])
+    assert refused.value.code == 2 and "--seed" in capsys.readouterr().err
+    assert not (tmp_path / "seeded").exists()
+    assert main(["quantize", str(tmp_path), str(a_file / "out"), "--scheme", "w8a16"]) == 2
+    assert "ember quantize: error:" in capsys.readouterr().err
+
+
+def test_make_test_model_forced_over_a_linked_directory_writes_into_it(tmp_path: Path) -> None:
+    """`--force` on a link to a directory failed: "Cannot call rmtree on a symbolic link"."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    (real / "old.txt").write_text("old")
+    link.symlink_to(real, target_is_directory=True)
+    assert main(["make-test-model", str(link), "--force"]) == 0
+    assert link.is_symlink() and (real / "model.safetensors").exists() and not (real / "old.txt").exists()

@@ -225,7 +225,7 @@ def quantize_checkpoint(
 def main(args: argparse.Namespace) -> int:
     try:
         dst = quantize_checkpoint(args.src, args.dst, args.scheme, args.group_size, args.block_size)
-    except ValueError as e:  # UnsupportedQuantizationError included
+    except (ValueError, OSError) as e:  # UnsupportedQuantizationError included; DST where none can be written
         print(f"ember quantize: error: {e}", file=sys.stderr)
         return 2
     what = f"{args.scheme} ({args.block_size}x{args.block_size} blocks)" if args.block_size else args.scheme

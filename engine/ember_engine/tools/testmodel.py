@@ -181,10 +181,13 @@ def make_test_model(
     if isinstance(size, str) and size not in SIZES:
         raise ValueError(f"unknown size {size!r}; valid sizes: {', '.join(SIZES)}")
     out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is not a directory")
     if out.exists() and any(out.iterdir()):
         if not force:
             raise FileExistsError(f"{out} is not empty (use --force to overwrite)")
-        shutil.rmtree(out)
+        for entry in out.iterdir():  # its contents: a link to a directory stays a link
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
     from safetensors.torch import save_file
@@ -214,14 +217,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--size", default="tiny", choices=["tiny", "small"], help="tiny (~1.6M params) or small (~57M)"
     )
-    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="weight seed, 0 to 2**64 - 1 (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty directory")
+
+
+def _seed(text: str) -> int:
+    seed = int(text)
+    if not 0 <= seed < 2**64:  # what torch's generators take
+        raise argparse.ArgumentTypeError(f"must be 0 to 2**64 - 1, not {text}")
+    return seed
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         out = make_test_model(args.dir, size=args.size, seed=args.seed, force=args.force)
-    except FileExistsError as exc:
+    except OSError as exc:  # not empty, not a directory, not writable
         print(f"ember make-test-model: {exc}", file=sys.stderr)
         return 1
     print(f"wrote a {args.size} test checkpoint to {out}")
