@@ -137,3 +137,30 @@ def test_a_checkpoint_its_config_does_not_describe_is_refused_naming_the_tensor(
     )
     with pytest.raises((UnsupportedQuantizationError, ValueError), match=message):
         LLM(str(path), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # the config says 4 KV heads, the file holds 2: k_proj's rows filled half of k's slot and v's rows
+        # spilled into the rest, and the model loaded and wrote other tokens
+        (
+            {"num_key_value_heads": 4},
+            r"model\.layers\.0\.self_attn\.k_proj: 64 output rows, but the config gives that part 128",
+        ),
+    ],
+)
+def test_a_quantized_projection_with_other_rows_than_its_config_is_refused(
+    edit: dict[str, Any], message: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """As the full-precision loader refuses a mis-shaped tensor by name."""
+    import json
+
+    from ember_engine.cli import main
+
+    dst = tmp_path / "q"
+    assert main(["quantize", str(tiny_model), str(dst), "--scheme", "w8a16"]) == 0
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(dst), num_kv_blocks=16)

@@ -135,7 +135,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path, quant: QuantCol
             target = ".".join([*parts[:-2], merged, parts[-1]])
         if quant is not None:
             sizes = _shard_sizes(model, target.split(".")[-2]) if shard is not None else [0]
-            if quant.take(name, target, shard, sum(sizes[: shard or 0]), tensor_slice):
+            rows = sizes[shard] if shard is not None else None
+            if quant.take(name, target, shard, sum(sizes[: shard or 0]), tensor_slice, rows):
                 continue
         param = params.get(target)
         if param is None:

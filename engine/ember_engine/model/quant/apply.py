@@ -167,8 +167,16 @@ class QuantCollector:
         files a weight's state under `weight.absmax` and the like)."""
         return bnb.flat_suffix(name) if self.spec.format == "bitsandbytes" else name
 
-    def take(self, name: str, target: str, part: int | None, offset: int, tensor_slice: Any) -> bool:
-        """Claim checkpoint tensor `name` (mapped to `target`, merged part `part` at row `offset`) if it
+    def take(
+        self,
+        name: str,
+        target: str,
+        part: int | None,
+        offset: int,
+        tensor_slice: Any,
+        rows: int | None = None,
+    ) -> bool:
+        """Claim checkpoint tensor `name` (mapped to `target`, merged part `part` of `rows` rows at row `offset`) if it
         belongs to a quantized layer; False leaves it to the ordinary loader."""
         if self.matrices.take(name, tensor_slice):
             return True
@@ -244,6 +252,12 @@ class QuantCollector:
             decoded = decode(spec, tensors, projection)
             try:
                 weight, scale, zero = self.split.cut(projection, layer.in_features, decoded)
+                expected = layer.out_features if rows is None else rows  # a merged layer's part: its own
+                if weight.shape[0] != expected:
+                    raise UnsupportedQuantizationError(
+                        f"{projection}: {weight.shape[0]} output rows, but the config gives "
+                        f"{'that part' if rows is not None else 'that layer'} {expected}"
+                    )
                 layer.set_rows(offset, weight.to(layer.weight_scale.device), scale)
                 if zero is not None:
                     assert isinstance(layer, (Int4Linear, Int8Linear))
