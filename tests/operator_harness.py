@@ -46,18 +46,18 @@ from ember_operator.handlers import Settings, register
 kopf.on.login()(kopf.login_via_client)
 register(
     kopf.get_default_registry(),
-    Settings(tick={TICK}, cluster_domain="cluster.local", scrape_timeout=1.0, resync={RESYNC}),
+    Settings(tick={TICK}, cluster_domain="cluster.local", scrape_timeout=1.0, resync={{resync}}),
 )
 """
 
 
 @contextlib.contextmanager
 def operator_cluster(
-    tmp: Path, crd: dict[str, Any] | None = None
+    tmp: Path, crd: dict[str, Any] | None = None, resync: float = RESYNC
 ) -> Iterator[tuple[APIServer, PodRunner, Any]]:
     """The API server (the InferenceService CRD installed: `crd`, or the repository's), a pod runner, and
-    the real operator under `KopfRunner` watching NAMESPACE; yields (API server, pod runner, a
-    CustomObjectsApi)."""
+    the real operator under `KopfRunner` watching NAMESPACE (`resync`: its Settings.resync); yields (API
+    server, pod runner, a CustomObjectsApi)."""
     mp = pytest.MonkeyPatch()
     with APIServer(pod_graceful_deletion=False, bookmark_interval=1.0) as api:
         kubeconfig = api.write_kubeconfig(tmp / "kubeconfig")
@@ -68,7 +68,7 @@ def operator_cluster(
         runner = PodRunner(api).start()
         deployments = DeploymentController(kubeconfig).start()
         script = tmp / "operator.py"
-        script.write_text(OPERATOR_FILE)
+        script.write_text(OPERATOR_FILE.replace("{resync}", str(resync)))
         parser = argparse.ArgumentParser()
         operator_main.add_arguments(parser)
         args = parser.parse_args(["--tick", str(TICK)])

@@ -223,6 +223,9 @@ def test_missing_metrics_hold_the_target_and_say_so(cluster: Any) -> None:
     assert "scrape failed" in condition(api, "blind", "MetricsAvailable")["message"]
     assert status(api, "blind")["desiredReplicas"] == 3  # no scale-down without evidence
     wait_for_event(api, "blind", "MetricsUnavailable")
+    # The event names the pods whose scrape failed and why (it gave only the scaling decision's reason).
+    message = next(e["message"] for e in events(api, "blind") if e["reason"] == "MetricsUnavailable")
+    assert "scrape failed" in message and pod["metadata"]["name"] in message, message
 
 
 def test_drift_is_repaired(cluster: Any) -> None:

@@ -301,3 +301,17 @@ def test_the_operator_reads_a_routers_own_fallback_counter() -> None:
     assert parse_router_fallback(page) == 2.0
     with pytest.raises(ValueError, match="no ember_router:fallback_requests_total"):
         parse_router_fallback("vllm:num_requests_waiting 1\n")
+
+
+def test_a_failed_scrape_keeps_a_pods_fallback_baseline() -> None:
+    """A pod whose scrape failed in one pass lost its counter, so the next reading became its base and what
+    it handed to the fallback in between went uncounted: with scrapes failing every other pass,
+    FallbackActive stayed False while hundreds of requests went to the fallback."""
+    spec = make_spec(fallback={"url": "http://elsewhere:8000"})
+    memory = Memory()
+    sample = {"e1": PodSample(PodLoad(0, 0, 0), 4)}
+    fallback_condition(spec, memory, sample, 5, {"r1": 1})
+    assert fallback_condition(spec, memory, {}, 5, {}, unread={"e1", "r1"}).status is False  # both unread
+    later = {"e1": PodSample(PodLoad(0, 0, 0), 10)}
+    third = fallback_condition(spec, memory, later, 5, {"r1": 3})
+    assert third.status is True and third.message.startswith("8 requests"), third.message

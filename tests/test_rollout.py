@@ -350,3 +350,52 @@ def test_with_room_a_roll_surges_and_never_dips() -> None:
         assert c.ready_active() >= 3
         assert len(c.pods) <= 4  # within the surge
     assert {v.template_hash for v in c.views()} == {"new"} and c.shape() == (3, 0)
+
+
+def _pending(name: str, since: datetime) -> dict:  # type: ignore[type-arg]
+    stamp = since.strftime("%Y-%m-%dT%H:%M:%SZ")
+    unschedulable = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
+        "lastTransitionTime": stamp,
+    }
+    return {"metadata": {"name": name}, "status": {"phase": "Pending", "conditions": [unschedulable]}}
+
+
+def test_a_pod_waiting_on_a_roll_that_frees_room_is_not_counted_as_waiting_for_capacity() -> None:
+    """On a full node a roll's new pod waits until an old one is retired, which waits until the pod before
+    it has loaded (up to startupTimeoutSeconds, 30 min): the wait was timed from the pod's creation, so a
+    healthy roll of a large model went Stalled (PodsUnschedulable) mid-way after capacityWaitSeconds."""
+    from ember_operator.pods import trouble, waiting_for_capacity
+    from ember_operator.rollout import roll_frees_room
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    long_ago = now - timedelta(minutes=10)
+
+    def view(name: str, template: str, **state: object) -> PodView:
+        return PodView(name, ACTIVE, template, created=long_ago, **state)  # type: ignore[arg-type]
+
+    loading = [
+        view("old-1", "a", ready=True),
+        view("new-1", "b", ready=False),
+        view("new-2", "b", ready=False, unschedulable=True),
+    ]
+    assert roll_frees_room(loading, "b")  # new-1 loads on old-0's room; once Ready, old-1 retires
+    assert roll_frees_room(
+        [view("old-1", "a", ready=True, deleting=True), view("new-2", "b", ready=False, unschedulable=True)],
+        "b",
+    )
+    # no old pod left to retire, or nothing under way that frees room: a real wait for capacity
+    assert not roll_frees_room(
+        [view("new-1", "b", ready=True), view("new-2", "b", ready=False, unschedulable=True)], "b"
+    )
+    assert not roll_frees_room(
+        [view("old-1", "a", ready=True), view("new-2", "b", ready=False, unschedulable=True)], "b"
+    )
+    pod = _pending("new-2", long_ago)
+    assert trouble(pod, now, 300).reason == "PodsUnschedulable"  # type: ignore[union-attr]
+    assert trouble(pod, now, 300, since=now) is None
+    assert waiting_for_capacity(pod, now, 300, since=now) is not None  # WaitingForCapacity meanwhile
+    assert Releases().at(now) is None

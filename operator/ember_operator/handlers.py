@@ -64,7 +64,7 @@ from ember_operator.pods import (
     trouble,
     waiting_for_capacity,
 )
-from ember_operator.rollout import PodPlan, plan_pods
+from ember_operator.rollout import PodPlan, plan_pods, roll_frees_room
 from ember_operator.scaling import Memory, autoscale, record
 from ember_operator.scrape import Scraper
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
@@ -135,8 +135,13 @@ class Reconciler:
         await self._scraper.close()
 
     async def resource_event(self, event: kopf.RawEvent, meta: kopf.Meta, **_: Any) -> None:
-        """Forget an InferenceService's memory once it is gone."""
-        if event.get("type") == "DELETED":
+        """Forget an InferenceService's memory once it is gone; and the address of it that the services
+        naming it as their fallback hold, once it is gone or has moved."""
+        gone = event.get("type") == "DELETED"
+        published = ((event.get("object") or {}).get("status") or {}).get("endpoint")
+        for memory in self._memories.values():
+            memory.known.drop("fallback", meta.get("name", ""), unless=None if gone else published)
+        if gone:
             self._memories.pop(meta.get("uid", ""), None)
             self._gone.add(meta.get("uid", ""))
             metrics.forget(meta.get("namespace", ""), meta.get("name", ""))
@@ -295,10 +300,13 @@ class Reconciler:
         current = [
             p for v in views if v.template_hash == pod_hash and not v.deleting for p in units.pods_of[v.name]
         ]
-        found = {p["metadata"]["name"]: t for p in current if (t := trouble(p, now, wait))}
+        # The capacity wait runs from the later of a pod's own wait and the last room freed; not while a roll
+        # frees room (a large model's load can outlast capacityWaitSeconds, one step of the roll).
+        floor = now if roll_frees_room(views, pod_hash) else memory.releases.at(now)
+        found = {p["metadata"]["name"]: t for p in current if (t := trouble(p, now, wait, floor))}
         troubles += held_troubles(memory.held, current, found, now)
         troubles += self._crashes.troubles(namespace, name, units)
-        waiting = [m for p in units.all_pods() if (m := waiting_for_capacity(p, now, wait))]
+        waiting = [m for p in units.all_pods() if (m := waiting_for_capacity(p, now, wait, floor))]
         self._stalled_event(body, memory, troubles)
 
         for p, v in sorted(zip(units.serving, views, strict=True), key=lambda pv: pv[1].created):

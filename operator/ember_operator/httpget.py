@@ -54,6 +54,10 @@ async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> t
     return await reader.read(), False
 
 
+class _Unanswered(OSError):
+    """A kept connection that ended before any byte of an answer (the server had closed it)."""
+
+
 class Getter:
     """GETs through one kept-open connection per host and port. Call `close` at the end."""
 
@@ -74,9 +78,25 @@ class Getter:
         key = (parts.hostname, parts.port or 80)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         conn = self._connections.get(key)
-        if conn is None or conn.writer.is_closing():
-            reader, writer = await asyncio.open_connection(*key, limit=MAX_HEAD)
-            conn = self._connections[key] = _Connection(reader, writer)
+        # A server closes a connection idle past its keep-alive (uvicorn, the engines' server: 5 s): its end
+        # of file is read, though our side is not closing yet. Such a connection is not used again.
+        if conn is not None and (conn.writer.is_closing() or conn.reader.at_eof()):
+            self._drop(key, conn)
+            conn = None
+        if conn is None:
+            return await self._exchange(key, await self._open(key), path, url)
+        try:
+            return await self._exchange(key, conn, path, url)
+        except _Unanswered:  # the server closed it as the request went: once more, on a new connection
+            return await self._exchange(key, await self._open(key), path, url)
+
+    async def _open(self, key: tuple[str, int]) -> _Connection:
+        reader, writer = await asyncio.open_connection(*key, limit=MAX_HEAD)
+        conn = self._connections[key] = _Connection(reader, writer)
+        return conn
+
+    async def _exchange(self, key: tuple[str, int], conn: _Connection, path: str, url: str) -> bytes:
+        """One GET on `conn`; `_Unanswered` where the connection ended before any byte of an answer."""
         async with conn.lock:
             conn.used = time.monotonic()
             try:
@@ -85,7 +105,12 @@ class Getter:
                     f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept: text/plain\r\n\r\n".encode()
                 )
                 await conn.writer.drain()
-                head = await conn.reader.readuntil(b"\r\n\r\n")
+                try:
+                    head = await conn.reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError as e:
+                    if e.partial:
+                        raise
+                    raise _Unanswered(f"the connection closed before an answer from {url}") from e
                 lines = head.decode("latin-1").split("\r\n")
                 status = int(lines[0].split(" ", 2)[1])
                 headers = {}
@@ -94,6 +119,9 @@ class Getter:
                     if sep:
                         headers[name.strip().lower()] = value.strip()
                 body, reusable = await _read_body(conn.reader, headers)
+            except (_Unanswered, ConnectionResetError, BrokenPipeError) as e:
+                self._drop(key, conn)
+                raise _Unanswered(f"the connection closed before an answer from {url}") from e
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, IndexError) as e:
                 self._drop(key, conn)
                 raise OSError(f"{type(e).__name__} from {url}") from e

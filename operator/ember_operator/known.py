@@ -61,5 +61,11 @@ class Known:
                 until = min(until, time.monotonic() + 2.0 ** (n - 1))
         self.entries[key] = (fingerprint(desired), result, until)
 
+    def drop(self, key: str, desired: Any, unless: Any = None) -> None:
+        """Forget what `key` holds for `desired`, unless it is `unless` (None: whatever it is)."""
+        entry = self.entries.get(key)
+        if entry is not None and entry[0] == fingerprint(desired) and (unless is None or entry[1] != unless):
+            del self.entries[key]
+
     def forget(self) -> None:
         self.entries.clear()

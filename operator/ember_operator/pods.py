@@ -192,14 +192,19 @@ def _fetched(pod: dict[str, Any]) -> bool:
     )
 
 
-def waiting_for_capacity(pod: dict[str, Any], now: datetime, grace: float) -> str | None:
+def waiting_for_capacity(
+    pod: dict[str, Any], now: datetime, grace: float, since: datetime | None = None
+) -> str | None:
     """The scheduler's message for a pod no node can take yet, while it has waited less than `grace`
-    seconds (a cluster autoscaler may be adding a node); None otherwise."""
+    seconds (a cluster autoscaler may be adding a node), counted from `since` where that is later (room
+    last freed; now, while a roll frees it); None otherwise."""
     scheduled = _condition(pod, "PodScheduled")
     if scheduled is None or scheduled.get("status") != "False" or scheduled.get("reason") != "Unschedulable":
         return None
-    since = parse_time(scheduled.get("lastTransitionTime")) or now
-    if (now - since).total_seconds() >= grace:
+    waited = parse_time(scheduled.get("lastTransitionTime")) or now
+    if since is not None and since > waited:
+        waited = since
+    if (now - waited).total_seconds() >= grace:
         return None
     return f"pod {pod['metadata']['name']}: {scheduled.get('message', 'Unschedulable')}"
 
@@ -220,14 +225,19 @@ def _stuck(s: dict[str, Any]) -> tuple[str, str] | None:
     return _STUCK_WAITING[reason], f"{reason}{code}" + (f": {detail}" if detail else "")
 
 
-def trouble(pod: dict[str, Any], now: datetime | None = None, capacity_wait: float = 0.0) -> Trouble | None:
+def trouble(
+    pod: dict[str, Any],
+    now: datetime | None = None,
+    capacity_wait: float = 0.0,
+    since: datetime | None = None,
+) -> Trouble | None:
     """Why this pod will not become Ready without a change (to its spec, or to the cluster's capacity once
-    `capacity_wait` seconds have passed), or None if nothing says so."""
+    `capacity_wait` seconds have passed, from `since` where that is later), or None if nothing says so."""
     name = pod["metadata"]["name"]
     status = pod.get("status") or {}
     scheduled = _condition(pod, "PodScheduled")
     if scheduled is not None and scheduled.get("status") == "False" and scheduled.get("reason"):
-        if now is not None and waiting_for_capacity(pod, now, capacity_wait) is not None:
+        if now is not None and waiting_for_capacity(pod, now, capacity_wait, since) is not None:
             return None  # still within the wait: Reconciling says WaitingForCapacity
         message = f"pod {name}: {scheduled['reason']}: {scheduled.get('message', '')}".rstrip(": ")
         return Trouble("PodsUnschedulable", message)

@@ -21,9 +21,10 @@ sees the outcome. Three rules make it safe to repeat:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from ember_operator.desired import ACTIVE, WARM
 
@@ -85,6 +86,27 @@ class Releases:
             self.last = now
         self.seen = current
         return self.last is not None and now - self.last < self.grace
+
+    def at(self, now: datetime) -> datetime | None:
+        """The last release as a wall-clock time (`now` is the wall clock's now); None before any."""
+        if self.last is None:
+            return None
+        return now - timedelta(seconds=time.monotonic() - self.last)
+
+
+def roll_frees_room(views: Iterable[PodView], template_hash: str) -> bool:
+    """Whether a roll under way will free room with no change to anything: pods of an older template are
+    left to retire, and a pod is on its way out or one of the current template is starting on a node (once
+    it is Ready, the roll retires an old one, whose room a waiting pod then takes). Meanwhile a pod that no
+    node can take waits on the roll, not on the cluster's capacity."""
+    live = [v for v in views if not v.deleting]
+    if not any(v.template_hash != template_hash for v in live) and not any(v.deleting for v in views):
+        return False
+    starting = any(
+        v.template_hash == template_hash and not v.ready and not v.unschedulable and not v.container_down
+        for v in live
+    )
+    return starting or any(v.deleting for v in views)
 
 
 def _retire_order(pod: PodView) -> tuple[bool, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -139,7 +140,10 @@ async def autoscale(
     if failed:
         metrics.SCRAPE_FAILURES.labels(owner.namespace, owner.name).inc(len(failed))
     seen = Observation([s.load for s in samples.values()], failed)
-    memory.fallback = fallback_condition(spec, memory, samples, spec.autoscaling.interval_seconds, routed)
+    unread = (set(targets) - set(samples)) | (set(routers or {}) - set(routed))
+    memory.fallback = fallback_condition(
+        spec, memory, samples, spec.autoscaling.interval_seconds, routed, unread
+    )
     inputs = {
         "queueDepth": seen.queue_per_pod,
         "kvCacheUtilization": seen.kv_cache,
@@ -185,9 +189,9 @@ def record(body: kopf.Body, owner: Owner, memory: Memory, decision: Decision, no
         metrics.SCALING_DECISIONS.labels(owner.namespace, owner.name, direction).inc()
         kopf.info(body, reason="Scaled", message=decision.reason)
     elif decision.metrics_ok:
-        kopf.info(body, reason="MetricsAvailable", message=decision.reason)
+        kopf.info(body, reason="MetricsAvailable", message=f"{decision.metrics_reason}; {decision.reason}")
     else:
-        kopf.warn(body, reason="MetricsUnavailable", message=decision.reason)
+        kopf.warn(body, reason="MetricsUnavailable", message=f"{decision.metrics_reason}; {decision.reason}")
 
 
 def fallback_condition(
@@ -196,10 +200,12 @@ def fallback_condition(
     samples: dict[str, PodSample],
     interval: float,
     routers: dict[str, float] | None = None,
+    unread: Collection[str] = (),
 ) -> Condition:
     """FallbackActive from the served-by-fallback counters since the last scrape: the engines' (requests
     an engine handed on) and the routers' (requests a router sent there itself, `routers` by pod name). A
-    request is in one of them only: a router does not count an engine's fallback answer that it relays."""
+    request is in one of them only: a router does not count an engine's fallback answer that it relays.
+    A pod in `unread` (its scrape failed this pass) keeps its last reading as its base."""
     counters = {pod: s.fallback_served for pod, s in samples.items()}
     counters.update(routers or {})
     sent = {pod: 0.0 for pod in counters}
@@ -207,7 +213,8 @@ def fallback_condition(
         before = memory.fallback_counters.get(pod)
         if before is not None:
             sent[pod] = now - before if now >= before else now  # gone back: the process restarted
-    memory.fallback_counters = counters
+    kept = {pod: memory.fallback_counters[pod] for pod in unread if pod in memory.fallback_counters}
+    memory.fallback_counters = {**kept, **counters}
     if spec.fallback is None:
         return Condition("FallbackActive", False, "NoFallback", "no fallback configured")
     by_engines = sum(n for pod, n in sent.items() if pod in samples)
