@@ -187,7 +187,10 @@ def make_test_model(
         if not force:
             raise FileExistsError(f"{out} is not empty (use --force to overwrite)")
         for entry in out.iterdir():  # its contents: a link to a directory stays a link
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
     from safetensors.torch import save_file
