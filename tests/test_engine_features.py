@@ -209,3 +209,25 @@ def test_cuda_without_a_cuda_device_is_refused_by_name(tiny_model: Path) -> None
     """It failed with torch's "AssertionError: Torch not compiled with CUDA enabled"."""
     with pytest.raises(ValueError, match=r"device: cuda requested, but torch sees no CUDA device"):
         LLM(str(tiny_model), device="cuda")
+
+
+def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_naming_both(tiny_model: Path) -> None:
+    """An explicit max_model_len was lowered to what the cache holds with only a log line: a request of
+    the length asked for was then refused as too long, naming a limit nobody set."""
+    with pytest.raises(
+        ValueError, match=r"max_model_len: 256 tokens do not fit in the KV cache \(2 blocks of 16"
+    ):
+        LLM(str(tiny_model), max_model_len=256, num_kv_blocks=2, block_size=16)
+
+
+def test_an_unset_max_model_len_becomes_what_the_kv_cache_holds(tiny_model: Path) -> None:
+    llm = LLM(str(tiny_model), num_kv_blocks=2, block_size=16)
+    assert llm.engine.max_model_len == 32
+
+
+def test_a_kv_cache_memory_below_one_block_is_refused(tiny_model: Path) -> None:
+    """It got one block anyway: more memory than it was given."""
+    with pytest.raises(
+        ValueError, match=r"kv_cache_memory: 100 bytes is less than one KV block \(\d+ bytes\)"
+    ):
+        LLM(str(tiny_model), kv_cache_memory=100)

@@ -21,7 +21,7 @@ from ember_engine import LLM, SamplingParams
 from ember_engine.model import kv_quant, triton_attention, triton_kv_store
 from ember_engine.model.attention import paged_attention_reference, store_kv, store_kv_reference
 from ember_engine.model.kernel_launch import launch
-from ember_engine.model.model_runner import kv_block_bytes
+from ember_engine.model.memory import kv_block_bytes
 from ember_engine.server import serve
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from test_engine_greedy import GREEDY, PROMPTS
 
 from ember_engine import LLM, SamplingParams
-from ember_engine.model.model_runner import Chunk, kv_block_bytes
+from ember_engine.model.memory import kv_block_bytes
+from ember_engine.model.model_runner import Chunk
 from ember_engine.server import serve
 
 FP8 = torch.float8_e4m3fn

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.distributed.workers import WorkerPool
 from ember_engine.model.gguf import directory as gguf_dir
+from ember_engine.model.memory import fitted_max_model_len
 from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
 from ember_engine.model.parallel import SINGLE, check_tensor_parallel
@@ -29,8 +29,6 @@ from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.sample.sampling_state import SamplingState, upload_ids
 from ember_engine.sample.seeds import child_seed, make_generator
 from ember_engine.spec.decoder import SpecDecoder, SpecStats, draft_cache_bytes, draft_model_config
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -82,6 +80,10 @@ class LLMEngine:
                 device=device,
                 peers=self.workers,
             )
+            explicit = config.max_model_len is not None
+            self.max_model_len = fitted_max_model_len(
+                self.max_model_len, self.runner.num_blocks, config.block_size, explicit
+            )
         except BaseException as exc:
             if self.workers is None:
                 raise
@@ -96,12 +98,6 @@ class LLMEngine:
         self.sampling_state = SamplingState(config.max_num_seqs, vocab, device)
         self.sampler = Sampler(self.sampling_state)
         self.masks = MaskPrefetcher(config.max_num_seqs, vocab, device.type)  # grammar masks
-        capacity = self.runner.num_blocks * config.block_size
-        if capacity < self.max_model_len:
-            log.warning(
-                "KV cache holds %d tokens; max_model_len lowered from %d", capacity, self.max_model_len
-            )
-            self.max_model_len = capacity
         self.spec = SpecDecoder.build(config, draft_config, self.max_model_len, self.runner.num_blocks)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching

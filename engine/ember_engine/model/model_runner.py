@@ -18,7 +18,7 @@ from ember_engine.model.context import ForwardContext, set_context
 from ember_engine.model.input_buffers import InputBuffers
 from ember_engine.model.llama import LlamaForCausalLM
 from ember_engine.model.loader import load_weights
-from ember_engine.model.memory import MemoryReport, kv_cache_blocks, read_memory
+from ember_engine.model.memory import MemoryReport, blocks_in, kv_block_bytes, kv_cache_blocks, read_memory
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
 from ember_engine.model.parallel import SINGLE, TPGroup
 from ember_engine.model.quant import apply as quant_apply
@@ -53,15 +53,6 @@ class StepResult:
     sampled: list[Request]  # requests whose chunk reached their last known token, in batch order
     # [rows, vocab] float32: per sampled request 1 + len(spec_token_ids) rows; None when nothing is sampled
     logits: torch.Tensor | None
-
-
-def kv_block_bytes(
-    model_config: ModelConfig, dtype: torch.dtype, block_size: int, num_kv_heads: int | None = None
-) -> int:
-    """One block's K and V; `num_kv_heads` is a tensor-parallel rank's share (default: all of them)."""
-    c = model_config
-    heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * c.num_layers * heads * c.head_dim * dtype.itemsize * block_size
 
 
 class ModelRunner:
@@ -151,7 +142,7 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.config.kv_cache_memory is not None:
-            return max(1, self.config.kv_cache_memory // self.block_bytes())
+            return blocks_in(self.config.kv_cache_memory, self.block_bytes())
         if self.device.type == "cuda":
             return self._profile_kv_blocks()
         # CPU: room for every sequence at full length, capped.

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ember_engine.model import kv_quant
+from ember_engine.model.memory import kv_block_bytes
 from ember_engine.model.model_config import ModelConfig, resolve_dtype
-from ember_engine.model.model_runner import ModelRunner, kv_block_bytes
+from ember_engine.model.model_runner import ModelRunner
 from ember_engine.sample.grammar import mask_draft_rows
 from ember_engine.sample.mask_prefetch import MaskPrefetcher
 from ember_engine.sample.rejection_sampler import rejection_sample
