@@ -10,7 +10,7 @@ from ember_engine.core.config import EngineConfig
 from ember_engine.core.llm_engine import LLMEngine
 from ember_engine.core.outputs import CompletionOutput, RequestOutput
 from ember_engine.sample.sampling_params import SamplingParams
-from ember_engine.server.queue_forecast import Forecast, ForecastObserver
+from ember_engine.server.queue_forecast import Forecast, ForecastObserver, Seats
 
 
 def test_waiting_requests_take_seats_in_the_order_they_free() -> None:
@@ -207,3 +207,12 @@ def test_a_busy_engine_gets_a_new_forecast_at_most_every_interval(tiny_model: Pa
     engine.abort_request("r")
     observer.observe(engine, engine.stats(), [], {0: 1}, 0.09)  # idle: rebuilt at once, nothing running
     assert observer.forecast is not None and observer.forecast.remaining_s == ()
+
+
+def test_seats_count_as_waiting_only_what_free_seats_cannot_take() -> None:
+    seats = Seats(free=3, waiting_by_priority={1: 2}, taken_in_by_priority={0: 5, 1: 4})
+    # In the engine's queue: 2 of priority 1; handed over since: 1 of 0 and 2 of 1; not yet handed: 1 of 2.
+    # The three free seats go to the most important: 0's one and two of 1's four.
+    assert seats.waiting({0: 6, 1: 6}, {2: 1}) == {1: 2, 2: 1}
+    assert Seats(free=8).waiting({0: 3}, {0: 4}) == {}
+    assert Seats(free=0, waiting_by_priority={0: 1}).waiting({}, {0: 0}) == {0: 1}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -153,10 +154,11 @@ def test_shedding_by_queue_depth_and_priority(tiny_model: Path, tmp_path: Path) 
         assert shed.status_code == 503 and shed.headers["retry-after"] == "7"
         err = shed.json()["error"]
         assert err["type"] == "overloaded" and err["code"] in ("queue_full", "queue_wait")
+        # (A critical request may preempt the running one, which then waits again: count the engine's.)
         threads.append(_hold(s.url, body, headers={"x-ember-priority": "critical"}))
-        wait_for(lambda: sum(s.state.queued.values()) == 2)
+        wait_for(lambda: sum(engine_stats(s)) == 3)
         threads.append(_hold(s.url, body, headers={"x-ember-priority": "critical"}))
-        wait_for(lambda: sum(s.state.queued.values()) == 3)
+        wait_for(lambda: engine_stats(s) == (1, 3))
         standard = httpx.post(f"{s.url}/v1/completions", json=small)
         assert standard.status_code == 503  # standard's share is full, critical still had room
         m = metrics(s.url)
@@ -399,3 +401,49 @@ def test_engine_sizes_that_contradict_are_refused_by_name(tiny_model: Path, conf
 
     with pytest.raises(ValueError, match=re.escape(error)):
         LLM(str(tiny_model), **config)
+
+
+def test_a_burst_that_free_seats_take_is_not_shed(tiny_model: Path, tmp_path: Path) -> None:
+    """Requests taking free seats never wait, so they are not the queue `maxQueueDepth` limits: a burst of
+    four on an idle server with two seats and a depth of two runs two and queues two; a fifth is shed. Every
+    request admitted used to count as waiting until its first token, so two of the burst were shed."""
+    policy = write_policy(tmp_path / "policy.yaml", {"loadShedding": {"maxQueueDepth": 2}})
+    with running_server(
+        tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "2", "--policy", str(policy)
+    ) as s:
+        body = {**LONG, "max_tokens": 400, "stream": True}
+
+        async def burst() -> tuple[list[int], tuple[int, str] | None]:
+            statuses: list[int] = []
+            release = asyncio.Event()
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
+
+                async def one(i: int) -> None:
+                    prompt = {**body, "prompt": f"def f{i}():"}
+                    async with client.stream("POST", "/v1/completions", json=prompt) as r:
+                        statuses.append(r.status_code)
+                        if r.status_code == 200:
+                            await release.wait()
+
+                tasks = [asyncio.create_task(one(i)) for i in range(4)]
+                while len(statuses) < 4:
+                    await asyncio.sleep(0.02)
+                extra = None
+                if statuses == [200] * 4:
+                    while engine_stats(s) != (2, 2):  # two running, two waiting: the queue at its limit
+                        await asyncio.sleep(0.02)
+                    r = await client.post("/v1/completions", json={**body, "stream": False})
+                    extra = (r.status_code, r.json()["error"]["code"])
+                release.set()
+                await asyncio.gather(*tasks)
+                return statuses, extra
+
+        statuses, extra = asyncio.run(burst())
+        assert sorted(statuses) == [200, 200, 200, 200]
+        assert extra == (503, "queue_full")
+
+
+def engine_stats(s: InProcessServer) -> tuple[int, int]:
+    assert s.state.engine is not None
+    stats = s.state.engine.stats()
+    return stats.num_running, stats.num_waiting

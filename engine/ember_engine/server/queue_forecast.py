@@ -25,7 +25,8 @@ engine's latest schedule left requests waiting for KV blocks: then a seat frees 
 
 `ForecastObserver` measures after each step, in the engine thread, and builds a `Forecast` at most every
 `min_interval_s` while the engine is busy; `Forecast.start_times` is pure, so the arithmetic is testable
-without an engine or a clock.
+without an engine or a clock. It also keeps `Seats`, the engine's free seats and queue as of then, from
+its first step on (a forecast needs measured step times first): what the queue-depth limit counts.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ember_engine.core.llm_engine import EngineStats, LLMEngine
     from ember_engine.core.outputs import RequestOutput
-    from ember_engine.core.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +93,33 @@ class Forecast:
         return waits
 
 
+@dataclass(frozen=True, slots=True)
+class Seats:
+    """The engine's free seats and queue as of its latest observed step, as the queue-depth limit counts
+    them: a request a free seat takes at once does not wait, so it is not in the queue."""
+
+    free: int  # seats a newcomer could take at once (none while requests wait for KV blocks)
+    waiting_by_priority: Mapping[int, int] = field(default_factory=dict)  # samples in the engine's queue
+    taken_in_by_priority: Mapping[int, int] = field(default_factory=dict)  # samples taken in by then
+
+    def waiting(self, submitted: Mapping[int, int], unsubmitted: Mapping[int, int]) -> dict[int, int]:
+        """Samples that will wait for a seat, by priority: those in the engine's queue, those handed to it
+        since (`submitted` counts every sample ever handed over) and those admitted but not yet handed
+        over, less what the free seats take, the most important first (as the engine schedules)."""
+        pending: Counter[int] = Counter(self.waiting_by_priority)
+        for p, n in submitted.items():
+            pending[p] += max(0, n - self.taken_in_by_priority.get(p, 0))
+        pending.update({p: n for p, n in unsubmitted.items() if n > 0})
+        free = self.free
+        out = {}
+        for p in sorted(pending):
+            took = min(free, pending[p])
+            free -= took
+            if pending[p] > took:
+                out[p] = pending[p] - took
+        return out
+
+
 class ForecastObserver:
     """Measures the engine after each step (in its thread) and publishes the latest `Forecast`."""
 
@@ -115,6 +142,8 @@ class ForecastObserver:
         self.output_tokens: float | None = None  # EWMA of the output length of requests that ended themselves
         self.tokens_per_step: float | None = None  # EWMA of the tokens a sample gains in a step that adds any
         self.forecast: Forecast | None = None  # None until a step time has been measured
+        self.seats: Seats | None = None  # None until the engine's first step
+        self._seats_time = -math.inf
         self._steps_seen = 0  # engine.num_steps at the previous step
         self._busy_since: float | None = None  # when the previous step ended, if work was left
 
@@ -168,26 +197,22 @@ class ForecastObserver:
             self._busy_since = None
         if busy and not self._due(now):  # (an idle engine's forecast is cheap, and must show it idle)
             return
-        scheduler = engine.scheduler
+        self._seats_time = now
+        scheduler, config = engine.scheduler, engine.config
         waiting = [*scheduler.waiting, *(r for g in engine.groups.values() for r in g.pending)]
+        free = 0 if scheduler.blocked_on_memory else max(0, config.max_num_seqs - len(scheduler.running))
+        self.seats = Seats(free, Counter(r.priority for r in waiting), dict(taken_in))
         # The batch the queued requests will run in: everything in the engine, up to max_num_seqs.
         step_s = self.step_s_at(
             max(1, min(engine.config.max_num_seqs, len(scheduler.running) + len(waiting)))
         )
         if step_s is not None:
-            self.forecast = self._build(engine, now, step_s, waiting, taken_in)
+            self.forecast = self._build(engine, now, step_s, self.seats)
 
     def _due(self, now: float) -> bool:
-        return self.forecast is None or now - self.forecast.time >= self.min_interval_s
+        return self.forecast is None or now - self._seats_time >= self.min_interval_s
 
-    def _build(
-        self,
-        engine: LLMEngine,
-        now: float,
-        step_s: float,
-        waiting: list[Request],
-        taken_in: Mapping[int, int],
-    ) -> Forecast:
+    def _build(self, engine: LLMEngine, now: float, step_s: float, seats: Seats) -> Forecast:
         config, scheduler = engine.config, engine.scheduler
         budget = config.max_num_batched_tokens
         per_step = self.tokens_per_step or 1.0
@@ -202,13 +227,12 @@ class ForecastObserver:
             remaining.append(steps * step_s)
         if typical is None:  # no request has ended yet: assume newcomers look like the running ones
             typical = sum(r.max_tokens for r in running) / len(running) if running else 1.0
-        free = 0 if scheduler.blocked_on_memory else max(0, config.max_num_seqs - len(running))
         return Forecast(
             now,
             tuple(remaining),
-            free,
+            seats.free,
             (1 + typical / per_step) * step_s,
-            Counter(r.priority for r in waiting),
-            dict(taken_in),
+            seats.waiting_by_priority,
+            seats.taken_in_by_priority,
             scheduler.policy == "fcfs",
         )

@@ -15,7 +15,7 @@ from ember_engine.server.admission import QueueState, WaitCalibration, wait_limi
 from ember_engine.server.fallback import Fallback
 from ember_engine.server.metrics import EngineMetrics
 from ember_engine.server.policy import PolicyWatcher
-from ember_engine.server.queue_forecast import ForecastObserver
+from ember_engine.server.queue_forecast import ForecastObserver, Seats
 
 
 @dataclass
@@ -27,7 +27,7 @@ class ServerState:
     engine: AsyncEngine | None = None  # set once the model is loaded and warmed up
     draining: bool = False
     in_flight: int = 0  # HTTP requests being served (drain waits for these)
-    queued: Counter[int] = field(default_factory=Counter)  # admitted, not yet started, by priority
+    queued: Counter[int] = field(default_factory=Counter)  # admitted, no output yet, by priority
     # Samples admitted but not yet handed to the engine (AsyncEngine.generate runs when first iterated).
     unsubmitted: Counter[int] = field(default_factory=Counter)
     client_in_flight: Counter[str] = field(default_factory=Counter)
@@ -48,15 +48,23 @@ class ServerState:
 
     def queue_state(self, priority: int, samples: int = 1) -> QueueState:
         """The queue as a newcomer of `priority` with this many samples (prompts times n) would find it."""
-        waiting = sum(self.queued.values())
+        waiting = self.waiting()
         return QueueState(
-            num_waiting=waiting,
-            num_waiting_by_priority=dict(self.queued),
+            num_waiting=sum(waiting.values()),
+            num_waiting_by_priority=waiting,
             estimated_wait_s=self.forecast_wait(priority, samples),
             draining=self.draining,
             ready=self.ready,
             wait_factor=self.calibration.factor(time.monotonic()),
         )
+
+    def waiting(self) -> dict[int, int]:
+        """Samples that will wait for a seat, by priority (those free seats take at once do not)."""
+        engine = self.engine
+        if engine is None:
+            return dict(self.unsubmitted)
+        seats = self.forecast.seats or Seats(engine.engine.config.max_num_seqs)  # nothing has run yet
+        return seats.waiting(engine.submitted, self.unsubmitted)
 
     def forecast_wait(self, priority: int, samples: int = 1) -> float:
         """The queue wait forecast (uncalibrated) of a newcomer of `priority` until its last sample starts;
