@@ -309,3 +309,31 @@ def test_a_wrong_type_for_a_field_of_several_types_names_the_field(
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["param"] == field and error["message"] == message, error
+
+
+@pytest.mark.parametrize(
+    ("path", "base"),
+    [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)],
+    ids=["completions", "chat"],
+)
+def test_null_means_the_default_for_every_optional_field(
+    server: InProcessServer, path: str, base: dict
+) -> None:  # type: ignore[type-arg]
+    """OpenAI marks its fields nullable and its clients send null for "not given": each such field was a
+    400 ("temperature: Input should be a valid number"). A required field stays required."""
+    model = ChatCompletionRequest if path.endswith("chat/completions") else CompletionRequest
+    optional = [name for name, f in model.model_fields.items() if not f.is_required()]
+    body = {**base, **{name: None for name in optional}, "max_tokens": 3}
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 3
+    default = httpx.post(f"{server.url}{path}", json={**base, "max_tokens": 3, "temperature": 0}, timeout=60)
+    nulled = httpx.post(
+        f"{server.url}{path}",
+        json={**base, "max_tokens": 3, "temperature": 0, "seed": None, "top_p": None, "n": None},
+        timeout=60,
+    )
+    assert nulled.json()["choices"] == default.json()["choices"]
+    required = "messages" if path.endswith("chat/completions") else "prompt"
+    missing = httpx.post(f"{server.url}{path}", json={**base, required: None}, timeout=60)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == required

@@ -102,6 +102,11 @@ class _SamplingFields(BaseModel):
         problem = lone_surrogate(data)
         if problem is not None:
             raise ValueError(problem)
+        if isinstance(data, dict):  # OpenAI's fields are nullable: null is "not given", so the default
+            fields = cls.model_fields
+            data = {
+                k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()
+            }
         return data
 
     @field_validator("stop")
