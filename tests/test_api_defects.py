@@ -291,3 +291,30 @@ def test_seeded_requests_are_reproducible_under_adaptive_speculation(tiny_model:
         texts = asyncio.run(run())
         alone = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     assert set(texts) == {alone}, Counter(texts)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+def test_completion_top_logprobs_always_hold_the_sampled_token(server: InProcessServer, n: int) -> None:
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be up to
+    logprobs+1 elements"; with `logprobs: 0` they were empty, and a sampled token outside the top N was missing."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "logprobs": n, "seed": 3, "temperature": 1.5}
+    lp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert top[token] == logprob
+        assert n <= len(top) <= n + 1
+
+
+def test_streamed_text_offsets_run_on_across_chunks(server: InProcessServer) -> None:
+    """Each offset is the token's place in the choice's text; every streamed chunk restarted them at 0."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 10, "logprobs": 1, "temperature": 0}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    offsets, text = [], ""
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                offsets += choice["logprobs"]["text_offset"]
+    assert text == whole["text"]
+    assert offsets == whole["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] > 0

@@ -52,6 +52,9 @@ class Formatter:
     token_ids_as_text: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     tool_calls: bool | None = None  # chat with tools: None off, else whether parallel calls are kept
     _tool_streams: dict[int, ToolStream] = field(default_factory=dict)
+    _text_offsets: dict[int, int] = field(
+        default_factory=dict
+    )  # streamed completions: text so far, by choice
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -102,9 +105,17 @@ class Formatter:
         return {
             "tokens": tokens,
             "token_logprobs": [_number(lp.logprob) for lp in items],
-            "top_logprobs": [{self._token(t): _number(v) for t, v in lp.top} for lp in items],
+            "top_logprobs": [self._top_with_sampled(lp) for lp in items],
             "text_offset": offsets,
         }
+
+    def _top_with_sampled(self, lp: Logprob) -> dict[str, Any]:
+        """A completion token's top logprobs, best first, always with the sampled token's (so up to
+        logprobs + 1 of them, as OpenAI gives)."""
+        top = lp.top if any(t == lp.token_id for t, _ in lp.top) else [*lp.top, (lp.token_id, lp.logprob)]
+        out = {self._token(t): _number(v) for t, v in sorted(top, key=lambda tv: -tv[1])}
+        out[self._token(lp.token_id)] = _number(lp.logprob)  # its own, where two ids spell the same text
+        return out
 
     def chunk(
         self, index: int, out: CompletionOutput, new_logprobs: list[Logprob] | None, first: bool
@@ -129,10 +140,14 @@ class Formatter:
                 "finish_reason": finish,
             }
             return self._envelope("chat.completion.chunk", [choice])
+        offset = self._text_offsets.get(index, 0)
+        logprobs = self.logprobs(new_logprobs, offset)
+        if logprobs is not None:
+            self._text_offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
         choice = {
             "index": index,
             "text": self._echoed(index, out.delta_text) if first else out.delta_text,
-            "logprobs": self.logprobs(new_logprobs),
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
         if out.stop_reason is not None:
