@@ -300,3 +300,23 @@ def test_the_server_publishes_its_cache_config_as_vllm_does(tiny_model: Path) ->
     assert labels["block_size"] == "32" and labels["num_gpu_blocks"] == "77"
     assert labels["cache_dtype"] == "fp8_e5m2" and labels["enable_prefix_caching"] == "False"
     assert labels["gpu_memory_utilization"] == "0.9"
+
+
+def test_a_prompt_with_n_samples_counts_its_prompt_tokens_once(tiny_model: Path) -> None:
+    """`vllm:prompt_tokens_total` counted the prompt once per sample while `vllm:request_prompt_tokens`
+    and `vllm:request_success_total` count the request once, so the two prompt figures disagreed by n."""
+    from ember_engine import LLM
+
+    llm = LLM(str(tiny_model))
+    metrics = EngineMetrics(MODEL)
+    prompt = list(range(30, 35))
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=4, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("r", prompt, params)
+    while engine.has_unfinished_requests():
+        metrics.record_step(engine.stats(), engine.step())
+    metrics.record_stats(engine.stats())
+    assert value(metrics, "vllm:prompt_tokens_total") == len(prompt)
+    assert value(metrics, "vllm:request_prompt_tokens_sum") == len(prompt)
+    assert value(metrics, "vllm:request_success_total", finished_reason="length") == 1
+    assert value(metrics, "vllm:generation_tokens_total") == 12

@@ -53,7 +53,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.groups: dict[str, Group] = {}
         self._group_of: dict[Request, Group] = {}
-        self.prompt_tokens = 0  # prompts whose first token came out
+        self.prompt_tokens = 0  # tokens of the prompts whose first token came out (once per prompt)
         self.generation_tokens = 0
 
     def add(self, request_id: str, prompt: str | None, requests: list[Request]) -> Group:
@@ -140,7 +140,8 @@ class OutputProcessor:
         self.generation_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
-            self.prompt_tokens += req.num_prompt_tokens
+            if self._group_of[req].samples[0].request is req:  # a prompt counts once, not once per sample
+                self.prompt_tokens += req.num_prompt_tokens
         req.last_token_time = now
         p = req.params
         num_output = len(output)
