@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -337,3 +338,47 @@ def test_null_means_the_default_for_every_optional_field(
     required = "messages" if path.endswith("chat/completions") else "prompt"
     missing = httpx.post(f"{server.url}{path}", json={**base, required: None}, timeout=60)
     assert missing.status_code == 400 and missing.json()["error"]["param"] == required
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "f"}},
+    ],
+    ids=lambda p: p["type"],
+)
+def test_a_content_part_other_than_text_is_refused_naming_its_type(
+    server: InProcessServer, part: dict
+) -> None:  # type: ignore[type-arg]
+    """It was "messages.0.content: Input should be a valid string", naming no part and no reason."""
+    content = [{"type": "text", "text": "what is this?"}, part]
+    body = {**CHAT, "messages": [{"role": "user", "content": content}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "messages.0.content.1"
+    assert (
+        f"content part of type {part['type']!r} is not supported" in err["message"]
+        and "text only" in err["message"]
+    )
+
+
+def test_stream_options_without_stream_is_refused(server: InProcessServer) -> None:
+    """As OpenAI and vLLM refuse it; it was taken and ignored."""
+    for path, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        r = httpx.post(
+            f"{server.url}{path}", json={**base, "stream_options": {"include_usage": True}}, timeout=60
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+        ok = httpx.post(
+            f"{server.url}{path}", json={**base, "stream": True, "stream_options": None}, timeout=60
+        )
+        assert ok.status_code == 200
+
+
+def test_model_cards_carry_a_creation_time(server: InProcessServer) -> None:
+    before = int(time.time())
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    assert before <= card["created"] <= int(time.time())

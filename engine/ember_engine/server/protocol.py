@@ -109,6 +109,12 @@ class _SamplingFields(BaseModel):
             }
         return data
 
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM refuse it
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -246,6 +252,23 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """A part other than text (an image, audio, a file) is refused naming its type and place, rather
+        than failing as "not a valid string"."""
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, message in enumerate(messages if isinstance(messages, list) else []):
+            content = message.get("content") if isinstance(message, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"messages.{i}.content.{j}: content part of type {kind!r} is not supported: "
+                        "this model takes text only"
+                    )
+        return data
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from fastapi import FastAPI
@@ -124,7 +125,7 @@ def model_card(state: ServerState) -> dict[str, Any]:
     return {
         "id": state.model_name,
         "object": "model",
-        "created": 0,
+        "created": int(time.time()),
         "owned_by": "ember",
         "max_model_len": max_len,
     }
