@@ -64,6 +64,13 @@ class Probe:
         """Setting `fields` on top of `base` changes the response."""
         assert self.ok(**base) != self.ok(**base, **fields), fields
 
+    def not_found(self, field: str, value: Any) -> None:
+        """A model not served here: 404 `model_not_found`, as OpenAI and vLLM answer (it was a 400)."""
+        r = self.post(**{field: value})
+        assert r.status_code == 404, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == field and error["code"] == "model_not_found", error
+
     def refused(self, field: str, value: Any) -> None:
         r = self.post(**{field: value})
         assert r.status_code == 400, r.text[:300]
@@ -86,7 +93,7 @@ def _forced(p: Probe) -> dict[str, Any]:
 
 
 COMMON: dict[str, Callable[[Probe], None]] = {
-    "model": lambda p: p.refused("model", "another"),
+    "model": lambda p: p.not_found("model", "another"),
     "max_tokens": lambda p: p.changes({}, max_tokens=3),
     "temperature": lambda p: p.changes({}, temperature=0.0),
     "top_p": lambda p: p.changes({}, top_p=0.05),

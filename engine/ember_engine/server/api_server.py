@@ -92,9 +92,9 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 async def _serve(
     state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
 ) -> Response:
-    if body.model != state.model_name:
+    if body.model != state.model_name:  # as OpenAI and vLLM answer: 404 for a model not served
         raise APIError(
-            400,
+            404 if body.model else 400,
             f"model: {body.model!r} is not served here; this server serves {state.model_name!r}",
             param="model",
             code="model_not_found",
