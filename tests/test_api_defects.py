@@ -318,3 +318,16 @@ def test_streamed_text_offsets_run_on_across_chunks(server: InProcessServer) -> 
     assert text == whole["text"]
     assert offsets == whole["logprobs"]["text_offset"]
     assert offsets == sorted(offsets) and offsets[-1] > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("timeout", "Infinity"), ("timeout", "NaN"), ("priority", "true")]
+)
+def test_body_timeout_and_priority_take_what_their_headers_take(
+    server: InProcessServer, field: str, value: str
+) -> None:
+    """`timeout: Infinity` in the body was taken (the header refuses it) and `priority: true` was read as
+    class number 1."""
+    content = '{"model": "%s", "prompt": "hi", "max_tokens": 1, "%s": %s}' % (MODEL, field, value)
+    error = _assert_openai_error(_post_raw(server.url, "/v1/completions", content.encode()), 400)
+    assert error["param"] == field

@@ -300,11 +300,7 @@ def test_tokenize_detokenize_models_and_version(server: InProcessServer) -> None
     ("field", "value", "message"),
     [
         # fields that take one of several types: the error named the union's member, "priority.str"
-        (
-            "priority",
-            1.5,
-            "priority: Input should be a valid string, or a valid integer, got a number with a fractional part",
-        ),
+        ("priority", 1.5, "priority: Input should be a valid string, or a valid integer"),
         ("stop", 3, "stop: Input should be a valid string, or a valid list"),
         ("prompt", 3.5, "prompt: Input should be a valid string, or a valid list"),
     ],

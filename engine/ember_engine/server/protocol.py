@@ -11,7 +11,7 @@ import contextlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.server.text_checks import lone_surrogate
@@ -81,8 +81,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: str | int | None = None  # a priority class name (or its number)
-    timeout: float | None = Field(default=None, gt=0.0)  # seconds; the request's deadline
+    priority: str | StrictInt | None = None  # a priority class name (or its number; not a bool)
+    timeout: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)  # seconds; the deadline
     cache_salt: str | None = None
     # structured outputs (server/structured.py): OpenAI's response_format and vLLM's spellings
     response_format: dict[str, Any] | None = None
