@@ -328,6 +328,6 @@ def test_body_timeout_and_priority_take_what_their_headers_take(
 ) -> None:
     """`timeout: Infinity` in the body was taken (the header refuses it) and `priority: true` was read as
     class number 1."""
-    content = '{"model": "%s", "prompt": "hi", "max_tokens": 1, "%s": %s}' % (MODEL, field, value)
+    content = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 1, "{field}": {value}}}'
     error = _assert_openai_error(_post_raw(server.url, "/v1/completions", content.encode()), 400)
     assert error["param"] == field

@@ -385,3 +385,18 @@ def test_model_cards_carry_a_creation_time(server: InProcessServer) -> None:
     before = int(time.time())
     card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
     assert before <= card["created"] <= int(time.time())
+
+
+def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(server: InProcessServer) -> None:
+    """`bytes` is there so that a character spread over tokens can be put together again: each token's bytes
+    were those of U+FFFD, the text a lone piece of a character decodes to."""
+    body = {**CHAT, "max_tokens": 12, "logprobs": True, "top_logprobs": 2, "guided_choice": ["日本語"]}
+    choice = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["message"]["content"] == "日本語"
+    items = choice["logprobs"]["content"]
+    assert len(items) > 3  # the tiny tokenizer spells these characters in byte pieces
+    joined = bytes(
+        b for item in items if item["token"] != "<|end|>" for b in item["bytes"]
+    )  # (the end token's)
+    assert joined == "日本語".encode()
+    assert all(t["bytes"] != list("\ufffd".encode()) for item in items for t in item["top_logprobs"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ class Tokenizer:
         self.chat_template: str | None = self.config.get("chat_template")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._single: dict[tuple[int, bool], str] = {}  # decode_one's texts
+        self._byte_level: bool | None = None  # whether pieces spell bytes as GPT-2's printable characters
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -51,6 +53,37 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also where it holds only part of a character (which decodes
+        alone to U+FFFD): from its piece, spelt as a byte-fallback `<0xNN>` or in byte-level characters."""
+        text = self.decode_one(token_id, skip_special_tokens=False)
+        piece = self._tok.id_to_token(token_id)
+        if "\ufffd" not in text or piece is None:
+            return text.encode()
+        fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if self._byte_level is None:
+            self._byte_level = '"ByteLevel"' in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return text.encode()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's spelling of bytes: printable Latin-1 bytes stand for themselves, the other 68 take
+    the characters from U+0100 on, in byte order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _token_text(value: object) -> str | None:

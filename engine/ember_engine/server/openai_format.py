@@ -73,6 +73,9 @@ class Formatter:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _bytes(self, token_id: int) -> list[int]:
+        return list(self.tokenizer.token_bytes(token_id))
+
     def _echoed(self, index: int, text: str) -> str:
         return text if self.echo is None else self.echo[index // self.n] + text
 
@@ -84,14 +87,14 @@ class Formatter:
             for lp in items:
                 tok = self._token(lp.token_id)
                 top = [
-                    {"token": self._token(t), "logprob": _number(v), "bytes": list(self._token(t).encode())}
+                    {"token": self._token(t), "logprob": _number(v), "bytes": self._bytes(t)}
                     for t, v in lp.top
                 ]
                 content.append(
                     {
                         "token": tok,
                         "logprob": _number(lp.logprob),
-                        "bytes": list(tok.encode()),
+                        "bytes": self._bytes(lp.token_id),
                         "top_logprobs": top,
                     }
                 )
