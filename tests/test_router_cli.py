@@ -38,3 +38,29 @@ def test_a_number_the_router_cannot_run_with_is_refused_by_name(
     )
     with pytest.raises(SystemExit, match=rf"^ember router: {error}$"):
         router_main.build(args)
+
+
+def _build(tiny_model: Path, *argv: str) -> None:
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+    router_main.build(parser.parse_args(["--model", str(tiny_model), *argv]))
+
+
+def test_a_kube_selector_without_a_usable_kubeconfig_is_refused_at_start(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The discovery thread died on the bad configuration and the router served 503 for ever."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    missing = tmp_path / "nonexistent"
+    with pytest.raises(SystemExit, match=rf"^ember router: --kubeconfig {missing}: cannot read it: "):
+        _build(tiny_model, "--kube-selector", "a=b", "--kubeconfig", str(missing))
+    with pytest.raises(SystemExit, match=r"^ember router: --kube-selector: no Kubernetes configuration \(not in a pod, "):
+        _build(tiny_model, "--kube-selector", "a=b")
+
+
+def test_endpoints_and_a_kube_selector_together_are_refused(tiny_model: Path) -> None:
+    """The endpoints were silently ignored."""
+    with pytest.raises(SystemExit, match=r"^ember router: give --endpoint or --kube-selector, not both$"):
+        _build(tiny_model, "--kube-selector", "a=b", "--endpoint", "http://127.0.0.1:9")

@@ -32,6 +32,10 @@ def engine_url(pod: dict[str, Any], port: int) -> str | None:
     return f"http://{ip}:{port}"
 
 
+class DiscoveryConfigError(Exception):
+    """The Kubernetes configuration discovery would use cannot be used."""
+
+
 class PodDiscovery:
     def __init__(
         self,
@@ -44,6 +48,7 @@ class PodDiscovery:
         self.namespace, self.selector, self.port = namespace, selector, port
         self.on_change = on_change  # called with {pod name: url} after every change
         self.kubeconfig = kubeconfig
+        self.api = self._client()  # at start, so that a configuration it cannot use is refused then
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.engines: dict[str, str] = {}
@@ -61,13 +66,21 @@ class PodDiscovery:
     def _client(self) -> Any:
         import kubernetes
 
-        if self.kubeconfig:
-            return kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(self.kubeconfig))
         try:
-            kubernetes.config.load_incluster_config()
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
-        return kubernetes.client.CoreV1Api()
+            if self.kubeconfig:
+                return kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(self.kubeconfig))
+            try:
+                kubernetes.config.load_incluster_config()
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config()
+            return kubernetes.client.CoreV1Api()
+        except (kubernetes.config.ConfigException, OSError, ValueError, TypeError) as e:
+            where = (
+                f"--kubeconfig {self.kubeconfig}: cannot read it"
+                if self.kubeconfig
+                else "--kube-selector: no Kubernetes configuration (not in a pod, no KUBECONFIG, no ~/.kube/config)"
+            )
+            raise DiscoveryConfigError(f"{where}: {e}") from None
 
     def _apply(self, pod: dict[str, Any], deleted: bool = False) -> bool:
         name = pod["metadata"]["name"]
@@ -81,7 +94,7 @@ class PodDiscovery:
     def _run(self, publish: Callable[[], None]) -> None:
         import kubernetes
 
-        api = self._client()
+        api = self.api
         while not self._stop.is_set():
             try:
                 listed = api.list_namespaced_pod(

@@ -172,11 +172,16 @@ def build(args: argparse.Namespace) -> Router:
             raise SystemExit(f"ember router: invalid policy file {args.policy}: {e}") from None
     discovery = None
     if args.kube_selector:
-        from ember_router.discovery import PodDiscovery
+        from ember_router.discovery import DiscoveryConfigError, PodDiscovery
 
-        discovery = PodDiscovery(
-            args.kube_namespace, args.kube_selector, args.engine_port, lambda _: None, args.kubeconfig
-        )
+        if args.endpoint:  # they were silently ignored
+            raise SystemExit("ember router: give --endpoint or --kube-selector, not both")
+        try:
+            discovery = PodDiscovery(
+                args.kube_namespace, args.kube_selector, args.engine_port, lambda _: None, args.kubeconfig
+            )
+        except DiscoveryConfigError as e:
+            raise SystemExit(f"ember router: {e}") from None
     return Router(
         EnginePool(args.endpoint, poll_interval=args.poll_interval),
         Tokenizer(_tokenizer_dir(args.model, args.tokenizer)),
