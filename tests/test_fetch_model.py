@@ -349,3 +349,25 @@ def test_a_directory_source_follows_links_and_refuses_a_dangling_one(
     dangling = fetch(str(source), str(tmp_path / "out2"), "--include", "*")
     assert dangling.returncode == 1 and "model-00002-of-00002.safetensors" in dangling.stderr, dangling.stderr
     assert "a link to nothing" in dangling.stderr
+
+
+def test_a_directory_and_a_link_to_it_are_both_copied_and_a_loop_ends(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """With `a/` and a link `b -> a`, the copy held only one of them (which, by the listing's order): a real
+    path vanished. Both are copied now, as `cp -rL` copies them; a link back up is not followed into a loop."""
+    source = tmp_path / "source"
+    source.mkdir()
+    _copy_tree(checkpoint, source)
+    for name in ("a", "z"):
+        (source / name).mkdir()
+        (source / name / "extra.json").write_text(f'{{"{name}": 1}}')
+    (source / "b").symlink_to("a", target_is_directory=True)
+    (source / "y").symlink_to("z", target_is_directory=True)
+    (source / "a" / "up").symlink_to("..", target_is_directory=True)
+    done = fetch(str(source), str(tmp_path / "out"), "--include", "*")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    for copy, name in (("a", "a"), ("b", "a"), ("z", "z"), ("y", "z")):
+        assert (out / copy / "extra.json").read_text() == f'{{"{name}": 1}}', copy
+    assert not (out / "a" / "up").exists()  # the loop's way back up is where it ends

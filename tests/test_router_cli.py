@@ -56,7 +56,9 @@ def test_a_kube_selector_without_a_usable_kubeconfig_is_refused_at_start(
     missing = tmp_path / "nonexistent"
     with pytest.raises(SystemExit, match=rf"^ember router: --kubeconfig {missing}: cannot read it: "):
         _build(tiny_model, "--kube-selector", "a=b", "--kubeconfig", str(missing))
-    with pytest.raises(SystemExit, match=r"^ember router: --kube-selector: no Kubernetes configuration \(not in a pod, "):
+    with pytest.raises(
+        SystemExit, match=r"^ember router: --kube-selector: no Kubernetes configuration \(not in a pod, "
+    ):
         _build(tiny_model, "--kube-selector", "a=b")
 
 

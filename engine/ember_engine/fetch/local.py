@@ -38,17 +38,25 @@ class LocalSource:
         return stamp.hexdigest()[:16], files
 
     def _walk(self) -> Iterator[Path]:
-        """Every file below the root, through linked directories too (each directory once: a link back up
-        ends nowhere), and links to nothing (refused by the listing, naming them)."""
-        seen: set[str] = set()
-        for folder, dirs, names in os.walk(self.root, followlinks=True):
+        """Every file below the root, through linked directories too, as `cp -rL` copies them (a directory
+        and a link to it are both copied), and links to nothing (refused by the listing, naming them). A link
+        back up to a directory being walked is not followed: that would never end."""
+
+        def walk(folder: Path, ancestors: frozenset[str]) -> Iterator[Path]:
             real = os.path.realpath(folder)
-            if real in seen:
-                dirs[:] = []
-                continue
-            seen.add(real)
-            for name in names:
-                yield Path(folder) / name
+            if real in ancestors:
+                return
+            ancestors = ancestors | {real}
+            with os.scandir(folder) as listing:
+                entries = sorted(listing, key=lambda e: e.name)
+            for entry in entries:
+                path = folder / entry.name
+                if entry.is_dir(follow_symlinks=True):
+                    yield from walk(path, ancestors)
+                else:
+                    yield path
+
+        yield from walk(self.root, frozenset())
 
     def read(self, file: RemoteFile, offset: int) -> tuple[int, Iterator[bytes]]:
         return offset, self._chunks(self.root / file.path, offset)
