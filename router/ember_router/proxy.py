@@ -435,7 +435,10 @@ class Router:
                         if first:
                             self.metrics.ttft.observe(time.perf_counter() - arrived)
                             first = False
-                        await out.write(framer.feed(chunk) if framer is not None else chunk)
+                        try:
+                            await out.write(framer.feed(chunk) if framer is not None else chunk)
+                        except ConnectionResetError:
+                            return out  # the client left; leaving closes the upstream (below)
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     # The engine broke off (it died, or said nothing for the read deadline): a stream ends
                     # with an error event after its last whole event; another body cannot be mended, and its
@@ -447,15 +450,19 @@ class Router:
                             request.transport.close()
                         finished = True
                         return out
-                    await out.write(
-                        error_event(
-                            f"the engine {engine_url} broke off its answer: {exc!r}", "upstream_error"
+                    with contextlib.suppress(ConnectionResetError):  # (the client may be gone too)
+                        await out.write(
+                            error_event(
+                                f"the engine {engine_url} broke off its answer: {exc!r}", "upstream_error"
+                            )
                         )
-                    )
                 else:
                     if framer is not None:
-                        await out.write(framer.rest())
-                await out.write_eof()
+                        with contextlib.suppress(ConnectionResetError):
+                            await out.write(framer.rest())
+                # A client that closes once it has the last event (as on `data: [DONE]`) is served.
+                with contextlib.suppress(ConnectionResetError):
+                    await out.write_eof()
                 finished = True
                 self.metrics.e2e.observe(time.perf_counter() - arrived)
                 return out
