@@ -274,6 +274,19 @@ def test_continuous_usage_stats(server: InProcessServer) -> None:
     assert len(counts) == len([c for c in chunks if c.choices]), "a chunk without usage"
     assert counts == sorted(counts) and counts[-1] == 12 and len(set(counts)) > 1, counts
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    # The prompt again, now cached: each chunk's usage says so (it said 0 cached until the last chunk).
+    long_prompt = {**body, "prompt": "The quick brown fox jumps over the lazy dog. " * 8}
+    first = list(client.completions.create(**long_prompt, extra_body={"ignore_eos": True}))  # type: ignore[call-overload]
+    again = list(client.completions.create(**long_prompt, extra_body={"ignore_eos": True}))  # type: ignore[call-overload]
+    assert first[-1].usage is not None and again[-1].usage is not None
+    details = again[-1].usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens
+    cached = {
+        c.usage.prompt_tokens_details.cached_tokens
+        for c in again
+        if c.usage and c.usage.prompt_tokens_details
+    }
+    assert cached == {details.cached_tokens}
 
 
 def test_tokenize_detokenize_models_and_version(server: InProcessServer) -> None:

@@ -159,7 +159,7 @@ async def _stream(
     started: set[int] = set()
     ended: set[int] = set()
     usage = Usage()
-    so_far: dict[int, tuple[int, int]] = {}  # per prompt: (prompt tokens, completion tokens) so far
+    so_far: dict[int, tuple[int, int, int]] = {}  # per prompt: (prompt, completion, cached tokens) so far
     try:
         while True:
             timeout = None if ends_at is None else max(0.0, ends_at - loop.time())
@@ -201,8 +201,9 @@ async def _stream(
                 try:
                     chunk = fmt.chunk(index, o, new_lps, first=index not in started)
                     if continuous_usage:
-                        so_far[i] = (len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
-                        now = Usage(sum(p for p, _ in so_far.values()), sum(c for _, c in so_far.values()))
+                        tokens = sum(len(c.token_ids) for c in out.outputs)
+                        so_far[i] = (len(out.prompt_token_ids), tokens, out.num_cached_tokens)
+                        now = Usage(*(sum(counts) for counts in zip(*so_far.values(), strict=True)))
                         chunk["usage"] = now.to_dict()
                     event = sse(chunk)
                 except ValueError as exc:  # an output JSON cannot carry (a NaN): the server's fault
