@@ -34,8 +34,13 @@ demo-engine: $(STAMP)
 dev-up: $(STAMP)
 	$(BIN)/ember dev up $(DEV_ARGS)
 
+# `ember dev down` shares only --dir with `ember dev up`: the rest of DEV_ARGS is left out.
 dev-down: $(STAMP)
-	$(BIN)/ember dev down $(DEV_ARGS)
+	set -- $(DEV_ARGS); args=""; \
+	while [ $$# -gt 0 ]; do \
+		case "$$1" in --dir) args="$$args --dir $$2"; shift ;; --dir=*) args="$$args $$1" ;; esac; shift; \
+	done; \
+	$(BIN)/ember dev down $$args
 
 test: $(STAMP)
 	$(MAKE) lint typecheck pytest

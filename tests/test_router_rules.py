@@ -103,6 +103,12 @@ def test_a_route_parses_from_json_and_a_bad_one_is_refused_by_name() -> None:
             "minPromptTokens must be an integer",
         ),
         ("[1]", "JSON object"),
+        # a negative bound was taken (the CRD's routing refuses it: minimum 0), a rule no request could meet
+        (
+            '{"name": "r", "target": "t", "url": "u", "maxMaxTokens": -1}',
+            "route r: maxMaxTokens must be >= 0, got -1",
+        ),
+        ('{"name": "r", "target": "t", "url": "u", "minPromptTokens": -5}', "minPromptTokens must be >= 0"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_route(text)

@@ -118,6 +118,8 @@ def route_from(doc: object) -> tuple[Rule, str]:
             if not isinstance(value, wanted) or isinstance(value, bool):
                 kind = "a string" if wanted is str else "an integer"
                 raise ValueError(f"route {doc['name']}: {key} must be {kind}")
+            if isinstance(value, int) and value < 0:  # as the CRD's routing refuses it (minimum 0)
+                raise ValueError(f"route {doc['name']}: {key} must be >= 0, got {value}")
             kwargs[attr] = value
     models = doc.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
