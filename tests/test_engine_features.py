@@ -231,3 +231,36 @@ def test_a_kv_cache_memory_below_one_block_is_refused(tiny_model: Path) -> None:
         ValueError, match=r"kv_cache_memory: 100 bytes is less than one KV block \(\d+ bytes\)"
     ):
         LLM(str(tiny_model), kv_cache_memory=100)
+
+
+def test_a_stop_token_keeps_its_text_with_include_stop_str_in_output(llm: LLM) -> None:
+    """A request stopped by one of its `stop_token_ids` lost that token's text with the flag set too (vLLM
+    keeps it then: the flag is about the stop's text, string or token)."""
+    base = llm.generate(PROMPTS[2], greedy(), use_tqdm=False)[0]
+    tok = llm.tokenizer
+    k = next(i for i in range(2, 20) if tok.decode([base.token_ids[i]]).strip())
+    stop_id = base.token_ids[k]
+    first = base.token_ids.index(stop_id)
+    cut = llm.generate(PROMPTS[2], greedy(stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    kept = llm.generate(
+        PROMPTS[2], greedy(stop_token_ids=[stop_id], include_stop_str_in_output=True), use_tqdm=False
+    )[0]
+    assert cut.token_ids == kept.token_ids == base.token_ids[: first + 1]
+    assert cut.text == tok.decode(base.token_ids[:first])
+    assert kept.text == tok.decode(base.token_ids[: first + 1])
+
+
+def test_a_stop_string_within_the_first_min_tokens_does_not_end_the_request(llm: LLM) -> None:
+    """As vLLM: stop strings are looked for only in the text after the first `min_tokens` tokens'. A stop
+    string the `min_tokens`-th token completed ended the request there."""
+    base = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0]
+    tok = llm.tokenizer
+    three = tok.decode(base.token_ids[:3])
+    stop = three[-2:]
+    assert stop and stop not in tok.decode(base.token_ids[:2])  # the third token completes it
+    out = llm.generate(PROMPTS[0], greedy(stop=[stop], min_tokens=3), use_tqdm=False)[0]
+    assert len(out.token_ids) > 3, out.text
+    assert out.text.startswith(three)
+    later = base.text.find(stop, len(three))
+    if later >= 0:  # it ends at the stop's next showing, after the first three tokens' text
+        assert out.text == base.text[:later]

@@ -26,6 +26,7 @@ class Detokenizer:
         self.text = ""
         self.emitted = 0  # characters of text already handed out
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.stop_floor = 0  # stop strings are looked for from here on: not in text added without detection
 
     def append(self, token_id: int, detect_stop: bool = True) -> str | None:
         """Add one generated token's text; returns the stop string it completed, if any (text is then
@@ -43,12 +44,15 @@ class Detokenizer:
         start = len(self.text)
         self.text += after[len(before) :]
         self.prefix_offset, self.read_offset = read, len(ids)
-        return self._find_stop(start) if detect_stop and self.params.stop else None
+        if not detect_stop:
+            self.stop_floor = len(self.text)
+            return None
+        return self._find_stop(start) if self.params.stop else None
 
     def _find_stop(self, new_from: int) -> str | None:
         if not self.params.stop:
             return None
-        search_from = max(0, new_from - self.holdback)
+        search_from = max(self.stop_floor, new_from - self.holdback)
         found: tuple[int, str] | None = None
         for stop in self.params.stop:
             at = self.text.find(stop, search_from)

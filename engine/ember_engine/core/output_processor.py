@@ -147,21 +147,28 @@ class OutputProcessor:
         num_output = len(output)
         # Below min_tokens nothing may end the request (the sampler already kept EOS and stop ids out),
         # unless its grammar is complete: the grammar then allowed only EOS, and wins.
-        may_stop = num_output >= p.min_tokens or (req.grammar is not None and req.grammar.finished)
+        grammar_done = req.grammar is not None and req.grammar.finished
+        may_stop = num_output >= p.min_tokens or grammar_done
         reason: str | None = None
+        stop_token = (
+            False  # ended by a stop id or EOS, whose text is kept only if the stop's text is asked for
+        )
         if req.error is not None:
             reason = "abort"
         elif may_stop and p.stop_token_ids and token in p.stop_token_ids:
-            reason, req.stop_reason = "stop", token
+            reason, req.stop_reason, stop_token = "stop", token, True
         elif may_stop and not p.ignore_eos and token in req.eos_token_ids:
-            reason = "stop"
+            reason, stop_token = "stop", True
         else:
-            stop = sample.detok.append(token, detect_stop=may_stop)
+            # As vLLM: stop strings count only in the text after the first min_tokens tokens'.
+            stop = sample.detok.append(token, detect_stop=num_output > p.min_tokens or grammar_done)
             if stop is not None:
                 reason, req.stop_reason = "stop", stop
             elif num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
                 reason = "length"
         if reason is not None:
+            if stop_token and p.include_stop_str_in_output:
+                sample.detok.append(token, detect_stop=False)
             sample.detok.flush()
             self.scheduler.finish(req, reason)
 
