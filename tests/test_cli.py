@@ -136,3 +136,11 @@ def test_make_test_model_forced_over_a_linked_directory_writes_into_it(tmp_path:
     link.symlink_to(real, target_is_directory=True)
     assert main(["make-test-model", str(link), "--force"]) == 0
     assert link.is_symlink() and (real / "model.safetensors").exists() and not (real / "old.txt").exists()
+
+
+def test_quantize_offers_only_the_schemes_it_writes(tiny_model: Path, tmp_path: Path) -> None:
+    """`--scheme` listed bitsandbytes, which it then always refused."""
+    usage = run("quantize", "--help").stdout
+    assert "{fp8,w8a16,w4a16,w8a8}" in usage and "quantizes at load" in usage
+    refused = run("quantize", str(tiny_model), str(tmp_path / "q"), "--scheme", "bitsandbytes")
+    assert refused.returncode == 2 and "invalid choice: 'bitsandbytes'" in refused.stderr

@@ -46,7 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("src", help="a full-precision Hugging Face checkpoint directory")
     p.add_argument("dst", help="where to write the quantized checkpoint (must not exist)")
-    p.add_argument("--scheme", required=True, choices=QUANT_SCHEMES)
+    written = [scheme for scheme in QUANT_SCHEMES if scheme != "bitsandbytes"]
+    p.add_argument(
+        "--scheme",
+        required=True,
+        choices=written,
+        help="bitsandbytes (NF4) is not written: `ember serve --quantization bitsandbytes` quantizes at load",
+    )
     p.add_argument(
         "--group-size",
         type=int,
