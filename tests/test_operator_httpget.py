@@ -57,3 +57,28 @@ def test_a_connection_the_server_closed_while_idle_is_not_reused(server: str) ->
             await getter.close()
 
     assert asyncio.run(scrape()) == [b"ok", b"ok", b"ok"]
+
+
+def test_a_get_runs_in_its_callers_task() -> None:
+    """`asyncio.wait_for` ran each GET in a task of its own: cancelled as that task failed (an operator
+    stopping while a pod refused a scrape), its `ConnectionRefusedError` was left unread, and kopf, which
+    re-raises what any task left over at shutdown ended with, made the operator's exit an error."""
+
+    async def main() -> None:
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # never answers
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        getter = Getter(timeout=0.5)
+        get = asyncio.create_task(getter.get(f"http://127.0.0.1:{port}/metrics"))
+        await asyncio.sleep(0.2)
+        mine = {t for t in asyncio.all_tasks() if t.get_coro().__name__ != "silent"}  # (the server's own)
+        assert mine == {asyncio.current_task(), get}
+        with pytest.raises(TimeoutError):
+            await get
+        await getter.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())

@@ -145,11 +145,6 @@ def test_ember_quantize_refuses_a_block_size_it_cannot_write(
             ["--scheme", "w4a16", "--group-size", "-128"],
             "--group-size must be a positive even number, got -128",
         ),
-        (
-            ["--scheme", "bitsandbytes"],
-            "ember quantize writes compressed-tensors checkpoints (fp8, w8a16, w4a16, w8a8), not "
-            "bitsandbytes; serve the full-precision checkpoint with --quantization bitsandbytes",
-        ),
         # The tiny model's projections take 128 and 256 input columns: 96 divides neither.
         (["--scheme", "w4a16", "--group-size", "96"], "is not a multiple of the group size 96"),
     ],

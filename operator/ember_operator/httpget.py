@@ -69,7 +69,10 @@ class Getter:
     async def get(self, url: str) -> bytes:
         """The body of a 2xx answer; `HTTPStatusError` for others, `OSError`, `TimeoutError` or
         `ValueError` (a malformed answer) when there is none."""
-        return await asyncio.wait_for(self._get(url), self.timeout)
+        # In the caller's task: `asyncio.wait_for` would run it in one of its own, whose failure is left
+        # unread when the caller is cancelled at that moment (and kopf re-raises such a task's at shutdown).
+        async with asyncio.timeout(self.timeout):
+            return await self._get(url)
 
     async def _get(self, url: str) -> bytes:
         parts = urlsplit(url)
