@@ -23,6 +23,7 @@ from kubernetes.client import (
 )
 from kubernetes.client.exceptions import ApiException
 
+from ember_operator import quantity
 from ember_operator.groups import LWS_GROUP, LWS_PLURAL, LWS_VERSION
 from ember_operator.spec import GROUP, PLURAL, VERSION
 
@@ -58,10 +59,30 @@ def is_not_found(e: ApiException) -> bool:
     return e.status == 404
 
 
-def covers(desired: Any, actual: Any) -> bool:
-    """True when every field set in `desired` has the same value in `actual` (server-added fields are fine)."""
+# Maps of resource quantities (a container's or a pod's requests and limits, a pod's overhead) and
+# quantity fields: kube-apiserver returns these in resource.Quantity's canonical form (`0.5` as `500m`,
+# `1024Mi` as `1Gi`), so they are compared by value.
+_QUANTITY_MAPS = ("requests", "limits", "overhead")
+_QUANTITY_FIELDS = ("sizeLimit",)
+
+
+def _same_quantity(desired: Any, actual: Any) -> bool:
+    try:
+        return quantity.parse(desired) == quantity.parse(actual)
+    except ValueError:
+        return bool(desired == actual)
+
+
+def covers(desired: Any, actual: Any, *, quantities: bool = False) -> bool:
+    """True when every field set in `desired` has the same value in `actual` (server-added fields are fine);
+    resource quantities count as the same when their values are."""
     if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(covers(v, actual.get(k)) for k, v in desired.items())
+        return isinstance(actual, dict) and all(
+            _same_quantity(v, actual.get(k))
+            if (quantities or k in _QUANTITY_FIELDS) and not isinstance(v, dict | list)
+            else covers(v, actual.get(k), quantities=k in _QUANTITY_MAPS and not quantities)
+            for k, v in desired.items()
+        )
     if isinstance(desired, list):
         return (
             isinstance(actual, list)
