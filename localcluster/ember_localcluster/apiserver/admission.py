@@ -20,7 +20,8 @@ from typing import Any
 
 from . import schema
 from .errors import Cause, bad_request, invalid
-from .podspec import pod_spec_causes
+from .podspec import label_causes, pod_spec_causes
+from .quantities import canonicalize
 from .resources import ResourceType, crd_causes
 
 CRD_STORAGE = ("apiextensions.k8s.io", "customresourcedefinitions")
@@ -94,6 +95,7 @@ def admit(
         if causes:
             raise invalid(rtype.kind, rtype.group, name, causes)
         return normalized
+    canonicalize(rtype, obj)
     if rtype.storage == CRD_STORAGE:
         causes = crd_causes(obj)
         if causes:
@@ -126,6 +128,8 @@ def _metadata_causes(meta: dict[str, Any]) -> list[Cause]:
                     "Invalid value: must be a map of strings to strings",
                 )
             )
+    if not causes and isinstance(meta.get("labels"), dict):
+        causes += label_causes(meta["labels"], "metadata.labels")
     finalizers = meta.get("finalizers")
     if finalizers is not None and not (
         isinstance(finalizers, list) and all(isinstance(f, str) for f in finalizers)

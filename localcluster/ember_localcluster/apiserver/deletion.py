@@ -74,6 +74,21 @@ def delete(
     return remove(store, rtype.storage, current, options)
 
 
+def deleted_now(store: Store, rtype: ResourceType, obj: dict[str, Any], dry_run: bool) -> bool:
+    """Whether a DELETE that answered `obj` removed it (or, dry, would have): not held or stopping."""
+    meta = obj["metadata"]
+    if dry_run:
+        return not meta.get("finalizers")
+    return store.uid_of(rtype.storage, meta.get("namespace"), meta["name"]) != meta["uid"]
+
+
+def success_status(rtype: ResourceType, obj: dict[str, Any]) -> dict[str, Any]:
+    """registry.Store's finalizeDelete: a Success Status naming the object (its resource as the kind)."""
+    meta = obj["metadata"]
+    details = {"name": meta["name"], "group": rtype.group, "kind": rtype.plural, "uid": meta["uid"]}
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details}
+
+
 def delete_collection(
     store: Store,
     rtype: ResourceType,

@@ -44,6 +44,8 @@ class APIError(Exception):
             "reason": self.reason,
             "code": self.code,
         }
+        if not self.reason:  # StatusReasonUnknown, omitted from the body
+            del body["reason"]
         if self.details:
             body["details"] = self.details
         return body
@@ -79,6 +81,20 @@ def conflict(plural: str, group: str, name: str) -> APIError:
         "modified; please apply your changes to the latest version and try again",
         {"name": name, "group": group, "kind": plural},
     )
+
+
+def precondition_failed(plural: str, group: str, name: str, detail: str) -> APIError:
+    """A storage precondition (uid, resourceVersion) that the stored object fails: errors.NewConflict."""
+    return APIError(
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {_qualified(plural, group)} "{name}": {detail}',
+        {"name": name, "group": group, "kind": plural},
+    )
+
+
+# rest.EnsureObjectNamespaceMatchesRequestNamespace
+NAMESPACE_MISMATCH = "the namespace of the provided object does not match the namespace sent on the request"
 
 
 def invalid(kind: str, group: str, name: str, causes: list[Cause]) -> APIError:

@@ -40,6 +40,8 @@ from .watch import Watcher
 log = logging.getLogger("ember.apiserver")
 
 POD_SUBRESOURCES = ("binding", "log")
+# Kinds whose registry sets ReturnDeletedObject: an immediate DELETE answers the object, not a Status.
+RETURNS_DELETED_OBJECT = (("", "pods"), ("", "services"), ("", "serviceaccounts"), ("", "namespaces"))
 
 
 @dataclass(slots=True)
@@ -303,9 +305,12 @@ class Handler:
             return self._render(request, rtype, patched, 201 if created else 200)
         if method == "DELETE" and sub is None:
             options = _delete_options(await _read_body(request, required=False), query)
-            return self._render(
-                request, rtype, deletion.delete(store, rtype, namespace, name, options, dry_run=dry_run)
-            )
+            deleted = deletion.delete(store, rtype, namespace, name, options, dry_run=dry_run)
+            if rtype.storage not in RETURNS_DELETED_OBJECT and deletion.deleted_now(
+                store, rtype, deleted, dry_run
+            ):
+                return _json(deletion.success_status(rtype, deleted))
+            return self._render(request, rtype, deleted)
         raise method_not_allowed(method)
 
     async def _scale(self, request: web.Request, target: Target) -> web.StreamResponse:

@@ -78,13 +78,18 @@ def toleration_causes(tolerations: list[Any]) -> list[Cause]:
     return causes
 
 
-def node_selector_causes(selector: dict[str, Any]) -> list[Cause]:
+def label_causes(labels: dict[str, Any], path: str) -> list[Cause]:
+    """ValidateLabels of k8s.io/apimachinery: each key a qualified name, each value a label value."""
     causes = []
-    for key, value in selector.items():
-        causes += [_invalid("spec.nodeSelector", json.dumps(key), m) for m in label_key_errors(key)]
+    for key, value in labels.items():
+        causes += [_invalid(path, json.dumps(key), m) for m in label_key_errors(key)]
         if isinstance(value, str):
-            causes += [_invalid("spec.nodeSelector", json.dumps(value), m) for m in label_value_errors(value)]
+            causes += [_invalid(path, json.dumps(value), m) for m in label_value_errors(value)]
     return causes
+
+
+def node_selector_causes(selector: dict[str, Any]) -> list[Cause]:
+    return label_causes(selector, "spec.nodeSelector")
 
 
 def pod_spec_causes(spec: Any) -> list[Cause]:

@@ -34,7 +34,17 @@ from typing import Any
 from . import deletion, patching, podsecurity, quota, scale
 from .admission import CRD_STORAGE, NAMESPACES, PODS, admit, check_name, checked_body, generated_name
 from .builtin import INITIAL_NAMESPACES
-from .errors import Cause, already_exists, bad_request, conflict, invalid, not_found
+from .errors import (
+    NAMESPACE_MISMATCH,
+    APIError,
+    Cause,
+    already_exists,
+    bad_request,
+    conflict,
+    invalid,
+    not_found,
+    precondition_failed,
+)
 from .registry import Registry
 from .resources import ResourceType
 from .selectors import FieldSelector, LabelSelector
@@ -131,9 +141,7 @@ class Store:
         meta = obj["metadata"]
         if rtype.namespaced:
             if meta.get("namespace") not in (None, "", namespace):
-                raise bad_request(
-                    "the namespace of the provided object does not match the namespace sent on the request"
-                )
+                raise bad_request(NAMESPACE_MISMATCH)
             if not namespace:
                 raise bad_request(f"{rtype.kind} objects are namespaced: the request needs a namespace")
             if not self.contains(NAMESPACES, None, namespace):
@@ -146,8 +154,7 @@ class Store:
             while self.contains(rtype.storage, namespace, meta["name"]):
                 meta["name"] = generated_name(meta["generateName"])
         check_name(rtype, meta.get("name"))
-        if self.contains(rtype.storage, namespace, meta["name"]):
-            raise already_exists(rtype.plural, rtype.group, meta["name"])
+        given_version = meta.get("resourceVersion")
         for key in (*_SERVER_METADATA, "resourceVersion", "managedFields", "selfLink"):
             meta.pop(key, None)
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=self.timestamp(), generation=1)
@@ -159,6 +166,12 @@ class Store:
             in_namespace = [o for (ns, _), o in self.objects[PODS].items() if ns == namespace]
             quotas = [o for (ns, _), o in self.objects[QUOTAS].items() if ns == namespace]
             quota.admit_pod(quotas, in_namespace, obj)
+        # Storage comes last, after validation and admission: etcd3's store refuses a resourceVersion (an
+        # error that is no API status, so a 500 with no reason), then an existing key (AlreadyExists).
+        if given_version:
+            raise APIError(500, "", "resourceVersion should not be set on objects to be created")
+        if self.contains(rtype.storage, namespace, meta["name"]):
+            raise already_exists(rtype.plural, rtype.group, meta["name"])
         if dry_run:
             return obj
         self.commit(rtype.storage, obj, "ADDED", None)
@@ -181,12 +194,35 @@ class Store:
         dry_run: bool = False,
         strict: bool = False,
     ) -> dict[str, Any]:
-        current = self.get(rtype, namespace, name)
         new = checked_body(rtype, body)
-        if new["metadata"].get("name") not in (None, name):
+        meta = new["metadata"]
+        # endpoints/handlers/update.go: the body's namespace (rest.EnsureObjectNamespaceMatchesRequestNamespace),
+        # then its name (checkName), before the object is read.
+        if rtype.namespaced and meta.get("namespace") not in (None, "", namespace):
+            raise bad_request(NAMESPACE_MISMATCH)
+        if meta.get("name") != name:
             raise bad_request(
-                f"the name of the object ({new['metadata']['name']}) does not match the name on the URL ({name})"
+                f"the name of the object ({meta.get('name') or ''}) does not match the name on the URL ({name})"
             )
+        current = self.get(rtype, namespace, name)
+        # registry.Store.Update: the body's uid is a precondition (rest.DefaultUpdatedObjectInfo), checked
+        # against the stored object first; a 409 as storage's precondition failure.
+        uid = meta.get("uid")
+        if uid and uid != current["metadata"]["uid"]:
+            raise precondition_failed(
+                rtype.plural,
+                rtype.group,
+                name,
+                f"Precondition failed: UID in precondition: {uid}, UID in object meta: {current['metadata']['uid']}",
+            )
+        # Custom resources and CRDs do not allow unconditional updates (AllowUnconditionalUpdate false).
+        if not meta.get("resourceVersion") and (rtype.custom or rtype.storage == CRD_STORAGE):
+            cause = Cause(
+                "metadata.resourceVersion",
+                "FieldValueInvalid",
+                "Invalid value: 0: must be specified for an update",
+            )
+            raise invalid(rtype.plural, rtype.group, name, [cause])
         return self.write(rtype, current, new, subresource=subresource, dry_run=dry_run, strict=strict)
 
     def patch(
@@ -218,6 +254,17 @@ class Store:
             ), False
         current = self.get(rtype, namespace, name)
         new = checked_body(rtype, patching.apply_patch(patch_type, current, document, custom=rtype.custom))
+        # endpoints/handlers/patch.go checks the patched object's name and namespace (checkName).
+        patched_name, patched_namespace = new["metadata"].get("name") or "", new["metadata"].get("namespace")
+        if patched_name != name:
+            raise bad_request(
+                f"the name of the object ({patched_name}) does not match the name on the URL ({name})"
+            )
+        if namespace and patched_namespace not in (None, "", namespace):
+            raise bad_request(
+                f"the namespace of the object ({patched_namespace}) does not match the namespace on the request "
+                f"({namespace})"
+            )
         return self.write(rtype, current, new, subresource=subresource, dry_run=dry_run, strict=strict), False
 
     def write(
@@ -234,6 +281,12 @@ class Store:
         current_meta = current["metadata"]
         if new["metadata"].get("resourceVersion") not in (None, "", current_meta["resourceVersion"]):
             raise conflict(rtype.plural, rtype.group, current_meta["name"])
+        new_uid = new["metadata"].get("uid")
+        if new_uid and new_uid != current_meta["uid"]:  # ValidateObjectMetaUpdate
+            cause = Cause(
+                "metadata.uid", "FieldValueInvalid", f'Invalid value: "{new_uid}": field is immutable'
+            )
+            raise invalid(rtype.kind, rtype.group, current_meta["name"], [cause])
         if subresource == "status":
             result = {k: v for k, v in copy.deepcopy(current).items() if k != "status"}
             if "status" in new:
