@@ -20,6 +20,16 @@ SUBDOMAIN_MESSAGE = (
     "start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is "
     "'[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')"
 )
+DNS_LABEL_MESSAGE = (
+    "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and "
+    "end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is "
+    "'[a-z0-9]([-a-z0-9]*[a-z0-9])?')"
+)
+DNS_1035_MESSAGE = (
+    "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic "
+    "character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', regex used for "
+    "validation is '[a-z]([-a-z0-9]*[a-z0-9])?')"
+)
 LABEL_VALUE_FORMAT = "(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?"
 LABEL_VALUE_MESSAGE = (
     "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must "
@@ -31,6 +41,8 @@ LABEL_VALUE_MAX = 63
 LABEL_KEY_MAX = 253 + 1 + 63
 
 _SUBDOMAIN = "[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_DNS_LABEL = "[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_1035 = "[a-z]([-a-z0-9]*[a-z0-9])?"
 _TOO_MANY_SLASHES = "/.*/"
 
 
@@ -91,3 +103,28 @@ def label_value_errors(value: str) -> list[str]:
     if not re.fullmatch(LABEL_VALUE_FORMAT, value):
         errors.append(LABEL_VALUE_MESSAGE)
     return errors
+
+
+def subdomain_errors(name: str) -> list[str]:
+    """IsDNS1123Subdomain's messages (empty: a valid name)."""
+    errors = ["must be no more than 253 characters"] if len(name) > 253 else []
+    return errors + ([] if re.fullmatch(_SUBDOMAIN, name) else [SUBDOMAIN_MESSAGE])
+
+
+def dns_label_errors(name: str) -> list[str]:
+    """IsDNS1123Label's messages: Namespace names."""
+    errors = ["must be no more than 63 characters"] if len(name) > 63 else []
+    return errors + ([] if re.fullmatch(_DNS_LABEL, name) else [DNS_LABEL_MESSAGE])
+
+
+def dns_1035_errors(name: str) -> list[str]:
+    """IsDNS1035Label's messages: Service names."""
+    errors = ["must be no more than 63 characters"] if len(name) > 63 else []
+    return errors + ([] if re.fullmatch(_DNS_1035, name) else [DNS_1035_MESSAGE])
+
+
+def path_segment_errors(name: str) -> list[str]:
+    """IsValidPathSegmentName's messages: names of RBAC objects."""
+    if name in (".", ".."):
+        return [f"may not be '{name}'"]
+    return [f"may not contain '{c}'" for c in ("/", "%") if c in name]

@@ -1,8 +1,10 @@
 """What the server checks and fills in before an object is stored: the body, the name, kind rules.
 
 * The body must be an object whose apiVersion/kind (when given) match the URL.
-* Names must be RFC 1123 subdomains (labels for namespaces and services); `generateName` gets five
-  random lowercase alphanumerics, as in Kubernetes.
+* Names are checked as ValidateObjectMeta checks them, with kube-apiserver's messages: RFC 1123
+  subdomains, RFC 1123 labels for Namespaces, DNS-1035 labels for Services, path segments for RBAC
+  objects; `generateName` gets five random lowercase alphanumerics, as in Kubernetes. Label keys and
+  values as ValidateLabels checks them.
 * Custom resources are pruned, defaulted and validated against their CRD's schema (`schema.py`).
 * CRDs are checked enough to be registered and get `Established`/`NamesAccepted` conditions.
 * Pods' tolerations and nodeSelector are checked as kube-apiserver checks them (`podspec.py`).
@@ -13,10 +15,12 @@
 from __future__ import annotations
 
 import copy
-import re
+import json
 import secrets
 import string
 from typing import Any
+
+from ember_operator.labels import dns_1035_errors, dns_label_errors, path_segment_errors, subdomain_errors
 
 from . import schema
 from .errors import Cause, bad_request, invalid
@@ -29,8 +33,6 @@ NAMESPACES = ("", "namespaces")
 PODS = ("", "pods")
 SERVICES = ("", "services")
 
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _NAME_CHARS = string.ascii_lowercase + string.digits
 _OWNER_FIELDS = ("apiVersion", "kind", "name", "uid")
 
@@ -61,22 +63,38 @@ def generated_name(prefix: str) -> str:
 
 
 def check_name(rtype: ResourceType, name: Any) -> None:
+    """ValidateObjectMeta's name check with the kind's name function, and its messages."""
     if not name:
         cause = Cause(
             "metadata.name", "FieldValueRequired", "Required value: name or generateName is required"
         )
         raise invalid(rtype.kind, rtype.group, "", [cause])
-    label_only = rtype.storage in (NAMESPACES, ("", "services"))
-    pattern, limit = (_DNS_LABEL, 63) if label_only else (_DNS_SUBDOMAIN, 253)
-    if not isinstance(name, str) or len(name) > limit or not pattern.match(name):
-        what = "RFC 1123 label" if label_only else "RFC 1123 subdomain"
-        message = (
-            f"Invalid value: {name!r}: a lowercase {what} must consist of lower case alphanumeric characters, "
-            "'-' or '.', and must start and end with an alphanumeric character"
+    if not isinstance(name, str):  # a decoding error
+        version = rtype.api_version.split("/")[-1]
+        raise bad_request(
+            f'{rtype.kind} in version "{version}" cannot be handled as a {rtype.kind}: json: cannot unmarshal '
+            f"{_json_type(name)} into Go struct field ObjectMeta.metadata.name of type string"
         )
-        raise invalid(
-            rtype.kind, rtype.group, str(name), [Cause("metadata.name", "FieldValueInvalid", message)]
-        )
+    if rtype.storage == NAMESPACES:
+        errors = dns_label_errors(name)
+    elif rtype.storage == SERVICES:
+        errors = dns_1035_errors(name)
+    elif rtype.group == "rbac.authorization.k8s.io":
+        errors = path_segment_errors(name)
+    else:
+        errors = subdomain_errors(name)
+    if errors:
+        causes = [
+            Cause("metadata.name", "FieldValueInvalid", f"Invalid value: {json.dumps(name)}: {e}")
+            for e in errors
+        ]
+        raise invalid(rtype.kind, rtype.group, name, causes)
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "bool", int: "number", float: "number", list: "array", dict: "object"}.get(
+        type(value), "string"
+    )
 
 
 def admit(
