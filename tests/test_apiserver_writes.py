@@ -169,3 +169,66 @@ def test_an_invalid_body_with_an_existing_name_is_invalid_not_already_exists(ser
     _created(server, CMS, {"metadata": {"name": "exists"}})
     code, status = http(server, "POST", CMS, {"metadata": {"name": "exists", "labels": {"a": "has space"}}})
     assert code == 422 and status["reason"] == "Invalid", status
+
+
+# -- metadata.generation ------------------------------------------------------------------------------
+
+
+def test_configmaps_have_no_generation(server: APIServer) -> None:
+    created = _created(server, CMS, {"metadata": {"name": "nogen", "generation": 7}, "data": {"a": "1"}})
+    assert "generation" not in created["metadata"]
+    code, patched = http(
+        server, "PATCH", f"{CMS}/nogen", {"data": {"a": "2"}}, "application/merge-patch+json"
+    )
+    assert code == 200 and "generation" not in patched["metadata"]
+
+
+def test_deployment_generation_grows_with_spec_and_annotations(server: APIServer) -> None:
+    path = "/apis/apps/v1/namespaces/default/deployments"
+    template = {"metadata": {"labels": {"app": "g"}}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
+    body = {
+        "metadata": {"name": "gen"},
+        "spec": {"selector": {"matchLabels": {"app": "g"}}, "template": template},
+    }
+    assert _created(server, path, body)["metadata"]["generation"] == 1
+    merge = "application/merge-patch+json"
+    code, patched = http(server, "PATCH", f"{path}/gen", {"metadata": {"labels": {"x": "y"}}}, merge)
+    assert code == 200 and patched["metadata"]["generation"] == 1
+    code, patched = http(server, "PATCH", f"{path}/gen", {"metadata": {"annotations": {"x": "y"}}}, merge)
+    assert code == 200 and patched["metadata"]["generation"] == 2
+    code, patched = http(server, "PATCH", f"{path}/gen", {"spec": {"replicas": 3}}, merge)
+    assert code == 200 and patched["metadata"]["generation"] == 3
+
+
+def test_custom_resource_without_status_subresource_bumps_generation_on_status(server: APIServer) -> None:
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "widgets.example.com"},
+        "spec": {
+            "group": "example.com",
+            "scope": "Namespaced",
+            "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                    },
+                }
+            ],
+        },
+    }
+    server.create(crd)
+    path = "/apis/example.com/v1/namespaces/default/widgets"
+    created = _created(
+        server, path, {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}
+    )
+    assert created["metadata"]["generation"] == 1
+    merge = "application/merge-patch+json"
+    code, patched = http(server, "PATCH", f"{path}/w", {"status": {"ready": True}}, merge)
+    assert code == 200 and patched["metadata"]["generation"] == 2
+    code, patched = http(server, "PATCH", f"{path}/w", {"metadata": {"labels": {"a": "b"}}}, merge)
+    assert code == 200 and patched["metadata"]["generation"] == 2

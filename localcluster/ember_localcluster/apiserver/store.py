@@ -3,16 +3,22 @@
 * One global integer resourceVersion. Every committed write bumps it, returns it and is published as a
   watch event carrying exactly that value. A write that changes nothing (after defaulting and the
   status/metadata rules below) is a no-op: same resourceVersion, no event.
-* Create sets uid, creationTimestamp (RFC 3339, `Z`), generation 1 and honours `generateName`; it needs
-  an existing namespace (404 otherwise). Where a kind has a status subresource, the client's `status`
+* Create sets uid, creationTimestamp (RFC 3339, `Z`), generation 1 (for the kinds that keep one:
+  custom resources, CRDs, Deployments, ReplicaSets, PodDisruptionBudgets) and honours `generateName`; it
+  needs an existing namespace (404 otherwise). Where a kind has a status subresource, the client's `status`
   is dropped on create, except for Nodes, which a kubelet registers with their status (as the node
   registry keeps it).
+* Create refuses a body with `metadata.resourceVersion` (etcd3 storage's 500), after validation and
+  admission and before AlreadyExists, in the generic registry's order.
 * Update: a stale `metadata.resourceVersion` (in a PUT body, or left in a patched document) is a 409;
-  none means "unconditionally". Name, namespace, uid, creationTimestamp, the deletion fields and
-  generation are the server's. Where a kind has a status subresource (Pods, Services, Deployments,
+  none means "unconditionally", except for custom resources and CRDs (a 422: their strategies do not
+  allow unconditional updates). A PUT body's namespace and name must match the URL (400s), its uid is a
+  precondition (409); a patch that changes the name is a 400, one that changes the uid a 422.
+  Namespace, creationTimestamp, the deletion fields and generation are the server's. Where a kind has a status subresource (Pods, Services, Deployments,
   Namespaces, CRDs, custom resources that declare one) the main endpoint keeps the stored status and
-  `/status` changes only the status. generation grows by one when anything outside metadata and status
-  changes (for every kind, which is simpler than Kubernetes), never on `/status` writes.
+  `/status` changes only the status. generation grows by one as each registry strategy decides: a custom
+  resource on any change outside metadata (status included where it has no status subresource), a
+  Deployment on a spec or annotation change, the other kinds that keep one on a spec change.
 * A write that leaves an object being deleted without finalizers deletes it, unless it is in a grace
   period (a Pod being stopped: `deletionGracePeriodSeconds` above 0), as the generic registry's
   `ShouldDeleteDuringUpdate` decides; adding a finalizer to such an object is a 422. DELETE itself is
@@ -60,8 +66,34 @@ _SERVER_METADATA = (
 )
 
 
-def _spec_part(obj: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata", "status")}
+# Built-in kinds whose registry strategy keeps metadata.generation (as of Kubernetes 1.32; Pods do not
+# yet); custom resources always do.
+_GENERATION_KINDS = (
+    ("apps", "deployments"),
+    ("apps", "replicasets"),
+    ("policy", "poddisruptionbudgets"),
+    CRD_STORAGE,
+)
+
+
+def _has_generation(rtype: ResourceType) -> bool:
+    return rtype.custom or rtype.storage in _GENERATION_KINDS
+
+
+def _generation_part(rtype: ResourceType, obj: dict[str, Any]) -> Any:
+    """What a change of bumps the generation, as each strategy's PrepareForUpdate compares: a custom
+    resource's every field but metadata (and status, where it has a status subresource); a Deployment's
+    spec and annotations; otherwise the spec."""
+    if rtype.custom:
+        skip = (
+            ("apiVersion", "kind", "metadata", "status")
+            if rtype.has_status
+            else ("apiVersion", "kind", "metadata")
+        )
+        return {k: v for k, v in obj.items() if k not in skip}
+    if rtype.storage == ("apps", "deployments"):
+        return (obj.get("spec"), obj["metadata"].get("annotations"))
+    return obj.get("spec")
 
 
 QUOTAS = ("", "resourcequotas")
@@ -157,7 +189,9 @@ class Store:
         given_version = meta.get("resourceVersion")
         for key in (*_SERVER_METADATA, "resourceVersion", "managedFields", "selfLink"):
             meta.pop(key, None)
-        meta.update(uid=str(uuid.uuid4()), creationTimestamp=self.timestamp(), generation=1)
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=self.timestamp())
+        if _has_generation(rtype):
+            meta["generation"] = 1
         if rtype.has_status and rtype.storage != NODES:
             obj.pop("status", None)
         obj = admit(rtype, obj, None, strict=strict)
@@ -296,7 +330,11 @@ class Store:
         result["metadata"]["resourceVersion"] = current_meta["resourceVersion"]
         result["metadata"].pop("managedFields", None)
         result = admit(rtype, result, current, strict=strict)
-        if subresource != "status" and _spec_part(result) != _spec_part(current):
+        if (
+            _has_generation(rtype)
+            and (subresource != "status" or not rtype.has_status)
+            and _generation_part(rtype, result) != _generation_part(rtype, current)
+        ):
             result["metadata"]["generation"] = current_meta.get("generation", 0) + 1
         if result == current or dry_run:
             return result
