@@ -123,8 +123,11 @@ def admit(
         raise invalid(rtype.kind, rtype.group, name, causes)
     elif old is None and rtype.storage == PODS:
         obj["status"] = {"phase": "Pending"}
-    elif old is None and rtype.storage == NAMESPACES:
+    elif old is None and rtype.storage == NAMESPACES:  # namespaceStrategy.PrepareForCreate
         obj["status"] = {"phase": "Active"}
+        spec = obj["spec"] = obj.get("spec") or {}
+        if "kubernetes" not in (spec.get("finalizers") or []):
+            spec["finalizers"] = [*(spec.get("finalizers") or []), "kubernetes"]
     elif rtype.storage == SERVICES and isinstance(obj.get("spec"), dict):
         obj["spec"].setdefault("type", "ClusterIP")  # core/v1 defaulting (SetDefaults_Service)
     return obj

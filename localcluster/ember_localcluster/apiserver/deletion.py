@@ -14,8 +14,8 @@
   owner (by uid) is deleted through this same path, so its own finalizers hold — one created after its
   owner was deleted too. `propagationPolicy=Orphan` strips the owner's references from its
   dependents instead; `Foreground` is treated as `Background`.
-* Deleting a namespace first deletes everything in it (skipping the `Terminating` phase); deleting a
-  CRD drops its types and all their objects.
+* Deleting a namespace marks it Terminating and deletes its content (`namespaces.py`); deleting a CRD
+  drops its types and all their objects.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import namespaces
 from .admission import CRD_STORAGE, NAMESPACES, PODS
 from .errors import conflict
 from .resources import ResourceType
@@ -62,7 +63,7 @@ def delete(
     if options.propagation_policy == "Orphan":
         _orphan_dependents(store, meta["uid"])
     if rtype.storage == NAMESPACES:
-        _empty_namespace(store, name)
+        return namespaces.delete_namespace(store, rtype, current)
     grace = _pod_grace(store, current, options) if rtype.storage == PODS else 0
     if grace > 0:
         if meta.get("deletionTimestamp"):
@@ -116,6 +117,8 @@ def remove(
         _drop_type(store, (obj["spec"]["group"], obj["spec"]["names"]["plural"]))
     if options.propagation_policy != "Orphan":
         collect_garbage(store)
+    if obj["metadata"].get("namespace"):
+        namespaces.finish(store, obj["metadata"]["namespace"])
     return obj
 
 
@@ -147,7 +150,8 @@ def _mark_deleting(store: Store, rtype: ResourceType, current: dict[str, Any], g
     meta = obj["metadata"]
     meta["deletionTimestamp"] = store.timestamp(grace)
     meta["deletionGracePeriodSeconds"] = grace
-    meta["generation"] = meta.get("generation", 0) + 1
+    if meta.get("generation"):  # rest.BeforeDelete
+        meta["generation"] += 1
     store.commit(rtype.storage, obj, "MODIFIED", current)
     return obj
 
@@ -157,16 +161,6 @@ def _drop_type(store: Store, storage: tuple[str, str]) -> None:
         store.commit(storage, copy.deepcopy(obj), "DELETED", None)
     store.objects.pop(storage, None)
     store.registry.unregister(storage)
-
-
-def _empty_namespace(store: Store, namespace: str) -> None:
-    for storage, objects in list(store.objects.items()):
-        rtype = store.registry.by_storage(storage)
-        if rtype is None or not rtype.namespaced:
-            continue
-        for ns, name in [key for key in objects if key[0] == namespace]:
-            if store.contains(storage, ns, name):
-                delete(store, rtype, ns, name, DeleteOptions(grace_period_seconds=0))
 
 
 def collect_garbage(store: Store) -> None:

@@ -37,7 +37,7 @@ from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from . import deletion, patching, podsecurity, quota, scale
+from . import deletion, namespaces, patching, podsecurity, quota, scale
 from .admission import CRD_STORAGE, NAMESPACES, PODS, admit, check_name, checked_body, generated_name
 from .builtin import INITIAL_NAMESPACES
 from .errors import (
@@ -176,8 +176,7 @@ class Store:
                 raise bad_request(NAMESPACE_MISMATCH)
             if not namespace:
                 raise bad_request(f"{rtype.kind} objects are namespaced: the request needs a namespace")
-            if not self.contains(NAMESPACES, None, namespace):
-                raise not_found("namespaces", "", namespace)
+            namespaces.admit_create(self, rtype, namespace, meta.get("name") or "")
             meta["namespace"] = namespace
         else:
             meta.pop("namespace", None)
@@ -359,6 +358,11 @@ class Store:
                 meta[key] = current_meta[key]
             else:
                 meta.pop(key, None)
+        if rtype.storage == NAMESPACES:  # namespaceStrategy.PrepareForUpdate: spec.finalizers via /finalize
+            new["spec"] = {**(new.get("spec") or {})}
+            new["spec"].pop("finalizers", None)
+            if (current.get("spec") or {}).get("finalizers"):
+                new["spec"]["finalizers"] = current["spec"]["finalizers"]
         if rtype.has_status:
             new.pop("status", None)
             if "status" in current:
