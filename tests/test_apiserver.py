@@ -201,10 +201,14 @@ def test_pod_strategic_merge_patch(core: CoreV1Api) -> None:
         ("sidecar", "sidecar:1"),
     ]
 
-    deleted = core.patch_namespaced_pod(
-        "p", "default", {"spec": {"containers": [{"name": "sidecar", "$patch": "delete"}]}}
-    )
-    assert [c.name for c in deleted.spec.containers] == ["engine"]
+    # The directive removes the sidecar from the patched spec, which ValidatePodUpdate then refuses: a
+    # Pod's containers cannot change but for their images.
+    with pytest.raises(ApiException) as refused:
+        core.patch_namespaced_pod(
+            "p", "default", {"spec": {"containers": [{"name": "sidecar", "$patch": "delete"}]}}
+        )
+    assert refused.value.status == 422
+    assert "pod updates may not change fields other than" in json.loads(refused.value.body)["message"]
 
 
 def test_generate_name(core: CoreV1Api) -> None:

@@ -7,7 +7,8 @@
   values as ValidateLabels checks them.
 * Custom resources are pruned, defaulted and validated against their CRD's schema (`schema.py`).
 * CRDs are checked enough to be registered and get `Established`/`NamesAccepted` conditions.
-* Pods' tolerations and nodeSelector are checked as kube-apiserver checks them (`podspec.py`).
+* Pods' tolerations and nodeSelector are checked as kube-apiserver checks them (`podspec.py`), and a
+  Pod's spec is immutable but for a few fields; Deployment and ReplicaSet selectors (`updates.py`).
 * New Pods start `Pending` and new Namespaces `Active`, since no controller here would set that;
   Services get core/v1's default `type: ClusterIP`.
 """
@@ -27,6 +28,7 @@ from .errors import Cause, bad_request, invalid
 from .podspec import label_causes, pod_spec_causes
 from .quantities import canonicalize
 from .resources import ResourceType, crd_causes
+from .updates import WORKLOADS, pod_update_causes, workload_causes
 
 CRD_STORAGE = ("apiextensions.k8s.io", "customresourcedefinitions")
 NAMESPACES = ("", "namespaces")
@@ -91,6 +93,14 @@ def check_name(rtype: ResourceType, name: Any) -> None:
         raise invalid(rtype.kind, rtype.group, name, causes)
 
 
+def _kind_causes(rtype: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None) -> list[Cause]:
+    if rtype.storage == PODS:
+        return pod_spec_causes(obj.get("spec")) + (pod_update_causes(old, obj) if old is not None else [])
+    if rtype.storage in WORKLOADS:
+        return workload_causes(obj, old)
+    return []
+
+
 def _json_type(value: Any) -> str:
     return {bool: "bool", int: "number", float: "number", list: "array", dict: "object"}.get(
         type(value), "string"
@@ -114,13 +124,14 @@ def admit(
             raise invalid(rtype.kind, rtype.group, name, causes)
         return normalized
     canonicalize(rtype, obj)
+    causes = _kind_causes(rtype, obj, old)
+    if causes:
+        raise invalid(rtype.kind, rtype.group, name, causes)
     if rtype.storage == CRD_STORAGE:
         causes = crd_causes(obj)
         if causes:
             raise invalid(rtype.kind, rtype.group, name, causes)
         obj["status"] = _crd_status(obj)
-    elif rtype.storage == PODS and (causes := pod_spec_causes(obj.get("spec"))):
-        raise invalid(rtype.kind, rtype.group, name, causes)
     elif old is None and rtype.storage == PODS:
         obj["status"] = {"phase": "Pending"}
     elif old is None and rtype.storage == NAMESPACES:  # namespaceStrategy.PrepareForCreate
