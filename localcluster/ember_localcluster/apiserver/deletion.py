@@ -13,7 +13,9 @@
   synchronously (Kubernetes runs it in the background): every object whose ownerReferences name no live
   owner (by uid) is deleted through this same path, so its own finalizers hold — one created after its
   owner was deleted too. `propagationPolicy=Orphan` strips the owner's references from its
-  dependents instead; `Foreground` is treated as `Background`.
+  dependents instead; `Foreground` keeps the owner (deletionTimestamp, the `foregroundDeletion`
+  finalizer) until no dependent with `blockOwnerDeletion` is left. A second DELETE of a Pod in its grace
+  period may only shorten it (rest.BeforeDelete).
 * Deleting a namespace marks it Terminating and deletes its content (`namespaces.py`); deleting a CRD
   drops its types and all their objects.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from . import namespaces
@@ -33,6 +36,8 @@ from .selectors import FieldSelector, LabelSelector
 
 if TYPE_CHECKING:
     from .store import Store
+
+FOREGROUND = "foregroundDeletion"
 
 
 @dataclass(slots=True)
@@ -67,9 +72,11 @@ def delete(
     grace = _pod_grace(store, current, options) if rtype.storage == PODS else 0
     if grace > 0:
         if meta.get("deletionTimestamp"):
-            return current
+            return _shorten_grace(store, rtype, current, options)
         _expire_grace_later(store, rtype, current, grace)
         return _mark_deleting(store, rtype, current, grace)
+    if options.propagation_policy == "Foreground" and not meta.get("deletionTimestamp"):
+        return _delete_in_foreground(store, rtype, current)
     if meta.get("finalizers"):
         return current if meta.get("deletionTimestamp") else _mark_deleting(store, rtype, current, 0)
     return remove(store, rtype.storage, current, options)
@@ -117,6 +124,7 @@ def remove(
         _drop_type(store, (obj["spec"]["group"], obj["spec"]["names"]["plural"]))
     if options.propagation_policy != "Orphan":
         collect_garbage(store)
+    _finish_foreground(store)
     if obj["metadata"].get("namespace"):
         namespaces.finish(store, obj["metadata"]["namespace"])
     return obj
@@ -143,6 +151,89 @@ def _expire_grace_later(store: Store, rtype: ResourceType, pod: dict[str, Any], 
             delete(store, rtype, namespace, name, DeleteOptions(grace_period_seconds=0))
 
     asyncio.get_running_loop().call_later(grace + store.pod_kill_margin, expire)
+
+
+def _shorten_grace(
+    store: Store, rtype: ResourceType, current: dict[str, Any], options: DeleteOptions
+) -> dict[str, Any]:
+    """rest.BeforeDelete on an object already being deleted: only a shorter grace period changes it,
+    moving deletionTimestamp back by the difference."""
+    meta = current["metadata"]
+    old = meta.get("deletionGracePeriodSeconds") or 0
+    wanted = options.grace_period_seconds
+    if wanted is None or wanted >= old:
+        return current
+    obj = copy.deepcopy(current)
+    stamp = datetime.strptime(meta["deletionTimestamp"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    stamp += timedelta(seconds=wanted - old)
+    obj["metadata"].update(
+        deletionTimestamp=stamp.strftime("%Y-%m-%dT%H:%M:%SZ"), deletionGracePeriodSeconds=wanted
+    )
+    store.commit(rtype.storage, obj, "MODIFIED", current)
+    _expire_grace_later(store, rtype, obj, wanted)
+    return obj
+
+
+def _delete_in_foreground(store: Store, rtype: ResourceType, current: dict[str, Any]) -> dict[str, Any]:
+    """Foreground propagation: the owner is kept, marked and with the `foregroundDeletion` finalizer,
+    while the garbage collector deletes its dependents (in the foreground too); it goes when no dependent
+    with `blockOwnerDeletion` is left."""
+    marked = copy.deepcopy(current)
+    meta = marked["metadata"]
+    meta["finalizers"] = [*(meta.get("finalizers") or []), FOREGROUND]
+    meta["deletionTimestamp"], meta["deletionGracePeriodSeconds"] = store.timestamp(), 0
+    if meta.get("generation"):
+        meta["generation"] += 1
+    store.commit(rtype.storage, marked, "MODIFIED", current)
+    for storage, objects in list(store.objects.items()):
+        dependent_type = store.registry.by_storage(storage)
+        for obj in list(objects.values()):
+            refs = obj["metadata"].get("ownerReferences") or []
+            dep = obj["metadata"]
+            if (
+                dependent_type is not None
+                and any(ref.get("uid") == meta["uid"] for ref in refs)
+                and not dep.get("deletionTimestamp")
+                and store.uid_of(storage, dep.get("namespace"), dep["name"]) == dep["uid"]
+            ):
+                delete(
+                    store,
+                    dependent_type,
+                    dep.get("namespace"),
+                    dep["name"],
+                    DeleteOptions(propagation_policy="Foreground"),
+                )
+    _finish_foreground(store)
+    latest = store.objects[rtype.storage].get((meta.get("namespace") or "", meta["name"]))
+    return latest if latest is not None and latest["metadata"]["uid"] == meta["uid"] else marked
+
+
+def _finish_foreground(store: Store) -> None:
+    """The garbage collector's look at owners deleted in the foreground: one that no blocking dependent
+    holds any more loses the `foregroundDeletion` finalizer (and goes, if it was the last)."""
+    waiting = [
+        (storage, obj)
+        for storage, objects in store.objects.items()
+        for obj in objects.values()
+        if FOREGROUND in (obj["metadata"].get("finalizers") or [])
+    ]
+    for storage, owner in waiting:
+        uid = owner["metadata"]["uid"]
+        blocked = any(
+            ref.get("uid") == uid and ref.get("blockOwnerDeletion")
+            for objects in store.objects.values()
+            for obj in objects.values()
+            for ref in obj["metadata"].get("ownerReferences") or []
+        )
+        rtype = store.registry.by_storage(storage)
+        if blocked or rtype is None:
+            continue
+        meta = owner["metadata"]
+        if store.uid_of(storage, meta.get("namespace"), meta["name"]) != uid:
+            continue
+        released = copy.deepcopy(owner)
+        released["metadata"]["finalizers"] = [f for f in meta["finalizers"] if f != FOREGROUND]
+        store.write(rtype, owner, released)
 
 
 def _mark_deleting(store: Store, rtype: ResourceType, current: dict[str, Any], grace: int) -> dict[str, Any]:
