@@ -698,8 +698,8 @@ def test_client_mistakes_get_status_bodies(server: APIServer) -> None:
             "/api/v1/namespaces/default/configmaps/new",
             b"data: {}",
             "application/apply-patch+yaml",
-            400,
-            "BadRequest",
+            422,  # ValidatePatchOptions: an apply needs a fieldManager
+            "Invalid",
         ),
         ("PATCH", "/api/v1/namespaces/default/configmaps/cfg", {}, "text/plain", 415, "UnsupportedMediaType"),
         (

@@ -5,8 +5,9 @@ for `/api/v1/namespaces/NAME[/status]`), plus discovery, `/version` and the Open
 Collections take GET (a list, or a watch with `?watch=true|1`), POST and DELETE; objects GET, PUT,
 PATCH and DELETE; `/status` and `/scale` GET, PUT and PATCH; a pod's `/binding` POST (`binding.py`) and
 its `/log` GET (`podlogs.py`). Lists honour label and field selectors
-and `limit`/`continue` (a `continue` token resumes after the last name it saw). `dryRun` validates
-without storing; `fieldValidation=Strict` refuses unknown fields of custom resources.
+and `limit`/`continue` (a `continue` token resumes after the last name it saw). `dryRun=All` validates
+without storing; `fieldValidation=Strict` refuses unknown fields of custom resources; bad options are
+422s before any body is read (`options.py`).
 
 Client mistakes are 4xx `Status` bodies (400 for undecodable bodies, 404 for unknown paths, 405 for
 unsupported methods, 415 for unknown media types); a 500 means a bug here and is logged.
@@ -29,6 +30,7 @@ from . import binding, deletion, discovery, openapi, patching, scale
 from .admission import PODS
 from .deletion import DeleteOptions
 from .errors import APIError, bad_request, int_param, method_not_allowed, page_not_found, unreadable_body
+from .options import check_field_labels, check_list_options, write_options
 from .podlogs import serve_pod_log
 from .resources import ResourceType
 from .selectors import FieldSelector, LabelSelector, parse_field_selector, parse_label_selector
@@ -199,10 +201,9 @@ class Handler:
         if target.subresource == "binding":
             if request.method != "POST":
                 raise method_not_allowed(request.method)
+            dry_run, _ = write_options(request.query, "CreateOptions")
             body = await _read_body(request)
-            return _json(
-                binding.bind(self.store, namespace, name, body, dry_run="dryRun" in request.query), 201
-            )
+            return _json(binding.bind(self.store, namespace, name, body, dry_run=dry_run), 201)
         if request.method != "GET":
             raise method_not_allowed(request.method)
         return await serve_pod_log(request, self.store, self.pods_dirs, namespace, name)
@@ -222,6 +223,9 @@ class Handler:
         rtype, query = target.rtype, request.query
         labels = parse_label_selector(query.get("labelSelector"))
         fields = parse_field_selector(query.get("fieldSelector"))
+        if request.method == "GET":
+            check_list_options(query, watch=query.get("watch") in ("true", "1"))
+        check_field_labels(rtype, fields)
         if request.method == "GET" and query.get("watch") in ("true", "1"):
             watcher = Watcher(rtype, target.namespace, labels, fields)
             return await serve_watch(
@@ -230,11 +234,9 @@ class Handler:
         if request.method == "GET":
             return self._list(request, target, labels, fields)
         if request.method == "POST" and (target.namespace is not None or not rtype.namespaced):
+            dry_run, strict = write_options(query, "CreateOptions")
             body = await _read_body(request)
-            strict = query.get("fieldValidation") == "Strict"
-            created = self.store.create(
-                rtype, target.namespace, body, dry_run="dryRun" in query, strict=strict
-            )
+            created = self.store.create(rtype, target.namespace, body, dry_run=dry_run, strict=strict)
             return self._render(request, rtype, created, 201)
         if request.method == "DELETE":
             options = _delete_options(await _read_body(request, required=False), query)
@@ -281,16 +283,18 @@ class Handler:
         rtype, namespace, name, sub = target.rtype, target.namespace, target.name, target.subresource
         assert name is not None
         store, query, method = self.store, request.query, request.method
-        dry_run, strict = "dryRun" in query, query.get("fieldValidation") == "Strict"
         if method == "GET":
             return self._render(request, rtype, store.get(rtype, namespace, name))
         if method == "PUT":
+            dry_run, strict = write_options(query, "UpdateOptions")
             body = await _read_body(request)
             updated = store.update(
                 rtype, namespace, name, body, subresource=sub, dry_run=dry_run, strict=strict
             )
             return self._render(request, rtype, updated)
         if method == "PATCH":
+            is_apply = request.headers.get("Content-Type", "").split(";")[0].strip() == patching.APPLY
+            dry_run, strict = write_options(query, "PatchOptions", apply=is_apply)
             patched, created = store.patch(
                 rtype,
                 namespace,
@@ -304,6 +308,7 @@ class Handler:
             )
             return self._render(request, rtype, patched, 201 if created else 200)
         if method == "DELETE" and sub is None:
+            dry_run, _ = write_options(query, "DeleteOptions")
             options = _delete_options(await _read_body(request, required=False), query)
             deleted = deletion.delete(store, rtype, namespace, name, options, dry_run=dry_run)
             if rtype.storage not in RETURNS_DELETED_OBJECT and deletion.deleted_now(
@@ -316,14 +321,16 @@ class Handler:
     async def _scale(self, request: web.Request, target: Target) -> web.StreamResponse:
         rtype, namespace, name = target.rtype, target.namespace, target.name
         assert name is not None
-        dry_run = "dryRun" in request.query
         if request.method == "GET":
             return _json(scale.get_scale(self.store, rtype, namespace, name))
         if request.method == "PUT":
+            dry_run, _ = write_options(request.query, "UpdateOptions")
             body = await _read_body(request)
             return _json(scale.write_scale(self.store, rtype, namespace, name, None, body, dry_run=dry_run))
         if request.method == "PATCH":
             content_type = request.headers.get("Content-Type", "")
+            is_apply = content_type.split(";")[0].strip() == patching.APPLY
+            dry_run, _ = write_options(request.query, "PatchOptions", apply=is_apply)
             raw, manager = await request.read(), request.query.get("fieldManager")
             scaled, _ = self.store.patch(
                 rtype,

@@ -38,6 +38,7 @@ class ResourceType:
     # Custom resources only: the version's openAPIV3Schema and additionalPrinterColumns.
     schema: dict[str, Any] | None = None
     printer_columns: tuple[dict[str, Any], ...] = ()
+    selectable_fields: tuple[str, ...] = ()
     custom: bool = False
 
     @property
@@ -170,6 +171,9 @@ def crd_resource_types(crd: dict[str, Any]) -> list[ResourceType]:
                 schema=(version.get("schema") or {}).get("openAPIV3Schema")
                 or {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
                 printer_columns=tuple(version.get("additionalPrinterColumns") or ()),
+                selectable_fields=tuple(
+                    str(f.get("jsonPath", "")).lstrip(".") for f in version.get("selectableFields") or ()
+                ),
                 custom=True,
             )
         )

@@ -275,8 +275,16 @@ class Store:
         patch_type, document = patching.parse_patch(content_type, raw)
         if patch_type == patching.APPLY:
             if not field_manager:
+                cause = Cause(
+                    "fieldManager", "FieldValueRequired", "Required value: is required for apply patch"
+                )
+                raise invalid("PatchOptions", "meta.k8s.io", "", [cause])
+            # The field manager's Apply: the applied configuration names the version it is written in.
+            version = document.get("apiVersion", "") if isinstance(document, dict) else ""
+            if version != rtype.api_version:
                 raise bad_request(
-                    "PATCH requests with apply patch type require fieldManager to be set in the query parameters"
+                    f"Incorrect version specified in apply patch. Specified patch version: {version}, "
+                    f"expected: {rtype.api_version}"
                 )
             if subresource is None and not self.contains(rtype.storage, namespace, name):
                 document.setdefault("metadata", {})["name"] = name

@@ -1,0 +1,123 @@
+"""Query options as kube-apiserver validates them before it reads a body, with its 422 messages
+(`CreateOptions.meta.k8s.io "" is invalid: ...`): ValidateCreateOptions, ValidateUpdateOptions,
+ValidatePatchOptions and ValidateDeleteOptions of apimachinery's meta/v1 validation (dryRun, fieldValidation,
+fieldManager, force) and ValidateListOptions of meta/internalversion (resourceVersionMatch,
+sendInitialEvents); and field selectors on custom resources, which know only metadata.name and
+metadata.namespace (and a version's selectableFields) as field labels (a 400 otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import Cause, bad_request, invalid
+from .resources import ResourceType
+from .selectors import FieldSelector
+
+FIELD_MANAGER_MAX = 128
+_FIELD_VALIDATION = ("", "Ignore", "Strict", "Warn")
+
+
+def _quoted(values: tuple[str, ...]) -> str:
+    return ", ".join(json.dumps(v) for v in values)
+
+
+def _refuse(kind: str, causes: list[Cause]) -> None:
+    if causes:
+        raise invalid(kind, "meta.k8s.io", "", causes)
+
+
+def write_options(query: Any, kind: str, *, apply: bool | None = None) -> tuple[bool, bool]:
+    """(dry run, strict field validation) of a create, update, patch or delete; a 422 for bad options.
+    `apply` (patches only): whether the patch is a server-side apply."""
+    causes = []
+    if kind == "PatchOptions" and apply is not None:
+        if not apply and "force" in query:
+            causes.append(
+                Cause("force", "FieldValueForbidden", "Forbidden: may not be specified for non-apply patch")
+            )
+        if apply and not query.get("fieldManager"):
+            causes.append(
+                Cause("fieldManager", "FieldValueRequired", "Required value: is required for apply patch")
+            )
+    manager = query.get("fieldManager", "")
+    if kind != "DeleteOptions" and len(manager.encode()) > FIELD_MANAGER_MAX:
+        message = f"Too long: may not be more than {FIELD_MANAGER_MAX} bytes"
+        causes.append(Cause("fieldManager", "FieldValueTooLong", message))
+    dry_run = query.getall("dryRun", [])
+    if any(value != "All" for value in dry_run):
+        listed = ", ".join(json.dumps(v) for v in dry_run)
+        message = f'Unsupported value: []string{{{listed}}}: supported values: "All"'
+        causes.append(Cause("dryRun", "FieldValueNotSupported", message))
+    validation = query.get("fieldValidation", "")
+    if kind != "DeleteOptions" and validation not in _FIELD_VALIDATION:
+        message = (
+            f"Unsupported value: {json.dumps(validation)}: supported values: {_quoted(_FIELD_VALIDATION)}"
+        )
+        causes.append(Cause("fieldValidation", "FieldValueNotSupported", message))
+    _refuse(kind, causes)
+    return bool(dry_run), validation == "Strict"
+
+
+def check_list_options(query: Any, *, watch: bool) -> None:
+    match, initial = query.get("resourceVersionMatch", ""), "sendInitialEvents" in query
+    has_continue = bool(query.get("continue"))
+    causes = []
+
+    def forbidden(path: str, message: str) -> None:
+        causes.append(Cause(path, "FieldValueForbidden", f"Forbidden: {message}"))
+
+    def unsupported(supported: tuple[str, ...]) -> None:
+        message = f"Unsupported value: {json.dumps(match)}: supported values: {_quoted(supported)}"
+        causes.append(Cause("resourceVersionMatch", "FieldValueNotSupported", message))
+
+    if watch:
+        if initial and match != "NotOlderThan":
+            forbidden(
+                "resourceVersionMatch",
+                "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan",
+            )
+        if match:
+            if not initial:
+                forbidden(
+                    "resourceVersionMatch",
+                    "resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided",
+                )
+            if match != "NotOlderThan":
+                unsupported(("NotOlderThan",))
+            if has_continue:
+                forbidden(
+                    "resourceVersionMatch", "resourceVersionMatch is forbidden when continue is provided"
+                )
+    else:
+        if match:
+            if not query.get("resourceVersion"):
+                forbidden(
+                    "resourceVersionMatch",
+                    "resourceVersionMatch is forbidden unless resourceVersion is provided",
+                )
+            if has_continue:
+                forbidden(
+                    "resourceVersionMatch", "resourceVersionMatch is forbidden when continue is provided"
+                )
+            if match not in ("Exact", "NotOlderThan"):
+                unsupported(("Exact", "NotOlderThan", ""))
+            if match == "Exact" and query.get("resourceVersion") == "0":
+                forbidden(
+                    "resourceVersionMatch",
+                    'resourceVersionMatch "exact" is forbidden for resourceVersion "0"',
+                )
+        if initial:
+            forbidden("sendInitialEvents", "sendInitialEvents is forbidden for list")
+    _refuse("ListOptions", causes)
+
+
+def check_field_labels(rtype: ResourceType, fields: FieldSelector) -> None:
+    """A custom resource's field labels: metadata.name, metadata.namespace and its selectableFields."""
+    if not rtype.custom:
+        return
+    known = {"metadata.name", "metadata.namespace", *rtype.selectable_fields}
+    for path, _, _ in fields.terms:
+        if path not in known:
+            raise bad_request(f"field label not supported: {path}")
