@@ -92,3 +92,22 @@ def test_label_value_with_a_space_is_invalid(server: APIServer) -> None:
     assert error.message == (
         f'ConfigMap "l" is invalid: metadata.labels: Invalid value: "has space": {LABEL_VALUE_MESSAGE}'
     )
+
+
+def test_a_v1_crd_needs_a_schema(server: APIServer) -> None:
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "noschemas.t.io"},
+        "spec": {
+            "group": "t.io",
+            "scope": "Namespaced",
+            "names": {"plural": "noschemas", "kind": "Noschema"},
+            "versions": [{"name": "v1", "served": True, "storage": True}],
+        },
+    }
+    error = _refused(server, crd)
+    assert error.message == (
+        'CustomResourceDefinition.apiextensions.k8s.io "noschemas.t.io" is invalid: '
+        "spec.versions[0].schema.openAPIV3Schema: Required value: schemas are required"
+    )

@@ -94,7 +94,15 @@ def _version_causes(version: Any, path: str) -> list[Cause]:
     causes = []
     schema = version.get("schema", {})
     root = schema.get("openAPIV3Schema", {}) if isinstance(schema, dict) else schema
-    causes += _schema_causes(root, f"{path}.schema.openAPIV3Schema")
+    if isinstance(schema, dict) and schema.get("openAPIV3Schema") is None:
+        # apiextensions v1 (ValidateCustomResourceDefinitionVersion): every version needs a schema.
+        causes.append(
+            Cause(
+                f"{path}.schema.openAPIV3Schema", "FieldValueRequired", "Required value: schemas are required"
+            )
+        )
+    else:
+        causes += _schema_causes(root, f"{path}.schema.openAPIV3Schema")
     subresources = version.get("subresources") or {}
     if not isinstance(subresources, dict):
         causes.append(_wrong(f"{path}.subresources", "must be an object"))
