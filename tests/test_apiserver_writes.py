@@ -232,3 +232,11 @@ def test_custom_resource_without_status_subresource_bumps_generation_on_status(s
     assert code == 200 and patched["metadata"]["generation"] == 2
     code, patched = http(server, "PATCH", f"{path}/w", {"metadata": {"labels": {"a": "b"}}}, merge)
     assert code == 200 and patched["metadata"]["generation"] == 2
+
+
+def test_unknown_metadata_fields_are_dropped_or_refused_when_strict(server: APIServer) -> None:
+    body = {**_eis("mf"), "metadata": {"name": "mf", "foo": 1}}
+    code, created = http(server, "POST", EIS, body)
+    assert code == 201 and "foo" not in created["metadata"]
+    code, status = http(server, "POST", f"{CMS}?fieldValidation=Strict", {"metadata": {"name": "mf", "foo": 1}})
+    assert code == 400 and status["message"] == 'strict decoding error: unknown field "metadata.foo"'

@@ -37,6 +37,26 @@ SERVICES = ("", "services")
 
 _NAME_CHARS = string.ascii_lowercase + string.digits
 _OWNER_FIELDS = ("apiVersion", "kind", "name", "uid")
+# meta/v1 ObjectMeta's fields.
+_OBJECT_META = frozenset(
+    (
+        "name",
+        "generateName",
+        "namespace",
+        "selfLink",
+        "uid",
+        "resourceVersion",
+        "generation",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "deletionGracePeriodSeconds",
+        "labels",
+        "annotations",
+        "ownerReferences",
+        "finalizers",
+        "managedFields",
+    )
+)
 
 
 def checked_body(rtype: ResourceType, body: Any) -> dict[str, Any]:
@@ -112,6 +132,11 @@ def admit(
 ) -> dict[str, Any]:
     """The object as it would be stored; `strict` (fieldValidation=Strict) refuses unknown fields."""
     name = obj["metadata"]["name"]
+    unknown = sorted(k for k in obj["metadata"] if k not in _OBJECT_META)
+    if strict and unknown:  # decoding into ObjectMeta: unknown fields dropped, or refused when Strict
+        raise bad_request(", ".join(f'strict decoding error: unknown field "metadata.{k}"' for k in unknown))
+    for key in unknown:
+        del obj["metadata"][key]
     causes = _metadata_causes(obj["metadata"])
     if causes:
         raise invalid(rtype.kind, rtype.group, name, causes)
