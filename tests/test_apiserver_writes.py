@@ -238,5 +238,7 @@ def test_unknown_metadata_fields_are_dropped_or_refused_when_strict(server: APIS
     body = {**_eis("mf"), "metadata": {"name": "mf", "foo": 1}}
     code, created = http(server, "POST", EIS, body)
     assert code == 201 and "foo" not in created["metadata"]
-    code, status = http(server, "POST", f"{CMS}?fieldValidation=Strict", {"metadata": {"name": "mf", "foo": 1}})
+    code, status = http(
+        server, "POST", f"{CMS}?fieldValidation=Strict", {"metadata": {"name": "mf", "foo": 1}}
+    )
     assert code == 400 and status["message"] == 'strict decoding error: unknown field "metadata.foo"'
