@@ -20,6 +20,7 @@ import kopf
 import kubernetes
 import pytest
 import yaml
+from apiserver_http import http
 from kopf.testing import KopfRunner
 from kubernetes.client import ApiClient, ApiException, CoreV1Api, CustomObjectsApi
 from waiting import wait_for
@@ -50,20 +51,6 @@ def eis(name: str, **spec: Any) -> dict[str, Any]:
 
 def configmap(name: str, **metadata: Any) -> dict[str, Any]:
     return {"metadata": {"name": name, **metadata}, "data": {"a": "1"}}
-
-
-def http(
-    server: APIServer, method: str, path: str, body: Any = None, content_type: str = "application/json"
-) -> tuple[int, dict[str, Any]]:
-    """A raw request; (status code, decoded JSON body), errors included."""
-    data = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(server.url + path, data=data, method=method)
-    request.add_header("Content-Type", content_type)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 @pytest.fixture

@@ -5,13 +5,11 @@ the namespace once nothing is left."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from apiserver_http import http
 
 from ember_localcluster.apiserver import APIServer
 
@@ -23,19 +21,6 @@ MERGE = "application/merge-patch+json"
 def server() -> Iterator[APIServer]:
     with APIServer(pod_graceful_deletion=False) as api:
         yield api
-
-
-def http(
-    server: APIServer, method: str, path: str, body: Any = None, content_type: str = "application/json"
-) -> tuple[int, dict[str, Any]]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(server.url + path, data=data, method=method)
-    request.add_header("Content-Type", content_type)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def _conditions(namespace: dict[str, Any]) -> dict[str, tuple[str, str, str]]:

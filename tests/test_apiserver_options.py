@@ -4,13 +4,10 @@ metadata.name and metadata.namespace are field labels), with upstream's status c
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
+from apiserver_http import http
 
 from ember_localcluster.apiserver import APIServer
 from ember_operator.crd import crd_manifest
@@ -24,17 +21,6 @@ def server() -> Iterator[APIServer]:
     with APIServer() as api:
         api.install_crd(crd_manifest())
         yield api
-
-
-def http(server: APIServer, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(server.url + path, data=data, method=method)
-    request.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 @pytest.mark.parametrize(
@@ -94,16 +80,6 @@ def test_custom_resources_select_only_by_name_and_namespace(server: APIServer) -
     assert http(server, "GET", f"{EIS}?fieldSelector=metadata.name%3Dx")[0] == 200
 
 
-def _patch(server: APIServer, path: str, body: str, content_type: str) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(server.url + path, data=body.encode(), method="PATCH")
-    request.add_header("Content-Type", content_type)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 APPLY = "application/apply-patch+yaml"
 DOC = '{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "ssa"}, "data": {"x": "1"}}'
 
@@ -122,12 +98,14 @@ DOC = '{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "ssa"}, "d
 )
 def test_patch_options_are_validated(server: APIServer, query: str, content_type: str, message: str) -> None:
     body = '{"data": {"q": "1"}}' if "merge" in content_type else DOC
-    code, status = _patch(server, f"{CMS}/ssa?{query}", body, content_type)
+    code, status = http(server, "PATCH", f"{CMS}/ssa?{query}", body.encode(), content_type)
     assert code == 422 and status["message"] == f'PatchOptions.meta.k8s.io "" is invalid: {message}'
 
 
 def test_an_apply_without_api_version_is_a_bad_request(server: APIServer) -> None:
-    code, status = _patch(server, f"{CMS}/ssa2?fieldManager=m", "metadata: {name: ssa2}\ndata: {a: b}", APPLY)
+    code, status = http(
+        server, "PATCH", f"{CMS}/ssa2?fieldManager=m", b"metadata: {name: ssa2}\ndata: {a: b}", APPLY
+    )
     assert code == 400 and status["message"] == (
         "Incorrect version specified in apply patch. Specified patch version: , expected: v1"
     )
