@@ -7,11 +7,17 @@ once: gloo fails a collective as soon as a peer's connection closes.
 
 Rank 0 listens for the rendezvous on a socket it binds itself, at `master_addr:master_port` (port 0: any
 free port, for a group on one machine), so two groups on one host never compete for a port.
+
+Before the process groups form, every other rank publishes its node's identity (options and checkpoint,
+`agreement.node_identity`) in the store as it arrives; rank 0 compares each with its own as it comes and
+publishes the verdict, which every rank reads before joining: a node started otherwise is refused on every
+node, naming what differs, before any model loads or collective runs.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import socket
 import time
@@ -21,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ember_engine.distributed.agreement import disagreement
 from ember_engine.model.parallel import TPGroup
 
 log = logging.getLogger(__name__)
@@ -35,6 +42,11 @@ CONNECT_TIMEOUT = datetime.timedelta(minutes=10)
 
 class TensorParallelFailure(RuntimeError):
     """A rank of the group is gone (or the group cannot form): the engine cannot go on."""
+
+
+class NodesDisagree(TensorParallelFailure, ValueError):
+    """A node was started with other options or another checkpoint than node 0's: a refusal of what was
+    given (a ValueError), which also ends the group."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +87,9 @@ def serve_rendezvous(addr: str, port: int, world_size: int) -> tuple[dist.TCPSto
     return store, port
 
 
-def connect_rendezvous(rendezvous: Rendezvous) -> dist.TCPStore:
-    """Another rank's client of rank 0's store; it keeps trying to connect for CONNECT_TIMEOUT."""
+def connect_rendezvous(rendezvous: Rendezvous, node: int, identity: dict[str, Any]) -> dist.TCPStore:
+    """Another rank's client of rank 0's store; it keeps trying to connect for CONNECT_TIMEOUT. The rank
+    publishes its node's identity, then counts itself arrived."""
     store = dist.TCPStore(
         _resolve(rendezvous.master_addr),
         rendezvous.master_port,
@@ -84,8 +97,20 @@ def connect_rendezvous(rendezvous: Rendezvous) -> dist.TCPStore:
         is_master=False,
         timeout=CONNECT_TIMEOUT,
     )
+    index = store.add(IDENTITIES, 1)
+    store.set(f"{IDENTITIES}/{index}", json.dumps([node, identity]))
     store.add(ARRIVED, 1)
     return store
+
+
+def check_arrivals(store: dist.Store, identity: dict[str, Any], first: int, last: int) -> None:
+    """Rank 0: compare the identities of arrivals `first`..`last` (from 1) with node 0's. A difference
+    becomes the verdict every rank reads (`join`), and is raised here."""
+    arrivals = [json.loads(store.get(f"{IDENTITIES}/{n}")) for n in range(first, last + 1)]
+    message = disagreement([(0, identity), *((int(node), other) for node, other in arrivals)])
+    if message is not None:
+        store.set(VERDICT, message)
+        raise NodesDisagree(message)
 
 
 def join(
@@ -95,7 +120,13 @@ def join(
     local_rank: int,
     device_type: str,
 ) -> Membership:
-    """Form the group (every rank calls this); returns once all `world_size` ranks have joined."""
+    """Form the group (every rank calls this); returns once all `world_size` ranks have joined. Rank 0
+    calls it once every other rank has arrived and agreed (`check_arrivals`); the others first read
+    its verdict, and raise NodesDisagree when some node differs."""
+    if rank == 0:
+        store.set(VERDICT, "")
+    elif verdict := store.get(VERDICT).decode():
+        raise NodesDisagree(verdict)
     if dist.is_initialized():
         raise TensorParallelFailure(
             "this process already belongs to a tensor-parallel group: one tensor-parallel engine per process"
@@ -117,6 +148,8 @@ def arrived(store: dist.Store) -> int:
 
 
 ARRIVED = "ember/arrived"
+IDENTITIES = "ember/identities"  # the count of identities published; each under IDENTITIES/<n>
+VERDICT = "ember/verdict"  # rank 0's: "" when every node agrees, else what differs
 
 
 def _resolve(host: str) -> str:

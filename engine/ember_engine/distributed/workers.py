@@ -28,12 +28,15 @@ import torch
 import torch.distributed as dist
 
 from ember_engine.core.config import EngineConfig
+from ember_engine.distributed.agreement import node_identity
 from ember_engine.distributed.group import (
     CONNECT_TIMEOUT,
     Membership,
+    NodesDisagree,
     Rendezvous,
     TensorParallelFailure,
     arrived,
+    check_arrivals,
     connect_rendezvous,
     join,
     serve_rendezvous,
@@ -82,7 +85,11 @@ def _spawned_worker(
     config: EngineConfig, rendezvous: Rendezvous, rank: int, local_rank: int, local_size: int
 ) -> None:
     _die_with_parent()
-    worker_main(config, rendezvous, rank, local_rank, local_size)
+    try:
+        worker_main(config, rendezvous, rank, local_rank, local_size)
+    except NodesDisagree as exc:  # the node's first rank reports it; this one only exits
+        log.error("rank %d: %s", rank, exc)
+        sys.exit(1)
 
 
 def spawn_ranks(
@@ -107,12 +114,13 @@ def spawn_ranks(
 def worker_main(
     config: EngineConfig, rendezvous: Rendezvous, rank: int, local_rank: int, local_size: int
 ) -> None:
-    """A worker rank: join, load this rank's shard, run rank 0's steps until it says stop."""
+    """A worker rank: join (once node 0 has agreed to this node's options and checkpoint), load this
+    rank's shard, run rank 0's steps until it says stop."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     kind = device_type(config)
     if kind == "cpu":  # the node's cores are shared by its ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
-    store = connect_rendezvous(rendezvous)
+    store = connect_rendezvous(rendezvous, config.node_rank, node_identity(config, kind))
     membership = join(store, rank, rendezvous.world_size, local_rank, kind)
     try:
         runner = build_runner(config, membership)
@@ -158,7 +166,7 @@ class WorkerPool:
         rendezvous = Rendezvous("127.0.0.1" if addr in ("0.0.0.0", "::") else addr, port, size)
         processes = spawn_ranks(config, rendezvous, 0, local_size)
         try:
-            wait_for_ranks(store, size, processes)
+            wait_for_ranks(store, size, processes, node_identity(config, device_type(config)))
             membership = join(store, 0, size, 0, device_type(config))
         except BaseException:
             stop_processes(processes, grace=0.0)
@@ -221,12 +229,24 @@ class WorkerPool:
 
 
 def wait_for_ranks(
-    store: dist.Store, world_size: int, processes: Sequence[multiprocessing.process.BaseProcess]
+    store: dist.Store,
+    world_size: int,
+    processes: Sequence[multiprocessing.process.BaseProcess],
+    identity: dict[str, Any],
 ) -> None:
-    """Rank 0's side of the rendezvous, before joining: wait until every other rank has arrived, failing
-    at once when a local worker dies on the way (the group would otherwise wait for it until timeout)."""
+    """Rank 0's side of the rendezvous, before joining: wait until every other rank has arrived, checking
+    each node's identity against node 0's `identity` as it arrives (NodesDisagree at the first that
+    differs), failing at once when a local worker dies on the way (the group would otherwise wait for it
+    until timeout)."""
     deadline = time.monotonic() + CONNECT_TIMEOUT.total_seconds()
-    while (count := arrived(store)) < world_size - 1:
+    checked = 0
+    while True:
+        count = arrived(store)
+        if count > checked:
+            check_arrivals(store, identity, checked + 1, count)
+            checked = count
+        if count >= world_size - 1:
+            return
         for rank, p in enumerate(processes, start=1):
             if not p.is_alive():
                 p.join(0.1)
@@ -264,6 +284,8 @@ def run_node(config: EngineConfig) -> None:
     processes = spawn_ranks(config, rendezvous, first, local_size)
     try:
         worker_main(config, rendezvous, first, 0, local_size)
+    except NodesDisagree:
+        raise
     except RuntimeError as exc:
         raise TensorParallelFailure(f"rank {first} left the tensor-parallel group: {exc}") from exc
     finally:
