@@ -12,7 +12,8 @@ from ember_engine.distributed.agreement import checkpoint_identity, disagreement
 
 
 def identity(model: Path, **options: object) -> dict[str, object]:
-    config = EngineConfig(model=str(model), tensor_parallel_size=2, nnodes=2, **options)  # type: ignore[arg-type]
+    options = {"tensor_parallel_size": 2, "nnodes": 2, **options}
+    config = EngineConfig(model=str(model), **options)  # type: ignore[arg-type]
     return node_identity(config, "cpu")
 
 
