@@ -91,3 +91,14 @@ def test_an_empty_namespace_goes_at_once(server: APIServer) -> None:
     code, deleted = http(server, "DELETE", f"{NS}/empty")
     assert code == 200 and deleted["status"]["phase"] == "Terminating"
     assert http(server, "GET", f"{NS}/empty")[0] == 404
+
+
+def test_a_namespace_always_carries_its_name_label(server: APIServer) -> None:
+    """SetDefaults_Namespace (Kubernetes 1.21+) labels every namespace `kubernetes.io/metadata.name: <name>`
+    on create and on every write, whatever the write says, so that selectors can pick namespaces by name."""
+    label = "kubernetes.io/metadata.name"
+    code, created = http(server, "POST", NS, {"metadata": {"name": "t4", "labels": {"team": "a"}}})
+    assert code == 201 and created["metadata"]["labels"] == {"team": "a", label: "t4"}
+    patch = {"metadata": {"labels": {label: "other", "team": None}}}
+    code, patched = http(server, "PATCH", f"{NS}/t4", patch, "application/merge-patch+json")
+    assert code == 200 and patched["metadata"]["labels"] == {label: "t4"}

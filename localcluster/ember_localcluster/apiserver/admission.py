@@ -58,6 +58,8 @@ _OBJECT_META = frozenset(
     )
 )
 
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # every namespace is labelled with its name
+
 
 def checked_body(rtype: ResourceType, body: Any) -> dict[str, Any]:
     """A private copy of a request body, with apiVersion and kind filled in."""
@@ -152,6 +154,8 @@ def admit(
     causes = _kind_causes(rtype, obj, old)
     if causes:
         raise invalid(rtype.kind, rtype.group, name, causes)
+    if rtype.storage == NAMESPACES:  # SetDefaults_Namespace: on every write, whatever it says
+        obj["metadata"]["labels"] = {**(obj["metadata"].get("labels") or {}), NAMESPACE_NAME_LABEL: name}
     if rtype.storage == CRD_STORAGE:
         causes = crd_causes(obj)
         if causes:
