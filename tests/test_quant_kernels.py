@@ -253,7 +253,10 @@ def test_each_capability_s_tiles_give_the_product(
     default = layer(x)
     monkeypatch.setattr(triton_gemm, "capability", lambda device: cc)
     got = layer(x)
-    assert (got - default).abs().max().item() <= 1e-5 * default.abs().max().item(), scheme
+    # On a GPU the fp8 kinds' own tiles multiply E4M3 on its tensor cores, which add a K step's products
+    # in fewer bits than float32 has (9.0's warpgroup dots): the products agree to that precision.
+    tolerance = TORCH_FP8_TOLERANCE if scheme == "fp8" else 1e-5
+    assert (got - default).abs().max().item() <= tolerance * default.abs().max().item(), scheme
 
 
 @pytest.mark.parametrize(

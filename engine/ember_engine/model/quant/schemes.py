@@ -25,6 +25,14 @@ LAYER_SCHEME = {"bitsandbytes": "bnb-nf4"}
 _TINY = 1e-12
 
 
+def _over(t: torch.Tensor, constant: float) -> torch.Tensor:
+    """t / constant with IEEE division on every device. On CUDA, torch divides by a Python number as a
+    multiplication by its reciprocal, which can land one unit in the last place away from the quotient:
+    a scale so shifted moved an int8 activation across a rounding boundary against the CPU's (and the
+    Triton quantizer's) exact result."""
+    return t / torch.full((), constant, dtype=t.dtype, device=t.device)
+
+
 class UnsupportedQuantizationError(ValueError):
     pass
 
@@ -39,7 +47,7 @@ def check_scheme(scheme: str) -> str:
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel E4M3: (weight [out, in], scale [out])."""
-    scale = w.float().abs().amax(dim=1).clamp(min=_TINY) / FP8_MAX
+    scale = _over(w.float().abs().amax(dim=1).clamp(min=_TINY), FP8_MAX)
     q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
@@ -54,7 +62,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     tiles = torch.nn.functional.pad(w.float(), (0, pi, 0, po)).reshape(
         (out + po) // bo, bo, (inp + pi) // bi, bi
     )
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=_TINY) / FP8_MAX
+    scale = _over(tiles.abs().amax(dim=(1, 3)).clamp(min=_TINY), FP8_MAX)
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(out + po, inp + pi)[:out, :inp].contiguous(), scale
 
@@ -70,7 +78,7 @@ def quantize_activation_fp8_groups(x: torch.Tensor, group_size: int) -> tuple[to
     [n, in / group_size]) (what block-scaled FP8 checkpoints are run with)."""
     n, k = x.shape
     groups = x.float().reshape(n, k // group_size, group_size)
-    scale = groups.abs().amax(dim=-1).clamp(min=_TINY) / FP8_MAX
+    scale = _over(groups.abs().amax(dim=-1).clamp(min=_TINY), FP8_MAX)
     q = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(n, k), scale
 
@@ -81,7 +89,7 @@ def quantize_int8(w: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor, t
     out, inp = w.shape
     g = group_size or inp
     groups = w.float().reshape(out, inp // g, g)
-    scale = groups.abs().amax(dim=2).clamp(min=_TINY) / 127.0
+    scale = _over(groups.abs().amax(dim=2).clamp(min=_TINY), 127.0)
     q = torch.round(groups / scale[:, :, None]).clamp(-127, 127).to(torch.int8)
     return q.reshape(out, inp), scale
 
@@ -95,7 +103,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> tupl
             f"w4a16: input size {inp} is not a multiple of the group size {group_size}"
         )
     groups = w.float().reshape(out, inp // group_size, group_size)
-    scale = groups.abs().amax(dim=2).clamp(min=_TINY) / 7.5
+    scale = _over(groups.abs().amax(dim=2).clamp(min=_TINY), 7.5)
     q = torch.round(groups / scale[:, :, None]).clamp(-8, 7).to(torch.int8)
     return q.reshape(out, inp), scale
 
@@ -126,7 +134,7 @@ def quantize_activation_fp8(x: torch.Tensor, ub: float = 0.0) -> tuple[torch.Ten
     amax = x.float().abs().amax(dim=-1, keepdim=True)
     if ub:
         amax = amax.clamp(max=ub)
-    scale = amax.clamp(min=_TINY) / FP8_MAX
+    scale = _over(amax.clamp(min=_TINY), FP8_MAX)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
@@ -154,7 +162,7 @@ def quantize_activation_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     max|x| / 127.5, values round(x / scale) (half to even) in [-128, 127]: (values [n, in], float32 scale
     [n, 1])."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / 127.5
+    scale = _over(xf.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY), 127.5)
     return torch.round(xf / scale).clamp_(-128, 127).to(torch.int8), scale
 
 
@@ -238,7 +246,7 @@ def quantize_activation_mx(
     groups = x.float().reshape(n, k // MX_GROUP, MX_GROUP)
     amax = groups.abs().amax(dim=-1)
     if fit:
-        mantissa, exponent = torch.frexp(amax / FP8_MAX)  # [0.5, 1): a power of two where it is 0.5
+        mantissa, exponent = torch.frexp(_over(amax, FP8_MAX))  # [0.5, 1): a power of two where it is 0.5
         power = torch.where(amax > 0, exponent - (mantissa == 0.5).to(exponent.dtype), 0)
     else:
         mantissa, exponent = torch.frexp(amax)
