@@ -229,6 +229,26 @@ CAPABILITY_LAYOUTS = [
 ]
 
 
+def test_decode_tiles_on_9_0_take_the_longest_k_step_their_groups_allow() -> None:
+    """On 9.0 a decode tile (up to 16 rows) of the kinds measured there takes 32 columns and K steps of
+    256 (an H200's figures are under `ember bench gemm`); a K step lies in one group of scales, so groups
+    of 128 take 128 (the choice had gone from a longer step straight to 64). Float32 activations, other
+    GPUs and the kinds not measured keep their tiles."""
+    from ember_engine.model.quant import triton_gemm_config as cfg
+
+    def tile(
+        weight: int, group: int, dtype: torch.dtype = torch.bfloat16, cc: tuple[int, int] = (9, 0)
+    ) -> tuple[int, int]:
+        options = cfg.kernel_options(weight, 1, 14336, group, dtype, cc)
+        return options["BLOCK_N"], options["BLOCK_K"]
+
+    assert tile(cfg.INT8, 4096) == tile(cfg.FP8, 1) == tile(cfg.W8A8, 1) == (32, 256)
+    assert tile(cfg.INT8, 128) == tile(cfg.INT4, 128) == tile(cfg.FP8_BLOCK, 128) == (32, 128)
+    assert tile(cfg.INT4, 64) == (32, 64)
+    assert tile(cfg.INT8, 4096, torch.float32) == (64, 32)
+    assert tile(cfg.INT8, 4096, cc=(8, 9)) == tile(cfg.CODEBOOK, 128) == (64, 128)
+
+
 @pytest.mark.parametrize("m", [100, 300])
 @pytest.mark.parametrize(("layout", "cc"), CAPABILITY_LAYOUTS)
 def test_each_capability_s_tiles_give_the_product(
