@@ -1,9 +1,8 @@
 """The quantized GEMM's tiles on a GPU, measured: for each layout, shape and row count, the product timed
-under every candidate (BLOCK_N, BLOCK_K, warps, stages) beside the tile `triton_gemm_config.blocks` gives,
-with bf16 `F.linear` timed in the same run; and, for the E4M3 warpgroup dots of the wide tiles, the
-product with each K step's sums sent to float32 (`FP8_ACC`, the engine's) against Triton's default (the
-whole K loop in the tensor cores' precision): time and error. Timing as `ember bench gemm` times (CUDA
-graphs over copies of the weight larger than the L2 cache).
+under every candidate (BLOCK_N, BLOCK_K, warps, stages) beside the tile the engine gives it
+(`triton_gemm_config.kernel_options`), with bf16 `F.linear` timed in the same run, and each product's
+error. Timing as `ember bench gemm` times (CUDA graphs over copies of the weight larger than the L2
+cache).
 
     python scripts/gpu_gemm_tiles.py OUT.json [--layouts fp8,w8a16,...] [--rows 1,16]
 
@@ -79,7 +78,6 @@ def main() -> int:
     p.add_argument("--rows", default="1,16")
     p.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="K x N, comma-separated")
     p.add_argument("--device", default="cuda", help="cuda (cpu: the interpreter, to try the script)")
-    p.add_argument("--acc-rows", default="256,1024", help="rows for the FP8_ACC comparison")
     args = p.parse_args()
     device = torch.device(args.device)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -148,49 +146,7 @@ def main() -> int:
                         flush=True,
                     )
         print(f"-- {name} done at {time.perf_counter() - start:.0f} s", flush=True)
-    # FP8_ACC: the engine's (each K step's sums to float32) against Triton's default, on the wide tiles
     triton_gemm.kernel_options = options
-    acc_rows = [int(r) for r in args.acc_rows.split(",")]
-    for name in ("fp8", "fp8-block128"):
-        for k, n in shapes:
-            layers, weights, (scheme, group, inputs) = layers_for(name, k, n, device)
-            for m in acc_rows:
-                g = torch.Generator().manual_seed(m)
-                x = torch.randn(m, k, generator=g).to(device=device, dtype=torch.bfloat16)
-                with torch.inference_mode():
-                    expected = bench.reference(layers[0], x, scheme, group, inputs)
-                    full = (
-                        bench.time_call([functools.partial(F.linear, x, w) for w in weights], 20, device)
-                        * 1e6
-                    )
-                acc_us, acc_err = timed(layers, x, expected, device)
-
-                def triton_default(*a: Any, **kw: Any) -> dict[str, Any]:
-                    return {**options(*a, **kw), "FP8_ACC": None}
-
-                triton_gemm.kernel_options = triton_default
-                try:
-                    def_us, def_err = timed(layers, x, expected, device)
-                finally:
-                    triton_gemm.kernel_options = options
-                results.append(
-                    {
-                        "layout": name,
-                        "k": k,
-                        "n": n,
-                        "rows": m,
-                        "full_us": full,
-                        "fp8_acc_us": acc_us,
-                        "fp8_acc_err": acc_err,
-                        "default_us": def_us,
-                        "default_err": def_err,
-                    }
-                )
-                print(
-                    f"FP8_ACC {name:<13} {k:>5}x{n:<5} {m:>4} bf16 {full:7.1f} | per step {acc_us:7.1f} err {acc_err:.2e}"
-                    f" | Triton's default {def_us:7.1f} err {def_err:.2e}",
-                    flush=True,
-                )
     with open(args.out, "w") as f:
         json.dump(
             {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "results": results},
