@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -871,6 +872,31 @@ def test_kubectl(server: APIServer, tmp_path: Path) -> None:
 
 
 # -- the command line ----------------------------------------------------------------------------------
+
+
+def test_the_kubeconfig_is_never_seen_half_written(server: APIServer, tmp_path: Path) -> None:
+    """A client waiting for the kubeconfig reads it as soon as the file exists: it is written whole under
+    another name and renamed into place. Written in place, a reader found it empty (`yaml.safe_load` gave
+    None) in a full test run."""
+    path = tmp_path / "kubeconfig"
+    seen: list[object] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            if path.exists():
+                seen.append(yaml.safe_load(path.read_text()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(300):
+            server.write_kubeconfig(path)
+    finally:
+        stop.set()
+        reader.join()
+    assert seen and all(isinstance(config, dict) and config["clusters"] for config in seen)
+    assert [p.name for p in tmp_path.iterdir()] == ["kubeconfig"]
 
 
 def test_cli_serves_until_terminated(tmp_path: Path) -> None:

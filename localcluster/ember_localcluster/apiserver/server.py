@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import socket
 import threading
 from collections import Counter
@@ -177,9 +178,13 @@ class APIServer:
         }
 
     def write_kubeconfig(self, path: str | Path) -> Path:
+        """Written whole under another name, then renamed into place: a client that reads the file as
+        soon as it exists never finds it half written."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(self.kubeconfig(), sort_keys=False))
+        staged = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        staged.write_text(yaml.safe_dump(self.kubeconfig(), sort_keys=False))
+        os.replace(staged, path)
         return path
 
     def attach_kubelet(self, nodes: Iterable[str], pods_dir: str | Path) -> None:
