@@ -205,6 +205,25 @@ def test_reading_the_engines_gauges() -> None:
     }
 
 
+def test_reading_the_engines_gauges_as_the_text_format_writes_them() -> None:
+    """A sample may carry a timestamp after its value (read as the value, it made 3 waiting 1.7e12), and
+    fields may be apart by more than one space; names that only begin as the router's are not its."""
+    page = (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{model_name="m"} 3 1700000000000\n'
+        'vllm:num_requests_waiting{model_name="n", path="a b}"}   2.0\n'
+        "vllm:num_requests_running 4\t1700000000000\n"
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5 1700000000000\n'
+        'vllm:num_requests_waiting_by_reason{reason="x"} 9\n'
+        "vllm:num_requests_running{} not-a-number\n"
+    )
+    assert read_gauges(page) == {
+        "vllm:num_requests_waiting": 5.0,
+        "vllm:kv_cache_usage_perc": 0.5,
+        "vllm:num_requests_running": 4.0,
+    }
+
+
 def test_discovery_follows_ready_active_pods_through_a_watch(tmp_path: Path) -> None:
     with APIServer(pod_graceful_deletion=False, bookmark_interval=0.5) as api:
         kubeconfig = str(api.write_kubeconfig(tmp_path / "kubeconfig"))

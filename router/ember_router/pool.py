@@ -11,7 +11,6 @@ be read (prefix caching off, no such endpoint) is routed by the router's own rec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ log = logging.getLogger("ember.router")
 _WAITING = "vllm:num_requests_waiting"
 _RUNNING = "vllm:num_requests_running"
 _KV = "vllm:kv_cache_usage_perc"
+_GAUGES = (_WAITING, _RUNNING, _KV)
 # Polls of an engine without `/v1/load` between two tries of it (an engine may be upgraded in place).
 REPROBE_POLLS = 50
 
@@ -35,11 +35,30 @@ def read_gauges(text: str) -> dict[str, float]:
     """The router's few series from a Prometheus text page (summed over label sets)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith((_WAITING, _RUNNING, _KV)):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            with contextlib.suppress(ValueError, IndexError):
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if line.startswith(_GAUGES):
+            sample = _sample(line)
+            if sample is not None and sample[0] in _GAUGES:
+                out[sample[0]] = out.get(sample[0], 0.0) + sample[1]
     return out
+
+
+def _sample(line: str) -> tuple[str, float] | None:
+    """(name, value) of a sample line in the text format: `name{labels} value [timestamp]`, its fields apart
+    by any blanks; None for a line that is not one."""
+    brace = line.find("{")
+    if brace >= 0:
+        close = line.rfind("}")  # a label value may hold blanks and braces; the label set ends at the last
+        if close < brace:
+            return None
+        name, fields = line[:brace], line[close + 1 :].split()
+    else:
+        name, *fields = line.split()
+    if not fields:
+        return None
+    try:
+        return name.strip(), float(fields[0])  # the value; a timestamp may follow
+    except ValueError:
+        return None
 
 
 @dataclass
