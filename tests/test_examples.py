@@ -101,3 +101,20 @@ def test_gguf_example_fetches_its_file_alone() -> None:
         a.startswith("--model=/model-cache/hf/bartowski/") and a.endswith("Q4_K_M.gguf")
         for a in engine["args"]
     )
+
+
+def test_the_keda_example_adds_a_pod_once_the_engines_batches_are_full() -> None:
+    """The ScaledObject's threshold is per pod, against requests waiting plus running: at or below what
+    engine.maxNumSeqs keeps running it would add pods while the engines still had room in their batch."""
+    (doc,) = _documents(EXAMPLES / "keda" / "inferenceservice.yaml")
+    spec = InferenceServiceSpec.model_validate(doc["spec"])
+    (scaled,) = _documents(EXAMPLES / "keda" / "scaledobject.yaml")
+    (trigger,) = scaled["spec"]["triggers"]
+    threshold = int(trigger["metadata"]["threshold"])
+    assert (
+        spec.engine.max_num_seqs
+        < threshold
+        <= spec.engine.max_num_seqs + spec.autoscaling.queue_depth_per_replica
+    )
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    assert f'threshold: "{threshold}"' in readme  # the README quotes the example
