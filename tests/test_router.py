@@ -159,12 +159,100 @@ def test_a_client_over_its_own_limit_gets_the_engines_429_and_the_engine_stays_i
             )
             assert r.status_code == 429 and r.headers["Retry-After"], r.text
             assert r.json()["error"]["code"] == "client_limit"
+            routed = _samples(httpx.get(f"{url}/metrics").text)  # refused: no prompt, no first token
+            assert routed[("ember_router:prompt_tokens_total", ())] == 0
+            assert routed[("ember_router:time_to_first_token_seconds_count", ())] == 0
             assert router.pool.engines[engines[0].url].state.overloaded_until <= time.monotonic()
             r = httpx.post(f"{url}/v1/completions", json=body, headers={"x-ember-client": "bob"}, timeout=60)
             assert r.status_code == 200 and r.headers[ROUTED_TO] == engines[0].url
     finally:
         engines[0].state.client_in_flight["alice"] -= 1
         watcher.policy = before
+
+
+def _total(page: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:
+    return sum(v for (n, _), v in page.items() if n == name)
+
+
+def test_the_router_counts_the_prompt_tokens_the_engine_counts(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    """The dashboard sets the router's predicted prefix hits over its prompt tokens beside the engines' hits
+    over their queries: every prompt of a batch counts, and a request the engine refuses counts nowhere
+    (nor is it a first token at the router)."""
+    with running_router(tiny_model, [engines[0].url]) as (url, _router):
+        model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+
+        def pages() -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], float], ...]:
+            return _samples(httpx.get(f"{url}/metrics").text), _samples(
+                httpx.get(f"{engines[0].url}/metrics").text
+            )
+
+        routed0, engine0 = pages()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        batch = client.completions.create(
+            model=model, prompt=["alpha beta gamma", "delta epsilon zeta eta", "theta iota"], max_tokens=2
+        )
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi there"}], max_tokens=2
+        )
+        assert batch.usage is not None and chat.usage is not None
+        routed1, engine1 = pages()
+        used = batch.usage.prompt_tokens + chat.usage.prompt_tokens
+        assert (
+            _total(engine1, "vllm:prompt_tokens_total") - _total(engine0, "vllm:prompt_tokens_total") == used
+        )
+        assert (
+            _total(routed1, "ember_router:prompt_tokens_total")
+            - _total(routed0, "ember_router:prompt_tokens_total")
+            == used
+        )
+        for refused in (
+            {"model": model, "prompt": "hello there", "max_tokens": 100000},  # over the context
+            {"model": model, "prompt": ["one", "two"], "max_tokens": -1},
+        ):
+            r = httpx.post(f"{url}/v1/completions", json=refused, timeout=60)
+            assert r.status_code == 400, r.text
+        routed2, engine2 = pages()
+        assert _total(engine2, "vllm:prompt_tokens_total") == _total(engine1, "vllm:prompt_tokens_total")
+        for name in ("ember_router:prompt_tokens_total", "ember_router:time_to_first_token_seconds_count"):
+            assert _total(routed2, name) == _total(routed1, name), name
+
+
+def test_the_routers_time_to_first_token_is_that_of_streams_and_never_a_whole_answers(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    """A whole answer's first byte comes with its last: observed as a first token, it made the router's TTFT
+    its end-to-end latency. A stream's first event is its first token."""
+    with running_router(tiny_model, [engines[0].url]) as (url, _router):
+        model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "count", "max_tokens": 40, "ignore_eos": True}
+
+        def counts() -> tuple[float, float]:
+            page = _samples(httpx.get(f"{url}/metrics").text)
+            return (
+                page[("ember_router:time_to_first_token_seconds_count", ())],
+                page[("ember_router:e2e_request_latency_seconds_count", ())],
+            )
+
+        before = counts()
+        for _ in range(2):
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+            chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+        after_whole = counts()
+        assert after_whole == (before[0], before[1] + 4)
+        page = _samples(httpx.get(f"{url}/metrics").text)
+        ttft_sum = page[("ember_router:time_to_first_token_seconds_sum", ())]
+        e2e_sum = page[("ember_router:e2e_request_latency_seconds_sum", ())]
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            assert "data: [DONE]" in list(r.iter_lines())
+        assert counts() == (after_whole[0] + 1, after_whole[1] + 1)
+        page = _samples(httpx.get(f"{url}/metrics").text)
+        streamed_ttft = page[("ember_router:time_to_first_token_seconds_sum", ())] - ttft_sum
+        streamed_e2e = page[("ember_router:e2e_request_latency_seconds_sum", ())] - e2e_sum
+        assert streamed_ttft < streamed_e2e  # its first token before its 40th
 
 
 def test_a_client_that_goes_away_aborts_its_request_in_the_engine(

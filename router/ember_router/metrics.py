@@ -61,15 +61,22 @@ class RouterMetrics:
             ["engine"],
             registry=r,
         )
-        self.prompt_tokens = Counter("ember_router:prompt_tokens", "Prompt tokens routed", registry=r)
+        self.prompt_tokens = Counter(
+            "ember_router:prompt_tokens",
+            "Prompt tokens of the requests an engine took (a 2xx answer), every prompt of a batch, as the "
+            "engines count them in vllm:prompt_tokens_total",
+            registry=r,
+        )
         self.predicted_hit_tokens = Counter(
             "ember_router:predicted_prefix_hit_tokens",
-            "Prompt tokens the chosen engine was expected to hold in its prefix cache",
+            "Of those prompt tokens, the ones the engine that took the request was expected to hold in its "
+            "prefix cache",
             registry=r,
         )
         self.ttft = Histogram(
             "ember_router:time_to_first_token_seconds",
-            "From the request's arrival at the router to the first byte of the response body",
+            "Streamed requests only (stream: true, answered 2xx): from the request's arrival at the router to "
+            "the first event of the response, the one that carries the first token",
             buckets=_LATENCY,
             registry=r,
         )

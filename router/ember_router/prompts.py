@@ -3,6 +3,7 @@ block hashes are the engines' block hashes."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -15,30 +16,51 @@ from ember_engine.server.protocol import APIError, ChatCompletionRequest, Comple
 from ember_engine.server.tools import plan_tools
 
 
-def prompt_token_ids(tokenizer: Tokenizer, body: Any, chat: bool) -> list[int] | None:
-    """The first prompt's token ids, or None when the body is not a request the engine would accept (it is
-    then routed by load, and the engine answers the error)."""
+def prompts_token_ids(tokenizer: Tokenizer, body: Any, chat: bool) -> list[list[int]] | None:
+    """Every prompt's token ids (a chat request has one, a completion one or more), or None when the body
+    is not a request the engine would accept (it is then routed by load, and the engine answers the error)."""
     try:
         if chat:
             request = ChatCompletionRequest.model_validate(body)
             tools = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
-            return chat_prompt_ids(tokenizer, request, tools)
-        completion = CompletionRequest.model_validate(body)
-        prompts = completion.prompts()
-        if not prompts:
-            return None
-        first = prompts[0]
-        return tokenizer.encode(first) if isinstance(first, str) else list(first)
+            return [chat_prompt_ids(tokenizer, request, tools)]
+        prompts = CompletionRequest.model_validate(body).prompts()
+        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts] or None
     except (ValidationError, ChatTemplateError, APIError, ValueError, TypeError):
         return None
 
 
-def request_hashes(
-    tokenizer: Tokenizer, body: Any, chat: bool, block_size: int | None
-) -> tuple[list[int], int]:
-    """(The prompt's chained block hashes, its token count); empty when it cannot be read."""
-    ids = prompt_token_ids(tokenizer, body, chat)
-    if ids is None or not block_size:
-        return [], len(ids or [])
+def prompt_token_ids(tokenizer: Tokenizer, body: Any, chat: bool) -> list[int] | None:
+    """The first prompt's token ids (the one a request is routed by), or None as above."""
+    prompts = prompts_token_ids(tokenizer, body, chat)
+    return prompts[0] if prompts else None
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """A request's prompts as the engine will count them: each one's chained block hashes (empty when the
+    block size is not known yet) and token count. The first prompt routes the request."""
+
+    hashes: list[list[int]]
+    lengths: list[int]
+
+    @property
+    def first_hashes(self) -> list[int]:
+        return self.hashes[0] if self.hashes else []
+
+    @property
+    def first_tokens(self) -> int:
+        return self.lengths[0] if self.lengths else 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def request_prompts(tokenizer: Tokenizer, body: Any, chat: bool, block_size: int | None) -> Prompts:
+    """The request's prompts; none when it cannot be read."""
+    prompts = prompts_token_ids(tokenizer, body, chat) or []
     salt = body.get("cache_salt") if isinstance(body, dict) else None
-    return prefix_hashes(ids, block_size, salt if isinstance(salt, str) else None), len(ids)
+    salt = salt if isinstance(salt, str) else None
+    hashes = [prefix_hashes(ids, block_size, salt) if block_size else [] for ids in prompts]
+    return Prompts(hashes, [len(ids) for ids in prompts])

@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ from ember_router.fallback import FallbackTarget, ModelNames, from_policy
 from ember_router.metrics import RouterMetrics
 from ember_router.policy import EngineState, choose
 from ember_router.pool import EnginePool
-from ember_router.prompts import request_hashes
+from ember_router.prompts import request_prompts
 from ember_router.relay import EventFramer, error_event, error_response, openai_errors
 from ember_router.routes_file import RoutesFile
 from ember_router.rules import Request, Rule, decide, requested_max_tokens
@@ -178,13 +179,14 @@ class Router:
         except (ValueError, RecursionError):  # not JSON, or nested past what the parser takes
             body = None  # the engine answers the error in its own words
         if len(raw) <= INLINE_TOKENIZE:
-            hashes, num_tokens = request_hashes(self.tokenizer, body, chat, self.pool.block_size)
+            prompts = request_prompts(self.tokenizer, body, chat, self.pool.block_size)
         else:
-            hashes, num_tokens = await asyncio.to_thread(
-                request_hashes, self.tokenizer, body, chat, self.pool.block_size
+            prompts = await asyncio.to_thread(
+                request_prompts, self.tokenizer, body, chat, self.pool.block_size
             )
+        hashes = prompts.first_hashes
         if self._routes():
-            routed = await self._by_rule(request, body, raw, num_tokens, arrived)
+            routed = await self._by_rule(request, body, raw, prompts.first_tokens, arrived)
             if routed is not None:
                 return routed
         if self.settings.hold_seconds > 0 and not await self._hold():
@@ -232,15 +234,20 @@ class Router:
             )
             if attempt == 0:
                 self.metrics.overhead.observe(time.perf_counter() - arrived)
-                self.metrics.prompt_tokens.inc(num_tokens)
-                block = self.pool.block_size or 0
-                self.metrics.predicted_hit_tokens.inc(min(num_tokens, decision.matched_blocks * block))
+            # What the engine will count if it takes the request: every prompt's tokens, and of them those
+            # expected in its prefix cache (the first prompt's as the choice found them).
+            block = self.pool.block_size or 0
+            expected = min(prompts.first_tokens, decision.matched_blocks * block) + sum(
+                min(n, self.pool.index.matched_blocks(decision.engine, h, engine.events_live, now) * block)
+                for h, n in zip(prompts.hashes[1:], prompts.lengths[1:], strict=True)
+            )
             if session_id:
                 self.sessions[session_id] = decision.engine
-            if not engine.events_live and hashes:
-                self.pool.index.assume(decision.engine, hashes)
-            elif hashes:  # held from now on, though the engine announces the blocks only once computed
-                self.pool.index.sent(decision.engine, hashes, now, SENT_HOLD)
+            for sent in prompts.hashes:
+                if not engine.events_live and sent:
+                    self.pool.index.assume(decision.engine, sent)
+                elif sent:  # held from now on, though the engine announces the blocks only once computed
+                    self.pool.index.sent(decision.engine, sent, now, SENT_HOLD)
             response = await self._forward(
                 request,
                 decision.engine,
@@ -250,6 +257,7 @@ class Router:
                 decision.matched_blocks,
                 arrived,
                 retry=True,
+                accepted=self._count_prompts(prompts.tokens, expected),
             )
             if response is not None:
                 return response
@@ -262,6 +270,17 @@ class Router:
             else "no engine is ready"
         )
         return await self._shed(request, body, arrived, why, "Overloaded" if ready else "Unavailable")
+
+    def _count_prompts(self, tokens: int, expected_hits: int) -> Callable[[], None]:
+        """Count a request's prompt tokens once an engine takes it (a 2xx answer of its own): an engine
+        counts no prompt it refuses or hands to its fallback, and the dashboard sets these counters beside
+        the engines'."""
+
+        def count() -> None:
+            self.metrics.prompt_tokens.inc(tokens)
+            self.metrics.predicted_hit_tokens.inc(expected_hits)
+
+        return count
 
     async def _hold(self) -> bool:
         """Wait, counted in `ember_router:pending_requests`, until an engine is Ready; False when
@@ -355,9 +374,12 @@ class Router:
         retry: bool = False,
         routed_to: str | None = None,
         timeout: float | None = None,
+        accepted: Callable[[], None] | None = None,
     ) -> web.StreamResponse | None:
         """Send the request to one engine and relay its answer; None when it answered overloaded before the
-        response began and `retry` allows another engine."""
+        response began and `retry` allows another engine. `accepted` is called when the engine itself takes
+        the request (a 2xx answer not from its fallback). Only a stream's answer is a first token: its first
+        event comes with it, where a whole answer's first byte comes with its last."""
         assert self.session is not None
         arrived = time.perf_counter() if arrived is None else arrived
         engine = self.pool.engines.get(engine_url)
@@ -404,6 +426,9 @@ class Router:
                         self.metrics.engine_sheds_retried.inc()  # the engine counted it; the client won't see it
                     finished = True
                     return None
+                ok = 200 <= upstream.status < 300
+                if accepted is not None and ok and upstream.headers.get("x-ember-served-by") != "fallback":
+                    accepted()
                 answer = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP)
                 answer[ROUTED_TO] = routed_to or engine_url
                 answer[ROUTE_REASON] = reason
@@ -420,7 +445,6 @@ class Router:
                             return self._timed_out(engine_url, timeout)
                         return _error(502, f"the engine {engine_url} broke off its answer: {exc!r}",
                                       "upstream_error", "upstream_error", self.settings.retry_after)  # fmt: skip
-                    self.metrics.ttft.observe(time.perf_counter() - arrived)
                     finished = True
                     self.metrics.e2e.observe(time.perf_counter() - arrived)
                     return web.Response(
@@ -429,7 +453,8 @@ class Router:
                 out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=answer)
                 await out.prepare(request)
                 framer = EventFramer() if _is_sse(upstream.content_type) else None
-                first = True
+                # A refusal, or a body other than a stream, has no first token to time.
+                first = ok and framer is not None
                 try:
                     async for chunk in upstream.content.iter_any():
                         if first:
