@@ -128,6 +128,12 @@ def test_only_changed_status_fields_are_patched() -> None:
         "replicas": 3,
         "coldStartSeconds": 1.5,
     }
+    # A null removes its key in the merge patch: a reading no pod gave is no change from its absence.
+    blind = {"inputs": {"queueDepth": None, "kvCacheUtilization": None, "readyPods": 0}, "decisions": []}
+    unread = {**current, "autoscaler": {"inputs": {"readyPods": 0}, "decisions": []}}
+    assert only_changes({**same, "autoscaler": blind, "coldStartSeconds": None}, unread) == {}
+    read = {**current, "autoscaler": {"inputs": {"queueDepth": 7.0, "readyPods": 1}, "decisions": []}}
+    assert only_changes({**same, "autoscaler": blind}, read) == {"autoscaler": blind}
 
 
 def test_parse_sample_reads_only_its_series_among_others() -> None:

@@ -8,11 +8,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from operator_harness import NAMESPACE, TICK, PodRunner, operator_cluster, wait_for
 
 from ember_localcluster.apiserver import APIServer
+from ember_operator import metrics
 from ember_operator.desired import HASH_LABEL, ROLE_LABEL
 from ember_operator.spec import GROUP, PLURAL, VERSION
 
@@ -119,6 +121,56 @@ def test_an_idle_inference_service_lists_no_pods_and_patches_no_status(cluster: 
     assert ("PATCH", "inferenceservices", "status") not in made, made
     assert ("PATCH", "inferenceservices", "") not in made, made
     assert condition(api, "idle", "MetricsAvailable").get("status") == "True"
+
+
+def autoscaler_gauges(url: str, name: str) -> dict[str, float]:
+    """The operator's `ember:operator_autoscaler_*` series for InferenceService `name`, from its /metrics."""
+    found: dict[str, float] = {}
+    for line in httpx.get(url, timeout=5).text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.startswith("ember:operator_autoscaler_") and f'name="{name}"' in series:
+            found[series.split("{")[0]] = float(value)
+    return found
+
+
+def test_readings_no_pod_gives_are_dropped_from_status_and_the_operator_gauges(cluster: Any) -> None:
+    # Second in the module: besides this one, only the idle service runs, which patches no status.
+    api, runner, custom = cluster
+    server = metrics.serve(0, addr="127.0.0.1")  # the operator runs in this process: its /metrics
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    read = {
+        "ember:operator_autoscaler_queue_depth": 7.0,
+        "ember:operator_autoscaler_kv_cache_utilization": 0.9,
+    }
+    try:
+        create(custom, service("stale", replicas={"min": 1, "max": 1}, autoscaling={"intervalSeconds": 1}))
+        wait_for(lambda: converged(api, "stale", 1, 0), what="1 active")
+        (pod,) = pods(api, "stale", "active")
+        page = runner.pages[pod["metadata"]["name"]]
+        page.waiting, page.kv = 7, 0.9
+        readings = {"queueDepth": 7, "kvCacheUtilization": 0.9, "readyPods": 1}
+        wait_for(lambda: status(api, "stale")["autoscaler"]["inputs"] == readings, what="the readings")
+        assert autoscaler_gauges(url, "stale") == read
+        page.broken = True
+        wait_for(
+            lambda: condition(api, "stale", "MetricsAvailable").get("status") == "False",
+            what="MetricsAvailable=False",
+        )
+        # The pass that found no pod readable wrote the condition and the inputs together: no queue or KV
+        # reading is left (kubectl shows none), and the gauges have no series for the service.
+        assert status(api, "stale")["autoscaler"]["inputs"] == {"readyPods": 0}
+        assert autoscaler_gauges(url, "stale") == {}
+        # Nothing changes while no pod is readable, so the status is not patched again (the nulls are
+        # compared as the keys absent that they leave).
+        before = api.request_counts().get(("PATCH", "inferenceservices", "status"), 0)
+        time.sleep(12 * TICK)  # 3 scrapes
+        assert api.request_counts().get(("PATCH", "inferenceservices", "status"), 0) == before
+        page.broken = False
+        wait_for(lambda: status(api, "stale")["autoscaler"]["inputs"] == readings, what="the readings again")
+        assert autoscaler_gauges(url, "stale") == read
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_an_inference_service_becomes_pods_a_service_and_a_policy(cluster: Any) -> None:

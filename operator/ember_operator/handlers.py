@@ -585,8 +585,18 @@ def spec_taken_before(meta: kopf.Meta) -> InferenceServiceSpec | None:
 
 
 def only_changes(status: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
-    """The fields of a pass's `status` whose value differs from what the object's status has now."""
-    return {k: v for k, v in status.items() if current.get(k) != v}
+    """The fields of a pass's `status` whose value differs from what the object's status has now. A null
+    removes its key (a merge patch), so it is compared as the key absent."""
+    return {k: v for k, v in status.items() if current.get(k) != _without_nulls(v)}
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` as the API server stores it: keys whose value is null removed, at every depth."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def refusal(e: ApiException, what: str) -> Trouble | None:

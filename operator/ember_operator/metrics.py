@@ -38,12 +38,12 @@ READY = Gauge("ember:operator_ready_replicas", "Ready active engine pods.", ["na
 WARM = Gauge("ember:operator_warm_replicas", "Pods in the warm pool.", ["namespace", "name"])
 QUEUE = Gauge(
     "ember:operator_autoscaler_queue_depth",
-    "Requests waiting per Ready active pod, as the autoscaler last scraped them.",
+    "Requests waiting per Ready active pod, as the autoscaler last scraped them; absent when none was read.",
     ["namespace", "name"],
 )
 KV = Gauge(
     "ember:operator_autoscaler_kv_cache_utilization",
-    "KV-cache use per Ready active pod (0..1), as the autoscaler last scraped it.",
+    "KV-cache use per Ready active pod (0..1), as the autoscaler last scraped it; absent when none was read.",
     ["namespace", "name"],
 )
 CONDITION = Gauge(
@@ -65,8 +65,11 @@ def publish_status(namespace: str, name: str, status: dict[str, Any]) -> None:
         gauge.labels(namespace, name).set(status.get(field) or 0)
     inputs = (status.get("autoscaler") or {}).get("inputs") or {}
     for gauge, field in ((QUEUE, "queueDepth"), (KV, "kvCacheUtilization")):
-        if field in inputs:
+        if inputs.get(field) is not None:
             gauge.labels(namespace, name).set(inputs[field])
+        else:  # no pod gave this reading: no series, rather than the last value or a made-up 0
+            with contextlib.suppress(KeyError):  # not published
+                gauge.remove(namespace, name)
     for c in status.get("conditions") or []:
         key = (namespace, name, str(c["type"]))
         reason = c.get("reason") or ""

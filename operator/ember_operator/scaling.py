@@ -144,13 +144,13 @@ async def autoscale(
     memory.fallback = fallback_condition(
         spec, memory, samples, spec.autoscaling.interval_seconds, routed, unread
     )
-    inputs = {
+    # A reading no pod gave is an explicit null: status goes out as a merge patch, which keeps a key left
+    # out, so the last queue depth and KV use would stay in status (and on `kubectl get`) with no pod read.
+    memory.inputs = {
         "queueDepth": seen.queue_per_pod,
         "kvCacheUtilization": seen.kv_cache,
         "readyPods": len(samples),
     }
-    # Nulls left out: the API server drops them inside lists, and kopf would see its patch half-applied.
-    memory.inputs = {k: v for k, v in inputs.items() if v is not None}
     if spec.autoscaling.mode == "External":
         ok = not failed and bool(samples)
         why = (
@@ -181,7 +181,8 @@ def record(body: kopf.Body, owner: Owner, memory: Memory, decision: Decision, no
         "time": _stamp(now),
         "desired": decision.desired,
         "reason": decision.reason,
-        "inputs": memory.inputs,
+        # Nulls left out: the API server drops them inside lists, and kopf would see its patch half-applied.
+        "inputs": {k: v for k, v in (memory.inputs or {}).items() if v is not None},
     }
     memory.decisions = [*memory.decisions, entry][-MAX_DECISIONS:]
     if changed:
