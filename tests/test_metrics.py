@@ -320,3 +320,33 @@ def test_a_prompt_with_n_samples_counts_its_prompt_tokens_once(tiny_model: Path)
     assert value(metrics, "vllm:request_prompt_tokens_sum") == len(prompt)
     assert value(metrics, "vllm:request_success_total", finished_reason="length") == 1
     assert value(metrics, "vllm:generation_tokens_total") == 12
+
+
+def test_a_preempted_requests_readmission_is_no_prefix_cache_query(tiny_model: Path) -> None:
+    """A preempted request looks its tokens up again when it is re-admitted; those lookups were added to
+    `vllm:prefix_cache_queries` and `_hits`, so prompts sharing nothing showed hits (vLLM keeps them apart,
+    as its preempted_queries and preempted_hits). Only a request's first admission counts there; the
+    re-admissions have ember's counters."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model), num_kv_blocks=16, block_size=16, max_model_len=256, max_num_seqs=8
+        )
+    )
+    metrics = EngineMetrics(MODEL)
+    prompts = [[10 + (i * 37 + j * 11) % 200 for j in range(30)] for i in range(6)]  # no shared block
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        metrics.record_step(engine.stats(), engine.step())
+    stats = engine.stats()
+    metrics.record_stats(stats)
+    assert stats.num_preemptions > 0
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (sum(map(len, prompts)), 0)
+    assert value(metrics, "vllm:prefix_cache_queries_total") == sum(map(len, prompts))
+    assert value(metrics, "vllm:prefix_cache_hits_total") == 0
+    # Each re-admission looked up the prompt and the tokens generated before it was preempted.
+    assert stats.prefix_cache_preempted_queries > stats.num_preemptions * 30
+    assert (
+        value(metrics, "ember:prefix_cache_preempted_queries_total") == stats.prefix_cache_preempted_queries
+    )
+    assert value(metrics, "ember:prefix_cache_preempted_hits_total") == stats.prefix_cache_preempted_hits

@@ -26,8 +26,12 @@ class Block:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
+    queries: int = 0  # tokens looked up at a request's first admission
     hits: int = 0  # of those, tokens found in the cache
+    # A preempted request's lookups when it is admitted again, kept apart as vLLM does, so that its own
+    # blocks (or those it shares) found again do not read as prefix-cache hits.
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
 
 @dataclass
@@ -90,9 +94,13 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
-        self.stats.queries += num_prompt_tokens
-        self.stats.hits += num_hit_tokens
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int, preempted: bool) -> None:
+        if preempted:
+            self.stats.preempted_queries += num_tokens
+            self.stats.preempted_hits += num_hit_tokens
+        else:
+            self.stats.queries += num_tokens
+            self.stats.hits += num_hit_tokens
 
     # -- allocation -----------------------------------------------------------------------------------
 

@@ -48,6 +48,8 @@ class EngineStats:
     num_steps: int  # steps run so far
     spec: SpecStats | None = None  # a copy; None without speculative decoding
     spec_enabled: bool = False  # the adaptive controller's latest decision
+    prefix_cache_preempted_queries: int = 0  # re-admitted preempted requests' lookups, not in the above
+    prefix_cache_preempted_hits: int = 0
 
 
 class LLMEngine:
@@ -339,4 +341,6 @@ class LLMEngine:
             num_steps=self.num_steps,
             spec=None if self.spec is None else self.spec.stats.copy(),
             spec_enabled=self.spec is not None and self.spec.enabled,
+            prefix_cache_preempted_queries=bm.stats.preempted_queries,
+            prefix_cache_preempted_hits=bm.stats.preempted_hits,
         )

@@ -42,6 +42,14 @@ _TOTALS = {
     "generation_tokens": ("vllm:generation_tokens", "Number of generation tokens processed."),
     "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens."),
     "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens."),
+    "prefix_cache_preempted_queries": (
+        "ember:prefix_cache_preempted_queries",
+        "Prefix cache queries of preempted requests admitted again, in queried tokens.",
+    ),
+    "prefix_cache_preempted_hits": (
+        "ember:prefix_cache_preempted_hits",
+        "Prefix cache hits of preempted requests admitted again, in cached tokens.",
+    ),
     "num_preemptions": ("vllm:num_preemptions", "Cumulative number of preemptions."),
 }
 
