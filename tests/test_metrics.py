@@ -322,6 +322,40 @@ def test_a_prompt_with_n_samples_counts_its_prompt_tokens_once(tiny_model: Path)
     assert value(metrics, "vllm:generation_tokens_total") == 12
 
 
+def test_each_of_n_samples_has_its_own_inter_token_gaps(tiny_model: Path) -> None:
+    """The token timestamps in a request's metrics were the first sample's only, so every update from
+    the other samples measured its gap against the first sample's latest token: once that sample had
+    ended, each such gap read 0 s. Each sample's tokens are one stream of inter-token gaps (vLLM measures
+    each of the n samples as a request of its own); time per output token covers every sample's decode."""
+    from ember_engine import LLM
+
+    engine = LLM(str(tiny_model)).engine
+    metrics = EngineMetrics(MODEL)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    engine.add_request("r", list(range(30, 35)), params)
+    requests = [s.request for s in engine.outputs.groups["r"].samples]
+    while engine.has_unfinished_requests():
+        metrics.record_step(engine.stats(), engine.step())
+    # One token per sample per step without speculation: a sample's gaps are its tokens after the first.
+    gaps = sum(len(r.output_token_ids) - 1 for r in requests)
+    spans = [r.last_token_time - r.first_token_time for r in requests]  # type: ignore[operator]
+    assert gaps == 15 and min(spans) > 0
+    assert value(metrics, "vllm:inter_token_latency_seconds_count") == gaps
+    assert value(metrics, "vllm:inter_token_latency_seconds_sum") == pytest.approx(sum(spans))
+    assert value(metrics, "vllm:inter_token_latency_seconds_bucket", le="0.0005") < gaps  # no run of 0 s
+    # The prompt is still one request to the per-request histograms.
+    assert value(metrics, "vllm:time_to_first_token_seconds_count") == 1
+    assert value(metrics, "vllm:e2e_request_latency_seconds_count") == 1
+    assert value(metrics, "vllm:request_time_per_output_token_seconds_count") == 1
+    assert value(metrics, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(
+        sum(spans) / gaps
+    )
+    assert requests[0].first_token_time is not None
+    assert value(metrics, "vllm:time_to_first_token_seconds_sum") == pytest.approx(
+        requests[0].first_token_time - requests[0].arrival_time
+    )
+
+
 def test_a_preempted_requests_readmission_is_no_prefix_cache_query(tiny_model: Path) -> None:
     """A preempted request looks its tokens up again when it is re-admitted; those lookups were added to
     `vllm:prefix_cache_queries` and `_hits`, so prompts sharing nothing showed hits (vLLM keeps them apart,

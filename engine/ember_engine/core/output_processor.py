@@ -198,6 +198,7 @@ class OutputProcessor:
                 )
             )
         first = samples[0].request
+        times = None
         if len(samples) == 1:
             generated, preemptions = len(first.output_token_ids), first.num_preemptions
             finished = done and not group.pending
@@ -205,9 +206,10 @@ class OutputProcessor:
             generated = sum(len(s.request.output_token_ids) for s in samples)
             preemptions = sum(s.request.num_preemptions for s in samples)
             finished = group.finished
+            times = [(s.request.first_token_time, s.request.last_token_time) for s in samples]
         cached = first.num_prompt_cached_tokens
         # Field order: arrival, first scheduled, first token, last token, prompt tokens, generated
-        # tokens, cached tokens, preemptions.
+        # tokens, cached tokens, preemptions, each sample's token times.
         metrics = RequestMetrics(
             first.arrival_time,
             first.first_scheduled_time,
@@ -217,6 +219,7 @@ class OutputProcessor:
             generated,
             cached,
             preemptions,
+            times,
         )
         error = next((s.request.error for s in samples if s.request.error is not None), None)
         return RequestOutput(

@@ -14,7 +14,8 @@ class Logprob:
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Timestamps (time.monotonic seconds) and counts of one request, first sample."""
+    """Timestamps (time.monotonic seconds) and counts of one request, first sample; with n > 1 each
+    sample's first and last token times too (`sample_token_times`, in the order of the outputs)."""
 
     arrival_time: float
     first_scheduled_time: float | None
@@ -24,6 +25,7 @@ class RequestMetrics:
     num_generation_tokens: int  # all samples together
     num_cached_tokens: int
     num_preemptions: int
+    sample_token_times: list[tuple[float | None, float | None]] | None = None  # n > 1 only
 
 
 @dataclass(slots=True)

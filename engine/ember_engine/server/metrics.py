@@ -141,7 +141,8 @@ class EngineMetrics:
         # record_step runs in the engine thread, record_stats and log_line wherever the server calls them.
         self._lock = threading.Lock()
         self._latest: EngineStats | None = None
-        self._last_token: dict[str, float] = {}  # request id -> its latest token time, while it runs
+        # request id -> each sample's latest token time, while it runs
+        self._last_token: dict[str, list[float | None]] = {}
         self._steps = 0
         self._logged = (time.monotonic(), 0, dict(self._seen))
 
@@ -156,32 +157,47 @@ class EngineMetrics:
         now = time.monotonic()
         for out in outputs:
             m = out.metrics
-            if (
-                m is not None
-                and m.last_token_time is not None
-                and any(c.delta_token_ids for c in out.outputs)
-            ):
-                prev = self._last_token.get(out.request_id)
-                if prev is not None:
-                    self._itl.observe(m.last_token_time - prev)
-                elif m.first_token_time is not None:
-                    self._ttft.observe(m.first_token_time - m.arrival_time)
-                self._last_token[out.request_id] = m.last_token_time
+            if m is not None:
+                self._observe_tokens(out, m)
             if out.finished:
                 self._last_token.pop(out.request_id, None)
                 self._success.labels(self._model, out.finish_reason or "abort").inc()
                 if m is not None:
-                    self._observe_finished(m, len(out.token_ids), now)
+                    self._observe_finished(out, m, now)
 
-    def _observe_finished(self, m: RequestMetrics, first_sample_tokens: int, now: float) -> None:
+    def _observe_tokens(self, out: RequestOutput, m: RequestMetrics) -> None:
+        """TTFT at a request's first token; an inter-token gap at each later update of each sample, from
+        that sample's own previous update (the samples of n > 1 decode side by side, and end apart)."""
+        times = m.sample_token_times or ((m.first_token_time, m.last_token_time),)
+        last_seen = self._last_token.get(out.request_id)
+        for i, c in enumerate(out.outputs):
+            last = times[i][1]
+            if not c.delta_token_ids or last is None:
+                continue
+            if last_seen is None:
+                last_seen = self._last_token[out.request_id] = [None] * len(out.outputs)
+                if m.first_token_time is not None:
+                    self._ttft.observe(m.first_token_time - m.arrival_time)
+            prev = last_seen[i]
+            if prev is not None:
+                self._itl.observe(last - prev)
+            last_seen[i] = last
+
+    def _observe_finished(self, out: RequestOutput, m: RequestMetrics, now: float) -> None:
         self._e2e.observe(now - m.arrival_time)
         if m.first_scheduled_time is not None:
             self._queue.observe(m.first_scheduled_time - m.arrival_time)
         self._prompt_len.observe(m.num_prompt_tokens)
         self._gen_len.observe(m.num_generation_tokens)
-        # The timestamps are the first sample's, so its token count gives the decode rate.
-        if first_sample_tokens > 1 and m.first_token_time is not None and m.last_token_time is not None:
-            self._tpot.observe((m.last_token_time - m.first_token_time) / (first_sample_tokens - 1))
+        # One per request: every sample's decode time over its tokens after the first.
+        times = m.sample_token_times or ((m.first_token_time, m.last_token_time),)
+        decode_time, decode_tokens = 0.0, 0
+        for c, (first, last) in zip(out.outputs, times, strict=False):
+            if len(c.token_ids) > 1 and first is not None and last is not None:
+                decode_time += last - first
+                decode_tokens += len(c.token_ids) - 1
+        if decode_tokens:
+            self._tpot.observe(decode_time / decode_tokens)
 
     def record_stats(self, stats: EngineStats) -> None:
         """Gauges and counters only; safe from any thread, e.g. before each scrape."""
