@@ -175,6 +175,31 @@ def test_a_draft_with_another_vocabulary_is_refused(
         LLM(str(tiny_model), speculative_method="ngram", num_speculative_tokens=0)
 
 
+def test_a_draft_whose_tokenizer_json_is_only_written_otherwise_is_taken(
+    tiny_model: Path, plain: list[list[int]], tmp_path: Path
+) -> None:
+    """The draft's tokenizer.json was compared byte for byte: the same tokenizer saved with other
+    whitespace was refused as differing."""
+    import json
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_model, draft)
+    path = draft / "tokenizer.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data, indent=2))  # as json.dump(indent=2) re-saves it
+    assert path.read_bytes() != (tiny_model / "tokenizer.json").read_bytes()
+    out, engine = run(tiny_model, PROMPTS, greedy(), draft_model=str(draft), speculative_adaptive=False)
+    assert out == plain and spec_of(engine).acceptance_rate == 1.0
+    # A vocabulary that differs (two tokens' ids swapped; the same size) is still refused.
+    vocab = data["model"]["vocab"]
+    a, b = "def", "class"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(data, indent=2))
+    with pytest.raises(ValueError, match=r"draft_model: its tokenizer\.json differs from the target's"):
+        LLM(str(tiny_model), draft_model=str(draft))
+
+
 def test_spec_metrics_are_exported(tiny_model: Path) -> None:
     _, engine = run(
         tiny_model, PROMPTS[:1], greedy(), draft_model=str(tiny_model), speculative_adaptive=False

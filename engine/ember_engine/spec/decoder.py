@@ -7,6 +7,7 @@ proposals) → stats (vLLM's spec_decode counters and the adaptive controller's 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -75,6 +76,16 @@ def _seeded_winners(target: torch.Tensor, requests: list[Request], seeded: list[
     return target.index_copy(0, index, one_hot)
 
 
+def _tokenizer_data(path: Path) -> object:
+    """A tokenizer.json's content, less its format version and its truncation and padding (the draft
+    never encodes text)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(data, dict):
+        for key in ("version", "truncation", "padding"):
+            data.pop(key, None)
+    return data
+
+
 def draft_model_config(config: EngineConfig, target: ModelConfig, max_model_len: int) -> ModelConfig:
     """The draft model's config, checked against the target's: same vocabulary and tokenizer, room for
     every position the target may reach."""
@@ -89,7 +100,9 @@ def draft_model_config(config: EngineConfig, target: ModelConfig, max_model_len:
         Path(config.tokenizer or config.model) / "tokenizer.json",
         Path(directory) / "tokenizer.json",
     )
-    if ours.exists() and theirs.exists() and ours.read_bytes() != theirs.read_bytes():
+    # Compared as data (vocabulary and ids, merges, added tokens, normalizer, pre-tokenizer...), not as
+    # bytes: the same tokenizer saved with other whitespace or key order is the same tokenizer.
+    if ours.exists() and theirs.exists() and _tokenizer_data(ours) != _tokenizer_data(theirs):
         raise ValueError("draft_model: its tokenizer.json differs from the target's")
     if draft.max_model_len(None) < max_model_len:
         raise ValueError(
