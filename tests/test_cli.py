@@ -77,6 +77,29 @@ def test_a_quantization_the_model_refuses_ends_serve_with_its_line_and_no_traceb
     assert debug.returncode == 1 and "Traceback" in debug.stderr  # where it was raised, when asked
 
 
+def test_serve_refuses_speculative_options_no_proposer_uses(tiny_model: Path) -> None:
+    """`--num-speculative-tokens 8 --ngram-max 6` without a proposer started a server that never speculated."""
+    result = run(
+        "serve",
+        "--model",
+        str(tiny_model),
+        "--num-speculative-tokens",
+        "8",
+        "--ngram-max",
+        "6",
+        "--port",
+        "0",
+        "--host",
+        "127.0.0.1",
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "ember serve: fatal: cannot load the model: ValueError: num_speculative_tokens, ngram_max: "
+    ), last
+    assert "nothing would use" in last and "Traceback" not in result.stderr
+
+
 def test_serve_refuses_an_unknown_quantization_before_it_starts(tmp_path: Path) -> None:
     """As an unknown --kv-cache-dtype is: argparse names the value and what `quantization` takes (the
     online schemes and the quantized checkpoints' own methods), before a server or a model is started."""

@@ -200,6 +200,22 @@ def test_a_draft_whose_tokenizer_json_is_only_written_otherwise_is_taken(
         LLM(str(tiny_model), draft_model=str(draft))
 
 
+def test_speculative_options_no_proposer_uses_are_refused(tiny_model: Path) -> None:
+    """They were taken and ignored: K and the n-gram bounds without a proposer, the n-gram bounds with a
+    draft model."""
+    with pytest.raises(ValueError, match=r"^num_speculative_tokens, ngram_max: .*nothing would use"):
+        LLM(str(tiny_model), num_speculative_tokens=8, ngram_max=6)
+    with pytest.raises(ValueError, match=r"^speculative_adaptive: .*nothing would use"):
+        LLM(str(tiny_model), speculative_adaptive=False)
+    with pytest.raises(
+        ValueError, match=r"^ngram_min: is only used with speculative_method ngram, not draft"
+    ):
+        LLM(str(tiny_model), draft_model=str(tiny_model), ngram_min=1)
+    # Unset, each has its default where a proposer uses it.
+    with pytest.raises(ValueError, match="need 1 <= ngram_min <= ngram_max, got 5 and 4"):
+        LLM(str(tiny_model), speculative_method="ngram", ngram_min=5)
+
+
 def test_spec_metrics_are_exported(tiny_model: Path) -> None:
     _, engine = run(
         tiny_model, PROMPTS[:1], greedy(), draft_model=str(tiny_model), speculative_adaptive=False

@@ -91,8 +91,8 @@ def run_case(model: str, scenario: str, batch: int, args: argparse.Namespace) ->
         num_kv_blocks=batch * per_seq + 16,
         enable_prefix_caching=False,
         speculative_method="ngram" if spec else None,
-        num_speculative_tokens=k,
-        speculative_adaptive=False,
+        num_speculative_tokens=k if spec else None,
+        speculative_adaptive=False if spec else None,
     )
     engine = LLMEngine(config)
     vocab = engine.model_config.vocab_size

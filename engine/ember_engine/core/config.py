@@ -47,10 +47,12 @@ class EngineConfig:
     # Speculative decoding: "draft" (a smaller model with the same tokenizer) or "ngram" (prompt lookup).
     speculative_method: str | None = None  # default: "draft" when draft_model is given, else off
     draft_model: str | None = None
-    num_speculative_tokens: int = 4  # K, the most tokens proposed per request per step
-    ngram_min: int = 2  # n-gram lookup: the shortest and longest suffix matched
-    ngram_max: int = 4
-    speculative_adaptive: bool = True  # turn speculation off (or K down) where it does not pay
+    # Unset (None), each takes its default where a proposer uses it (speculative_tokens, ngram_range,
+    # adaptive); a value given for an option no proposer uses is refused.
+    num_speculative_tokens: int | None = None  # K, the most tokens proposed per request per step (4)
+    ngram_min: int | None = None  # n-gram lookup: the shortest and longest suffix matched (2, 4)
+    ngram_max: int | None = None
+    speculative_adaptive: bool | None = None  # turn speculation off (or K down) where it does not pay (on)
     # Tensor parallelism: the model split across this many ranks (one per GPU), over `nnodes` nodes.
     tensor_parallel_size: int = 1
     nnodes: int = 1
@@ -71,6 +73,21 @@ class EngineConfig:
         if self.speculative_method is not None:
             return self.speculative_method
         return "draft" if self.draft_model is not None else None
+
+    @property
+    def speculative_tokens(self) -> int:
+        return 4 if self.num_speculative_tokens is None else self.num_speculative_tokens
+
+    @property
+    def ngram_range(self) -> tuple[int, int]:
+        return (
+            2 if self.ngram_min is None else self.ngram_min,
+            4 if self.ngram_max is None else self.ngram_max,
+        )
+
+    @property
+    def adaptive(self) -> bool:
+        return self.speculative_adaptive is not False
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -107,8 +124,24 @@ class EngineConfig:
             bad("draft_model", "is required when speculative_method is draft")
         if self.speculation == "ngram" and self.draft_model is not None:
             bad("draft_model", "is only used with speculative_method draft, not ngram")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        given = {
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "ngram_min": self.ngram_min,
+            "ngram_max": self.ngram_max,
+            "speculative_adaptive": self.speculative_adaptive,
+        }
+        if self.speculation is None and (unused := [k for k, v in given.items() if v is not None]):
+            bad(
+                ", ".join(unused),
+                "only used with speculative decoding (draft_model or speculative_method ngram), "
+                "which is off: nothing would use it",
+            )
+        if self.speculation == "draft" and (
+            unused := [k for k in ("ngram_min", "ngram_max") if given[k] is not None]
+        ):
+            bad(", ".join(unused), "is only used with speculative_method ngram, not draft")
+        if not 1 <= self.speculative_tokens <= 16:
+            bad("num_speculative_tokens", f"must be in [1, 16], got {self.speculative_tokens}")
         if self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
         if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
@@ -131,5 +164,6 @@ class EngineConfig:
                 "kv_cache_dtype",
                 f"unsupported {self.kv_cache_dtype!r}; supported: {', '.join(KV_CACHE_DTYPES)}",
             )
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            bad("ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        ngram_min, ngram_max = self.ngram_range
+        if not 1 <= ngram_min <= ngram_max:
+            bad("ngram_min", f"need 1 <= ngram_min <= ngram_max, got {ngram_min} and {ngram_max}")

@@ -51,6 +51,7 @@ def node_identity(config: EngineConfig, device_type: str) -> dict[str, Any]:
     """This node's options and checkpoint, as compared with node 0's (JSON-serializable)."""
     identity: dict[str, Any] = {name: getattr(config, name) for name in COMPARED_OPTIONS}
     identity["speculative_method"] = config.speculation
+    identity["num_speculative_tokens"] = config.speculative_tokens
     identity["device"] = device_type
     identity.update(checkpoint_identity(config.model))
     return identity

@@ -161,7 +161,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.execute_dummy(n)
         rows = self.config.max_num_seqs * (
-            1 + (self.config.num_speculative_tokens if self.config.speculation else 0)
+            1 + (self.config.speculative_tokens if self.config.speculation else 0)
         )
         sampler_peak_probe(min(rows, self.config.max_num_batched_tokens), self.model_config.vocab_size, dev)
         report = read_memory(dev)

@@ -65,16 +65,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="propose tokens with a draft model or by n-gram prompt lookup (default: draft if --draft-model)",
     )
     spec.add_argument("--draft-model", help="draft checkpoint directory (same tokenizer as --model)")
+    # Unset (None) here, so that one given without a proposer that uses it is refused (EngineConfig).
     spec.add_argument(
-        "--num-speculative-tokens", type=int, default=4, help="the most tokens proposed per step (K)"
+        "--num-speculative-tokens", type=int, help="the most tokens proposed per step (K; default 4)"
     )
-    spec.add_argument("--ngram-min", type=int, default=2, help="n-gram lookup: shortest suffix matched")
-    spec.add_argument("--ngram-max", type=int, default=4, help="n-gram lookup: longest suffix matched")
+    spec.add_argument("--ngram-min", type=int, help="n-gram lookup: shortest suffix matched (default 2)")
+    spec.add_argument("--ngram-max", type=int, help="n-gram lookup: longest suffix matched (default 4)")
     spec.add_argument(
         "--speculative-adaptive",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="turn speculation off (per batch size) or K down (per request) where it does not pay",
+        help="turn speculation off (per batch size) or K down (per request) where it does not pay (default on)",
     )
     par = p.add_argument_group("tensor parallelism")
     par.add_argument(

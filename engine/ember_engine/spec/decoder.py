@@ -124,10 +124,10 @@ def draft_cache_bytes(config: EngineConfig, draft: ModelConfig) -> tuple[int, in
 class SpecDecoder:
     def __init__(self, proposer: DraftProposer | NgramProposer, config: EngineConfig, max_model_len: int):
         self.proposer = proposer
-        self.num_speculative_tokens = config.num_speculative_tokens
-        self.controller = SpecController(config.num_speculative_tokens, config.speculative_adaptive)
+        self.num_speculative_tokens = config.speculative_tokens
+        self.controller = SpecController(config.speculative_tokens, config.adaptive)
         self.max_model_len = max_model_len
-        self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.stats = SpecStats(accepted_per_position=[0] * config.speculative_tokens)
 
     @classmethod
     def build(
@@ -146,7 +146,7 @@ class SpecDecoder:
             )
             proposer = DraftProposer(runner)
         elif config.speculation == "ngram":
-            proposer = NgramProposer(config.ngram_min, config.ngram_max)
+            proposer = NgramProposer(*config.ngram_range)
         else:
             return None
         return cls(proposer, config, max_model_len)
