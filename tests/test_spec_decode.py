@@ -216,6 +216,34 @@ def test_speculative_options_no_proposer_uses_are_refused(tiny_model: Path) -> N
         LLM(str(tiny_model), speculative_method="ngram", ngram_min=5)
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_a_finished_request_leaves_the_blocks_plain_decoding_leaves_cached(
+    tiny_model: Path, method: str
+) -> None:
+    """The tokens accepted in a request's last step (verified, their KV written) were never registered in
+    the prefix cache: fewer blocks stayed cached than without speculation. Requests end by length and by a
+    stop id met among the accepted proposals; no block holding the last token (no KV) is registered."""
+    prompts = [p + f"# case {i}\n" for i, p in enumerate(PROMPTS * 2)]
+    lengths = [20 + 5 * i for i in range(len(prompts))]
+    expected, _ = run(tiny_model, prompts, [greedy(n) for n in lengths])
+    stops = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop_token_ids=[out[12 + i]])
+        for i, (n, out) in enumerate(zip(lengths, expected, strict=True))
+    ]
+    options: dict[str, object] = {"speculative_adaptive": False}
+    options |= (
+        {"draft_model": str(tiny_model)}
+        if method == "draft"
+        else {"speculative_method": "ngram", "ngram_min": 1}
+    )
+    for params in ([greedy(n) for n in lengths], stops):
+        plain_out, plain_engine = run(tiny_model, prompts, params)
+        out, engine = run(tiny_model, prompts, params, **options)
+        assert out == plain_out and spec_of(engine).num_accepted_tokens > 0
+        assert len(engine.block_manager.cached) == len(plain_engine.block_manager.cached)
+        assert set(engine.block_manager.cached) == set(plain_engine.block_manager.cached)
+
+
 def test_spec_metrics_are_exported(tiny_model: Path) -> None:
     _, engine = run(
         tiny_model, PROMPTS[:1], greedy(), draft_model=str(tiny_model), speculative_adaptive=False

@@ -292,20 +292,23 @@ class LLMEngine:
             assert self.spec is not None
             rows = logits if not plain else logits.index_select(0, upload_ids(spec_rows, logits.device))
             for req, tokens in zip(spec, self.spec.verify(rows, spec, self.masks), strict=True):
-                self._emit(req, tokens, len(tokens) - 1, now, touched)
+                self._emit(req, tokens, now, touched)
 
-    def _emit(
-        self, req: Request, tokens: list[int], num_accepted: int, now: float, touched: dict[str, Group]
-    ) -> None:
-        """Append a request's tokens, the first `num_accepted` verified proposals whose KV is written."""
+    def _emit(self, req: Request, tokens: list[int], now: float, touched: dict[str, Group]) -> None:
+        """Append a request's tokens: its kept proposals (verified, their KV written) and the token sampled
+        after them (no KV yet). Each proposal is counted computed once the request goes on past it, as the
+        plain path counts a token: so a request that ends here registers the blocks it would without
+        speculation, before its blocks are freed."""
         if req.grammar is not None:
             self.outputs.advance_grammar(req, tokens)
-        group = self.outputs.append(req, tokens, now)
-        if req.finished:
-            self.sampling_state.release(req)
+        for i, token in enumerate(tokens):
+            if i:
+                self._advance(req, 1)
+            group = self.outputs.append(req, [token], now)
+            if req.finished:
+                self.sampling_state.release(req)
+                break
         else:
-            if num_accepted:
-                self._advance(req, num_accepted)
             # The draft's KV past the accepted tokens belongs to rejected proposals.
             req.num_draft_computed = min(req.num_draft_computed, req.num_computed_tokens)
         touched[group.request_id] = group
