@@ -40,3 +40,25 @@ def test_the_local_cluster_commands_need_nothing_the_quickstart_did_not_set_up()
     for target in targets:
         dry = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert dry.returncode == 0, f"make {target}: {dry.stderr}"
+
+
+def test_the_serve_synopsis_names_every_option_serve_takes() -> None:
+    """README's `ember serve` synopsis left out options `ember serve --help` lists (the speculative ones,
+    --seed, --device, --tokenizer, --log-level)."""
+    import argparse
+
+    from ember_engine.server.serve import add_arguments
+
+    section = _section("Serving: `ember serve`")
+    synopsis = re.search(r"```sh\n(ember serve .*?)```", section, flags=re.S)
+    assert synopsis is not None
+    text = re.sub(r"--\[no-\]([\w-]+)", r"--\1 --no-\1", synopsis.group(1))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    missing = [
+        action.option_strings[-1]
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction)
+        and not any(re.search(re.escape(o) + r"(?![\w-])", text) for o in action.option_strings)
+    ]
+    assert not missing, f"README's `ember serve` synopsis omits {missing}"
