@@ -242,6 +242,10 @@ def test_truncated_output_says_length(client: openai.OpenAI) -> None:
         ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "only one"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
         ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "outlines"),
+        # A constraint no text satisfies was a 500 "grammar_failed" (llguidance's NoExtensionBias).
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex", "matches no text"),
+        ({"guided_regex": "a[^\\s\\S]"}, "guided_regex", "matches no text"),
+        ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs", "matches no text"),
     ],
 )
 def test_bad_constraints_are_400_naming_the_problem(
@@ -596,3 +600,18 @@ def test_a_grammar_that_fails_mid_answer_is_an_error_not_a_stop(server: InProces
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "grammar_failed", events
         finished = [json.loads(e)["choices"][0].get("finish_reason") for e in events[:-2]]
         assert "stop" not in finished
+
+
+def test_a_grammar_with_no_way_on_is_the_clients_error_naming_the_field(server: InProcessServer) -> None:
+    """A grammar whose first token is allowed but that then admits nothing (its second terminal matches no
+    text) was a 500 internal_server_error "grammar_failed", "NoExtensionBias"; streamed, "a" and then that
+    error. llguidance cannot tell before the answer begins; it is still the constraint that is at fault."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "guided_grammar": 'start: "a" /[^\\s\\S]/'}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "guided_grammar", error
+    assert "admits no continuation" in error["message"] and "'a'" in error["message"], error
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"] == error, events

@@ -17,6 +17,7 @@ from ember_engine.core.outputs import CompletionOutput, Logprob, RequestMetrics,
 from ember_engine.core.request import Request, RequestStatus
 from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.sample.constraint import DEAD_END
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,11 @@ class OutputProcessor:
         assert req.grammar is not None
         if not req.grammar.accept(tokens):
             why = req.grammar.error or "it refused a token its own mask allowed"
-            req.error = f"structured output: the grammar engine could not go on: {why}"
+            req.error = (
+                DEAD_END
+                if req.grammar.dead_end
+                else f"structured output: the grammar engine could not go on: {why}"
+            )
             log.warning("request %s: %s", req.request_id, req.error)
 
     def _append_token(self, req: Request, sample: _Sample, token: int, now: float) -> None:

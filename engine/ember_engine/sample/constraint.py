@@ -14,6 +14,12 @@ _ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 _COMPACT: Any = {"whitespace_flexible": False}
 
 
+# llguidance's error when a mask allows nothing, not even EOS: no text continues the output so far.
+DEAD_END_ERROR = "NoExtensionBias"
+# A request's error when its output reached such a dead end (the constraint's fault, not the engine's).
+DEAD_END = "the constraint admits no continuation of the output so far"
+
+
 class GrammarError(ValueError):
     """The constraint cannot be compiled; the message names the problem."""
 

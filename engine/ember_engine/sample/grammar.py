@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ember_engine.sample.constraint import Constraint, ConstraintKind, GrammarError
+from ember_engine.sample.constraint import DEAD_END_ERROR, Constraint, ConstraintKind, GrammarError
 
 __all__ = ["Constraint", "ConstraintKind", "Grammar", "GrammarCompiler", "GrammarError", "GrammarState"]
 
@@ -73,6 +73,11 @@ class GrammarState:
         return bool(self.matcher.is_stopped())
 
     @property
+    def dead_end(self) -> bool:
+        """Whether no text continues the output so far, not even its end: the constraint allows none."""
+        return bool(self.matcher.is_error()) and str(self.matcher.get_error()).startswith(DEAD_END_ERROR)
+
+    @property
     def error(self) -> str | None:
         """Why the grammar engine cannot go on (an internal limit met mid-answer), or None."""
         # its first line: the rest is the engine's state and the whole grammar
@@ -95,8 +100,18 @@ class GrammarCompiler:
 
         text = constraint.lark()
         matcher = LLMatcher(self.tokenizer, text, log_level=0)
+        if not matcher.is_error():
+            # The first mask: a constraint no text satisfies allows nothing, not even EOS, and llguidance
+            # finds that out only here, as an error. It costs what a step's mask does (20-50 us for the bench
+            # schemas at 4k tokens), once per compile; the states copied from it then find llguidance's
+            # caches warm, so their first masks cost less.
+            first = np.empty(bitmask_words(self.vocab_size), dtype=np.int32)
+            matcher.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+            error = str(matcher.get_error())
+            if error.startswith(DEAD_END_ERROR):
+                raise GrammarError("it matches no text")
+            raise GrammarError(error)
         return Grammar(matcher, self.vocab_size, self.eos_token_ids)
 
 

@@ -146,6 +146,7 @@ async def _serve(
         if isinstance(body, CompletionRequest) and body.echo:
             fmt.echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in body.prompts()]
         fmt.tool_calls = tools.parallel if tools is not None and tools.parse else None
+        fmt.constraint = constraint[0] if constraint is not None else None
     except BaseException:
         ticket.release()
         raise

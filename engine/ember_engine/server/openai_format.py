@@ -51,6 +51,7 @@ class Formatter:
     n: int = 1  # choices per prompt (choice index // n is the prompt's)
     token_ids_as_text: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     tool_calls: bool | None = None  # chat with tools: None off, else whether parallel calls are kept
+    constraint: str | None = None  # the request field whose constraint the output follows
     _tool_streams: dict[int, ToolStream] = field(default_factory=dict)
     _text_offsets: dict[int, int] = field(
         default_factory=dict

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ember_engine.core.outputs import RequestOutput
+from ember_engine.sample.constraint import DEAD_END
 from ember_engine.server.errors import _timeout_error, internal_error
 from ember_engine.server.openai_format import Formatter, Usage, sse
 from ember_engine.server.protocol import APIError
@@ -124,7 +125,7 @@ async def _complete(
         raise APIError(400, str(exc), param=str(exc).split(":", 1)[0]) from exc
     for out in finals.values():
         if out.error is not None:
-            raise _unfinished(out.error)
+            raise _unfinished(out, fmt.constraint)
     usage = Usage()
     outputs = []
     for i, out in finals.items():
@@ -184,7 +185,7 @@ async def _stream(
                 yield sse("[DONE]")
                 return
             if out.error is not None:
-                yield sse(_unfinished(out.error).body())
+                yield sse(_unfinished(out, fmt.constraint).body())
                 yield sse("[DONE]")
                 return
             for o in out.outputs:
@@ -226,7 +227,14 @@ async def _stream(
         ticket.release()
 
 
-def _unfinished(error: str) -> APIError:
-    """A request the engine ended unfinished (its grammar could not go on): the server's fault, not the
-    client's; its text would break the constraint."""
-    return APIError(500, error, type="internal_server_error", code="grammar_failed")
+def _unfinished(out: RequestOutput, param: str | None) -> APIError:
+    """A request the engine ended unfinished, its text short of the constraint: where the constraint admits
+    no continuation of the text (it matches nothing that begins so), the client's fault, naming its field;
+    where the grammar engine met one of its limits, the server's."""
+    assert out.error is not None
+    if out.error == DEAD_END:
+        text = next((o.text for o in out.outputs if o.finish_reason == "abort"), "")
+        return APIError(
+            400, f"{param}: {DEAD_END} ({text!r}): it matches no text that begins so", param=param
+        )
+    return APIError(500, out.error, type="internal_server_error", code="grammar_failed")
