@@ -615,3 +615,21 @@ def test_a_grammar_with_no_way_on_is_the_clients_error_naming_the_field(server: 
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
         events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"] == error, events
+
+
+def test_streamed_content_with_a_call_adds_up_to_the_whole_answers(client: openai.OpenAI) -> None:
+    """Leading whitespace before text and a call: the whole answer's content was stripped ("Hi"), the
+    stream's was not ("  Hi"). Both keep it now, as vLLM's Hermes parser keeps the text before a call."""
+    text = '  Hi <tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
+    kwargs: dict = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": [TIME],
+        "temperature": 0,
+        "max_tokens": 60,
+        "extra_body": {"guided_regex": re.escape(text)},
+    }
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].message.content == "  Hi" and whole.choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "  Hi"

@@ -63,6 +63,8 @@ def test_plan_refuses_bad_tools_by_name() -> None:
         f"Let me look.\n{CALL}\n\n",
         f"{CALL}\n  and {CALL}\n",
         f"A {CALL} b {CALL.replace('{', '{{')} c",  # a block that is no call stays text
+        f"  Hi {CALL}",  # the whole answer's content was "Hi", the stream's "  Hi"
+        f"\n{CALL} after",
     ],
 )
 @pytest.mark.parametrize("parallel", [True, False])
@@ -97,3 +99,10 @@ def test_a_tool_whose_parameters_are_no_json_schema_is_refused_by_name(choice: o
     assert str(refused.value).startswith(
         "tools[1].function.parameters: not a JSON schema: 'nonsense' is not valid"
     )
+
+
+def test_the_text_before_a_call_keeps_its_leading_whitespace() -> None:
+    """As vLLM's Hermes parser keeps the text before a call as written: a stream cannot know, while it
+    sends "  Hi", that a call will follow, so the whole answer keeps it too. Whitespace at the end goes."""
+    assert parse_tool_calls(f"  Hi \n{CALL}\n")[0] == "  Hi"
+    assert parse_tool_calls(f"\n{CALL}\n")[0] == ""

@@ -157,7 +157,9 @@ def parse_tool_calls(text: str, parallel: bool = True) -> tuple[str, list[ToolCa
             calls.append(call)
         rest = rest[end + len(CLOSE) :]
     joined = "".join(content)
-    return (joined.strip() if calls else joined), calls
+    # Whitespace at the end goes with calls; at the start it stays (as vLLM's Hermes parser keeps the text
+    # before a call as written): a stream has sent it before it knows whether a call follows.
+    return (joined.rstrip() if calls else joined), calls
 
 
 class ToolStream:
@@ -169,9 +171,8 @@ class ToolStream:
         self._buffer = ""
         self.calls: list[ToolCall] = []
         # Whitespace at the end of the text so far, sent once more text follows: an answer with calls has
-        # no whitespace at its ends (`parse_tool_calls`), and the stream's content adds up to the same.
+        # no whitespace at its end (`parse_tool_calls`), and the stream's content adds up to the same.
         self._held = ""
-        self._began = False  # some text sent
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         self._buffer += delta
@@ -201,11 +202,8 @@ class ToolStream:
                 self.calls.append(call)
                 new.append(call)
         text = self._held + "".join(out)
-        if self.calls and not self._began:
-            text = text.lstrip()
         body = text.rstrip() if self.calls or not final else text
         self._held = "" if final else text[len(body) :]
-        self._began = self._began or bool(body)
         return body, new
 
 
