@@ -246,6 +246,17 @@ def test_truncated_output_says_length(client: openai.OpenAI) -> None:
         ({"guided_regex": "[^\\s\\S]"}, "guided_regex", "matches no text"),
         ({"guided_regex": "a[^\\s\\S]"}, "guided_regex", "matches no text"),
         ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs", "matches no text"),
+        # OpenAI and vLLM both require the schema's name; it was taken without one.
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+            "response_format.json_schema.name",
+            "name",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+            "response_format.json_schema.name",
+            "a-z",
+        ),
     ],
 )
 def test_bad_constraints_are_400_naming_the_problem(
@@ -633,3 +644,26 @@ def test_streamed_content_with_a_call_adds_up_to_the_whole_answers(client: opena
     assert whole.choices[0].message.content == "  Hi" and whole.choices[0].message.tool_calls
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "  Hi"
+
+
+@pytest.mark.parametrize(
+    ("tools", "param", "words"),
+    [
+        (
+            [{**TIME, "function": {**TIME["function"], "name": "bad name!" + "x" * 80}}],
+            "tools[0].function.name",
+            "a-z",
+        ),
+        ([{**TIME, "function": {**TIME["function"], "name": "f" * 65}}], "tools[0].function.name", "64"),
+        ([{**TIME, "function": {**TIME["function"], "name": "f"}}] * 2, "tools[1].function.name", "tools[0]"),
+    ],
+)
+def test_tool_names_are_checked_as_openai_checks_them(
+    server: InProcessServer, tools: list, param: str, words: str
+) -> None:
+    """A name OpenAI refuses, or two tools of one name (the prompt then showed only the second), were 200s."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "tools": tools}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error

@@ -106,3 +106,15 @@ def test_the_text_before_a_call_keeps_its_leading_whitespace() -> None:
     sends "  Hi", that a call will follow, so the whole answer keeps it too. Whitespace at the end goes."""
     assert parse_tool_calls(f"  Hi \n{CALL}\n")[0] == "  Hi"
     assert parse_tool_calls(f"\n{CALL}\n")[0] == ""
+
+
+def test_tool_names_are_refused_as_openai_refuses_them() -> None:
+    fn = {"type": "function", "function": {"name": "f"}}
+    for name, words in (("bad name!", "a-z"), ("x" * 65, "64"), ("", "a-z"), (3, "a-z")):
+        with pytest.raises(APIError, match=words) as refused:
+            plan_tools([fn, {"type": "function", "function": {"name": name}}], None, None)
+        assert refused.value.param == "tools[1].function.name"
+    with pytest.raises(APIError, match=r"tools\[2\].function.name: 'f' is also tools\[0\]'s name") as refused:
+        plan_tools([fn, {"type": "function", "function": {"name": "g"}}, fn], None, None)
+    assert refused.value.param == "tools[2].function.name"
+    assert plan_tools([{"type": "function", "function": {"name": "a-Z_09" + "x" * 58}}], None, None)

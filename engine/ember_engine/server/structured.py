@@ -17,6 +17,7 @@ from typing import Any
 
 from ember_engine.sample.grammar import Constraint, Grammar, GrammarCompiler, GrammarError
 from ember_engine.server.protocol import APIError
+from ember_engine.server.tools import NAME, NAME_RULE
 
 _BACKENDS = {None, "auto", "llguidance", "guidance"}
 _STRUCTURED_KEYS = {"json", "json_object", "regex", "choice", "grammar"}
@@ -38,6 +39,9 @@ def _response_format(value: Any) -> Constraint | None:
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
             raise _bad("response_format", "type 'json_schema' needs a 'json_schema' object")
+        name = spec.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):  # as OpenAI (vLLM too requires one)
+            raise _bad("response_format.json_schema.name", f"{NAME_RULE}, got {name!r}")
         schema = spec.get("schema", spec.get("json_schema"))
         if not isinstance(schema, dict):
             raise _bad("response_format", "json_schema.schema must be a JSON schema object")

@@ -9,6 +9,7 @@ function the output is constrained to such blocks, whose arguments follow each f
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,9 @@ from ember_engine.sample.constraint import Constraint
 from ember_engine.server.protocol import APIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# As OpenAI checks a function's (and a response format's) name.
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+NAME_RULE = "must be 1 to 64 of a-z, A-Z, 0-9, '_' and '-'"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +60,12 @@ def _functions(tools: list[Any]) -> dict[str, dict[str, Any]]:
             raise APIError(
                 400, f"tools[{i}]: must be {{'type': 'function', 'function': {{...}}}}", param="tools"
             )
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise APIError(400, f"tools[{i}].function.name: must be a non-empty string", param="tools")
+        name, where = fn.get("name"), f"tools[{i}].function.name"
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise APIError(400, f"{where}: {NAME_RULE}, got {name!r}", param=where)
+        if name in out:  # the template would show the model only one of them
+            first = next(j for j, t in enumerate(tools) if t["function"]["name"] == name)
+            raise APIError(400, f"{where}: {name!r} is also tools[{first}]'s name", param=where)
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise APIError(400, f"tools[{i}].function.parameters: must be a JSON schema", param="tools")
