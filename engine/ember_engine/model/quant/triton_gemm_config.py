@@ -54,7 +54,8 @@ def kernel_options(
         # Decode on 9.0, measured on an H200 (`scripts/gpu_gemm_tiles.py`, 8B-model shapes, 1 and 16
         # rows, 24 tiles a product): 32 columns and K steps of 256 (where a group of scales allows) came
         # within 5 % of each product's best tile on geometric mean, and took per-channel int8 weights
-        # from 0.85x to 1.13x bf16's speed at 14336 x 4096; shorter steps left too few bytes in flight.
+        # from 0.83x to 1.15x bf16's speed at 14336 x 4096 (`ember bench gemm` there, before and after);
+        # shorter steps left too few bytes in flight.
         bn, bk = 32, 256
     # Shorter K steps where longer ones would spill (ptxas's report on every tile for each capability):
     # 32 for float32 operands of IEEE dots in the decode tile; on a GPU, float32 operands in tiles of 32
