@@ -146,3 +146,22 @@ def test_metrics_outage_mid_trace_never_scales_down() -> None:
         d = decide(policy, BOUNDS, current, Observation([], ["all: refused"]), history, i * INTERVAL)
         assert d.desired == 6
         current = d.desired
+
+
+def test_requests_shed_for_capacity_scale_up_though_the_queue_is_in_band() -> None:
+    """An engine that sheds by its wait limit keeps its queue near limit × drain rate, which can sit
+    inside the queue ratio's tolerance (64 running, 4 waiting: (4 + 64) / (64 + 4) = 1): the demand
+    it turns away showed nowhere the autoscaler looked, and it held at one pod while refusing most
+    traffic. Requests shed for capacity since the last scrape propose one pod more than are Ready."""
+    busy = [PodLoad(waiting=4, running=64, kv_cache=0.3)]
+    wide = Replicas(min=1, max=4)
+    calm = decide(POLICY, wide, 1, Observation(busy), History(), 0.0)
+    assert calm.desired == 1, calm.reason
+    shedding = decide(POLICY, wide, 1, Observation(busy, shed=37), History(), 0.0)
+    assert shedding.desired == 2 and "37 shed" in shedding.reason, shedding.reason
+    # Pods not yet Ready are already counted: shedding on while a new pod starts proposes no more
+    starting = decide(POLICY, wide, 2, Observation(busy, shed=12), History(), 0.0)
+    assert starting.desired == 2, starting.reason
+    # and shedding never lets the target shrink
+    two = [PodLoad(waiting=0, running=1, kv_cache=0.01)] * 2
+    assert decide(POLICY, wide, 3, Observation(two, shed=1), History(), 0.0).desired == 3

@@ -366,9 +366,13 @@ def test_parse_sample_reads_the_engines_own_metrics_page() -> None:
     m.record_fallback("served")
     m.record_fallback("served")
     m.record_fallback("failed")
+    for reason in ("queue_full", "queue_wait", "queue_wait", "client_limit", "draining", "not_ready"):
+        m.record_shed(reason, "default")
     sample = parse_sample(m.render()[0].decode())
     assert (sample.load.waiting, sample.load.running, sample.load.kv_cache) == (7, 5, 0.625)
     assert sample.fallback_served == 2
+    # shed for want of capacity: a client over its own limit, or a draining or starting engine, is not
+    assert sample.shed == 3
 
 
 def test_parse_sample_refuses_a_page_without_the_gauges() -> None:

@@ -8,7 +8,9 @@ The KV-cache ratio is the plain one, usage / target: usage grows with the reques
 queue is not proportional to load (it stays at zero until a pod is saturated, then grows by the overflow),
 and a plain ratio on it limit-cycles: it proposes too few pods while the queue is short, then too many. So
 the queue's ratio is (waiting + running) / (running + target): the pod count at which, running as many
-requests per pod as now, the queue would sit exactly at its target. Scale-up takes effect at once (or after its stabilisation window, if one is set);
+requests per pod as now, the queue would sit exactly at its target. An engine that sheds load refuses
+what its queue would otherwise show, so requests shed for capacity since the last scrape propose one pod
+more than are Ready. Scale-up takes effect at once (or after its stabilisation window, if one is set);
 scale-down takes the highest proposal seen during its window, so a short lull never removes a pod. Steps
 are limited and the result is clamped to the replica bounds.
 
@@ -37,6 +39,7 @@ class PodLoad:
 class Observation:
     loads: list[PodLoad]
     unscraped: list[str] = field(default_factory=list)  # Ready active pods whose /metrics failed, with why
+    shed: float = 0.0  # requests the pods refused for want of capacity since the last scrape
 
     @property
     def queue_per_pod(self) -> float | None:
@@ -99,7 +102,10 @@ def decide(
         pods, current, queue + running, running + policy.queue_depth_per_replica, policy.tolerance
     )
     by_kv = _proposal(pods, current, kv, policy.kv_cache_utilization, policy.tolerance)
-    proposal = max(by_queue, by_kv)
+    # Shedding (a full queue, or a wait past its limit) keeps the queue short by refusing the demand the
+    # queue would show: one pod more than are Ready, which pods already starting count toward.
+    by_shed = pods + 1 if seen.shed > 0 else 0
+    proposal = max(by_queue, by_kv, by_shed)
     if seen.unscraped:  # the unscraped pods may be the busy ones: never shrink on partial evidence
         proposal = max(proposal, current)
     history.add(
@@ -119,6 +125,8 @@ def decide(
         f"queue {queue:.2f}/pod (target {policy.queue_depth_per_replica:g}) proposes {by_queue}, "
         f"KV cache {kv:.0%} (target {policy.kv_cache_utilization:.0%}) proposes {by_kv}"
     )
+    if seen.shed > 0:
+        signals += f", {seen.shed:g} shed for capacity since the last scrape proposes {by_shed}"
     if desired > current:
         verdict = f"scale up {current} -> {desired}"
     elif desired < current:

@@ -43,6 +43,7 @@ class Memory:
     metrics: Condition | None = None
     fallback: Condition | None = None
     fallback_counters: dict[str, float] = field(default_factory=dict)
+    shed_counters: dict[str, float] = field(default_factory=dict)
     cold_start: float | None = None
     stalled: str | None = None  # the Stalled message last announced with an Event
     # Crash troubles by pod name, held until that pod has been Ready for a while (a crash-looping engine
@@ -139,8 +140,11 @@ async def autoscale(
     failed = [f"{n}: {r}" for n, r in results.items() if isinstance(r, str)]
     if failed:
         metrics.SCRAPE_FAILURES.labels(owner.namespace, owner.name).inc(len(failed))
-    seen = Observation([s.load for s in samples.values()], failed)
     unread = (set(targets) - set(samples)) | (set(routers or {}) - set(routed))
+    shed, memory.shed_counters = since_last(
+        {p: s.shed for p, s in samples.items()}, memory.shed_counters, unread
+    )
+    seen = Observation([s.load for s in samples.values()], failed, sum(shed.values()))
     memory.fallback = fallback_condition(
         spec, memory, samples, spec.autoscaling.interval_seconds, routed, unread
     )
@@ -209,13 +213,7 @@ def fallback_condition(
     A pod in `unread` (its scrape failed this pass) keeps its last reading as its base."""
     counters = {pod: s.fallback_served for pod, s in samples.items()}
     counters.update(routers or {})
-    sent = {pod: 0.0 for pod in counters}
-    for pod, now in counters.items():
-        before = memory.fallback_counters.get(pod)
-        if before is not None:
-            sent[pod] = now - before if now >= before else now  # gone back: the process restarted
-    kept = {pod: memory.fallback_counters[pod] for pod in unread if pod in memory.fallback_counters}
-    memory.fallback_counters = {**kept, **counters}
+    sent, memory.fallback_counters = since_last(counters, memory.fallback_counters, unread)
     if spec.fallback is None:
         return Condition("FallbackActive", False, "NoFallback", "no fallback configured")
     by_engines = sum(n for pod, n in sent.items() if pod in samples)
@@ -229,3 +227,18 @@ def fallback_condition(
             f"by the engines, {total - by_engines:g} sent by the routers)",
         )
     return Condition("FallbackActive", False, "Idle", "no requests sent to the fallback recently")
+
+
+def since_last(
+    counters: dict[str, float], before: dict[str, float], unread: Collection[str]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Each pod's counter increase since its last reading (0 at its first; a counter that went back is a
+    restarted process, counting from 0), and the readings to keep: these, and a pod in `unread` (its
+    scrape failed this pass) keeping its last reading as its base."""
+    grown = {pod: 0.0 for pod in counters}
+    for pod, now in counters.items():
+        last = before.get(pod)
+        if last is not None:
+            grown[pod] = now - last if now >= last else now
+    kept = {pod: before[pod] for pod in unread if pod in before}
+    return grown, {**kept, **counters}

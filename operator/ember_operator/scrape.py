@@ -1,4 +1,4 @@
-"""Reading engine pods' Prometheus /metrics: the three autoscaling gauges and the fallback counter; and the
+"""Reading engine pods' Prometheus /metrics: the three autoscaling gauges, the fallback and shed counters; and the
 router pods': requests held (scale from zero) and sent to the fallback.
 
 An engine's page is ~30 KB, nearly all histograms the autoscaler never reads. `parse_sample` looks only at
@@ -21,6 +21,7 @@ from ember_operator.httpget import Getter, HTTPStatusError
 class PodSample:
     load: PodLoad
     fallback_served: float  # ember:fallback_requests{outcome="served"}, a counter
+    shed: float = 0.0  # ember:requests_shed_total for want of capacity (`CAPACITY_SHEDS`), a counter
 
 
 _GAUGES = {
@@ -29,7 +30,10 @@ _GAUGES = {
     "vllm:kv_cache_usage_perc": "kv_cache",
 }
 _FALLBACK = "ember:fallback_requests_total"
-_PREFIXES = (*_GAUGES, _FALLBACK)
+_SHED = "ember:requests_shed_total"
+# refusals for want of capacity; not a client over its own limit, nor an engine draining or starting
+CAPACITY_SHEDS = ('reason="queue_full"', 'reason="queue_wait"')
+_PREFIXES = (*_GAUGES, _FALLBACK, _SHED)
 
 
 def _series(line: str) -> tuple[str, str, float] | None:
@@ -56,7 +60,7 @@ def _series(line: str) -> tuple[str, str, float] | None:
 def parse_sample(text: str) -> PodSample:
     """The sample in one /metrics page (series summed over their labels); a missing gauge is an error."""
     values: dict[str, float] = {}
-    fallback = 0.0
+    fallback = shed = 0.0
     for line in text.splitlines():
         if not line.startswith(_PREFIXES):
             continue
@@ -69,10 +73,12 @@ def parse_sample(text: str) -> PodSample:
             values[key] = values.get(key, 0.0) + (0.0 if math.isnan(value) else value)
         elif name == _FALLBACK and 'outcome="served"' in labels:
             fallback += value
+        elif name == _SHED and any(reason in labels for reason in CAPACITY_SHEDS):
+            shed += value
     missing = sorted(name for name, key in _GAUGES.items() if key not in values)
     if missing:
         raise ValueError(f"no {', '.join(missing)} in /metrics")
-    return PodSample(PodLoad(values["waiting"], values["running"], values["kv_cache"]), fallback)
+    return PodSample(PodLoad(values["waiting"], values["running"], values["kv_cache"]), fallback, shed)
 
 
 class Scraper:
