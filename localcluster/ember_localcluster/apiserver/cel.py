@@ -7,9 +7,12 @@ sets `optionalOldSelf` (Kubernetes 1.30+): then it runs on create too, with `old
 (`oldSelf.hasValue()`, `oldSelf.value()`, `oldSelf.orValue(v)`), empty when there is no old value.
 `message`, `messageExpression`, `fieldPath` and `reason` shape the error the way the real server does.
 
+Compile errors and the static cost limits are checked when the CRD is written (`celcost.py`): a rule
+that does not compile, or whose estimated cost is over kube-apiserver's budget, refuses the CRD.
+
 Left out: the Kubernetes CEL library extensions (`quantity()`, `url()`, `isSorted()`, regex helpers
-beyond `matches`), cost limits, and compile-time checks when the CRD is created (a rule that fails to
-compile is reported on every write instead).
+beyond `matches`), and the cost limits at evaluation (the per-call limit and the per-object runtime
+budget): a rule runs here whatever it costs.
 """
 
 from __future__ import annotations

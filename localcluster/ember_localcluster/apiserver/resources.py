@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from . import celcost
 from .errors import Cause
 
 VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
@@ -102,7 +103,10 @@ def _version_causes(version: Any, path: str) -> list[Cause]:
             )
         )
     else:
-        causes += _schema_causes(root, f"{path}.schema.openAPIV3Schema")
+        where = f"{path}.schema.openAPIV3Schema"
+        causes += _schema_causes(root, where)
+        if not causes:  # as upstream, the CEL checks run on a schema without other errors
+            causes += [Cause(*problem) for problem in celcost.schema_problems(root, where)]
     subresources = version.get("subresources") or {}
     if not isinstance(subresources, dict):
         causes.append(_wrong(f"{path}.subresources", "must be an object"))
