@@ -105,7 +105,9 @@ def crd_manifest() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # Declared so that the rules' fieldPath `.metadata.name` names a field of the schema: kube-apiserver
+            # refuses a fieldPath its schema does not declare. The root's metadata may declare nothing else.
+            "metadata": {"type": "object", "properties": {"name": {"type": "string"}}},
             "spec": _model_schema(InferenceServiceSpec),
             "status": _model_schema(InferenceServiceStatus),
         },

@@ -453,7 +453,7 @@ class Resources(_Object):
         default_factory=dict,
         max_length=MAX_NODE_SELECTOR,
         description="The pods' nodeSelector. The API server checks the values as label values; the operator "
-        "checks the keys as label keys (the schema cannot bound a key's length for a CEL rule's cost).",
+        "checks the keys as label keys.",
         json_schema_extra={
             "additionalProperties": {
                 "type": "string",

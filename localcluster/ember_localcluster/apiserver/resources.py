@@ -7,6 +7,8 @@ request names; there is no conversion between versions (the project serves only 
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +88,77 @@ def _schema_causes(node: Any, path: str) -> list[Cause]:
         isinstance(rules, list) and all(isinstance(r, dict) and isinstance(r.get("rule"), str) for r in rules)
     ):
         causes.append(_wrong(f"{path}.x-kubernetes-validations", "each rule needs a string `rule`"))
+    else:
+        for index, rule in enumerate(rules):
+            causes += _field_path_causes(
+                node, rule.get("fieldPath"), f"{path}.x-kubernetes-validations[{index}]"
+            )
     return causes
+
+
+def _field_path_causes(node: dict[str, Any], field_path: Any, path: str) -> list[Cause]:
+    """apiextensions-apiserver's checks of a rule's `fieldPath` (ValidateCustomResourceDefinitionOpenAPISchema)."""
+    if field_path is None or field_path == "":
+        return []
+    where, shown = f"{path}.fieldPath", json.dumps(field_path)
+    causes = []
+    if not isinstance(field_path, str):
+        return [_wrong(where, f"{shown}: must be a string")]
+    if not field_path.strip():
+        causes.append(_wrong(where, f"{shown}: fieldPath must be non-empty if specified"))
+    if "\n" in field_path or "\r" in field_path:
+        causes.append(_wrong(where, f"{shown}: fieldPath must not contain line breaks"))
+    if not _names_a_field(node, field_path):
+        causes.append(_wrong(where, f"{shown}: fieldPath must be a valid path"))
+    return causes
+
+
+_PATH_TOKEN = re.compile(r"'(?:[^'\\]|\\.)*'|[.\[\]]|[^.\[\]']+")
+
+
+def _names_a_field(node: dict[str, Any], field_path: str) -> bool:
+    """Whether the path walks the schema's declared fields and map keys, as `cel.ValidFieldPath` walks them:
+    `.name` or `['name']` steps into a declared property, or any key of a map (additionalProperties)."""
+    tokens = _PATH_TOKEN.findall(field_path)
+    if "".join(tokens) != field_path:
+        return False
+    at = 0
+    while at < len(tokens):
+        if tokens[at] == "." and at + 1 < len(tokens) and tokens[at + 1] not in ".[]":
+            name, at = tokens[at + 1], at + 2
+        elif tokens[at] == "[" and at + 2 < len(tokens) and tokens[at + 2] == "]":
+            quoted, at = tokens[at + 1], at + 3
+            if len(quoted) < 2 or quoted[0] != "'" or quoted[-1] != "'":
+                return False
+            name = re.sub(r"\\(.)", r"\1", quoted[1:-1])
+        else:
+            return False
+        properties = node.get("properties")
+        if properties:
+            if name not in properties:
+                return False
+            node = properties[name]
+        elif isinstance(node.get("additionalProperties"), dict):
+            node = node["additionalProperties"]
+        else:
+            return False
+    return True
+
+
+def _root_metadata_causes(root: Any, path: str) -> list[Cause]:
+    """The root's `metadata` may restrict `name` and `generateName` and nothing else: the server supplies
+    ObjectMeta's schema itself (apiextensions-apiserver's validateStructuralMetadataInvariants)."""
+    metadata = root.get("properties", {}).get("metadata") if isinstance(root, dict) else None
+    if not isinstance(metadata, dict):
+        return []
+    rest = {k: v for k, v in metadata.items() if k not in ("type", "properties", "default")}
+    properties = metadata.get("properties") or {}
+    if rest or not isinstance(properties, dict) or set(properties) - {"name", "generateName"}:
+        message = (
+            "must not specify anything other than name and generateName, but metadata is implicitly specified"
+        )
+        return [Cause(f"{path}.properties[metadata]", "FieldValueForbidden", f"Forbidden: {message}")]
+    return []
 
 
 def _version_causes(version: Any, path: str) -> list[Cause]:
@@ -104,7 +176,7 @@ def _version_causes(version: Any, path: str) -> list[Cause]:
         )
     else:
         where = f"{path}.schema.openAPIV3Schema"
-        causes += _schema_causes(root, where)
+        causes += _schema_causes(root, where) + _root_metadata_causes(root, where)
         if not causes:  # as upstream, the CEL checks run on a schema without other errors
             causes += [Cause(*problem) for problem in celcost.schema_problems(root, where)]
     subresources = version.get("subresources") or {}
