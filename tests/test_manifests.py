@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from functools import cache
@@ -35,7 +36,7 @@ NAMESPACED_GRANTS = {
     *(("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("list", "create", "patch", "delete")),
     *(("apps", "deployments", v) for v in ("get", "create", "update", "delete")),
     *(("rbac.authorization.k8s.io", "rolebindings", v) for v in ("get", "create", "update", "delete")),
-    *(("", "serviceaccounts", v) for v in ("get", "create", "delete")),
+    *(("", "serviceaccounts", v) for v in ("get", "create", "update", "delete")),
     ("rbac.authorization.k8s.io", "clusterroles", "bind"),  # ember-router only, see base/rbac.yaml
     ("", "events", "create"),
 }
@@ -189,6 +190,32 @@ def test_cluster_role_grants_exactly_what_the_operator_uses() -> None:
         {"kind": "ServiceAccount", "name": "ember-operator", "namespace": NAMESPACE}
     ]
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+
+
+def _documented_grants() -> set[tuple[str, str, str]]:
+    """The RBAC table of manifests/README.md as (apiGroup, resource, verb). A Resource cell is one or more
+    comma-separated `group` `resource` (or `resource` alone, core), a resource name possibly after it."""
+    text = (MANIFESTS / "README.md").read_text()
+    section = text[text.index("\n### RBAC\n") :]
+    rows = re.findall(r"^\| (`.*?) \| (.*?) \| .* \|$", section.split("\n### ", 2)[1], flags=re.M)
+    assert rows, "manifests/README.md has its RBAC table"
+    out = set()
+    for resources, verbs in rows:
+        for part in resources.split(", "):
+            tokens = re.findall(r"`([^`]+)`", part)
+            group, resource = (tokens[0], tokens[1]) if len(tokens) > 1 else ("", tokens[0])
+            for verb in verbs.split(","):
+                out.add((group, resource, verb.split()[0]))
+    return out
+
+
+def test_readme_rbac_table_lists_every_grant_of_every_install() -> None:
+    documented = _documented_grants()
+    shipped = OPERATOR_GRANTS | NAMESPACED_CLUSTER_GRANTS | PEERING_GRANTS
+    assert documented == shipped, (
+        f"granted, not in manifests/README.md's RBAC table: {sorted(shipped - documented)}; "
+        f"in the table, not granted: {sorted(documented - shipped)}"
+    )
 
 
 def test_router_cluster_role_only_reads_pods_and_the_operator_may_bind_only_it() -> None:

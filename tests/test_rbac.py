@@ -3,10 +3,11 @@
 `ember operator` runs as a subprocess against the in-process API server through a recording reverse
 proxy written here; a scenario drives every code path that calls the API (children created and repaired,
 scaling, a policy change, a roll, External mode through /scale, a pod and a Service changed by hand, a
-router's Deployment and RoleBinding changed and the router turned off, a quota refusal, multi-node replicas as LeaderWorkerSets, deletion). Each request is mapped to (apiGroup, resource[/subresource], verb, namespace)
-the way the Kubernetes API server's request-info resolver does, and the result is compared with the
-rendered manifests both ways: every request must be granted, and every grant must have been requested or
-be in `NOT_OBSERVABLE` with its reason. Each install is checked with the operator started with the
+router's Deployment, RoleBinding and ServiceAccount's labels changed and the router turned off, a quota
+refusal, multi-node replicas as LeaderWorkerSets, deletion). Each request is mapped to (apiGroup,
+resource[/subresource], verb, namespace) the way the Kubernetes API server's request-info resolver does,
+and the result is compared with the rendered manifests both ways: every request must be granted, and every
+grant must have been requested or be in `NOT_OBSERVABLE` with its reason. Each install is checked with the operator started with the
 arguments of its own Deployment: `manifests/base` (`--all-namespaces`), `manifests/ha` (with `--peering`,
 next to its ClusterKopfPeering) and `manifests/namespaced` (`--namespace`, against its Role and the
 ClusterRole it keeps). Each takes about 10 s.
@@ -379,8 +380,9 @@ def run_scenario(api: APIServer, proxy: RecordingProxy) -> None:
     wait_for(repaired, what="backup's pod and Service repaired")
     assert proxy.saw("PUT", f"/api/v1/namespaces/{NAMESPACE}/services/backup")
 
-    # The router: its Deployment follows spec.router, its RoleBinding is put back when edited by hand, and
-    # turning it off deletes its Deployment, RoleBinding and ServiceAccount.
+    # The router: its Deployment follows spec.router, its RoleBinding and its ServiceAccount's labels are
+    # put back when edited by hand, and turning it off deletes its Deployment, RoleBinding and
+    # ServiceAccount.
     rbac = "rbac.authorization.k8s.io/v1"
     _patch_spec(api, "main", {"router": {"epsilon": 0.5}})
 
@@ -397,6 +399,15 @@ def run_scenario(api: APIServer, proxy: RecordingProxy) -> None:
         ),
         what="main's router RoleBinding put back",
     )
+    # `kubectl label sa main-router ember.dev/role-`: the operator puts the label back (a PUT).
+    api.patch("v1", "ServiceAccount", NAMESPACE, "main-router", {"metadata": {"labels": {ROLE_LABEL: None}}})
+
+    def account_labelled() -> bool:
+        account = api.get("v1", "ServiceAccount", NAMESPACE, "main-router")
+        return account is not None and account["metadata"].get("labels", {}).get(ROLE_LABEL) == "router"
+
+    wait_for(account_labelled, what="main's router ServiceAccount's labels put back")
+    assert proxy.saw("PUT", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/main-router")
     _patch_spec(api, "main", {"router": {"enabled": False}})
     wait_for(
         lambda: (
