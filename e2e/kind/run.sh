@@ -5,6 +5,8 @@
 #
 #   e2e/kind/run.sh                      # kind cluster "ember", images built here and loaded into it
 #   e2e/kind/run.sh --keep               # leave the cluster and the resources for a look around
+#   e2e/kind/run.sh --cluster NAME       # the kind cluster NAME instead (created if missing; not with
+#                                        # --use-current-context, which uses no kind cluster)
 #   e2e/kind/run.sh --use-current-context --engine-image REG/ember-engine:TAG --operator-image REG/ember-operator:TAG
 set -euo pipefail
 
