@@ -66,6 +66,24 @@ def _list_map(key: str) -> dict[str, Any]:
 _OBJECT_DEFAULT: dict[str, Any] = {"default": {}}
 
 
+def _full_default(model: type[BaseModel]) -> dict[str, Any]:
+    """The CRD default of a sub-object whose own CEL rules read its fields: spelled out in full. The API
+    server runs a schema's rules on its `default` as written when the CRD is created, without filling in
+    the fields' defaults first, so `{}` would fail `self.min <= self.max` with "no such key"."""
+    return {"default": _as_json(model().model_dump(by_alias=True, mode="json", exclude_none=True))}
+
+
+def _as_json(value: Any) -> Any:
+    """A whole float as the integer a JSON encoder (and the children's own defaults) write: 0, not 0.0."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_json(v) for v in value]
+    return value
+
+
 class _Object(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
@@ -764,9 +782,9 @@ class InferenceServiceSpec(_Object):
     speculative: Speculative | None = None
     engine: Engine = Field(default_factory=Engine, json_schema_extra=_OBJECT_DEFAULT)
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_OBJECT_DEFAULT)
-    replicas: Replicas = Field(default_factory=Replicas, json_schema_extra=_OBJECT_DEFAULT)
+    replicas: Replicas = Field(default_factory=Replicas, json_schema_extra=_full_default(Replicas))
     warm_pool: WarmPool = Field(default_factory=WarmPool, json_schema_extra=_OBJECT_DEFAULT)
-    rollout: Rollout = Field(default_factory=Rollout, json_schema_extra=_OBJECT_DEFAULT)
+    rollout: Rollout = Field(default_factory=Rollout, json_schema_extra=_full_default(Rollout))
     capacity_wait_seconds: int = Field(
         default=300,
         ge=0,
@@ -783,7 +801,9 @@ class InferenceServiceSpec(_Object):
         description="Model routing at the router (spec.router must be enabled): the first rule a request "
         "meets sends it to another InferenceService.",
     )
-    load_shedding: LoadShedding = Field(default_factory=LoadShedding, json_schema_extra=_OBJECT_DEFAULT)
+    load_shedding: LoadShedding = Field(
+        default_factory=LoadShedding, json_schema_extra=_full_default(LoadShedding)
+    )
     fallback: Fallback | None = None
     request_timeout_seconds: float = Field(default=0, ge=0)  # 0: no deadline
     pod: PodSettings = Field(default_factory=PodSettings, json_schema_extra=_OBJECT_DEFAULT)
