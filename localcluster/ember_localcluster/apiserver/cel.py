@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
 
 import celpy
@@ -67,18 +68,30 @@ def _program(expression: str) -> celpy.Runner:
     return _ENVIRONMENT.program(_ENVIRONMENT.compile(expression), functions=_OPTIONAL_FUNCTIONS)
 
 
-def _evaluate(expression: str, activation: dict[str, Any]) -> tuple[Any, str | None]:
-    """(the expression's value, None), or (None, why) when it cannot be compiled or evaluated."""
+_MISSING_KEY = re.compile(r"no such member in mapping: \\?'([^'\\]*)\\?'")
+
+
+def _failure(error: Exception) -> str:
+    """cel-go's wording for an evaluation error: a missing field is `no such key: <name>`, also when it
+    reached the top through `||` or `&&` (cel-go returns the left error of two)."""
+    text = str(error.args[0]) if error.args else str(error)
+    missing = _MISSING_KEY.search(text) or _MISSING_KEY.search(str(error.args))
+    return f"no such key: {missing.group(1)}" if missing else text
+
+
+def _evaluate(expression: str, activation: dict[str, Any], shown: str) -> tuple[Any, str | None]:
+    """(the expression's value, None), or (None, why) when it cannot be compiled or evaluated; `shown`
+    names the rule in the error, as kube-apiserver's `ruleErrorString` does (its message, else the rule)."""
     try:
         result = _program(expression).evaluate(activation)
     except celpy.CELParseError as error:
         return None, f"compilation failed: {error}"
     except celpy.CELEvalError as error:
-        return None, f"{error.args[0] if error.args else error} evaluating rule: {expression}"
+        return None, f"{_failure(error)} evaluating rule: {shown}"
     except Exception as error:  # cel-python raises plain Python errors for some type mismatches
-        return None, f"{error} evaluating rule: {expression}"
+        return None, f"{error} evaluating rule: {shown}"
     if isinstance(result, celpy.CELEvalError):
-        return None, f"{result.args[0] if result.args else result} evaluating rule: {expression}"
+        return None, f"{_failure(result)} evaluating rule: {shown}"
     return result, None
 
 
@@ -97,7 +110,8 @@ def check_rules(rules: list[dict[str, Any]], value: Any, old: Any, path: str, ty
             activation["oldSelf"] = old_self
         elif "oldSelf" in expression:
             continue
-        result, failure = _evaluate(expression, activation)
+        shown_rule = str(rule.get("message") or expression).strip()
+        result, failure = _evaluate(expression, activation, shown_rule)
         if failure is not None:
             causes.append(Cause(path or "<nil>", "FieldValueInvalid", f"Invalid value: {shown}: {failure}"))
             continue
@@ -105,7 +119,7 @@ def check_rules(rules: list[dict[str, Any]], value: Any, old: Any, path: str, ty
             continue
         message = rule.get("message") or f"failed rule: {expression}"
         if rule.get("messageExpression"):
-            rendered, _ = _evaluate(rule["messageExpression"], activation)
+            rendered, _ = _evaluate(rule["messageExpression"], activation, rule["messageExpression"])
             if isinstance(rendered, celtypes.StringType) and rendered:
                 message = str(rendered)
         reason = rule.get("reason") or "FieldValueInvalid"

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from . import celcost
+from . import celcost, crdschema
 from .errors import Cause
 
 VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
@@ -176,9 +176,14 @@ def _version_causes(version: Any, path: str) -> list[Cause]:
         )
     else:
         where = f"{path}.schema.openAPIV3Schema"
-        causes += _schema_causes(root, where) + _root_metadata_causes(root, where)
+        causes += _schema_causes(root, where)
+        if not causes:  # the checks below read the schema as a tree of objects
+            causes += crdschema.openapi_causes(root, where) + crdschema.structural_causes(root, where)
+            causes += _root_metadata_causes(root, where)
         if not causes:  # as upstream, the CEL checks run on a schema without other errors
             causes += [Cause(*problem) for problem in celcost.schema_problems(root, where)]
+        if not causes:  # defaults are checked against a structural schema whose rules compile
+            causes += crdschema.default_causes(root, where)
     subresources = version.get("subresources") or {}
     if not isinstance(subresources, dict):
         causes.append(_wrong(f"{path}.subresources", "must be an object"))

@@ -59,6 +59,16 @@ def validate(obj: dict[str, Any], old: dict[str, Any] | None, schema: dict[str, 
     return causes
 
 
+def prune_unknown(value: Any, schema: dict[str, Any], pruned: list[str]) -> Any:
+    """`value` pruned by `schema` alone (no root fields kept), the paths of what was dropped in `pruned`."""
+    return _prune(value, schema, "", pruned)
+
+
+def validate_value(value: Any, old: Any, schema: dict[str, Any], causes: list[Cause]) -> None:
+    """Validate one value against one schema node; causes carry paths relative to the value."""
+    _validate(value, old, schema, "", causes)
+
+
 def _child_schema(schema: dict[str, Any], key: str) -> dict[str, Any] | None:
     properties = schema.get("properties") or {}
     if key in properties:
