@@ -384,3 +384,25 @@ def test_a_preempted_requests_readmission_is_no_prefix_cache_query(tiny_model: P
         value(metrics, "ember:prefix_cache_preempted_queries_total") == stats.prefix_cache_preempted_queries
     )
     assert value(metrics, "ember:prefix_cache_preempted_hits_total") == stats.prefix_cache_preempted_hits
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_prompt_aborted_while_queued_is_one_finished_request(tiny_model: Path, n: int) -> None:
+    """A prompt aborted before it was scheduled (its deadline, or its client gone) ends as one request with
+    finish_reason "abort", whatever its n: the samples waiting for the first one's prefill end too."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), max_num_seqs=1))
+    metrics = EngineMetrics(MODEL)
+    engine.add_request("running", [10] * 20, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    metrics.record_step(engine.stats(), engine.step())
+    engine.add_request("queued", [11] * 20, SamplingParams(temperature=1, max_tokens=50, n=n))
+    metrics.record_step(engine.stats(), engine.step())
+    assert engine.stats().num_waiting == 1  # the seat is taken
+    out = engine.abort_request("queued")
+    assert out is not None
+    metrics.record_step(engine.stats(), [out])
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * n
+    assert value(metrics, "vllm:request_success_total", finished_reason="abort") == 1
+    assert value(metrics, "vllm:e2e_request_latency_seconds_count") == 1
+    engine.abort_request("running")
+    assert not engine.has_unfinished_requests()
+    engine.shutdown()

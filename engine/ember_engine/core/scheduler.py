@@ -164,11 +164,13 @@ class Scheduler:
         self._release(request, reason)
 
     def abort(self, request: Request) -> None:
+        """Stop a request: running, waiting, or not yet handed here (a sibling of n > 1 waiting for the
+        first sample's prefill), which ends too. A request already finished keeps its reason."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        else:
+        elif request.finished:
             return
         self._release(request, "abort")
 
