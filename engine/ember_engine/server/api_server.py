@@ -231,7 +231,9 @@ async def _shed(state: ServerState, request: Request, verdict: Shed, class_name:
     if verdict.fallback_eligible and fb.url:
         try:
             body = json.loads(await request.body())
-            resp = await state.fallback.forward(fb.url, fb.model, request.url.path, body, fb.timeout_seconds)
+            resp = await state.fallback.forward(
+                fb.url, fb.model, request.url.path, body, fb.timeout_seconds, request
+            )
             state.metrics.record_fallback("served")
             return resp
         except FallbackFailed as exc:

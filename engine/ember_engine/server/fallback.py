@@ -2,20 +2,37 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+
+from ember_engine.server.protocol import APIError
 
 log = logging.getLogger("ember.fallback")
 
 SERVED_BY = "x-ember-served-by"
+_INTERRUPTED = APIError(503, "fallback stream interrupted", type="overloaded", code="fallback_interrupted")
 
 
 class FallbackFailed(Exception):
     pass
+
+
+def _reason(exc: Exception) -> str:
+    """The exception's text, or its type's name where it has none (httpx's timeouts, some connect errors)."""
+    return str(exc) or type(exc).__name__
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class Fallback:
@@ -37,27 +54,61 @@ class Fallback:
         return self._discovered[base]
 
     async def forward(
-        self, base_url: str, model: str | None, path: str, body: dict[str, Any], timeout: float
+        self,
+        base_url: str,
+        model: str | None,
+        path: str,
+        body: dict[str, Any],
+        timeout: float,
+        client: Request | None = None,
     ) -> Response:
         """POST the request there with `model` rewritten; streams are relayed chunk by chunk. Raises
-        FallbackFailed when the fallback cannot answer (unreachable, or an error status)."""
+        FallbackFailed when the fallback cannot answer (unreachable, an error status, or a non-streaming
+        answer that breaks off). When `client`, the request being relayed, disconnects before the answer
+        starts, the request to the fallback is closed, which aborts it there, and the answer is a 499."""
         base = base_url.rstrip("/")
+        if client is None:
+            return await self._forward(base, model, path, body, timeout)
+        work = asyncio.create_task(self._forward(base, model, path, body, timeout))
+        gone = asyncio.create_task(_disconnected(client))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, FallbackFailed):
+                    await work
+        if work in done:
+            return work.result()
+        return Response(status_code=499)  # nobody is listening
+
+    async def _forward(
+        self, base: str, model: str | None, path: str, body: dict[str, Any], timeout: float
+    ) -> Response:
         try:
             name = await self._model_for(base, model, timeout)
             payload = {**body, "model": name} if name else dict(body)
             request = self.client.build_request("POST", f"{base}{path}", json=payload, timeout=timeout)
             resp = await self.client.send(request, stream=True)
         except (httpx.HTTPError, ValueError, KeyError) as exc:
-            raise FallbackFailed(f"fallback {base} unreachable: {exc}") from exc
+            raise FallbackFailed(f"fallback {base} unreachable: {_reason(exc)}") from exc
         if resp.status_code >= 400:
-            await resp.aread()
-            await resp.aclose()
+            try:
+                with contextlib.suppress(httpx.HTTPError):
+                    await resp.aread()
+            finally:
+                await resp.aclose()
             raise FallbackFailed(f"fallback {base} answered {resp.status_code}")
         headers = {SERVED_BY: "fallback"}
         media_type = resp.headers.get("content-type", "application/json")
         if not payload.get("stream"):
-            content = await resp.aread()
-            await resp.aclose()
+            try:
+                content = await resp.aread()
+            except httpx.HTTPError as exc:
+                raise FallbackFailed(f"fallback {base} broke off its answer: {_reason(exc)}") from exc
+            finally:
+                await resp.aclose()
             return Response(content, status_code=resp.status_code, media_type=media_type, headers=headers)
 
         async def relay() -> AsyncIterator[bytes]:
@@ -65,8 +116,8 @@ class Fallback:
                 async for chunk in resp.aiter_raw():
                     yield chunk
             except httpx.HTTPError as exc:  # the fallback broke mid-stream: end the stream readably
-                log.warning("fallback stream from %s broke: %s", base, exc)
-                yield b'data: {"error": {"message": "fallback stream interrupted", "type": "overloaded"}}\n\n'
+                log.warning("fallback stream from %s broke: %s", base, _reason(exc))
+                yield f"data: {json.dumps(_INTERRUPTED.body())}\n\n".encode()
                 yield b"data: [DONE]\n\n"
             finally:
                 await resp.aclose()
