@@ -12,11 +12,13 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 from server_util import InProcessServer, running_server
+from waiting import wait_for
 
 MODEL = "tiny"
 LIMIT = 4 << 20  # the body limit this module's server runs with
@@ -331,3 +333,55 @@ def test_body_timeout_and_priority_take_what_their_headers_take(
     content = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 1, "{field}": {value}}}'
     error = _assert_openai_error(_post_raw(server.url, "/v1/completions", content.encode()), 400)
     assert error["param"] == field
+
+
+def test_while_the_model_loads_tokenize_answers_as_completions_do(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While loading, /tokenize and /detokenize refuse as the completions endpoints do: a 503 with
+    Retry-After, `type: "overloaded"`, `code: "not_ready"` (they answered `type: "unavailable"` without
+    Retry-After)."""
+    from server_util import serve_args, wait_ready
+
+    from ember_engine.core import llm_engine
+    from ember_engine.server import serve
+
+    release = threading.Event()
+
+    class HeldEngine(llm_engine.LLMEngine):
+        def __init__(self, config: Any) -> None:
+            release.wait(30)  # the model "loads" until the test has asked
+            super().__init__(config)
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", HeldEngine)
+    args = serve_args(tiny_model, "--served-model-name", MODEL)
+    server, state, failure = serve.build_server(args)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        wait_for(lambda: _up(url))
+        requests = {
+            "/v1/completions": {"model": MODEL, "prompt": "hi"},
+            "/tokenize": {"model": MODEL, "prompt": "hi"},
+            "/detokenize": {"model": MODEL, "tokens": [1, 2]},
+        }
+        for path, body in requests.items():
+            r = httpx.post(f"{url}{path}", json=body)
+            assert r.status_code == 503 and r.headers.get("retry-after") == "1", (path, r.headers)
+            assert (r.json()["error"]["type"], r.json()["error"]["code"]) == ("overloaded", "not_ready"), path
+    finally:
+        release.set()
+        wait_ready(url)
+        server.should_exit = True
+        thread.join(timeout=30)
+        if state.engine is not None:
+            state.engine.shutdown()
+    assert not failure, failure
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -81,8 +81,15 @@ def _tokenize(tok: Tokenizer, body: TokenizeRequest) -> list[int]:
 
 def add_tokenize_routes(app: FastAPI, state: ServerState) -> None:
     def engine_tokenizer() -> tuple[Tokenizer, int]:
-        if state.engine is None:
-            raise APIError(503, "the model is still loading", type="unavailable", code="not_ready")
+        if state.engine is None:  # answered as completions are while loading (they are shed: not_ready)
+            retry = str(state.policy.policy.load_shedding.retry_after_seconds)
+            raise APIError(
+                503,
+                "the model is still loading",
+                type="overloaded",
+                code="not_ready",
+                headers={"Retry-After": retry},
+            )
         return state.engine.tokenizer, state.engine.engine.max_model_len
 
     @app.post("/tokenize")
