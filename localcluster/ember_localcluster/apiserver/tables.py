@@ -205,18 +205,95 @@ def _node_cells(node: dict[str, Any]) -> list[Any]:
     ]
 
 
+def _format_labels(labels: dict[str, Any] | None) -> str:
+    """labels.FormatLabels: `k=v` sorted by key, comma-joined; `<none>` for none."""
+    return ",".join(f"{k}={v}" for k, v in sorted((labels or {}).items())) or "<none>"
+
+
+def _format_selector(selector: dict[str, Any] | None) -> str:
+    """metav1.FormatLabelSelector: matchLabels then matchExpressions as `key in (a,b)`, `!key`, ..."""
+    if not selector:
+        return "<none>"
+    parts = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
+    for expr in selector.get("matchExpressions") or ():
+        key, op, values = expr.get("key", ""), expr.get("operator", ""), ",".join(expr.get("values") or ())
+        parts.append(
+            {"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})", "Exists": key}.get(
+                op, f"!{key}"
+            )
+        )
+    return ",".join(parts) or "<none>"
+
+
+def _external_ip(svc: dict[str, Any]) -> str:
+    """getServiceExternalIP, as the server prints it (wide: a load balancer's addresses are not clipped)."""
+    spec = svc.get("spec") or {}
+    kind, external = spec.get("type", "ClusterIP"), list(spec.get("externalIPs") or ())
+    if kind in ("ClusterIP", "NodePort"):
+        return ",".join(external) or "<none>"
+    if kind == "ExternalName":
+        return str(spec.get("externalName", ""))
+    if kind != "LoadBalancer":
+        return "<unknown>"
+    ingress = ((svc.get("status") or {}).get("loadBalancer") or {}).get("ingress") or ()
+    balanced = sorted({i.get("ip") or i.get("hostname") for i in ingress if i.get("ip") or i.get("hostname")})
+    return ",".join([*balanced, *external]) or "<pending>"
+
+
 def _service_cells(svc: dict[str, Any]) -> list[Any]:
     spec = svc.get("spec") or {}
-    ports = (
-        ",".join(f"{p.get('port')}/{p.get('protocol', 'TCP')}" for p in spec.get("ports") or ()) or "<none>"
+    ports = ",".join(
+        f"{p.get('port')}:{p['nodePort']}/{p.get('protocol', 'TCP')}"
+        if p.get("nodePort")
+        else f"{p.get('port')}/{p.get('protocol', 'TCP')}"
+        for p in spec.get("ports") or ()
     )
-    return [spec.get("type", "ClusterIP"), spec.get("clusterIP") or "<none>", ports, _age_of(svc)]
+    cluster_ip = (spec.get("clusterIPs") or [spec.get("clusterIP")])[0] or "<none>"
+    return [
+        spec.get("type", "ClusterIP"),
+        cluster_ip,
+        _external_ip(svc),
+        ports or "<none>",
+        _age_of(svc),
+        _format_labels(spec.get("selector")),
+    ]
+
+
+def _containers(template: dict[str, Any] | None) -> list[Any]:
+    """layoutContainerCells: the template's container names and images, each comma-joined."""
+    containers = ((template or {}).get("spec") or {}).get("containers") or ()
+    return [",".join(c.get("name", "") for c in containers), ",".join(c.get("image", "") for c in containers)]
 
 
 def _deployment_cells(deploy: dict[str, Any]) -> list[Any]:
     spec, status = deploy.get("spec") or {}, deploy.get("status") or {}
     ready = f"{status.get('readyReplicas', 0)}/{spec.get('replicas', 1)}"
-    return [ready, status.get("updatedReplicas", 0), status.get("availableReplicas", 0), _age_of(deploy)]
+    return [
+        ready,
+        status.get("updatedReplicas", 0),
+        status.get("availableReplicas", 0),
+        _age_of(deploy),
+        *_containers(spec.get("template")),
+        _format_selector(spec.get("selector")),
+    ]
+
+
+def _replicaset_cells(rs: dict[str, Any]) -> list[Any]:
+    spec, status = rs.get("spec") or {}, rs.get("status") or {}
+    return [
+        spec.get("replicas", 1),
+        status.get("replicas", 0),
+        status.get("readyReplicas", 0),
+        _age_of(rs),
+        *_containers(spec.get("template")),
+        _format_selector(spec.get("selector")),
+    ]
+
+
+def _pdb_cells(pdb: dict[str, Any]) -> list[Any]:
+    spec = pdb.get("spec") or {}
+    bounds = [str(spec[k]) if spec.get(k) is not None else "N/A" for k in ("minAvailable", "maxUnavailable")]
+    return [*bounds, (pdb.get("status") or {}).get("disruptionsAllowed", 0), _age_of(pdb)]
 
 
 def _event_cells(event: dict[str, Any]) -> list[Any]:
@@ -231,6 +308,13 @@ def _event_cells(event: dict[str, Any]) -> list[Any]:
     ]
 
 
+# The `-o wide` columns of the workload kinds.
+_WORKLOAD = [
+    _column("Containers", priority=1),
+    _column("Images", priority=1),
+    _column("Selector", priority=1),
+]
+
 # Kind → (columns after Name, a function giving their cells); other kinds show Name and Age.
 _BUILTIN_COLUMNS: dict[str, tuple[list[dict[str, Any]], Callable[[dict[str, Any]], list[Any]]]] = {
     "Pod": (
@@ -244,7 +328,17 @@ _BUILTIN_COLUMNS: dict[str, tuple[list[dict[str, Any]], Callable[[dict[str, Any]
         ],
         _pod_cells,
     ),
-    "Service": ([_column("Type"), _column("Cluster-IP"), _column("Port(s)"), _AGE], _service_cells),
+    "Service": (
+        [
+            _column("Type"),
+            _column("Cluster-IP"),
+            _column("External-IP"),
+            _column("Port(s)"),
+            _AGE,
+            _column("Selector", priority=1),
+        ],
+        _service_cells,
+    ),
     "Node": (
         [
             _column("Status"),
@@ -260,8 +354,33 @@ _BUILTIN_COLUMNS: dict[str, tuple[list[dict[str, Any]], Callable[[dict[str, Any]
         _node_cells,
     ),
     "Deployment": (
-        [_column("Ready"), _column("Up-to-date", "integer"), _column("Available", "integer"), _AGE],
+        [
+            _column("Ready"),
+            _column("Up-to-date", "integer"),
+            _column("Available", "integer"),
+            _AGE,
+            *_WORKLOAD,
+        ],
         _deployment_cells,
+    ),
+    "ReplicaSet": (
+        [
+            _column("Desired", "integer"),
+            _column("Current", "integer"),
+            _column("Ready", "integer"),
+            _AGE,
+            *_WORKLOAD,
+        ],
+        _replicaset_cells,
+    ),
+    "PodDisruptionBudget": (
+        [
+            _column("Min Available"),
+            _column("Max Unavailable"),
+            _column("Allowed Disruptions", "integer"),
+            _AGE,
+        ],
+        _pdb_cells,
     ),
     "ConfigMap": (
         [_column("Data", "integer"), _AGE],
