@@ -311,6 +311,71 @@ def test_sigterm_drains_then_exits_zero(tiny_model: Path) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the in-flight request finished whole
 
 
+def _stream_lines(url: str, body: dict, lines: list[str], started: threading.Event) -> threading.Thread:
+    """Stream a request in the background, keeping its lines (and, last, how the connection broke)."""
+
+    def run() -> None:
+        try:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+        except httpx.HTTPError as exc:
+            lines.append(f"broken: {exc!r}")
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize(
+    ("signals", "drain_timeout"),
+    [(["SIGTERM"], "0.3"), (["SIGTERM", "SIGTERM"], "60"), (["SIGINT"], "60")],
+    ids=["drain-timeout", "second-sigterm", "sigint"],
+)
+def test_requests_cut_by_the_stop_get_a_503_draining(
+    tiny_model: Path, signals: list[str], drain_timeout: str
+) -> None:
+    """Requests still running when the drain timeout ends (or a second signal, or SIGINT, stops the
+    server at once) end readably: a JSON 503 `code: "draining"` with Retry-After, a stream's final error
+    event and [DONE]. They used to be cancelled: a plain-text 500 and a stream cut mid-body."""
+    body = {**LONG, "max_tokens": 1500}
+    with server_process(tiny_model, "--served-model-name", MODEL, "--drain-timeout", drain_timeout) as (
+        url,
+        proc,
+    ):
+        lines: list[str] = []
+        started = threading.Event()
+        answers: list[httpx.Response] = []
+        threads = [
+            _stream_lines(url, body, lines, started),
+            threading.Thread(
+                target=lambda: answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+            ),
+        ]
+        threads[1].start()
+        started.wait(30)
+        wait_for(lambda: metrics(url)[("vllm:num_requests_running", ())] == 2)
+        for name in signals:
+            proc.send_signal(getattr(signal, name))
+            time.sleep(0.1)
+        for t in threads:
+            t.join(60)
+        code = proc.wait(timeout=30)
+        assert proc.stdout is not None
+        log = proc.stdout.read()
+    assert answers[0].status_code == 503, (answers[0].headers, answers[0].text)
+    assert answers[0].json()["error"]["code"] == "draining" and answers[0].headers["retry-after"]
+    events = [line.removeprefix("data: ") for line in lines if line.startswith(("data: ", "broken: "))]
+    assert events[-1] == "[DONE]", events[-2:]
+    assert json.loads(events[-2])["error"]["code"] == "draining"
+    assert "Exception in ASGI application" not in log, log
+    if signals == ["SIGTERM"]:
+        assert code == 0 and "Traceback" not in log, log
+
+
 def test_log_interval_zero_turns_the_load_log_off_and_a_negative_one_is_refused(
     tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

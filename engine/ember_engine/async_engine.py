@@ -47,6 +47,11 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _AbortAll:
+    reason: BaseException
+
+
+@dataclass(slots=True)
 class _Fatal:
     error: TensorParallelFailure
 
@@ -62,7 +67,7 @@ class AsyncEngine:
             engine = LLMEngine(config or EngineConfig(**options))
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Fatal | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Fatal | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -126,6 +131,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def abort_all(self, reason: BaseException) -> None:
+        """End every request handed to generate() so far; each listener gets `reason` (a stop)."""
+        self._inbox.put(_AbortAll(reason))
+
     def stats(self) -> EngineStats:
         """A snapshot taken after the latest step (safe to read from any thread)."""
         return self._stats
@@ -181,9 +190,12 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
 
-    def _handle(self, item: _Add | _Abort) -> None:
+    def _handle(self, item: _Add | _Abort | _AbortAll) -> None:
         if isinstance(item, _Abort):
             self._abort(item.request_id)
+            return
+        if isinstance(item, _AbortAll):
+            self._abort_all(item.reason)
             return
         self.taken_in[item.priority] += item.params.n
         try:
@@ -220,6 +232,16 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:  # the client's loop is closed
             self._abort(request_id)
+
+    def _abort_all(self, reason: BaseException) -> None:
+        with self._lock:
+            streams = dict(self._streams)
+        for rid in list(self.engine.groups):
+            self._abort(rid, reason)
+        for rid, (loop, q) in streams.items():  # listening, not yet in the engine (its add comes later)
+            if rid not in self.engine.groups:
+                with contextlib.suppress(RuntimeError):  # the listener's loop is closed
+                    loop.call_soon_threadsafe(q.put_nowait, reason)
 
     def _fail_all(self, exc: Exception) -> None:
         for rid in list(self.engine.groups):

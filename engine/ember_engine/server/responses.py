@@ -175,6 +175,10 @@ async def _stream(
                 yield sse(_timeout_error(deadline or 0).body())
                 yield sse("[DONE]")
                 return
+            except APIError as exc:  # the server stopped it (a drain whose time is up)
+                yield sse(exc.body())
+                yield sse("[DONE]")
+                return
             except ValueError as exc:
                 yield sse(APIError(400, str(exc)).body())
                 yield sse("[DONE]")
