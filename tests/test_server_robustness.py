@@ -250,6 +250,7 @@ def test_overflow_goes_to_the_fallback(tiny_model: Path, tmp_path: Path) -> None
             assert metrics(s.url)[("ember:fallback_requests_total", (("outcome", "served"),))] == 2
             for t in threads:
                 t.join(60)
+            wait_for(lambda: s.state.in_flight == 0)  # relayed requests count while they are relayed
 
 
 def test_failed_fallback_gives_the_shed_error(tiny_model: Path, tmp_path: Path) -> None:
@@ -374,6 +375,38 @@ def test_requests_cut_by_the_stop_get_a_503_draining(
     assert "Exception in ASGI application" not in log, log
     if signals == ["SIGTERM"]:
         assert code == 0 and "Traceback" not in log, log
+
+
+def test_a_drain_waits_for_requests_relayed_to_the_fallback(tiny_model: Path, tmp_path: Path) -> None:
+    """A request relayed to the fallback during a drain is in flight too: the drain waits until its
+    stream is relayed whole. It used to count for nothing: the drain ended with the local requests and
+    the relayed stream was cut mid-body."""
+    with running_server(tiny_model, "--served-model-name", "small-fallback") as fb:
+        policy = write_policy(
+            tmp_path / "policy.yaml", {"fallback": {"url": fb.url, "when": ["Unavailable"]}}
+        )
+        with server_process(
+            tiny_model, "--served-model-name", MODEL, "--policy", str(policy), "--drain-timeout", "30"
+        ) as (url, proc):
+            local: list[str] = []
+            started = threading.Event()
+            threads = [_stream_lines(url, {**LONG, "max_tokens": 400}, local, started)]
+            started.wait(30)
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 503, timeout=10)
+            relayed: list[str] = []
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=60
+            ) as r:
+                assert r.headers["x-ember-served-by"] == "fallback"
+                try:
+                    relayed.extend(line for line in r.iter_lines() if line)
+                except httpx.HTTPError as exc:
+                    relayed.append(f"broken: {exc!r}")
+            threads[0].join(60)
+            assert proc.wait(timeout=60) == 0
+    assert relayed[-1] == "data: [DONE]", relayed[-2:]
+    assert json.loads(relayed[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
 def test_log_interval_zero_turns_the_load_log_off_and_a_negative_one_is_refused(

@@ -25,7 +25,7 @@ from ember_engine.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, ar
 from ember_engine.server.chat import ChatTemplateError
 from ember_engine.server.chat_prompt import chat_prompt_ids
 from ember_engine.server.errors import _error_response, add_error_handlers
-from ember_engine.server.fallback import FallbackFailed
+from ember_engine.server.fallback import FallbackFailed, RelayedStream
 from ember_engine.server.load_api import add_load_routes
 from ember_engine.server.openai_format import Formatter
 from ember_engine.server.policy import PolicyError
@@ -229,16 +229,29 @@ def _deadline(
 async def _shed(state: ServerState, request: Request, verdict: Shed, class_name: str) -> Response:
     fb = state.policy.policy.fallback
     if verdict.fallback_eligible and fb.url:
+        state.in_flight += 1  # a relayed request is in flight too: a drain waits until it is relayed whole
+
+        def release() -> None:
+            state.in_flight -= 1
+
         try:
             body = json.loads(await request.body())
             resp = await state.fallback.forward(
                 fb.url, fb.model, request.url.path, body, fb.timeout_seconds, request
             )
-            state.metrics.record_fallback("served")
-            return resp
-        except FallbackFailed as exc:
+        except BaseException as exc:
+            release()
+            if not isinstance(exc, FallbackFailed):
+                raise
             log.warning("%s; answering with the shed error", exc)
             state.metrics.record_fallback("failed")
+        else:
+            state.metrics.record_fallback("served")
+            if isinstance(resp, RelayedStream):
+                resp.on_close = release
+            else:
+                release()
+            return resp
     state.metrics.record_shed(verdict.reason, class_name)
     headers = {"Retry-After": str(verdict.retry_after_s)}
     err = APIError(verdict.status, verdict.message, type="overloaded", code=verdict.reason, headers=headers)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -33,6 +33,25 @@ def _reason(exc: Exception) -> str:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class RelayedStream(StreamingResponse):
+    """A stream relayed from the fallback. However it ends (also when the client is gone before it
+    starts: Starlette then never runs the body) the fallback's response is closed and `on_close` runs."""
+
+    def __init__(self, upstream: httpx.Response, body: AsyncIterator[bytes], media_type: str) -> None:
+        headers = {SERVED_BY: "fallback"}
+        super().__init__(body, status_code=upstream.status_code, media_type=media_type, headers=headers)
+        self.upstream = upstream
+        self.on_close: Callable[[], None] | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.upstream.aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 class Fallback:
@@ -122,6 +141,4 @@ class Fallback:
             finally:
                 await resp.aclose()
 
-        return StreamingResponse(
-            relay(), status_code=resp.status_code, media_type=media_type, headers=headers
-        )
+        return RelayedStream(resp, relay(), media_type)
