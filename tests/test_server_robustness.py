@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +19,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from server_util import InProcessServer, running_server, server_process
+from waiting import free_port
 
 MODEL = "tiny"
 LONG = {"model": MODEL, "prompt": "def main():", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
@@ -407,6 +411,40 @@ def test_a_drain_waits_for_requests_relayed_to_the_fallback(tiny_model: Path, tm
             assert proc.wait(timeout=60) == 0
     assert relayed[-1] == "data: [DONE]", relayed[-2:]
     assert json.loads(relayed[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_sigterm_while_the_model_loads_exits_zero(tiny_model: Path) -> None:
+    """A pod deleted while its model loads: the process exits 0 with a plain last line, not a "fatal"
+    one the operator would report as the failure (nor a "ready" line after the stop)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ember"), "serve", "--model", str(tiny_model)]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(lambda: _answers(f"{url}/health"), timeout=60)
+        assert httpx.get(f"{url}/ready").json()["status"] == "loading"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = out.strip().splitlines()
+    assert proc.returncode == 0, out
+    assert "stopped before the model was ready" in lines[-1], out
+    assert "fatal" not in out and "Traceback" not in out and "; ready" not in out, out
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_log_interval_zero_turns_the_load_log_off_and_a_negative_one_is_refused(

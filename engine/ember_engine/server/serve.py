@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -210,6 +212,8 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     config = engine_config(args)
     state = ServerState(name, policy, EngineMetrics(name), Fallback(httpx.AsyncClient()))
     failure: list[BaseException] = []
+    stopped = threading.Event()  # the server stopped before the model was ready: load() drops its engine
+    publish = threading.Lock()
 
     def stop_for_good(error: BaseException) -> None:
         failure.append(error)
@@ -226,17 +230,38 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
             gpu_memory_utilization=config.gpu_memory_utilization,
         )
         warm_up(engine)
-        ae = AsyncEngine(engine=engine)
-        ae.add_step_hook(state.observe_step)
-        ae.add_fatal_hook(stop_for_good)
-        state.engine = ae
-        log.info("model %s loaded and warmed up in %.1f s; ready", name, time.perf_counter() - start)
+        with publish:
+            if stopped.is_set():
+                engine.shutdown()
+                return
+            ae = AsyncEngine(engine=engine)
+            ae.add_step_hook(state.observe_step)
+            ae.add_fatal_hook(stop_for_good)
+            state.engine = ae
+            log.info("model %s loaded and warmed up in %.1f s; ready", name, time.perf_counter() - start)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: object) -> AsyncIterator[None]:
         async def loader() -> None:
+            loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+            def run() -> None:  # a daemon thread: a stop during a long load need not wait for its end
+                if not loaded.set_running_or_notify_cancel():
+                    return
+                try:
+                    load()
+                except BaseException as exc:
+                    loaded.set_exception(exc)
+                else:
+                    loaded.set_result(None)
+
+            threading.Thread(target=run, name="ember-load", daemon=True).start()
             try:
-                await asyncio.to_thread(load)
+                await asyncio.wrap_future(loaded)
+            except asyncio.CancelledError:  # the server stops (a signal) before the model is ready
+                with publish:
+                    stopped.set()
+                raise
             except BaseException as exc:  # a model that cannot load ends the process (the pod restarts)
                 if isinstance(exc, (ValueError, OSError)):  # what was given is refused: its message says why
                     log.error("loading %s failed: %s: %s", args.model, type(exc).__name__, exc)
@@ -301,6 +326,8 @@ def main(args: argparse.Namespace) -> int:
         what = "the engine stopped" if state.engine is not None else "cannot load the model"
         print(f"ember serve: fatal: {what}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         return 1
+    if state.engine is None:  # a stop (SIGTERM when a pod is deleted) during the load is no failure
+        print("ember serve: stopped before the model was ready", file=sys.stderr, flush=True)
     return 0
 
 
