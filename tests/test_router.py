@@ -468,6 +468,49 @@ def test_a_fallback_rewritten_in_the_policy_file_takes_effect_while_the_router_r
             engines[0].state.draining = False
 
 
+def test_the_routers_own_503s_carry_the_policys_retry_after(
+    tiny_model: Path, engines: list[InProcessServer], tmp_path: Path
+) -> None:
+    """`loadShedding.retryAfterSeconds` reached the engines' answers, which the router absorbs, but not the
+    router's own: its sheds said `Retry-After: 1` whatever the policy file it reads said."""
+    policy = tmp_path / "policy.yaml"
+
+    def write(seconds: int) -> None:
+        staged = tmp_path / "policy.staged"  # as the kubelet updates a ConfigMap volume: whole, by a rename
+        staged.write_text(yaml.safe_dump({"loadShedding": {"retryAfterSeconds": seconds}}))
+        staged.replace(policy)
+
+    write(5)
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+    argv = ["--model", str(tiny_model), "--endpoint", engines[0].url, "--policy", str(policy)]
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    try:
+        with serving(router_main.build(parser.parse_args([*argv, "--poll-interval", "3600"]))) as url:
+            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+            engines[0].state.draining = True  # it answers 503 (its own policy: Retry-After 1)
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded", r.text
+            assert r.headers["Retry-After"] == "5"
+            write(7)
+
+            def says(seconds: str) -> bool:
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+                return r.status_code == 503 and r.headers["Retry-After"] == seconds
+
+            wait_for(lambda: says("7"), timeout=10, what="the new retryAfterSeconds in the router's sheds")
+        held = parser.parse_args([*argv, "--poll-interval", "0.1", "--hold-seconds", "0.5"])
+        with serving(router_main.build(held)) as url:
+            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_ready", r.text
+            assert r.headers["Retry-After"] == "7"
+            models = httpx.get(f"{url}/v1/models", timeout=30)
+            assert models.status_code == 503 and models.headers["Retry-After"] == "7", models.text
+    finally:
+        engines[0].state.draining = False
+
+
 def test_a_routing_rule_sends_a_request_to_another_service_and_says_so(
     tiny_model: Path, engines: list[InProcessServer]
 ) -> None:

@@ -10,7 +10,7 @@ Before that, the routing rules (`rules.py`) may send the request to another Infe
 engine that answers 503 before the response begins is skipped for its Retry-After and the request
 goes to one other engine; with no engine to take it the request goes to the fallback server if one is set
 (the policy file's, read live, or the flags'; `x-ember-served-by: fallback`), else the router sheds at once
-(503, Retry-After). A client
+(503, Retry-After: the policy file's `loadShedding.retryAfterSeconds`, as the engines answer). A client
 that disconnects closes the upstream connection, which aborts the request in the engine.
 """
 
@@ -65,7 +65,9 @@ INLINE_TOKENIZE = 256
 class RouterSettings:
     epsilon: float = 0.25  # bounded load: at most (1 + epsilon) x the mean
     session_header: str = "x-session-id"
-    retry_after: int = 1  # seconds, when the whole fleet is overloaded or an engine gave none
+    # Seconds in the Retry-After of the router's own refusals, and an engine's 503 that gave none; with a
+    # policy file, its loadShedding.retryAfterSeconds instead.
+    retry_after: int = 1
     # Seconds to wait for an engine's next bytes (its answer's head, or the next piece of its body) before
     # answering 504; None: as long as the engine takes (its own request deadline applies).
     upstream_timeout: float | None = None
@@ -161,7 +163,7 @@ class Router:
                 response = await self._forward(request, state.name, b"", "GET", "only", 0, retry=True)
                 if response is not None:
                     return response
-        return _error(503, "no engine is ready", "overloaded", "not_ready", self.settings.retry_after)
+        return _error(503, "no engine is ready", "overloaded", "not_ready", self._retry_after())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._route(request, chat=False)
@@ -200,7 +202,7 @@ class Router:
                 f"no engine became ready within {self.settings.hold_seconds:g} s; retry later",
                 "overloaded",
                 "no_engine_ready",
-                self.settings.retry_after,
+                self._retry_after(),
             )
         session_id = request.headers.get(self.settings.session_header)
         tried: set[str] = set()
@@ -298,6 +300,13 @@ class Router:
         finally:
             self.metrics.pending.dec()
 
+    def _retry_after(self) -> int:
+        """The seconds the router's own refusals ask clients to wait: the policy file's
+        `loadShedding.retryAfterSeconds` (what the engines answer too), else the settings'."""
+        if self.policy is not None:
+            return self.policy.policy.load_shedding.retry_after_seconds
+        return self.settings.retry_after
+
     def _routes(self) -> tuple[tuple[Rule, str], ...]:
         return self.routes_file.routes if self.routes_file is not None else self.settings.routes
 
@@ -353,14 +362,14 @@ class Router:
                 return response
             self.metrics.fallback.labels("failed").inc()
         self.metrics.shed.labels("fleet_overloaded").inc()
-        return _error(503, f"{why}; retry later", "overloaded", "fleet_overloaded", self.settings.retry_after)
+        return _error(503, f"{why}; retry later", "overloaded", "fleet_overloaded", self._retry_after())
 
     def _timed_out(self, engine_url: str, timeout: float | None) -> web.Response:
         """A 504: the engine has the request but sent nothing for the read deadline. Not retried elsewhere
         (it may be running still) nor taken as the engine being gone."""
         seconds = timeout if timeout is not None else self.settings.upstream_timeout
         return _error(504, f"the engine {engine_url} sent nothing for {seconds:g} s (the router's read deadline)",
-                      "upstream_error", "upstream_timeout", self.settings.retry_after)  # fmt: skip
+                      "upstream_error", "upstream_timeout", self._retry_after())  # fmt: skip
 
     async def _forward(
         self,
@@ -413,14 +422,14 @@ class Router:
                     f"the engine could not be reached: {exc}",
                     "upstream_error",
                     "engine_unreachable",
-                    self.settings.retry_after,
+                    self._retry_after(),
                 )
             finished = False
             try:
                 # 503: the engine is overloaded (or not serving): another may take it. A 429 is the client's
                 # own limit at that engine: relayed, so the limit holds and no one else is turned away.
                 if upstream.status == 503 and retry:
-                    wait = _retry_after(upstream.headers.get("Retry-After"), self.settings.retry_after)
+                    wait = _retry_after(upstream.headers.get("Retry-After"), self._retry_after())
                     state.overloaded_until = time.monotonic() + wait
                     if engine is not None and _is_shed(await upstream.read()):
                         self.metrics.engine_sheds_retried.inc()  # the engine counted it; the client won't see it
@@ -444,7 +453,7 @@ class Router:
                         if isinstance(exc, aiohttp.SocketTimeoutError):
                             return self._timed_out(engine_url, timeout)
                         return _error(502, f"the engine {engine_url} broke off its answer: {exc!r}",
-                                      "upstream_error", "upstream_error", self.settings.retry_after)  # fmt: skip
+                                      "upstream_error", "upstream_error", self._retry_after())  # fmt: skip
                     finished = True
                     self.metrics.e2e.observe(time.perf_counter() - arrived)
                     return web.Response(
