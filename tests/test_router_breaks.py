@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -15,8 +18,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_util import InProcessServer, running_server, server_process
 from test_router import running_router
+from waiting import wait_for
 
-from ember_router.proxy import RouterSettings
+from ember_engine.core.tokenizer import Tokenizer
+from ember_router.embedded import serving
+from ember_router.pool import EnginePool
+from ember_router.proxy import ROUTED_TO, Router, RouterSettings
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +91,74 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event(tiny
         assert error["code"] == "upstream_error" and engine_url in error["message"]
         assert all("choices" in json.loads(e) for e in events[:-2])  # every event before it whole
         assert _counter(url, "ember_router:upstream_errors_total") == 1
+
+
+def test_requests_on_an_engine_that_dies_before_answering_are_held_for_the_next_ready_one(
+    tiny_model: Path, engine: InProcessServer
+) -> None:
+    """Failover: the requests in flight on an engine killed before it answered were shed at once (503
+    `fleet_overloaded`), though the router holds requests (`hold_seconds`) and a warm engine was Ready a
+    moment later; with no engine Ready within the hold the answer is `no_engine_ready`, as for a request
+    that arrives to no engine."""
+    engine.state.draining = True  # the warm engine: not Ready yet
+    try:
+        with server_process(tiny_model, "--block-size", "16") as (dying, proc), ExitStack() as stack:
+            routers = []
+            for urls, hold in (([dying, engine.url], 30.0), ([dying], 1.0)):
+                router = Router(
+                    EnginePool(urls, poll_interval=0.1),
+                    Tokenizer(str(tiny_model)),
+                    RouterSettings(hold_seconds=hold),
+                )
+                url = stack.enter_context(serving(router))
+                wait_for(lambda r=router: r.pool.engines[dying].state.ready, what="the engine polled Ready")
+                routers.append(url)
+            held_url, short_url = routers
+            body = {"model": _model(dying), "prompt": "go", "max_tokens": 500, "ignore_eos": True}
+            with ThreadPoolExecutor(4) as pool:
+                held = [
+                    pool.submit(httpx.post, f"{held_url}/v1/completions", json=body, timeout=120)
+                    for _ in range(3)
+                ]
+                short = pool.submit(httpx.post, f"{short_url}/v1/completions", json=body, timeout=120)
+                wait_for(lambda: _counter(dying, "vllm:num_requests_running") == 4, what="4 requests running")
+                proc.send_signal(signal.SIGKILL)  # before any byte of a whole answer
+                wait_for(
+                    lambda: (
+                        _counter(held_url, "ember_router:pending_requests") == 3
+                        or all(f.done() for f in held)
+                    ),
+                    what="the 3 requests held",
+                )
+                answered = [f.result().text for f in held if f.done()]
+                assert not answered, answered
+                r = short.result(timeout=30)  # its hold (1 s from its arrival) runs out
+                assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_ready", r.text
+                engine.state.draining = False  # the warm engine becomes Ready
+                for f in held:
+                    r = f.result(timeout=120)
+                    assert r.status_code == 200, r.text
+                    assert r.headers[ROUTED_TO] == engine.url
+                    assert r.json()["usage"]["completion_tokens"] == 500
+    finally:
+        engine.state.draining = False
+
+
+def test_an_engine_that_refuses_is_not_held_for(tiny_model: Path, engine: InProcessServer) -> None:
+    """Holding is for engines that are not there: one that answers 503 (overloaded, draining) sheds the
+    request at once, as without a hold."""
+    settings = RouterSettings(hold_seconds=30)
+    with running_router(tiny_model, [engine.url], poll_interval=3600, settings=settings) as (url, _router):
+        body = {"model": _model(engine.url), "prompt": "x", "max_tokens": 1}
+        engine.state.draining = True  # answers 503; the router has not polled since
+        try:
+            start = time.perf_counter()
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            elapsed = time.perf_counter() - start
+        finally:
+            engine.state.draining = False
+        assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded", r.text
+        assert elapsed < 1.0, f"a refusal must be answered at once, took {elapsed:.3f} s"
 
 
 def test_the_routers_own_errors_are_openai_shaped(tiny_model: Path, engine: InProcessServer) -> None:

@@ -4,7 +4,8 @@ A request is read, its prompt tokenized as the engines will (off the event loop)
 up in the prefix index, and an engine chosen (`policy.choose`). The request goes on unchanged; the response
 comes back chunk by chunk (SSE streams included) with `x-ember-routed-to` and `x-ember-route-reason`.
 With `hold_seconds`, a request that finds no engine Ready waits (up to that long, counted in
-`ember_router:pending_requests`) for one, so that the demand is visible while engines start from zero.
+`ember_router:pending_requests`) for one, so that the demand is visible while engines start from zero; so
+does, for what is left of that time, a request whose engines all went away before answering (failover).
 Before that, the routing rules (`rules.py`) may send the request to another InferenceService instead
 (`x-ember-routed-to: <that service>`, `x-ember-route-reason: rule:<name>`). An
 engine that answers 503 before the response begins is skipped for its Retry-After and the request
@@ -51,6 +52,9 @@ ROUTE_REASON = "x-ember-route-reason"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 MAX_BODY = 32 * 1024 * 1024
 HOLD_POLL = 0.05  # seconds between looks at the pool while a request is held
+TRIES = 2  # engines a request is sent to before it is shed (or, their all being gone, held again)
+# Times a request whose engines were all gone before answering is held again for another (within its hold).
+FAILOVER_HOLDS = 3
 # Seconds a prompt just sent to an engine counts as cached there before the engine's events confirm it.
 SENT_HOLD = 5.0
 # Seconds to connect to an engine or the fallback: a request for one that cannot be reached is shed soon.
@@ -191,38 +195,53 @@ class Router:
             routed = await self._by_rule(request, body, raw, prompts.first_tokens, arrived)
             if routed is not None:
                 return routed
-        if self.settings.hold_seconds > 0 and not await self._hold():
-            fallback = self._fallback()
-            if fallback is not None and "Unavailable" in fallback.when:  # the hold ran out: over there
-                why = f"no engine became ready within {self.settings.hold_seconds:g} s"
-                return await self._shed(request, body, arrived, why, "Unavailable")
-            self.metrics.shed.labels("no_engine_ready").inc()
-            return _error(
-                503,
-                f"no engine became ready within {self.settings.hold_seconds:g} s; retry later",
-                "overloaded",
-                "no_engine_ready",
-                self._retry_after(),
-            )
+        hold_until = time.monotonic() + self.settings.hold_seconds  # the request's whole hold budget
+        if self.settings.hold_seconds > 0 and not await self._hold(hold_until):
+            return await self._no_engine_ready(request, body, arrived)
         session_id = request.headers.get(self.settings.session_header)
         tried: set[str] = set()
-        for attempt in range(2):
+        unreachable: set[str] = set()  # of those tried, the ones that could not be reached
+        holds = 0
+        attempt = tries = 0
+        while True:
             now = time.monotonic()
             matched = {
                 url: self.pool.index.matched_blocks(url, hashes, e.events_live, now)
                 for url, e in self.pool.engines.items()
             }
-            decision = choose(
-                self.pool.states(),
-                matched,
-                now,
-                self.settings.epsilon,
-                self.sessions.get(session_id) if session_id else None,
-                frozenset(tried),
-                next(self._turns),
+            decision = (
+                choose(
+                    self.pool.states(),
+                    matched,
+                    now,
+                    self.settings.epsilon,
+                    self.sessions.get(session_id) if session_id else None,
+                    frozenset(tried),
+                    next(self._turns),
+                )
+                if tries < TRIES
+                else None
             )
-            if decision.engine is None:
-                break
+            if decision is None or decision.engine is None:
+                # Every engine tried was gone before it answered (it died, or went away with the request)
+                # and none is Ready now: hold, with what is left of the hold, for one to be (a warm pod
+                # promoted), then try again. Nothing of an answer has reached the client, so the request
+                # may run again; an engine that refused it (503) is not gone, and a few holds at most.
+                if not (
+                    tried
+                    and unreachable == tried
+                    and self.settings.hold_seconds > 0
+                    and holds < FAILOVER_HOLDS
+                    and not any(s.ready for s in self.pool.states())
+                ):
+                    break
+                holds += 1
+                if not await self._hold(hold_until):
+                    return await self._no_engine_ready(request, body, arrived)
+                tried.clear()
+                unreachable.clear()
+                tries = 0
+                continue
             if attempt:
                 self.metrics.retries.inc()
             engine = self.pool.engines[decision.engine]
@@ -260,10 +279,13 @@ class Router:
                 arrived,
                 retry=True,
                 accepted=self._count_prompts(prompts.tokens, expected),
+                unreachable=unreachable,
             )
             if response is not None:
                 return response
             tried.add(decision.engine)
+            attempt += 1
+            tries += 1
         # No engine left to take it, or the engines tried refused it or could not be reached.
         ready = any(st.ready for st in self.pool.states())
         why = (
@@ -284,21 +306,29 @@ class Router:
 
         return count
 
-    async def _hold(self) -> bool:
-        """Wait, counted in `ember_router:pending_requests`, until an engine is Ready; False when
-        `hold_seconds` pass first. A client that goes away cancels the wait (and the handler)."""
+    async def _hold(self, until: float) -> bool:
+        """Wait, counted in `ember_router:pending_requests`, until an engine is Ready; False when the
+        monotonic time `until` comes first. A client that goes away cancels the wait (and the handler)."""
         if any(s.ready for s in self.pool.states()):
             return True
-        deadline = time.monotonic() + self.settings.hold_seconds
         self.metrics.pending.inc()
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < until:
                 await asyncio.sleep(HOLD_POLL)
                 if any(s.ready for s in self.pool.states()):
                     return True
             return False
         finally:
             self.metrics.pending.dec()
+
+    async def _no_engine_ready(self, request: web.Request, body: Any, arrived: float) -> web.StreamResponse:
+        """The hold ran out with no engine Ready: the fallback for Unavailable if one is set, else a 503."""
+        why = f"no engine became ready within {self.settings.hold_seconds:g} s"
+        fallback = self._fallback()
+        if fallback is not None and "Unavailable" in fallback.when:
+            return await self._shed(request, body, arrived, why, "Unavailable")
+        self.metrics.shed.labels("no_engine_ready").inc()
+        return _error(503, f"{why}; retry later", "overloaded", "no_engine_ready", self._retry_after())
 
     def _retry_after(self) -> int:
         """The seconds the router's own refusals ask clients to wait: the policy file's
@@ -384,9 +414,11 @@ class Router:
         routed_to: str | None = None,
         timeout: float | None = None,
         accepted: Callable[[], None] | None = None,
+        unreachable: set[str] | None = None,
     ) -> web.StreamResponse | None:
-        """Send the request to one engine and relay its answer; None when it answered overloaded before the
-        response began and `retry` allows another engine. `accepted` is called when the engine itself takes
+        """Send the request to one engine and relay its answer; None when, before the response began, it
+        answered overloaded or could not be reached (then it is added to `unreachable`) and `retry` allows
+        another engine. `accepted` is called when the engine itself takes
         the request (a 2xx answer not from its fallback). Only a stream's answer is a first token: its first
         event comes with it, where a whole answer's first byte comes with its last."""
         assert self.session is not None
@@ -416,6 +448,8 @@ class Router:
                 self.metrics.upstream_errors.labels(engine_url).inc()
                 state.ready = False  # until the next poll says otherwise
                 if retry:
+                    if unreachable is not None:
+                        unreachable.add(engine_url)
                     return None
                 return _error(
                     502,
