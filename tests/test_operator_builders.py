@@ -6,10 +6,13 @@ the engine's own code is the oracle.
 
 from __future__ import annotations
 
+import asyncio
+import random
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from operator_harness import EnginePage, _metrics_server
 
 from ember_engine.cli import build_parser
 from ember_engine.core.llm_engine import EngineStats
@@ -33,7 +36,8 @@ from ember_operator.desired import (
 )
 from ember_operator.pods import cold_start_seconds, held_troubles, trouble, view, waiting_for_capacity
 from ember_operator.rollout import PodPlan, PodView
-from ember_operator.scrape import parse_sample
+from ember_operator.scaling import Memory, autoscale
+from ember_operator.scrape import Scraper, parse_sample
 from ember_operator.spec import InferenceServiceSpec
 from ember_operator.status import Assessment, Condition, render_conditions
 
@@ -534,3 +538,40 @@ def test_shared_memory_counts_in_the_template_hash_as_the_pod_gets_it() -> None:
         assert template_hash(make_spec(resources={"gpus": 1, "sharedMemory": same})) == template_hash(base)
     for other in ("2Gi", "0"):
         assert template_hash(make_spec(resources={"gpus": 1, "sharedMemory": other})) != template_hash(base)
+
+
+async def _autoscale_once(
+    spec: InferenceServiceSpec, pods: list[dict[str, Any]], views: list[PodView]
+) -> Memory:
+    """One autoscaler evaluation (its first: no Event to post) with a real scraper."""
+    memory = Memory(desired=1)
+    scraper = Scraper(1.0)
+    try:
+        await autoscale(None, spec, OWNER, pods, views, memory, T0, scraper)  # type: ignore[arg-type]
+    finally:
+        await scraper.close()
+    return memory
+
+
+def test_the_scrape_of_a_failover_pass_reads_the_warm_pod_it_promotes() -> None:
+    """The active pod is gone (deleted, or its engine down) and a Ready warm pod takes its place in this
+    pass: the autoscaler reads that pod, not "no Ready active pod", and metrics stay available."""
+    spec = make_spec(warmPool={"size": 1}, autoscaling={"intervalSeconds": 1})
+    h = template_hash(spec)
+    page = EnginePage(waiting=1.0, running=2.0)
+    ip = f"127.{random.randint(20, 250)}.{random.randint(0, 250)}.{random.randint(1, 250)}"
+    server = _metrics_server(ip, page)
+    try:
+        for lost in (
+            PodView("a", ACTIVE, h, False, T0, deleting=True),  # kubectl delete pod
+            PodView("a", ACTIVE, h, False, T0, container_down=True),  # kill -9, restarts failing
+        ):
+            views = [lost, PodView("w", WARM, h, True, T0)]
+            pods = [{"status": {"podIP": "127.0.0.1"}}, {"status": {"podIP": ip}}]
+            memory = asyncio.run(_autoscale_once(spec, pods, views))
+            assert memory.metrics is not None and memory.metrics.status is True, memory.metrics
+            assert memory.inputs is not None and memory.inputs["readyPods"] == 1
+            assert memory.inputs["queueDepth"] == 1.0
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import kubernetes
 import pytest
 import yaml
 from operator_harness import NAMESPACE, TICK, PodRunner, operator_cluster, wait_for
@@ -551,6 +552,71 @@ def test_a_failed_active_pod_is_replaced_by_the_ready_warm_pod(cluster: Any) -> 
     assert api.get("v1", "Pod", NAMESPACE, active["metadata"]["name"]) is None  # replaced, not kept
     wait_for_event(api, "failover", "FailedOver", "Warning")
     wait_for(lambda: converged(api, "failover", 1, 1), what="the pool refilled")
+
+
+def test_a_failover_keeps_the_service_ready_in_every_status_written(cluster: Any) -> None:
+    """The pass that promotes a warm pod in place of a lost active one reports the pods as that pass left
+    them: one Ready active pod. Every status written meanwhile says Ready, and neither Ready's nor
+    MetricsAvailable's lastTransitionTime moves."""
+    api, runner, custom = cluster
+    name = "steady"
+    spec = {"warmPool": {"size": 1}, "autoscaling": {"intervalSeconds": 1}}
+    create(custom, service(name, **spec))
+    wait_for(lambda: converged(api, name, 1, 1), what="1 active, 1 warm")
+    wait_for(lambda: condition(api, name, "MetricsAvailable").get("status") == "True", what="metrics read")
+    seen: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        w = kubernetes.watch.Watch()
+        version = get(api, name)["metadata"]["resourceVersion"]
+        while not stop.is_set():
+            for event in w.stream(
+                custom.list_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                NAMESPACE,
+                PLURAL,
+                resource_version=version,
+                timeout_seconds=1,
+            ):
+                obj = event["object"]
+                version = obj["metadata"]["resourceVersion"]
+                if obj["metadata"]["name"] == name and obj.get("status"):
+                    seen.append(obj["status"])
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    moved: list[tuple[str, dict[str, str], dict[str, str]]] = []
+    try:
+        for lose in ("delete", "kill"):
+            before = {k: condition(api, name, k)["lastTransitionTime"] for k in ("Ready", "MetricsAvailable")}
+            time.sleep(1.1)  # a flip would stamp a later second
+            (active,) = pods(api, name, "active")
+            (warm,) = pods(api, name, "warm")
+            if lose == "delete":  # kubectl delete pod
+                api.delete("v1", "Pod", NAMESPACE, active["metadata"]["name"])
+            else:  # the engine is killed and stays down
+                runner.fail(active["metadata"]["name"])
+            promoted = [warm["metadata"]["name"]]
+            wait_for(
+                lambda: [p["metadata"]["name"] for p in pods(api, name, "active")] == promoted,  # noqa: B023
+                what=f"the warm pod promoted ({lose})",
+            )
+            wait_for(lambda: converged(api, name, 1, 1), what=f"the pool refilled ({lose})")
+            after = {k: condition(api, name, k)["lastTransitionTime"] for k in ("Ready", "MetricsAvailable")}
+            moved += [(lose, before, after)] if after != before else []
+    finally:
+        stop.set()
+        watcher.join()
+    for s in seen:
+        conditions = {c["type"]: c for c in s.get("conditions") or []}
+        assert conditions["Ready"]["status"] == "True", (conditions["Ready"], s.get("readyReplicas"))
+        assert s["readyReplicas"] >= 1 and s["replicas"] >= 1, s
+        assert conditions.get("MetricsAvailable", {}).get("status") != "False", conditions["MetricsAvailable"]
+    assert not moved, f"a condition flipped and back: {moved}"
+    assert not [e for e in events(api, name) if e["reason"] == "MetricsUnavailable"]
+    custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
 
 
 def test_no_finalizer_so_deletion_never_waits_for_the_operator(cluster: Any) -> None:

@@ -64,7 +64,7 @@ from ember_operator.pods import (
     trouble,
     waiting_for_capacity,
 )
-from ember_operator.rollout import PodPlan, plan_pods, roll_frees_room
+from ember_operator.rollout import PodPlan, applied, plan_pods, roll_frees_room
 from ember_operator.scaling import Memory, autoscale, record
 from ember_operator.scrape import Scraper
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
@@ -293,9 +293,11 @@ class Reconciler:
             desired_pod(owner, spec, WARM, pod_hash)
         except PodTemplateError as e:  # no pod can be made: leave the ones there are as they are
             troubles.append(Trouble("PodTemplateInvalid", str(e)))
+            carried_out = False
         else:
             await self._mirror_group_roles(kube, namespace, units, memory)
             troubles += await self._apply(body, kube, owner, spec, pod_hash, plan, memory, units)
+            carried_out = True
         wait = spec.capacity_wait_seconds
         current = [
             p for v in views if v.template_hash == pod_hash and not v.deleting for p in units.pods_of[v.name]
@@ -319,7 +321,8 @@ class Reconciler:
             desired_active=memory.desired,
             warm_size=spec.warm_pool.size,
             min_replicas=spec.replicas.min,
-            pods=views,
+            # As this pass left them: a warm pod promoted in a lost active pod's place serves already.
+            pods=applied(views, plan) if carried_out else views,
             plan=plan,
             troubles=troubles,
             metrics=memory.metrics,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from ember_operator.desired import ACTIVE, WARM
@@ -68,6 +68,22 @@ class PodPlan:
 
     def empty(self) -> bool:
         return not (self.create_warm or self.promote or self.demote or self.delete)
+
+
+def applied(pods: list[PodView], plan: PodPlan) -> list[PodView]:
+    """The pods as a pass that carried out `plan` leaves them: promoted pods active, demoted ones warm,
+    deleted ones on their way out. Status reports these, not the pods the pass started from."""
+    promoted, demoted, deleted = set(plan.promote), set(plan.demote), set(plan.delete)
+    out = []
+    for p in pods:
+        if p.name in deleted:
+            p = replace(p, deleting=True)
+        elif p.name in promoted:
+            p = replace(p, role=ACTIVE)
+        elif p.name in demoted:
+            p = replace(p, role=WARM)
+        out.append(p)
+    return out
 
 
 @dataclass(slots=True)

@@ -17,11 +17,11 @@ import kopf
 
 from ember_operator import metrics
 from ember_operator.autoscaler import Decision, History, Observation, clamp, decide
-from ember_operator.desired import ACTIVE, Owner
+from ember_operator.desired import ACTIVE, Owner, template_hash
 from ember_operator.known import Known
 from ember_operator.podcache import Pending
 from ember_operator.pods import metrics_url
-from ember_operator.rollout import PodView, Releases
+from ember_operator.rollout import PodView, Releases, plan_pods
 from ember_operator.scrape import PodSample, Scraper
 from ember_operator.spec import InferenceServiceSpec
 from ember_operator.status import Condition
@@ -129,10 +129,15 @@ async def autoscale(
     if tick < memory.next_scrape:
         return
     memory.next_scrape = tick + spec.autoscaling.interval_seconds
+    # The active pods as this pass leaves them: a Ready warm pod it promotes (in place of an active pod
+    # deleted or down) serves from now on, and is read instead of finding no pod to read.
+    promoted = plan_pods(
+        views, template_hash(spec), memory.desired, 0, now, spec.warm_pool.failover_after_seconds
+    ).promote
     targets = {
         v.name: url
         for p, v in zip(pods, views, strict=True)
-        if v.role == ACTIVE and v.ready and not v.deleting and (url := metrics_url(p))
+        if (v.role == ACTIVE or v.name in promoted) and v.ready and not v.deleting and (url := metrics_url(p))
     }
     results = await scraper.scrape(targets) if targets else {}
     routed = await scraper.router_fallback(routers) if routers and spec.fallback is not None else {}
