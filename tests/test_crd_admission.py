@@ -224,43 +224,49 @@ LABEL_VALUE = (
         ({"key": "gpu", "operator": "Equal", "value": "a b"}, "operator", LABEL_VALUE),
     ],
 )
+@pytest.mark.parametrize("section", ["resources", "router"])
 def test_tolerations_kube_apiserver_refuses_for_a_pod_are_refused(
-    server: APIServer, toleration: dict[str, Any], field: str, says: str
+    server: APIServer, toleration: dict[str, Any], field: str, says: str, section: str
 ) -> None:
-    """kube-apiserver's ValidateTolerations, at apply time rather than when the operator's pod is refused."""
-    spec = {"resources": {"tolerations": [toleration]}}
+    """kube-apiserver's ValidateTolerations, at apply time rather than when the operator's pod is refused
+    (the engines' and the routers' alike)."""
+    spec = {section: {"tolerations": [toleration]}}
     message = refused(server, spec)
-    assert f"spec.resources.tolerations[0].{field}: Invalid value" in message and says in message, message
+    assert f"spec.{section}.tolerations[0].{field}: Invalid value" in message and says in message, message
     with pytest.raises(ValueError, match=re.escape(says)):
         InferenceServiceSpec.model_validate({"model": {"name": "m", "source": "/m"}, **spec})
 
 
-def test_tolerations_kube_apiserver_takes_are_taken(server: APIServer) -> None:
+@pytest.mark.parametrize("section", ["resources", "router"])
+def test_tolerations_kube_apiserver_takes_are_taken(server: APIServer, section: str) -> None:
     tolerations = [
         {"operator": "Exists"},
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
         {"key": "dedicated", "value": "inference", "effect": "NoExecute", "tolerationSeconds": 60},
         {"key": "k", "operator": "Equal", "value": ""},
     ]
-    assert create(server, {"resources": {"tolerations": tolerations}})
+    created = create(server, {section: {"tolerations": tolerations}})
+    assert created["spec"][section]["tolerations"] == tolerations
 
 
 @pytest.mark.parametrize(
     ("selector", "says"),
     [({"disk": "fast ssd"}, LABEL_VALUE), ({"disk": "x" * 64}, "63")],
 )
+@pytest.mark.parametrize("section", ["resources", "router"])
 def test_node_selector_values_must_be_label_values(
-    server: APIServer, selector: dict[str, str], says: str
+    server: APIServer, selector: dict[str, str], says: str, section: str
 ) -> None:
-    spec = {"resources": {"nodeSelector": selector}}
+    spec = {section: {"nodeSelector": selector}}
     message = refused(server, spec)
-    assert "spec.resources.nodeSelector" in message and says in message, message
+    assert f"spec.{section}.nodeSelector" in message and says in message, message
 
 
-def test_node_selector_keys_must_be_label_keys() -> None:
+@pytest.mark.parametrize("section", ["resources", "router"])
+def test_node_selector_keys_must_be_label_keys(section: str) -> None:
     """Checked by the operator (the CRD cannot bound a map key's length for CEL's cost estimate)."""
     for key, says in (("bad key", "name part " + QUALIFIED_NAME), ("a/b/c", "a qualified name")):
         with pytest.raises(ValueError, match=re.escape(says)):
             InferenceServiceSpec.model_validate(
-                {"model": {"name": "m", "source": "/m"}, "resources": {"nodeSelector": {key: "x"}}}
+                {"model": {"name": "m", "source": "/m"}, section: {"nodeSelector": {key: "x"}}}
             )

@@ -725,6 +725,44 @@ def test_unschedulable_pods_wait_for_capacity_then_stall(cluster: Any) -> None:
     custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "nowhere")
 
 
+def test_router_pods_no_node_can_take_leave_the_service_not_ready_and_stall(cluster: Any) -> None:
+    """The Service points at the routers: with none Ready nothing is served, whatever the engines do. Router
+    pods no node can take wait for capacity, then stall, as engine pods do; spec.router's placement fixes it."""
+    api, _runner, custom = cluster
+    name = "unplaced"
+    toleration = {"key": "gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+    spec = {
+        "router": {"nodeSelector": {"pool": "nowhere"}, "tolerations": [toleration]},
+        "capacityWaitSeconds": 3,
+    }
+    create(custom, service(name, **spec))
+    wait_for(lambda: shape(api, name) == (1, 0), what="the engine Ready")
+    routers = api.get("apps/v1", "Deployment", NAMESPACE, f"{name}-router")
+    assert routers is not None
+    template = routers["spec"]["template"]["spec"]
+    assert template["nodeSelector"] == {"pool": "nowhere"} and template["tolerations"] == [toleration]
+    wait_for(
+        lambda: condition(api, name, "Reconciling").get("reason") == "WaitingForCapacity",
+        what="Reconciling WaitingForCapacity for the routers",
+    )
+    assert "didn't match Pod's node affinity/selector" in condition(api, name, "Reconciling")["message"]
+    assert f"{name}-router-" in condition(api, name, "Reconciling")["message"]
+    ready = condition(api, name, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "RouterUnavailable", ready
+    wait_for(
+        lambda: condition(api, name, "Stalled").get("reason") == "PodsUnschedulable",
+        what="Stalled once the wait is over",
+    )
+    assert f"{name}-router-" in condition(api, name, "Stalled")["message"]
+    assert condition(api, name, "Ready")["status"] == "False"
+
+    # Taking the selector away again takes it out of the routers' template.
+    patch_spec(custom, name, {"router": {"nodeSelector": None}})
+    wait_for(lambda: converged(api, name, 1, 0), what="Ready once the routers are placed")
+    assert condition(api, name, "Stalled")["status"] == "False"
+    custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+
+
 def test_a_routing_rule_naming_a_missing_service_stalls_until_it_exists(cluster: Any) -> None:
     api, _runner, custom = cluster
     create(custom, service("picky", routing=[{"name": "short", "service": "smaller", "maxMaxTokens": 16}]))

@@ -5,6 +5,7 @@ what the Service selects."""
 from __future__ import annotations
 
 import argparse
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from ember_localcluster.apiserver.podsecurity import violations
 from ember_operator import router
 from ember_operator.autoscaler import PodLoad
 from ember_operator.desired import (
+    ACTIVE,
     POLICY_DIR,
     POLICY_FILE,
     ROLE_LABEL,
@@ -24,10 +26,13 @@ from ember_operator.desired import (
     desired_policy_configmap,
     desired_service,
     policy_configmap_name,
+    template_hash,
 )
+from ember_operator.rollout import PodPlan, PodView
 from ember_operator.scaling import Memory, fallback_condition
 from ember_operator.scrape import PodSample, parse_pending, parse_router_fallback
 from ember_operator.spec import InferenceServiceSpec
+from ember_operator.status import Assessment
 from ember_router import main as router_main
 from ember_router.metrics import RouterMetrics
 from ember_router.rules import Rule, parse_routes
@@ -315,3 +320,38 @@ def test_a_failed_scrape_keeps_a_pods_fallback_baseline() -> None:
     later = {"e1": PodSample(PodLoad(0, 0, 0), 10)}
     third = fallback_condition(spec, memory, later, 5, {"r1": 3})
     assert third.status is True and third.message.startswith("8 requests"), third.message
+
+
+def test_routers_take_the_placement_of_spec_router_not_the_engines() -> None:
+    toleration = {"key": "gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+    engines = {
+        "gpus": 0,
+        "nodeSelector": {"pool": "gpu"},
+        "tolerations": [{"key": "gpu", "operator": "Exists"}],
+    }
+    placed = make_spec(
+        resources=engines, router={"nodeSelector": {"pool": "cpu"}, "tolerations": [toleration]}
+    )
+    pod = _pod_spec(placed)
+    assert pod["nodeSelector"] == {"pool": "cpu"} and pod["tolerations"] == [toleration]
+    # In the Deployment's template, so a change rolls the routers; the engines' pods stay as they are.
+    unplaced = make_spec(resources=engines)
+    assert "nodeSelector" not in _pod_spec(unplaced) and "tolerations" not in _pod_spec(unplaced)
+    assert template_hash(placed) == template_hash(unplaced)
+
+
+def test_with_no_router_pod_ready_nothing_is_served_and_waiting_routers_are_progress() -> None:
+    """The Service selects the routers: none Ready is not Ready, whatever the engines; routers no node can
+    take yet make Reconciling WaitingForCapacity as engine pods do."""
+    engine = [PodView("e", ACTIVE, "h", True, datetime(2026, 1, 1, tzinfo=UTC))]
+    waiting = ["pod chat-router-1: 0/1 nodes are available: 1 node(s) had untolerated taint(s)."]
+    a = Assessment("h", 1, 0, 1, engine, PodPlan(), routers=(0, 2), waiting_for_capacity=waiting)
+    c = {x.type: x for x in a.conditions()}
+    assert (c["Ready"].status, c["Ready"].reason) == (False, "RouterUnavailable")
+    assert "0/2 router pods Ready" in c["Ready"].message
+    assert (c["Reconciling"].status, c["Reconciling"].reason) == (True, "WaitingForCapacity")
+    assert "untolerated taint" in c["Reconciling"].message
+    one = {x.type: x for x in Assessment("h", 1, 0, 1, engine, PodPlan(), routers=(1, 2)).conditions()}
+    assert one["Ready"].status is True
+    converged = {x.type: x for x in Assessment("h", 1, 0, 1, engine, PodPlan(), routers=(2, 2)).conditions()}
+    assert (converged["Ready"].status, converged["Reconciling"].status) == (True, False)

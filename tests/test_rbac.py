@@ -283,7 +283,9 @@ def _converged(api: APIServer, name: str, active: int, warm: int) -> bool:
         shape == [active, warm]
         and len(_pods(api, name)) == active + warm
         and status.get("observedGeneration") == obj["metadata"]["generation"]
-        and _condition(api, name, "Ready").get("status") == "True"
+        # The engines as status reports them: `Ready` also wants a Ready router pod, and no Deployment
+        # controller runs here to make one.
+        and (status.get("readyReplicas"), status.get("warmReplicas")) == (active, warm)
     )
 
 

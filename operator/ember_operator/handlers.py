@@ -309,6 +309,18 @@ class Reconciler:
         troubles += held_troubles(memory.held, current, found, now)
         troubles += self._crashes.troubles(namespace, name, units)
         waiting = [m for p in units.all_pods() if (m := waiting_for_capacity(p, now, wait, floor))]
+        # Router pods no node can take: waiting for capacity, then trouble, as engine pods are.
+        router_pods = [
+            p
+            for p in indexed(pod_index, namespace, name, router.ROUTER)
+            if not p["metadata"].get("deletionTimestamp")
+        ]
+        waiting += [m for p in router_pods if (m := waiting_for_capacity(p, now, wait))]
+        troubles += [
+            t
+            for p in router_pods
+            if (t := trouble(p, now, wait)) is not None and t.reason == "PodsUnschedulable"
+        ]
         self._stalled_event(body, memory, troubles)
 
         for p, v in sorted(zip(units.serving, views, strict=True), key=lambda pv: pv[1].created):
@@ -316,6 +328,7 @@ class Reconciler:
             if seconds is not None and v.template_hash == pod_hash:
                 memory.cold_start = round(seconds, 3)
 
+        router_state = router.router_status(spec, routers)
         assessment = Assessment(
             template_hash=pod_hash,
             desired_active=memory.desired,
@@ -328,6 +341,7 @@ class Reconciler:
             metrics=memory.metrics,
             fallback=memory.fallback,
             waiting_for_capacity=waiting,
+            routers=None if router_state is None else (router_state["ready"], router_state["desired"]),
         )
         patch.status.update(assessment.counts())
         patch.status["observedGeneration"] = generation
@@ -340,8 +354,8 @@ class Reconciler:
         )
         patch.status["coldStartSeconds"] = memory.cold_start
         patch.status["autoscaler"] = {"inputs": memory.inputs, "decisions": memory.decisions}
-        patch.status["router"] = router.router_status(spec, routers)
-        conditions = [*assessment.conditions(), router.router_condition(spec, patch.status["router"])]
+        patch.status["router"] = router_state
+        conditions = [*assessment.conditions(), router.router_condition(spec, router_state)]
         patch.status["conditions"] = render_conditions(
             conditions, status.get("conditions") or [], generation, now
         )

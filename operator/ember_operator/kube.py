@@ -92,6 +92,20 @@ def covers(desired: Any, actual: Any, *, quantities: bool = False) -> bool:
     return bool(desired == actual)
 
 
+# Pod template fields the operator sets only when the spec asks for them: one the spec no longer asks for is
+# still in the object, which `covers` alone does not see.
+_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "imagePullSecrets")
+
+
+def _left_over(desired: Obj, actual: Obj) -> bool:
+    """Whether a Deployment's pod template holds an optional field the desired template leaves out."""
+    if desired["kind"] != "Deployment":
+        return False
+    want = desired["spec"]["template"]["spec"]
+    have = ((actual.get("spec") or {}).get("template") or {}).get("spec") or {}
+    return any(have.get(k) and k not in want for k in _OPTIONAL_POD_FIELDS)
+
+
 class NameConflict(Exception):
     """An object the operator would create exists already and belongs to someone else."""
 
@@ -268,7 +282,11 @@ class Kube:
                 kind, meta["name"], [r.get("kind", "") + "/" + r.get("name", "") for r in theirs]
             )
         owned = covers(meta["labels"], actual["metadata"].get("labels") or {})
-        if owned and all(covers(desired[f], actual.get(f)) for f in fields):
+        if (
+            owned
+            and all(covers(desired[f], actual.get(f)) for f in fields)
+            and not _left_over(desired, actual)
+        ):
             return actual
         body = dict(actual)
         body["metadata"] = {

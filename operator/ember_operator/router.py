@@ -13,7 +13,8 @@ A router pod runs the engine image (which carries `ember router`), reads the sam
 tokenizer and chat template (the same model volumes and fetch init containers as an engine), drains for as
 long as an engine does (`spec.lifecycle`), and takes `spec.pod`'s identity fields (image pull secrets,
 pod and container security contexts) but none of its GPU placement (no GPUs, node selector, tolerations,
-affinity or spreading of the engines).
+affinity or spreading of the engines): a node selector and tolerations of their own come from
+`spec.router`, in the Deployment's template (a change rolls the routers, not the engines).
 """
 
 from __future__ import annotations
@@ -173,6 +174,12 @@ def desired_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[
     attach_model(pod_spec, container, spec, security)
     if placement.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in placement.image_pull_secrets]
+    if spec.router.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.router.node_selector)
+    if spec.router.tolerations:
+        pod_spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in spec.router.tolerations
+        ]
     labels = {**placement.labels, **router_selector(owner.name), MANAGED_BY_LABEL: "ember-operator"}
     return {
         "apiVersion": "apps/v1",

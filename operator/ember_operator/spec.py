@@ -448,6 +448,25 @@ _NODE_SELECTOR_VALUE_RULE: dict[str, Any] = dict(
 )
 MAX_NODE_SELECTOR = 64
 MAX_TOLERATIONS = 64
+_NODE_SELECTOR_SCHEMA: dict[str, Any] = {
+    "additionalProperties": {
+        "type": "string",
+        "maxLength": LABEL_VALUE_MAX,
+        "x-kubernetes-validations": [_NODE_SELECTOR_VALUE_RULE],
+    }
+}
+_NODE_SELECTOR_CHECKS = (
+    "The API server checks the values as label values; the operator checks the keys as label keys."
+)
+
+
+def check_node_selector(selector: dict[str, str]) -> dict[str, str]:
+    """A nodeSelector's keys as label keys and values as label values (kube-apiserver's checks)."""
+    for key, value in selector.items():
+        errors = label_key_errors(key) + label_value_errors(value)
+        if errors:
+            raise ValueError(f"nodeSelector {key!r}: {value!r}: {'; '.join(errors)}")
+    return selector
 
 
 class Resources(_Object):
@@ -470,15 +489,8 @@ class Resources(_Object):
     node_selector: dict[str, str] = Field(
         default_factory=dict,
         max_length=MAX_NODE_SELECTOR,
-        description="The pods' nodeSelector. The API server checks the values as label values; the operator "
-        "checks the keys as label keys.",
-        json_schema_extra={
-            "additionalProperties": {
-                "type": "string",
-                "maxLength": LABEL_VALUE_MAX,
-                "x-kubernetes-validations": [_NODE_SELECTOR_VALUE_RULE],
-            }
-        },
+        description="The pods' nodeSelector. " + _NODE_SELECTOR_CHECKS,
+        json_schema_extra=_NODE_SELECTOR_SCHEMA,
     )
     tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_TOLERATIONS)
     image: str = Field(default="ghcr.io/ember-dev/ember-engine:0.1.0", min_length=1)
@@ -505,11 +517,7 @@ class Resources(_Object):
     @field_validator("node_selector")
     @classmethod
     def _labels(cls, selector: dict[str, str]) -> dict[str, str]:
-        for key, value in selector.items():
-            errors = label_key_errors(key) + label_value_errors(value)
-            if errors:
-                raise ValueError(f"nodeSelector {key!r}: {value!r}: {'; '.join(errors)}")
-        return selector
+        return check_node_selector(selector)
 
     @field_validator("memory", "shared_memory")
     @classmethod
@@ -612,11 +620,27 @@ class Router(_Object):
         description="With no engine Ready, how long a router holds a request for one (the demand that wakes "
         "a service with replicas.min 0); 0: answer 503 at once.",
     )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=MAX_NODE_SELECTOR,
+        description="The router pods' nodeSelector (they take none of resources'). " + _NODE_SELECTOR_CHECKS,
+        json_schema_extra=_NODE_SELECTOR_SCHEMA,
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=MAX_TOLERATIONS,
+        description="The router pods' tolerations (they take none of resources').",
+    )
 
     @field_validator("memory")
     @classmethod
     def _in_bytes(cls, value: str | None) -> str | None:
         return check_bytes("router.memory", value)
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, selector: dict[str, str]) -> dict[str, str]:
+        return check_node_selector(selector)
 
 
 class RoutingRule(_Object):

@@ -1,6 +1,7 @@
 """The InferenceService's status: counts, the endpoint, and conditions with kstatus semantics. Pure.
 
-`Ready` says whether the service can serve at its floor; `Reconciling` (abnormal-true) says work is under
+`Ready` says whether the service can serve at its floor (and, with the router on, whether a router pod is
+Ready: the Service selects the routers); `Reconciling` (abnormal-true) says work is under
 way; `Stalled` (abnormal-true) says it will not converge without a change to the spec. While stalled,
 `Reconciling` is False, so that kstatus and Argo CD report a failure rather than endless progress.
 """
@@ -60,6 +61,8 @@ class Assessment:
     metrics: Condition | None = None
     fallback: Condition | None = None
     waiting_for_capacity: list[str] = field(default_factory=list)  # scheduler messages, within the wait
+    # (Ready, wanted) router pods; None with the router off. The Service selects the routers when it is on.
+    routers: tuple[int, int] | None = None
 
     def _current(self, role: str) -> list[PodView]:
         return [p for p in self.pods if not p.deleting and p.role == role]
@@ -84,6 +87,10 @@ class Assessment:
             "MinimumReplicasReady" if ready_active >= floor else "MinimumReplicasUnavailable",
             summary,
         )
+        if self.routers is not None and self.routers[0] == 0:
+            # The Service's only endpoints are the routers: with none Ready nothing is served.
+            message = f"{summary}; 0/{self.routers[1]} router pods Ready"
+            ready = Condition("Ready", False, "RouterUnavailable", message)
         current_ready_warm = sum(
             p.ready for p in self._current("warm") if p.template_hash == self.template_hash
         )
@@ -123,6 +130,8 @@ class Assessment:
             return "ScalingDown"
         if any(not p.ready for p in live):
             return "PodsStarting"
+        if self.routers is not None and self.routers[0] < self.routers[1]:
+            return "RoutersStarting"
         if any(p.deleting for p in self.pods):
             return "PodsTerminating"
         return None
