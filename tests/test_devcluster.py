@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -238,3 +239,89 @@ def _quietly(check: Any) -> Any:
         return check()
     except httpx.HTTPError:
         return None
+
+
+def _dev(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([EMBER, "dev", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _run_web_pod(state: Path) -> int:
+    """Run a pod of `python -m http.server` through the cluster in `state`; its process id."""
+    api = client.CoreV1Api(config.new_client_from_config(str(state / "kubeconfig")))
+    container = {"name": "web", "image": f"{ENGINE_IMAGE}:0.1.0", "command": WEB_SERVER}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "web"},
+        "spec": {"containers": [container]},
+    }
+    api.create_namespaced_pod("default", pod)
+
+    def pid() -> int:
+        status = api.read_namespaced_pod("web", "default").status
+        assert status.phase == "Running"
+        return int(status.container_statuses[0].container_id.rsplit("/", 1)[1])
+
+    return wait_for(pid, timeout=60, what="the web pod Running")
+
+
+def test_dev_down_and_up_reap_the_pods_of_a_control_plane_that_was_killed(tmp_path: Path) -> None:
+    """A kubelet that dies leaves its containers running (as a real node's would); the process ids and
+    start times it recorded let `ember dev down` and `ember dev up` end them."""
+    state, port = tmp_path / "dev", free_port()
+    up = _dev("up", "--dir", str(state), "--port", str(port))
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        web = _run_web_pod(state)
+        os.kill(int((state / "dev.pid").read_text()), signal.SIGKILL)
+        down = _dev("down", "--dir", str(state))
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert not _alive(web), "a pod's process outlived `ember dev down` after the control plane was killed"
+
+        up = _dev("up", "--dir", str(state), "--port", str(port))
+        assert up.returncode == 0, up.stdout + up.stderr
+        web = _run_web_pod(state)
+        os.kill(int((state / "dev.pid").read_text()), signal.SIGKILL)
+        up = _dev("up", "--dir", str(state), "--port", str(port))
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert not _alive(web), "a pod's process outlived `ember dev up` after the control plane was killed"
+    finally:
+        _dev("down", "--dir", str(state))
+
+
+def test_two_dev_up_at_once_start_one_control_plane(tmp_path: Path) -> None:
+    state, ports = tmp_path / "dev", (free_port(), free_port())
+    ups = [
+        subprocess.Popen(
+            [EMBER, "dev", "up", "--dir", str(state), "--port", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for port in ports
+    ]
+    try:
+        outs = [p.communicate(timeout=180) for p in ups]
+        assert [p.returncode for p in ups] == [0, 0], outs
+        url = (state / "ready").read_text()
+        assert f"server: {url}" in (state / "kubeconfig").read_text()
+        started = [out for out, _ in outs if out.startswith("ember dev: up")]
+        assert len(started) == 1, outs
+        (second,) = [out for out, _ in outs if not out.startswith("ember dev: up")]
+        assert second.startswith(f"ember dev: already running (API server {url})"), second
+        assert len(_dev_runs(state)) == 1, "two control planes run on one directory"
+    finally:
+        down = _dev("down", "--dir", str(state))
+    assert down.stdout == "ember dev: down\n", down.stdout + down.stderr
+    assert not _dev_runs(state), "a control plane outlived `ember dev down`"
+
+
+def _dev_runs(state: Path) -> list[int]:
+    """The `ember dev run` processes of the directory `state`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            args = cmdline.read_bytes().split(b"\0")
+            if b"run" in args and str(state).encode() in args and _alive(int(cmdline.parent.name)):
+                found.append(int(cmdline.parent.name))
+    return found

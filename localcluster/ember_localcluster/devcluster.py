@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import os
 import signal
 import socket
@@ -33,6 +34,8 @@ DEFAULT_PROMETHEUS_PORT = 19090
 MODEL_CLAIM = "model-weights"
 DEFAULT_PORT = 16443
 OPERATOR_NAMESPACE = "ember-system"
+RUNNING_LOCK = "dev.lock"  # held by the running control plane (`ember dev run`)
+COMMANDS_LOCK = "commands.lock"  # held by one `ember dev up` or `down` at a time
 
 
 class PortInUse(OSError):
@@ -221,18 +224,65 @@ def _pid_file(directory: Path) -> Path:
     return directory / "dev.pid"
 
 
-def _running_pid(directory: Path) -> int | None:
+def _lock(directory: Path, name: str, *, wait: bool) -> int | None:
+    """An open descriptor of `<directory>/<name>` holding its exclusive flock; None when another process
+    holds it and `wait` is False. The lock goes with the descriptor (closed, or its process gone)."""
+    fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        pid = int(_pid_file(directory).read_text())
-        os.kill(pid, 0)
-    except (OSError, ValueError):
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
         return None
-    return pid
+    return fd
+
+
+def _running_pid(directory: Path, timeout: float = 0.0) -> int | None:
+    """The process id of the control plane running in `directory` (the one holding `dev.lock`), waiting
+    up to `timeout` seconds for one that is starting to write it; None when none runs. When none runs,
+    what a control plane that died left (pods' processes, files) is cleaned up first."""
+    free = _lock(directory, RUNNING_LOCK, wait=False)
+    if free is not None:
+        try:
+            _reap(directory)
+        finally:
+            os.close(free)
+        return None
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(_pid_file(directory).read_text())
+            os.kill(pid, 0)
+            return pid
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+
+
+def _reap(directory: Path) -> None:
+    """End the pods' processes a control plane of `directory` that died left running, and its files."""
+    from ember_localcluster.kubelet.kubelet import kill_recorded_processes
+
+    killed = kill_recorded_processes(directory / "kubelet")
+    if killed:
+        print(
+            f"ember dev: killed {len(killed)} pod process(es) left by a control plane that did not stop: "
+            + " ".join(map(str, killed)),
+            flush=True,
+        )
+    for leftover in (_pid_file(directory), directory / "ready"):
+        leftover.unlink(missing_ok=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Foreground: run the cluster until SIGTERM or SIGINT."""
     directory = Path(args.dir).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    # Held for as long as this process lives: one control plane per directory.
+    running = _lock(directory, RUNNING_LOCK, wait=False)
+    if running is None:
+        print(f"ember dev: already running in {directory}{_address(directory)}", file=sys.stderr, flush=True)
+        return 1
+    _reap(directory)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -268,15 +318,26 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
     for leftover in (_pid_file(directory), directory / "ready"):
         leftover.unlink(missing_ok=True)
+    os.close(running)
     return 1 if cluster.operator_error is not None else 0
 
 
 def up(args: argparse.Namespace) -> int:
     directory = Path(args.dir).resolve()
     directory.mkdir(parents=True, exist_ok=True)
+    # One `ember dev up` or `down` at a time per directory, from its check to the control plane's start.
+    commands = _lock(directory, COMMANDS_LOCK, wait=True)
+    try:
+        return _up(args, directory)
+    finally:
+        if commands is not None:
+            os.close(commands)
+
+
+def _up(args: argparse.Namespace, directory: Path) -> int:
     kubeconfig = directory / "kubeconfig"
     if _running_pid(directory) is not None:
-        print(f"ember dev: already running; export KUBECONFIG={kubeconfig}")
+        print(f"ember dev: already running{_address(directory)}; export KUBECONFIG={kubeconfig}")
         return 0
     busy = _port_busy(args.port)
     if busy is not None:
@@ -324,7 +385,19 @@ def up(args: argparse.Namespace) -> int:
 
 def down(args: argparse.Namespace) -> int:
     directory = Path(args.dir).resolve()
-    pid = _running_pid(directory)
+    if not directory.is_dir():
+        print("ember dev: not running")
+        return 0
+    commands = _lock(directory, COMMANDS_LOCK, wait=True)
+    try:
+        return _down(args, directory)
+    finally:
+        if commands is not None:
+            os.close(commands)
+
+
+def _down(args: argparse.Namespace, directory: Path) -> int:
+    pid = _running_pid(directory, args.timeout)
     if pid is None:
         print("ember dev: not running")
         return 0
@@ -334,12 +407,18 @@ def down(args: argparse.Namespace) -> int:
         print(f"ember dev: pid {pid} did not stop in {args.timeout:g} s; killing it", file=sys.stderr)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-        _kill_pods(directory / "kubelet" / "pods")
         _wait_gone(pid, 10)
-        _pid_file(directory).unlink(missing_ok=True)
+        _running_pid(directory)  # the lock is free now: what it left goes
         return 1
     print("ember dev: down")
     return 0
+
+
+def _address(directory: Path) -> str:
+    """` (API server <url>)` of the control plane running in `directory`, once it has started."""
+    with contextlib.suppress(OSError):
+        return f" (API server {(directory / 'ready').read_text()})"
+    return ""
 
 
 def _port_busy(port: int) -> OSError | None:
@@ -384,16 +463,6 @@ def _wait_gone(pid: int, timeout: float) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-def _kill_pods(pods_dir: Path) -> None:
-    """Kill the process groups of the pods' latest container runs, from the kubelet's run records: the
-    control plane was killed before its kubelet could stop them."""
-    for runs in pods_dir.glob("*/*.log.runs"):
-        lines = runs.read_text().split()
-        if lines and lines[-1].startswith("process://"):
-            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                os.killpg(int(lines[-1].removeprefix("process://")), signal.SIGKILL)
 
 
 def _taint_text(taint: Mapping[str, str]) -> str:

@@ -45,6 +45,12 @@ Each pod is run by a worker of its own (`podworker`). One kubelet serves one or 
   restarts (`log_path()`); each run appends `<offset> <containerID>` to `<container>.log.runs`, so that
   the API server's `pods/log` (`kubectl logs`, `--previous`) can serve one run
   (`apiserver/podlogs.py`; `DevCluster` wires it up).
+* **Processes.** Each process it starts (a container's run, an exec probe) runs in a session of its own
+  and is recorded as `<state_dir>/processes/<pid>`, holding the process's start time (field 22 of
+  `/proc/<pid>/stat`), until it has exited. As a real node's containers outlive a kubelet that dies, these
+  processes outlive a kubelet that is killed; `kill_recorded_processes(state_dir)` then ends them (the
+  process group of each recorded process that still runs with the recorded start time, so a reused process
+  id is left alone). `ember dev down` and `ember dev up` call it for a control plane that died.
 
 Not modelled: isolation of any kind (processes share the host's filesystem, users, PID space and ports;
 127.0.0.1 inside a pod is the host's), cgroups and resource limits (requests count only at admission),
@@ -58,6 +64,7 @@ terminationMessagePath file, readiness gates, exec/attach/port-forward. Linux on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -66,6 +73,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,7 +98,15 @@ from ember_localcluster.kubelet.podvolumes import write_atomically
 from ember_localcluster.kubelet.podworker import _PodWorker
 from ember_localcluster.runtime import BackgroundRuntime
 
-__all__ = ["DEFAULT_IMAGES", "ENGINE_IMAGE", "Informer", "NodeConfig", "ProcessKubelet", "write_atomically"]
+__all__ = [
+    "DEFAULT_IMAGES",
+    "ENGINE_IMAGE",
+    "Informer",
+    "NodeConfig",
+    "ProcessKubelet",
+    "kill_recorded_processes",
+    "write_atomically",
+]
 
 log = logging.getLogger("ember.kubelet")
 
@@ -280,10 +296,18 @@ class ProcessKubelet:
     def track(self, pgid: int) -> None:
         with self._groups_lock:
             self._groups.add(pgid)
+        started = _start_time(pgid)
+        if started is not None:
+            with contextlib.suppress(OSError):
+                records = self.state_dir / PROCESSES
+                records.mkdir(parents=True, exist_ok=True)
+                (records / f".{pgid}").write_text(started)
+                (records / f".{pgid}").rename(records / str(pgid))  # never a record without its time
 
     def untrack(self, pgid: int) -> None:
         with self._groups_lock:
             self._groups.discard(pgid)
+        (self.state_dir / PROCESSES / str(pgid)).unlink(missing_ok=True)
 
     # -- internals -------------------------------------------------------------------------------------
 
@@ -311,6 +335,7 @@ class ProcessKubelet:
             groups = list(self._groups)
         for pgid in groups:
             _signal_group(pgid, signal.SIGKILL)
+            (self.state_dir / PROCESSES / str(pgid)).unlink(missing_ok=True)
 
     async def _shutdown(self) -> None:
         tasks = [w.task for w in self._workers.values() if w.task is not None]
@@ -439,3 +464,34 @@ def _without_unknown_extended(container: dict[str, Any], allocatable: Mapping[st
             "limits": keep(resources.get("limits") or {}),
         },
     }
+
+
+PROCESSES = "processes"
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (field 22 of /proc/<pid>/stat, clock ticks since boot); None when it
+    has exited or is a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def kill_recorded_processes(state_dir: str | Path) -> list[int]:
+    """Kill (SIGKILL) the process group of each process a kubelet with `state_dir` recorded that still
+    runs with its recorded start time, wait until those leaders have exited, and drop the records: what
+    a kubelet that died left running. Returns the process ids it killed."""
+    killed = []
+    for record in sorted(Path(state_dir, PROCESSES).glob("[0-9]*")):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(record.name)
+            if _start_time(pid) == record.read_text().strip():
+                _signal_group(pid, signal.SIGKILL)
+                killed.append(pid)
+        record.unlink(missing_ok=True)
+    deadline = time.monotonic() + 10
+    while any(_start_time(pid) is not None for pid in killed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return killed
