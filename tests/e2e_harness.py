@@ -269,8 +269,14 @@ def control_plane(
             lws = LeaderWorkerSetController(kubeconfig).start()
         deployments = DeploymentController(kubeconfig).start()
         scheduler = Scheduler(kubeconfig).start()
+        # Crash loops quicker than the kubelet's 10 s doubling to 300 s, so they show in seconds.
         kubelet = ProcessKubelet(
-            kubeconfig, root / "kubelet", claims={MODEL_CLAIM: models}, nodes=nodes
+            kubeconfig,
+            root / "kubelet",
+            claims={MODEL_CLAIM: models},
+            nodes=nodes,
+            backoff_initial=1.0,
+            backoff_max=10.0,
         ).start()
         api.attach_kubelet(kubelet.node_names, kubelet.pods_dir)
         proxy = ServiceProxy(kubeconfig).start()

@@ -44,8 +44,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
     root = tmp_path_factory.mktemp("cluster")
     with APIServer(pod_graceful_deletion=True, bookmark_interval=1) as api:
         kubeconfig = api.write_kubeconfig(root / "kubeconfig")
+        # Crash loops quicker than the kubelet's 10 s doubling to 300 s, so restarts are seen in seconds.
         kubelet = ProcessKubelet(
-            kubeconfig, root / "state", claims={"weights": tiny_model.parent}, images=IMAGES, ip_prefix=PREFIX
+            kubeconfig,
+            root / "state",
+            claims={"weights": tiny_model.parent},
+            images=IMAGES,
+            ip_prefix=PREFIX,
+            backoff_initial=1.0,
+            backoff_max=10.0,
         )
         with (
             Scheduler(kubeconfig),
@@ -677,3 +684,28 @@ def test_write_atomically_swaps_the_whole_directory(tmp_path: Path) -> None:
     assert (target / "a.yaml").read_bytes() == b"3" and not (target / "dir").exists()
     with pytest.raises(ValueError):
         write_atomically(target, {"../escape": b""})
+
+
+def test_crash_loop_back_off_is_the_kubelets_by_default(tmp_path: Path) -> None:
+    """As the kubelet (pkg/kubelet: backOffPeriod 10 s, MaxContainerBackOff 300 s): the first exit restarts
+    at once, the second waits 10 s, reported as `back-off 10s restarting failed container=...`."""
+    with APIServer() as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        kubelet = ProcessKubelet(kubeconfig, tmp_path / "state", images=IMAGES, ip_prefix="127.2.")
+        assert (kubelet.backoff_initial, kubelet.backoff_max) == (10.0, 300.0)
+        with Scheduler(kubeconfig), kubelet:
+            uid = api.create(python_pod("crasher", ["python3", "-c", "raise SystemExit(3)"]))["metadata"][
+                "uid"
+            ]
+
+            def backing_off() -> dict[str, Any] | None:
+                status = container(get_pod(api, "crasher"))
+                return (
+                    status if status["state"].get("waiting", {}).get("reason") == "CrashLoopBackOff" else None
+                )
+
+            status = wait_for(backing_off, what="the container in CrashLoopBackOff")
+            assert status["restartCount"] == 1
+            assert status["state"]["waiting"]["message"] == (
+                f"back-off 10s restarting failed container=main pod=crasher_default({uid})"
+            )

@@ -578,7 +578,14 @@ def _over_the_client_limit(cluster: DevCluster, name: str, attempts: int = 4) ->
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Observed]:
     root = tmp_path_factory.mktemp("prometheus")
-    cluster = DevCluster(root / "dev", port=free_port(), prometheus_port=free_port(), scrape_interval=1.0)
+    cluster = DevCluster(
+        root / "dev",
+        port=free_port(),
+        prometheus_port=free_port(),
+        scrape_interval=1.0,
+        backoff_initial=1.0,  # the broken engine's crash loop in seconds, not the kubelet's 10 s to 300 s
+        backoff_max=10.0,
+    )
     (root / "dev" / "models").mkdir(parents=True)
     (root / "dev" / "models" / "tiny").symlink_to(tiny_model)
     with cluster:

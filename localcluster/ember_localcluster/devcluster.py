@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ember_localcluster.kubelet.containers import BACKOFF_INITIAL, BACKOFF_MAX
 from ember_localcluster.kubelet.node import DEFAULT_GPUS_PER_NODE, NodeConfig, local_nodes, parse_taint
 
 DEFAULT_PROMETHEUS_PORT = 19090
@@ -59,6 +60,8 @@ class DevCluster:
 
     `nodes` is how many alike nodes to register (each with `gpus_per_node` GPUs and `taints`, mappings
     with `key`, optional `value` and `effect`), or the `NodeConfig` of each node for full control.
+    `backoff_initial`/`backoff_max` shorten the kubelet's crash-loop back-off (for tests; `ember dev` keeps
+    the kubelet's, 10 s doubling to 300 s).
     """
 
     def __init__(
@@ -72,6 +75,8 @@ class DevCluster:
         taints: Sequence[Mapping[str, str]] = (),
         prometheus_port: int | None = None,
         scrape_interval: float = 2.0,
+        backoff_initial: float = BACKOFF_INITIAL,
+        backoff_max: float = BACKOFF_MAX,
     ) -> None:
         self.dir = Path(directory).resolve()
         self.port = port
@@ -87,6 +92,7 @@ class DevCluster:
         self.proxy: Any = None
         self.prometheus_port = prometheus_port
         self.scrape_interval = scrape_interval
+        self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.prometheus: Any = None
         self._metrics_server: Any = None
         self._operator: threading.Thread | None = None
@@ -133,6 +139,8 @@ class DevCluster:
                 self.dir / "kubelet",
                 claims={MODEL_CLAIM: self.dir / "models"},
                 nodes=self.nodes,
+                backoff_initial=self.backoff_initial,
+                backoff_max=self.backoff_max,
             ).start()
             self.api.attach_kubelet(self.kubelet.node_names, self.kubelet.pods_dir)
             self.proxy = ServiceProxy(self.kubeconfig).start()

@@ -2,7 +2,9 @@
 
 `restartPolicy` Always, OnFailure or Never (an init container is done once it exits 0, and is restarted
 after a failure unless the policy is Never, as the kubelet does); restarts wait out an exponential
-back-off (1 s doubling to 10 s by default, reset after a run of twice the cap) during which the container
+back-off as the kubelet's (pkg/kubelet: `backOffPeriod` 10 s doubling to `MaxContainerBackOff` 300 s by
+default; the first exit restarts at once, the second waits 10 s, the third 20 s; reset after a run of twice
+the cap) during which the container
 waits with reason `CrashLoopBackOff`. With `FallbackToLogsOnError` a failed run's terminated message is the
 tail of its log (the last 80 lines or 2 KiB, whichever is less). An image the kubelet cannot run leaves the
 container waiting with reason `ErrImagePull`; a container it cannot configure, with
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from ember_localcluster.kubelet.podworker import _PodWorker
 
 LOG_TAIL_LINES, LOG_TAIL_BYTES = 80, 2048
+# The kubelet's crash-loop back-off (pkg/kubelet/kubelet.go: backOffPeriod, MaxContainerBackOff).
+BACKOFF_INITIAL, BACKOFF_MAX = 10.0, 300.0
 
 
 @dataclass(slots=True, eq=False)
@@ -170,9 +174,10 @@ def _record_exit(worker: _PodWorker, c: _Container, exit_code: int, reason: str,
         c.restart_at = loop.time()
         c.state = {"waiting": {"reason": "ContainerCreating"}}
         return
-    c.backoff = min(2 * c.backoff, kubelet.backoff_max)
+    # Wait out the current back-off, then double it for the next exit.
     c.restart_at = loop.time() + c.backoff
     wait = f"back-off {c.backoff:g}s restarting failed container={c.name} pod={worker.name}_{worker.namespace}({worker.uid})"
+    c.backoff = min(2 * c.backoff, kubelet.backoff_max)
     c.state = {"waiting": {"reason": "CrashLoopBackOff", "message": wait}}
     _event(
         worker, "BackOff", f"Back-off restarting failed container {c.name} in pod {worker.name}", "Warning"

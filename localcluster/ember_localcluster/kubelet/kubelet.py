@@ -84,6 +84,7 @@ from kubernetes.client.exceptions import ApiException
 from ember_localcluster import fit
 from ember_localcluster.apiserver.discovery import SERVER_VERSION
 from ember_localcluster.informer import API_TIMEOUT, MERGE_PATCH, Informer, _key
+from ember_localcluster.kubelet.containers import BACKOFF_INITIAL, BACKOFF_MAX
 from ember_localcluster.kubelet.node import (
     ADDRESS_LOCKS,
     NodeConfig,
@@ -124,7 +125,7 @@ class ProcessKubelet:
     containers of those images must then name their command); only these images run. `ip_prefix` is the
     loopback /16 pod addresses come from. `bin_dir` is searched first for a command's first word (default:
     the directory of this Python, i.e. the virtualenv's `bin/`). `backoff_initial`/`backoff_max` shape the
-    restart back-off.
+    restart back-off (by default the kubelet's: 10 s doubling to 300 s).
 
     `nodes` are the Nodes it registers and runs pods for (default: one, `ember-local`, see `NodeConfig`).
 
@@ -142,8 +143,8 @@ class ProcessKubelet:
         images: Mapping[str, Sequence[str]] | Sequence[str] = DEFAULT_IMAGES,
         ip_prefix: str = "127.1.",
         bin_dir: str | Path | None = None,
-        backoff_initial: float = 1.0,
-        backoff_max: float = 10.0,
+        backoff_initial: float = BACKOFF_INITIAL,
+        backoff_max: float = BACKOFF_MAX,
         nodes: Sequence[NodeConfig] | None = None,
     ) -> None:
         self.nodes: dict[str, NodeConfig] = {
