@@ -94,3 +94,29 @@ def test_a_pod_with_valid_tolerations_and_selector_is_created(server: APIServer)
     ]
     pod = _pod("fine", tolerations=tolerations, nodeSelector={"example.com/disk": "ssd", "zone": ""})
     assert server.create(pod)["spec"]["tolerations"] == tolerations
+
+
+def test_a_containers_limits_are_its_requests_where_it_names_none(server: APIServer) -> None:
+    """core/v1 SetDefaults_Pod: each container's and init container's limits are copied into its requests
+    for the resources the requests do not name."""
+    pod = _pod("limits-only")
+    pod["spec"]["containers"] = [
+        {"name": "gpu", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+        {
+            "name": "both",
+            "image": "x",
+            "resources": {"limits": {"cpu": "1", "memory": "1Gi"}, "requests": {"cpu": "0.5"}},
+        },
+        {"name": "none", "image": "x"},
+    ]
+    pod["spec"]["initContainers"] = [
+        {"name": "init", "image": "x", "resources": {"limits": {"memory": "512Mi"}}}
+    ]
+    stored = server.create(pod)["spec"]
+    assert [c.get("resources", {}).get("requests") for c in stored["containers"]] == [
+        {"nvidia.com/gpu": "1"},
+        {"cpu": "500m", "memory": "1Gi"},
+        None,
+    ]
+    assert stored["initContainers"][0]["resources"]["requests"] == {"memory": "512Mi"}
+    assert server.get("v1", "Pod", "default", "limits-only")["spec"] == stored

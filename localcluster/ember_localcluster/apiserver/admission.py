@@ -10,7 +10,8 @@
 * Pods' tolerations and nodeSelector are checked as kube-apiserver checks them (`podspec.py`), and a
   Pod's spec is immutable but for a few fields; Deployment and ReplicaSet selectors (`updates.py`).
 * New Pods start `Pending` and new Namespaces `Active`, since no controller here would set that;
-  Services get core/v1's default `type: ClusterIP`.
+  Services get core/v1's default `type: ClusterIP`; a Pod's containers and init containers get their
+  limits as the requests they do not name (SetDefaults_Pod).
 """
 
 from __future__ import annotations
@@ -151,6 +152,8 @@ def admit(
             raise invalid(rtype.kind, rtype.group, name, causes)
         return normalized
     canonicalize(rtype, obj)
+    if rtype.storage == PODS:
+        _default_requests(obj.get("spec"))
     causes = _kind_causes(rtype, obj, old)
     if causes:
         raise invalid(rtype.kind, rtype.group, name, causes)
@@ -171,6 +174,25 @@ def admit(
     elif rtype.storage == SERVICES and isinstance(obj.get("spec"), dict):
         obj["spec"].setdefault("type", "ClusterIP")  # core/v1 defaulting (SetDefaults_Service)
     return obj
+
+
+def _default_requests(spec: Any) -> None:
+    """core/v1 SetDefaults_Pod: each container's and init container's limits fill in the requests it does
+    not name (a Pod's only, not a template's)."""
+    if not isinstance(spec, dict):
+        return
+    for key in ("containers", "initContainers"):
+        for container in spec.get(key) or []:
+            resources = container.get("resources") if isinstance(container, dict) else None
+            if (
+                isinstance(resources, dict)
+                and isinstance(resources.get("limits"), dict)
+                and resources["limits"]
+            ):
+                requests = resources.get("requests")
+                requests = resources["requests"] = requests if isinstance(requests, dict) else {}
+                for name, value in resources["limits"].items():
+                    requests.setdefault(name, value)
 
 
 def _metadata_causes(meta: dict[str, Any]) -> list[Cause]:
