@@ -434,6 +434,21 @@ def test_pods_that_cannot_start_stall_with_the_reason_and_a_fix_recovers(cluster
     wait_for_event(api, "crashy", "Recovered")
 
 
+def test_a_priority_class_that_does_not_exist_stalls_forbidden_with_the_api_servers_message(
+    cluster: Any,
+) -> None:
+    """kube-apiserver's Priority admission plugin refuses the pod (403); the operator says so."""
+    api, _runner, custom = cluster
+    create(custom, service("no-class", pod={"priorityClassName": "nope-pc"}))
+    wait_for(
+        lambda: condition(api, "no-class", "Stalled").get("reason") == "Forbidden",
+        what="Stalled Forbidden",
+    )
+    message = condition(api, "no-class", "Stalled")["message"]
+    assert "is forbidden: no PriorityClass with name nope-pc was found" in message, message
+    assert not pods(api, "no-class")
+
+
 def test_external_mode_follows_the_scale_subresource(cluster: Any) -> None:
     api, _runner, custom = cluster
     create(custom, service("ext", replicas={"min": 1, "max": 4}, autoscaling={"mode": "External"}))

@@ -391,7 +391,10 @@ def test_taints_and_tolerations(bare: Bare) -> None:
     bare.api.create(pod("equal", gpus=1, tolerations=equal))
     assert bare.placed("equal") == "gpu"
     # Both GPUs taken: a third tolerating pod waits for resources, not for the taint.
-    bare.api.create(pod("third", gpus=1, tolerations=exists, preemptionPolicy="Never"))
+    # preemptionPolicy Never comes from a PriorityClass, as kube-apiserver's Priority admission sets it.
+    never = {"metadata": {"name": "never-preempts"}, "value": 0, "preemptionPolicy": "Never"}
+    bare.api.create({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", **never})
+    bare.api.create(pod("third", gpus=1, tolerations=exists, priorityClassName="never-preempts"))
     assert bare.refused("third") == (
         f"0/2 nodes are available: 2 Insufficient {GPU}. no new claims to deallocate, "
         "preemption: not eligible due to preemptionPolicy=Never."

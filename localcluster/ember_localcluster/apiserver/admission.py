@@ -9,6 +9,9 @@
 * CRDs are checked enough to be registered and get `Established`/`NamesAccepted` conditions.
 * Pods' tolerations and nodeSelector are checked as kube-apiserver checks them (`podspec.py`), and a
   Pod's spec is immutable but for a few fields; Deployment and ReplicaSet selectors (`updates.py`).
+* New Pods are admitted as kube-apiserver's ServiceAccount, Priority and RuntimeClass plugins admit them:
+  what they name must exist (403 Forbidden with each plugin's message), and they get
+  `serviceAccountName`, `priority` and `preemptionPolicy` filled in.
 * New Pods start `Pending` and new Namespaces `Active`, since no controller here would set that;
   Services get core/v1's default `type: ClusterIP`; a Pod's containers and init containers get their
   limits as the requests they do not name (SetDefaults_Pod).
@@ -20,12 +23,13 @@ import copy
 import json
 import secrets
 import string
+from collections.abc import Mapping
 from typing import Any
 
 from ember_operator.labels import dns_1035_errors, dns_label_errors, path_segment_errors, subdomain_errors
 
 from . import schema
-from .errors import Cause, bad_request, invalid
+from .errors import APIError, Cause, bad_request, invalid
 from .podspec import label_causes, pod_spec_causes
 from .quantities import canonicalize
 from .resources import ResourceType, crd_causes
@@ -35,6 +39,14 @@ CRD_STORAGE = ("apiextensions.k8s.io", "customresourcedefinitions")
 NAMESPACES = ("", "namespaces")
 PODS = ("", "pods")
 SERVICES = ("", "services")
+SERVICE_ACCOUNTS = ("", "serviceaccounts")
+PRIORITY_CLASSES = ("scheduling.k8s.io", "priorityclasses")
+RUNTIME_CLASSES = ("node.k8s.io", "runtimeclasses")
+PREEMPT_LOWER_PRIORITY = "PreemptLowerPriority"
+MIRROR_POD_ANNOTATION = "kubernetes.io/config.mirror"
+
+# The store's objects: storage (group, plural) → (namespace or "", name) → object.
+Objects = Mapping[tuple[str, str], Mapping[tuple[str, str], dict[str, Any]]]
 
 _NAME_CHARS = string.ascii_lowercase + string.digits
 _OWNER_FIELDS = ("apiVersion", "kind", "name", "uid")
@@ -131,9 +143,15 @@ def _json_type(value: Any) -> str:
 
 
 def admit(
-    rtype: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None, *, strict: bool = False
+    rtype: ResourceType,
+    obj: dict[str, Any],
+    old: dict[str, Any] | None,
+    *,
+    strict: bool = False,
+    objects: Objects | None = None,
 ) -> dict[str, Any]:
-    """The object as it would be stored; `strict` (fieldValidation=Strict) refuses unknown fields."""
+    """The object as it would be stored; `strict` (fieldValidation=Strict) refuses unknown fields.
+    `objects` (the store's, by storage and (namespace, name)) is what a new Pod's references resolve in."""
     name = obj["metadata"]["name"]
     unknown = sorted(k for k in obj["metadata"] if k not in _OBJECT_META)
     if strict and unknown:  # decoding into ObjectMeta: unknown fields dropped, or refused when Strict
@@ -154,6 +172,10 @@ def admit(
     canonicalize(rtype, obj)
     if rtype.storage == PODS:
         _default_requests(obj.get("spec"))
+        if old is None and objects is not None and isinstance(obj.get("spec"), dict):
+            _admit_new_pod(obj, objects)
+    if rtype.storage == PRIORITY_CLASSES:  # SetDefaults_PriorityClass
+        obj.setdefault("preemptionPolicy", PREEMPT_LOWER_PRIORITY)
     causes = _kind_causes(rtype, obj, old)
     if causes:
         raise invalid(rtype.kind, rtype.group, name, causes)
@@ -193,6 +215,58 @@ def _default_requests(spec: Any) -> None:
                 requests = resources["requests"] = requests if isinstance(requests, dict) else {}
                 for name, value in resources["limits"].items():
                     requests.setdefault(name, value)
+
+
+def _admit_new_pod(pod: dict[str, Any], objects: Objects) -> None:
+    """The mutating admission plugins of kube-apiserver that resolve what a new Pod names, in their order,
+    each refusing it with 403 Forbidden and the plugin's message: ServiceAccount (the account, `default`
+    when none is named, must exist), Priority (`spec.priority` and `spec.preemptionPolicy` from the
+    PriorityClass named, else from the global default one, else 0 and PreemptLowerPriority; a pod that
+    sets other values is refused) and RuntimeClass (the class named must exist)."""
+    meta, spec = pod["metadata"], pod["spec"]
+    name, namespace = str(meta["name"]), str(meta["namespace"])
+
+    def forbidden(message: str) -> APIError:
+        return APIError(
+            403, "Forbidden", f'pods "{name}" is forbidden: {message}', {"name": name, "kind": "pods"}
+        )
+
+    if MIRROR_POD_ANNOTATION not in (meta.get("annotations") or {}):
+        account = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
+        spec["serviceAccountName"] = spec["serviceAccount"] = account  # v1 keeps the deprecated name too
+        if (namespace, account) not in objects[SERVICE_ACCOUNTS]:
+            raise forbidden(
+                f'error looking up service account {namespace}/{account}: serviceaccount "{account}" not found'
+            )
+
+    class_name = spec.get("priorityClassName")
+    if class_name:
+        priority_class = objects[PRIORITY_CLASSES].get(("", class_name))
+        if priority_class is None:
+            raise forbidden(f"no PriorityClass with name {class_name} was found")
+    else:  # the global default with the lowest value, if any
+        defaults = [pc for pc in objects[PRIORITY_CLASSES].values() if pc.get("globalDefault")]
+        priority_class = min(defaults, key=lambda pc: pc.get("value", 0)) if defaults else None
+        if priority_class is not None:
+            spec["priorityClassName"] = priority_class["metadata"]["name"]
+    priority = priority_class.get("value", 0) if priority_class is not None else 0
+    policy = priority_class.get("preemptionPolicy") if priority_class is not None else None
+    policy = policy or PREEMPT_LOWER_PRIORITY
+    if spec.get("priority") is not None and spec["priority"] != priority:
+        raise forbidden(
+            f"the integer value of priority ({spec['priority']}) must not be provided in pod spec; priority "
+            f"admission controller computed {priority} from the given PriorityClass name"
+        )
+    if spec.get("preemptionPolicy") is not None and spec["preemptionPolicy"] != policy:
+        raise forbidden(
+            f"the string value of PreemptionPolicy ({spec['preemptionPolicy']}) must not be provided in pod "
+            f"spec; priority admission controller computed {policy} from the given PriorityClass name"
+        )
+    spec["priority"], spec["preemptionPolicy"] = priority, policy
+
+    runtime_class = spec.get("runtimeClassName")
+    if runtime_class and ("", runtime_class) not in objects[RUNTIME_CLASSES]:
+        raise forbidden(f'pod rejected: RuntimeClass "{runtime_class}" not found')
 
 
 def _metadata_causes(meta: dict[str, Any]) -> list[Cause]:

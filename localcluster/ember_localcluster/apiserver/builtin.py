@@ -2,8 +2,8 @@
 
 Enough for kopf (namespaces, events and CRDs are its discovery "backbone"; leases for leader
 election elsewhere), for the operator's children (pods, services, configmaps, secrets,
-deployments and their replicasets, service accounts and RBAC bindings, pod disruption budgets), resource quotas
-and for kubectl's everyday commands. Built-ins are stored without schema validation: the server
+deployments and their replicasets, service accounts and RBAC bindings, pod disruption budgets), resource quotas,
+the PriorityClasses and RuntimeClasses pods name, and for kubectl's everyday commands. Built-ins are stored without schema validation: the server
 keeps whatever the client sends, as a real server would keep every field it knows.
 """
 
@@ -73,6 +73,10 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
         has_status=True,
     ),
     ResourceType(
+        "scheduling.k8s.io", "v1", "PriorityClass", "priorityclasses", namespaced=False, short_names=("pc",)
+    ),
+    ResourceType("node.k8s.io", "v1", "RuntimeClass", "runtimeclasses", namespaced=False),
+    ResourceType(
         "apiextensions.k8s.io",
         "v1",
         "CustomResourceDefinition",
@@ -86,3 +90,18 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
 )
 
 INITIAL_NAMESPACES = ("default", "kube-system")
+
+# The PriorityClasses kube-apiserver creates at start (pkg/apis/scheduling/v1: SystemPriorityClasses).
+SYSTEM_PRIORITY_CLASSES: tuple[dict[str, object], ...] = (
+    {
+        "metadata": {"name": "system-node-critical"},
+        "value": 2000001000,
+        "description": "Used for system critical pods that must not be moved from their current node.",
+    },
+    {
+        "metadata": {"name": "system-cluster-critical"},
+        "value": 2000000000,
+        "description": "Used for system critical pods that must run in the cluster, but can be moved to another "
+        "node if necessary.",
+    },
+)

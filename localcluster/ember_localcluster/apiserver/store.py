@@ -39,7 +39,7 @@ from typing import Any
 
 from . import deletion, namespaces, patching, podsecurity, quota, scale
 from .admission import CRD_STORAGE, NAMESPACES, PODS, admit, check_name, checked_body, generated_name
-from .builtin import INITIAL_NAMESPACES
+from .builtin import INITIAL_NAMESPACES, SYSTEM_PRIORITY_CLASSES
 from .errors import (
     NAMESPACE_MISMATCH,
     APIError,
@@ -123,6 +123,10 @@ class Store:
         assert namespaces is not None
         for name in INITIAL_NAMESPACES:
             self.create(namespaces, None, {"metadata": {"name": name}})
+        priority_classes = self.registry.lookup("scheduling.k8s.io", "v1", "priorityclasses")
+        assert priority_classes is not None
+        for priority_class in SYSTEM_PRIORITY_CLASSES:
+            self.create(priority_classes, None, priority_class)
 
     @staticmethod
     def timestamp(offset_seconds: float = 0) -> str:
@@ -193,7 +197,7 @@ class Store:
             meta["generation"] = 1
         if rtype.has_status and rtype.storage != NODES:
             obj.pop("status", None)
-        obj = admit(rtype, obj, None, strict=strict)
+        obj = admit(rtype, obj, None, strict=strict, objects=self.objects)
         if rtype.storage == PODS:  # validating admission: after the name is generated
             podsecurity.admit_pod(self.objects[NAMESPACES].get(_key(None, str(namespace))), obj)
             in_namespace = [o for (ns, _), o in self.objects[PODS].items() if ns == namespace]
@@ -208,6 +212,11 @@ class Store:
         if dry_run:
             return obj
         self.commit(rtype.storage, obj, "ADDED", None)
+        if rtype.storage == NAMESPACES:
+            # kube-controller-manager's ServiceAccount controller: a `default` account in each namespace.
+            accounts = self.registry.lookup("", "v1", "serviceaccounts")
+            assert accounts is not None
+            self.create(accounts, meta["name"], {"metadata": {"name": "default"}})
         if rtype.storage == CRD_STORAGE:
             self.registry.register_crd(obj)
         if meta.get("ownerReferences"):
