@@ -254,6 +254,9 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
                     loaded.set_exception(exc)
                 else:
                     loaded.set_result(None)
+                    # Tensor-parallel workers started here die with the thread that started them (their
+                    # parent-death signal follows the thread), so it stays until the process ends.
+                    threading.Event().wait()
 
             threading.Thread(target=run, name="ember-load", daemon=True).start()
             try:
