@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 from kubernetes import client, config
 from waiting import free_port, wait_for
 
+from ember_engine.tools.testmodel import make_test_model
 from ember_localcluster.devcluster import DevCluster
 from ember_localcluster.kubelet.kubelet import ENGINE_IMAGE
 
@@ -325,3 +327,66 @@ def _dev_runs(state: Path) -> list[int]:
             if b"run" in args and str(state).encode() in args and _alive(int(cmdline.parent.name)):
                 found.append(int(cmdline.parent.name))
     return found
+
+
+def test_evicting_the_active_pod_promotes_the_warm_one_and_refills_the_pool_elsewhere(tmp_path: Path) -> None:
+    """What `kubectl drain` does to the node of `examples/local.yaml`'s active pod, step by step through the
+    API: cordon the node, then evict the pod through `pods/eviction`. The operator's PodDisruptionBudget
+    (minAvailable = 1 active - rollout.maxUnavailable 1 = 0), as the disruption controller keeps its status,
+    lets the eviction through; the warm pod takes over without the service ever leaving Ready, and the new
+    warm pod goes to the other node."""
+    make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
+    with DevCluster(tmp_path / "dev", nodes=2) as cluster:
+        api_client = config.new_client_from_config(str(cluster.kubeconfig))
+        core, policy = client.CoreV1Api(api_client), client.PolicyV1Api(api_client)
+        cluster.api.create({**yaml.safe_load((REPO / "examples" / "local.yaml").read_text())})
+
+        def conditions() -> dict[str, str]:
+            eis = cluster.api.get("ember.dev/v1alpha1", "InferenceService", "default", "tiny") or {}
+            return {c["type"]: c["status"] for c in (eis.get("status") or {}).get("conditions", [])}
+
+        def engines(role: str) -> list[dict[str, Any]]:
+            return [
+                p
+                for p in cluster.api.list("v1", "Pod", "default", label_selector=f"ember.dev/role={role}")
+                if not p["metadata"].get("deletionTimestamp")
+            ]
+
+        def pdb() -> dict[str, Any]:
+            return policy.read_namespaced_pod_disruption_budget("tiny", "default").to_dict()["status"] or {}
+
+        wait_for(
+            lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
+            120,
+            conditions,
+        )
+        wait_for(lambda: pdb().get("disruptions_allowed") == 1, 20, pdb)
+        (active,), (warm,) = engines("active"), engines("warm")
+        node = active["spec"]["nodeName"]
+        other = next(n for n in ("ember-local", "ember-local-2") if n != node)
+        core.patch_node(node, {"spec": {"unschedulable": True}})
+        name = active["metadata"]["name"]
+        eviction = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": "default"},
+        }
+        core.create_namespaced_pod_eviction(name, "default", eviction)
+        seen_not_ready = []
+
+        def settled() -> bool:
+            state = conditions()
+            if state.get("Ready") != "True":
+                seen_not_ready.append(state)
+            actives, warms = engines("active"), engines("warm")
+            return bool(
+                [p["metadata"]["name"] for p in actives] == [warm["metadata"]["name"]]
+                and len(warms) == 1
+                and warms[0]["spec"].get("nodeName") == other
+                and state.get("WarmPoolReady") == "True"
+                and cluster.api.get("v1", "Pod", "default", name) is None
+            )
+
+        wait_for(settled, 120, lambda: (conditions(), engines("active"), engines("warm")))
+        assert not seen_not_ready
+        wait_for(lambda: pdb().get("disruptions_allowed") == 1 and not pdb().get("disrupted_pods"), 20, pdb)

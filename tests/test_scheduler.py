@@ -509,8 +509,11 @@ def test_binding_sets_the_node_once(tmp_path: Path) -> None:
         assert {r["name"]: r["verbs"] for r in discovery if r["name"].startswith("pods/")} == {
             "pods/status": ["get", "patch", "update"],
             "pods/binding": ["create"],
+            "pods/eviction": ["create"],
             "pods/log": ["get"],
         }
+        (eviction,) = [r for r in discovery if r["name"] == "pods/eviction"]
+        assert (eviction["group"], eviction["version"], eviction["kind"]) == ("policy", "v1", "Eviction")
 
 
 def test_node_helpers() -> None:

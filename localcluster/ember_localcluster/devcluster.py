@@ -2,7 +2,8 @@
 
 `DevCluster` runs, in one process: the in-process API server (with the InferenceService and
 LeaderWorkerSet CRDs installed), the deployment and replicaset controllers (the routers' Deployments), the
-LeaderWorkerSet controller (multi-node replicas), the scheduler, the process kubelet (registering `nodes` Nodes named `ember-local`, `ember-local-2`, ...,
+LeaderWorkerSet controller (multi-node replicas), the disruption controller (PodDisruptionBudgets' status,
+which the API server's `pods/eviction` spends, so `kubectl drain` honours them), the scheduler, the process kubelet (registering `nodes` Nodes named `ember-local`, `ember-local-2`, ...,
 each with `gpus_per_node` `nvidia.com/gpu`, optional taints, and the host's CPUs and memory unless
 `NodeConfig`s say otherwise), the service proxy and the operator (kopf, standalone, all namespaces). The
 API server serves `pods/log` (`kubectl logs`) from the kubelet's log files. It writes a kubeconfig for
@@ -88,6 +89,7 @@ class DevCluster:
         self.scheduler: Any = None
         self.leaderworkersets: Any = None
         self.deployments: Any = None
+        self.disruption: Any = None
         self.kubelet: Any = None
         self.proxy: Any = None
         self.prometheus_port = prometheus_port
@@ -112,6 +114,7 @@ class DevCluster:
     def start(self) -> DevCluster:
         from ember_localcluster.apiserver import APIServer
         from ember_localcluster.deployment_controller import DeploymentController
+        from ember_localcluster.disruption_controller import DisruptionController
         from ember_localcluster.kubelet.kubelet import ProcessKubelet
         from ember_localcluster.leaderworkerset import crd_manifest as lws_crd_manifest
         from ember_localcluster.leaderworkerset_controller import LeaderWorkerSetController
@@ -133,6 +136,7 @@ class DevCluster:
             os.environ["KUBECONFIG"] = str(self.kubeconfig)
             self.leaderworkersets = LeaderWorkerSetController(self.kubeconfig).start()
             self.deployments = DeploymentController(self.kubeconfig).start()
+            self.disruption = DisruptionController(self.kubeconfig).start()
             self.scheduler = Scheduler(self.kubeconfig).start()
             self.kubelet = ProcessKubelet(
                 self.kubeconfig,
@@ -219,6 +223,7 @@ class DevCluster:
             self.proxy,
             self.kubelet,
             self.scheduler,
+            self.disruption,
             self.deployments,
             self.leaderworkersets,
             self.api,

@@ -79,6 +79,17 @@ def _entries(rtype: ResourceType) -> list[dict[str, Any]]:
             entries.append(
                 {"name": f"pods/{sub}", "singularName": "", "namespaced": True, "kind": kind, "verbs": verbs}
             )
+        entries.append(
+            {
+                "name": "pods/eviction",
+                "singularName": "",
+                "namespaced": True,
+                "group": "policy",
+                "version": "v1",
+                "kind": "Eviction",
+                "verbs": ["create"],
+            }
+        )
     if rtype.scale is not None:
         entries.append(
             {

@@ -3,8 +3,8 @@
 Paths: `/api/v1/...` and `/apis/G/V/...` as `[namespaces/NS/]plural[/name[/status|scale]]` (with care
 for `/api/v1/namespaces/NAME[/status]`), plus discovery, `/version` and the OpenAPI skeleton.
 Collections take GET (a list, or a watch with `?watch=true|1`), POST and DELETE; objects GET, PUT,
-PATCH and DELETE; `/status` and `/scale` GET, PUT and PATCH; a pod's `/binding` POST (`binding.py`) and
-its `/log` GET (`podlogs.py`). Lists honour label and field selectors
+PATCH and DELETE; `/status` and `/scale` GET, PUT and PATCH; a pod's `/binding` POST (`binding.py`), its
+`/eviction` POST (`eviction.py`) and its `/log` GET (`podlogs.py`). Lists honour label and field selectors
 and `limit`/`continue` (a `continue` token resumes after the last name it saw). `dryRun=All` validates
 without storing; `fieldValidation=Strict` refuses unknown fields of custom resources; bad options are
 422s before any body is read (`options.py`).
@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import binding, deletion, discovery, openapi, patching, scale
+from . import binding, deletion, discovery, eviction, openapi, patching, scale
 from .admission import PODS
 from .deletion import DeleteOptions
 from .errors import APIError, bad_request, int_param, method_not_allowed, page_not_found, unreadable_body
@@ -41,7 +41,7 @@ from .watch import Watcher
 
 log = logging.getLogger("ember.apiserver")
 
-POD_SUBRESOURCES = ("binding", "log")
+POD_SUBRESOURCES = ("binding", "eviction", "log")
 # Kinds whose registry sets ReturnDeletedObject: an immediate DELETE answers the object, not a Status.
 RETURNS_DELETED_OBJECT = (("", "pods"), ("", "services"), ("", "serviceaccounts"), ("", "namespaces"))
 
@@ -114,7 +114,10 @@ class Handler:
             return await self._dispatch(request)
         except APIError as error:
             log.debug("%s %s -> %s", request.method, request.path_qs, error)
-            return _json(error.status(), error.code)
+            response = _json(error.status(), error.code)
+            if retry := error.details.get("retryAfterSeconds"):  # as responsewriters.ErrorNegotiated
+                response.headers["Retry-After"] = str(retry)
+            return response
         except Exception:
             log.exception("internal error serving %s %s", request.method, request.path_qs)
             failure = APIError(
@@ -204,6 +207,14 @@ class Handler:
             dry_run, _ = write_options(request.query, "CreateOptions")
             body = await _read_body(request)
             return _json(binding.bind(self.store, namespace, name, body, dry_run=dry_run), 201)
+        if target.subresource == "eviction":
+            if request.method != "POST":
+                raise method_not_allowed(request.method)
+            dry_run, _ = write_options(request.query, "CreateOptions")
+            body = await _read_body(request)
+            options = _delete_options(body.get("deleteOptions") if isinstance(body, dict) else None, {})
+            status, code = eviction.evict(self.store, namespace, name, body, options, dry_run=dry_run)
+            return _json(status, code)
         if request.method != "GET":
             raise method_not_allowed(request.method)
         return await serve_pod_log(request, self.store, self.pods_dirs, namespace, name)
