@@ -415,3 +415,36 @@ def test_pods_of_a_custom_resource_are_counted_through_its_scale_subresource(
         "SyncFailed",
         "plains.example.com does not implement the scale subresource",
     )
+
+
+def test_an_empty_selector_covers_every_pod_of_its_namespace(server: APIServer, core: CoreV1Api) -> None:
+    server.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "every"}})
+    server.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "any", "namespace": "every", "labels": {"x": "y"}},
+            "spec": {"containers": [{"name": "c", "image": "img"}], "nodeName": "n1"},
+        }
+    )
+    server.patch("v1", "Pod", "every", "any", {"status": {"phase": "Running"}}, subresource="status")
+    server.create(
+        {
+            "apiVersion": PDB_API,
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "all", "namespace": "every"},
+            "spec": {"selector": {}, "maxUnavailable": 0},
+        }
+    )
+    status = {"observedGeneration": 1, "disruptionsAllowed": 0}
+    server.patch(PDB_API, "PodDisruptionBudget", "every", "all", {"status": status}, subresource="status")
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "any"}}
+    try:
+        core.create_namespaced_pod_eviction("any", "every", eviction)
+        raise AssertionError("evicted against the budget")
+    except ApiException as error:
+        assert error.status == 429
+        assert json.loads(error.body)["details"]["causes"][0]["message"] == (
+            "The disruption budget all needs 0 healthy pods and has 0 currently"
+        )
+    assert server.get("v1", "Pod", "every", "any") is not None

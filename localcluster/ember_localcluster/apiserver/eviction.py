@@ -9,7 +9,7 @@ As kube-apiserver's `EvictionREST.Create` (pkg/registry/core/pod/storage/evictio
 * A pod in phase Pending, Succeeded or Failed, or already being deleted, is deleted without looking at any
   budget (`canIgnorePDB`).
 * Otherwise the PodDisruptionBudgets of the pod's namespace whose selector matches its labels are found
-  (a nil or empty selector matches nothing here). None: the pod is deleted. More than one: a 500 Status
+  (an empty selector matches every pod, as policy/v1 has it; a missing one none). None: the pod is deleted. More than one: a 500 Status
   "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support."
 * A pod that is Running but not Ready goes without spending the budget when the budget's
   `unhealthyPodEvictionPolicy` is `AlwaysAllow`, or (unset or `IfHealthyBudget`, the default) when
@@ -99,14 +99,9 @@ def selector_matches(selector: Any, labels: dict[str, str]) -> bool | None:
     return True
 
 
-def _selector_is_empty(selector: Any) -> bool:
-    return not isinstance(selector, dict) or not (
-        selector.get("matchLabels") or selector.get("matchExpressions")
-    )
-
-
 def pod_budgets(store: Store, pod: dict[str, Any]) -> list[dict[str, Any]]:
-    """`getPodDisruptionBudgets`: the namespace's budgets whose (non-empty) selector matches the pod."""
+    """`getPodDisruptionBudgets`: the namespace's budgets whose selector matches the pod (policy/v1: an
+    empty selector matches every pod, a missing one none)."""
     from .selectors import FieldSelector, LabelSelector
 
     pdbs = store.registry.lookup("policy", "v1", "poddisruptionbudgets")
@@ -115,8 +110,7 @@ def pod_budgets(store: Store, pod: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         pdb
         for pdb in store.list(pdbs, pod["metadata"].get("namespace"), LabelSelector(), FieldSelector())
-        if not _selector_is_empty((pdb.get("spec") or {}).get("selector"))
-        and selector_matches(pdb["spec"]["selector"], labels)
+        if selector_matches((pdb.get("spec") or {}).get("selector"), labels)
     ]
 
 
