@@ -332,8 +332,8 @@ def _dev_runs(state: Path) -> list[int]:
 def test_evicting_the_active_pod_promotes_the_warm_one_and_refills_the_pool_elsewhere(tmp_path: Path) -> None:
     """What `kubectl drain` does to the node of `examples/local.yaml`'s active pod, step by step through the
     API: cordon the node, then evict the pod through `pods/eviction`. The operator's PodDisruptionBudget
-    (minAvailable = 1 active - rollout.maxUnavailable 1 = 0), as the disruption controller keeps its status,
-    lets the eviction through; the warm pod takes over without the service ever leaving Ready, and the new
+    (over the active and warm pods, minAvailable = the active target, 1, with 2 Ready), as the disruption
+    controller keeps its status, lets the eviction through; the warm pod takes over without the service ever leaving Ready, and the new
     warm pod goes to the other node."""
     make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
     with DevCluster(tmp_path / "dev", nodes=2) as cluster:
@@ -390,3 +390,85 @@ def test_evicting_the_active_pod_promotes_the_warm_one_and_refills_the_pool_else
         wait_for(settled, 120, lambda: (conditions(), engines("active"), engines("warm")))
         assert not seen_not_ready
         wait_for(lambda: pdb().get("disruptions_allowed") == 1 and not pdb().get("disrupted_pods"), 20, pdb)
+
+
+def test_a_drain_of_the_node_holding_both_pods_waits_for_a_warm_pod_elsewhere(tmp_path: Path) -> None:
+    """`examples/local.yaml`'s active and warm pods on one node, and that node drained: kubectl evicts both at
+    once. With a warm pool the budget covers active and warm pods and keeps `replicas` of them Ready, so
+    one eviction goes through and the other is refused (429) until a new warm pod is Ready on the other
+    node; the service never leaves Ready. (With the budget over active pods only, minAvailable 1 - 1 = 0,
+    both went at once and nothing served until new pods had loaded.)"""
+    make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
+    with DevCluster(tmp_path / "dev", nodes=2) as cluster:
+        api_client = config.new_client_from_config(str(cluster.kubeconfig))
+        core = client.CoreV1Api(api_client)
+        core.patch_node("ember-local-2", {"spec": {"unschedulable": True}})  # both pods on ember-local
+        cluster.api.create({**yaml.safe_load((REPO / "examples" / "local.yaml").read_text())})
+
+        def conditions() -> dict[str, str]:
+            eis = cluster.api.get("ember.dev/v1alpha1", "InferenceService", "default", "tiny") or {}
+            return {c["type"]: c["status"] for c in (eis.get("status") or {}).get("conditions", [])}
+
+        def engines(role: str) -> list[dict[str, Any]]:
+            return [
+                p
+                for p in cluster.api.list("v1", "Pod", "default", label_selector=f"ember.dev/role={role}")
+                if not p["metadata"].get("deletionTimestamp")
+            ]
+
+        wait_for(
+            lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
+            120,
+            conditions,
+        )
+        (active,), (warm,) = engines("active"), engines("warm")
+        assert active["spec"]["nodeName"] == warm["spec"]["nodeName"] == "ember-local"
+        core.patch_node("ember-local-2", {"spec": {"unschedulable": False}})
+        core.patch_node("ember-local", {"spec": {"unschedulable": True}})
+
+        def evict(pod: dict[str, Any]) -> int:
+            name = pod["metadata"]["name"]
+            body = {
+                "apiVersion": "policy/v1",
+                "kind": "Eviction",
+                "metadata": {"name": name, "namespace": "default"},
+            }
+            try:
+                core.create_namespaced_pod_eviction(name, "default", body)
+            except client.ApiException as exc:
+                return int(exc.status)
+            return 201
+
+        wait_for(
+            lambda: (policy_status(cluster) or {}).get("disruptionsAllowed") == 1,
+            20,
+            lambda: policy_status(cluster),
+        )
+        assert [evict(warm), evict(active)] == [201, 429]
+        seen_not_ready = []
+
+        def drained() -> bool:
+            state = conditions()
+            if state.get("Ready") != "True":
+                seen_not_ready.append(state)
+            return cluster.api.get("v1", "Pod", "default", active["metadata"]["name"]) is None or (
+                bool(engines("warm")) and evict(active) == 201
+            )
+
+        wait_for(drained, 120, lambda: (conditions(), policy_status(cluster)))
+        wait_for(
+            lambda: (
+                conditions().get("WarmPoolReady") == "True"
+                and all(
+                    p["spec"].get("nodeName") == "ember-local-2" for p in engines("active") + engines("warm")
+                )
+            ),
+            120,
+            lambda: (conditions(), engines("active"), engines("warm")),
+        )
+        assert not seen_not_ready
+
+
+def policy_status(cluster: DevCluster) -> dict[str, Any] | None:
+    pdb = cluster.api.get("policy/v1", "PodDisruptionBudget", "default", "tiny")
+    return None if pdb is None else pdb.get("status")

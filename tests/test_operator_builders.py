@@ -420,7 +420,16 @@ def test_waiting_for_capacity_is_reconciling_not_stalled() -> None:
     assert conditions["Stalled"].status is False
 
 
-def test_the_pdb_covers_active_pods_down_to_the_rollouts_max_unavailable() -> None:
+def test_with_a_warm_pool_the_pdb_keeps_the_target_ready_among_active_and_warm_pods() -> None:
+    pdb = desired_pdb(OWNER, make_spec(warmPool={"size": 1}, rollout={"maxUnavailable": 1}), 3)
+    assert pdb["spec"]["minAvailable"] == 3
+    selector = pdb["spec"]["selector"]
+    assert ROLE_LABEL not in selector["matchLabels"]
+    assert selector["matchExpressions"] == [{"key": ROLE_LABEL, "operator": "In", "values": [ACTIVE, "warm"]}]
+    assert desired_pdb(OWNER, make_spec(warmPool={"size": 1}), 0)["spec"]["minAvailable"] == 0
+
+
+def test_without_a_warm_pool_the_pdb_covers_active_pods_down_to_the_rollouts_max_unavailable() -> None:
     pdb = desired_pdb(OWNER, make_spec(rollout={"maxUnavailable": 1}), 3)
     assert pdb["apiVersion"] == "policy/v1" and pdb["kind"] == "PodDisruptionBudget"
     assert pdb["spec"]["minAvailable"] == 2

@@ -346,17 +346,28 @@ def desired_service(owner: Owner, selector: dict[str, str] | None = None) -> dic
 
 
 def desired_pdb(owner: Owner, spec: InferenceServiceSpec, desired_active: int) -> dict[str, Any]:
-    """A PodDisruptionBudget over the active pods: voluntary disruptions (node drains, evictions) may take
-    no more of them below the target than a roll may (`rollout.maxUnavailable`). Warm pods are not covered:
-    evicting one costs no capacity. Follows the target as the autoscaler moves it."""
+    """A PodDisruptionBudget for voluntary disruptions (node drains, evictions); follows the target as the
+    autoscaler moves it.
+
+    With a warm pool it covers the active and the warm pods and keeps the active target of them Ready: a
+    drain takes pods only while Ready warm pods stand by, and an active pod it takes is replaced by one of
+    them at once (failover), so it costs no serving capacity; two pods on one drained node go one at a time,
+    the second once the pool has a Ready pod again. Without one it covers the active pods down to the target
+    less `rollout.maxUnavailable`, what a roll may take."""
+    if spec.warm_pool.size > 0:
+        selector: dict[str, Any] = {
+            "matchLabels": instance_labels(owner.name),
+            "matchExpressions": [{"key": ROLE_LABEL, "operator": "In", "values": [ACTIVE, WARM]}],
+        }
+        min_available = desired_active
+    else:
+        selector = {"matchLabels": active_selector(owner.name)}
+        min_available = max(0, desired_active - spec.rollout.max_unavailable)
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _child_meta(owner, owner.name),
-        "spec": {
-            "minAvailable": max(0, desired_active - spec.rollout.max_unavailable),
-            "selector": {"matchLabels": active_selector(owner.name)},
-        },
+        "spec": {"minAvailable": min_available, "selector": selector},
     }
 
 
