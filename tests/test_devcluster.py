@@ -5,6 +5,7 @@ and `DevCluster` with two one-GPU nodes, where a third GPU pod waits Unschedulab
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -341,16 +342,8 @@ def test_evicting_the_active_pod_promotes_the_warm_one_and_refills_the_pool_else
         core, policy = client.CoreV1Api(api_client), client.PolicyV1Api(api_client)
         cluster.api.create({**yaml.safe_load((REPO / "examples" / "local.yaml").read_text())})
 
-        def conditions() -> dict[str, str]:
-            eis = cluster.api.get("ember.dev/v1alpha1", "InferenceService", "default", "tiny") or {}
-            return {c["type"]: c["status"] for c in (eis.get("status") or {}).get("conditions", [])}
-
-        def engines(role: str) -> list[dict[str, Any]]:
-            return [
-                p
-                for p in cluster.api.list("v1", "Pod", "default", label_selector=f"ember.dev/role={role}")
-                if not p["metadata"].get("deletionTimestamp")
-            ]
+        conditions = functools.partial(_tiny_conditions, cluster)
+        engines = functools.partial(_tiny_engines, cluster)
 
         def pdb() -> dict[str, Any]:
             return policy.read_namespaced_pod_disruption_budget("tiny", "default").to_dict()["status"] or {}
@@ -405,16 +398,8 @@ def test_a_drain_of_the_node_holding_both_pods_waits_for_a_warm_pod_elsewhere(tm
         core.patch_node("ember-local-2", {"spec": {"unschedulable": True}})  # both pods on ember-local
         cluster.api.create({**yaml.safe_load((REPO / "examples" / "local.yaml").read_text())})
 
-        def conditions() -> dict[str, str]:
-            eis = cluster.api.get("ember.dev/v1alpha1", "InferenceService", "default", "tiny") or {}
-            return {c["type"]: c["status"] for c in (eis.get("status") or {}).get("conditions", [])}
-
-        def engines(role: str) -> list[dict[str, Any]]:
-            return [
-                p
-                for p in cluster.api.list("v1", "Pod", "default", label_selector=f"ember.dev/role={role}")
-                if not p["metadata"].get("deletionTimestamp")
-            ]
+        conditions = functools.partial(_tiny_conditions, cluster)
+        engines = functools.partial(_tiny_engines, cluster)
 
         wait_for(
             lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
@@ -467,6 +452,21 @@ def test_a_drain_of_the_node_holding_both_pods_waits_for_a_warm_pod_elsewhere(tm
             lambda: (conditions(), engines("active"), engines("warm")),
         )
         assert not seen_not_ready
+
+
+def _tiny_conditions(cluster: DevCluster) -> dict[str, str]:
+    """`examples/local.yaml`'s InferenceService's conditions, type to status."""
+    eis = cluster.api.get("ember.dev/v1alpha1", "InferenceService", "default", "tiny") or {}
+    return {c["type"]: c["status"] for c in (eis.get("status") or {}).get("conditions", [])}
+
+
+def _tiny_engines(cluster: DevCluster, role: str) -> list[dict[str, Any]]:
+    """The engine pods of a role (active, warm) not being deleted."""
+    return [
+        p
+        for p in cluster.api.list("v1", "Pod", "default", label_selector=f"ember.dev/role={role}")
+        if not p["metadata"].get("deletionTimestamp")
+    ]
 
 
 def policy_status(cluster: DevCluster) -> dict[str, Any] | None:

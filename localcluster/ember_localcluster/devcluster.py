@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +249,17 @@ def _lock(directory: Path, name: str, *, wait: bool) -> int | None:
     return fd
 
 
+@contextlib.contextmanager
+def _one_command_at_a_time(directory: Path) -> Iterator[None]:
+    """One `ember dev up` or `down` at a time per directory, from its check to the control plane's start."""
+    commands = _lock(directory, COMMANDS_LOCK, wait=True)
+    try:
+        yield
+    finally:
+        if commands is not None:
+            os.close(commands)
+
+
 def _running_pid(directory: Path, timeout: float = 0.0) -> int | None:
     """The process id of the control plane running in `directory` (the one holding `dev.lock`), waiting
     up to `timeout` seconds for one that is starting to write it; None when none runs. When none runs,
@@ -338,13 +349,8 @@ def run(args: argparse.Namespace) -> int:
 def up(args: argparse.Namespace) -> int:
     directory = Path(args.dir).resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    # One `ember dev up` or `down` at a time per directory, from its check to the control plane's start.
-    commands = _lock(directory, COMMANDS_LOCK, wait=True)
-    try:
+    with _one_command_at_a_time(directory):
         return _up(args, directory)
-    finally:
-        if commands is not None:
-            os.close(commands)
 
 
 def _up(args: argparse.Namespace, directory: Path) -> int:
@@ -401,12 +407,8 @@ def down(args: argparse.Namespace) -> int:
     if not directory.is_dir():
         print("ember dev: not running")
         return 0
-    commands = _lock(directory, COMMANDS_LOCK, wait=True)
-    try:
+    with _one_command_at_a_time(directory):
         return _down(args, directory)
-    finally:
-        if commands is not None:
-            os.close(commands)
 
 
 def _down(args: argparse.Namespace, directory: Path) -> int:
