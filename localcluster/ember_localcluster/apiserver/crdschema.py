@@ -27,7 +27,7 @@ import json
 from typing import Any
 
 from . import schema as objects
-from .errors import Cause
+from .errors import Cause, forbidden, invalid_value, not_supported, required
 
 _TYPES = ("array", "boolean", "integer", "number", "object", "string")
 _META = ("apiVersion", "kind", "metadata")
@@ -60,25 +60,6 @@ def _go_strings(values: list[Any]) -> str:
     return "[]string{" + ", ".join(json.dumps(str(v)) for v in values) + "}"
 
 
-def _required(path: str, detail: str) -> Cause:
-    return Cause(path, "FieldValueRequired", f"Required value: {detail}" if detail else "Required value")
-
-
-def _forbidden(path: str, detail: str) -> Cause:
-    return Cause(path, "FieldValueForbidden", f"Forbidden: {detail}")
-
-
-def _invalid(path: str, shown: str, detail: str) -> Cause:
-    return Cause(path, "FieldValueInvalid", f"Invalid value: {shown}: {detail}")
-
-
-def _not_supported(path: str, value: Any, supported: tuple[str, ...]) -> Cause:
-    listed = ", ".join(json.dumps(s) for s in supported)
-    return Cause(
-        path, "FieldValueNotSupported", f"Unsupported value: {_go(value)}: supported values: {listed}"
-    )
-
-
 def _schema(node: Any) -> dict[str, Any] | None:
     return node if isinstance(node, dict) else None
 
@@ -98,21 +79,19 @@ def _keyword_causes(node: dict[str, Any], path: str, in_meta: bool, no_defaults:
     causes = []
     kind = node.get("type")
     if isinstance(kind, str) and kind and kind not in _TYPES:
-        causes.append(_not_supported(f"{path}.type", kind, _TYPES))
+        causes.append(not_supported(f"{path}.type", _go(kind), _TYPES))
     if "default" in node and no_defaults is not None:
-        causes.append(_forbidden(f"{path}.default", f"must not be set {no_defaults}".rstrip()))
+        causes.append(forbidden(f"{path}.default", f"must not be set {no_defaults}".rstrip()))
     for keyword in ("id", "additionalItems", "patternProperties", "definitions", "dependencies", "$ref"):
         if node.get(keyword) not in (None, "", {}):
-            causes.append(_forbidden(f"{path}.{keyword}", f"{keyword} is not supported"))
+            causes.append(forbidden(f"{path}.{keyword}", f"{keyword} is not supported"))
     if kind == "null":
-        causes.append(
-            _forbidden(f"{path}.type", "type cannot be set to null, use nullable as an alternative")
-        )
+        causes.append(forbidden(f"{path}.type", "type cannot be set to null, use nullable as an alternative"))
     if isinstance(node.get("items"), list) and node["items"]:
-        causes.append(_forbidden(f"{path}.items", "items must be a schema object and not an array"))
+        causes.append(forbidden(f"{path}.items", "items must be a schema object and not an array"))
     if in_meta and node.get("x-kubernetes-embedded-resource"):
         causes.append(
-            _forbidden(f"{path}.x-kubernetes-embedded-resource", "must not be used inside of resource meta")
+            forbidden(f"{path}.x-kubernetes-embedded-resource", "must not be used inside of resource meta")
         )
     return causes
 
@@ -126,13 +105,13 @@ def _openapi(
     causes += _keyword_causes(schema, path, in_meta, no_defaults)
     if schema.get("uniqueItems") is True:
         message = "uniqueItems cannot be set to true since the runtime complexity becomes quadratic"
-        causes.append(_forbidden(f"{path}.uniqueItems", message))
+        causes.append(forbidden(f"{path}.uniqueItems", message))
     properties: dict[str, Any] = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
     if "additionalProperties" in schema:
         additional = schema["additionalProperties"]
         if properties and (additional is False or isinstance(additional, dict)):
             message = "additionalProperties and properties are mutual exclusive"
-            causes.append(_forbidden(f"{path}.additionalProperties", message))
+            causes.append(forbidden(f"{path}.additionalProperties", message))
         reason = "inside additionalProperties applying to object metadata" if in_meta else no_defaults
         _openapi(additional, f"{path}.additionalProperties", causes, False, in_meta, reason)
     for key, child in properties.items():
@@ -157,39 +136,43 @@ def _extension_causes(schema: dict[str, Any], path: str) -> list[Cause]:
     kind = schema.get("type") or ""
     if schema.get("x-kubernetes-preserve-unknown-fields") is False:
         causes.append(
-            _invalid(f"{path}.x-kubernetes-preserve-unknown-fields", "false", "must be true or undefined")
+            invalid_value(
+                f"{path}.x-kubernetes-preserve-unknown-fields", "false", "must be true or undefined"
+            )
         )
     map_type = schema.get("x-kubernetes-map-type")
     if map_type is not None and kind != "object":
         detail = "must be object if x-kubernetes-map-type is specified"
         causes.append(
-            _invalid(f"{path}.type", _go(kind), detail) if kind else _required(f"{path}.type", detail)
+            invalid_value(f"{path}.type", _go(kind), detail) if kind else required(f"{path}.type", detail)
         )
     if map_type is not None and map_type not in ("atomic", "granular"):
-        causes.append(_not_supported(f"{path}.x-kubernetes-map-type", map_type, ("atomic", "granular")))
+        causes.append(not_supported(f"{path}.x-kubernetes-map-type", _go(map_type), ("atomic", "granular")))
     list_type = schema.get("x-kubernetes-list-type")
     items = _schema(schema.get("items"))
     if list_type is not None and kind != "array":
         detail = "must be array if x-kubernetes-list-type is specified"
         causes.append(
-            _invalid(f"{path}.type", _go(kind), detail) if kind else _required(f"{path}.type", detail)
+            invalid_value(f"{path}.type", _go(kind), detail) if kind else required(f"{path}.type", detail)
         )
     elif list_type == "set" and items is not None:
         detail = "must be atomic as item of a list with x-kubernetes-list-type=set"
         item_list_type = items.get("x-kubernetes-list-type")
         if items.get("type") == "array" and item_list_type not in (None, "atomic"):
-            causes.append(_invalid(f"{path}.items.x-kubernetes-list-type", _go(item_list_type), detail))
+            causes.append(invalid_value(f"{path}.items.x-kubernetes-list-type", _go(item_list_type), detail))
         elif items.get("type") == "object" and items.get("x-kubernetes-map-type") != "atomic":
-            causes.append(_invalid(f"{path}.items.x-kubernetes-map-type", _go(item_list_type), detail))
+            causes.append(invalid_value(f"{path}.items.x-kubernetes-map-type", _go(item_list_type), detail))
     if list_type is not None and list_type not in ("atomic", "set", "map"):
-        causes.append(_not_supported(f"{path}.x-kubernetes-list-type", list_type, ("atomic", "set", "map")))
+        causes.append(
+            not_supported(f"{path}.x-kubernetes-list-type", _go(list_type), ("atomic", "set", "map"))
+        )
     keys = schema.get("x-kubernetes-list-map-keys") or []
     if keys:
         detail = "must be map if x-kubernetes-list-map-keys is non-empty"
         if list_type is None:
-            causes.append(_required(f"{path}.x-kubernetes-list-type", detail))
+            causes.append(required(f"{path}.x-kubernetes-list-type", detail))
         elif list_type != "map":
-            causes.append(_invalid(f"{path}.x-kubernetes-list-type", _go(list_type), detail))
+            causes.append(invalid_value(f"{path}.x-kubernetes-list-type", _go(list_type), detail))
     if list_type == "map":
         causes += _list_map_causes(schema, items, keys, path)
     if list_type in ("set", "map") and items is not None:
@@ -203,18 +186,18 @@ def _list_map_causes(
     causes = []
     if not keys:
         causes.append(
-            _required(
+            required(
                 f"{path}.x-kubernetes-list-map-keys", "must not be empty if x-kubernetes-list-type is map"
             )
         )
     if "items" not in schema:
-        causes.append(_required(f"{path}.items", "must have a schema if x-kubernetes-list-type is map"))
+        causes.append(required(f"{path}.items", "must have a schema if x-kubernetes-list-type is map"))
         return causes
     if items is None:
         return causes
     if items.get("type") != "object":
         detail = "must be object if parent array's x-kubernetes-list-type is map"
-        causes.append(_invalid(f"{path}.items.type", _go(items.get("type") or ""), detail))
+        causes.append(invalid_value(f"{path}.items.type", _go(items.get("type") or ""), detail))
         return causes
     properties = items.get("properties") or {}
     seen: set[str] = set()
@@ -223,13 +206,15 @@ def _list_map_causes(
             if (properties[key] or {}).get("type") in ("array", "object"):
                 # upstream shows the item's type here, not the key's
                 detail = "must be a scalar type if parent array's x-kubernetes-list-type is map"
-                causes.append(_invalid(f"{path}.items.properties[{key}].type", _go(items["type"]), detail))
+                causes.append(
+                    invalid_value(f"{path}.items.properties[{key}].type", _go(items["type"]), detail)
+                )
         else:
             detail = "entries must all be names of item properties"
-            causes.append(_invalid(f"{path}.x-kubernetes-list-map-keys", _go_strings(keys), detail))
+            causes.append(invalid_value(f"{path}.x-kubernetes-list-map-keys", _go_strings(keys), detail))
         if key in seen:
             detail = "must not contain duplicate entries"
-            causes.append(_invalid(f"{path}.x-kubernetes-list-map-keys", _go_strings(keys), detail))
+            causes.append(invalid_value(f"{path}.x-kubernetes-list-map-keys", _go_strings(keys), detail))
         seen.add(key)
     return causes
 
@@ -240,25 +225,25 @@ def _map_set_item_causes(items: dict[str, Any], list_type: str, keys: list[Any],
     causes = []
     if items.get("nullable"):
         causes.append(
-            _forbidden(
+            forbidden(
                 f"{path}.items.nullable", f"cannot be nullable when x-kubernetes-list-type is {list_type}"
             )
         )
     if list_type != "map":
         return causes
-    required = set(items.get("required") or ())
+    must_have = set(items.get("required") or ())
     properties = items.get("properties") or {}
     for key in keys:
         prop = _schema(properties.get(key))
         if prop is None:
             continue
         where = f"{path}.items.properties[{key}]"
-        if key not in required and "default" not in prop:
+        if key not in must_have and "default" not in prop:
             detail = "this property is in x-kubernetes-list-map-keys, so it must have a default or be a required property"
-            causes.append(_required(f"{where}.default", detail))
+            causes.append(required(f"{where}.default", detail))
         if prop.get("nullable"):
             causes.append(
-                _forbidden(
+                forbidden(
                     f"{where}.nullable",
                     "this property is in x-kubernetes-list-map-keys, so it cannot be nullable",
                 )
@@ -285,31 +270,31 @@ def _invariants(node: Any, level: str, path: str, causes: list[Cause]) -> None:
         return
     kind = schema.get("type") or ""
     if kind == "array" and "items" not in schema:
-        causes.append(_required(f"{path}.items", "must be specified"))
+        causes.append(required(f"{path}.items", "must be specified"))
     _invariants(schema.get("items"), "item", f"{path}.items", causes)
     for key, child in (schema.get("properties") or {}).items():
         _invariants(child, "field", f"{path}.properties[{key}]", causes)
     embedded = bool(schema.get("x-kubernetes-embedded-resource"))
     if "additionalProperties" in schema:
         if level == "root":
-            causes.append(_forbidden(f"{path}.additionalProperties", "must not be used at the root"))
+            causes.append(forbidden(f"{path}.additionalProperties", "must not be used at the root"))
         _invariants(schema["additionalProperties"], "field", f"{path}.additionalProperties", causes)
         if embedded:
             detail = "must not be used if x-kubernetes-embedded-resource is set"
-            causes.append(_forbidden(f"{path}.additionalProperties", detail))
+            causes.append(forbidden(f"{path}.additionalProperties", detail))
     int_or_string = bool(schema.get("x-kubernetes-int-or-string"))
     preserve = bool(schema.get("x-kubernetes-preserve-unknown-fields"))
     if int_or_string and preserve:
         detail = "must be false if x-kubernetes-int-or-string is true"
-        causes.append(_invalid(f"{path}.x-kubernetes-preserve-unknown-fields", "true", detail))
+        causes.append(invalid_value(f"{path}.x-kubernetes-preserve-unknown-fields", "true", detail))
     if int_or_string and embedded:
         detail = "must be false if x-kubernetes-int-or-string is true"
-        causes.append(_invalid(f"{path}.x-kubernetes-embedded-resource", "true", detail))
+        causes.append(invalid_value(f"{path}.x-kubernetes-embedded-resource", "true", detail))
     _value_validation(schema, level, path, causes)
     if embedded and kind != "object":
         detail = "must be object if x-kubernetes-embedded-resource is true"
         causes.append(
-            _invalid(f"{path}.type", _go(kind), detail) if kind else _required(f"{path}.type", detail)
+            invalid_value(f"{path}.type", _go(kind), detail) if kind else required(f"{path}.type", detail)
         )
     elif not kind and not int_or_string and not preserve:
         where = {
@@ -317,19 +302,21 @@ def _invariants(node: Any, level: str, path: str, causes: list[Cause]) -> None:
             "item": "for specified array items",
             "field": "for specified object fields",
         }[level]
-        causes.append(_required(f"{path}.type", f"must not be empty {where}"))
+        causes.append(required(f"{path}.type", f"must not be empty {where}"))
     if level == "root" and kind and kind != "object":
-        causes.append(_invalid(f"{path}.type", _go(kind), "must be object at the root"))
+        causes.append(invalid_value(f"{path}.type", _go(kind), "must be object at the root"))
     if level == "root" or embedded:
         for key in ("kind", "apiVersion"):
             child = _schema((schema.get("properties") or {}).get(key))
             if child is not None and child.get("type") != "string":
                 causes.append(
-                    _invalid(f"{path}.properties[{key}].type", _go(child.get("type") or ""), "must be string")
+                    invalid_value(
+                        f"{path}.properties[{key}].type", _go(child.get("type") or ""), "must be string"
+                    )
                 )
     if embedded and not preserve and not schema.get("properties"):
         detail = "must not be empty if x-kubernetes-embedded-resource is true without x-kubernetes-preserve-unknown-fields"
-        causes.append(_required(f"{path}.properties", detail))
+        causes.append(required(f"{path}.properties", detail))
 
 
 def _value_validation(schema: dict[str, Any], level: str, path: str, causes: list[Cause]) -> None:
@@ -380,9 +367,9 @@ def _nested(node: Any, level: str, path: str, causes: list[Cause], skip_any_of: 
         if schema.get(keyword) not in (None, False, "", [], {}) or (
             keyword == "additionalProperties" and keyword in schema
         ):
-            causes.append(_forbidden(f"{path}.{keyword}", detail))
+            causes.append(forbidden(f"{path}.{keyword}", detail))
     if "metadata" in (schema.get("properties") or {}):
-        causes.append(_forbidden(f"{path}.properties[metadata]", "must not be specified in a nested context"))
+        causes.append(forbidden(f"{path}.properties[metadata]", "must not be specified in a nested context"))
 
 
 def _completeness(
@@ -390,7 +377,7 @@ def _completeness(
 ) -> None:
     """`validateValueValidationCompleteness`: what a junctor names must be declared outside it."""
     if structure is None:
-        causes.append(_required(s_path, f"because it is defined in {v_path}"))
+        causes.append(required(s_path, f"because it is defined in {v_path}"))
         return
     branches = [(node.get("not"), f"{v_path}.not")]
     for junctor in _JUNCTORS:
@@ -404,7 +391,7 @@ def _nested_completeness(
     branch: dict[str, Any], structure: dict[str, Any] | None, s_path: str, v_path: str, causes: list[Cause]
 ) -> None:
     if structure is None:
-        causes.append(_required(s_path, f"because it is defined in {v_path}"))
+        causes.append(required(s_path, f"because it is defined in {v_path}"))
         return
     _completeness(branch, structure, s_path, v_path, causes)
     if isinstance(branch.get("items"), dict):
@@ -415,7 +402,7 @@ def _nested_completeness(
     for key, child in (branch.get("properties") or {}).items():
         if key not in declared:
             where = f"{v_path}.properties[{key}]"
-            causes.append(_required(f"{s_path}.properties[{key}]", f"because it is defined in {where}"))
+            causes.append(required(f"{s_path}.properties[{key}]", f"because it is defined in {where}"))
         elif isinstance(child, dict):
             _nested_completeness(
                 child,
@@ -469,7 +456,7 @@ def _one_default(schema: dict[str, Any], value: Any, where: str) -> list[Cause]:
     unknown: list[str] = []
     objects.prune_unknown(copy.deepcopy(value), schema, unknown)
     if unknown:
-        causes.append(_invalid(where, _go(value), "must not have unknown fields"))
+        causes.append(invalid_value(where, _go(value), "must not have unknown fields"))
     # the list-type uniqueness checks are not part of this validation upstream
     plain = _without(schema, ("x-kubernetes-list-type",))
     found: list[Cause] = []

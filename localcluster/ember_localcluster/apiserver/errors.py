@@ -8,6 +8,7 @@ The messages follow the real API server's wording, so tests may match on them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,27 @@ class Cause:
 
     def render(self) -> str:
         return f"{self.field}: {self.message}" if self.field else self.message
+
+
+def required(path: str, detail: str = "") -> Cause:
+    """apimachinery's field.Required."""
+    return Cause(path, "FieldValueRequired", f"Required value: {detail}" if detail else "Required value")
+
+
+def invalid_value(path: str, shown: str, detail: str) -> Cause:
+    """field.Invalid, the value already printed as Go prints it."""
+    return Cause(path, "FieldValueInvalid", f"Invalid value: {shown}: {detail}")
+
+
+def forbidden(path: str, detail: str) -> Cause:
+    """field.Forbidden."""
+    return Cause(path, "FieldValueForbidden", f"Forbidden: {detail}")
+
+
+def not_supported(path: str, shown: str, supported: tuple[str, ...]) -> Cause:
+    """field.NotSupported, the value already printed as Go prints it."""
+    listed = ", ".join(json.dumps(v) for v in supported)
+    return Cause(path, "FieldValueNotSupported", f"Unsupported value: {shown}: supported values: {listed}")
 
 
 @dataclass

@@ -12,21 +12,10 @@ from typing import Any
 
 from ember_operator.labels import label_key_errors, label_value_errors
 
-from .errors import Cause
+from .errors import Cause, invalid_value, not_supported
 
 _OPERATORS = ("Equal", "Exists")
 _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
-
-
-def _invalid(field: str, value: Any, message: str) -> Cause:
-    return Cause(field, "FieldValueInvalid", f"Invalid value: {value}: {message}")
-
-
-def _unsupported(field: str, value: str, supported: tuple[str, ...]) -> Cause:
-    listed = ", ".join(json.dumps(v) for v in supported)
-    return Cause(
-        field, "FieldValueNotSupported", f"Unsupported value: {json.dumps(value)}: supported values: {listed}"
-    )
 
 
 def _go_toleration(t: dict[str, Any]) -> str:
@@ -46,10 +35,10 @@ def toleration_causes(tolerations: list[Any]) -> list[Cause]:
         key, operator, value = t.get("key") or "", t.get("operator") or "", t.get("value") or ""
         effect = t.get("effect") or ""
         if key:
-            causes += [_invalid(f"{path}.key", json.dumps(key), m) for m in label_key_errors(key)]
+            causes += [invalid_value(f"{path}.key", json.dumps(key), m) for m in label_key_errors(key)]
         if not key and operator != "Exists":
             causes.append(
-                _invalid(
+                invalid_value(
                     f"{path}.operator",
                     json.dumps(operator),
                     'operator must be Exists when `key` is empty, which means "match all values and all keys"',
@@ -57,7 +46,7 @@ def toleration_causes(tolerations: list[Any]) -> list[Cause]:
             )
         if t.get("tolerationSeconds") is not None and effect != "NoExecute":
             causes.append(
-                _invalid(
+                invalid_value(
                     f"{path}.effect",
                     json.dumps(effect),
                     "effect must be 'NoExecute' when `tolerationSeconds` is set",
@@ -66,15 +55,15 @@ def toleration_causes(tolerations: list[Any]) -> list[Cause]:
         if operator in ("Equal", ""):
             errors = label_value_errors(value)
             if errors:
-                causes.append(_invalid(f"{path}.operator", json.dumps(value), ";".join(errors)))
+                causes.append(invalid_value(f"{path}.operator", json.dumps(value), ";".join(errors)))
         elif operator == "Exists":
             if value:
                 message = "value must be empty when `operator` is 'Exists'"
-                causes.append(_invalid(f"{path}.operator", _go_toleration(t), message))
+                causes.append(invalid_value(f"{path}.operator", _go_toleration(t), message))
         else:
-            causes.append(_unsupported(f"{path}.operator", operator, _OPERATORS))
+            causes.append(not_supported(f"{path}.operator", json.dumps(operator), _OPERATORS))
         if effect and effect not in _EFFECTS:
-            causes.append(_unsupported(f"{path}.effect", effect, _EFFECTS))
+            causes.append(not_supported(f"{path}.effect", json.dumps(effect), _EFFECTS))
     return causes
 
 
@@ -82,9 +71,9 @@ def label_causes(labels: dict[str, Any], path: str) -> list[Cause]:
     """ValidateLabels of k8s.io/apimachinery: each key a qualified name, each value a label value."""
     causes = []
     for key, value in labels.items():
-        causes += [_invalid(path, json.dumps(key), m) for m in label_key_errors(key)]
+        causes += [invalid_value(path, json.dumps(key), m) for m in label_key_errors(key)]
         if isinstance(value, str):
-            causes += [_invalid(path, json.dumps(value), m) for m in label_value_errors(value)]
+            causes += [invalid_value(path, json.dumps(value), m) for m in label_value_errors(value)]
     return causes
 
 

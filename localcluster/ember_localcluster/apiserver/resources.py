@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import celcost, crdschema
-from .errors import Cause
+from .errors import Cause, forbidden, required
 
 VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 
@@ -59,10 +59,6 @@ class ResourceType:
     @property
     def list_kind(self) -> str:
         return f"{self.kind}List"
-
-
-def _required(path: str) -> Cause:
-    return Cause(path, "FieldValueRequired", "Required value")
 
 
 def _wrong(path: str, detail: str) -> Cause:
@@ -157,13 +153,13 @@ def _root_metadata_causes(root: Any, path: str) -> list[Cause]:
         message = (
             "must not specify anything other than name and generateName, but metadata is implicitly specified"
         )
-        return [Cause(f"{path}.properties[metadata]", "FieldValueForbidden", f"Forbidden: {message}")]
+        return [forbidden(f"{path}.properties[metadata]", message)]
     return []
 
 
 def _version_causes(version: Any, path: str) -> list[Cause]:
     if not isinstance(version, dict) or not isinstance(version.get("name"), str) or not version["name"]:
-        return [_required(f"{path}.name")]
+        return [required(f"{path}.name")]
     causes = []
     schema = version.get("schema", {})
     root = schema.get("openAPIV3Schema", {}) if isinstance(schema, dict) else schema
@@ -191,7 +187,7 @@ def _version_causes(version: Any, path: str) -> list[Cause]:
         isinstance(scale, dict)
         and all(isinstance(scale.get(k), str) for k in ("specReplicasPath", "statusReplicasPath"))
     ):
-        causes.append(_required(f"{path}.subresources.scale.specReplicasPath"))
+        causes.append(required(f"{path}.subresources.scale.specReplicasPath"))
     columns = version.get("additionalPrinterColumns") or []
     if not (
         isinstance(columns, list)
@@ -205,10 +201,10 @@ def crd_causes(crd: dict[str, Any]) -> list[Cause]:
     """The checks of the real server that registration and validation here rely on."""
     spec = crd.get("spec")
     if not isinstance(spec, dict):
-        return [_required("spec")]
+        return [required("spec")]
     names: dict[str, Any] = spec["names"] if isinstance(spec.get("names"), dict) else {}
     causes = [
-        _required(path)
+        required(path)
         for path, value in (
             ("spec.group", spec.get("group")),
             ("spec.names.plural", names.get("plural")),
@@ -221,7 +217,7 @@ def crd_causes(crd: dict[str, Any]) -> list[Cause]:
         causes.append(Cause("spec.scope", "FieldValueNotSupported", message))
     versions = spec.get("versions")
     if not isinstance(versions, list) or not versions:
-        return [*causes, _required("spec.versions")]
+        return [*causes, required("spec.versions")]
     for index, version in enumerate(versions):
         causes += _version_causes(version, f"spec.versions[{index}]")
     if not causes and sum(1 for v in versions if v.get("storage")) != 1:
