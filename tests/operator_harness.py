@@ -252,6 +252,20 @@ class PodRunner:
         }
         self._patch_status(name, {"conditions": self._ready(False), "containerStatuses": [container]})
 
+    def crash_loop(self, name: str, reason: str = "OOMKilled", exit_code: int = 137) -> None:
+        """The pod's container has been restarted several times, each run ending as `reason`, and is in the
+        kubelet's back-off: CrashLoopBackOff, not Ready."""
+        self.failed.add(name)
+        now = _stamp(datetime.now(UTC))
+        container = {
+            **_CONTAINER,
+            "ready": False,
+            "restartCount": 5,
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": exit_code, "reason": reason, "finishedAt": now}},
+        }
+        self._patch_status(name, {"conditions": self._ready(False), "containerStatuses": [container]})
+
     @staticmethod
     def _ready(ready: bool) -> list[dict[str, Any]]:
         now = _stamp(datetime.now(UTC))

@@ -773,7 +773,42 @@ def test_router_pods_no_node_can_take_leave_the_service_not_ready_and_stall(clus
 
     # Taking the selector away again takes it out of the routers' template.
     patch_spec(custom, name, {"router": {"nodeSelector": None}})
-    wait_for(lambda: converged(api, name, 1, 0), what="Ready once the routers are placed")
+    # (Until the Deployment's roll has deleted the old router pods, they are still reported.)
+    wait_for(
+        lambda: converged(api, name, 1, 0) and condition(api, name, "Stalled")["status"] == "False",
+        what="Ready and no longer Stalled once the routers are placed",
+    )
+    custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+
+
+def test_crash_looping_router_pods_stall_the_service_until_they_run(cluster: Any) -> None:
+    """Router pods that keep crashing (here OOMKilled: a spec.router.memory too small for the process) will
+    not come right without a change: Stalled with the pod and the reason, as for engine pods."""
+    api, runner, custom = cluster
+    name = "oomrouter"
+    create(custom, service(name))
+    wait_for(lambda: converged(api, name, 1, 0), what="converged")
+    routers = api.list("v1", "Pod", NAMESPACE, label_selector=f"ember.dev/router={name}")
+    assert len(routers) == 2
+    for p in routers:
+        runner.crash_loop(p["metadata"]["name"])
+    wait_for(
+        lambda: condition(api, name, "Stalled").get("reason") == "PodsCrashLooping",
+        what="Stalled PodsCrashLooping",
+    )
+    stalled = condition(api, name, "Stalled")
+    assert f"{name}-router-" in stalled["message"] and "OOMKilled" in stalled["message"], stalled
+    assert condition(api, name, "Reconciling")["status"] == "False"
+    # (Once the Deployment's status, which the router count is read from, has caught up.)
+    wait_for(
+        lambda: condition(api, name, "Ready").get("reason") == "RouterUnavailable", what="RouterUnavailable"
+    )
+    assert condition(api, name, "Ready")["status"] == "False"
+
+    # New router pods (as after a fix to the spec) that run clear it.
+    for p in routers:
+        api.delete("v1", "Pod", NAMESPACE, p["metadata"]["name"])
+    wait_for(lambda: converged(api, name, 1, 0), what="Ready with new router pods")
     assert condition(api, name, "Stalled")["status"] == "False"
     custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
 

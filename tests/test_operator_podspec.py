@@ -636,3 +636,27 @@ def test_a_crash_looping_model_fetch_is_trouble_with_its_fatal_line() -> None:
     # The first failures are the kubelet's to retry: no trouble yet.
     pod["status"]["initContainerStatuses"][0]["restartCount"] = 1
     assert trouble(pod) is None
+
+
+def test_a_crash_loop_of_oom_kills_says_so() -> None:
+    """The runtime's reason for the last exit is the cause a user needs (a memory limit too small)."""
+    from ember_operator.pods import trouble
+
+    terminated = {"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2026-01-01T00:00:00Z"}
+    pod = {
+        "metadata": {"name": "chat-abc"},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "restartCount": 4,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": terminated},
+                }
+            ],
+        },
+    }
+    found = trouble(pod)
+    assert found is not None and found.reason == "PodsCrashLooping"
+    assert found.message == "pod chat-abc: CrashLoopBackOff (exit code 137, OOMKilled)"

@@ -316,11 +316,8 @@ class Reconciler:
             if not p["metadata"].get("deletionTimestamp")
         ]
         waiting += [m for p in router_pods if (m := waiting_for_capacity(p, now, wait))]
-        troubles += [
-            t
-            for p in router_pods
-            if (t := trouble(p, now, wait)) is not None and t.reason == "PodsUnschedulable"
-        ]
+        found = {p["metadata"]["name"]: t for p in router_pods if (t := trouble(p, now, wait))}
+        troubles += held_troubles(memory.router_held, router_pods, found, now)
         self._stalled_event(body, memory, troubles)
 
         for p, v in sorted(zip(units.serving, views, strict=True), key=lambda pv: pv[1].created):

@@ -221,7 +221,10 @@ def _stuck(s: dict[str, Any]) -> tuple[str, str] | None:
     ):
         return None
     detail = error_line(last.get("message") or waiting.get("message") or "")
-    code = f" (exit code {last['exitCode']})" if "exitCode" in last else ""
+    # The runtime's reason for the last exit where it says more than the exit code does (OOMKilled).
+    why = [f"exit code {last['exitCode']}"] if "exitCode" in last else []
+    why += [last["reason"]] if last.get("reason") not in (None, "", "Error", "Completed") else []
+    code = f" ({', '.join(why)})" if why else ""
     return _STUCK_WAITING[reason], f"{reason}{code}" + (f": {detail}" if detail else "")
 
 

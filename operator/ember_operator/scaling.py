@@ -49,6 +49,7 @@ class Memory:
     # Crash troubles by pod name, held until that pod has been Ready for a while (a crash-looping engine
     # runs between its crashes: without this, Stalled would flap with every restart).
     held: dict[str, Any] = field(default_factory=dict)
+    router_held: dict[str, Any] = field(default_factory=dict)  # the same, of the router pods
     create_refused: Any = None  # the Trouble of the latest refused pod creation, while backing off
     create_backoff: float = 0.0  # seconds until the next try; doubles up to a minute
     create_retry_at: float = 0.0  # time.monotonic() of the next try
