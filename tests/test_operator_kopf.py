@@ -723,6 +723,32 @@ def test_fields_the_operator_does_not_manage_are_left_alone(cluster: Any) -> Non
     assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "ember-router", "ember.dev/router": "tended"}
 
 
+def test_a_key_added_to_a_managed_selector_is_taken_out(cluster: Any) -> None:
+    """A Service selector (or a budget's matchLabels) with a key someone added selects other pods or none:
+    it is compared whole and put back, not taken as covering what the operator set."""
+    api, _runner, custom = cluster
+    create(custom, service("narrowed"))
+    wait_for(lambda: converged(api, "narrowed", 1, 0), what="1 active")
+    want = api.get("v1", "Service", NAMESPACE, "narrowed")["spec"]["selector"]  # type: ignore[index]
+    budget = api.get("policy/v1", "PodDisruptionBudget", NAMESPACE, "narrowed")["spec"]["selector"]  # type: ignore[index]
+    api.patch("v1", "Service", NAMESPACE, "narrowed", {"spec": {"selector": {"app": "elsewhere"}}})
+    api.patch(
+        "policy/v1",
+        "PodDisruptionBudget",
+        NAMESPACE,
+        "narrowed",
+        {"spec": {"selector": {"matchLabels": {"x": "y"}}}},
+    )
+
+    def selectors() -> tuple[Any, Any]:
+        svc = api.get("v1", "Service", NAMESPACE, "narrowed")
+        pdb = api.get("policy/v1", "PodDisruptionBudget", NAMESPACE, "narrowed")
+        return svc["spec"]["selector"], pdb["spec"]["selector"]  # type: ignore[index]
+
+    wait_for(lambda: selectors() == (want, budget), timeout=20, what="both selectors put back")
+    custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "narrowed")
+
+
 def test_unschedulable_pods_wait_for_capacity_then_stall(cluster: Any) -> None:
     api, _runner, custom = cluster
     spec = {"resources": {"gpus": 0, "nodeSelector": {"pool": "nowhere"}}, "capacityWaitSeconds": 3}

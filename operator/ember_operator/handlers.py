@@ -146,6 +146,16 @@ class Reconciler:
             self._gone.add(meta.get("uid", ""))
             metrics.forget(meta.get("namespace", ""), meta.get("name", ""))
 
+    async def child_event(self, body: kopf.Body, **_: Any) -> None:
+        """A child the passes make sure of (the Service, the policy ConfigMap, the budget, the routers'
+        objects) was made, changed or deleted: its owner's next pass reads it again (and puts it back if
+        someone else changed it) instead of trusting what it made sure of until the resync."""
+        meta = body.get("metadata") or {}
+        for ref in meta.get("ownerReferences") or []:
+            memory = self._memories.get(ref.get("uid", "")) if ref.get("kind") == "InferenceService" else None
+            if memory is not None:
+                memory.known.forget_key(f"{body.get('kind')}/{meta.get('name')}")
+
     async def pod_event(self, event: kopf.RawEvent, body: kopf.Body, **kwargs: Any) -> None:
         """A pod of an InferenceService changed: when its readiness flipped (or it is gone), run the owner's
         pass now rather than at the next tick."""
@@ -638,6 +648,18 @@ def _message(e: ApiException) -> str:
         return f"{e.status} {e.reason}"
 
 
+# What `_ensure` makes sure of, watched (group, version, plural) so that an edit or deletion by someone else
+# is put back at the next pass; each watch needs list and watch on its kind (manifests/base/rbac.yaml).
+CHILDREN = (
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("apps", "v1", "deployments"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+)
+
+
 def register(registry: kopf.OperatorRegistry, settings: Settings) -> Reconciler:
     """Register the handlers for InferenceServices in `registry`."""
     reconciler = Reconciler(settings)
@@ -652,6 +674,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> Reconciler:
     kopf.on.event("v1", "pods", labels={MANAGED_BY_LABEL: "ember-operator"}, registry=registry)(
         reconciler.pod_event
     )
+    for child in CHILDREN:
+        kopf.on.event(*child, labels={MANAGED_BY_LABEL: "ember-operator"}, registry=registry)(
+            reconciler.child_event
+        )
     # Filled from the same pod watch; kopf starts no other handler before its first listing is in.
     kopf.index("v1", "pods", id=INDEX, labels={NAME_LABEL: indexed_names}, registry=registry)(index_pod)
     kopf.on.event(*resource, registry=registry)(reconciler.resource_event)

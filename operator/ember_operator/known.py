@@ -4,12 +4,13 @@ The Service, the policy ConfigMap and the PodDisruptionBudget are read (GET) and
 put back. Reading each on every pass is what made an idle InferenceService cost several requests a tick.
 `Known` remembers, per child, the desired object last made sure of and what the API server returned; a pass
 whose desired object is the same skips the read. Every `resync` seconds everything is forgotten and read
-again, which is how long an edit to a child by someone else can stand (kube-controller-manager's
-controllers resync their caches the same way). A fallback Service's endpoint is kept the same way.
+again (kube-controller-manager's controllers resync their caches the same way). The operator also watches
+the kinds it makes: an event on a child forgets that child (`forget_key`), so an edit or deletion by
+someone else is put back at the owner's next pass. A fallback Service's endpoint is kept the same way.
 
 Something else may still be about to fill in what a pass reads: a load balancer publishes the Service's
 address in its status some time after it is created, and the routers' Deployment counts its pods Ready as
-they start (a router that dies later shows at the next resync). A result put as not settled is read again sooner,
+they start (a router that dies later shows through the Deployment's events). A result put as not settled is read again sooner,
 after 1 s, then 2, 4, 8 and 16 s, so a published address shows within seconds; after that it waits for the
 resync like a settled one, so a Service that never gets an address costs no more than one that did.
 """
@@ -66,6 +67,10 @@ class Known:
         entry = self.entries.get(key)
         if entry is not None and entry[0] == fingerprint(desired) and (unless is None or entry[1] != unless):
             del self.entries[key]
+
+    def forget_key(self, key: str) -> None:
+        """Forget what `key` holds, whatever it was made sure of as."""
+        self.entries.pop(key, None)
 
     def forget(self) -> None:
         self.entries.clear()

@@ -64,6 +64,8 @@ def is_not_found(e: ApiException) -> bool:
 # `1024Mi` as `1Gi`), so they are compared by value.
 _QUANTITY_MAPS = ("requests", "limits", "overhead")
 _QUANTITY_FIELDS = ("sizeLimit",)
+# Label selectors: a key someone added selects other pods (or none), so these are compared whole.
+_EXACT_MAPS = ("selector", "matchLabels")
 
 
 def _same_quantity(desired: Any, actual: Any) -> bool:
@@ -81,6 +83,7 @@ def covers(desired: Any, actual: Any, *, quantities: bool = False) -> bool:
             _same_quantity(v, actual.get(k))
             if (quantities or k in _QUANTITY_FIELDS) and not isinstance(v, dict | list)
             else covers(v, actual.get(k), quantities=k in _QUANTITY_MAPS and not quantities)
+            and not (k in _EXACT_MAPS and _string_map(v) and v != actual.get(k))
             for k, v in desired.items()
         )
     if isinstance(desired, list):
@@ -90,6 +93,10 @@ def covers(desired: Any, actual: Any, *, quantities: bool = False) -> bool:
             and all(covers(d, a) for d, a in zip(desired, actual, strict=True))
         )
     return bool(desired == actual)
+
+
+def _string_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
 
 
 # Pod template fields the operator sets only when the spec asks for them: one the spec no longer asks for is
