@@ -26,17 +26,16 @@ node selectors and required node affinity, and the message kube-scheduler writes
   `0/N nodes are available: <count> <reason>, ... no new claims to deallocate, preemption: 0/N nodes are
   available: <count> <reason>, ....` with the reasons counted over nodes and sorted as strings. This
   control plane serves no PriorityClasses, so, as in a cluster without any, every pod has priority 0 and
-  preemption never finds a victim: nodes that failed on resources read "No preemption victims found for
-  incoming pod", the others "Preemption is not helpful for scheduling"; a pod with
+  preemption never finds a victim: nodes that failed on resources (or on pod anti-affinity or spread
+  skew, `interpod.py`) read "No preemption victims found for incoming pod", the others "Preemption is not helpful for scheduling"; a pod with
   `preemptionPolicy: Never` reads "preemption: not eligible due to preemptionPolicy=Never.".
-* **Scoring**, a deterministic simplification of the default profile: fewest untolerated
-  PreferNoSchedule taints first, then NodeResourcesFit's LeastAllocated score over cpu and memory (each
-  container without a request counting kube-scheduler's defaults, 100m and 200Mi), then the node's name.
-  kube-scheduler adds balanced allocation, topology spreading and image locality, and breaks ties at
-  random.
+* **Scoring**: each plugin's raw score for one node, which `interpod.py` normalises and weighs as the
+  default profile does: untolerated PreferNoSchedule taints (TaintToleration), the weights of matching
+  preferred node affinity terms (NodeAffinity), and NodeResourcesFit's LeastAllocated score over cpu and
+  memory (each container without a request counting kube-scheduler's defaults, 100m and 200Mi).
 
-Not modelled: host ports (NodePorts), volume limits and zones, inter-pod affinity and topology spread
-constraints, dynamic resource allocation (a pod's `resourceClaims` are ignored), pod-level resources,
+Not modelled: host ports (NodePorts), volume limits and zones (inter-pod affinity and topology spreading
+are in `interpod.py`), dynamic resource allocation (a pod's `resourceClaims` are ignored), pod-level resources,
 scheduling gates beyond leaving gated pods alone, priorities and preemption.
 """
 
@@ -56,9 +55,13 @@ __all__ = [
     "failure_message",
     "filter_node",
     "is_terminal",
+    "least_allocated",
+    "matches_node_affinity",
     "pod_requests",
+    "prefer_no_schedule",
+    "preferred_node_affinity",
     "quantity",
-    "score",
+    "untolerated_taint",
 ]
 
 CPU, MEMORY, PODS, EPHEMERAL = "cpu", "memory", "pods", "ephemeral-storage"
@@ -334,13 +337,26 @@ def failure_message(pod: Mapping[str, Any], results: Mapping[str, FitResult]) ->
     return f"{head} {NO_CLAIMS}, preemption: {preemption}"
 
 
-def score(pod: Mapping[str, Any], info: NodeInfo) -> tuple[int, int, str]:
-    """A sort key, best node first (see the module docstring)."""
-    prefer_not = sum(
+def prefer_no_schedule(pod: Mapping[str, Any], info: NodeInfo) -> int:
+    """TaintToleration's raw score: the node's PreferNoSchedule taints the pod does not tolerate."""
+    return sum(
         1
         for taint in (info.node.get("spec") or {}).get("taints") or []
         if taint.get("effect") == "PreferNoSchedule" and not _tolerated(pod, taint)
     )
+
+
+def preferred_node_affinity(pod: Mapping[str, Any], info: NodeInfo) -> int:
+    """NodeAffinity's raw score: the weights of the preferred node affinity terms the node matches."""
+    preferred = ((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}
+    terms = preferred.get("preferredDuringSchedulingIgnoredDuringExecution") or []
+    return sum(
+        int(t.get("weight") or 0) for t in terms if _term_matches(t.get("preference") or {}, info.node)
+    )
+
+
+def least_allocated(pod: Mapping[str, Any], info: NodeInfo) -> int:
+    """NodeResourcesFit's LeastAllocated score (0-100) over cpu and memory, each weighted 1."""
     allocatable = info.allocatable()
     cpu, memory = _nonzero_requests(pod)
     for other in info.pods:
@@ -351,5 +367,4 @@ def score(pod: Mapping[str, Any], info: NodeInfo) -> tuple[int, int, str]:
         scores.append(
             0 if capacity == 0 or requested > capacity else (capacity - requested) * 100 // capacity
         )
-    least_allocated = sum(scores) // len(scores)
-    return (prefer_not, -least_allocated, info.name)
+    return sum(scores) // len(scores)

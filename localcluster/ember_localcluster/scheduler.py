@@ -6,9 +6,13 @@ talks through client-go: it lists and watches Nodes and the Pods that have not e
 `spec.nodeName` (with `schedulerName` unset or `default-scheduler`, not being deleted, without
 scheduling gates) it runs the default profile's filters over every node (`fit.py`: cordoned nodes,
 taints and tolerations, `nodeSelector` and required node affinity, resource requests against what the
-pods already bound there request). Then, as kube-scheduler does:
+pods already bound there request), then PodTopologySpread and InterPodAffinity over the pods already
+placed (`interpod.py`: required pod affinity and anti-affinity, existing pods' anti-affinity, `DoNotSchedule`
+spread constraints). Then, as kube-scheduler does:
 
-* **A node fits:** the best one (`fit.score`: least allocated, then the name; deterministic) gets the
+* **A node fits:** the best one (`interpod.select`: the default profile's scores, taints, preferred node
+  affinity, least allocated, preferred pod affinity and soft spreading, with its weights; ties to the
+  name, deterministic) gets the
   pod through `POST pods/NAME/binding` (the `pods/binding` subresource, with the pod's uid as
   precondition, so the API server sets `spec.nodeName` and `PodScheduled=True`), and a Normal Event
   `Scheduled` says `Successfully assigned NS/NAME to NODE`. The pod counts on that node at once (an
@@ -23,7 +27,8 @@ pods already bound there request). Then, as kube-scheduler does:
 Pods are taken highest `spec.priority` first, then oldest, as the scheduling queue's PrioritySort does.
 A pod that found no node waits, as in the scheduling queue's unschedulable pool, until a change that could
 make room: a pod going away (or ending), a bound pod changing, a node added or changed (relabelled,
-uncordoned, untainted); a new pending pod or a pending pod's own update is not one. It is then retried once
+uncordoned, untainted), and for a pod that inter-pod affinity or spreading refused, a pod bound or
+relabelled; a new pending pod or a pending pod's own update is not one. It is then retried once
 its back-off has passed: 1 s after its first failed attempt, doubling with each further one up to 10 s
 (`podInitialBackoffDuration`, `podMaxBackoffDuration`). A pod no change has moved is retried after 5 min
 (`podMaxInUnschedulablePodsDuration`). A pod retried too early would bind sooner than on a real cluster, and
@@ -48,7 +53,7 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from ember_localcluster import fit
+from ember_localcluster import fit, interpod
 from ember_localcluster.events import pod_event
 from ember_localcluster.informer import API_TIMEOUT
 from ember_localcluster.runtime import BackgroundRuntime
@@ -65,6 +70,10 @@ RETRY_SECONDS = 1.0  # after an API call failed
 def _key(obj: dict[str, Any]) -> tuple[str, str]:
     meta = obj["metadata"]
     return (meta.get("namespace") or "", meta["name"])
+
+
+def _labels(obj: dict[str, Any]) -> dict[str, Any]:
+    return dict((obj.get("metadata") or {}).get("labels") or {})
 
 
 def _now() -> str:
@@ -91,6 +100,7 @@ class Scheduler:
         self._assumed: dict[str, str] = {}  # pod uid -> node, bound here and not yet seen bound
         self._reported: dict[str, str] = {}  # pod uid -> the last FailedScheduling message sent
         self._backoff: dict[str, Backoff] = {}  # pod uid -> its wait after failed attempts
+        self._waits_on_pods: set[str] = set()  # pod uids refused by inter-pod affinity or spreading
         self._timer: asyncio.TimerHandle | None = None
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -164,12 +174,29 @@ class Scheduler:
                 self._move()  # its node has room again
             self._reported.pop(uid, None)
             self._backoff.pop(uid, None)
+            self._waits_on_pods.discard(uid)
         else:
+            before = self._pods.get(_key(pod))
             self._pods[_key(pod)] = pod
             if (pod.get("spec") or {}).get("nodeName"):
                 self._assumed.pop(uid, None)
                 self._backoff.pop(uid, None)
+                self._waits_on_pods.discard(uid)
+                if (
+                    before is None
+                    or not (before.get("spec") or {}).get("nodeName")
+                    or _labels(before) != _labels(pod)
+                ):
+                    self._move_pod_waiters()  # a pod bound or relabelled: affinity and spreading see it
         self._wake()
+
+    def _move_pod_waiters(self) -> None:
+        """As InterPodAffinity's and PodTopologySpread's queueing hints: a pod they refused is retried when
+        a bound pod is added or relabelled; pods that waited only on resources or nodes stay put."""
+        for uid in self._waits_on_pods:
+            waiting = self._backoff.get(uid)
+            if waiting is not None:
+                waiting.moved = True
 
     async def _loop(self) -> None:
         assert self._wakeup is not None
@@ -242,10 +269,10 @@ class Scheduler:
         for pod in pending:
             if self._pods.get(_key(pod)) is not pod:
                 continue  # changed or gone while this pass awaited: the next pass has it
-            results = {name: fit.filter_node(pod, info) for name, info in infos.items()}
+            results = interpod.filter_nodes(pod, infos)
             feasible = [infos[name] for name, result in results.items() if result.fits]
             if feasible:
-                best = min(feasible, key=lambda info: fit.score(pod, info))
+                best = interpod.select(pod, feasible, infos.values())
                 if await self._bind(pod, best.name):
                     best.pods.append(pod)
             else:
@@ -253,6 +280,8 @@ class Scheduler:
                 previous = self._backoff.get(uid)
                 attempts = 1 if previous is None else previous.attempts + 1
                 self._backoff[uid] = Backoff(attempts, time.monotonic())
+                if any(r in interpod.POD_REASONS for result in results.values() for r in result.reasons):
+                    self._waits_on_pods.add(uid)
                 await self._unschedulable(pod, fit.failure_message(pod, results))
 
     async def _api(self, method: Any, *args: Any, **kwargs: Any) -> Any:
