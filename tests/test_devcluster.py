@@ -24,6 +24,7 @@ from waiting import free_port, wait_for
 from ember_engine.tools.testmodel import make_test_model
 from ember_localcluster.devcluster import DevCluster
 from ember_localcluster.kubelet.kubelet import ENGINE_IMAGE
+from ember_localcluster.kubelet.node import NodeConfig
 
 REPO = Path(__file__).resolve().parents[1]
 EMBER = str(Path(sys.executable).parent / "ember")
@@ -452,6 +453,29 @@ def test_a_drain_of_the_node_holding_both_pods_waits_for_a_warm_pod_elsewhere(tm
             lambda: (conditions(), engines("active"), engines("warm")),
         )
         assert not seen_not_ready
+
+
+def test_the_warm_pod_stands_by_on_another_node_than_the_active_one(tmp_path: Path) -> None:
+    """`examples/local.yaml` (one active pod, a warm pool of one) on a big node and a small one. Least
+    allocated alone puts both pods on the big node, where one node lost takes the service and its standby
+    together; the operator's default spreading of a service's engine pods over nodes sends the warm pod to
+    the other node."""
+    make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
+    nodes = [
+        NodeConfig("ember-local", cpu="16", memory="64Gi"),
+        NodeConfig("ember-local-2", cpu="4", memory="16Gi"),
+    ]
+    with DevCluster(tmp_path / "dev", nodes=nodes) as cluster:
+        cluster.api.create({**yaml.safe_load((REPO / "examples" / "local.yaml").read_text())})
+        conditions = functools.partial(_tiny_conditions, cluster)
+        engines = functools.partial(_tiny_engines, cluster)
+        wait_for(
+            lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
+            120,
+            conditions,
+        )
+        (active,), (warm,) = engines("active"), engines("warm")
+        assert {active["spec"]["nodeName"], warm["spec"]["nodeName"]} == {"ember-local", "ember-local-2"}
 
 
 def _tiny_conditions(cluster: DevCluster) -> dict[str, str]:

@@ -135,6 +135,35 @@ def test_placement_and_identity_reach_the_pod_as_written() -> None:
     assert violations(pod, "restricted") == []
 
 
+HOSTNAME_SPREAD = {
+    "maxSkew": 1,
+    "topologyKey": "kubernetes.io/hostname",
+    "whenUnsatisfiable": "ScheduleAnyway",
+    "labelSelector": {
+        "matchLabels": {"app.kubernetes.io/name": "ember", "app.kubernetes.io/instance": "chat"}
+    },
+}
+
+
+def test_engine_pods_spread_softly_over_nodes_unless_the_spec_says_otherwise() -> None:
+    """So that the warm pod stands by on another node than the active one where there is one."""
+    assert pod_of()["spec"]["topologySpreadConstraints"] == [HOSTNAME_SPREAD]
+    node_only = {"nodeAffinity": AFFINITY["nodeAffinity"]}
+    assert pod_of(pod={"affinity": node_only})["spec"]["topologySpreadConstraints"] == [HOSTNAME_SPREAD]
+    own = {"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}
+    assert [
+        c["topologyKey"]
+        for c in pod_of(pod={"topologySpreadConstraints": [own]})["spec"]["topologySpreadConstraints"]
+    ] == ["topology.kubernetes.io/zone"]
+    assert "topologySpreadConstraints" not in pod_of(pod={"affinity": AFFINITY})["spec"]  # podAntiAffinity
+    anti = {"affinity": {"podAntiAffinity": AFFINITY["podAntiAffinity"]}}
+    assert "topologySpreadConstraints" not in pod_of(podTemplate={"spec": anti})["spec"]
+    patched = pod_of(podTemplate={"spec": {"topologySpreadConstraints": [own]}})["spec"]
+    assert [c["topologyKey"] for c in patched["topologySpreadConstraints"]] == ["topology.kubernetes.io/zone"]
+    # Not in the template hash: an operator upgrade rolls no running pod (the value before this change).
+    assert template_hash(make_spec()) == "c9517172b0"
+
+
 def test_env_from_secrets_and_config_maps_and_env_from() -> None:
     pod = pod_of(
         resources={
