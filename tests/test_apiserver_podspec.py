@@ -96,6 +96,90 @@ def test_a_pod_with_valid_tolerations_and_selector_is_created(server: APIServer)
     assert server.create(pod)["spec"]["tolerations"] == tolerations
 
 
+SPREAD = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+TSC = "spec.topologySpreadConstraints[0]"
+
+
+@pytest.mark.parametrize(
+    ("placement", "expected"),
+    [
+        (
+            {"topologySpreadConstraints": [{**SPREAD, "maxSkew": 0}]},
+            f"{TSC}.maxSkew: Invalid value: 0: must be greater than zero",
+        ),
+        (
+            {"topologySpreadConstraints": [{**SPREAD, "topologyKey": ""}]},
+            f"{TSC}.topologyKey: Required value: can not be empty",
+        ),
+        (
+            {"topologySpreadConstraints": [{**SPREAD, "whenUnsatisfiable": "Sometimes"}]},
+            f'{TSC}.whenUnsatisfiable: Unsupported value: "Sometimes": supported values: "DoNotSchedule", "ScheduleAnyway"',
+        ),
+        (
+            {"topologySpreadConstraints": [SPREAD, SPREAD]},
+            f'{TSC}.{{topologyKey, whenUnsatisfiable}}: Duplicate value: "{{kubernetes.io/hostname, ScheduleAnyway}}"',
+        ),
+        (
+            {"topologySpreadConstraints": [{**SPREAD, "minDomains": 2}]},
+            f"{TSC}.minDomains: Invalid value: 2: can only use minDomains if whenUnsatisfiable=DoNotSchedule, "
+            "not ScheduleAnyway",
+        ),
+        (
+            {"topologySpreadConstraints": [{**SPREAD, "nodeTaintsPolicy": "Maybe"}]},
+            f'{TSC}.nodeTaintsPolicy: Unsupported value: "Maybe": supported values: "Honor", "Ignore"',
+        ),
+        (
+            {
+                "affinity": {
+                    "podAntiAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": ""}]
+                    }
+                }
+            },
+            "spec.affinity.podAntiAffinity.requiredDuringSchedulingIgnoredDuringExecution[0].topologyKey: "
+            "Required value: can not be empty",
+        ),
+        (
+            {
+                "affinity": {
+                    "podAffinity": {
+                        "preferredDuringSchedulingIgnoredDuringExecution": [
+                            {"weight": 0, "podAffinityTerm": {"topologyKey": "zone"}}
+                        ]
+                    }
+                }
+            },
+            "spec.affinity.podAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight: Invalid value: 0: "
+            "must be in the range 1-100",
+        ),
+    ],
+)
+def test_a_pod_with_spreading_or_pod_affinity_kube_apiserver_refuses_is_refused(
+    server: APIServer, placement: dict[str, Any], expected: str
+) -> None:
+    message = _refused(server, _pod("placed", **placement))
+    assert message == f'Pod "placed" is invalid: {expected}', message
+
+
+def test_a_pod_with_valid_spreading_and_pod_affinity_is_created(server: APIServer) -> None:
+    anti = {"labelSelector": {"matchLabels": {"app": "a"}}, "topologyKey": "kubernetes.io/hostname"}
+    placement = {
+        "topologySpreadConstraints": [
+            SPREAD,
+            {**SPREAD, "whenUnsatisfiable": "DoNotSchedule", "minDomains": 2},
+        ],
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": anti}]
+            }
+        },
+    }
+    assert (
+        server.create(_pod("spread-fine", **placement))["spec"]["topologySpreadConstraints"][1]["minDomains"]
+        == 2
+    )
+
+
 def test_a_containers_limits_are_its_requests_where_it_names_none(server: APIServer) -> None:
     """core/v1 SetDefaults_Pod: each container's and init container's limits are copied into its requests
     for the resources the requests do not name."""

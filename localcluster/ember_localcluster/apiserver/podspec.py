@@ -1,7 +1,10 @@
-"""A Pod's tolerations and nodeSelector as kube-apiserver validates them (pkg/apis/core/validation:
-ValidateTolerations, and ValidateLabels for the selector), with its messages.
+"""A Pod's tolerations, nodeSelector, pod (anti-)affinity terms and topology spread constraints as
+kube-apiserver validates them (pkg/apis/core/validation: ValidateTolerations, ValidateLabels for the
+selector, validatePodAffinityTerm's topologyKey and the preferred terms' weight, and
+validateTopologySpreadConstraints), with its messages.
 
-Left out: the rest of ValidatePodSpec. A toleration refused for a value with `operator: Exists` is shown as
+Left out: the rest of ValidatePodSpec (node affinity, the label selectors and namespaces of affinity terms
+and spread constraints). A toleration refused for a value with `operator: Exists` is shown as
 Go's %#v shows it; where tolerationSeconds is set, Go prints a pointer's address, shown here as `0x...`.
 """
 
@@ -12,10 +15,13 @@ from typing import Any
 
 from ember_operator.labels import label_key_errors, label_value_errors
 
-from .errors import Cause, invalid_value, not_supported
+from .errors import Cause, invalid_value, not_supported, required
 
 _OPERATORS = ("Equal", "Exists")
 _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+_ACTIONS = ("DoNotSchedule", "ScheduleAnyway")
+_POLICIES = ("Honor", "Ignore")
+_NOT_POSITIVE = "must be greater than zero"
 
 
 def _go_toleration(t: dict[str, Any]) -> str:
@@ -81,10 +87,86 @@ def node_selector_causes(selector: dict[str, Any]) -> list[Cause]:
     return label_causes(selector, "spec.nodeSelector")
 
 
+def _term_causes(term: Any, path: str) -> list[Cause]:
+    """validatePodAffinityTerm: a topology key, itself a label name."""
+    if not isinstance(term, dict):
+        return []
+    key = term.get("topologyKey") or ""
+    if not key:
+        return [required(f"{path}.topologyKey", "can not be empty")]
+    return [invalid_value(f"{path}.topologyKey", json.dumps(key), m) for m in label_key_errors(key)]
+
+
+def affinity_causes(affinity: Any) -> list[Cause]:
+    causes: list[Cause] = []
+    for kind in ("podAffinity", "podAntiAffinity"):
+        section = affinity.get(kind) if isinstance(affinity, dict) else None
+        if not isinstance(section, dict):
+            continue
+        path = f"spec.affinity.{kind}"
+        for i, term in enumerate(section.get("requiredDuringSchedulingIgnoredDuringExecution") or []):
+            causes += _term_causes(term, f"{path}.requiredDuringSchedulingIgnoredDuringExecution[{i}]")
+        for i, weighted in enumerate(section.get("preferredDuringSchedulingIgnoredDuringExecution") or []):
+            if not isinstance(weighted, dict):
+                continue
+            at = f"{path}.preferredDuringSchedulingIgnoredDuringExecution[{i}]"
+            weight = weighted.get("weight")
+            if not isinstance(weight, int) or not 1 <= weight <= 100:
+                causes.append(invalid_value(f"{at}.weight", json.dumps(weight), "must be in the range 1-100"))
+            causes += _term_causes(weighted.get("podAffinityTerm"), f"{at}.podAffinityTerm")
+    return causes
+
+
+def spread_causes(constraints: list[Any]) -> list[Cause]:
+    """validateTopologySpreadConstraints (the label selector and matchLabelKeys left out)."""
+    causes = []
+    for i, c in enumerate(constraints):
+        if not isinstance(c, dict):
+            continue
+        path = f"spec.topologySpreadConstraints[{i}]"
+        skew, key, action = c.get("maxSkew"), c.get("topologyKey") or "", c.get("whenUnsatisfiable") or ""
+        if not isinstance(skew, int) or skew <= 0:
+            causes.append(invalid_value(f"{path}.maxSkew", json.dumps(skew or 0), _NOT_POSITIVE))
+        if not key:
+            causes.append(required(f"{path}.topologyKey", "can not be empty"))
+        if action not in _ACTIONS:
+            causes.append(not_supported(f"{path}.whenUnsatisfiable", json.dumps(action), _ACTIONS))
+        rest = constraints[i + 1 :]
+        if any(
+            isinstance(o, dict)
+            and (o.get("topologyKey") or "", o.get("whenUnsatisfiable") or "") == (key, action)
+            for o in rest
+        ):
+            shown = json.dumps(f"{{{key}, {action}}}")
+            causes.append(
+                Cause(
+                    f"{path}.{{topologyKey, whenUnsatisfiable}}",
+                    "FieldValueDuplicate",
+                    f"Duplicate value: {shown}",
+                )
+            )
+        domains = c.get("minDomains")
+        if domains is not None:
+            if not isinstance(domains, int) or domains <= 0:
+                causes.append(invalid_value(f"{path}.minDomains", json.dumps(domains), _NOT_POSITIVE))
+            if action != "DoNotSchedule":
+                message = f"can only use minDomains if whenUnsatisfiable=DoNotSchedule, not {action}"
+                causes.append(invalid_value(f"{path}.minDomains", json.dumps(domains), message))
+        for policy in ("nodeAffinityPolicy", "nodeTaintsPolicy"):
+            value = c.get(policy)
+            if value is not None and value not in _POLICIES:
+                causes.append(not_supported(f"{path}.{policy}", json.dumps(value), _POLICIES))
+    return causes
+
+
 def pod_spec_causes(spec: Any) -> list[Cause]:
-    """The causes of a 422 for the Pod spec's tolerations and nodeSelector (none: they are valid)."""
+    """The causes of a 422 for the Pod spec's tolerations, nodeSelector, affinity and spread constraints (none:
+    they are valid)."""
     if not isinstance(spec, dict):
         return []
     tolerations, selector = spec.get("tolerations"), spec.get("nodeSelector")
     causes = toleration_causes(tolerations) if isinstance(tolerations, list) else []
-    return causes + (node_selector_causes(selector) if isinstance(selector, dict) else [])
+    causes += node_selector_causes(selector) if isinstance(selector, dict) else []
+    causes += affinity_causes(spec.get("affinity"))
+    spread = spec.get("topologySpreadConstraints")
+    return causes + (spread_causes(spread) if isinstance(spread, list) else [])
