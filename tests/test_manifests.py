@@ -31,12 +31,16 @@ NAMESPACED_GRANTS = {
     (GROUP, f"{PLURAL}/status", "patch"),
     (GROUP, f"{PLURAL}/finalizers", "update"),  # blockOwnerDeletion: true, see base/rbac.yaml
     *(("", "pods", v) for v in ("create", "delete", "patch", "list", "watch")),
-    *(("", r, v) for r in ("services", "configmaps") for v in ("get", "create", "update")),
-    *(("policy", "poddisruptionbudgets", v) for v in ("get", "create", "update")),
+    # Children: read, watched (an edit or deletion is put back at the next pass), made and put back.
+    *(("", r, v) for r in ("services", "configmaps") for v in ("get", "list", "watch", "create", "update")),
+    *(("policy", "poddisruptionbudgets", v) for v in ("get", "list", "watch", "create", "update")),
     *(("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("list", "create", "patch", "delete")),
-    *(("apps", "deployments", v) for v in ("get", "create", "update", "delete")),
-    *(("rbac.authorization.k8s.io", "rolebindings", v) for v in ("get", "create", "update", "delete")),
-    *(("", "serviceaccounts", v) for v in ("get", "create", "update", "delete")),
+    *(("apps", "deployments", v) for v in ("get", "list", "watch", "create", "update", "delete")),
+    *(
+        ("rbac.authorization.k8s.io", "rolebindings", v)
+        for v in ("get", "list", "watch", "create", "update", "delete")
+    ),
+    *(("", "serviceaccounts", v) for v in ("get", "list", "watch", "create", "update", "delete")),
     ("rbac.authorization.k8s.io", "clusterroles", "bind"),  # ember-router only, see base/rbac.yaml
     ("", "events", "create"),
 }
