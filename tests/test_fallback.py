@@ -56,6 +56,9 @@ def test_a_client_leaving_a_non_streaming_fallback_request_aborts_it_there(
             # The fallback's request is aborted there, not run on to its 1500 tokens.
             wait_for(lambda: fb.state.engine.stats().num_running == 0, timeout=10)
             assert (finished(fb.url, "abort"), finished(fb.url, "length")) == (before[0] + 1, before[1])
+            # Sent there, but not served to anyone: counted apart from what the fallback did serve.
+            wait_for(lambda: fallback_outcome(s.url, "cancelled") == 1, timeout=10)
+            assert fallback_outcome(s.url, "served") == 0
             for t in threads:
                 t.join(60)
 

@@ -246,7 +246,8 @@ async def _shed(state: ServerState, request: Request, verdict: Shed, class_name:
             log.warning("%s; answering with the shed error", exc)
             state.metrics.record_fallback("failed")
         else:
-            state.metrics.record_fallback("served")
+            # 499: the client left before the fallback answered (the request there was aborted).
+            state.metrics.record_fallback("cancelled" if resp.status_code == 499 else "served")
             if isinstance(resp, RelayedStream):
                 resp.on_close = release
             else:

@@ -123,7 +123,7 @@ class EngineMetrics:
         # Created up front so that rate() sees these series from zero, not from their first event.
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
-        for outcome in ("served", "failed"):
+        for outcome in ("served", "failed", "cancelled"):
             self._fallback.labels(model_name, outcome)
         self._ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY)
         self._itl = hist("vllm:inter_token_latency_seconds", "Time between token updates.", _LATENCY)
