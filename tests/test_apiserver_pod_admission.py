@@ -100,3 +100,41 @@ def test_a_pod_naming_a_missing_runtime_class_is_forbidden(server: APIServer) ->
         }
     )
     assert server.create(_pod("with-rc", runtimeClassName="runc"))["spec"]["runtimeClassName"] == "runc"
+
+
+def test_new_pods_get_the_default_toleration_seconds_for_not_ready_and_unreachable_nodes(
+    server: APIServer,
+) -> None:
+    """The DefaultTolerationSeconds plugin: 300 s for `node.kubernetes.io/not-ready` and `unreachable`
+    NoExecute taints, unless the pod already tolerates one (a toleration with that key or no key, and
+    effect NoExecute or none)."""
+    defaults = [
+        {
+            "key": "node.kubernetes.io/not-ready",
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": 300,
+        },
+        {
+            "key": "node.kubernetes.io/unreachable",
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": 300,
+        },
+    ]
+    assert server.create(_pod("tolerations-default"))["spec"]["tolerations"] == defaults
+    own = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
+    own_seconds = {**own, "tolerationSeconds": 5}
+    spec = server.create(_pod("tolerations-own", tolerations=[own_seconds]))["spec"]
+    assert spec["tolerations"] == [own_seconds, defaults[0]]
+    everything = {"operator": "Exists"}
+    assert server.create(_pod("tolerations-all", tolerations=[everything]))["spec"]["tolerations"] == [
+        everything
+    ]
+    other = {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
+    spec = server.create(_pod("tolerations-other", tolerations=[other]))["spec"]
+    assert spec["tolerations"] == [other, *defaults]
+
+
+def test_the_node_lease_namespace_exists_from_the_start(server: APIServer) -> None:
+    assert server.get("v1", "Namespace", "", "kube-node-lease") is not None

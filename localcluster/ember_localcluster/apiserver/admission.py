@@ -11,7 +11,8 @@
   Pod's spec is immutable but for a few fields; Deployment and ReplicaSet selectors (`updates.py`).
 * New Pods are admitted as kube-apiserver's ServiceAccount, Priority and RuntimeClass plugins admit them:
   what they name must exist (403 Forbidden with each plugin's message), and they get
-  `serviceAccountName`, `priority` and `preemptionPolicy` filled in.
+  `serviceAccountName`, `priority` and `preemptionPolicy` filled in; DefaultTolerationSeconds adds
+  tolerations of the `node.kubernetes.io/not-ready` and `unreachable` NoExecute taints for 300 s.
 * New Pods start `Pending` and new Namespaces `Active`, since no controller here would set that;
   Services get core/v1's default `type: ClusterIP`; a Pod's containers and init containers get their
   limits as the requests they do not name (SetDefaults_Pod).
@@ -264,9 +265,39 @@ def _admit_new_pod(pod: dict[str, Any], objects: Objects) -> None:
         )
     spec["priority"], spec["preemptionPolicy"] = priority, policy
 
+    _default_toleration_seconds(spec)
+
     runtime_class = spec.get("runtimeClassName")
     if runtime_class and ("", runtime_class) not in objects[RUNTIME_CLASSES]:
         raise forbidden(f'pod rejected: RuntimeClass "{runtime_class}" not found')
+
+
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
+DEFAULT_TOLERATION_SECONDS = 300  # --default-not-ready-toleration-seconds, --default-unreachable-...
+
+
+def _default_toleration_seconds(spec: dict[str, Any]) -> None:
+    """The DefaultTolerationSeconds plugin: a pod that does not tolerate the not-ready or the unreachable
+    NoExecute taint (a toleration with that key or none, and effect NoExecute or none) gets a toleration
+    of it for 300 s, so taint eviction moves it 5 minutes after its node is lost."""
+    tolerations = spec.get("tolerations")
+    tolerations = tolerations if isinstance(tolerations, list) else []
+    for key in (NOT_READY_TAINT, UNREACHABLE_TAINT):
+        if not any(
+            isinstance(t, dict) and t.get("key", "") in (key, "") and t.get("effect", "") in ("NoExecute", "")
+            for t in tolerations
+        ):
+            tolerations.append(
+                {
+                    "key": key,
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": DEFAULT_TOLERATION_SECONDS,
+                }
+            )
+    if tolerations:
+        spec["tolerations"] = tolerations
 
 
 def _metadata_causes(meta: dict[str, Any]) -> list[Cause]:

@@ -89,7 +89,7 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
     ResourceType("events.k8s.io", "v1", "Event", "events", namespaced=True, short_names=("ev",)),
 )
 
-INITIAL_NAMESPACES = ("default", "kube-system")
+INITIAL_NAMESPACES = ("default", "kube-node-lease", "kube-system")
 
 # The PriorityClasses kube-apiserver creates at start (pkg/apis/scheduling/v1: SystemPriorityClasses).
 SYSTEM_PRIORITY_CLASSES: tuple[dict[str, object], ...] = (
