@@ -2,7 +2,9 @@
 
 `DevCluster` runs, in one process: the in-process API server (with the InferenceService and
 LeaderWorkerSet CRDs installed), the deployment and replicaset controllers (the routers' Deployments), the
-LeaderWorkerSet controller (multi-node replicas), the disruption controller (PodDisruptionBudgets' status,
+LeaderWorkerSet controller (multi-node replicas), the node lifecycle and taint eviction controllers
+(a node whose Lease is not renewed for `node_monitor_grace_period` goes Unknown and its pods not Ready;
+`stop_node`/`start_node` lose a node and bring it back), the disruption controller (PodDisruptionBudgets' status,
 which the API server's `pods/eviction` spends, so `kubectl drain` honours them), the scheduler, the process kubelet (registering `nodes` Nodes named `ember-local`, `ember-local-2`, ...,
 each with `gpus_per_node` `nvidia.com/gpu`, optional taints, and the host's CPUs and memory unless
 `NodeConfig`s say otherwise), the service proxy and the operator (kopf, standalone, all namespaces). The
@@ -30,6 +32,8 @@ from typing import Any
 
 from ember_localcluster.kubelet.containers import BACKOFF_INITIAL, BACKOFF_MAX
 from ember_localcluster.kubelet.node import DEFAULT_GPUS_PER_NODE, NodeConfig, local_nodes, parse_taint
+from ember_localcluster.kubelet.nodelease import LEASE_DURATION_SECONDS
+from ember_localcluster.nodelifecycle_controller import GRACE_PERIOD, MONITOR_PERIOD
 
 DEFAULT_PROMETHEUS_PORT = 19090
 
@@ -62,7 +66,8 @@ class DevCluster:
     `nodes` is how many alike nodes to register (each with `gpus_per_node` GPUs and `taints`, mappings
     with `key`, optional `value` and `effect`), or the `NodeConfig` of each node for full control.
     `backoff_initial`/`backoff_max` shorten the kubelet's crash-loop back-off (for tests; `ember dev` keeps
-    the kubelet's, 10 s doubling to 300 s).
+    the kubelet's, 10 s doubling to 300 s), as `node_lease_seconds` (40), `node_monitor_period` (5 s) and
+    `node_monitor_grace_period` (40 s) shorten how long a lost node takes to be noticed.
     """
 
     def __init__(
@@ -78,6 +83,9 @@ class DevCluster:
         scrape_interval: float = 2.0,
         backoff_initial: float = BACKOFF_INITIAL,
         backoff_max: float = BACKOFF_MAX,
+        node_lease_seconds: int = LEASE_DURATION_SECONDS,
+        node_monitor_period: float = MONITOR_PERIOD,
+        node_monitor_grace_period: float = GRACE_PERIOD,
     ) -> None:
         self.dir = Path(directory).resolve()
         self.port = port
@@ -95,6 +103,13 @@ class DevCluster:
         self.prometheus_port = prometheus_port
         self.scrape_interval = scrape_interval
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
+        self.node_lease_seconds = node_lease_seconds
+        self.node_monitor_period, self.node_monitor_grace_period = (
+            node_monitor_period,
+            node_monitor_grace_period,
+        )
+        self.nodelifecycle: Any = None
+        self.tainteviction: Any = None
         self.prometheus: Any = None
         self._metrics_server: Any = None
         self._operator: threading.Thread | None = None
@@ -118,8 +133,10 @@ class DevCluster:
         from ember_localcluster.kubelet.kubelet import ProcessKubelet
         from ember_localcluster.leaderworkerset import crd_manifest as lws_crd_manifest
         from ember_localcluster.leaderworkerset_controller import LeaderWorkerSetController
+        from ember_localcluster.nodelifecycle_controller import NodeLifecycleController
         from ember_localcluster.proxy import ServiceProxy
         from ember_localcluster.scheduler import Scheduler
+        from ember_localcluster.tainteviction_controller import TaintEvictionController
         from ember_operator.crd import crd_manifest
 
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +162,14 @@ class DevCluster:
                 nodes=self.nodes,
                 backoff_initial=self.backoff_initial,
                 backoff_max=self.backoff_max,
+                lease_seconds=self.node_lease_seconds,
             ).start()
+            self.nodelifecycle = NodeLifecycleController(
+                self.kubeconfig,
+                monitor_period=self.node_monitor_period,
+                grace_period=self.node_monitor_grace_period,
+            ).start()
+            self.tainteviction = TaintEvictionController(self.kubeconfig).start()
             self.api.attach_kubelet(self.kubelet.node_names, self.kubelet.pods_dir)
             self.proxy = ServiceProxy(self.kubeconfig).start()
             self._operator = threading.Thread(target=self._run_operator, name="ember-operator", daemon=True)
@@ -156,6 +180,14 @@ class DevCluster:
             self.stop()  # what did start must not outlive the failure
             raise
         return self
+
+    def stop_node(self, name: str) -> None:
+        """Lose node `name` as a power cut would (`ProcessKubelet.stop_node`)."""
+        self.kubelet.stop_node(name)
+
+    def start_node(self, name: str) -> None:
+        """Bring node `name` back (`ProcessKubelet.start_node`)."""
+        self.kubelet.start_node(name)
 
     def _start_prometheus(self) -> None:
         """Serve the operator's /metrics, publish it as a Service whose Endpoints name that address (how
@@ -220,6 +252,8 @@ class DevCluster:
         if self._operator is not None:
             self._operator.join(timeout=15)
         for part in (
+            self.tainteviction,
+            self.nodelifecycle,
             self.proxy,
             self.kubelet,
             self.scheduler,

@@ -55,7 +55,7 @@ Each pod is run by a worker of its own (`podworker`). One kubelet serves one or 
 Not modelled: isolation of any kind (processes share the host's filesystem, users, PID space and ports;
 127.0.0.1 inside a pod is the host's), cgroups and resource limits (requests count only at admission),
 image pulls, DNS (Service names do not resolve; only pods' names are rewritten as above), Service
-environment variables, node heartbeats and leases, sidecar init containers (`restartPolicy: Always` on an
+environment variables, node status heartbeats (the node's Lease is its heartbeat: `nodelease`), sidecar init containers (`restartPolicy: Always` on an
 init container) and ephemeral containers, secret, projected and downwardAPI volumes, read-only mounts,
 in-place updates of a running pod's spec, the
 terminationMessagePath file, readiness gates, exec/attach/port-forward. Linux only.
@@ -94,6 +94,7 @@ from ember_localcluster.kubelet.node import (
     node_manifest,
     node_status,
 )
+from ember_localcluster.kubelet.nodelease import LEASE_DURATION_SECONDS, come_back, lose, renew_leases
 from ember_localcluster.kubelet.podstatus import _post_event
 from ember_localcluster.kubelet.podvolumes import write_atomically
 from ember_localcluster.kubelet.podworker import _PodWorker
@@ -128,6 +129,8 @@ class ProcessKubelet:
     restart back-off (by default the kubelet's: 10 s doubling to 300 s).
 
     `nodes` are the Nodes it registers and runs pods for (default: one, `ember-local`, see `NodeConfig`).
+    Each node's Lease is renewed every quarter of `lease_seconds` (`nodelease`); `stop_node(name)` loses a
+    node as a power cut would, `start_node(name)` brings it back.
 
     `start()` returns once the kubelet has registered its nodes and listed their Pods; `stop()` kills
     every process it started (SIGKILL, no grace) and leaves the pods' and nodes' objects as they are, like
@@ -146,6 +149,7 @@ class ProcessKubelet:
         backoff_initial: float = BACKOFF_INITIAL,
         backoff_max: float = BACKOFF_MAX,
         nodes: Sequence[NodeConfig] | None = None,
+        lease_seconds: int = LEASE_DURATION_SECONDS,
     ) -> None:
         self.nodes: dict[str, NodeConfig] = {
             n.name: n for n in (nodes if nodes is not None else [NodeConfig()])
@@ -170,6 +174,8 @@ class ProcessKubelet:
         self._finished: set[str] = set()  # uids whose deletion this kubelet confirmed
         self._rejected: set[str] = set()  # uids refused at admission
         self._node_status: dict[str, dict[str, Any]] = {}  # what each node reported at registration
+        self.lease_seconds = lease_seconds
+        self.lost: set[str] = set()  # nodes stopped by `stop_node`
         self._background: set[asyncio.Task[Any]] = set()
         self._groups: set[int] = set()
         self._groups_lock = threading.Lock()
@@ -244,7 +250,30 @@ class ProcessKubelet:
         # ConfigMaps and Secrets first, so that the first pods find theirs.
         runtime.sync(configmaps, secrets)
         runtime.sync(*pods)
+        runtime.run(self._start_leases(), timeout=10)
         return self
+
+    def stop_node(self, name: str) -> None:
+        """Lose node `name` as a power cut would (see `nodelease`): its lease is no longer renewed and its
+        pods' processes are killed at once, with nothing written to the API server about them."""
+        if name not in self.nodes:
+            raise KeyError(f"no node {name!r} here (nodes: {', '.join(self.nodes)})")
+        self._runtime.run(lose(self, name), timeout=30)
+
+    def start_node(self, name: str) -> None:
+        """Bring node `name` back after `stop_node`: status posted, lease renewed, its pods taken up again."""
+        if name not in self.nodes:
+            raise KeyError(f"no node {name!r} here (nodes: {', '.join(self.nodes)})")
+        self._runtime.run(come_back(self, name), timeout=30)
+
+    async def post_node_status(self, name: str) -> None:
+        """Post the node's status afresh (Ready, with this moment's heartbeat)."""
+        status = node_status(self.nodes[name], self.state_dir, str(SERVER_VERSION["gitVersion"]))
+        self._node_status[name] = status
+        await self.api(self._runtime.core.patch_node_status, name, {"status": status})
+
+    async def _start_leases(self) -> None:
+        self.spawn(renew_leases(self))
 
     def stop(self) -> None:
         runtime = self._runtime
@@ -381,8 +410,8 @@ class ProcessKubelet:
         if uid in self._finished or uid in self._rejected or fit.is_terminal(pod):
             return
         node = (pod.get("spec") or {}).get("nodeName")
-        if node not in self.nodes:
-            return  # not bound here (the informers select by node; this guards the rest)
+        if node not in self.nodes or node in self.lost:
+            return  # not bound here (the informers select by node; this guards the rest), or lost
         if self._reject_if_unfit(pod, node):
             return
         key = _key(pod)

@@ -139,7 +139,7 @@ def _container_status(c: _Container) -> dict[str, Any]:
 async def _publish(worker: _PodWorker) -> bool:
     """Write the status when it changed; False when that failed and should be tried again."""
     status = _status(worker)
-    if status == worker.published:
+    if status == worker.published or worker.lost:
         return True
     try:
         await worker.kubelet.api(
@@ -163,7 +163,7 @@ async def _publish(worker: _PodWorker) -> bool:
 
 def _event(worker: _PodWorker, reason: str, message: str, kind: str = "Normal") -> None:
     """Record a core/v1 Event about this pod, once per distinct reason and message."""
-    if (reason, message) in worker.events_sent:
+    if (reason, message) in worker.events_sent or worker.lost:
         return
     worker.events_sent.add((reason, message))
     worker.kubelet.spawn(_post_event(worker.kubelet, worker.pod, worker.node_name, reason, message, kind))

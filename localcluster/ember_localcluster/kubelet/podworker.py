@@ -58,6 +58,7 @@ class _PodWorker:
         self.terminating = False
         self.confirmed = False  # this kubelet deleted the pod after stopping it
         self.gone = False  # deleted from the API server without this kubelet's confirmation
+        self.lost = False  # its node was lost (`nodelease.lose`): nothing more is written about it
         # Seeded from the pod's status, so the conditions the kubelet does not change (PodScheduled, set by
         # the binding) keep their lastTransitionTime, as the kubelet's status manager keeps it.
         self.conditions: dict[str, dict[str, Any]] = {
