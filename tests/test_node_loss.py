@@ -4,16 +4,22 @@ Ready), DefaultTolerationSeconds and the taint eviction controller, then the nod
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
 
+import httpx
+import yaml
 from kubernetes import client, config
 from waiting import wait_for
 
+from ember_engine.tools.testmodel import make_test_model
 from ember_localcluster.devcluster import DevCluster
 from ember_localcluster.kubelet.kubelet import ENGINE_IMAGE
+from ember_localcluster.kubelet.node import NodeConfig
 
+REPO = Path(__file__).resolve().parents[1]
 WEB_SERVER = ["python", "-m", "http.server", "--bind", "0.0.0.0", "8080"]
 FAST = {"node_lease_seconds": 2, "node_monitor_period": 0.5, "node_monitor_grace_period": 3.0}
 
@@ -169,3 +175,140 @@ def test_a_lost_node_goes_unknown_its_pods_not_ready_then_evicted_and_it_comes_b
             )
             or True
         )
+
+
+def _tiny(cluster: DevCluster) -> dict[str, Any]:
+    return cluster.api.get("ember.dev/v1alpha1", "InferenceService", "default", "tiny") or {}
+
+
+def _tiny_conditions(cluster: DevCluster) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in (_tiny(cluster).get("status") or {}).get("conditions", [])}
+
+
+def _engines(cluster: DevCluster, role: str) -> list[dict[str, Any]]:
+    """The engine pods of a role (active, warm) not being deleted."""
+    return [
+        p
+        for p in cluster.api.list("v1", "Pod", "default", label_selector=f"ember.dev/role={role}")
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def _chat(cluster: DevCluster) -> int:
+    svc = cluster.api.get("v1", "Service", "default", "tiny")
+    (ingress,) = svc["status"]["loadBalancer"]["ingress"]
+    reply = httpx.post(
+        f"http://{ingress['ip']}:{ingress['ports'][0]['port']}/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=30,
+    )
+    return reply.status_code
+
+
+def test_losing_the_active_pods_node_fails_over_to_the_warm_pod_on_the_other(tmp_path: Path) -> None:
+    """`examples/local.yaml` (one active pod, one warm) on two nodes, and the active pod's node lost: the
+    active pod goes not Ready once the grace period has passed, the operator promotes the warm pod on the
+    other node without waiting for the 300 s taint eviction, the service serves through it, and a new warm
+    pod starts on the node that is left. The lost pod, deleted, stays Terminating (no kubelet confirms it)
+    and counts for nothing."""
+    make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
+    # Six CPUs a node and three an engine: the two pods go to two nodes, and either node has room for both.
+    nodes = [NodeConfig(name, gpus=0, cpu="6") for name in ("ember-local", "ember-local-2")]
+    with DevCluster(tmp_path / "dev", nodes=nodes, **FAST) as cluster:  # type: ignore[arg-type]
+        tiny = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+        tiny["spec"]["resources"]["cpu"] = "3"
+        cluster.api.create(tiny)
+        conditions = functools.partial(_tiny_conditions, cluster)
+        engines = functools.partial(_engines, cluster)
+        wait_for(
+            lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
+            180,
+            conditions,
+        )
+        (active,), (warm,) = engines("active"), engines("warm")
+        lost, other = active["spec"]["nodeName"], warm["spec"]["nodeName"]
+        assert lost != other
+        wait_for(lambda: _chat(cluster) == 200, 30, what="a chat through the Service")
+
+        cluster.stop_node(lost)
+        name = active["metadata"]["name"]
+        pod = functools.partial(cluster.api.get, "v1", "Pod", "default")
+        wait_for(
+            lambda: _condition(pod(name), "Ready")["status"] == "False", 10, what="the lost pod not Ready"
+        )
+
+        def failed_over() -> bool:
+            actives = engines("active")
+            return [p["metadata"]["name"] for p in actives] == [
+                warm["metadata"]["name"]
+            ] and conditions().get("Ready") == "True"
+
+        wait_for(failed_over, 30, lambda: (conditions(), engines("active")))
+        wait_for(lambda: _chat(cluster) == 200, 30, what="a chat through the Service after the failover")
+        wait_for(
+            lambda: (
+                conditions().get("WarmPoolReady") == "True"
+                and [p["spec"]["nodeName"] for p in engines("warm")] == [other]
+            ),
+            120,
+            lambda: (conditions(), engines("warm")),
+        )
+        # The lost pod was deleted and stays Terminating on its node; the status does not count it.
+        assert pod(name)["metadata"].get("deletionTimestamp")
+        status = _tiny(cluster)["status"]
+        assert (status["replicas"], status["readyReplicas"], status["warmReplicas"]) == (1, 1, 1), status
+        assert _chat(cluster) == 200
+
+
+def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is_evicted(
+    tmp_path: Path,
+) -> None:
+    """The warm pod's node lost, with `resources.tolerations` tolerating the unreachable taint for 4 s
+    (in place of DefaultTolerationSeconds' 300): the active pod serves on, the taint eviction controller
+    deletes the lost warm pod, which stays Terminating, and the operator starts a new warm pod on the node
+    that is left rather than counting the lost one."""
+    make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
+    nodes = [NodeConfig(name, gpus=0, cpu="6") for name in ("ember-local", "ember-local-2")]
+    with DevCluster(tmp_path / "dev", nodes=nodes, **FAST) as cluster:  # type: ignore[arg-type]
+        tiny = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+        tiny["spec"]["resources"]["cpu"] = "3"
+        unreachable = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
+        tiny["spec"]["resources"]["tolerations"] = [{**unreachable, "tolerationSeconds": 4}]
+        cluster.api.create(tiny)
+        conditions = functools.partial(_tiny_conditions, cluster)
+        engines = functools.partial(_engines, cluster)
+        wait_for(
+            lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
+            180,
+            conditions,
+        )
+        (active,), (warm,) = engines("active"), engines("warm")
+        lost, other = warm["spec"]["nodeName"], active["spec"]["nodeName"]
+        assert lost != other
+
+        cluster.stop_node(lost)
+        name = warm["metadata"]["name"]
+        pod = functools.partial(cluster.api.get, "v1", "Pod", "default")
+        seen_not_ready = []
+
+        def refilled() -> bool:
+            state = conditions()
+            if state.get("Ready") != "True":
+                seen_not_ready.append(state)
+            warms = engines("warm")
+            return bool(
+                state.get("WarmPoolReady") == "True"
+                and [p["metadata"]["name"] for p in engines("active")] == [active["metadata"]["name"]]
+                and len(warms) == 1
+                and warms[0]["metadata"]["name"] != name
+                and warms[0]["spec"]["nodeName"] == other
+            )
+
+        wait_for(refilled, 120, lambda: (conditions(), engines("warm")))
+        assert not seen_not_ready
+        lost_pod = pod(name)
+        assert lost_pod["metadata"].get("deletionTimestamp")
+        assert _condition(lost_pod, "DisruptionTarget")["reason"] == "DeletionByTaintManager"
+        status = _tiny(cluster)["status"]
+        assert (status["replicas"], status["readyReplicas"], status["warmReplicas"]) == (1, 1, 1), status
+        assert _chat(cluster) == 200
