@@ -217,6 +217,11 @@ def test_losing_the_active_pods_node_fails_over_to_the_warm_pod_on_the_other(tmp
     with DevCluster(tmp_path / "dev", nodes=nodes, **FAST) as cluster:  # type: ignore[arg-type]
         tiny = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
         tiny["spec"]["resources"]["cpu"] = "3"
+        # A deleted pod's grace period (the end of which its kubelet confirms the deletion by): 6 s.
+        tiny["spec"]["lifecycle"] = {"drainSeconds": 1, "terminationGracePeriodSeconds": 6}
+        # The routers (a Deployment) tolerate the lost node for 4 s, not 300: then one there is replaced.
+        unreachable = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
+        tiny["spec"]["router"] = {"tolerations": [{**unreachable, "tolerationSeconds": 4}]}
         cluster.api.create(tiny)
         conditions = functools.partial(_tiny_conditions, cluster)
         engines = functools.partial(_engines, cluster)
@@ -258,6 +263,15 @@ def test_losing_the_active_pods_node_fails_over_to_the_warm_pod_on_the_other(tmp
         status = _tiny(cluster)["status"]
         assert (status["replicas"], status["readyReplicas"], status["warmReplicas"]) == (1, 1, 1), status
         assert _chat(cluster) == 200
+
+        # Its deletion will not complete while the node is lost, and frees nothing the operator could wait
+        # for: once its grace period is well past (30 s), the service has converged.
+        def reconciling() -> tuple[str, str]:
+            found = next(c for c in _tiny(cluster)["status"]["conditions"] if c["type"] == "Reconciling")
+            return found["status"], found["reason"]
+
+        wait_for(lambda: reconciling() == ("False", "Converged"), 90, reconciling)
+        assert pod(name)["metadata"].get("deletionTimestamp")
 
 
 def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is_evicted(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from hypothesis import assume, given, settings
@@ -399,3 +399,31 @@ def test_a_pod_waiting_on_a_roll_that_frees_room_is_not_counted_as_waiting_for_c
     assert trouble(pod, now, 300, since=now) is None
     assert waiting_for_capacity(pod, now, 300, since=now) is not None  # WaitingForCapacity meanwhile
     assert Releases().at(now) is None
+
+
+def test_a_pod_stranded_on_a_lost_node_frees_no_room_to_wait_for() -> None:
+    """A pod deleted on a node that was lost stays Terminating (no kubelet confirms it) and frees nothing:
+    it counted as room under way for good, so a new pod no node could take never became a
+    PodsUnschedulable trouble, and a roll with no room never retired an old pod (maxUnavailable)."""
+    from ember_operator.pods import view as pod_view
+    from ember_operator.rollout import roll_frees_room
+
+    now = datetime.now(UTC)
+    stranded = PodView("lost", ACTIVE, "b", False, T0, deleting=True, stranded=True)
+    waiting = PodView("new-1", WARM, "b", False, T0, unschedulable=True)
+    assert not roll_frees_room([stranded, waiting], "b")
+    assert roll_frees_room([replace(stranded, stranded=False), waiting], "b")
+    # A roll on full nodes with maxUnavailable 1: the old pod is retired for the waiting new one.
+    old = [PodView(f"old-{i}", ACTIVE, "a", True, T0) for i in range(2)]
+    plan = plan_pods([*old, waiting, stranded], "b", 2, 0, T0, max_surge=0, max_unavailable=1)
+    assert plan.delete == ["old-0"]
+    plan = plan_pods(
+        [*old, waiting, replace(stranded, stranded=False)], "b", 2, 0, T0, max_surge=0, max_unavailable=1
+    )
+    assert plan.delete == []
+
+    def deleted(seconds_ago: float) -> dict[str, object]:
+        stamp = (now - timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {"metadata": {"name": "p", "deletionTimestamp": stamp}, "status": {}}
+
+    assert pod_view(deleted(60)).stranded and not pod_view(deleted(5)).stranded

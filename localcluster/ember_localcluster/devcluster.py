@@ -142,7 +142,8 @@ class DevCluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "models").mkdir(exist_ok=True)
         try:
-            self.api = APIServer(port=self.port).start()
+            # Only a kubelet confirms a pod's deletion: a lost node's pods stay Terminating.
+            self.api = APIServer(port=self.port, pod_kill_margin=None).start()
         except OSError as error:
             raise PortInUse(self.port, error) from error
         try:

@@ -120,6 +120,7 @@ def group_view(group: dict[str, Any], pods: list[dict[str, Any]]) -> PodView:
         unready_since=lead.unready_since if lead is not None else None,
         container_down=not complete or any(v.container_down for v in views),
         unschedulable=any(v.unschedulable for v in views),
+        stranded=bool(views) and all(v.stranded for v in views),
     )
 
 

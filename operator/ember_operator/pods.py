@@ -13,6 +13,8 @@ from ember_operator.rollout import PodView
 # A container waiting for one of these reasons (a crash loop: after this many restarts) will not come up on
 # its own.
 CRASH_RESTARTS = 3
+# How long past the end of its grace period a pod being deleted is taken for stranded (`_stranded`).
+STRANDED_AFTER_SECONDS = 30.0
 _STUCK_WAITING = {
     "CrashLoopBackOff": "PodsCrashLooping",
     "ErrImagePull": "ImageUnavailable",
@@ -74,6 +76,14 @@ def _unschedulable(pod: dict[str, Any]) -> bool:
     return c is not None and c.get("status") == "False" and c.get("reason") == "Unschedulable"
 
 
+def _stranded(meta: dict[str, Any], now: datetime) -> bool:
+    """Being deleted and `STRANDED_AFTER_SECONDS` past the end of its grace period (`deletionTimestamp`):
+    its kubelet, which kills the containers at that deadline and then confirms, is not there (its node
+    lost), and the pod stays Terminating until the node comes back or the pod is force-deleted."""
+    deadline = parse_time(meta.get("deletionTimestamp"))
+    return deadline is not None and (now - deadline).total_seconds() > STRANDED_AFTER_SECONDS
+
+
 def view(pod: dict[str, Any]) -> PodView:
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
@@ -93,6 +103,7 @@ def view(pod: dict[str, Any]) -> PodView:
         unready_since=unready_since,
         container_down=not ready and _engine_down(pod, unready_since),
         unschedulable=_unschedulable(pod),
+        stranded=_stranded(meta, datetime.now(UTC)),
     )
 
 

@@ -48,6 +48,12 @@ class PodView:
     unready_since: datetime | None = None  # when its Ready condition last turned False
     container_down: bool = False  # its engine container is not running (exited, restarting, crash loop)
     unschedulable: bool = False  # Pending with PodScheduled=False: no node can take it now
+    stranded: bool = False  # deleting, and long past its grace period: no kubelet confirms it (node lost)
+
+    @property
+    def releasing(self) -> bool:
+        """On its way out and about to free its room: being deleted by a kubelet that is there to do it."""
+        return self.deleting and not self.stranded
 
     def failed(self, now: datetime, failover_after: float) -> bool:
         """An active pod that stopped serving: down, or not Ready for longer than `failover_after`."""
@@ -116,13 +122,13 @@ def roll_frees_room(views: Iterable[PodView], template_hash: str) -> bool:
     it is Ready, the roll retires an old one, whose room a waiting pod then takes). Meanwhile a pod that no
     node can take waits on the roll, not on the cluster's capacity."""
     live = [v for v in views if not v.deleting]
-    if not any(v.template_hash != template_hash for v in live) and not any(v.deleting for v in views):
+    if not any(v.template_hash != template_hash for v in live) and not any(v.releasing for v in views):
         return False
     starting = any(
         v.template_hash == template_hash and not v.ready and not v.unschedulable and not v.container_down
         for v in live
     )
-    return starting or any(v.deleting for v in views)
+    return starting or any(v.releasing for v in views)
 
 
 def _retire_order(pod: PodView) -> tuple[bool, float]:
@@ -227,7 +233,7 @@ def plan_pods(
     in_flight = [p for p in current if not p.ready and not p.unschedulable and p.name not in gone]
     # Pods of ours terminating (or retired in this pass) are about to free their resources, and room freed
     # lately may yet go to a waiting pod (`rescheduling`): wait for them before retiring more.
-    releasing = bool(gone) or any(p.deleting for p in pods) or rescheduling
+    releasing = bool(gone) or any(p.releasing for p in pods) or rescheduling
     if min(wanted, room) == 0 and not in_flight and not releasing:
         # New pods that no node can take, and new pods the surge leaves no room for: each retired old pod
         # frees room for one (its place in the count, and its resources once it is gone).

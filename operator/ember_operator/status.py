@@ -132,6 +132,6 @@ class Assessment:
             return "PodsStarting"
         if self.routers is not None and self.routers[0] < self.routers[1]:
             return "RoutersStarting"
-        if any(p.deleting for p in self.pods):
+        if any(p.releasing for p in self.pods):  # not one stranded on a lost node: that may never end
             return "PodsTerminating"
         return None

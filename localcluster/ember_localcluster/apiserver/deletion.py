@@ -150,7 +150,8 @@ def _expire_grace_later(store: Store, rtype: ResourceType, pod: dict[str, Any], 
         if store.uid_of(rtype.storage, namespace, name) == uid:
             delete(store, rtype, namespace, name, DeleteOptions(grace_period_seconds=0))
 
-    asyncio.get_running_loop().call_later(grace + store.pod_kill_margin, expire)
+    if store.pod_kill_margin is not None:
+        asyncio.get_running_loop().call_later(grace + store.pod_kill_margin, expire)
 
 
 def _shorten_grace(

@@ -50,7 +50,8 @@ class APIServer:
     process kubelet keeps its pods' logs, which `pods/log` (`kubectl logs`) serves.
 
     `pod_kill_margin` is how long past a terminating Pod's grace period the server waits for a kubelet to
-    confirm the kill before removing the Pod itself.
+    confirm the kill before removing the Pod itself; None never removes it (kube-apiserver's way: a pod
+    whose kubelet is gone stays Terminating until it is force-deleted, as `DevCluster` runs it).
     `pod_graceful_deletion=False` deletes Pods at once, for setups with no kubelet to confirm the
     kill; `bookmark_interval` is how often idle watches that asked for bookmarks get one;
     `history_limit` is how many changes a watch can be resumed across before it gets 410 Expired.
@@ -63,7 +64,7 @@ class APIServer:
         port: int = 0,
         *,
         pod_graceful_deletion: bool = True,
-        pod_kill_margin: float = 10.0,
+        pod_kill_margin: float | None = 10.0,
         bookmark_interval: float = 10.0,
         history_limit: int = 10_000,
     ) -> None:

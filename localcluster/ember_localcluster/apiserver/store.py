@@ -110,7 +110,7 @@ class Store:
         *,
         pod_graceful_deletion: bool = True,
         history_limit: int = 10_000,
-        pod_kill_margin: float = 10.0,
+        pod_kill_margin: float | None = 10.0,
     ) -> None:
         self.registry = Registry()
         self.hub = WatchHub(history_limit)
