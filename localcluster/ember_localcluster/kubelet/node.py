@@ -11,8 +11,8 @@ without a device plugin), the conditions MemoryPressure, DiskPressure and PIDPre
 True with the kubelet's reasons and messages, the addresses `InternalIP` 127.0.0.1 and `Hostname`, and
 `nodeInfo`. A node that already exists (a kubelet started again) keeps its taints and gets its labels
 and status refreshed. Allocatable equals capacity (no reservations or eviction thresholds). The status is
-written once: no heartbeats, no Leases and no node lifecycle controller, so a stopped kubelet's nodes stay
-Ready. Every node shares the host: each reports the host's CPUs and memory, and its GPUs are only a
+written once (and again when a lost node comes back); the node's heartbeat is its Lease (`nodelease`),
+which the node lifecycle controller reads. Every node shares the host: each reports the host's CPUs and memory, and its GPUs are only a
 number to schedule against (engines run on the CPU here).
 
 **Pod network.** Each pod gets a loopback address of its own, `127.1.N.M` by default (on Linux every
