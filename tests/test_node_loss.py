@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -326,3 +327,42 @@ def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is
         status = _tiny(cluster)["status"]
         assert (status["replicas"], status["readyReplicas"], status["warmReplicas"]) == (1, 1, 1), status
         assert _chat(cluster) == 200
+
+
+def test_pods_left_terminating_on_a_lost_node_go_once_it_is_out_of_service_or_deleted(tmp_path: Path) -> None:
+    """A pod deleted on a lost node stays Terminating (only a kubelet confirms a deletion); the pod garbage
+    collector force-deletes it once the node has the `node.kubernetes.io/out-of-service` taint, and every
+    pod of a Node object that was deleted once two of its periods have passed."""
+    with DevCluster(tmp_path / "dev", nodes=2, pod_gc_period=0.5, **FAST) as cluster:  # type: ignore[arg-type]
+        api = cluster.api
+        for name in ("one", "two"):
+            api.create(_web_pod(name, "ember-local"))
+        for name in ("one", "two"):
+            wait_for(
+                lambda name=name: (
+                    _condition(api.get("v1", "Pod", "default", name), "Ready")["status"] == "True"
+                ),
+                60,
+                what=f"{name} Ready",
+            )
+        cluster.stop_node("ember-local")
+        wait_for(
+            lambda: _condition(api.get("v1", "Node", "", "ember-local"), "Ready")["status"] == "Unknown", 15
+        )
+        api.delete("v1", "Pod", "default", "one")
+        assert api.get("v1", "Pod", "default", "one")["metadata"]["deletionTimestamp"]
+        time.sleep(4)  # its grace period (1 s) and more: still Terminating, with no kubelet to confirm it
+        assert api.get("v1", "Pod", "default", "one") is not None
+        node = api.get("v1", "Node", "", "ember-local")
+        out_of_service = {
+            "key": "node.kubernetes.io/out-of-service",
+            "value": "nodeshutdown",
+            "effect": "NoExecute",
+        }
+        api.patch(
+            "v1", "Node", "", "ember-local", {"spec": {"taints": [*node["spec"]["taints"], out_of_service]}}
+        )
+        wait_for(lambda: api.get("v1", "Pod", "default", "one") is None, 10, what="one force-deleted")
+        assert api.get("v1", "Pod", "default", "two") is not None  # not being deleted: left to taint eviction
+        api.delete("v1", "Node", "", "ember-local")
+        wait_for(lambda: api.get("v1", "Pod", "default", "two") is None, 10, what="two force-deleted")

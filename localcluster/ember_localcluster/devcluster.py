@@ -34,6 +34,7 @@ from ember_localcluster.kubelet.containers import BACKOFF_INITIAL, BACKOFF_MAX
 from ember_localcluster.kubelet.node import DEFAULT_GPUS_PER_NODE, NodeConfig, local_nodes, parse_taint
 from ember_localcluster.kubelet.nodelease import LEASE_DURATION_SECONDS
 from ember_localcluster.nodelifecycle_controller import GRACE_PERIOD, MONITOR_PERIOD
+from ember_localcluster.podgc_controller import GC_CHECK_PERIOD
 
 DEFAULT_PROMETHEUS_PORT = 19090
 
@@ -67,7 +68,8 @@ class DevCluster:
     with `key`, optional `value` and `effect`), or the `NodeConfig` of each node for full control.
     `backoff_initial`/`backoff_max` shorten the kubelet's crash-loop back-off (for tests; `ember dev` keeps
     the kubelet's, 10 s doubling to 300 s), as `node_lease_seconds` (40), `node_monitor_period` (5 s) and
-    `node_monitor_grace_period` (40 s) shorten how long a lost node takes to be noticed.
+    `node_monitor_grace_period` (40 s) shorten how long a lost node takes to be noticed, and `pod_gc_period`
+    (20 s) how soon the pods of a deleted Node are force-deleted (after two periods).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class DevCluster:
         node_lease_seconds: int = LEASE_DURATION_SECONDS,
         node_monitor_period: float = MONITOR_PERIOD,
         node_monitor_grace_period: float = GRACE_PERIOD,
+        pod_gc_period: float = GC_CHECK_PERIOD,
     ) -> None:
         self.dir = Path(directory).resolve()
         self.port = port
@@ -109,6 +112,8 @@ class DevCluster:
             node_monitor_grace_period,
         )
         self.nodelifecycle: Any = None
+        self.pod_gc_period = pod_gc_period
+        self.podgc: Any = None
         self.tainteviction: Any = None
         self.prometheus: Any = None
         self._metrics_server: Any = None
@@ -134,6 +139,7 @@ class DevCluster:
         from ember_localcluster.leaderworkerset import crd_manifest as lws_crd_manifest
         from ember_localcluster.leaderworkerset_controller import LeaderWorkerSetController
         from ember_localcluster.nodelifecycle_controller import NodeLifecycleController
+        from ember_localcluster.podgc_controller import PodGCController
         from ember_localcluster.proxy import ServiceProxy
         from ember_localcluster.scheduler import Scheduler
         from ember_localcluster.tainteviction_controller import TaintEvictionController
@@ -171,6 +177,7 @@ class DevCluster:
                 grace_period=self.node_monitor_grace_period,
             ).start()
             self.tainteviction = TaintEvictionController(self.kubeconfig).start()
+            self.podgc = PodGCController(self.kubeconfig, period=self.pod_gc_period).start()
             self.api.attach_kubelet(self.kubelet.node_names, self.kubelet.pods_dir)
             self.proxy = ServiceProxy(self.kubeconfig).start()
             self._operator = threading.Thread(target=self._run_operator, name="ember-operator", daemon=True)
@@ -253,6 +260,7 @@ class DevCluster:
         if self._operator is not None:
             self._operator.join(timeout=15)
         for part in (
+            self.podgc,
             self.tainteviction,
             self.nodelifecycle,
             self.proxy,

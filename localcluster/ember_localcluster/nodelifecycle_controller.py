@@ -23,8 +23,7 @@ lists the nodes, their Leases in `kube-node-lease` and the pods, and for each no
 
 A node comes back when its kubelet posts Ready again (`ProcessKubelet.start_node`); the taints then go.
 Not modelled: the pressure and `unschedulable` NoSchedule taints (the scheduler reads cordons itself),
-zones and their disruption states (eviction rate limits, `--unhealthy-zone-threshold`), the pod
-garbage collector's force deletion of pods whose node object is gone, and the out-of-service taint.
+zones and their disruption states (eviction rate limits, `--unhealthy-zone-threshold`).
 Polling stands in for informers: the controller acts within `monitor_period`, as upstream's does.
 """
 

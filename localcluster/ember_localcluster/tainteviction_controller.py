@@ -16,9 +16,8 @@ A deletion (`addConditionAndDeletePod`) first records a Normal Event `TaintManag
 deletion Pod NS/NAME`, sets the pod's `DisruptionTarget` condition True with reason
 `DeletionByTaintManager` and message `Taint manager: deleting due to NoExecute taint`, then deletes the
 pod with its own grace period. On a node that was lost the pod then stays Terminating, as it does on a
-real cluster: no kubelet confirms the deletion until the node comes back. Not modelled: the pod garbage
-collector, which force-deletes such pods once their Node object is deleted or the node has the
-`node.kubernetes.io/out-of-service` taint.
+real cluster: no kubelet confirms the deletion until the node comes back, or the pod garbage collector
+force-deletes it (`podgc_controller.py`: the Node object deleted, or the node tainted out of service).
 """
 
 from __future__ import annotations
