@@ -496,3 +496,41 @@ def _tiny_engines(cluster: DevCluster, role: str) -> list[dict[str, Any]]:
 def policy_status(cluster: DevCluster) -> dict[str, Any] | None:
     pdb = cluster.api.get("policy/v1", "PodDisruptionBudget", "default", "tiny")
     return None if pdb is None else pdb.get("status")
+
+
+def test_dev_node_stop_and_start_lose_a_node_and_bring_it_back(tmp_path: Path) -> None:
+    """`ember dev node stop NAME` asks the running control plane to lose a node as a power cut would (its
+    pods' processes killed at once, its lease no longer renewed); `start` brings it back."""
+    state = tmp_path / "dev"
+    port = free_port()
+    up = _dev("up", "--dir", str(state), "--port", str(port), "--nodes", "2")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        api = client.CoreV1Api(config.new_client_from_config(str(state / "kubeconfig")))
+        container = {"name": "web", "image": f"{ENGINE_IMAGE}:0.1.0", "command": WEB_SERVER}
+        spec = {"containers": [container], "nodeSelector": {"kubernetes.io/hostname": "ember-local-2"}}
+        api.create_namespaced_pod(
+            "default", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web"}, "spec": spec}
+        )
+
+        def pid() -> int:
+            status = api.read_namespaced_pod("web", "default").status
+            assert status.phase == "Running"
+            return int(status.container_statuses[0].container_id.rsplit("/", 1)[1])
+
+        process = wait_for(pid, timeout=60, what="the web pod Running")
+        stop = _dev("node", "stop", "ember-local-2", "--dir", str(state))
+        assert (stop.returncode, stop.stdout) == (0, "ember dev: node ember-local-2 stopped\n"), stop.stderr
+        assert not _alive(process)
+        unknown = _dev("node", "stop", "nowhere", "--dir", str(state))
+        assert (unknown.returncode, unknown.stderr) == (
+            1,
+            "ember dev: error: no node 'nowhere' here (nodes: ember-local, ember-local-2)\n",
+        )
+        start = _dev("node", "start", "ember-local-2", "--dir", str(state))
+        assert (start.returncode, start.stdout) == (0, "ember dev: node ember-local-2 started\n"), (
+            start.stderr
+        )
+        wait_for(lambda: pid() != process, 60, what="the pod run again")
+    finally:
+        _dev("down", "--dir", str(state))

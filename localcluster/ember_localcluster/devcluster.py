@@ -378,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
         if cluster.prometheus is not None:
             print(f"ember dev: Prometheus {cluster.prometheus.url}", flush=True)
         while not stop.wait(0.5):
+            _serve_node_requests(cluster, directory)
             if cluster.operator_error is not None:
                 print(f"ember dev: the operator stopped: {cluster.operator_error!r}", file=sys.stderr)
                 break
@@ -387,6 +388,48 @@ def run(args: argparse.Namespace) -> int:
         leftover.unlink(missing_ok=True)
     os.close(running)
     return 1 if cluster.operator_error is not None else 0
+
+
+NODE_REQUESTS = "node-requests"  # `ember dev node stop|start NAME` → the running control plane
+
+
+def _serve_node_requests(cluster: DevCluster, directory: Path) -> None:
+    """Carry out each `<id>.request` (`stop NAME` or `start NAME`), answering in `<id>.done`."""
+    for request in sorted((directory / NODE_REQUESTS).glob("*.request")):
+        try:
+            action, name = request.read_text().split()
+            {"stop": cluster.stop_node, "start": cluster.start_node}[action](name)
+            answer = f"node {name} {'stopped' if action == 'stop' else 'started'}"
+        except (KeyError, ValueError, OSError, RuntimeError) as error:
+            answer = f"error: {error.args[0] if error.args else error}"
+        request.with_suffix(".done").write_text(answer)
+        request.unlink(missing_ok=True)
+
+
+def node(args: argparse.Namespace) -> int:
+    """`ember dev node stop|start NAME`: lose a node of the running control plane as a power cut would, or
+    bring it back."""
+    directory = Path(args.dir).resolve()
+    if not directory.is_dir() or _running_pid(directory) is None:
+        print("ember dev: not running", file=sys.stderr)
+        return 1
+    requests = directory / NODE_REQUESTS
+    requests.mkdir(exist_ok=True)
+    ident = f"{os.getpid()}-{time.monotonic_ns()}"
+    (requests / f".{ident}").write_text(f"{args.action} {args.name}")
+    (requests / f".{ident}").rename(requests / f"{ident}.request")
+    done = requests / f"{ident}.done"
+    deadline = time.monotonic() + args.timeout
+    while not done.exists():
+        if time.monotonic() > deadline:
+            (requests / f"{ident}.request").unlink(missing_ok=True)
+            print(f"ember dev: no answer in {args.timeout:g} s", file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    answer = done.read_text()
+    done.unlink()
+    print(f"ember dev: {answer}", file=sys.stderr if answer.startswith("error") else sys.stdout)
+    return 1 if answer.startswith("error") else 0
 
 
 def up(args: argparse.Namespace) -> int:
@@ -596,7 +639,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             q.add_argument(
                 "--timeout", type=float, default=60.0, help="seconds to wait (default: %(default)s)"
             )
+    q = sub.add_parser(
+        "node",
+        help="stop a node of the running control plane as a power cut would (its lease no longer renewed, "
+        "its pods' processes killed), or start it again",
+    )
+    q.add_argument("action", choices=("stop", "start"))
+    q.add_argument("name", help="the node's name (ember-local, ember-local-2, ...)")
+    q.add_argument("--dir", default=str(default_dir()), help="state directory (default: %(default)s)")
+    q.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default: %(default)s)")
 
 
 def main(args: argparse.Namespace) -> int:
-    return int({"up": up, "down": down, "run": run}[args.dev](args))
+    return int({"up": up, "down": down, "run": run, "node": node}[args.dev](args))
