@@ -7,7 +7,8 @@
   values as ValidateLabels checks them.
 * Custom resources are pruned, defaulted and validated against their CRD's schema (`schema.py`).
 * CRDs are checked enough to be registered and get `Established`/`NamesAccepted` conditions.
-* Pods' tolerations and nodeSelector are checked as kube-apiserver checks them (`podspec.py`), and a
+* Pods' tolerations, nodeSelector, topology spread constraints and pod affinity terms' topology keys and
+  weights are checked as kube-apiserver checks them (`podspec.py`), and a
   Pod's spec is immutable but for a few fields; Deployment and ReplicaSet selectors (`updates.py`).
 * New Pods are admitted as kube-apiserver's ServiceAccount, Priority and RuntimeClass plugins admit them:
   what they name must exist (403 Forbidden with each plugin's message), and they get
