@@ -56,7 +56,9 @@ def test_pod_spec_changes_are_forbidden(server: APIServer, patch: dict[str, Any]
 
 
 def test_pod_image_deadline_and_new_tolerations_may_change(server: APIServer) -> None:
-    server.create(_pod())
+    created = server.create(_pod())
+    # Additions only: the list sent keeps the tolerations admission gave it (DefaultTolerationSeconds).
+    kept = created["spec"]["tolerations"]
     patched = server.patch(
         "v1",
         "Pod",
@@ -67,11 +69,12 @@ def test_pod_image_deadline_and_new_tolerations_may_change(server: APIServer) ->
             "spec": {
                 "containers": [{"name": "c", "image": "y"}],
                 "activeDeadlineSeconds": 30,
-                "tolerations": [{"key": "k", "operator": "Exists"}],
+                "tolerations": [*kept, {"key": "k", "operator": "Exists"}],
             },
         },
     )
     assert patched["spec"]["containers"][0]["image"] == "y" and patched["spec"]["activeDeadlineSeconds"] == 30
+    assert patched["spec"]["tolerations"][-1] == {"key": "k", "operator": "Exists"}
 
 
 def _deployment(selector: dict[str, str], labels: dict[str, str]) -> dict[str, Any]:
