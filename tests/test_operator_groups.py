@@ -5,6 +5,7 @@ Pods are tended by `PodRunner` (Running, Ready, /metrics); the engines themselve
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -197,7 +198,94 @@ def test_a_group_that_keeps_crashing_stalls_with_the_leaders_error(cluster: Any,
         # restarts it before the LeaderWorkerSet's Foreground deletion of the group has finished (the
         # owner waits for its workers to go): either way the leader's error.
         message = stalled["message"]
-        assert "recreated after its pods crashed" in message or "CrashLoopBackOff" in message, message
+        assert "held back" in message or "CrashLoopBackOff" in message, message
         assert message.endswith("FileNotFoundError: /models/missing/config.json")
         custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "crashy")
         wait_for(lambda: not groups(api, "crashy"), what="garbage collection")
+
+
+def lws(api: APIServer, name: str) -> dict[str, Any]:
+    return api.get(LWS_API, LWS_KIND, NAMESPACE, name) or {}
+
+
+def test_a_leaderworkerset_scaled_by_hand_is_put_back_and_its_extra_group_serves_nothing(
+    cluster: Any, tmp_path: Path
+) -> None:
+    api, _, custom = cluster
+    with contextlib.suppress(APIError):  # an earlier scenario installed it
+        api.install_crd(lws_crd())
+    with LeaderWorkerSetController(api.write_kubeconfig(tmp_path / "kubeconfig")):
+        custom.create_namespaced_custom_object(
+            GROUP, VERSION, NAMESPACE, PLURAL, service("scaled", replicas={"min": 1, "max": 1})
+        )
+        wait_for(
+            lambda: (
+                list(roles(api, "scaled").values()) == ["active"]
+                and condition(api, "scaled", "Ready").get("status") == "True"
+            ),
+            timeout=30,
+            what="the active group serving",
+        )
+        (active,) = roles(api, "scaled")
+        # `kubectl scale lws <active> --replicas=2`: the set's /scale.
+        api.patch(LWS_API, LWS_KIND, NAMESPACE, active, {"spec": {"replicas": 2}}, subresource="scale")
+        # Put back, as a Deployment controller resets its ReplicaSet: group 1 goes, group 0 serves on.
+        wait_for(
+            lambda: (
+                lws(api, active)["spec"]["replicas"] == 1
+                and {p["metadata"]["name"] for p in group_pods(api, active)}
+                == {f"{active}-0", f"{active}-0-1"}
+            ),
+            timeout=30,
+            what=lambda: f"the set back at 1 group: {lws(api, active).get('spec', {}).get('replicas')}",
+        )
+        assert serving(api, "scaled") == [f"{active}-0"]
+        ready = wait_for(
+            lambda: (
+                (c := condition(api, "scaled", "Ready")).get("status") == "True"
+                and condition(api, "scaled", "Reconciling").get("status") == "False"
+                and c
+            ),
+            what="Ready and converged",
+        )
+        assert ready["message"] == "1/1 active Ready, 0 warm Ready"
+        custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "scaled")
+        wait_for(lambda: not groups(api, "scaled"), what="garbage collection")
+
+
+def test_a_crash_looping_group_is_held_back_with_a_doubling_delay(cluster: Any, tmp_path: Path) -> None:
+    api, _, custom = cluster
+    with contextlib.suppress(APIError):  # an earlier scenario installed it
+        api.install_crd(lws_crd())
+    broken = service("loopy", replicas={"min": 1, "max": 1})
+    broken["spec"]["resources"]["image"] = "broken:1"
+    with LeaderWorkerSetController(api.write_kubeconfig(tmp_path / "kubeconfig")):
+        custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, broken)
+        wait_for(lambda: condition(api, "loopy", "Stalled").get("status") == "True", what="Stalled")
+        (group,) = [g["metadata"]["name"] for g in groups(api, "loopy")]
+        # Held back as the kubelet holds back a crash-looping container: the set at 0 groups for 10 s.
+        wait_for(
+            lambda: lws(api, group)["spec"]["replicas"] == 0 and not group_pods(api, group),
+            timeout=10,
+            what=lambda: f"the group held at 0: {condition(api, 'loopy', 'Stalled')}",
+        )
+        held = time.monotonic()
+        stalled = condition(api, "loopy", "Stalled")
+        assert stalled["reason"] == "PodsCrashLooping"
+        assert f"group {group}: " in stalled["message"] and "held back 10 s" in stalled["message"]
+        assert stalled["message"].endswith("FileNotFoundError: /models/missing/config.json")
+        # A group that was never Ready is not counted warm.
+        assert condition(api, "loopy", "Ready")["message"] == "0/1 active Ready, 0 warm Ready"
+        while time.monotonic() - held < 7:
+            assert not group_pods(api, group), "the held group was started again before its back-off ended"
+            time.sleep(0.2)
+        # Then tried again; it crashes again and is held back twice as long.
+        wait_for(lambda: lws(api, group)["spec"]["replicas"] == 1, timeout=10, what="the group tried again")
+        wait_for(
+            lambda: "held back 20 s" in condition(api, "loopy", "Stalled")["message"],
+            timeout=15,
+            what=lambda: f"held back 20 s: {condition(api, 'loopy', 'Stalled')}",
+        )
+        assert lws(api, group)["spec"]["replicas"] == 0
+        custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "loopy")
+        wait_for(lambda: not groups(api, "loopy"), what="garbage collection")

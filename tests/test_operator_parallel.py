@@ -139,15 +139,16 @@ def test_the_api_server_refuses_the_same_by_the_crds_rules(
 # -- multi-node groups ----------------------------------------------------------------------------------
 
 
-def _group_pods(group: dict[str, Any], ready: bool = True) -> list[dict[str, Any]]:
-    """The pods the local LeaderWorkerSet controller makes of it, as their kubelet would report them."""
+def _group_pods(group: dict[str, Any], ready: bool = True, index: int = 0) -> list[dict[str, Any]]:
+    """The pods the local LeaderWorkerSet controller makes of it (group `index`), as their kubelet would
+    report them."""
     from ember_localcluster.leaderworkerset import group_pod
 
     group = {**group, "metadata": {**group["metadata"], "name": "big-x7k2p", "uid": "lws-uid"}}
-    leader = group_pod(group, 0, 0)
-    leader["metadata"]["uid"] = "leader-uid"
+    leader = group_pod(group, index, 0)
+    leader["metadata"]["uid"] = f"leader-uid-{index}"
     pods = [leader] + [
-        group_pod(group, 0, k, leader) for k in range(1, group["spec"]["leaderWorkerTemplate"]["size"])
+        group_pod(group, index, k, leader) for k in range(1, group["spec"]["leaderWorkerTemplate"]["size"])
     ]
     for p in pods:
         p["metadata"]["creationTimestamp"] = "2026-11-01T12:00:00Z"
@@ -230,3 +231,18 @@ def test_a_group_reads_as_one_unit_ready_only_when_all_its_pods_are() -> None:
     assert not v.ready and v.container_down
     v = group_view(group, _group_pods(group, ready=False))
     assert not v.ready and not v.container_down  # still loading
+
+
+def test_a_second_group_of_a_scaled_set_leaves_the_first_one_ready() -> None:
+    # Someone scaled the set to 2 (`kubectl scale lws`): group 1's pods, still starting, carry the set's
+    # name too. The operator's group is group 0, whole and Ready.
+    from ember_operator.groups import desired_group, group_view, members
+
+    group = desired_group(OWNER, make_spec(resources={"gpus": 1, "nodes": 3}), WARM, "abcdef0123")
+    group["metadata"].update(name="big-x7k2p", uid="lws-uid", creationTimestamp="2026-11-01T12:00:00Z")
+    first, second = _group_pods(group), _group_pods(group, ready=False, index=1)
+    leader, workers = members(group, second + first)
+    assert leader is not None and leader["metadata"]["name"] == "big-x7k2p-0"
+    assert sorted(w["metadata"]["name"] for w in workers) == ["big-x7k2p-0-1", "big-x7k2p-0-2"]
+    v = group_view(group, second + first)
+    assert v.ready and not v.container_down

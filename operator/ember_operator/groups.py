@@ -40,6 +40,7 @@ LWS_GROUP, LWS_VERSION, LWS_PLURAL, LWS_KIND = (
     "LeaderWorkerSet",
 )
 SET_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 # The leader listens for its group's ranks here, on its pod address.
 RENDEZVOUS_PORT = 29500
@@ -92,9 +93,15 @@ def group_selector(name: str) -> str:
 def members(
     group: dict[str, Any], pods: list[dict[str, Any]]
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """The group's leader pod (None while missing) and its worker pods."""
+    """The group's leader pod (None while missing) and its worker pods: the pods of the set's group 0, the
+    one group the operator asks for (a set someone scaled up has more, which are not this unit's)."""
     name = group["metadata"]["name"]
-    mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(SET_NAME_LABEL) == name]
+    mine = [
+        p
+        for p in pods
+        if (labels := p["metadata"].get("labels") or {}).get(SET_NAME_LABEL) == name
+        and labels.get(GROUP_INDEX_LABEL, "0") == "0"
+    ]
     leader = next((p for p in mine if p["metadata"]["labels"].get(WORKER_INDEX_LABEL) == "0"), None)
     return leader, [p for p in mine if p is not leader]
 

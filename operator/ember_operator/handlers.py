@@ -69,7 +69,7 @@ from ember_operator.scaling import Memory, autoscale, record
 from ember_operator.scrape import Scraper
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
 from ember_operator.status import Assessment, Condition, render_conditions
-from ember_operator.units import CrashLog, Units, collect_units
+from ember_operator.units import CrashLog, Units, collect_units, owned_by
 
 
 @dataclass(slots=True)
@@ -299,6 +299,8 @@ class Reconciler:
                 )
             )
         await self._ensure(kube, desired_pdb(owner, spec, memory.desired), ("spec",), troubles, memory.known)
+        crash_loops = self._crashes.troubles(namespace, name, units, time.monotonic())
+        await self._put_back_groups(kube, owner, groups or [])
         try:
             desired_pod(owner, spec, WARM, pod_hash)
         except PodTemplateError as e:  # no pod can be made: leave the ones there are as they are
@@ -317,7 +319,7 @@ class Reconciler:
         floor = now if roll_frees_room(views, pod_hash) else memory.releases.at(now)
         found = {p["metadata"]["name"]: t for p in current if (t := trouble(p, now, wait, floor))}
         troubles += held_troubles(memory.held, current, found, now)
-        troubles += self._crashes.troubles(namespace, name, units)
+        troubles += crash_loops
         waiting = [m for p in units.all_pods() if (m := waiting_for_capacity(p, now, wait, floor))]
         # Router pods no node can take: waiting for capacity, then trouble, as engine pods are.
         router_pods = [
@@ -480,6 +482,19 @@ class Reconciler:
                     kube.relabel_pod, namespace, leader["metadata"]["name"], {ROLE_LABEL: role}
                 )
             )
+
+    async def _put_back_groups(self, kube: Kube, owner: Owner, groups: list[dict[str, Any]]) -> None:
+        """Each group's LeaderWorkerSet at the one group the operator asks for, or at none while the group is
+        held back for crash-looping: a set someone scaled is put back, as a Deployment puts back its
+        ReplicaSet. (Its pod templates are left as they are: a changed template rolls a group, and an
+        operator upgrade must roll none.)"""
+        for g in groups:
+            meta = g["metadata"]
+            if not owned_by(g, owner.uid) or meta.get("deletionTimestamp"):
+                continue
+            wanted = 0 if self._crashes.held(owner.namespace, meta["name"]) else 1
+            if (g.get("spec") or {}).get("replicas", 1) != wanted:
+                await asyncio.to_thread(kube.scale_group, owner.namespace, meta["name"], wanted)
 
     async def _mirror_group_roles(self, kube: Kube, namespace: str, units: Units, memory: Memory) -> None:
         """A recreated group's new leader starts with its template's role: give it the group's."""

@@ -206,6 +206,17 @@ class Kube:
             _preload_content=False,
         )
 
+    def scale_group(self, namespace: str, name: str, replicas: int) -> None:
+        self.custom.patch_namespaced_custom_object(
+            LWS_GROUP,
+            LWS_VERSION,
+            namespace,
+            LWS_PLURAL,
+            name,
+            {"spec": {"replicas": replicas}},
+            _preload_content=False,
+        )
+
     def delete_group(self, namespace: str, name: str) -> None:
         try:
             self.custom.delete_namespaced_custom_object(

@@ -80,7 +80,9 @@ class Assessment:
         counts = self.counts()
         ready_active = counts["readyReplicas"]
         floor = max(self.min_replicas, 1 if self.desired_active else 0)
-        summary = f"{ready_active}/{self.desired_active} active Ready, {counts['warmReplicas']} warm"
+        # Warm units count once Ready (a group that never comes up is no stand-by).
+        ready_warm = sum(p.ready for p in self._current("warm"))
+        summary = f"{ready_active}/{self.desired_active} active Ready, {ready_warm} warm Ready"
         ready = Condition(
             "Ready",
             ready_active >= floor,

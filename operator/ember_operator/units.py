@@ -2,9 +2,12 @@
 `PodView`s so that the warm pool, rolls and failover treat both alike. Pure.
 
 A group whose pods crash is recreated whole by its LeaderWorkerSet (new pods, restart counts at 0), so the
-crash loop never shows on a pod as CrashLoopBackOff: `CrashLog` remembers the crashes of each group's pods
-as they are seen, and a group with CRASH_RESTARTS of them that has not become Ready is trouble, with the
-leader's error line (the leader is the rank that checks the model and says why it cannot run).
+crash loop never shows on a pod as CrashLoopBackOff and no kubelet back-off slows it: `CrashLog` remembers
+the crashes of each group's pods as they are seen, and a group with CRASH_RESTARTS of them that has not
+become Ready is trouble, with the leader's error line (the leader is the rank that checks the model and says
+why it cannot run). Such a group is held back as the kubelet holds back a crash-looping container: its
+LeaderWorkerSet at 0 replicas for HOLD_FIRST seconds, then started again; each crash after that holds it
+twice as long, up to HOLD_MAX, until it becomes Ready.
 """
 
 from __future__ import annotations
@@ -12,9 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember_operator.groups import WORKER_INDEX_LABEL, crash, group_key, group_view, instance_of, members
+from ember_operator.groups import (
+    GROUP_INDEX_LABEL,
+    WORKER_INDEX_LABEL,
+    crash,
+    group_key,
+    group_view,
+    instance_of,
+    members,
+)
 from ember_operator.pods import CRASH_RESTARTS, Trouble, error_line, view
 from ember_operator.rollout import PodView
+
+# The kubelet's CrashLoopBackOff: 10 s, doubling, at most 5 minutes.
+HOLD_FIRST, HOLD_MAX = 10.0, 300.0
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -62,10 +76,14 @@ class _Crashes:
     pods: set[str] = field(default_factory=set)  # uids of the group's pods seen crashed
     message: str = ""  # the latest error, the leader's when it has one
     from_leader: bool = False
+    hold: float = 0.0  # seconds of the latest hold (0: never held)
+    held_until: float | None = None  # monotonic time the hold ends; None while not held
+    crashes_at_release: int = 0  # crashes seen when the latest hold ended
 
 
 class CrashLog:
-    """Crashes of group pods by (namespace, group), for as long as the group has not become Ready."""
+    """Crashes of group pods by (namespace, group), for as long as the group has not become Ready, and the
+    groups held back for them."""
 
     def __init__(self) -> None:
         self._groups: dict[tuple[str, str], _Crashes] = {}
@@ -73,17 +91,24 @@ class CrashLog:
     def record(self, pod: dict[str, Any]) -> None:
         group, instance = group_key(pod), instance_of(pod)
         message = crash(pod)
-        if group is None or instance is None or message is None:
+        labels = pod["metadata"].get("labels") or {}
+        if group is None or instance is None or message is None or labels.get(GROUP_INDEX_LABEL, "0") != "0":
             return
         meta = pod["metadata"]
         entry = self._groups.setdefault((meta.get("namespace", ""), group), _Crashes(instance))
         entry.pods.add(meta.get("uid", meta["name"]))
-        leader = (meta.get("labels") or {}).get(WORKER_INDEX_LABEL) == "0"
+        leader = labels.get(WORKER_INDEX_LABEL) == "0"
         if leader or not entry.from_leader:
             entry.message, entry.from_leader = message, leader
 
-    def troubles(self, namespace: str, instance: str, units: Units) -> list[Trouble]:
-        """Groups of `instance` crash-looping; forgets groups that became Ready or are gone."""
+    def held(self, namespace: str, group: str) -> bool:
+        """Whether the group is held back (its LeaderWorkerSet wanted at 0 replicas); as of `troubles`."""
+        entry = self._groups.get((namespace, group))
+        return entry is not None and entry.held_until is not None
+
+    def troubles(self, namespace: str, instance: str, units: Units, now: float) -> list[Trouble]:
+        """Groups of `instance` crash-looping (`now`: monotonic seconds); holds back a group once it is, and
+        again at each crash after a hold ended; forgets groups that became Ready or are gone."""
         found = []
         views = {v.name: v for v in units.views if units.is_group(v.name)}
         for (ns, group), entry in list(self._groups.items()):
@@ -92,12 +117,20 @@ class CrashLog:
             v = views.get(group)
             if v is None or v.ready:
                 del self._groups[(ns, group)]
-            elif len(entry.pods) >= CRASH_RESTARTS and not v.deleting:
-                detail = error_line(entry.message)
-                found.append(
-                    Trouble(
-                        "PodsCrashLooping",
-                        f"group {group}: recreated after its pods crashed {len(entry.pods)} times: {detail}",
-                    )
+                continue
+            crashes = len(entry.pods)
+            if crashes < CRASH_RESTARTS or v.deleting:
+                continue
+            if entry.held_until is not None and now >= entry.held_until:
+                entry.held_until, entry.crashes_at_release = None, crashes
+            elif entry.held_until is None and (entry.hold == 0 or crashes > entry.crashes_at_release):
+                entry.hold = min(HOLD_MAX, entry.hold * 2 or HOLD_FIRST)
+                entry.held_until = now + entry.hold
+            found.append(
+                Trouble(
+                    "PodsCrashLooping",
+                    f"group {group}: its pods crashed {crashes} times without it becoming Ready; "
+                    f"held back {entry.hold:g} s between tries: {error_line(entry.message)}",
                 )
+            )
         return found
