@@ -346,6 +346,8 @@ def test_status_while_rolling_and_while_stalled() -> None:
     assert c["Stalled"].status is True and c["Stalled"].reason == "PodsCrashLooping"
     assert c["Reconciling"].status is False  # kstatus: Stalled wins only when Reconciling is not True
     assert c["Ready"].status is False
+    # The warm pod that never came up stands in for nothing: it is not counted warm.
+    assert c["Ready"].message == "0/1 active Ready, 0 warm Ready"
 
 
 def test_parse_sample_reads_the_engines_own_metrics_page() -> None:

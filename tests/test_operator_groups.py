@@ -274,8 +274,8 @@ def test_a_crash_looping_group_is_held_back_with_a_doubling_delay(cluster: Any, 
         assert stalled["reason"] == "PodsCrashLooping"
         assert f"group {group}: " in stalled["message"] and "held back 10 s" in stalled["message"]
         assert stalled["message"].endswith("FileNotFoundError: /models/missing/config.json")
-        # A group that was never Ready is not counted warm.
-        assert condition(api, "loopy", "Ready")["message"] == "0/1 active Ready, 0 warm Ready"
+        # A group that was never Ready is not counted warm (the routers, of the same broken image, follow).
+        assert condition(api, "loopy", "Ready")["message"].startswith("0/1 active Ready, 0 warm Ready")
         while time.monotonic() - held < 7:
             assert not group_pods(api, group), "the held group was started again before its back-off ended"
             time.sleep(0.2)
