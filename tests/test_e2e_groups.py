@@ -90,7 +90,12 @@ def test_a_split_the_model_cannot_take_stalls_with_the_engines_message(cp: Contr
     wait_for(
         lambda: cp.is_true("sextet", "Stalled"), timeout=180, what=lambda: f"Stalled: {cp.describe('sextet')}"
     )
-    stalled = cp.condition("sextet", "Stalled")
+    # Held back between tries (the set at 0 groups), as the kubelet backs off a crash-looping container.
+    stalled = wait_for(
+        lambda: "held back" in (c := cp.condition("sextet", "Stalled"))["message"] and c,
+        timeout=60,
+        what=lambda: f"the group held back: {cp.describe('sextet')}",
+    )
     assert stalled["reason"] == "PodsCrashLooping"
     assert stalled["message"].endswith(
         "ember serve: fatal: cannot load the model: TensorParallelError: "
