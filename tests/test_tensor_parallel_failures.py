@@ -7,15 +7,21 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from server_util import server_process
+from server_util import running_server, server_process, wait_ready
+from test_router import running_router
+from test_tensor_parallel_nodes import two_nodes
+from waiting import wait_for
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.distributed.group import TensorParallelFailure
+from ember_router.proxy import ROUTED_TO, RouterSettings
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -111,5 +117,87 @@ def test_a_stream_the_engine_cannot_finish_ends_with_an_error_event_and_done(tin
         proc.wait(timeout=30)
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert error["type"] == "internal_server_error"
+    assert (error["type"], error["code"]) == ("unavailable", "engine_failed")
     assert f"rank 1 (pid {worker}) was killed by SIGKILL" in error["message"]
+
+
+def _running(url: str) -> int:
+    return int(httpx.get(f"{url}/v1/load", timeout=5).json()["num_requests_running"])
+
+
+def test_requests_in_flight_when_a_node_dies_get_a_503_saying_the_engine_failed(tiny_model: Path) -> None:
+    """Every request in flight on a group whose node 1 was killed was answered 500 (`internal error:
+    RuntimeError: the engine has stopped: ...`, gloo's source paths included), though none had begun its
+    answer: a 503 with Retry-After and `code: "engine_failed"` says to send it again; node 0 still exits."""
+    body = {"model": tiny_model.name, "prompt": "def f(x):", "max_tokens": 1500, "ignore_eos": True}
+    with two_nodes(tiny_model, tiny_model, [], []) as (url, procs), ThreadPoolExecutor(4) as pool:
+        wait_ready(url, timeout=120)
+        futures = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120) for _ in range(4)]
+        wait_for(lambda: _running(url) == 4, what="4 requests running")
+        procs[1].send_signal(signal.SIGKILL)
+        answers = [f.result() for f in futures]
+        code = procs[0].wait(timeout=30)
+        output = procs[0].stdout.read() if procs[0].stdout else ""
+    for r in answers:
+        assert r.status_code == 503, r.text
+        assert r.headers["Retry-After"] == "1"
+        error = r.json()["error"]
+        assert (error["type"], error["code"]) == ("unavailable", "engine_failed"), error
+        assert error["message"].startswith("the engine failed and is restarting ("), error
+        assert ".cc:" not in error["message"] and "/" not in error["message"], error
+    # It exits as it did: the fatal line, then (a step's collective having failed) gloo may abort it.
+    assert code in (1, -signal.SIGABRT), output[-3000:]
+    assert "ember serve: fatal: the engine stopped: TensorParallelFailure: " in output, output[-3000:]
+
+
+def test_a_router_sends_the_requests_of_a_failed_group_to_the_next_ready_engine(tiny_model: Path) -> None:
+    """The router relayed the group's 500s to the clients; an engine's `engine_failed` 503 is an engine
+    gone before answering: the requests go to the other engine, which was Ready."""
+    body = {"model": tiny_model.name, "prompt": "def f(x):", "max_tokens": 500, "ignore_eos": True}
+    with (
+        running_server(tiny_model, "--dtype", "float32") as other,
+        two_nodes(tiny_model, tiny_model, [], []) as (group, procs),
+    ):
+        wait_ready(group, timeout=120)
+        settings = RouterSettings(hold_seconds=30.0)
+        with (
+            running_router(tiny_model, [group, other.url], settings=settings) as (url, router),
+            ThreadPoolExecutor(4) as pool,
+        ):
+            other.state.draining = True  # not Ready while the requests are sent: they all go to the group
+            wait_for(
+                lambda: not router.pool.engines[other.url].state.ready, what="the other engine not Ready"
+            )
+            futures = [
+                pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120) for _ in range(4)
+            ]
+            wait_for(lambda: _running(group) == 4, what="4 requests running on the group")
+            other.state.draining = False
+            wait_for(lambda: router.pool.engines[other.url].state.ready, what="the other engine Ready")
+            procs[1].send_signal(signal.SIGKILL)
+            answers = [f.result() for f in futures]
+    for r in answers:
+        assert r.status_code == 200, r.text
+        assert r.headers[ROUTED_TO] == other.url
+        assert r.json()["usage"]["completion_tokens"] == 500
+
+
+def test_an_idle_group_that_loses_a_node_stops_within_seconds(tiny_model: Path) -> None:
+    """Node 0 of an idle group whose node 1 was killed answered /ready 200 until a request came (its first
+    step failed: a 500): it looked at the other nodes only when it stepped. Now it notices within a few
+    seconds, idle, and exits 1 (the pod restarts) naming the failure."""
+    with two_nodes(tiny_model, tiny_model, [], []) as (url, procs):
+        wait_ready(url, timeout=120)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(timeout=30)
+        killed = time.monotonic()
+        try:
+            code = procs[0].wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            ready = httpx.get(f"{url}/ready", timeout=5).status_code
+            pytest.fail(f"node 0 still running 30 s after node 1 was killed (/ready: {ready})")
+        output = procs[0].stdout.read() if procs[0].stdout else ""
+    assert code == 1
+    assert time.monotonic() - killed < 30
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("ember serve: fatal: the engine stopped: TensorParallelFailure: "), last

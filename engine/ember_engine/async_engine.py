@@ -5,7 +5,9 @@ outputs go back with `call_soon_threadsafe`. Closing or cancelling a request's i
 a client that goes away frees its KV blocks within one step.
 
 A failed step fails its requests and the engine goes on, except when a tensor-parallel rank is lost:
-then every request fails, the loop ends and the fatal hooks run (the server exits; the pod restarts).
+then every request fails (`EngineFailed`), the loop ends and the fatal hooks run (the server exits; the
+pod restarts). Idle, a tensor-parallel engine sends its ranks an empty step message every
+HEARTBEAT_SECONDS, so that a rank lost on another node ends it then, not at the next request.
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ from ember_engine.distributed.group import TensorParallelFailure
 from ember_engine.sample.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 2.0
+
+
+class EngineFailed(RuntimeError):
+    """The engine stopped for good (a tensor-parallel rank was lost) before it finished the request."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the engine has stopped: {cause}")
+        self.cause = cause
 
 
 @dataclass(slots=True)
@@ -104,7 +116,7 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._lock:
             if self.fatal is not None:
-                raise RuntimeError(f"the engine has stopped: {self.fatal}")
+                raise EngineFailed(self.fatal)
             if rid in self._streams:
                 raise ValueError(f"request_id: {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), stream)
@@ -156,12 +168,14 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        heartbeat = HEARTBEAT_SECONDS if engine.workers is not None else None
         while True:
-            # Idle: block for work. Busy: take whatever arrived and step again.
+            # Idle: block for work (a tensor-parallel engine: for a heartbeat's time). Busy: take whatever
+            # arrived and step again.
             block = not engine.has_unfinished_requests()
             try:
                 while True:
-                    item = self._inbox.get(block=block)
+                    item = self._inbox.get(block=block, timeout=heartbeat if block else None)
                     block = False
                     if item is None:
                         return
@@ -170,7 +184,12 @@ class AsyncEngine:
                         return
                     self._handle(item)
             except queue.Empty:
-                pass
+                if block and engine.workers is not None:  # idle for a heartbeat's time: are the ranks there?
+                    try:
+                        engine.workers.heartbeat()
+                    except TensorParallelFailure as exc:
+                        self._die(exc)
+                        return
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -253,9 +272,8 @@ class AsyncEngine:
         with self._lock:
             self.fatal = error
             streams = list(self._streams.values())
-        reason = RuntimeError(f"the engine has stopped: {error}")
         for loop, q in streams:
             with contextlib.suppress(RuntimeError):  # the listener's loop is closed
-                loop.call_soon_threadsafe(q.put_nowait, reason)
+                loop.call_soon_threadsafe(q.put_nowait, EngineFailed(error))
         for hook in self._fatal_hooks:
             hook(error)

@@ -9,7 +9,7 @@ does, for what is left of that time, a request whose engines all went away befor
 Before that, the routing rules (`rules.py`) may send the request to another InferenceService instead
 (`x-ember-routed-to: <that service>`, `x-ember-route-reason: rule:<name>`). An
 engine that answers 503 before the response begins is skipped for its Retry-After and the request
-goes to one other engine; with no engine to take it the request goes to the fallback server if one is set
+goes to one other engine (a 503 `engine_failed`, an engine that failed for good, counts as one gone); with no engine to take it the request goes to the fallback server if one is set
 (the policy file's, read live, or the flags'; `x-ember-served-by: fallback`), else the router sheds at once
 (503, Retry-After: the policy file's `loadShedding.retryAfterSeconds`, as the engines answer). A client
 that disconnects closes the upstream connection, which aborts the request in the engine.
@@ -462,12 +462,21 @@ class Router:
             try:
                 # 503: the engine is overloaded (or not serving): another may take it. A 429 is the client's
                 # own limit at that engine: relayed, so the limit holds and no one else is turned away.
+                # An engine that failed for good before answering (`engine_failed`: it exits, its pod
+                # restarts) is taken as gone, as one that cannot be reached: the request may be held.
                 if upstream.status == 503 and retry:
+                    refusal = await upstream.read()
+                    finished = True
+                    if engine is not None and _engine_failed(refusal):
+                        self.metrics.upstream_errors.labels(engine_url).inc()
+                        state.ready = False  # until the next poll says otherwise
+                        if unreachable is not None:
+                            unreachable.add(engine_url)
+                        return None
                     wait = _retry_after(upstream.headers.get("Retry-After"), self._retry_after())
                     state.overloaded_until = time.monotonic() + wait
-                    if engine is not None and _is_shed(await upstream.read()):
+                    if engine is not None and _is_shed(refusal):
                         self.metrics.engine_sheds_retried.inc()  # the engine counted it; the client won't see it
-                    finished = True
                     return None
                 ok = 200 <= upstream.status < 300
                 if accepted is not None and ok and upstream.headers.get("x-ember-served-by") != "fallback":
@@ -555,11 +564,22 @@ def _between_reads(seconds: float) -> aiohttp.ClientTimeout:
 def _is_shed(body: bytes) -> bool:
     """Whether an engine's 503 body is a load-shedding refusal (`type: "overloaded"`), which the engine counts
     in `ember:requests_shed_total`; a 503 of another kind (a model still loading) is not."""
+    error = _error_of(body)
+    return error is not None and error.get("type") == "overloaded"
+
+
+def _engine_failed(body: bytes) -> bool:
+    """Whether an engine's 503 body says the engine failed for good before answering (`engine_failed`)."""
+    error = _error_of(body)
+    return error is not None and error.get("code") == "engine_failed"
+
+
+def _error_of(body: bytes) -> dict[str, Any] | None:
     try:
         error = json.loads(body).get("error")
     except (ValueError, AttributeError):
-        return False
-    return isinstance(error, dict) and error.get("type") == "overloaded"
+        return None
+    return error if isinstance(error, dict) else None
 
 
 def _retry_after(value: str | None, default: int) -> float:

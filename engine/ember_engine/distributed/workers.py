@@ -135,7 +135,8 @@ def serve_steps(runner: ModelRunner, channel: StepChannel) -> None:
         chunks = channel.receive()
         if chunks is None:
             return
-        runner.run(chunks)
+        if chunks:  # none: rank 0's heartbeat while idle
+            runner.run(chunks)
 
 
 class WorkerPool:
@@ -179,6 +180,20 @@ class WorkerPool:
 
     def send(self, chunks: Sequence[Chunk]) -> None:
         self.channel.send(chunks)
+
+    def heartbeat(self) -> None:
+        """While idle: an empty step message, which fails once a rank's connection has closed (a rank on
+        another node that died); and a look at the rendezvous, where a rank arriving after the group
+        formed is a replacement, its predecessor gone. Raises the TensorParallelFailure."""
+        try:
+            self.channel.send([])
+        except RuntimeError as exc:
+            raise self.failure(exc) from exc
+        if (count := arrived(self.membership.store)) > self.tp.size - 1:
+            raise TensorParallelFailure(
+                f"a tensor-parallel rank joined the rendezvous after the group formed ({count + 1} ranks "
+                f"of {self.tp.size} arrived): it replaces one that is gone"
+            )
 
     def failure(self, cause: BaseException) -> TensorParallelFailure:
         """What a failed collective means: a named dead worker if one of ours is (given a moment to be

@@ -18,13 +18,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ember_engine.async_engine import AsyncEngine
+from ember_engine.async_engine import AsyncEngine, EngineFailed
 from ember_engine.core.outputs import RequestOutput
 from ember_engine.server.admission import Admit, Shed, decide
 from ember_engine.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, arrival_of
 from ember_engine.server.chat import ChatTemplateError
 from ember_engine.server.chat_prompt import chat_prompt_ids
-from ember_engine.server.errors import _error_response, add_error_handlers
+from ember_engine.server.errors import _error_response, add_error_handlers, engine_failed
 from ember_engine.server.fallback import FallbackFailed, RelayedStream
 from ember_engine.server.load_api import add_load_routes
 from ember_engine.server.openai_format import Formatter
@@ -56,9 +56,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        if state.ready:
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "draining" if state.draining else "loading"}, status_code=503)
+        return JSONResponse({"status": state.status}, status_code=200 if state.ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -99,6 +97,8 @@ async def _serve(
             param="model",
             code="model_not_found",
         )
+    if state.engine is not None and state.engine.fatal is not None:  # the server is about to exit
+        raise engine_failed(EngineFailed(state.engine.fatal))
     warning = check_unknown(body.model_extra)
     params = body.to_sampling_params()
     tools = None

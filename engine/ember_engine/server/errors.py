@@ -1,5 +1,6 @@
 """OpenAI-shaped errors: the JSON response for an `APIError`, the handlers that turn FastAPI's own
-errors (validation, malformed JSON) into one, and the error of a request past its deadline."""
+errors (validation, malformed JSON) into one, the error of a request past its deadline, and that of a
+request the engine could not finish because it failed for good."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from ember_engine.async_engine import EngineFailed
 from ember_engine.server.protocol import APIError
 
 
@@ -36,6 +38,10 @@ def add_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         err = APIError(exc.status_code, message, type=kind, headers=dict(exc.headers or {}))
         return _error_response(err)
+
+    @app.exception_handler(EngineFailed)
+    async def _engine_failed(_: Request, exc: EngineFailed) -> JSONResponse:
+        return _error_response(engine_failed(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -73,6 +79,25 @@ def _field(loc: Sequence[Any]) -> str | None:
 
 def internal_error(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}"[:500], type="internal_server_error")
+
+
+# What a client is told of a failure is its cause without gloo's source locations and advice.
+_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp|c):\d+\]\s*")
+_ADVICE = re.compile(r"\.? This is typically caused by .*", re.DOTALL)
+
+
+def engine_failed(exc: EngineFailed) -> APIError:
+    """The engine stopped for good (a tensor-parallel rank was lost; the server exits and its pod
+    restarts) before finishing the request: a 503 to send it again, elsewhere or once restarted (a
+    stream already begun gets its body as an error event)."""
+    cause = _ADVICE.sub("", _SOURCE.sub("", str(exc.cause)))
+    return APIError(
+        503,
+        f"the engine failed and is restarting ({cause}); send the request again"[:500],
+        type="unavailable",
+        code="engine_failed",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _timeout_error(deadline: float) -> APIError:

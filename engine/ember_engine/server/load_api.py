@@ -43,7 +43,7 @@ def add_load_routes(app: FastAPI, state: ServerState) -> None:
         """Ready or not (503, as `/ready`), the gauges a router weighs (named as on `/metrics`) and the
         prefix cache's changes after event `since`."""
         if state.engine is None or not state.ready:
-            return JSONResponse({"status": "draining" if state.draining else "loading"}, status_code=503)
+            return JSONResponse({"status": state.status}, status_code=503)
         stats = state.engine.stats()
         return JSONResponse(
             {

@@ -14,9 +14,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ember_engine.async_engine import EngineFailed
 from ember_engine.core.outputs import RequestOutput
 from ember_engine.sample.constraint import DEAD_END
-from ember_engine.server.errors import _timeout_error, internal_error
+from ember_engine.server.errors import _timeout_error, engine_failed, internal_error
 from ember_engine.server.openai_format import Formatter, Usage, sse
 from ember_engine.server.protocol import APIError
 from ember_engine.server.state import ServerState, _Ticket
@@ -183,7 +184,12 @@ async def _stream(
                 yield sse(APIError(400, str(exc)).body())
                 yield sse("[DONE]")
                 return
-            except Exception as exc:  # the engine could not go on (a rank died): the server's fault
+            except EngineFailed as exc:  # the engine could not go on (a rank died): it restarts
+                log.error("a stream ended early: %s", exc)
+                yield sse(engine_failed(exc).body())
+                yield sse("[DONE]")
+                return
+            except Exception as exc:  # the server's fault
                 log.error("a stream ended early: %s: %s", type(exc).__name__, exc)
                 yield sse(internal_error(exc).body())
                 yield sse("[DONE]")

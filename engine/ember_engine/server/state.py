@@ -37,7 +37,14 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        return self.engine is not None and not self.draining and self.engine.fatal is None
+
+    @property
+    def status(self) -> str:
+        """What /ready and /v1/load say: ready, draining, failed (the engine stopped for good) or loading."""
+        if self.engine is not None and self.engine.fatal is not None:
+            return "failed"
+        return "ready" if self.ready else "draining" if self.draining else "loading"
 
     def observe_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """The step hook (engine thread): metrics, and the forecast admission reads."""
