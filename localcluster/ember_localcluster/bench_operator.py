@@ -277,8 +277,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--services", type=int, default=20, help="InferenceServices (default 20)")
-    p.add_argument("--pods", type=int, default=50, help="active pods per InferenceService (default 50)")
+    from ember_engine.bench.arg_types import non_negative_int, positive, positive_int
+
+    p.add_argument("--services", type=positive_int, default=20, help="InferenceServices (default 20)")
+    p.add_argument(
+        "--pods", type=positive_int, default=50, help="active pods per InferenceService (default 50)"
+    )
     p.add_argument("--tick", type=float, default=2.0, help="the operator's --tick (default 2, its default)")
     p.add_argument("--scrape-interval", type=int, default=15, help="autoscaling.intervalSeconds (default 15)")
     p.add_argument(
@@ -287,8 +291,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=20.0,
         help="seconds idle before the window (default 20: past the first scrape)",
     )
-    p.add_argument("--window", type=float, default=60.0, help="seconds measured (default 60)")
-    p.add_argument("--changes", type=int, default=5, help="spec changes timed (default 5)")
+    p.add_argument("--window", type=positive, default=60.0, help="seconds measured (default 60)")
+    p.add_argument("--changes", type=non_negative_int, default=5, help="spec changes timed (default 5)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for the fleet to start")
     p.add_argument(
         "--latency-timeout", type=float, default=60.0, help="seconds a spec change may take (default 60)"

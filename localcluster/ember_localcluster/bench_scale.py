@@ -430,6 +430,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ember_engine.bench.arg_types import positive, positive_int
+
     p.add_argument(
         "--scenario",
         choices=["spike", "failover", "roll"],
@@ -438,9 +440,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "to the Service serving again; roll: an engine change on a full GPU pool (default spike)",
     )
     p.add_argument("--size", choices=["tiny", "small"], default="tiny", help="test checkpoint (default tiny)")
-    p.add_argument("--repeats", type=int, default=3, help="warm and cold runs each (default 3)")
-    p.add_argument("--rate", type=float, default=20.0, help="arrivals per second in the spike (default 20)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="warm and cold runs each (default 3)")
+    p.add_argument(
+        "--rate", type=positive, default=20.0, help="arrivals per second in the spike (default 20)"
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request (default 64)")
     p.add_argument("--interval", type=int, default=1, help="autoscaling.intervalSeconds (default 1)")
     p.add_argument(
         "--tick", type=float, default=0.25, help="operator reconcile tick (default 0.25 s; failover: use 2)"

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sysconfig
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ember_engine.bench.arg_types import names_from, positive_int_list
+from ember_engine.bench.throughput import cpu_name
+
+METHODS = ("draft", "ngram")
 
 if TYPE_CHECKING:
     from ember_engine.llm import LLM
@@ -23,10 +27,17 @@ if TYPE_CHECKING:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target checkpoint (default: the packaged trained pair's target)")
     p.add_argument("--draft-model", help="draft checkpoint (default: the packaged pair's draft)")
-    p.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated (default 1,4,16,64)")
+    p.add_argument(
+        "--batch-sizes",
+        type=positive_int_list,
+        default="1,4,16,64",
+        help="comma-separated (default 1,4,16,64)",
+    )
     p.add_argument("--max-tokens", type=int, default=96, help="tokens generated per request")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--methods", default="draft,ngram", help="comma-separated: draft, ngram")
+    p.add_argument(
+        "--methods", type=names_from(METHODS), default="draft,ngram", help="comma-separated: draft, ngram"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--no-adaptive", action="store_true", help="speculate at every step (no controller)")
     p.add_argument("--dtype", default="float32")
@@ -100,8 +111,7 @@ def main(args: argparse.Namespace) -> int:
         default_target, default_draft = packaged_pair()
         target = target or str(default_target)
         draft = draft or str(default_draft)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    methods = [m for m in args.methods.split(",") if m]
+    batch_sizes, methods = args.batch_sizes, args.methods
     common: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": max(batch_sizes)}
     engines: dict[str, LLM] = {"none": LLM(target, **common)}
     spec_options: dict[str, Any] = {
@@ -154,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
         "temperature": args.temperature,
         "adaptive": not args.no_adaptive,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
         "results": results,
     }
     if args.json:

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ember_engine.bench.arg_types import existing_path, names_from, positive_int
+
 
 @dataclass(slots=True)
 class Workload:
@@ -112,6 +114,9 @@ def run_hf_padded(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
     model = _hf_model(args)
     device = next(model.parameters()).device
     batch = args.hf_batch_size or len(work.prompts)
+    with torch.inference_mode():  # warm-up, untimed, as for the other two sides
+        ids = torch.tensor([work.prompts[0][:16]], device=device)
+        model.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(work.prompts), batch):
@@ -161,7 +166,8 @@ def run_hf_continuous(args: argparse.Namespace, work: Workload) -> dict[str, Any
 BASELINES = {"transformers-padded": run_hf_padded, "transformers-continuous": run_hf_continuous}
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (platform.processor() is empty on Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -181,9 +187,7 @@ def main(args: argparse.Namespace) -> int:
     work = make_workload(args.num_requests, args.input_len, args.output_len, config.vocab_size, args.seed)
     result: dict[str, Any] = {
         "model": args.model,
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"cpu ({platform.processor()})",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({cpu_name()})",
         "threads": torch.get_num_threads(),
         "workload": {
             "num_requests": args.num_requests,
@@ -231,24 +235,24 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--model", type=existing_path, required=True, help="checkpoint directory")
+    p.add_argument("--num-requests", type=positive_int, default=64)
     p.add_argument("--input-len", type=parse_range, default=(32, 256), help="prompt length range A:B")
     p.add_argument("--output-len", type=parse_range, default=(32, 128), help="output length range A:B")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=0, help="padded baseline batch (0: all at once)")
     p.add_argument(
         "--tensor-parallel-size",
-        type=int,
+        type=positive_int,
         default=1,
         help="split ember's model over N ranks; adds the unsplit engine as baseline ember-tp1",
     )
     p.add_argument(
         "--baselines",
-        type=lambda s: [b for b in s.split(",") if b],
+        type=lambda s: names_from(tuple(BASELINES))(s) if s else [],
         default=list(BASELINES),
         help=f"comma-separated subset of {','.join(BASELINES)}",
     )
