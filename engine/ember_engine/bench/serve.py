@@ -69,9 +69,24 @@ async def run_rate(args: argparse.Namespace, rate: float, index: int) -> tuple[l
         return list(outcomes), time.perf_counter() - start
 
 
+# Options of the plain run that `--structured` does not use, and their defaults (set by add_arguments).
+PLAIN_ONLY = ("rate", "num_requests", "burstiness", "dataset", "input_len", "output_len", "prefix_len",
+              "long_fraction", "long_factor", "slo_ttft", "slo_tpot", "max_concurrency", "seed", "plot")  # fmt: skip
+_PLAIN_DEFAULTS: dict[str, Any] = {}
+
+
 def main(args: argparse.Namespace) -> int:
     if args.structured:
         from ember_engine.bench import structured
+
+        given = [d for d in PLAIN_ONLY if getattr(args, d) != _PLAIN_DEFAULTS[d]]
+        for dest in given:
+            print(
+                f"ember bench serve: --{dest.replace('_', '-')} does not apply with --structured",
+                file=sys.stderr,
+            )
+        if given:
+            return 2
 
         return structured.main(args)
     if args.plot:
@@ -129,3 +144,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ember_engine.bench.structured import add_arguments as add_structured
 
     add_structured(add, positive_int)
+    _PLAIN_DEFAULTS.update({dest: p.get_default(dest) for dest in PLAIN_ONLY})

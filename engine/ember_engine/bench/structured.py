@@ -10,7 +10,10 @@ load on the machine disturbs far less than wall time. Reported: the share of out
 schema (truncated ones, `length`, are counted apart), output tokens/s of each and the overhead, the
 compile time of a schema as the client sees it (a new schema's 1-token request less the same request
 once the schema is cached), and whether a compiling request holds up others (`/health` latency while a
-large schema compiles, against idle).
+large schema compiles, against idle). `--header` is sent with every request. A request that fails (a
+non-2xx answer or a transport error) is counted by kind as plain `bench serve` counts them ("503",
+"ConnectError"); the run stops at the end of the phase in which any failed (the compile times, the
+/health probe, or a batch size), reports the failures and exits 1.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +53,33 @@ def _valid(text: str, schema: dict[str, Any]) -> bool:
         return False
 
 
-async def _post(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = await client.post(url, json=body)
-    r.raise_for_status()
-    return r.json()
+class _Client:
+    """The HTTP client, and the requests that failed, by kind."""
+
+    def __init__(self, http: Any, failed: Counter[str]) -> None:
+        self.http, self.failed = http, failed
+
+    async def request(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+        import httpx
+
+        try:
+            r = await self.http.request(method, url, json=body)
+        except httpx.HTTPError as exc:
+            self.failed[type(exc).__name__] += 1
+            return None
+        if not r.is_success:
+            self.failed[str(r.status_code)] += 1
+            return None
+        return r
+
+
+async def _post(client: _Client, url: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    r = await client.request("POST", url, body)
+    return None if r is None else r.json()
+
+
+class _Failed(Exception):
+    pass
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -94,6 +121,8 @@ async def _round(
             body["max_tokens"], body["ignore_eos"] = lengths[i], True
         async with slots:
             out = await _post(client, url, body)
+        if out is None:
+            return
         written[i] = out["usage"]["completion_tokens"]
         stats["tokens"] += written[i]
         choice = out["choices"][0]
@@ -166,7 +195,8 @@ async def _health_during_compile(client: Any, base: str, url: str, args: argpars
         times = []
         while (not until.is_set()) if isinstance(until, asyncio.Event) else time.perf_counter() < until:
             t0 = time.perf_counter()
-            (await client.get(f"{base}/health")).raise_for_status()
+            if await client.request("GET", f"{base}/health") is None:
+                break
             times.append(time.perf_counter() - t0)
             await asyncio.sleep(0.005)
         return times
@@ -185,6 +215,8 @@ async def _health_during_compile(client: Any, base: str, url: str, args: argpars
         return time.perf_counter() - t0
 
     seconds, during = await asyncio.gather(compile_once(), probe(done))
+    if client.failed:
+        raise _Failed
     during = during or [0.0]
     return {
         "large_schema_request_s": round(seconds, 3),
@@ -201,19 +233,29 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+async def _run(args: argparse.Namespace, failed: Counter[str]) -> dict[str, Any]:
     import httpx
 
     base = args.url.rstrip("/").removesuffix("/v1")
     url = base + "/v1/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+    headers = dict(args.header)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits, headers=headers) as http:
+        client = _Client(http, failed)
+
+        def check() -> None:
+            if client.failed:
+                raise _Failed
+
         compile_s = await _compile_times(client, url, args)
+        check()
         blocking = await _health_during_compile(client, base, url, args)
+        check()
         rows = []
         for batch in args.structured_batch:
             print(f"batch {batch}: free and constrained rounds", file=sys.stderr)
             free, cons = await _pairs(client, url, args, batch)
+            check()
             free_tps = sum(r["tokens"] for r in free) / sum(r["seconds"] for r in free)
             cons_tps = sum(r["tokens"] for r in cons) / sum(r["seconds"] for r in cons)
             done = sum(r["valid"] + r["invalid"] for r in cons)
@@ -251,8 +293,27 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if not callable(v)}
+
+
+async def _run_or_fail(args: argparse.Namespace) -> dict[str, Any]:
+    failed: Counter[str] = Counter()
+    try:
+        return {"args": _settings(args), **await _run(args, failed), "failed": {}}
+    except _Failed:
+        return {"args": _settings(args), "failed": dict(failed)}
+
+
 def main(args: argparse.Namespace) -> int:
-    result = asyncio.run(_run(args))
+    result = asyncio.run(_run_or_fail(args))
+    if result["failed"]:
+        failed = ", ".join(f"{kind} x{n}" for kind, n in sorted(result["failed"].items()))
+        print(f"failed {failed}; stopped")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 1
     for row in result["batches"]:
         print(
             f"batch {row['batch']:>3}: free {row['free_tok_s']:8.1f} tok/s  constrained "
