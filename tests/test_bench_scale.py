@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 EMBER = str(Path(sys.executable).parent / "ember")
 
@@ -87,7 +92,9 @@ def test_bench_fleet_reports_both_policies_for_both_workloads(tmp_path: Path) ->
             assert r["failures"] == 0 and len(r["ttfts"]) == 16
             assert sum(r["requests_per_engine"]) == 16 and r["output_tokens_per_s"] > 0
     assert result["workloads"]["random"]["router"]["prefix_hit_rate"] == 0.0
-    assert 0 < result["workloads"]["shared"]["single_replica_prefix_hit_rate"] <= 1
+    one = result["workloads"]["shared"]["one_engine"]  # the whole workload, on one engine
+    assert (one["requests"], one["failures"], one["rate"]) == (16, 0, 2.0)
+    assert 0 < one["prefix_hit_rate"] <= 1
     assert result["router_overhead_p50_s"] is not None
     assert png.stat().st_size > 0
 
@@ -107,3 +114,53 @@ def test_a_roll_completes_on_a_full_gpu_pool_within_max_unavailable(tmp_path: Pa
         assert r["roll_seconds"] > 0 and r["a_surge_pod_waited_unschedulable"]  # the pool really was full
     assert bare["fewest_ready_active"] == 1  # 2 - maxUnavailable
     assert pooled["fewest_ready_active"] == 2  # the warm pool is the surge
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signalled_bench_scale_stops_its_processes_and_removes_its_directory(
+    tmp_path: Path, sig: signal.Signals, code: int
+) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [EMBER, "bench", "scale", "--repeats", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        # A shell's background job ignores SIGINT; the bench must see it as from a terminal.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        # Once the cluster has started an engine: processes to stop, files in the directory.
+        while not any(tmp_path.glob("ember-bench-scale-*/**/*.log")) or not _descendants(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr and proc.stderr.read()
+            time.sleep(0.2)
+        started = _descendants(proc.pid)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"stopped by {sig.name}" in err
+    assert not list(tmp_path.glob("ember-bench-scale-*"))
+    assert not {p for p in started if Path(f"/proc/{p}").exists()}

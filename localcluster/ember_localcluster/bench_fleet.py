@@ -8,8 +8,11 @@ prompts that share nothing. Arrivals are open-loop Poisson at a fixed rate from 
 connections (httpx's default, as most clients), streaming, so time to first token is measured at the
 client. Engine-side figures are deltas of the engines' own counters over the run: prefix-cache hit rate
 (hit tokens / queried tokens) and requests per engine (`load_imbalance` = most / fewest). The `shared`
-workload is also run, whole, against a single engine, for the hit rate of one shared cache
-(`single_replica_prefix_hit_rate`, the most routing could reach); the router's added latency is measured at low load, one request at a
+workload is also run whole (all `--requests` prompts, fresh content, the same tenants' share) against a
+single engine, at rate / replicas (the load one engine of the fleet takes, so that it is not swamped;
+the run takes replicas times as long): the hit rate of one cache that sees every prompt, with no split of
+the prefixes, the ceiling routing could reach (`one_engine`; `shared_hit_rate_router_over_one_engine` is
+the share of it the router reached). The router's added latency is measured at low load, one request at a
 time, through the router and straight to one engine (`router_overhead_p50_s`).
 """
 
@@ -259,27 +262,23 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                             }
                         print(f"{kind}/{policy}: " + json.dumps({k: v for k, v in runs[policy].items() if k != "ttfts"}),
                               file=sys.stderr, flush=True)  # fmt: skip
-                    if kind == "shared":
+                    if (
+                        kind == "shared"
+                    ):  # the whole workload on one engine, at one engine's share of the rate
                         seed += 1
-                        prompts = workload(
-                            kind,
-                            max(8, args.requests // args.replicas),
-                            seed,
-                            args.tenants,
-                            args.system_words,
-                        )
+                        prompts = workload(kind, args.requests, seed, args.tenants, args.system_words)
+                        rate = args.rate / args.replicas
                         before = await _scrape(scraper, urls[:1])
                         run = await _run(
-                            urls[0],
-                            name,
-                            prompts,
-                            args.rate / args.replicas,
-                            args.connections,
-                            args.max_tokens,
-                            seed,
+                            urls[0], name, prompts, rate, args.connections, args.max_tokens, seed
                         )
                         single = _summarize(run, before, await _scrape(scraper, urls[:1]))
-                        runs["single_replica_prefix_hit_rate"] = single["prefix_hit_rate"]
+                        runs["one_engine"] = {
+                            "prefix_hit_rate": single["prefix_hit_rate"],
+                            "requests": single["requests_per_engine"][0],
+                            "rate": rate,
+                            "failures": single["failures"],
+                        }
                     result["workloads"][kind] = runs
             result["router_overhead_p50_s"] = await _overhead(
                 router_url, urls[0], name, args.overhead_requests
@@ -289,8 +288,8 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     rr, rt = shared["round_robin"], shared["router"]
     result["ratios"] = {
         "shared_hit_rate_router_over_round_robin": _ratio(rt["prefix_hit_rate"], rr["prefix_hit_rate"]),
-        "shared_hit_rate_router_over_single_replica": _ratio(
-            rt["prefix_hit_rate"], shared["single_replica_prefix_hit_rate"]
+        "shared_hit_rate_router_over_one_engine": _ratio(
+            rt["prefix_hit_rate"], shared["one_engine"]["prefix_hit_rate"]
         ),
         "shared_ttft_p50_round_robin_over_router": _ratio(rr["ttft_p50_s"], rt["ttft_p50_s"]),
         "shared_ttft_p99_round_robin_over_router": _ratio(rr["ttft_p99_s"], rt["ttft_p99_s"]),
@@ -307,6 +306,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ember_localcluster.interrupt import run_interruptible
+
+    return run_interruptible("fleet", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ember-bench-fleet-") as tmp:
         result = asyncio.run(_bench(args, Path(tmp)))
     text = json.dumps({**result, "workloads": {k: {p: ({kk: vv for kk, vv in v.items() if kk != "ttfts"} if isinstance(v, dict) else v)

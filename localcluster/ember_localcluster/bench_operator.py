@@ -263,6 +263,12 @@ def bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ember_localcluster.interrupt import run_interruptible
+
+    return run_interruptible("operator", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ember-bench-operator-") as tmp:
         try:
             result = bench(args, Path(tmp))

@@ -419,6 +419,12 @@ async def _bench(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ember_localcluster.interrupt import run_interruptible
+
+    return run_interruptible("scale", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ember-bench-scale-") as tmp:
         bench = {"failover": _failover, "roll": _roll}.get(args.scenario, _bench)
         result = asyncio.run(bench(args, Path(tmp)))
