@@ -16,6 +16,8 @@ def run_interruptible(command: str, body: Callable[[], int]) -> int:
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background: SIGINT ignored
+            raise KeyboardInterrupt
         os.kill(os.getpid(), signal.SIGINT)  # unwind as SIGINT does (asyncio.run cancels its task first)
 
     previous = signal.signal(signal.SIGTERM, on_term)
