@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from kubernetes import client, config
+from tiny_service import pooled, tiny_conditions, tiny_engines, tiny_manifest
 from waiting import free_port, wait_for
 
 from ember_engine.tools.testmodel import make_test_model
@@ -341,21 +341,16 @@ def test_evicting_the_active_pod_promotes_the_warm_one_and_refills_the_pool_else
     with DevCluster(tmp_path / "dev", nodes=2) as cluster:
         api_client = config.new_client_from_config(str(cluster.kubeconfig))
         core, policy = client.CoreV1Api(api_client), client.PolicyV1Api(api_client)
-        cluster.api.create({**yaml.safe_load((REPO / "examples" / "local.yaml").read_text())})
+        cluster.api.create(tiny_manifest())
 
-        conditions = functools.partial(_tiny_conditions, cluster)
-        engines = functools.partial(_tiny_engines, cluster)
+        conditions = functools.partial(tiny_conditions, cluster)
+        engines = functools.partial(tiny_engines, cluster)
 
         def pdb() -> dict[str, Any]:
             return policy.read_namespaced_pod_disruption_budget("tiny", "default").to_dict()["status"] or {}
 
-        wait_for(
-            lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
-            120,
-            conditions,
-        )
+        active, warm = pooled(cluster, 120)
         wait_for(lambda: pdb().get("disruptions_allowed") == 1, 20, pdb)
-        (active,), (warm,) = engines("active"), engines("warm")
         node = active["spec"]["nodeName"]
         other = next(n for n in ("ember-local", "ember-local-2") if n != node)
         core.patch_node(node, {"spec": {"unschedulable": True}})
@@ -397,17 +392,12 @@ def test_a_drain_of_the_node_holding_both_pods_waits_for_a_warm_pod_elsewhere(tm
         api_client = config.new_client_from_config(str(cluster.kubeconfig))
         core = client.CoreV1Api(api_client)
         core.patch_node("ember-local-2", {"spec": {"unschedulable": True}})  # both pods on ember-local
-        cluster.api.create({**yaml.safe_load((REPO / "examples" / "local.yaml").read_text())})
+        cluster.api.create(tiny_manifest())
 
-        conditions = functools.partial(_tiny_conditions, cluster)
-        engines = functools.partial(_tiny_engines, cluster)
+        conditions = functools.partial(tiny_conditions, cluster)
+        engines = functools.partial(tiny_engines, cluster)
 
-        wait_for(
-            lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
-            120,
-            conditions,
-        )
-        (active,), (warm,) = engines("active"), engines("warm")
+        active, warm = pooled(cluster, 120)
         assert active["spec"]["nodeName"] == warm["spec"]["nodeName"] == "ember-local"
         core.patch_node("ember-local-2", {"spec": {"unschedulable": False}})
         core.patch_node("ember-local", {"spec": {"unschedulable": True}})
@@ -466,31 +456,9 @@ def test_the_warm_pod_stands_by_on_another_node_than_the_active_one(tmp_path: Pa
         NodeConfig("ember-local-2", cpu="4", memory="16Gi"),
     ]
     with DevCluster(tmp_path / "dev", nodes=nodes) as cluster:
-        cluster.api.create({**yaml.safe_load((REPO / "examples" / "local.yaml").read_text())})
-        conditions = functools.partial(_tiny_conditions, cluster)
-        engines = functools.partial(_tiny_engines, cluster)
-        wait_for(
-            lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
-            120,
-            conditions,
-        )
-        (active,), (warm,) = engines("active"), engines("warm")
+        cluster.api.create(tiny_manifest())
+        active, warm = pooled(cluster, 120)
         assert {active["spec"]["nodeName"], warm["spec"]["nodeName"]} == {"ember-local", "ember-local-2"}
-
-
-def _tiny_conditions(cluster: DevCluster) -> dict[str, str]:
-    """`examples/local.yaml`'s InferenceService's conditions, type to status."""
-    eis = cluster.api.get("ember.dev/v1alpha1", "InferenceService", "default", "tiny") or {}
-    return {c["type"]: c["status"] for c in (eis.get("status") or {}).get("conditions", [])}
-
-
-def _tiny_engines(cluster: DevCluster, role: str) -> list[dict[str, Any]]:
-    """The engine pods of a role (active, warm) not being deleted."""
-    return [
-        p
-        for p in cluster.api.list("v1", "Pod", "default", label_selector=f"ember.dev/role={role}")
-        if not p["metadata"].get("deletionTimestamp")
-    ]
 
 
 def policy_status(cluster: DevCluster) -> dict[str, Any] | None:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from kubernetes import client, config
+from tiny_service import pooled, tiny, tiny_conditions, tiny_engines, tiny_manifest
 from waiting import wait_for
 
 from ember_engine.tools.testmodel import make_test_model
@@ -178,23 +178,6 @@ def test_a_lost_node_goes_unknown_its_pods_not_ready_then_evicted_and_it_comes_b
         )
 
 
-def _tiny(cluster: DevCluster) -> dict[str, Any]:
-    return cluster.api.get("ember.dev/v1alpha1", "InferenceService", "default", "tiny") or {}
-
-
-def _tiny_conditions(cluster: DevCluster) -> dict[str, str]:
-    return {c["type"]: c["status"] for c in (_tiny(cluster).get("status") or {}).get("conditions", [])}
-
-
-def _engines(cluster: DevCluster, role: str) -> list[dict[str, Any]]:
-    """The engine pods of a role (active, warm) not being deleted."""
-    return [
-        p
-        for p in cluster.api.list("v1", "Pod", "default", label_selector=f"ember.dev/role={role}")
-        if not p["metadata"].get("deletionTimestamp")
-    ]
-
-
 def _chat(cluster: DevCluster) -> int:
     svc = cluster.api.get("v1", "Service", "default", "tiny")
     (ingress,) = svc["status"]["loadBalancer"]["ingress"]
@@ -216,22 +199,17 @@ def test_losing_the_active_pods_node_fails_over_to_the_warm_pod_on_the_other(tmp
     # Six CPUs a node and three an engine: the two pods go to two nodes, and either node has room for both.
     nodes = [NodeConfig(name, gpus=0, cpu="6") for name in ("ember-local", "ember-local-2")]
     with DevCluster(tmp_path / "dev", nodes=nodes, **FAST) as cluster:  # type: ignore[arg-type]
-        tiny = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
-        tiny["spec"]["resources"]["cpu"] = "3"
+        manifest = tiny_manifest()
+        manifest["spec"]["resources"]["cpu"] = "3"
         # A deleted pod's grace period (the end of which its kubelet confirms the deletion by): 6 s.
-        tiny["spec"]["lifecycle"] = {"drainSeconds": 1, "terminationGracePeriodSeconds": 6}
+        manifest["spec"]["lifecycle"] = {"drainSeconds": 1, "terminationGracePeriodSeconds": 6}
         # The routers (a Deployment) tolerate the lost node for 4 s, not 300: then one there is replaced.
         unreachable = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
-        tiny["spec"]["router"] = {"tolerations": [{**unreachable, "tolerationSeconds": 4}]}
-        cluster.api.create(tiny)
-        conditions = functools.partial(_tiny_conditions, cluster)
-        engines = functools.partial(_engines, cluster)
-        wait_for(
-            lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
-            180,
-            conditions,
-        )
-        (active,), (warm,) = engines("active"), engines("warm")
+        manifest["spec"]["router"] = {"tolerations": [{**unreachable, "tolerationSeconds": 4}]}
+        cluster.api.create(manifest)
+        conditions = functools.partial(tiny_conditions, cluster)
+        engines = functools.partial(tiny_engines, cluster)
+        active, warm = pooled(cluster, 180)
         lost, other = active["spec"]["nodeName"], warm["spec"]["nodeName"]
         assert lost != other
         wait_for(lambda: _chat(cluster) == 200, 30, what="a chat through the Service")
@@ -261,14 +239,14 @@ def test_losing_the_active_pods_node_fails_over_to_the_warm_pod_on_the_other(tmp
         )
         # The lost pod was deleted and stays Terminating on its node; the status does not count it.
         assert pod(name)["metadata"].get("deletionTimestamp")
-        status = _tiny(cluster)["status"]
+        status = tiny(cluster)["status"]
         assert (status["replicas"], status["readyReplicas"], status["warmReplicas"]) == (1, 1, 1), status
         assert _chat(cluster) == 200
 
         # Its deletion will not complete while the node is lost, and frees nothing the operator could wait
         # for: once its grace period is well past (30 s), the service has converged.
         def reconciling() -> tuple[str, str]:
-            found = next(c for c in _tiny(cluster)["status"]["conditions"] if c["type"] == "Reconciling")
+            found = next(c for c in tiny(cluster)["status"]["conditions"] if c["type"] == "Reconciling")
             return found["status"], found["reason"]
 
         wait_for(lambda: reconciling() == ("False", "Converged"), 90, reconciling)
@@ -285,19 +263,14 @@ def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is
     make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
     nodes = [NodeConfig(name, gpus=0, cpu="6") for name in ("ember-local", "ember-local-2")]
     with DevCluster(tmp_path / "dev", nodes=nodes, **FAST) as cluster:  # type: ignore[arg-type]
-        tiny = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
-        tiny["spec"]["resources"]["cpu"] = "3"
+        manifest = tiny_manifest()
+        manifest["spec"]["resources"]["cpu"] = "3"
         unreachable = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
-        tiny["spec"]["resources"]["tolerations"] = [{**unreachable, "tolerationSeconds": 4}]
-        cluster.api.create(tiny)
-        conditions = functools.partial(_tiny_conditions, cluster)
-        engines = functools.partial(_engines, cluster)
-        wait_for(
-            lambda: conditions().get("Ready") == "True" and conditions().get("WarmPoolReady") == "True",
-            180,
-            conditions,
-        )
-        (active,), (warm,) = engines("active"), engines("warm")
+        manifest["spec"]["resources"]["tolerations"] = [{**unreachable, "tolerationSeconds": 4}]
+        cluster.api.create(manifest)
+        conditions = functools.partial(tiny_conditions, cluster)
+        engines = functools.partial(tiny_engines, cluster)
+        active, warm = pooled(cluster, 180)
         lost, other = warm["spec"]["nodeName"], active["spec"]["nodeName"]
         assert lost != other
 
@@ -324,7 +297,7 @@ def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is
         lost_pod = pod(name)
         assert lost_pod["metadata"].get("deletionTimestamp")
         assert _condition(lost_pod, "DisruptionTarget")["reason"] == "DeletionByTaintManager"
-        status = _tiny(cluster)["status"]
+        status = tiny(cluster)["status"]
         assert (status["replicas"], status["readyReplicas"], status["warmReplicas"]) == (1, 1, 1), status
         assert _chat(cluster) == 200
 
