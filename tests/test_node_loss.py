@@ -256,17 +256,18 @@ def test_losing_the_active_pods_node_fails_over_to_the_warm_pod_on_the_other(tmp
 def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is_evicted(
     tmp_path: Path,
 ) -> None:
-    """The warm pod's node lost, with `resources.tolerations` tolerating the unreachable taint for 4 s
-    (in place of DefaultTolerationSeconds' 300): the active pod serves on, the taint eviction controller
-    deletes the lost warm pod, which stays Terminating, and the operator starts a new warm pod on the node
-    that is left rather than counting the lost one."""
+    """The warm pod's node lost, with `resources.tolerations` tolerating the unreachable taint for 1 s
+    (in place of DefaultTolerationSeconds' 300; the operator's own replacement would come after
+    failoverAfterSeconds, 5 s): the active pod serves on, the taint eviction controller deletes the lost warm
+    pod, which stays Terminating, and the operator starts a new warm pod on the node that is left rather than
+    counting the lost one."""
     make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
     nodes = [NodeConfig(name, gpus=0, cpu="6") for name in ("ember-local", "ember-local-2")]
     with DevCluster(tmp_path / "dev", nodes=nodes, **FAST) as cluster:  # type: ignore[arg-type]
         manifest = tiny_manifest()
         manifest["spec"]["resources"]["cpu"] = "3"
         unreachable = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
-        manifest["spec"]["resources"]["tolerations"] = [{**unreachable, "tolerationSeconds": 4}]
+        manifest["spec"]["resources"]["tolerations"] = [{**unreachable, "tolerationSeconds": 1}]
         cluster.api.create(manifest)
         conditions = functools.partial(tiny_conditions, cluster)
         engines = functools.partial(tiny_engines, cluster)
@@ -300,6 +301,42 @@ def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is
         status = tiny(cluster)["status"]
         assert (status["replicas"], status["readyReplicas"], status["warmReplicas"]) == (1, 1, 1), status
         assert _chat(cluster) == 200
+
+
+def test_a_warm_pod_on_a_lost_node_is_replaced_without_waiting_for_its_eviction(tmp_path: Path) -> None:
+    """The warm pod's node lost, with the default tolerations (300 s for the unreachable taint): the pod is
+    not Ready but still counted in the pool, which could take over nothing for five minutes. The operator
+    deletes it once it has been so for failoverAfterSeconds and starts a new warm pod on the node that is
+    left; the lost pod stays Terminating and counts for nothing."""
+    make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
+    nodes = [NodeConfig(name, gpus=0, cpu="6") for name in ("ember-local", "ember-local-2")]
+    with DevCluster(tmp_path / "dev", nodes=nodes, **FAST) as cluster:  # type: ignore[arg-type]
+        manifest = tiny_manifest()
+        manifest["spec"]["resources"]["cpu"] = "3"
+        cluster.api.create(manifest)
+        conditions = functools.partial(tiny_conditions, cluster)
+        engines = functools.partial(tiny_engines, cluster)
+        active, warm = pooled(cluster, 180)
+        lost, other = warm["spec"]["nodeName"], active["spec"]["nodeName"]
+        assert lost != other
+
+        cluster.stop_node(lost)
+        name = warm["metadata"]["name"]
+
+        def refilled() -> bool:
+            warms = engines("warm")
+            return (
+                conditions().get("WarmPoolReady") == "True"
+                and [p["metadata"]["name"] for p in warms] != [name]
+                and [p["spec"]["nodeName"] for p in warms] == [other]
+            )
+
+        # Well within the 300 s the taint eviction would take.
+        wait_for(refilled, 120, lambda: (conditions(), engines("warm")))
+        lost_pod = cluster.api.get("v1", "Pod", "default", name)
+        assert lost_pod is not None and lost_pod["metadata"].get("deletionTimestamp")
+        assert _condition(lost_pod, "DisruptionTarget")["status"] is None  # the operator's, not an eviction
+        assert conditions().get("Ready") == "True"
 
 
 def test_pods_left_terminating_on_a_lost_node_go_once_it_is_out_of_service_or_deleted(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ember_operator.desired import ACTIVE, WARM
+from ember_operator.desired import ACTIVE, HASH_LABEL, ROLE_LABEL, WARM
 from ember_operator.rollout import PodPlan, PodView, Releases, plan_pods
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -427,3 +427,50 @@ def test_a_pod_stranded_on_a_lost_node_frees_no_room_to_wait_for() -> None:
         return {"metadata": {"name": "p", "deletionTimestamp": stamp}, "status": {}}
 
     assert pod_view(deleted(60)).stranded and not pod_view(deleted(5)).stranded
+
+
+def test_a_warm_pod_on_a_lost_node_is_replaced_after_the_failover_time() -> None:
+    """A node that stops reporting has its pods marked not Ready by the node lifecycle controller, their
+    containers still recorded ready (MarkPodsNotReady changes only the Ready condition). A warm pod there
+    stands by for nothing: it is deleted and the pool refilled once it has been so for `failover_after`,
+    not left counted in the pool until the taint eviction (300 s by default). A warm pod still loading is
+    not such a pod."""
+    from ember_operator.pods import view as pod_view
+
+    def stamp(t: datetime) -> str:
+        return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def warm(ready: str, containers_ready: str, since: datetime) -> dict[str, object]:
+        return {
+            "metadata": {
+                "name": "w",
+                "labels": {ROLE_LABEL: WARM, HASH_LABEL: "b"},
+                "creationTimestamp": stamp(since - timedelta(seconds=60)),
+            },
+            "status": {
+                "phase": "Running",
+                "conditions": [
+                    {"type": "Ready", "status": ready, "lastTransitionTime": stamp(since)},
+                    {"type": "ContainersReady", "status": containers_ready, "lastTransitionTime": stamp(since)},
+                ],
+                "containerStatuses": [{"name": "engine", "ready": containers_ready == "True", "restartCount": 0,
+                                       "state": {"running": {}}}],
+            },
+        }  # fmt: skip
+
+    now = datetime.now(UTC)
+    active = PodView("a", ACTIVE, "b", True, T0)
+    lost = pod_view(warm("False", "True", now - timedelta(seconds=10)))
+    assert lost.node_lost
+    plan = plan_pods([active, lost], "b", 1, 1, now, failover_after=5.0)
+    assert plan.delete == ["w"] and plan.create_warm == 1
+    # Within the failover time, kept (a node may come back); and a loading warm pod is left to load.
+    just_lost = pod_view(warm("False", "True", now - timedelta(seconds=2)))
+    assert plan_pods([active, just_lost], "b", 1, 1, now, failover_after=5.0).delete == []
+    loading = pod_view(warm("False", "False", now - timedelta(seconds=60)))
+    assert not loading.node_lost
+    assert plan_pods([active, loading], "b", 1, 1, now, failover_after=5.0).delete == []
+    # The kubelet's own Ready False with ContainersReady True: a readiness gate not yet met.
+    gated = warm("False", "True", now - timedelta(seconds=60))
+    gated["status"]["conditions"][0]["reason"] = "ReadinessGatesNotReady"  # type: ignore[index]
+    assert not pod_view(gated).node_lost

@@ -104,7 +104,24 @@ def view(pod: dict[str, Any]) -> PodView:
         container_down=not ready and _engine_down(pod, unready_since),
         unschedulable=_unschedulable(pod),
         stranded=_stranded(meta, datetime.now(UTC)),
+        node_lost=_node_lost(ready_condition, _status_of(pod, "ContainersReady")),
     )
+
+
+def _node_lost(ready: dict[str, Any] | None, containers_ready: str | None) -> bool:
+    """Marked not Ready by the node lifecycle controller: MarkPodsNotReady sets only the Ready condition, so
+    ContainersReady still says True. The kubelet itself leaves them apart only for readiness gates."""
+    return (
+        ready is not None
+        and ready.get("status") == "False"
+        and ready.get("reason") != "ReadinessGatesNotReady"
+        and containers_ready == "True"
+    )
+
+
+def _status_of(pod: dict[str, Any], kind: str) -> str | None:
+    c = _condition(pod, kind)
+    return None if c is None else c.get("status")
 
 
 def metrics_url(pod: dict[str, Any]) -> str | None:

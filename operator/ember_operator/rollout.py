@@ -17,6 +17,9 @@ sees the outcome. Three rules make it safe to repeat:
   seconds) is replaced by a Ready warm pod in the same pass: the failed pod is deleted, the warm pod
   promoted, and the pool refilled. Without a Ready warm pod the failed one stays: its own restart is then
   as quick as anything else.
+- A warm pod on a node that stopped reporting (the node lifecycle controller marks its pods not Ready and
+  leaves their containers ready) is deleted after `failover_after` and the pool refilled elsewhere; left, it
+  would count in the pool until the taint eviction (300 s by default) while it can take over nothing.
 """
 
 from __future__ import annotations
@@ -49,11 +52,21 @@ class PodView:
     container_down: bool = False  # its engine container is not running (exited, restarting, crash loop)
     unschedulable: bool = False  # Pending with PodScheduled=False: no node can take it now
     stranded: bool = False  # deleting, and long past its grace period: no kubelet confirms it (node lost)
+    node_lost: bool = False  # marked not Ready by the node lifecycle controller, its containers still ready
 
     @property
     def releasing(self) -> bool:
         """On its way out and about to free its room: being deleted by a kubelet that is there to do it."""
         return self.deleting and not self.stranded
+
+    def lost(self, now: datetime, failover_after: float) -> bool:
+        """On a node that stopped reporting for longer than `failover_after`: it serves nothing until the
+        node comes back, if it ever does."""
+        return (
+            self.node_lost
+            and self.unready_since is not None
+            and (now - self.unready_since).total_seconds() >= failover_after
+        )
 
     def failed(self, now: datetime, failover_after: float) -> bool:
         """An active pod that stopped serving: down, or not Ready for longer than `failover_after`."""
@@ -168,6 +181,12 @@ def plan_pods(
     outdated = [p for p in live if p.template_hash != template_hash]
     cur_active = [p for p in current if p.role == ACTIVE]
     cur_warm = [p for p in current if p.role == WARM]
+
+    # A warm pod on a lost node stands by for nothing: replaced now, not when the taint eviction takes it.
+    if now is not None:
+        for p in [p for p in cur_warm if p.lost(now, failover_after)]:
+            cur_warm.remove(p)
+            plan.delete.append(p.name)
 
     # Replace failed active pods by Ready warm pods, oldest warm pod first.
     ready_warm = sorted((p for p in cur_warm if p.ready), key=lambda p: p.created)
