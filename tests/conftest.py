@@ -130,6 +130,7 @@ LONGEST_FIRST = (
     "test_fetch_model.py",
     "test_e2e_router.py",
     "test_devcluster.py",
+    "test_node_loss.py",
     "test_bench_quant.py",
     "test_api_defects.py",
     "test_kubelet.py",
