@@ -4,9 +4,11 @@ Ready), DefaultTolerationSeconds and the taint eviction controller, then the nod
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +255,27 @@ def test_losing_the_active_pods_node_fails_over_to_the_warm_pod_on_the_other(tmp
         assert pod(name)["metadata"].get("deletionTimestamp")
 
 
+@contextlib.contextmanager
+def _warm_pods_node_lost(
+    tmp_path: Path, tolerations: list[dict[str, Any]]
+) -> Iterator[tuple[DevCluster, dict[str, Any], dict[str, Any]]]:
+    """`examples/local.yaml` (with `tolerations` for its engines) on two six-CPU nodes, served with its warm
+    pool full, the active and warm pods on different nodes, and then the warm pod's node lost; yields the
+    cluster and the (active, warm) pods as they were."""
+    make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
+    nodes = [NodeConfig(name, gpus=0, cpu="6") for name in ("ember-local", "ember-local-2")]
+    with DevCluster(tmp_path / "dev", nodes=nodes, **FAST) as cluster:  # type: ignore[arg-type]
+        manifest = tiny_manifest()
+        manifest["spec"]["resources"]["cpu"] = "3"
+        if tolerations:
+            manifest["spec"]["resources"]["tolerations"] = tolerations
+        cluster.api.create(manifest)
+        active, warm = pooled(cluster, 180)
+        assert warm["spec"]["nodeName"] != active["spec"]["nodeName"]
+        cluster.stop_node(warm["spec"]["nodeName"])
+        yield cluster, active, warm
+
+
 def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is_evicted(
     tmp_path: Path,
 ) -> None:
@@ -261,22 +284,11 @@ def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is
     failoverAfterSeconds, 5 s): the active pod serves on, the taint eviction controller deletes the lost warm
     pod, which stays Terminating, and the operator starts a new warm pod on the node that is left rather than
     counting the lost one."""
-    make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
-    nodes = [NodeConfig(name, gpus=0, cpu="6") for name in ("ember-local", "ember-local-2")]
-    with DevCluster(tmp_path / "dev", nodes=nodes, **FAST) as cluster:  # type: ignore[arg-type]
-        manifest = tiny_manifest()
-        manifest["spec"]["resources"]["cpu"] = "3"
-        unreachable = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
-        manifest["spec"]["resources"]["tolerations"] = [{**unreachable, "tolerationSeconds": 1}]
-        cluster.api.create(manifest)
+    unreachable = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
+    with _warm_pods_node_lost(tmp_path, [{**unreachable, "tolerationSeconds": 1}]) as (cluster, active, warm):
         conditions = functools.partial(tiny_conditions, cluster)
         engines = functools.partial(tiny_engines, cluster)
-        active, warm = pooled(cluster, 180)
-        lost, other = warm["spec"]["nodeName"], active["spec"]["nodeName"]
-        assert lost != other
-
-        cluster.stop_node(lost)
-        name = warm["metadata"]["name"]
+        name, other = warm["metadata"]["name"], active["spec"]["nodeName"]
         pod = functools.partial(cluster.api.get, "v1", "Pod", "default")
         seen_not_ready = []
 
@@ -308,20 +320,10 @@ def test_a_warm_pod_on_a_lost_node_is_replaced_without_waiting_for_its_eviction(
     not Ready but still counted in the pool, which could take over nothing for five minutes. The operator
     deletes it once it has been so for failoverAfterSeconds and starts a new warm pod on the node that is
     left; the lost pod stays Terminating and counts for nothing."""
-    make_test_model(tmp_path / "dev" / "models" / "tiny", size="tiny", force=True)
-    nodes = [NodeConfig(name, gpus=0, cpu="6") for name in ("ember-local", "ember-local-2")]
-    with DevCluster(tmp_path / "dev", nodes=nodes, **FAST) as cluster:  # type: ignore[arg-type]
-        manifest = tiny_manifest()
-        manifest["spec"]["resources"]["cpu"] = "3"
-        cluster.api.create(manifest)
+    with _warm_pods_node_lost(tmp_path, []) as (cluster, active, warm):
         conditions = functools.partial(tiny_conditions, cluster)
         engines = functools.partial(tiny_engines, cluster)
-        active, warm = pooled(cluster, 180)
-        lost, other = warm["spec"]["nodeName"], active["spec"]["nodeName"]
-        assert lost != other
-
-        cluster.stop_node(lost)
-        name = warm["metadata"]["name"]
+        name, other = warm["metadata"]["name"], active["spec"]["nodeName"]
 
         def refilled() -> bool:
             warms = engines("warm")
