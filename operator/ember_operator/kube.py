@@ -196,25 +196,14 @@ class Kube:
         )
 
     def relabel_group(self, namespace: str, name: str, labels: dict[str, str]) -> None:
-        self.custom.patch_namespaced_custom_object(
-            LWS_GROUP,
-            LWS_VERSION,
-            namespace,
-            LWS_PLURAL,
-            name,
-            {"metadata": {"labels": labels}},
-            _preload_content=False,
-        )
+        self._patch_group(namespace, name, {"metadata": {"labels": labels}})
 
     def scale_group(self, namespace: str, name: str, replicas: int) -> None:
+        self._patch_group(namespace, name, {"spec": {"replicas": replicas}})
+
+    def _patch_group(self, namespace: str, name: str, body: Obj) -> None:
         self.custom.patch_namespaced_custom_object(
-            LWS_GROUP,
-            LWS_VERSION,
-            namespace,
-            LWS_PLURAL,
-            name,
-            {"spec": {"replicas": replicas}},
-            _preload_content=False,
+            LWS_GROUP, LWS_VERSION, namespace, LWS_PLURAL, name, body, _preload_content=False
         )
 
     def delete_group(self, namespace: str, name: str) -> None:
