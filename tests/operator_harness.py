@@ -241,26 +241,19 @@ class PodRunner:
 
     def fail(self, name: str) -> None:
         """The pod's engine process dies (SIGKILL) and its restarts keep failing: not Ready, not running."""
-        self.failed.add(name)
-        now = _stamp(datetime.now(UTC))
-        container = {
-            **_CONTAINER,
-            "ready": False,
-            "restartCount": 1,
-            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-            "lastState": {"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": now}},
-        }
-        self._patch_status(name, {"conditions": self._ready(False), "containerStatuses": [container]})
+        self.crash_loop(name, "Error", restarts=1)
 
-    def crash_loop(self, name: str, reason: str = "OOMKilled", exit_code: int = 137) -> None:
-        """The pod's container has been restarted several times, each run ending as `reason`, and is in the
-        kubelet's back-off: CrashLoopBackOff, not Ready."""
+    def crash_loop(
+        self, name: str, reason: str = "OOMKilled", exit_code: int = 137, restarts: int = 5
+    ) -> None:
+        """The pod's container has been restarted `restarts` times, each run ending as `reason`, and is in
+        the kubelet's back-off: CrashLoopBackOff, not Ready."""
         self.failed.add(name)
         now = _stamp(datetime.now(UTC))
         container = {
             **_CONTAINER,
             "ready": False,
-            "restartCount": 5,
+            "restartCount": restarts,
             "state": {"waiting": {"reason": "CrashLoopBackOff"}},
             "lastState": {"terminated": {"exitCode": exit_code, "reason": reason, "finishedAt": now}},
         }
