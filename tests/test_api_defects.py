@@ -338,9 +338,9 @@ def test_body_timeout_and_priority_take_what_their_headers_take(
 def test_while_the_model_loads_tokenize_answers_as_completions_do(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While loading, /tokenize and /detokenize refuse as the completions endpoints do: a 503 with
-    Retry-After, `type: "overloaded"`, `code: "not_ready"` (they answered `type: "unavailable"` without
-    Retry-After)."""
+    """While loading, /tokenize, /detokenize and a router's /v1/kv_events refuse as the completions endpoints
+    do: a 503 with Retry-After, `type: "overloaded"`, `code: "not_ready"` (they answered `type: "unavailable"`
+    without Retry-After)."""
     from server_util import serve_args, wait_ready
 
     from ember_engine.core import llm_engine
@@ -366,8 +366,9 @@ def test_while_the_model_loads_tokenize_answers_as_completions_do(
             "/tokenize": {"model": MODEL, "prompt": "hi"},
             "/detokenize": {"model": MODEL, "tokens": [1, 2]},
         }
-        for path, body in requests.items():
-            r = httpx.post(f"{url}{path}", json=body)
+        answers = {path: httpx.post(f"{url}{path}", json=body) for path, body in requests.items()}
+        answers["/v1/kv_events"] = httpx.get(f"{url}/v1/kv_events")
+        for path, r in answers.items():
             assert r.status_code == 503 and r.headers.get("retry-after") == "1", (path, r.headers)
             assert (r.json()["error"]["type"], r.json()["error"]["code"]) == ("overloaded", "not_ready"), path
     finally:

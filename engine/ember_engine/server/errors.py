@@ -86,6 +86,17 @@ _SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp|c):\d+\]\s*")
 _ADVICE = re.compile(r"\.? This is typically caused by .*", re.DOTALL)
 
 
+def still_loading(retry_after_s: int) -> APIError:
+    """What an endpoint that needs the model answers while it loads, as the completions endpoints shed."""
+    return APIError(
+        503,
+        "the model is still loading",
+        type="overloaded",
+        code="not_ready",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
 def engine_failed(exc: EngineFailed) -> APIError:
     """The engine stopped for good (a tensor-parallel rank was lost; the server exits and its pod
     restarts) before finishing the request: a 503 to send it again, elsewhere or once restarted (a

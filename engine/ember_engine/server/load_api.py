@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from ember_engine.server.protocol import APIError
+from ember_engine.server.errors import still_loading
 from ember_engine.server.state import ServerState
 
 
@@ -35,7 +35,7 @@ def add_load_routes(app: FastAPI, state: ServerState) -> None:
         """The prefix cache's changes after event `since` (0: a snapshot of every cached block hash), for
         routers that send a request where its prefix is cached."""
         if state.engine is None:
-            raise APIError(503, "the model is still loading", type="unavailable", code="not_ready")
+            raise still_loading(state.policy.policy.load_shedding.retry_after_seconds)
         return JSONResponse(kv_events_body(state, since))
 
     @app.get("/v1/load")

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ember_engine import __version__
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.server.chat import ChatTemplateError, render_chat
+from ember_engine.server.errors import still_loading
 from ember_engine.server.protocol import APIError, ChatMessage, checked_template_kwargs
 from ember_engine.server.state import ServerState
 from ember_engine.server.text_checks import lone_surrogate
@@ -82,14 +83,7 @@ def _tokenize(tok: Tokenizer, body: TokenizeRequest) -> list[int]:
 def add_tokenize_routes(app: FastAPI, state: ServerState) -> None:
     def engine_tokenizer() -> tuple[Tokenizer, int]:
         if state.engine is None:  # answered as completions are while loading (they are shed: not_ready)
-            retry = str(state.policy.policy.load_shedding.retry_after_seconds)
-            raise APIError(
-                503,
-                "the model is still loading",
-                type="overloaded",
-                code="not_ready",
-                headers={"Retry-After": retry},
-            )
+            raise still_loading(state.policy.policy.load_shedding.retry_after_seconds)
         return state.engine.tokenizer, state.engine.engine.max_model_len
 
     @app.post("/tokenize")
