@@ -284,5 +284,10 @@ def _orphan_dependents(store: Store, owner_uid: str) -> None:
             refs = obj["metadata"].get("ownerReferences") or []
             if rtype is not None and any(ref.get("uid") == owner_uid for ref in refs):
                 new = copy.deepcopy(obj)
-                new["metadata"]["ownerReferences"] = [ref for ref in refs if ref.get("uid") != owner_uid]
+                # The garbage collector's merge patch sets what is left, `null` (the key gone) when nothing is.
+                kept = [ref for ref in refs if ref.get("uid") != owner_uid]
+                if kept:
+                    new["metadata"]["ownerReferences"] = kept
+                else:
+                    del new["metadata"]["ownerReferences"]
                 store.write(rtype, obj, new)
