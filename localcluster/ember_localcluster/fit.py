@@ -24,11 +24,11 @@ node selectors and required node affinity, and the message kube-scheduler writes
 * **The FitError message**, as kube-scheduler's default profile (v1.34 and later, where the
   DynamicResources plugin runs before DefaultPreemption) writes it into the `PodScheduled` condition:
   `0/N nodes are available: <count> <reason>, ... no new claims to deallocate, preemption: 0/N nodes are
-  available: <count> <reason>, ....` with the reasons counted over nodes and sorted as strings. This
-  control plane serves no PriorityClasses, so, as in a cluster without any, every pod has priority 0 and
-  preemption never finds a victim: nodes that failed on resources (or on pod anti-affinity or spread
-  skew, `interpod.py`) read "No preemption victims found for incoming pod", the others "Preemption is not helpful for scheduling"; a pod with
-  `preemptionPolicy: Never` reads "preemption: not eligible due to preemptionPolicy=Never.".
+  available: <count> <reason>, ....` with the reasons counted over nodes and sorted as strings; the part
+  after `preemption:` is `preemption.py`'s verdict (a node with no pod of lower priority reads "No
+  preemption victims found for incoming pod", one whose failure preemption cannot resolve "Preemption is
+  not helpful for scheduling"; a pod with `preemptionPolicy: Never` reads "preemption: not eligible due to
+  preemptionPolicy=Never."). When preemption found victims, the message ends after the filters' reasons.
 * **Scoring**: each plugin's raw score for one node, which `interpod.py` normalises and weighs as the
   default profile does: untolerated PreferNoSchedule taints (TaintToleration), the weights of matching
   preferred node affinity terms (NodeAffinity), and NodeResourcesFit's LeastAllocated score over cpu and
@@ -36,7 +36,7 @@ node selectors and required node affinity, and the message kube-scheduler writes
 
 Not modelled: host ports (NodePorts), volume limits and zones (inter-pod affinity and topology spreading
 are in `interpod.py`), dynamic resource allocation (a pod's `resourceClaims` are ignored), pod-level resources,
-scheduling gates beyond leaving gated pods alone, priorities and preemption.
+scheduling gates beyond leaving gated pods alone (priorities and preemption are `preemption.py`'s).
 """
 
 from __future__ import annotations
@@ -322,18 +322,15 @@ def _histogram(reasons: Iterable[str]) -> str:
     return ", ".join(sorted(f"{count} {reason}" for reason, count in Counter(reasons).items()))
 
 
-def failure_message(pod: Mapping[str, Any], results: Mapping[str, FitResult]) -> str:
-    """kube-scheduler's FitError text for a pod that fits none of the nodes in `results` (one per node)."""
+def failure_message(results: Mapping[str, FitResult], preemption: str) -> str:
+    """kube-scheduler's FitError text for a pod that fits none of the nodes in `results` (one per node);
+    `preemption` is DefaultPreemption's verdict (`preemption.py`), empty when it found victims."""
     total = len(results)
     if not total:
         return NO_NODES
     head = f"0/{total} nodes are available: {_histogram(r for res in results.values() for r in res.reasons)}."
-    if (pod.get("spec") or {}).get("preemptionPolicy") == "Never":
-        preemption = NOT_ELIGIBLE
-    else:
-        # Every pod has priority 0 here, so no node has a lower-priority pod to evict.
-        verdicts = (NO_VICTIMS if res.resolvable else NOT_HELPFUL for res in results.values())
-        preemption = f"0/{total} nodes are available: {_histogram(verdicts)}."
+    if not preemption:
+        return head  # the PostFilter succeeded: its message, and the ones before it, are dropped
     return f"{head} {NO_CLAIMS}, preemption: {preemption}"
 
 

@@ -30,7 +30,7 @@ PodTopologySpread, and the profile's choice of a node (`filter_nodes`, `select`)
 
 Not modelled: the system default spreading that PodTopologySpread applies to a pod without constraints
 (from the Services, ReplicaSets and StatefulSets selecting it), NodeResourcesBalancedAllocation and
-ImageLocality scores, and preemption.
+ImageLocality scores (preemption is `preemption.py`'s).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 
 from ember_localcluster import fit
 
-__all__ = ["POD_REASONS", "filter_nodes", "select"]
+__all__ = ["POD_REASONS", "filter_node", "filter_nodes", "select"]
 
 REASON_AFFINITY = "node(s) didn't match pod affinity rules"
 REASON_ANTI_AFFINITY = "node(s) didn't match pod anti-affinity rules"
@@ -279,6 +279,18 @@ def filter_nodes(pod: Mapping[str, Any], infos: Mapping[str, fit.NodeInfo]) -> d
             result = cycle.affinity_filter(info.node)
         results[name] = result
     return results
+
+
+def filter_node(pod: Mapping[str, Any], infos: Mapping[str, fit.NodeInfo], name: str) -> fit.FitResult:
+    """One node's verdict through the same filters, the other pods' state taken from every node in `infos`
+    (what preemption and nominated pods need: the filters run again over a changed set of pods)."""
+    cycle = _Cycle(pod, infos.values())
+    result = fit.filter_node(pod, infos[name])
+    if result.fits:
+        result = cycle.spread_filter(infos[name].node)
+    if result.fits:
+        result = cycle.affinity_filter(infos[name].node)
+    return result
 
 
 def _default_normalize(scores: dict[str, int], reverse: bool = False) -> dict[str, int]:

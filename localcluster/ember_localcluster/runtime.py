@@ -36,6 +36,7 @@ class BackgroundRuntime:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor: ThreadPoolExecutor | None = None
         self.core: Any = None  # the official client's CoreV1Api, once started
+        self.policy: Any = None  # and its PolicyV1Api
         self._thread: threading.Thread | None = None
         self._api_client: Any = None
         self._informers: list[Informer] = []
@@ -48,6 +49,7 @@ class BackgroundRuntime:
         """Open the client and start the loop's thread; returns the loop."""
         self._api_client = config.new_client_from_config(config_file=str(kubeconfig))
         self.core = client.CoreV1Api(self._api_client)
+        self.policy = client.PolicyV1Api(self._api_client)
         self.executor = ThreadPoolExecutor(
             max_workers=self.api_workers, thread_name_prefix=f"{self.name}-api"
         )
@@ -116,5 +118,5 @@ class BackgroundRuntime:
             self.executor.shutdown(wait=False, cancel_futures=True)
         if self._api_client is not None:
             self._api_client.close()
-        self.loop = self._thread = self.executor = self._api_client = self.core = None
+        self.loop = self._thread = self.executor = self._api_client = self.core = self.policy = None
         self._informers = []

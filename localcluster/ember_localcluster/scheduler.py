@@ -2,13 +2,16 @@
 
 `Scheduler` talks to the API server only through the official `kubernetes` client, as kube-scheduler
 talks through client-go: it lists and watches Nodes and the Pods that have not ended (the field selector
-`status.phase!=Succeeded,status.phase!=Failed`, kube-scheduler's own), and for every pod without
+`status.phase!=Succeeded,status.phase!=Failed`, kube-scheduler's own) and PodDisruptionBudgets, and for
+every pod without
 `spec.nodeName` (with `schedulerName` unset or `default-scheduler`, not being deleted, without
 scheduling gates) it runs the default profile's filters over every node (`fit.py`: cordoned nodes,
 taints and tolerations, `nodeSelector` and required node affinity, resource requests against what the
 pods already bound there request), then PodTopologySpread and InterPodAffinity over the pods already
 placed (`interpod.py`: required pod affinity and anti-affinity, existing pods' anti-affinity, `DoNotSchedule`
-spread constraints). Then, as kube-scheduler does:
+spread constraints), counting the pending pods nominated to a node (`status.nominatedNodeName`) with at
+least the pod's priority as if bound there (`preemption.py`). A pod nominated to a node is tried on that
+node first. Then, as kube-scheduler does:
 
 * **A node fits:** the best one (`interpod.select`: the default profile's scores, taints, preferred node
   affinity, least allocated, preferred pod affinity and soft spreading, with its weights; ties to the
@@ -23,6 +26,16 @@ spread constraints). Then, as kube-scheduler does:
   with no nodes at all, `no nodes available to schedule pods`), written through `pods/status` as a
   strategic merge patch of that one condition, with a Warning Event `FailedScheduling` carrying the same
   message (once per distinct message).
+* **None fits, and preemption finds room** (DefaultPreemption, `preemption.py`): each victim gets the
+  `DisruptionTarget` condition (True, reason `PreemptionByScheduler`, message `default-scheduler:
+  preempting to accommodate a higher priority pod`) and a graceful DELETE (its own grace period), and a
+  Normal Event `Preempted` (`Preempted by pod <preemptor uid> on node <node>`, action `Preempting`, the
+  preemptor as related object); the pods of lower priority nominated to that node lose their nomination;
+  the preemptor stays Pending with `status.nominatedNodeName` set to the node and the FitError without
+  its preemption part (`0/2 nodes are available: 2 Insufficient nvidia.com/gpu.`), and is bound once the
+  victims are gone. When preemption finds nothing the nomination is cleared and the message says why per
+  node; a pod with `preemptionPolicy: Never`, or whose nominated node still has a victim terminating,
+  keeps its nomination as it is.
 
 Pods are taken highest `spec.priority` first, then oldest, as the scheduling queue's PrioritySort does.
 A pod that found no node waits, as in the scheduling queue's unschedulable pool, until a change that could
@@ -34,8 +47,8 @@ its back-off has passed: 1 s after its first failed attempt, doubling with each 
 (`podMaxInUnschedulablePodsDuration`). A pod retried too early would bind sooner than on a real cluster, and
 a controller judging from a stale `Unschedulable` condition would go untested.
 
-Not modelled (besides what `fit.py` lists): preemption, nominated nodes, multiple profiles, extenders,
-binding cycles that wait (permit, volume binding), pod groups.
+Not modelled (besides what `fit.py` lists): multiple profiles, extenders, binding cycles that wait
+(permit, volume binding), pod groups, and preemption of pods waiting at Permit (there are none).
 """
 
 from __future__ import annotations
@@ -53,7 +66,7 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from ember_localcluster import fit, interpod
+from ember_localcluster import fit, interpod, preemption
 from ember_localcluster.events import pod_event
 from ember_localcluster.informer import API_TIMEOUT
 from ember_localcluster.runtime import BackgroundRuntime
@@ -80,6 +93,14 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _has_condition(pod: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether `UpdatePodCondition` would find nothing to change: same status, reason and message."""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == wanted["type"]:
+            return all(condition.get(k) == wanted[k] for k in ("status", "reason", "message"))
+    return False
+
+
 def _scheduled_condition(pod: dict[str, Any]) -> dict[str, Any] | None:
     for condition in (pod.get("status") or {}).get("conditions") or []:
         if condition.get("type") == "PodScheduled":
@@ -101,6 +122,8 @@ class Scheduler:
         self._reported: dict[str, str] = {}  # pod uid -> the last FailedScheduling message sent
         self._backoff: dict[str, Backoff] = {}  # pod uid -> its wait after failed attempts
         self._waits_on_pods: set[str] = set()  # pod uids refused by inter-pod affinity or spreading
+        self._nominations: dict[str, str] = {}  # pod uid -> node ("" none) written here, ahead of its watch
+        self._budgets: dict[tuple[str, str], dict[str, Any]] = {}  # PodDisruptionBudgets
         self._timer: asyncio.TimerHandle | None = None
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -128,7 +151,12 @@ class Scheduler:
             self._on_pod,
             name="scheduler-pods",
         )
-        runtime.sync(nodes, pods)
+        budgets = runtime.informer(
+            runtime.policy.list_pod_disruption_budget_for_all_namespaces,
+            self._on_budget,
+            name="scheduler-budgets",
+        )
+        runtime.sync(nodes, pods, budgets)
         return self
 
     def stop(self) -> None:
@@ -161,6 +189,12 @@ class Scheduler:
                 self._move()
         self._wake()
 
+    def _on_budget(self, kind: str, budget: dict[str, Any]) -> None:
+        if kind == "DELETED":
+            self._budgets.pop(_key(budget), None)
+        else:
+            self._budgets[_key(budget)] = budget
+
     def _move(self) -> None:
         """A change that may make room: every waiting pod becomes due once its back-off has passed."""
         for waiting in self._backoff.values():
@@ -175,6 +209,7 @@ class Scheduler:
             self._reported.pop(uid, None)
             self._backoff.pop(uid, None)
             self._waits_on_pods.discard(uid)
+            self._nominations.pop(uid, None)
         else:
             before = self._pods.get(_key(pod))
             self._pods[_key(pod)] = pod
@@ -182,6 +217,7 @@ class Scheduler:
                 self._assumed.pop(uid, None)
                 self._backoff.pop(uid, None)
                 self._waits_on_pods.discard(uid)
+                self._nominations.pop(uid, None)
                 if (
                     before is None
                     or not (before.get("spec") or {}).get("nodeName")
@@ -261,28 +297,124 @@ class Scheduler:
             self._timer = asyncio.get_running_loop().call_later(soonest - now, self._wake)
         return due
 
+    def _nominated_node(self, pod: dict[str, Any]) -> str:
+        uid = pod["metadata"]["uid"]
+        if uid in self._nominations:
+            return self._nominations[uid]
+        return str((pod.get("status") or {}).get("nominatedNodeName") or "")
+
+    def _nominated(self, pending: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+        """The scheduler's nominator: node -> the pending pods nominated to it."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for pod in pending:
+            node = self._nominated_node(pod)
+            if node:
+                out.setdefault(node, []).append(pod)
+        return out
+
     async def _schedule_pending(self) -> None:
-        pending = self._due(self._pending())
-        if not pending:
+        pending = self._pending()
+        due = self._due(pending)
+        if not due:
             return
         infos = self._node_infos()
-        for pod in pending:
+        nominated = self._nominated(pending)
+        for pod in due:
             if self._pods.get(_key(pod)) is not pod:
                 continue  # changed or gone while this pass awaited: the next pass has it
-            results = interpod.filter_nodes(pod, infos)
-            feasible = [infos[name] for name, result in results.items() if result.fits]
-            if feasible:
-                best = interpod.select(pod, feasible, infos.values())
-                if await self._bind(pod, best.name):
-                    best.pods.append(pod)
-            else:
-                uid = pod["metadata"]["uid"]
-                previous = self._backoff.get(uid)
-                attempts = 1 if previous is None else previous.attempts + 1
-                self._backoff[uid] = Backoff(attempts, time.monotonic())
-                if any(r in interpod.POD_REASONS for result in results.values() for r in result.reasons):
-                    self._waits_on_pods.add(uid)
-                await self._unschedulable(pod, fit.failure_message(pod, results))
+            node = await self._schedule_one(pod, infos, nominated)
+            for pods in nominated.values():  # bound, or nominated elsewhere: as the nominator updates
+                pods[:] = [p for p in pods if p is not pod]
+            if node:
+                nominated.setdefault(node, []).append(pod)
+
+    async def _schedule_one(
+        self, pod: dict[str, Any], infos: dict[str, fit.NodeInfo], nominated: dict[str, list[dict[str, Any]]]
+    ) -> str:
+        """One scheduling cycle; returns the node the pod is nominated to afterwards ("" if bound or none)."""
+        current = self._nominated_node(pod)
+        if current in infos and preemption.filter_node(pod, infos, current, nominated).fits:
+            if await self._bind(pod, current):  # evaluateNominatedNode: the nominated node first
+                infos[current].pods.append(pod)
+                return ""
+            return current
+        results = preemption.filter_nodes(pod, infos, nominated)
+        feasible = [infos[name] for name, result in results.items() if result.fits]
+        if feasible:
+            best = interpod.select(pod, feasible, infos.values())
+            if await self._bind(pod, best.name):
+                best.pods.append(pod)
+                return ""
+            return current
+        uid = pod["metadata"]["uid"]
+        previous = self._backoff.get(uid)
+        attempts = 1 if previous is None else previous.attempts + 1
+        self._backoff[uid] = Backoff(attempts, time.monotonic())
+        if any(r in interpod.POD_REASONS for result in results.values() for r in result.reasons):
+            self._waits_on_pods.add(uid)
+        if not infos:
+            await self._unschedulable(pod, fit.NO_NODES, nomination="")
+            return ""
+        outcome = preemption.preempt(pod, infos, results, nominated, list(self._budgets.values()), current)
+        nomination: str | None = "" if outcome.clear_nomination else None
+        if outcome.candidate is not None:
+            if not await self._prepare(pod, outcome.candidate, nominated):
+                self._retry_later()
+                return current
+            nomination = outcome.candidate.node
+        await self._unschedulable(pod, fit.failure_message(results, outcome.message), nomination=nomination)
+        return current if nomination is None else nomination
+
+    async def _prepare(
+        self, pod: dict[str, Any], candidate: preemption.Candidate, nominated: dict[str, list[dict[str, Any]]]
+    ) -> bool:
+        """`prepareCandidate`: each victim gets the DisruptionTarget condition and a graceful delete, and a
+        `Preempted` event; the pods of lower priority nominated to the node lose their nomination."""
+        for victim in candidate.victims:
+            if victim["metadata"].get("deletionTimestamp"):
+                continue  # its graceful deletion has begun
+            if not await self._preempt_victim(pod, victim, candidate.node):
+                return False
+        for other in preemption.lower_nominated(pod, candidate.node, nominated):
+            await self._write_status(dict(other), {"nominatedNodeName": None})
+            self._nominations[other["metadata"]["uid"]] = ""
+            nominated[candidate.node] = [p for p in nominated[candidate.node] if p is not other]
+        return True
+
+    async def _preempt_victim(self, preemptor: dict[str, Any], victim: dict[str, Any], node: str) -> bool:
+        meta = victim["metadata"]
+        namespace, name = meta.get("namespace") or "default", meta["name"]
+        scheduler = (preemptor.get("spec") or {}).get("schedulerName") or SCHEDULER_NAME
+        condition = {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": preemption.PREEMPTED_REASON,
+            "message": f"{scheduler}: preempting to accommodate a higher priority pod",
+            "lastProbeTime": None,
+            "lastTransitionTime": _now(),
+        }
+        try:
+            if not _has_condition(victim, condition):
+                await self._api(
+                    self._runtime.core.patch_namespaced_pod_status,
+                    name,
+                    namespace,
+                    {"status": {"conditions": [condition]}},
+                )
+            await self._api(self._runtime.core.delete_namespaced_pod, name, namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return True  # already gone
+            log.warning("pod %s/%s: preempting it failed: %s", namespace, name, error)
+            return False
+        except (OSError, urllib3.exceptions.HTTPError) as error:
+            log.warning("pod %s/%s: preempting it failed: %s", namespace, name, error)
+            return False
+        preemptor_meta = preemptor["metadata"]
+        log.info("pod %s/%s preempted by %s on %s", namespace, name, preemptor_meta["name"], node)
+        message = f"Preempted by pod {preemptor_meta['uid']} on node {node}"
+        self._event(victim, "Normal", "Preempted", "Preempting", message, related=preemptor)
+        return True
 
     async def _api(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("_request_timeout", API_TIMEOUT)
@@ -318,7 +450,9 @@ class Scheduler:
         )
         return True
 
-    async def _unschedulable(self, pod: dict[str, Any], message: str) -> None:
+    async def _unschedulable(self, pod: dict[str, Any], message: str, *, nomination: str | None) -> None:
+        """`updatePod` after a failed cycle: the PodScheduled condition, and `nominatedNodeName` set to
+        `nomination` (cleared when empty, left alone when None), in one status patch when either changed."""
         meta = pod["metadata"]
         namespace, name, uid = meta.get("namespace") or "default", meta["name"], meta["uid"]
         previous = _scheduled_condition(pod)
@@ -330,35 +464,54 @@ class Scheduler:
             "lastProbeTime": None,
             "lastTransitionTime": _now(),
         }
+        status: dict[str, Any] = {"conditions": [condition]}
         if previous is not None and previous.get("status") == "False":
             if previous.get("reason") == "Unschedulable" and previous.get("message") == message:
-                return  # `UpdatePodCondition` finds nothing to change
+                status = {}  # `UpdatePodCondition` finds nothing to change
             condition["lastTransitionTime"] = (
                 previous.get("lastTransitionTime") or condition["lastTransitionTime"]
             )
-        try:
-            await self._api(
-                self._runtime.core.patch_namespaced_pod_status,
-                name,
-                namespace,
-                {"status": {"conditions": [condition]}},
-            )
-        except ApiException as error:
-            if error.status != 404:
-                log.warning("pod %s/%s: status update failed: %s", namespace, name, error)
-                self._retry_later()
+        if nomination is not None and nomination != self._nominated_node(pod):
+            status["nominatedNodeName"] = nomination or None
+        if status and not await self._write_status(pod, status):
             return
-        except (OSError, urllib3.exceptions.HTTPError) as error:
-            log.warning("pod %s/%s: status update failed: %s", namespace, name, error)
-            self._retry_later()
-            return
+        if "nominatedNodeName" in status:
+            self._nominations[uid] = nomination or ""
         if self._reported.get(uid) != message:
             self._reported[uid] = message
             log.info("pod %s/%s is unschedulable: %s", namespace, name, message)
             self._event(pod, "Warning", "FailedScheduling", "Scheduling", message)
 
-    def _event(self, pod: dict[str, Any], kind: str, reason: str, action: str, message: str) -> None:
-        event = pod_event(pod, kind, reason, message, SCHEDULER_NAME, SCHEDULER_NAME, action=action)
+    async def _write_status(self, pod: dict[str, Any], status: dict[str, Any]) -> bool:
+        meta = pod["metadata"]
+        namespace, name = meta.get("namespace") or "default", meta["name"]
+        try:
+            await self._api(
+                self._runtime.core.patch_namespaced_pod_status, name, namespace, {"status": status}
+            )
+        except ApiException as error:
+            if error.status != 404:
+                log.warning("pod %s/%s: status update failed: %s", namespace, name, error)
+                self._retry_later()
+            return False
+        except (OSError, urllib3.exceptions.HTTPError) as error:
+            log.warning("pod %s/%s: status update failed: %s", namespace, name, error)
+            self._retry_later()
+            return False
+        return True
+
+    def _event(
+        self,
+        pod: dict[str, Any],
+        kind: str,
+        reason: str,
+        action: str,
+        message: str,
+        related: dict[str, Any] | None = None,
+    ) -> None:
+        event = pod_event(
+            pod, kind, reason, message, SCHEDULER_NAME, SCHEDULER_NAME, action=action, related=related
+        )
         namespace = pod["metadata"].get("namespace") or "default"
         task = asyncio.ensure_future(self._api(self._runtime.core.create_namespaced_event, namespace, event))
         self._background.add(task)
