@@ -61,6 +61,7 @@ from ember_operator.pods import (
     cold_start_seconds,
     held_troubles,
     is_ready,
+    preempting,
     trouble,
     waiting_for_capacity,
 )
@@ -328,6 +329,7 @@ class Reconciler:
             if not p["metadata"].get("deletionTimestamp")
         ]
         waiting += [m for p in router_pods if (m := waiting_for_capacity(p, now, wait))]
+        nominated = [m for p in [*units.all_pods(), *router_pods] if (m := preempting(p))]
         found = {p["metadata"]["name"]: t for p in router_pods if (t := trouble(p, now, wait))}
         troubles += held_troubles(memory.router_held, router_pods, found, now)
         self._stalled_event(body, memory, troubles)
@@ -350,6 +352,7 @@ class Reconciler:
             metrics=memory.metrics,
             fallback=memory.fallback,
             waiting_for_capacity=waiting,
+            preempting=nominated,
             routers=None if router_state is None else (router_state["ready"], router_state["desired"]),
         )
         patch.status.update(assessment.counts())

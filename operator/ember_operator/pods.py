@@ -71,9 +71,25 @@ def _engine_down(pod: dict[str, Any], unready_since: datetime | None) -> bool:
     return False
 
 
-def _unschedulable(pod: dict[str, Any]) -> bool:
+def _refused(pod: dict[str, Any]) -> bool:
     c = _condition(pod, "PodScheduled")
     return c is not None and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+
+
+def _unschedulable(pod: dict[str, Any]) -> bool:
+    """No node can take it now, and the scheduler made none free for it."""
+    return _refused(pod) and preempting(pod) is None
+
+
+def preempting(pod: dict[str, Any]) -> str | None:
+    """The node a pod the scheduler refused is nominated to (`status.nominatedNodeName`): it preempted pods
+    of lower priority there and waits for them to end, so it is on its way, not stuck; None otherwise."""
+    node = (pod.get("status") or {}).get("nominatedNodeName")
+    if not node or not _refused(pod) or pod["metadata"].get("deletionTimestamp"):
+        return None
+    return (
+        f"pod {pod['metadata']['name']}: nominated to node {node}, where it preempted pods of lower priority"
+    )
 
 
 def _stranded(meta: dict[str, Any], now: datetime) -> bool:
@@ -227,7 +243,7 @@ def waiting_for_capacity(
     seconds (a cluster autoscaler may be adding a node), counted from `since` where that is later (room
     last freed; now, while a roll frees it); None otherwise."""
     scheduled = _condition(pod, "PodScheduled")
-    if scheduled is None or scheduled.get("status") != "False" or scheduled.get("reason") != "Unschedulable":
+    if not _unschedulable(pod) or scheduled is None:
         return None
     waited = parse_time(scheduled.get("lastTransitionTime")) or now
     if since is not None and since > waited:
@@ -267,6 +283,8 @@ def trouble(
     name = pod["metadata"]["name"]
     status = pod.get("status") or {}
     scheduled = _condition(pod, "PodScheduled")
+    if preempting(pod) is not None:
+        return None  # the room it needs is being freed: Reconciling says WaitingForPreemption
     if scheduled is not None and scheduled.get("status") == "False" and scheduled.get("reason"):
         if now is not None and waiting_for_capacity(pod, now, capacity_wait, since) is not None:
             return None  # still within the wait: Reconciling says WaitingForCapacity

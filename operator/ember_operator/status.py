@@ -61,6 +61,7 @@ class Assessment:
     metrics: Condition | None = None
     fallback: Condition | None = None
     waiting_for_capacity: list[str] = field(default_factory=list)  # scheduler messages, within the wait
+    preempting: list[str] = field(default_factory=list)  # pods nominated to a node where victims are ending
     # (Ready, wanted) router pods; None with the router off. The Service selects the routers when it is on.
     routers: tuple[int, int] | None = None
 
@@ -112,7 +113,11 @@ class Assessment:
         else:
             stalled = Condition("Stalled", False, "NoProblems")
             progress = self._progress(ready_active)
-            if progress is not None and self.waiting_for_capacity:
+            if progress is not None and self.preempting:
+                # The scheduler evicts pods of lower priority for them: room is being freed.
+                message = f"{summary}; waiting for preemption: " + "; ".join(self.preempting)
+                reconciling = Condition("Reconciling", True, "WaitingForPreemption", message)
+            elif progress is not None and self.waiting_for_capacity:
                 # Pods wait for a node (e.g. one a cluster autoscaler is adding): progress, not failure.
                 message = f"{summary}; waiting for capacity: " + "; ".join(self.waiting_for_capacity)
                 reconciling = Condition("Reconciling", True, "WaitingForCapacity", message)
