@@ -18,6 +18,10 @@
   period may only shorten it (rest.BeforeDelete).
 * Deleting a namespace marks it Terminating and deletes its content (`namespaces.py`); deleting a CRD
   drops its types and all their objects.
+* A dry run (DeleteOptions `dryRun: [All]`, one object or a collection) answers what the real delete
+  would answer (the object as it was, or marked for deletion where finalizers, Foreground propagation,
+  a Pod's grace period or a namespace's termination would keep it) and writes nothing: no garbage
+  collection, no orphaning, no namespace termination.
 """
 
 from __future__ import annotations
@@ -45,48 +49,46 @@ class DeleteOptions:
     grace_period_seconds: int | None = None
     propagation_policy: str | None = None
     preconditions: dict[str, Any] = field(default_factory=dict)
+    dry_run: bool = False
 
 
 def delete(
-    store: Store,
-    rtype: ResourceType,
-    namespace: str | None,
-    name: str,
-    options: DeleteOptions,
-    *,
-    dry_run: bool = False,
+    store: Store, rtype: ResourceType, namespace: str | None, name: str, options: DeleteOptions
 ) -> dict[str, Any]:
-    """The object after the DELETE: its last state when gone, else marked for deletion."""
+    """The object after the DELETE: its last state when gone, else marked for deletion. A dry run answers
+    the same and changes nothing: no write, no garbage collection, no namespace termination."""
     current = store.get(rtype, namespace, name)
     meta = current["metadata"]
     for key in ("uid", "resourceVersion"):
         wanted = options.preconditions.get(key)
         if wanted is not None and wanted != meta.get(key):
             raise conflict(rtype.plural, rtype.group, name)
-    if dry_run:
-        return current
-    if options.propagation_policy == "Orphan":
+    dry_run = options.dry_run
+    if options.propagation_policy == "Orphan" and not dry_run:
         _orphan_dependents(store, meta["uid"])
     if rtype.storage == NAMESPACES:
-        return namespaces.delete_namespace(store, rtype, current)
+        return namespaces.delete_namespace(store, rtype, current, dry_run=dry_run)
     grace = _pod_grace(store, current, options) if rtype.storage == PODS else 0
     if grace > 0:
         if meta.get("deletionTimestamp"):
             return _shorten_grace(store, rtype, current, options)
-        _expire_grace_later(store, rtype, current, grace)
-        return _mark_deleting(store, rtype, current, grace)
+        if not dry_run:
+            _expire_grace_later(store, rtype, current, grace)
+        return _mark_deleting(store, rtype, current, grace, dry_run=dry_run)
     if options.propagation_policy == "Foreground" and not meta.get("deletionTimestamp"):
-        return _delete_in_foreground(store, rtype, current)
+        return _delete_in_foreground(store, rtype, current, dry_run=dry_run)
     if meta.get("finalizers"):
-        return current if meta.get("deletionTimestamp") else _mark_deleting(store, rtype, current, 0)
-    return remove(store, rtype.storage, current, options)
+        if meta.get("deletionTimestamp"):
+            return current
+        return _mark_deleting(store, rtype, current, 0, dry_run=dry_run)
+    return current if dry_run else remove(store, rtype.storage, current, options)
 
 
-def deleted_now(store: Store, rtype: ResourceType, obj: dict[str, Any], dry_run: bool) -> bool:
+def deleted_now(store: Store, rtype: ResourceType, obj: dict[str, Any], options: DeleteOptions) -> bool:
     """Whether a DELETE that answered `obj` removed it (or, dry, would have): not held or stopping."""
     meta = obj["metadata"]
-    if dry_run:
-        return not meta.get("finalizers")
+    if options.dry_run:
+        return not meta.get("deletionTimestamp")
     return store.uid_of(rtype.storage, meta.get("namespace"), meta["name"]) != meta["uid"]
 
 
@@ -170,12 +172,15 @@ def _shorten_grace(
     obj["metadata"].update(
         deletionTimestamp=stamp.strftime("%Y-%m-%dT%H:%M:%SZ"), deletionGracePeriodSeconds=wanted
     )
-    store.commit(rtype.storage, obj, "MODIFIED", current)
-    _expire_grace_later(store, rtype, obj, wanted)
+    if not options.dry_run:
+        store.commit(rtype.storage, obj, "MODIFIED", current)
+        _expire_grace_later(store, rtype, obj, wanted)
     return obj
 
 
-def _delete_in_foreground(store: Store, rtype: ResourceType, current: dict[str, Any]) -> dict[str, Any]:
+def _delete_in_foreground(
+    store: Store, rtype: ResourceType, current: dict[str, Any], *, dry_run: bool
+) -> dict[str, Any]:
     """Foreground propagation: the owner is kept, marked and with the `foregroundDeletion` finalizer,
     while the garbage collector deletes its dependents (in the foreground too); it goes when no dependent
     with `blockOwnerDeletion` is left."""
@@ -185,6 +190,8 @@ def _delete_in_foreground(store: Store, rtype: ResourceType, current: dict[str, 
     meta["deletionTimestamp"], meta["deletionGracePeriodSeconds"] = store.timestamp(), 0
     if meta.get("generation"):
         meta["generation"] += 1
+    if dry_run:
+        return marked
     store.commit(rtype.storage, marked, "MODIFIED", current)
     for storage, objects in list(store.objects.items()):
         dependent_type = store.registry.by_storage(storage)
@@ -237,14 +244,17 @@ def _finish_foreground(store: Store) -> None:
         store.write(rtype, owner, released)
 
 
-def _mark_deleting(store: Store, rtype: ResourceType, current: dict[str, Any], grace: int) -> dict[str, Any]:
+def _mark_deleting(
+    store: Store, rtype: ResourceType, current: dict[str, Any], grace: int, *, dry_run: bool = False
+) -> dict[str, Any]:
     obj = copy.deepcopy(current)
     meta = obj["metadata"]
     meta["deletionTimestamp"] = store.timestamp(grace)
     meta["deletionGracePeriodSeconds"] = grace
     if meta.get("generation"):  # rest.BeforeDelete
         meta["generation"] += 1
-    store.commit(rtype.storage, obj, "MODIFIED", current)
+    if not dry_run:
+        store.commit(rtype.storage, obj, "MODIFIED", current)
     return obj
 
 

@@ -34,6 +34,7 @@ The server handles one request at a time, so upstream's retries on conflicts nev
 from __future__ import annotations
 
 import copy
+import dataclasses
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -238,7 +239,8 @@ def _delete(
                     options.propagation_policy,
                     {**options.preconditions, "resourceVersion": marked["metadata"]["resourceVersion"]},
                 )
-    deletion.delete(store, rtype, meta.get("namespace"), meta["name"], options, dry_run=dry_run)
+    options = dataclasses.replace(options, dry_run=dry_run)
+    deletion.delete(store, rtype, meta.get("namespace"), meta["name"], options)
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
 

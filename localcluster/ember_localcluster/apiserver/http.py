@@ -5,9 +5,10 @@ for `/api/v1/namespaces/NAME[/status]`), plus discovery, `/version` and the Open
 Collections take GET (a list, or a watch with `?watch=true|1`), POST and DELETE; objects GET, PUT,
 PATCH and DELETE; `/status` and `/scale` GET, PUT and PATCH; a pod's `/binding` POST (`binding.py`), its
 `/eviction` POST (`eviction.py`) and its `/log` GET (`podlogs.py`). Lists honour label and field selectors
-and `limit`/`continue` (a `continue` token resumes after the last name it saw). `dryRun=All` validates
-without storing; `fieldValidation=Strict` refuses unknown fields of custom resources; bad options are
-422s before any body is read (`options.py`).
+and `limit`/`continue` (a `continue` token resumes after the last name it saw). `dryRun=All` (for a
+DELETE in its DeleteOptions, from the body or else the query) validates and answers without storing or
+deleting anything; `fieldValidation=Strict` refuses unknown fields of custom resources; bad options are
+422s (`options.py`).
 
 Client mistakes are 4xx `Status` bodies (400 for undecodable bodies, 404 for unknown paths, 405 for
 unsupported methods, 415 for unknown media types); a 500 means a bug here and is logged.
@@ -28,9 +29,8 @@ from aiohttp import web
 
 from . import binding, deletion, discovery, eviction, openapi, patching, scale
 from .admission import PODS
-from .deletion import DeleteOptions
 from .errors import APIError, bad_request, int_param, method_not_allowed, page_not_found, unreadable_body
-from .options import check_field_labels, check_list_options, write_options
+from .options import check_field_labels, check_list_options, delete_options, write_options
 from .podlogs import serve_pod_log
 from .resources import ResourceType
 from .selectors import FieldSelector, LabelSelector, parse_field_selector, parse_label_selector
@@ -68,20 +68,6 @@ async def _read_body(request: web.Request, *, required: bool = True) -> Any:
     if "yaml" not in content_type and content_type not in ("application/json", "application/octet-stream"):
         raise unreadable_body(content_type)
     return patching.decode(raw, as_yaml="yaml" in content_type)
-
-
-def _delete_options(body: Any, query: Any) -> DeleteOptions:
-    body = body if isinstance(body, dict) else {}
-    grace = int_param(query, "gracePeriodSeconds")
-    if grace is None and isinstance(body.get("gracePeriodSeconds"), int):
-        grace = body["gracePeriodSeconds"]
-    policy = query.get("propagationPolicy") or body.get("propagationPolicy")
-    if policy is None and (query.get("orphanDependents") == "true" or body.get("orphanDependents") is True):
-        policy = "Orphan"
-    if policy not in (None, "Orphan", "Background", "Foreground"):
-        raise bad_request(f"propagationPolicy: Unsupported value: {policy!r}")
-    preconditions = body.get("preconditions")
-    return DeleteOptions(grace, policy, preconditions if isinstance(preconditions, dict) else {})
 
 
 def _continue_after(token: str) -> tuple[str, str]:
@@ -212,7 +198,10 @@ class Handler:
                 raise method_not_allowed(request.method)
             dry_run, _ = write_options(request.query, "CreateOptions")
             body = await _read_body(request)
-            options = _delete_options(body.get("deleteOptions") if isinstance(body, dict) else None, {})
+            raw = body.get("deleteOptions") if isinstance(body, dict) else None
+            # Its dryRun is the eviction's own (eviction.py); the rest are the pod's delete options.
+            raw = {k: v for k, v in raw.items() if k != "dryRun"} if isinstance(raw, dict) else {}
+            options = delete_options(raw, {})
             status, code = eviction.evict(self.store, namespace, name, body, options, dry_run=dry_run)
             return _json(status, code)
         if request.method != "GET":
@@ -250,7 +239,7 @@ class Handler:
             created = self.store.create(rtype, target.namespace, body, dry_run=dry_run, strict=strict)
             return self._render(request, rtype, created, 201)
         if request.method == "DELETE":
-            options = _delete_options(await _read_body(request, required=False), query)
+            options = delete_options(await _read_body(request, required=False), query)
             deleted = deletion.delete_collection(self.store, rtype, target.namespace, labels, fields, options)
             return _json(self._list_body(rtype, deleted, ""))
         raise method_not_allowed(request.method)
@@ -319,11 +308,10 @@ class Handler:
             )
             return self._render(request, rtype, patched, 201 if created else 200)
         if method == "DELETE" and sub is None:
-            dry_run, _ = write_options(query, "DeleteOptions")
-            options = _delete_options(await _read_body(request, required=False), query)
-            deleted = deletion.delete(store, rtype, namespace, name, options, dry_run=dry_run)
+            options = delete_options(await _read_body(request, required=False), query)
+            deleted = deletion.delete(store, rtype, namespace, name, options)
             if rtype.storage not in RETURNS_DELETED_OBJECT and deletion.deleted_now(
-                store, rtype, deleted, dry_run
+                store, rtype, deleted, options
             ):
                 return _json(deletion.success_status(rtype, deleted))
             return self._render(request, rtype, deleted)

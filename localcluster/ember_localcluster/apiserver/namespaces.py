@@ -54,7 +54,9 @@ def admit_create(store: Store, rtype: ResourceType, namespace: str, name: str) -
         )
 
 
-def delete_namespace(store: Store, rtype: ResourceType, current: dict[str, Any]) -> dict[str, Any]:
+def delete_namespace(
+    store: Store, rtype: ResourceType, current: dict[str, Any], *, dry_run: bool = False
+) -> dict[str, Any]:
     name = current["metadata"]["name"]
     if current["metadata"].get("deletionTimestamp"):
         if FINALIZER in ((current.get("spec") or {}).get("finalizers") or []):
@@ -63,6 +65,8 @@ def delete_namespace(store: Store, rtype: ResourceType, current: dict[str, Any])
     marked = copy.deepcopy(current)
     marked["metadata"].update(deletionTimestamp=store.timestamp(), deletionGracePeriodSeconds=0)
     marked["status"] = {**(marked.get("status") or {}), "phase": "Terminating"}
+    if dry_run:
+        return marked
     store.commit(NAMESPACES, marked, "MODIFIED", current)
     _delete_content(store, name)
     finish(store, name)
