@@ -1,7 +1,7 @@
 """The aiohttp application: Kubernetes REST paths onto the store, Status bodies for every failure.
 
 Paths: `/api/v1/...` and `/apis/G/V/...` as `[namespaces/NS/]plural[/name[/status|scale]]` (with care
-for `/api/v1/namespaces/NAME[/status]`), plus discovery, `/version` and the OpenAPI skeleton.
+for `/api/v1/namespaces/NAME[/status]`), plus discovery, `/version` and the OpenAPI documents (`openapi.py`).
 Collections take GET (a list, or a watch with `?watch=true|1`), POST and DELETE; objects GET, PUT,
 PATCH and DELETE; `/status` and `/scale` GET, PUT and PATCH; a pod's `/binding` POST (`binding.py`), its
 `/eviction` POST (`eviction.py`) and its `/log` GET (`podlogs.py`). Lists honour label and field selectors
@@ -125,7 +125,11 @@ class Handler:
         if parts in (["healthz"], ["livez"], ["readyz"]):
             return web.Response(text="ok")
         document = None
-        if parts[:2] == ["openapi", "v3"]:
+        if parts[:1] == ["openapi"] and not openapi.accepts_json(request.headers.get("Accept", "")):
+            return web.Response(status=406)  # kube-openapi: no body, for a type it cannot produce
+        if parts == ["openapi", "v2"]:
+            document = openapi.v2_document(registry)
+        elif parts[:2] == ["openapi", "v3"]:
             document = openapi.document(registry, parts[2:])
         elif parts == ["api"]:
             document = discovery.api_versions(request.host)
