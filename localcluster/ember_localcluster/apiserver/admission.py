@@ -4,7 +4,8 @@
 * Names are checked as ValidateObjectMeta checks them, with kube-apiserver's messages: RFC 1123
   subdomains, RFC 1123 labels for Namespaces, DNS-1035 labels for Services, path segments for RBAC
   objects; `generateName` gets five random lowercase alphanumerics, as in Kubernetes. Label keys and
-  values as ValidateLabels checks them.
+  values as ValidateLabels checks them; annotations as ValidateAnnotations does (keys qualified names
+  once lower-cased, keys and values together at most 256 KiB).
 * Custom resources are pruned, defaulted and validated against their CRD's schema (`schema.py`).
 * CRDs are checked enough to be registered and get `Established`/`NamesAccepted` conditions.
 * Pods' tolerations, nodeSelector, topology spread constraints and pod affinity terms' topology keys and
@@ -28,10 +29,16 @@ import string
 from collections.abc import Mapping
 from typing import Any
 
-from ember_operator.labels import dns_1035_errors, dns_label_errors, path_segment_errors, subdomain_errors
+from ember_operator.labels import (
+    dns_1035_errors,
+    dns_label_errors,
+    label_key_errors,
+    path_segment_errors,
+    subdomain_errors,
+)
 
 from . import schema
-from .errors import APIError, Cause, bad_request, invalid
+from .errors import APIError, Cause, bad_request, invalid, invalid_value
 from .podspec import label_causes, pod_spec_causes
 from .quantities import canonicalize
 from .resources import ResourceType, crd_causes
@@ -46,6 +53,7 @@ PRIORITY_CLASSES = ("scheduling.k8s.io", "priorityclasses")
 RUNTIME_CLASSES = ("node.k8s.io", "runtimeclasses")
 PREEMPT_LOWER_PRIORITY = "PreemptLowerPriority"
 MIRROR_POD_ANNOTATION = "kubernetes.io/config.mirror"
+ANNOTATIONS_MAX_BYTES = 256 * 1024  # apimachinery's TotalAnnotationSizeLimitB
 
 # The store's objects: storage (group, plural) → (namespace or "", name) → object.
 Objects = Mapping[tuple[str, str], Mapping[tuple[str, str], dict[str, Any]]]
@@ -301,6 +309,21 @@ def _default_toleration_seconds(spec: dict[str, Any]) -> None:
         spec["tolerations"] = tolerations
 
 
+def _annotation_causes(annotations: dict[str, str]) -> list[Cause]:
+    """ValidateAnnotations: each key a qualified name once lower-cased (the key shown as written), and
+    keys and values together at most TotalAnnotationSizeLimitB bytes."""
+    causes = [
+        invalid_value("metadata.annotations", json.dumps(key), message)
+        for key in annotations
+        for message in label_key_errors(key.lower())
+    ]
+    size = sum(len(key.encode()) + len(value.encode()) for key, value in annotations.items())
+    if size > ANNOTATIONS_MAX_BYTES:
+        message = f"Too long: may not be more than {ANNOTATIONS_MAX_BYTES} bytes"
+        causes.append(Cause("metadata.annotations", "FieldValueTooLong", message))
+    return causes
+
+
 def _metadata_causes(meta: dict[str, Any]) -> list[Cause]:
     """The shapes the rest of the server relies on (selectors, finalizers, garbage collection)."""
     causes = []
@@ -319,6 +342,8 @@ def _metadata_causes(meta: dict[str, Any]) -> list[Cause]:
             )
     if not causes and isinstance(meta.get("labels"), dict):
         causes += label_causes(meta["labels"], "metadata.labels")
+    if not causes and isinstance(meta.get("annotations"), dict):
+        causes += _annotation_causes(meta["annotations"])
     finalizers = meta.get("finalizers")
     if finalizers is not None and not (
         isinstance(finalizers, list) and all(isinstance(f, str) for f in finalizers)
