@@ -226,4 +226,7 @@ def test_unknown_metadata_fields_are_dropped_or_refused_when_strict(server: APIS
     code, status = http(
         server, "POST", f"{CMS}?fieldValidation=Strict", {"metadata": {"name": "mf", "foo": 1}}
     )
-    assert code == 400 and status["message"] == 'strict decoding error: unknown field "metadata.foo"'
+    assert code == 400 and status["message"] == (
+        'ConfigMap in version "v1" cannot be handled as a ConfigMap: strict decoding error: unknown field '
+        '"metadata.foo"'
+    )

@@ -38,7 +38,7 @@ from ember_operator.labels import (
 )
 
 from . import schema
-from .errors import APIError, Cause, bad_request, invalid, invalid_value
+from .errors import APIError, Cause, bad_request, invalid, invalid_value, strict_decoding
 from .podspec import label_causes, pod_spec_causes
 from .quantities import canonicalize
 from .resources import ResourceType, crd_causes
@@ -163,19 +163,23 @@ def admit(
     """The object as it would be stored; `strict` (fieldValidation=Strict) refuses unknown fields.
     `objects` (the store's, by storage and (namespace, name)) is what a new Pod's references resolve in."""
     name = obj["metadata"]["name"]
+    # Decoding into ObjectMeta: unknown fields dropped, or refused when Strict (for a custom resource in
+    # one error with those pruning drops, metadata's first, each part sorted).
     unknown = sorted(k for k in obj["metadata"] if k not in _OBJECT_META)
-    if strict and unknown:  # decoding into ObjectMeta: unknown fields dropped, or refused when Strict
-        raise bad_request(", ".join(f'strict decoding error: unknown field "metadata.{k}"' for k in unknown))
     for key in unknown:
         del obj["metadata"][key]
+    unknown_paths = [f"metadata.{key}" for key in unknown]
+    custom_schema = rtype.schema if rtype.custom else None
+    if strict and unknown_paths and custom_schema is None:
+        raise strict_decoding(unknown_paths)
     causes = _metadata_causes(obj["metadata"])
     if causes:
         raise invalid(rtype.kind, rtype.group, name, causes)
-    if rtype.custom and rtype.schema is not None:
-        normalized, pruned = schema.normalize(obj, rtype.schema)
-        if strict and pruned:
-            raise bad_request(", ".join(f'strict decoding error: unknown field "{path}"' for path in pruned))
-        causes = schema.validate(normalized, old, rtype.schema)
+    if custom_schema is not None:
+        normalized, pruned = schema.normalize(obj, custom_schema)
+        if strict and (unknown_paths or pruned):
+            raise strict_decoding(unknown_paths + sorted(pruned))
+        causes = schema.validate(normalized, old, custom_schema)
         if causes:
             raise invalid(rtype.kind, rtype.group, name, causes)
         return normalized

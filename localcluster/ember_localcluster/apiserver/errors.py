@@ -135,6 +135,21 @@ def invalid(kind: str, group: str, name: str, causes: list[Cause]) -> APIError:
     )
 
 
+class StrictDecodingError(APIError):
+    """A 400 for the unknown fields strict field validation refuses; the create and update handlers name
+    the kind before it (`with_kind`), the patch handler does not."""
+
+    def with_kind(self, kind: str, version: str) -> APIError:
+        """transformDecodeError's wording."""
+        return bad_request(f'{kind} in version "{version}" cannot be handled as a {kind}: {self.message}')
+
+
+def strict_decoding(paths: list[str]) -> StrictDecodingError:
+    """runtime's strictDecodingError: every unknown field in one message."""
+    listed = ", ".join(f'unknown field "{path}"' for path in paths)
+    return StrictDecodingError(400, "BadRequest", f"strict decoding error: {listed}")
+
+
 def bad_request(message: str) -> APIError:
     return APIError(400, "BadRequest", message)
 

@@ -7,7 +7,9 @@ PATCH and DELETE; `/status` and `/scale` GET, PUT and PATCH; a pod's `/binding` 
 `/eviction` POST (`eviction.py`) and its `/log` GET (`podlogs.py`). Lists honour label and field selectors
 and `limit`/`continue` (a `continue` token resumes after the last name it saw). `dryRun=All` (for a
 DELETE in its DeleteOptions, from the body or else the query) validates and answers without storing or
-deleting anything; `fieldValidation=Strict` refuses unknown fields of custom resources; bad options are
+deleting anything; `fieldValidation=Strict` refuses unknown fields of custom resources (and of any ObjectMeta), in
+the create and update handlers' words (`<Kind> in version "<v>" cannot be handled as a <Kind>: strict
+decoding error: ...`) or the patch handler's (the bare `strict decoding error: ...`); bad options are
 422s (`options.py`).
 
 Client mistakes are 4xx `Status` bodies (400 for undecodable bodies, 404 for unknown paths, 405 for
@@ -29,7 +31,15 @@ from aiohttp import web
 
 from . import binding, deletion, discovery, eviction, openapi, patching, scale
 from .admission import PODS
-from .errors import APIError, bad_request, int_param, method_not_allowed, page_not_found, unreadable_body
+from .errors import (
+    APIError,
+    StrictDecodingError,
+    bad_request,
+    int_param,
+    method_not_allowed,
+    page_not_found,
+    unreadable_body,
+)
 from .options import check_field_labels, check_list_options, delete_options, write_options
 from .podlogs import serve_pod_log
 from .resources import ResourceType
@@ -240,7 +250,10 @@ class Handler:
         if request.method == "POST" and (target.namespace is not None or not rtype.namespaced):
             dry_run, strict = write_options(query, "CreateOptions")
             body = await _read_body(request)
-            created = self.store.create(rtype, target.namespace, body, dry_run=dry_run, strict=strict)
+            try:
+                created = self.store.create(rtype, target.namespace, body, dry_run=dry_run, strict=strict)
+            except StrictDecodingError as error:
+                raise error.with_kind(rtype.kind, rtype.version) from None
             return self._render(request, rtype, created, 201)
         if request.method == "DELETE":
             options = delete_options(await _read_body(request, required=False), query)
@@ -292,9 +305,12 @@ class Handler:
         if method == "PUT":
             dry_run, strict = write_options(query, "UpdateOptions")
             body = await _read_body(request)
-            updated = store.update(
-                rtype, namespace, name, body, subresource=sub, dry_run=dry_run, strict=strict
-            )
+            try:
+                updated = store.update(
+                    rtype, namespace, name, body, subresource=sub, dry_run=dry_run, strict=strict
+                )
+            except StrictDecodingError as error:
+                raise error.with_kind(rtype.kind, rtype.version) from None
             return self._render(request, rtype, updated)
         if method == "PATCH":
             is_apply = request.headers.get("Content-Type", "").split(";")[0].strip() == patching.APPLY
