@@ -53,11 +53,12 @@ register(
 
 @contextlib.contextmanager
 def operator_cluster(
-    tmp: Path, crd: dict[str, Any] | None = None, resync: float = RESYNC
+    tmp: Path, crd: dict[str, Any] | None = None, resync: float = RESYNC, peering: str | None = None
 ) -> Iterator[tuple[APIServer, PodRunner, Any]]:
     """The API server (the InferenceService CRD installed: `crd`, or the repository's), a pod runner, and
     the real operator under `KopfRunner` watching NAMESPACE (`resync`: its Settings.resync); yields (API
-    server, pod runner, a CustomObjectsApi)."""
+    server, pod runner, a CustomObjectsApi). With `peering`, the operator runs as a peering replica of
+    priority 1 under that KopfPeering (made in NAMESPACE, with kopf's peering CRDs) instead of standalone."""
     mp = pytest.MonkeyPatch()
     with APIServer(pod_graceful_deletion=False, bookmark_interval=1.0) as api:
         kubeconfig = api.write_kubeconfig(tmp / "kubeconfig")
@@ -65,20 +66,31 @@ def operator_cluster(
         mp.setenv("KUBECONFIG", str(kubeconfig))
         mp.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
         api.install_crd(crd or crd_manifest())
+        if peering is not None:
+            for manifest in yaml.safe_load_all((REPO / "manifests" / "peering" / "crds.yaml").read_text()):
+                api.install_crd(manifest)
+            api.create(
+                {
+                    "apiVersion": "kopf.dev/v1",
+                    "kind": "KopfPeering",
+                    "metadata": {"name": peering, "namespace": NAMESPACE},
+                }
+            )
+        mode = ["--standalone"] if peering is None else ["--peering", peering, "--priority", "1"]
         runner = PodRunner(api).start()
         deployments = DeploymentController(kubeconfig).start()
         script = tmp / "operator.py"
         script.write_text(OPERATOR_FILE.replace("{resync}", str(resync)))
         parser = argparse.ArgumentParser()
         operator_main.add_arguments(parser)
-        args = parser.parse_args(["--tick", str(TICK)])
+        args = parser.parse_args(["--tick", str(TICK), *mode])
         settings = operator_main.operator_settings(args)
         settings.watching.server_timeout = 10
         # A registry of its own (`kopf run` makes it the process-wide default while the script loads):
         # handlers other tests' operators registered must not run here, nor these in theirs.
         previous = kopf.get_default_registry()
         with KopfRunner(
-            ["run", "--standalone", "--namespace", NAMESPACE, str(script)],
+            ["run", *mode, "--namespace", NAMESPACE, str(script)],
             registry=kopf.OperatorRegistry(),
             settings=settings,
             timeout=30,

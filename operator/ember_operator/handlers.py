@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -26,7 +27,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from ember_operator import metrics, router
+from ember_operator import metrics, podcache, router
 from ember_operator.autoscaler import Decision
 from ember_operator.desired import (
     ACTIVE,
@@ -54,7 +55,7 @@ from ember_operator.groups import (
 )
 from ember_operator.known import Known
 from ember_operator.kube import Kube, NameConflict, load_balancer_address, new_api_client
-from ember_operator.podcache import INDEX, index_pod, indexed, indexed_names
+from ember_operator.podcache import INDEX, index_pod, indexed_names
 from ember_operator.podpatch import PodTemplateError
 from ember_operator.pods import (
     Trouble,
@@ -93,6 +94,7 @@ class Reconciler:
         self._pod_ready: dict[str, bool] = {}  # by pod uid: readiness last seen
         self._gone: set[str] = set()  # uids of InferenceServices seen deleted
         self._crashes = CrashLog()  # crashes of multi-node groups' pods
+        self._ghosts: set[str] = set()  # uids of pods deleted that kopf's index still holds (`podcache`)
         self._scraper = Scraper(settings.scrape_timeout)
 
     def _memory(self, uid: str, status: dict[str, Any]) -> Memory:
@@ -139,6 +141,9 @@ class Reconciler:
         """Forget an InferenceService's memory once it is gone; and the address of it that the services
         naming it as their fallback hold, once it is gone or has moved."""
         gone = event.get("type") == "DELETED"
+        memory = self._memories.get(meta.get("uid", ""))
+        if event.get("type") is None and memory is not None:  # listed again: after a pause, say
+            memory.stale = memory.relist = True
         published = ((event.get("object") or {}).get("status") or {}).get("endpoint")
         for memory in self._memories.values():
             memory.known.drop("fallback", meta.get("name", ""), unless=None if gone else published)
@@ -164,8 +169,12 @@ class Reconciler:
         uid = meta.get("uid", "")
         self._crashes.record(dict(body))
         ready = is_ready(dict(body))
+        if event.get("type") is None:  # the watch listed the pods again: the index may keep deleted ones
+            for memory in self._memories.values():
+                memory.relist = True
         if event.get("type") == "DELETED":
             self._pod_ready.pop(uid, None)
+            self._ghosts.discard(uid)
         elif self._pod_ready.get(uid) == ready:
             return
         else:
@@ -261,7 +270,8 @@ class Reconciler:
             kube, owner, spec, troubles, status.get("router") is not None, memory.known
         )
 
-        listed = memory.pending.pods(indexed(pod_index, namespace, name))
+        pods_of = await self._pods_of(kube, pod_index, namespace, name, memory, status)
+        listed = memory.pending.pods(pods_of(None))
         groups: list[dict[str, Any]] | None = []
         if spec.resources.nodes > 1 or memory.has_groups is not False:
             # Listed while there are any (or may be): a pass with nodes 1 retires the groups left over.
@@ -272,7 +282,7 @@ class Reconciler:
             self._crashes.record(p)
         views = units.views
 
-        router_pages = router.router_metrics_targets(indexed(pod_index, namespace, name, router.ROUTER))
+        router_pages = router.router_metrics_targets(pods_of(router.ROUTER))
         await autoscale(body, spec, owner, units.serving, views, memory, now, self._scraper, router_pages)
         assert memory.desired is not None
         if spec.router.enabled and memory.desired == 0:
@@ -323,11 +333,7 @@ class Reconciler:
         troubles += crash_loops
         waiting = [m for p in units.all_pods() if (m := waiting_for_capacity(p, now, wait, floor))]
         # Router pods no node can take: waiting for capacity, then trouble, as engine pods are.
-        router_pods = [
-            p
-            for p in indexed(pod_index, namespace, name, router.ROUTER)
-            if not p["metadata"].get("deletionTimestamp")
-        ]
+        router_pods = [p for p in pods_of(router.ROUTER) if not p["metadata"].get("deletionTimestamp")]
         waiting += [m for p in router_pods if (m := waiting_for_capacity(p, now, wait))]
         nominated = [m for p in [*units.all_pods(), *router_pods] if (m := preempting(p))]
         found = {p["metadata"]["name"]: t for p in router_pods if (t := trouble(p, now, wait))}
@@ -373,6 +379,27 @@ class Reconciler:
         )
         metrics.DESIRED.labels(namespace, name).set(memory.desired)
         metrics.publish_status(namespace, name, dict(patch.status))
+
+    async def _pods_of(
+        self, kube: Kube, pod_index: Any, namespace: str, name: str, memory: Memory, status: dict[str, Any]
+    ) -> Callable[[str | None], list[dict[str, Any]]]:
+        """The service's pods by role (None: engines), for one pass: from kopf's index, less the pods it
+        holds that are gone; after the watch listed again, from a LIST of this pass's own (and the memory
+        taken up again from status after the service was listed again)."""
+        if memory.stale:
+            memory.reset(status)
+            memory.relist = True
+        if not memory.relist:
+            ghosts = frozenset(self._ghosts)
+            return lambda role: podcache.indexed(pod_index, namespace, name, role, ghosts)
+        held = podcache.held(pod_index, namespace, name)  # before the LIST: a pod made after it is no ghost
+        listed = await asyncio.to_thread(kube.list_pods, namespace, podcache.SELECTOR)
+        gone = podcache.ghosts(held, listed)
+        self._ghosts |= gone
+        for uid in gone:
+            self._pod_ready.pop(uid, None)
+        memory.relist = False
+        return lambda role: podcache.as_indexed(listed, namespace, name, role)
 
     async def _fallback_url(
         self, kube: Kube, spec: InferenceServiceSpec, owner: Owner, troubles: list[Trouble], known: Known

@@ -136,6 +136,12 @@ class Kube:
             self.core.create_namespaced_pod(pod["metadata"]["namespace"], pod, _preload_content=False)
         )
 
+    def list_pods(self, namespace: str, selector: str) -> list[Obj]:
+        listed = _json(
+            self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
+        )
+        return list(listed.get("items") or [])
+
     def relabel_pod(self, namespace: str, name: str, labels: dict[str, str]) -> Obj:
         return _json(
             self.core.patch_namespaced_pod(

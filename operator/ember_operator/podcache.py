@@ -10,12 +10,18 @@ what the operator wrote, as the API server answered, until the watch has caught 
 manager's ReplicaSet controller calls expectations): the written copy stands in for the indexed one until
 the indexed one's resourceVersion moves past the one it had at the write; a deleted pod is left out until the
 index drops it or shows it terminating. An expectation the watch never meets lapses after `LAPSE` seconds.
+
+kopf fills its index from its watch and never empties it on a new listing: a pod deleted while the watch was
+down (the operator paused by a peer of higher priority, or a watch that had to list again) stays in it for
+good. After such a listing a pass lists the pods itself (`SELECTOR`), works from that listing, and leaves
+out from then on every pod the index still holds that the listing did not (`ghosts`), as a Kubernetes
+informer replaces its store with each new listing.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +48,9 @@ def index_pod(namespace: str | None, labels: Mapping[str, str], body: Mapping[st
     if labels.get(NAME_LABEL) != "ember" or instance is None:
         return None
     return {(namespace, instance): dict(body)}
+
+
+SELECTOR = f"{NAME_LABEL} in (ember,ember-router)"  # the pods the index holds, as one LIST's selector
 
 
 def _rv(pod: Mapping[str, Any] | None) -> str | None:
@@ -89,10 +98,40 @@ class Pending:
         return sorted(indexed.values(), key=lambda p: p["metadata"]["name"])
 
 
-def indexed(index: Any, namespace: str, instance: str, role: str | None = None) -> list[Obj]:
+def _key(namespace: str, instance: str, role: str | None) -> tuple[str, ...]:
+    return (namespace, instance) if role is None else (namespace, instance, role)
+
+
+def _uid(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("uid", ""))
+
+
+def indexed(
+    index: Any, namespace: str, instance: str, role: str | None = None, ghosts: Collection[str] = ()
+) -> list[Obj]:
     """The engine pods (or with `role` "router", the router pods) kopf's index holds for one
-    InferenceService (its store: a list of bodies per key)."""
+    InferenceService (its store: a list of bodies per key), less the `ghosts` (uids)."""
     if index is None:
         raise RuntimeError(f"the {INDEX!r} index was not passed to the handler")
-    key = (namespace, instance) if role is None else (namespace, instance, role)
-    return [dict(p) for p in index.get(key, [])]
+    return [dict(p) for p in index.get(_key(namespace, instance, role), []) if _uid(p) not in ghosts]
+
+
+def as_indexed(listed: Iterable[Obj], namespace: str, instance: str, role: str | None = None) -> list[Obj]:
+    """The pods of a LIST (by `SELECTOR`) that the index would hold for one InferenceService and role."""
+    key = _key(namespace, instance, role)
+    return [p for p in listed if key in (index_pod(namespace, _labels(p), p) or {})]
+
+
+def held(index: Any, namespace: str, instance: str) -> list[Obj]:
+    """Every pod, engine or router, the index holds for one InferenceService."""
+    return indexed(index, namespace, instance) + indexed(index, namespace, instance, ROUTER)
+
+
+def ghosts(held: Iterable[Obj], listed: Iterable[Obj]) -> set[str]:
+    """The uids of the pods the index `held` that a LIST made after reading them does not have: deleted,
+    with the index never told (a pod the index gains after the LIST is not in `held`)."""
+    return {_uid(p) for p in held} - {_uid(p) for p in listed}
+
+
+def _labels(pod: Obj) -> dict[str, str]:
+    return dict((pod.get("metadata") or {}).get("labels") or {})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -59,6 +59,12 @@ class Memory:
     releases: Releases = field(default_factory=Releases)  # when a pod of its last went away
     # The last spec the model took: a later one it refuses (under an older CRD) leaves the service on it.
     last_spec: InferenceServiceSpec | None = None
+    # The watch listed the pods again (after a pause, or a watch that had to start over): pods deleted while
+    # it was down may still be in the index, so the next pass lists them itself.
+    relist: bool = False
+    # The watch listed the service again: what a peer did while this operator was paused is unknown, so
+    # the next pass starts from status (`reset`), as an operator starting then would.
+    stale: bool = False
 
     @classmethod
     def restored(cls, status: dict[str, Any]) -> Memory:
@@ -74,6 +80,14 @@ class Memory:
             decisions=list(autoscaler.get("decisions") or []),
             cold_start=status.get("coldStartSeconds"),
         )
+
+    def reset(self, status: dict[str, Any]) -> None:
+        """Forget everything but the lock and the writes the index may not show yet, and take up what
+        `status` holds, as an operator starting now would."""
+        fresh = Memory.restored(status)
+        for f in fields(self):
+            if f.name not in ("lock", "pending"):
+                setattr(self, f.name, getattr(fresh, f.name))
 
 
 def _stamp(t: datetime) -> str:
