@@ -904,3 +904,40 @@ def test_requests_held_at_the_routers_wake_a_service_scaled_to_zero(cluster: Any
     decisions = status(api, "sleeper")["autoscaler"]["decisions"]
     woke = "2 requests held by the routers with no engine (scale from zero)"
     assert any(d["reason"] == woke and d["desired"] == 1 for d in decisions), decisions
+
+
+def test_a_service_woken_from_zero_keeps_its_pod_through_the_scale_down_window(cluster: Any) -> None:
+    api, runner, custom = cluster
+    create(
+        custom,
+        service(
+            "dozer",
+            replicas={"min": 0, "max": 1},
+            warmPool={"size": 0},
+            autoscaling={"intervalSeconds": 1, "scaleDownStabilizationSeconds": 600},
+        ),
+    )
+    wait_for(lambda: status(api, "dozer").get("desiredReplicas") == 0, what="dozer at 0")
+    selector = "app.kubernetes.io/name=ember-router,ember.dev/router=dozer"
+
+    def routers() -> list[dict[str, Any]]:
+        return [p for p in api.list("v1", "Pod", NAMESPACE, label_selector=selector) if ready(p)]
+
+    wait_for(lambda: len(routers()) == 2, what="two Ready router pods")
+    pages = [runner.pages[p["metadata"]["name"]] for p in routers()]
+    for page in pages:
+        page.pending = 0
+    pages[0].pending = 1
+    wait_for(lambda: converged(api, "dozer", 1, 0), what="dozer woken to 1 active")
+    pages[0].pending = 0  # the held request went to the engine, which is idle once it is answered
+    (engine,) = pods(api, "dozer", "active")
+    page = runner.pages[engine["metadata"]["name"]]
+    since = page.reads
+    wait_for(
+        lambda: page.reads >= since + 3 or status(api, "dozer")["desiredReplicas"] == 0,
+        what="the idle engine read three times",
+    )
+    decisions = status(api, "dozer")["autoscaler"]["decisions"]
+    # The wake is a proposal of 1 in the scale-down window, as any other proposal is.
+    assert status(api, "dozer")["desiredReplicas"] == 1, decisions
+    assert not [d for d in decisions if d["desired"] == 0 and "scale down" in d["reason"]], decisions

@@ -28,7 +28,6 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from ember_operator import metrics, podcache, router
-from ember_operator.autoscaler import Decision
 from ember_operator.desired import (
     ACTIVE,
     MANAGED_BY_LABEL,
@@ -67,7 +66,7 @@ from ember_operator.pods import (
     waiting_for_capacity,
 )
 from ember_operator.rollout import PodPlan, applied, plan_pods, roll_frees_room
-from ember_operator.scaling import Memory, autoscale, record
+from ember_operator.scaling import Memory, autoscale, record, woken
 from ember_operator.scrape import Scraper
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
 from ember_operator.status import Assessment, Condition, render_conditions
@@ -587,9 +586,9 @@ class Reconciler:
         """Scale from zero: read what the routers (their /metrics by pod name, from the pod index) hold,
         and raise the target to 1 if they hold anything."""
         pending = await self._scraper.pending(list(router_pages.values()))
-        if router.wakes(spec, memory.desired or 0, pending):
-            why = f"{pending:g} requests held by the routers with no engine (scale from zero)"
-            record(body, owner, memory, Decision(1, why, memory.metrics_ok is not False, ""), now)
+        decision = woken(spec, memory, pending, time.monotonic())
+        if decision is not None:
+            record(body, owner, memory, decision, now)
 
     async def _ensure(
         self,

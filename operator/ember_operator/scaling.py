@@ -22,6 +22,7 @@ from ember_operator.known import Known
 from ember_operator.podcache import Pending
 from ember_operator.pods import metrics_url
 from ember_operator.rollout import PodView, Releases, plan_pods
+from ember_operator.router import wakes
 from ember_operator.scrape import PodSample, Scraper
 from ember_operator.spec import InferenceServiceSpec
 from ember_operator.status import Condition
@@ -190,6 +191,20 @@ async def autoscale(
         decision.metrics_reason,
     )
     record(body, owner, memory, decision, now)
+
+
+def woken(spec: InferenceServiceSpec, memory: Memory, pending: float, tick: float) -> Decision | None:
+    """Scale from zero: the decision to raise the target to 1 while the routers hold `pending` requests
+    and the target is 0 (None otherwise). The 1 goes into the autoscaler's history as a proposal made at
+    `tick` (time.monotonic()), so that the scale-down window holds the woken pod as it holds any other:
+    at zero there is nothing to scrape, and the first idle scrape alone would otherwise take it back."""
+    if not wakes(spec, memory.desired or 0, pending):
+        return None
+    policy = spec.autoscaling
+    keep = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
+    memory.history.add(tick, 1, keep)
+    why = f"{pending:g} requests held by the routers with no engine (scale from zero)"
+    return Decision(1, why, memory.metrics_ok is not False, "")
 
 
 def record(body: kopf.Body, owner: Owner, memory: Memory, decision: Decision, now: datetime) -> None:
