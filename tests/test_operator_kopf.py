@@ -941,3 +941,41 @@ def test_a_service_woken_from_zero_keeps_its_pod_through_the_scale_down_window(c
     # The wake is a proposal of 1 in the scale-down window, as any other proposal is.
     assert status(api, "dozer")["desiredReplicas"] == 1, decisions
     assert not [d for d in decisions if d["desired"] == 0 and "scale down" in d["reason"]], decisions
+
+
+def test_in_external_mode_requests_held_at_zero_leave_the_count_to_the_external_scaler(
+    cluster: Any,
+) -> None:
+    """The external scaler owns the count: the operator does not raise a target of 0 itself (it would
+    be put back to 0 on the next pass, and the woken pod deleted, on every pass); a trigger on the routers'
+    held requests wakes it through the scale subresource (README, KEDA)."""
+    api, runner, custom = cluster
+    create(
+        custom,
+        service("outside", replicas={"min": 0, "max": 2, "desired": 0}, autoscaling={"mode": "External"}),
+    )
+    selector = "app.kubernetes.io/name=ember-router,ember.dev/router=outside"
+
+    def routers() -> list[dict[str, Any]]:
+        return [p for p in api.list("v1", "Pod", NAMESPACE, label_selector=selector) if ready(p)]
+
+    wait_for(lambda: len(routers()) == 2, what="two Ready router pods")
+    for p in routers():
+        runner.pages[p["metadata"]["name"]].pending = 2
+    # Passes that see the requests held: each spec change is observed by one.
+    for n in (3, 4):
+        patch_spec(custom, "outside", {"replicas": {"min": 0, "max": n, "desired": 0}})
+        generation = get(api, "outside")["metadata"]["generation"]
+        wait_for(
+            lambda g=generation: status(api, "outside").get("observedGeneration") == g,  # type: ignore[misc]
+            what="a pass of the new generation",
+        )
+    decisions = status(api, "outside")["autoscaler"]["decisions"]
+    assert all(d["desired"] == 0 for d in decisions), decisions
+    assert pods(api, "outside") == [] and status(api, "outside")["desiredReplicas"] == 0
+    assert not [e for e in events(api, "outside") if e["reason"] == "Scaled"]
+    # The external scaler writes 1: the held requests find an engine.
+    custom.patch_namespaced_custom_object_scale(
+        GROUP, VERSION, NAMESPACE, PLURAL, "outside", {"spec": {"replicas": 1}}
+    )
+    wait_for(lambda: converged(api, "outside", 1, 0), what="1 active after the scale subresource")
