@@ -70,7 +70,7 @@ from ember_operator.scaling import Memory, autoscale, record, woken
 from ember_operator.scrape import Scraper
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
 from ember_operator.status import Assessment, Condition, render_conditions
-from ember_operator.units import CrashLog, Units, collect_units, owned_by
+from ember_operator.units import CRASH_HOLD_ANNOTATION, CrashLog, Units, collect_units, owned_by
 
 
 @dataclass(slots=True)
@@ -277,6 +277,8 @@ class Reconciler:
             groups = await asyncio.to_thread(kube.list_groups, namespace, group_selector(name))
             memory.has_groups = bool(groups)
         units = collect_units(owner.uid, listed, groups or [])
+        for g in groups or []:  # the holds an operator before this one kept (a restart)
+            self._crashes.restore(g, time.monotonic(), time.time())
         for p in listed:
             self._crashes.record(p)
         views = units.views
@@ -522,8 +524,18 @@ class Reconciler:
             if not owned_by(g, owner.uid) or meta.get("deletionTimestamp"):
                 continue
             wanted = 0 if self._crashes.held(owner.namespace, meta["name"]) else 1
-            if (g.get("spec") or {}).get("replicas", 1) != wanted:
-                await asyncio.to_thread(kube.scale_group, owner.namespace, meta["name"], wanted)
+            hold = self._crashes.annotation(owner.namespace, meta["name"], time.monotonic(), time.time())
+            kept = (meta.get("annotations") or {}).get(CRASH_HOLD_ANNOTATION)
+            # The hold's end is written once per hold: it moves by rounding only, between passes.
+            hold_changed = _hold_fields(hold) != _hold_fields(kept)
+            if (g.get("spec") or {}).get("replicas", 1) != wanted or hold_changed:
+                await asyncio.to_thread(
+                    kube.scale_group,
+                    owner.namespace,
+                    meta["name"],
+                    wanted,
+                    {CRASH_HOLD_ANNOTATION: hold} if hold_changed else None,
+                )
 
     async def _mirror_group_roles(self, kube: Kube, namespace: str, units: Units, memory: Memory) -> None:
         """A recreated group's new leader starts with its template's role: give it the group's."""
@@ -741,6 +753,18 @@ def _no_finalizer_for(registry: kopf.OperatorRegistry, handler_id: str) -> None:
     spawning[:] = [
         dataclasses.replace(h, requires_finalizer=False) if h.id == handler_id else h for h in spawning
     ]
+
+
+def _hold_fields(kept: str | None) -> tuple[Any, ...] | None:
+    """What of a kept crash hold matters for whether to write it again: all but the exact end (which a
+    pass recomputes from the monotonic clock, a few milliseconds off each time) unless it is set or not."""
+    if kept is None:
+        return None
+    try:
+        data = json.loads(kept)
+        return (data.get("crashes"), data.get("hold"), data.get("until") is None, data.get("released"))
+    except (ValueError, AttributeError):
+        return ("unreadable",)
 
 
 def _settled(kind: str, actual: dict[str, Any]) -> bool:

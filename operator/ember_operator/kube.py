@@ -204,8 +204,14 @@ class Kube:
     def relabel_group(self, namespace: str, name: str, labels: dict[str, str]) -> None:
         self._patch_group(namespace, name, {"metadata": {"labels": labels}})
 
-    def scale_group(self, namespace: str, name: str, replicas: int) -> None:
-        self._patch_group(namespace, name, {"spec": {"replicas": replicas}})
+    def scale_group(
+        self, namespace: str, name: str, replicas: int, annotations: dict[str, str | None] | None = None
+    ) -> None:
+        """Its replicas, and with `annotations` those annotations (None removes one), in one patch."""
+        body: Obj = {"spec": {"replicas": replicas}}
+        if annotations:
+            body["metadata"] = {"annotations": annotations}
+        self._patch_group(namespace, name, body)
 
     def _patch_group(self, namespace: str, name: str, body: Obj) -> None:
         self.custom.patch_namespaced_custom_object(

@@ -8,13 +8,19 @@ become Ready is trouble, with the leader's error line (the leader is the rank th
 why it cannot run). Such a group is held back as the kubelet holds back a crash-looping container: its
 LeaderWorkerSet at 0 replicas for HOLD_FIRST seconds, then started again; each crash after that holds it
 twice as long, up to HOLD_MAX, until it becomes Ready.
+
+The hold is kept on the LeaderWorkerSet itself (CRASH_HOLD_ANNOTATION: the crashes counted, the hold's
+length and its end in wall-clock time), and an operator that starts again takes it up from there
+(`restore`): before, a restart forgot it, started the set again at once and the back-off over at 10 s.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember_operator.desired import INSTANCE_LABEL
 from ember_operator.groups import (
     GROUP_INDEX_LABEL,
     WORKER_INDEX_LABEL,
@@ -29,6 +35,7 @@ from ember_operator.rollout import PodView
 
 # The kubelet's CrashLoopBackOff: 10 s, doubling, at most 5 minutes.
 HOLD_FIRST, HOLD_MAX = 10.0, 300.0
+CRASH_HOLD_ANNOTATION = "ember.dev/crash-hold"
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -79,6 +86,11 @@ class _Crashes:
     hold: float = 0.0  # seconds of the latest hold (0: never held)
     held_until: float | None = None  # monotonic time the hold ends; None while not held
     crashes_at_release: int = 0  # crashes seen when the latest hold ended
+    earlier: int = 0  # crashes counted by an operator before this one started (`restore`)
+
+    @property
+    def crashes(self) -> int:
+        return self.earlier + len(self.pods)
 
 
 class CrashLog:
@@ -101,6 +113,45 @@ class CrashLog:
         if leader or not entry.from_leader:
             entry.message, entry.from_leader = message, leader
 
+    def restore(self, group: dict[str, Any], now: float, wall: float) -> None:
+        """Take up the hold kept on a LeaderWorkerSet (`now`: monotonic, `wall`: time.time() seconds) for a
+        group this log has no entry of (an operator that started again)."""
+        meta = group["metadata"]
+        key = (meta.get("namespace", ""), meta["name"])
+        kept = (meta.get("annotations") or {}).get(CRASH_HOLD_ANNOTATION)
+        instance = (meta.get("labels") or {}).get(INSTANCE_LABEL)
+        if key in self._groups or kept is None or instance is None:
+            return
+        try:
+            data = json.loads(kept)
+            until = data.get("until")
+            entry = _Crashes(
+                instance,
+                message=str(data.get("message", "")),
+                hold=float(data.get("hold", 0.0)),
+                held_until=None if until is None else now + float(until) - wall,
+                crashes_at_release=int(data.get("released", 0)),
+                earlier=int(data.get("crashes", 0)),
+            )
+        except (ValueError, TypeError, AttributeError):  # not what an operator wrote: start afresh
+            return
+        self._groups[key] = entry
+
+    def annotation(self, namespace: str, group: str, now: float, wall: float) -> str | None:
+        """The hold of a group as CRASH_HOLD_ANNOTATION keeps it; None for a group with no crash kept."""
+        entry = self._groups.get((namespace, group))
+        if entry is None:
+            return None
+        until = None if entry.held_until is None else round(wall + entry.held_until - now, 3)
+        kept = {
+            "crashes": entry.crashes,
+            "hold": entry.hold,
+            "until": until,
+            "released": entry.crashes_at_release,
+            "message": entry.message,
+        }
+        return json.dumps(kept, sort_keys=True, separators=(",", ":"))
+
     def held(self, namespace: str, group: str) -> bool:
         """Whether the group is held back (its LeaderWorkerSet wanted at 0 replicas); as of `troubles`."""
         entry = self._groups.get((namespace, group))
@@ -118,7 +169,7 @@ class CrashLog:
             if v is None or v.ready:
                 del self._groups[(ns, group)]
                 continue
-            crashes = len(entry.pods)
+            crashes = entry.crashes
             if crashes < CRASH_RESTARTS or v.deleting:
                 continue
             if entry.held_until is not None and now >= entry.held_until:
