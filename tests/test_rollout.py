@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from ember_operator.desired import ACTIVE, HASH_LABEL, ROLE_LABEL, WARM
 from ember_operator.rollout import PodPlan, PodView, Releases, plan_pods
+from ember_operator.status import Assessment
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -474,3 +475,31 @@ def test_a_warm_pod_on_a_lost_node_is_replaced_after_the_failover_time() -> None
     gated = warm("False", "True", now - timedelta(seconds=60))
     gated["status"]["conditions"][0]["reason"] = "ReadinessGatesNotReady"  # type: ignore[index]
     assert not pod_view(gated).node_lost
+
+
+def test_an_active_pod_on_a_lost_node_with_no_ready_warm_pod_is_replaced() -> None:
+    """With no Ready warm pod to promote, a pod is made in its place after the failover time; once Ready it
+    is promoted and the lost one retired (it would otherwise wait for the taint eviction, 300 s)."""
+    now = T0 + timedelta(seconds=100)
+    serving = PodView("a1", ACTIVE, "b", True, T0)
+    lost = PodView("a2", ACTIVE, "b", False, T0, unready_since=now - timedelta(seconds=10), node_lost=True)
+    plan = plan_pods([serving, lost], "b", 2, 0, now, failover_after=5.0)
+    assert plan.create_warm == 1 and plan.delete == [] and plan.replacing == ["a2"]
+    # Not before the failover time, as for a warm pod.
+    just_lost = replace(lost, unready_since=now - timedelta(seconds=2))
+    assert plan_pods([serving, just_lost], "b", 2, 0, now, failover_after=5.0).create_warm == 0
+    # The replacement starting: nothing more is made, and the lost pod stays until it is Ready.
+    starting = PodView("w1", WARM, "b", False, now)
+    plan = plan_pods([serving, lost, starting], "b", 2, 0, now, failover_after=5.0)
+    assert (plan.create_warm, plan.delete, plan.replacing) == (0, [], ["a2"])
+    reconciling = next(
+        c
+        for c in Assessment("b", 2, 0, 2, [serving, lost, starting], plan).conditions()
+        if c.type == "Reconciling"
+    )
+    assert (reconciling.status, reconciling.reason) == (True, "ReplacingLostPods")
+    assert reconciling.message.endswith("replacing active pods on nodes that stopped reporting: a2")
+    # Ready: promoted in the lost pod's place, which is retired.
+    plan = plan_pods([serving, lost, replace(starting, ready=True)], "b", 2, 0, now, failover_after=5.0)
+    assert (plan.promote, plan.delete, plan.failovers) == (["w1"], ["a2"], [("a2", "w1")])
+    assert plan.create_warm == 0

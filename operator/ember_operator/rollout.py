@@ -20,6 +20,9 @@ sees the outcome. Three rules make it safe to repeat:
 - A warm pod on a node that stopped reporting (the node lifecycle controller marks its pods not Ready and
   leaves their containers ready) is deleted after `failover_after` and the pool refilled elsewhere; left, it
   would count in the pool until the taint eviction (300 s by default) while it can take over nothing.
+- An active pod on such a node, with no Ready warm pod to take its place, gets a pod made in its place
+  after `failover_after` (`replacing`); once that one is Ready it takes over as above and the lost one is
+  retired. Before, it waited for the taint eviction, reported as ScalingUp, though other nodes had room.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class PodPlan:
     demote: list[str] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)
     failovers: list[tuple[str, str]] = field(default_factory=list)  # (failed active pod, warm pod promoted)
+    replacing: list[str] = field(default_factory=list)  # active pods on lost nodes, a pod made in their place
 
     def empty(self) -> bool:
         return not (self.create_warm or self.promote or self.demote or self.delete)
@@ -203,6 +207,10 @@ def plan_pods(
                 plan.promote.append(w.name)
                 plan.failovers.append((p.name, w.name))
 
+    # Active pods on lost nodes that no Ready warm pod could replace: a pod each is made in their place.
+    if now is not None:
+        plan.replacing = [p.name for p in cur_active if p.lost(now, failover_after)]
+
     # Promote the oldest Ready warm pods while active pods are missing.
     while len(cur_active) < active and ready_warm:
         p = ready_warm.pop(0)
@@ -221,7 +229,7 @@ def plan_pods(
                 plan.delete.append(p.name)
 
     # Warm pods still starting may be the active pods of tomorrow: the pool's budget includes the shortfall.
-    budget = warm + max(0, active - len(cur_active))
+    budget = warm + max(0, active - len(cur_active)) + len(plan.replacing)
     if len(cur_warm) > budget:
         for p in sorted(cur_warm, key=_retire_order)[: len(cur_warm) - budget]:
             cur_warm.remove(p)

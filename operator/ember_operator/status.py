@@ -122,6 +122,10 @@ class Assessment:
                 message = f"{summary}; waiting for capacity: " + "; ".join(self.waiting_for_capacity)
                 reconciling = Condition("Reconciling", True, "WaitingForCapacity", message)
             else:
+                if progress == "ReplacingLostPods":
+                    summary += "; replacing active pods on nodes that stopped reporting: " + ", ".join(
+                        self.plan.replacing
+                    )
                 reconciling = Condition("Reconciling", progress is not None, progress or "Converged", summary)
         out = [ready, reconciling, stalled, warm]
         out += [c for c in (self.metrics, self.fallback) if c is not None]
@@ -131,6 +135,8 @@ class Assessment:
         live = [p for p in self.pods if not p.deleting]
         if any(p.template_hash != self.template_hash for p in live):
             return "RollingUpdate"
+        if self.plan.replacing:
+            return "ReplacingLostPods"
         if ready_active < self.desired_active or self.plan.create_warm or self.plan.promote:
             return "ScalingUp"
         if len(self._current("active")) > self.desired_active or self.plan.demote or self.plan.delete:
