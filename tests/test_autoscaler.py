@@ -165,3 +165,11 @@ def test_requests_shed_for_capacity_scale_up_though_the_queue_is_in_band() -> No
     # and shedding never lets the target shrink
     two = [PodLoad(waiting=0, running=1, kv_cache=0.01)] * 2
     assert decide(POLICY, wide, 3, Observation(two, shed=1), History(), 0.0).desired == 3
+
+
+def test_at_zero_nothing_to_scrape_is_no_metrics_outage() -> None:
+    d = decide(Autoscaling(), Replicas(min=0, max=3), 0, Observation([]), History(), 0.0)
+    assert d.desired == 0 and d.metrics_ok, d
+    assert d.reason.startswith("hold 0: scaled to zero")
+    # With a target above zero, no pod to read is still an outage.
+    assert not decide(Autoscaling(), Replicas(min=0, max=3), 1, Observation([]), History(), 0.0).metrics_ok

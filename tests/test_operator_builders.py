@@ -36,7 +36,7 @@ from ember_operator.desired import (
 )
 from ember_operator.pods import cold_start_seconds, held_troubles, trouble, view, waiting_for_capacity
 from ember_operator.rollout import PodPlan, PodView
-from ember_operator.scaling import Memory, autoscale
+from ember_operator.scaling import Memory, autoscale, external_decision
 from ember_operator.scrape import Scraper, parse_sample
 from ember_operator.spec import InferenceServiceSpec
 from ember_operator.status import Assessment, Condition, render_conditions
@@ -586,3 +586,26 @@ def test_the_scrape_of_a_failover_pass_reads_the_warm_pod_it_promotes() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_external_mode_reports_no_ready_pods_as_builtin_does_and_numbers_its_decisions() -> None:
+    spec = make_spec(
+        autoscaling={"mode": "External", "intervalSeconds": 1}, replicas={"min": 0, "desired": 1}
+    )
+    memory = asyncio.run(_autoscale_once(spec, [], []))
+    assert memory.metrics is not None
+    assert (memory.metrics.status, memory.metrics.reason) == (False, "NoReadyPods"), memory.metrics
+    to_zero = make_spec(autoscaling={"mode": "External"}, replicas={"min": 0, "desired": 0})
+    decision = external_decision(to_zero, Memory(desired=1))
+    assert (decision.desired, decision.reason) == (0, "scale down 1 -> 0: spec.replicas.desired (External)")
+
+
+def test_a_restored_memory_knows_the_stall_already_announced() -> None:
+    stalled = {
+        "type": "Stalled",
+        "status": "True",
+        "reason": "PodsUnschedulable",
+        "message": "pod x: no node",
+    }
+    assert Memory.restored({"conditions": [stalled]}).stalled == "pod x: no node"
+    assert Memory.restored({"conditions": [{**stalled, "status": "False"}]}).stalled is None

@@ -87,6 +87,10 @@ def decide(
     policy: Autoscaling, replicas: Replicas, current: int, seen: Observation, history: History, now: float
 ) -> Decision:
     """The desired active replica count, given the current target `current` and what the pods report."""
+    if not seen.loads and not seen.unscraped and current == 0:
+        # Scaled to zero: there is nothing to read, and nothing is missing (a wake raises the target).
+        why = "scaled to zero: no active pod to scrape"
+        return Decision(clamp(0, replicas), f"hold 0: {why}", True, why)
     if not seen.loads:
         why = "no Ready active pod to scrape"
         if seen.unscraped:

@@ -74,12 +74,21 @@ class Memory:
         # After a restart the restored target counts as a fresh proposal, so that the scale-down window
         # starts over instead of being skipped.
         history = History([(time.monotonic(), desired)] if desired is not None else [])
+        stalled = next(
+            (
+                c.get("message")
+                for c in status.get("conditions") or []
+                if c.get("type") == "Stalled" and c.get("status") == "True"
+            ),
+            None,
+        )
         return cls(
             history=history,
             desired=desired,
             inputs=autoscaler.get("inputs"),
             decisions=list(autoscaler.get("decisions") or []),
             cold_start=status.get("coldStartSeconds"),
+            stalled=stalled,  # announced with an Event already: not announced again
         )
 
     def reset(self, status: dict[str, Any]) -> None:
@@ -112,20 +121,7 @@ async def autoscale(
     if memory.desired is None:  # first pass, or a restart without status: keep what is there
         memory.desired = clamp(sum(v.role == ACTIVE and not v.deleting for v in views), replicas)
     if spec.autoscaling.mode == "External":
-        target = replicas.desired  # clamped below to replicas.min..max
-        record(
-            body,
-            owner,
-            memory,
-            # A target from outside says nothing about metrics: keep their state as it is.
-            Decision(
-                clamp(target, replicas),
-                "spec.replicas.desired (External)",
-                memory.metrics_ok is not False,
-                "",
-            ),
-            now,
-        )
+        record(body, owner, memory, external_decision(spec, memory), now)
     elif clamp(memory.desired, replicas) != memory.desired:
         clamped = clamp(memory.desired, replicas)
         record(
@@ -181,16 +177,26 @@ async def autoscale(
         why = (
             "all Ready active pods scraped" if ok else ("; ".join(failed) or "no Ready active pod to scrape")
         )
-        memory.metrics = Condition("MetricsAvailable", ok, "Scraped" if ok else "ScrapeFailed", why)
+        reason = "Scraped" if ok else ("ScrapeFailed" if failed else "NoReadyPods")  # as Builtin says
+        memory.metrics = Condition("MetricsAvailable", ok, reason, why)
         return
     decision = decide(spec.autoscaling, replicas, memory.desired, seen, memory.history, tick)
-    memory.metrics = Condition(
-        "MetricsAvailable",
-        decision.metrics_ok,
-        "Scraped" if decision.metrics_ok else ("ScrapeFailed" if failed else "NoReadyPods"),
-        decision.metrics_reason,
-    )
+    if decision.metrics_ok:
+        reason = "ScaledToZero" if not targets and decision.desired == 0 else "Scraped"
+    else:
+        reason = "ScrapeFailed" if failed else "NoReadyPods"
+    memory.metrics = Condition("MetricsAvailable", decision.metrics_ok, reason, decision.metrics_reason)
     record(body, owner, memory, decision, now)
+
+
+def external_decision(spec: InferenceServiceSpec, memory: Memory) -> Decision:
+    """External mode's target: spec.replicas.desired, clamped to replicas.min..max. A target from outside
+    says nothing about metrics: their state is kept as it is."""
+    target = clamp(spec.replicas.desired, spec.replicas)
+    current = memory.desired
+    verdict = "hold" if current in (None, target) else "scale up" if target > (current or 0) else "scale down"
+    change = f"{verdict} {target}" if current in (None, target) else f"{verdict} {current} -> {target}"
+    return Decision(target, f"{change}: spec.replicas.desired (External)", memory.metrics_ok is not False, "")
 
 
 def woken(spec: InferenceServiceSpec, memory: Memory, pending: float, tick: float) -> Decision | None:
