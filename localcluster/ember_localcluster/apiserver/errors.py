@@ -169,11 +169,10 @@ def unsupported_media_type() -> APIError:
 
 
 def unreadable_body(content_type: str) -> APIError:
-    message = f"the media type {content_type!r} is not supported: this server reads JSON and YAML only"
-    if "protobuf" in content_type:
-        message += (
-            " (kubectl's typed `create <kind>` commands send protobuf: use `kubectl create -f` or `apply -f`)"
-        )
+    message = (
+        f"the media type {content_type!r} is not supported: this server reads JSON, YAML and, for the"
+        " built-in kinds kubectl's typed `create <kind>` commands make, application/vnd.kubernetes.protobuf"
+    )
     return APIError(415, "UnsupportedMediaType", message)
 
 

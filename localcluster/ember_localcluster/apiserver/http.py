@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import binding, deletion, discovery, eviction, openapi, patching, scale
+from . import binding, deletion, discovery, eviction, openapi, patching, protobuf, scale
 from .admission import PODS
 from .errors import (
     APIError,
@@ -75,6 +75,8 @@ async def _read_body(request: web.Request, *, required: bool = True) -> Any:
             raise bad_request("the request body is empty")
         return None
     content_type = request.content_type.lower()
+    if content_type == protobuf.MEDIA_TYPE:
+        return protobuf.decode_body(raw)
     if "yaml" not in content_type and content_type not in ("application/json", "application/octet-stream"):
         raise unreadable_body(content_type)
     return patching.decode(raw, as_yaml="yaml" in content_type)
