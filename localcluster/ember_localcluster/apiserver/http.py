@@ -10,7 +10,8 @@ DELETE in its DeleteOptions, from the body or else the query) validates and answ
 deleting anything; `fieldValidation=Strict` refuses unknown fields of custom resources (and of any ObjectMeta), in
 the create and update handlers' words (`<Kind> in version "<v>" cannot be handled as a <Kind>: strict
 decoding error: ...`) or the patch handler's (the bare `strict decoding error: ...`); bad options are
-422s (`options.py`).
+422s (`options.py`). Bodies are JSON, YAML or, for built-in kinds, protobuf
+(`protobuf.py`).
 
 Client mistakes are 4xx `Status` bodies (400 for undecodable bodies, 404 for unknown paths, 405 for
 unsupported methods, 415 for unknown media types); a 500 means a bug here and is logged.
