@@ -385,7 +385,7 @@ class Router:
                 body = {**body, "model": model}
             response = await self._forward(
                 request, target.url, json.dumps(body).encode(), "POST", "fallback", 0, arrived, retry=True,
-                timeout=target.timeout,
+                timeout=target.timeout, fallback=True,
             )  # fmt: skip
             if response is not None:
                 self.metrics.fallback.labels("served").inc()
@@ -415,10 +415,12 @@ class Router:
         timeout: float | None = None,
         accepted: Callable[[], None] | None = None,
         unreachable: set[str] | None = None,
+        fallback: bool = False,
     ) -> web.StreamResponse | None:
         """Send the request to one engine and relay its answer; None when, before the response began, it
         answered overloaded or could not be reached (then it is added to `unreachable`) and `retry` allows
-        another engine. `accepted` is called when the engine itself takes
+        another engine; for the `fallback`, None also when it answered an error status (>= 400: the fallback
+        failed, as the engines' own fallback takes it). `accepted` is called when the engine itself takes
         the request (a 2xx answer not from its fallback). Only a stream's answer is a first token: its first
         event comes with it, where a whole answer's first byte comes with its last."""
         assert self.session is not None
@@ -441,8 +443,8 @@ class Router:
                 upstream = await upstream_cm.__aenter__()
             except aiohttp.SocketTimeoutError:  # it has the request, and said nothing for that long
                 self.metrics.upstream_errors.labels(engine_url).inc()
-                if engine is None and retry:
-                    return None  # the fallback: counted as failed
+                if fallback:
+                    return None  # counted as failed
                 return self._timed_out(engine_url, timeout)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 self.metrics.upstream_errors.labels(engine_url).inc()
@@ -464,6 +466,12 @@ class Router:
                 # own limit at that engine: relayed, so the limit holds and no one else is turned away.
                 # An engine that failed for good before answering (`engine_failed`: it exits, its pod
                 # restarts) is taken as gone, as one that cannot be reached: the request may be held.
+                if fallback and upstream.status >= 400:
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                        await upstream.read()
+                    finished = True
+                    log.warning("fallback %s answered %d: the request is shed", engine_url, upstream.status)
+                    return None
                 if upstream.status == 503 and retry:
                     refusal = await upstream.read()
                     finished = True
@@ -484,7 +492,7 @@ class Router:
                 answer = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP)
                 answer[ROUTED_TO] = routed_to or engine_url
                 answer[ROUTE_REASON] = reason
-                if reason == "fallback":
+                if fallback:
                     answer["x-ember-served-by"] = "fallback"
                 if upstream.content_length is not None and not _is_sse(upstream.content_type):
                     # A whole answer of known length (not a stream): passed on in one piece, headers and
