@@ -5,13 +5,15 @@ nothing listens, so that every request goes to the fallback."""
 
 from __future__ import annotations
 
+import http.client
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from fake_fallback import Answer, FakeFallback, fake_fallback
+from fake_fallback import MODEL, Answer, FakeFallback, fake_fallback
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import free_port
 
@@ -73,3 +75,68 @@ def test_a_fallback_that_answers_an_error_has_failed_and_the_router_sheds(
         assert seen["ember_router:fallback_requests_total{failed}"] == 2, seen
         assert seen["ember_router:fallback_requests_total{served}"] == 0, seen
         assert seen["ember_router:shed_requests_total{fleet_overloaded}"] == 2, seen
+
+
+def post_raw(url: str, payload: dict[str, object]) -> tuple[int, dict[str, str], bytes]:
+    """POST with no header but the body's (http.client, unlike httpx, can leave out Accept-Encoding)."""
+    parsed = httpx.URL(url)
+    connection = http.client.HTTPConnection(parsed.host, parsed.port, timeout=30)
+    try:
+        data = json.dumps(payload).encode()
+        connection.putrequest("POST", "/v1/completions", skip_accept_encoding=True)
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(len(data)))
+        connection.endheaders(data)
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+def test_a_client_that_asks_for_no_encoding_gets_none(tiny_model: Path, fallback: FakeFallback) -> None:
+    """aiohttp added `Accept-Encoding: gzip, deflate` to every request the router sent on, and the router
+    passes bodies on as they come: a client that asked for no encoding got a compressed body."""
+    fallback.answer = Answer(compress=True)
+    with router_before(from_flags(fallback.url, None, BOTH), tiny_model) as url:
+        status, headers, data = post_raw(url, body(False))
+        assert status == 200 and headers["x-ember-served-by"] == "fallback", (status, data[:80])
+        assert "content-encoding" not in headers, headers
+        assert json.loads(data)["model"] == MODEL
+        assert "Accept-Encoding" not in fallback.seen[-1], fallback.seen[-1]
+        # One that asks for gzip gets it, as the server sends it.
+        r = httpx.post(
+            f"{url}/v1/completions", json=body(False), headers={"Accept-Encoding": "gzip"}, timeout=30
+        )
+        assert fallback.seen[-1]["Accept-Encoding"] == "gzip"
+        assert r.headers["content-encoding"] == "gzip" and r.json()["model"] == MODEL
+
+
+def stream_events(url: str, accept_encoding: str = "gzip") -> list[str]:
+    """The `data:` payloads of a stream through the router, decoded as the client's HTTP library does."""
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json=body(True),
+        headers={"Accept-Encoding": accept_encoding},
+        timeout=30,
+    ) as r:
+        assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
+        return [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_stream_that_breaks_off_ends_with_an_error_event_whatever_the_client_accepts(
+    tiny_model: Path, fallback: FakeFallback
+) -> None:
+    """A client's `Accept-Encoding: gzip` went on, the server compressed the stream, and the router looked
+    for the ends of events in compressed bytes: when the stream broke off, its error event was plain text
+    after gzip data, and the client could not decode the stream."""
+    fallback.answer = Answer(compress=True, events=6, break_after=3)
+    with router_before(from_flags(fallback.url, None, BOTH), tiny_model) as url:
+        events = stream_events(url)
+        assert len(events) == 5 and events[-1] == "[DONE]", events
+        assert all("choices" in json.loads(e) for e in events[:3])
+        assert json.loads(events[3])["error"]["code"] == "upstream_error"
+        # A server that compresses a stream though asked not to: passed on as it is, still whole.
+        fallback.answer = Answer(force_gzip=True, events=6)
+        events = stream_events(url)
+        assert len(events) == 7 and events[-1] == "[DONE]", events

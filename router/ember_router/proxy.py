@@ -29,13 +29,13 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.server.policy import PolicyWatcher
 from ember_router.discovery import PodDiscovery
 from ember_router.fallback import FallbackTarget, ModelNames, from_policy
+from ember_router.headers import answer_headers, encoded, upstream_headers
 from ember_router.metrics import RouterMetrics
 from ember_router.policy import EngineState, choose
 from ember_router.pool import EnginePool
@@ -48,8 +48,6 @@ log = logging.getLogger("ember.router")
 
 ROUTED_TO = "x-ember-routed-to"
 ROUTE_REASON = "x-ember-route-reason"
-# Headers that belong to one hop, never forwarded either way.
-_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
 MAX_BODY = 32 * 1024 * 1024
 HOLD_POLL = 0.05  # seconds between looks at the pool while a request is held
 TRIES = 2  # engines a request is sent to before it is shed (or, their all being gone, held again)
@@ -280,6 +278,7 @@ class Router:
                 retry=True,
                 accepted=self._count_prompts(prompts.tokens, expected),
                 unreachable=unreachable,
+                stream=_streams(body),
             )
             if response is not None:
                 return response
@@ -367,6 +366,7 @@ class Router:
             0,
             arrived,
             routed_to=rule.target,
+            stream=_streams(body),
         )
 
     def _fallback(self) -> FallbackTarget | None:
@@ -385,7 +385,7 @@ class Router:
                 body = {**body, "model": model}
             response = await self._forward(
                 request, target.url, json.dumps(body).encode(), "POST", "fallback", 0, arrived, retry=True,
-                timeout=target.timeout, fallback=True,
+                timeout=target.timeout, fallback=True, stream=_streams(body),
             )  # fmt: skip
             if response is not None:
                 self.metrics.fallback.labels("served").inc()
@@ -416,6 +416,7 @@ class Router:
         accepted: Callable[[], None] | None = None,
         unreachable: set[str] | None = None,
         fallback: bool = False,
+        stream: bool = False,
     ) -> web.StreamResponse | None:
         """Send the request to one engine and relay its answer; None when, before the response began, it
         answered overloaded or could not be reached (then it is added to `unreachable`) and `retry` allows
@@ -428,7 +429,7 @@ class Router:
         engine = self.pool.engines.get(engine_url)
         # The fallback is no engine of the pool: nothing to count or mark there.
         state = engine.state if engine is not None else EngineState(engine_url)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers = upstream_headers(request.headers.items(), stream)
         state.in_flight += 1
         try:
             try:
@@ -437,6 +438,7 @@ class Router:
                     engine_url + request.path_qs,
                     data=raw or None,
                     headers=headers,
+                    skip_auto_headers=("Accept-Encoding",),  # the client's, or none
                     # A deadline of its own (the fallback's) bounds each wait for data.
                     timeout=self.session.timeout if timeout is None else _between_reads(timeout),
                 )
@@ -489,7 +491,7 @@ class Router:
                 ok = 200 <= upstream.status < 300
                 if accepted is not None and ok and upstream.headers.get("x-ember-served-by") != "fallback":
                     accepted()
-                answer = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP)
+                answer = answer_headers(upstream.headers.items())
                 answer[ROUTED_TO] = routed_to or engine_url
                 answer[ROUTE_REASON] = reason
                 if fallback:
@@ -512,7 +514,13 @@ class Router:
                     )
                 out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=answer)
                 await out.prepare(request)
-                framer = EventFramer() if _is_sse(upstream.content_type) else None
+                # A stream is cut into events to end it with a whole error event if it breaks off; one
+                # compressed though asked for as it is (`identity`) passes on as it comes.
+                framer = (
+                    EventFramer()
+                    if _is_sse(upstream.content_type) and not encoded(upstream.headers)
+                    else None
+                )
                 # A refusal, or a body other than a stream, has no first token to time.
                 first = ok and framer is not None
                 try:
@@ -559,6 +567,11 @@ class Router:
                 await upstream_cm.__aexit__(None, None, None)
         finally:
             state.in_flight -= 1
+
+
+def _streams(body: Any) -> bool:
+    """Whether the request asks for its answer as a stream of events."""
+    return isinstance(body, dict) and body.get("stream") is True
 
 
 def _is_sse(content_type: str) -> bool:
