@@ -27,6 +27,7 @@ class Answer:
     event_gap: float = 0.0  # seconds between events
     compress: bool = False  # compress as the request's Accept-Encoding allows
     force_gzip: bool = False  # gzip whatever the request allows
+    head_delay: float = 0.0  # seconds before answering anything
 
 
 @dataclass
@@ -44,6 +45,7 @@ class FakeFallback:
         self.seen.append(CIMultiDict(request.headers))
         body = await request.json()
         a = self.answer
+        await asyncio.sleep(a.head_delay)
         if a.status >= 400:
             headers = {"Retry-After": a.retry_after} if a.retry_after else None
             error = {

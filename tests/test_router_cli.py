@@ -26,6 +26,8 @@ from ember_router import main as router_main
         ("--hold-seconds", "nan", r"--hold-seconds must be a finite number >= 0, got nan"),
         ("--drain-timeout", "-1", r"--drain-timeout must be a finite number >= 0, got -1"),
         ("--upstream-timeout", "0", r"--upstream-timeout must be a finite number > 0, got 0"),
+        ("--fallback-timeout", "0", r"--fallback-timeout must be a finite number > 0, got 0"),
+        ("--fallback-timeout", "inf", r"--fallback-timeout must be a finite number > 0, got inf"),
     ],
 )
 def test_a_number_the_router_cannot_run_with_is_refused_by_name(

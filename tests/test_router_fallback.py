@@ -5,6 +5,7 @@ nothing listens, so that every request goes to the fallback."""
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from waiting import free_port
 
 from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.server.policy import Fallback
+from ember_router import main as router_main
 from ember_router.embedded import serving
 from ember_router.fallback import FallbackTarget, from_flags
 from ember_router.pool import EnginePool
@@ -140,3 +143,31 @@ def test_a_stream_that_breaks_off_ends_with_an_error_event_whatever_the_client_a
         fallback.answer = Answer(force_gzip=True, events=6)
         events = stream_events(url)
         assert len(events) == 7 and events[-1] == "[DONE]", events
+
+
+def test_the_fallback_flags_bound_the_wait_as_the_policy_file_does(
+    tiny_model: Path, fallback: FakeFallback
+) -> None:
+    """`--fallback-url` had no deadline (a fallback that said nothing held the request for ever), where the
+    policy file's `fallback.timeoutSeconds` is 30 s unless set, and no flag could set one."""
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+    argv = [
+        "--model",
+        str(tiny_model),
+        "--endpoint",
+        f"http://127.0.0.1:{free_port()}",
+        "--poll-interval",
+        "0.1",
+    ]
+    built = router_main.build(parser.parse_args([*argv, "--fallback-url", fallback.url]))
+    assert built.settings.fallback is not None
+    assert built.settings.fallback.timeout == Fallback().timeout_seconds == 30.0
+    fallback.answer = Answer(head_delay=60)
+    router = router_main.build(
+        parser.parse_args([*argv, "--fallback-url", fallback.url, "--fallback-timeout", "0.5"])
+    )
+    with serving(router) as url:
+        r = httpx.post(f"{url}/v1/completions", json=body(False), timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded", r.text
+        assert counters(url)["ember_router:fallback_requests_total{failed}"] == 1

@@ -8,9 +8,12 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ember_engine.server.policy import PolicyWatcher
+from ember_engine.server.policy import Fallback, PolicyWatcher
 
 log = logging.getLogger("ember.router")
+
+# The flags' deadline unless given: the policy file's `fallback.timeoutSeconds` unless set.
+DEFAULT_TIMEOUT = Fallback().timeout_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +24,10 @@ class FallbackTarget:
     timeout: float | None = None  # seconds to connect and between reads; None: the router's own
 
 
-def from_flags(url: str | None, model: str | None, when: frozenset[str]) -> FallbackTarget | None:
-    return FallbackTarget(url.rstrip("/"), model, when) if url else None
+def from_flags(
+    url: str | None, model: str | None, when: frozenset[str], timeout: float = DEFAULT_TIMEOUT
+) -> FallbackTarget | None:
+    return FallbackTarget(url.rstrip("/"), model, when, timeout) if url else None
 
 
 def from_policy(policy: PolicyWatcher) -> FallbackTarget | None:

@@ -88,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Unavailable (no engine Ready) (default both)",
     )
     p.add_argument(
+        "--fallback-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the fallback to connect and for each next piece of its answer before it "
+        "counts as failed (default 30, as the policy file's fallback.timeoutSeconds)",
+    )
+    p.add_argument(
         "--route",
         action="append",
         default=[],
@@ -127,7 +134,7 @@ def build(args: argparse.Namespace) -> Router:
     """The router the command line describes (not yet serving); SystemExit names a bad option."""
     from ember_engine.core.tokenizer import Tokenizer
     from ember_engine.server.policy import PolicyError, PolicyWatcher
-    from ember_router.fallback import from_flags
+    from ember_router.fallback import DEFAULT_TIMEOUT, from_flags
     from ember_router.pool import EnginePool
     from ember_router.proxy import Router, RouterSettings
     from ember_router.routes_file import RoutesFile
@@ -139,6 +146,7 @@ def build(args: argparse.Namespace) -> Router:
         ("--hold-seconds", args.hold_seconds, 0.0),
         ("--drain-timeout", args.drain_timeout, 0.0),
         ("--upstream-timeout", args.upstream_timeout if args.upstream_timeout is not None else 1.0, None),
+        ("--fallback-timeout", args.fallback_timeout if args.fallback_timeout is not None else 1.0, None),
     ):
         if not (math.isfinite(value) and (value >= least if least is not None else value > 0)):
             bound = f">= {least:g}" if least is not None else "> 0"
@@ -160,7 +168,7 @@ def build(args: argparse.Namespace) -> Router:
         raise SystemExit(
             f"ember router: --fallback-when: {args.fallback_when!r}: each must be Overloaded or Unavailable"
         )
-    if args.policy and (args.fallback_url or args.fallback_model):
+    if args.policy and (args.fallback_url or args.fallback_model or args.fallback_timeout is not None):
         raise SystemExit("ember router: --policy names the fallback; give it or --fallback-url, not both")
     if not args.endpoint and not args.kube_selector:
         raise SystemExit("ember router: give --endpoint (one per engine) or --kube-selector")
@@ -188,7 +196,12 @@ def build(args: argparse.Namespace) -> Router:
         RouterSettings(
             epsilon=args.epsilon,
             session_header=args.session_header.lower(),
-            fallback=from_flags(args.fallback_url, args.fallback_model, when),
+            fallback=from_flags(
+                args.fallback_url,
+                args.fallback_model,
+                when,
+                args.fallback_timeout if args.fallback_timeout is not None else DEFAULT_TIMEOUT,
+            ),
             routes=routes,
             hold_seconds=args.hold_seconds,
             upstream_timeout=args.upstream_timeout,
