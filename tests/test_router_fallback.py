@@ -171,3 +171,20 @@ def test_the_fallback_flags_bound_the_wait_as_the_policy_file_does(
         r = httpx.post(f"{url}/v1/completions", json=body(False), timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded", r.text
         assert counters(url)["ember_router:fallback_requests_total{failed}"] == 1
+
+
+@pytest.mark.parametrize("hold_seconds", [0.0, 1.0])
+def test_a_body_that_is_not_a_json_object_is_a_400_at_once(
+    tiny_model: Path, fallback: FakeFallback, hold_seconds: float
+) -> None:
+    """With no engine Ready such a body was shed (503 `fleet_overloaded`, as if a retry could help), or held
+    for `hold_seconds` first, where OpenAI and vLLM answer 400."""
+    with router_before(from_flags(fallback.url, None, BOTH), tiny_model, hold_seconds) as url:
+        for raw, says in ((b"{bad", "body: malformed JSON"), (b"[1, 2]", "body: must be a JSON object")):
+            r = httpx.post(
+                f"{url}/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
+            )
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["message"].startswith(says), error
+        assert not fallback.seen

@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.server.policy import PolicyWatcher
+from ember_router.body import BadBody, read_body
 from ember_router.discovery import PodDiscovery
 from ember_router.fallback import FallbackTarget, ModelNames, from_policy
 from ember_router.headers import answer_headers, encoded, upstream_headers
@@ -179,9 +180,9 @@ class Router:
         arrived = time.perf_counter()
         raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):  # not JSON, or nested past what the parser takes
-            body = None  # the engine answers the error in its own words
+            body = read_body(raw)
+        except BadBody as exc:  # no engine, nor any later attempt, could answer it otherwise
+            return error_response(400, str(exc), "invalid_request_error", None)
         if len(raw) <= INLINE_TOKENIZE:
             prompts = request_prompts(self.tokenizer, body, chat, self.pool.block_size)
         else:
