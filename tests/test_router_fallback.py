@@ -25,6 +25,7 @@ from ember_router.embedded import serving
 from ember_router.fallback import FallbackTarget, from_flags
 from ember_router.pool import EnginePool
 from ember_router.proxy import Router, RouterSettings
+from ember_router.rules import Rule
 
 BOTH = frozenset({"Overloaded", "Unavailable"})
 
@@ -188,3 +189,33 @@ def test_a_body_that_is_not_a_json_object_is_a_400_at_once(
             error = r.json()["error"]
             assert error["type"] == "invalid_request_error" and error["message"].startswith(says), error
         assert not fallback.seen
+
+
+CREDENTIALS = {
+    "Authorization": "Bearer sk-client",
+    "Cookie": "session=abc",
+    "Proxy-Authorization": "Basic cHJveHk=",
+}
+
+
+def test_the_clients_credentials_stay_with_the_fleet(tiny_model: Path, fallback: FakeFallback) -> None:
+    """The client's Authorization, Cookie and Proxy-Authorization went on to the fallback, where the engines'
+    own fallback sends a request of its own with none of the client's headers; and Proxy-Authorization, a
+    credential for the proxy alone, went on to every upstream."""
+    with router_before(from_flags(fallback.url, None, BOTH), tiny_model) as url:
+        headers = {**CREDENTIALS, "Accept": "application/json", "OpenAI-Organization": "org-1"}
+        r = httpx.post(f"{url}/v1/completions", json=body(False), headers=headers)
+        assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback", r.text
+        got = fallback.seen[-1]
+        assert not {"Authorization", "Cookie", "Proxy-Authorization", "OpenAI-Organization"} & set(got), got
+        assert got["Content-Type"] == "application/json" and got["Accept"] == "application/json"
+    # Another InferenceService of the fleet (a routing rule's target) is no fallback: per-client limits
+    # there need the client's Authorization.
+    settings = RouterSettings(routes=((Rule("all", "other"), fallback.url),))
+    router = Router(EnginePool([f"http://127.0.0.1:{free_port()}"]), Tokenizer(str(tiny_model)), settings)
+    with serving(router) as url:
+        r = httpx.post(f"{url}/v1/completions", json=body(False), headers=CREDENTIALS)
+        assert r.status_code == 200 and r.headers["x-ember-routed-to"] == "other", r.text
+        got = fallback.seen[-1]
+        assert got["Authorization"] == "Bearer sk-client" and got["Cookie"] == "session=abc"
+        assert "Proxy-Authorization" not in got, got

@@ -430,7 +430,7 @@ class Router:
         engine = self.pool.engines.get(engine_url)
         # The fallback is no engine of the pool: nothing to count or mark there.
         state = engine.state if engine is not None else EngineState(engine_url)
-        headers = upstream_headers(request.headers.items(), stream)
+        headers = upstream_headers(request.headers.items(), stream, fallback)
         state.in_flight += 1
         try:
             try:
