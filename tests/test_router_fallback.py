@@ -16,7 +16,7 @@ import httpx
 import pytest
 from fake_fallback import MODEL, Answer, FakeFallback, fake_fallback
 from prometheus_client.parser import text_string_to_metric_families
-from waiting import free_port
+from waiting import free_port, wait_for
 
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.server.policy import Fallback
@@ -219,3 +219,53 @@ def test_the_clients_credentials_stay_with_the_fleet(tiny_model: Path, fallback:
         got = fallback.seen[-1]
         assert got["Authorization"] == "Bearer sk-client" and got["Cookie"] == "session=abc"
         assert "Proxy-Authorization" not in got, got
+
+
+def test_each_fallback_outcome_is_counted_as_what_it_was(tiny_model: Path, fallback: FakeFallback) -> None:
+    """A fallback that broke off mid-stream counted `served`, one that broke off a whole answer too (and the
+    client got a 502); a client that left while the fallback answered was counted nowhere (the engines
+    count it `cancelled`)."""
+    with router_before(from_flags(fallback.url, None, BOTH), tiny_model) as url:
+        fallback.answer = Answer(events=6, break_after=3)
+        events = stream_events(url)
+        assert json.loads(events[-2])["error"]["code"] == "upstream_error" and events[-1] == "[DONE]"
+        fallback.answer = Answer(break_after=10)  # a whole answer cut: nothing has reached the client
+        r = httpx.post(f"{url}/v1/completions", json=body(False), timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded", r.text
+        seen = counters(url)
+        assert seen["ember_router:fallback_requests_total{failed}"] == 2, seen
+        assert seen["ember_router:fallback_requests_total{served}"] == 0, seen
+        # The client leaves mid-stream, then before a whole answer's head.
+        fallback.answer = Answer(events=400, event_gap=0.05)
+        with httpx.stream("POST", f"{url}/v1/completions", json=body(True), timeout=30) as r:
+            next(r.iter_lines())
+        wait_for(lambda: fallback.left == 1, what="the fallback's stream closed")
+        fallback.answer = Answer(head_delay=60)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body(False), timeout=httpx.Timeout(30, read=0.5))
+        wait_for(
+            lambda: counters(url)["ember_router:fallback_requests_total{cancelled}"] == 2,
+            what=lambda: f"both counted cancelled: {counters(url)}",
+        )
+        seen = counters(url)
+        assert seen["ember_router:fallback_requests_total{served}"] == 0, seen
+        assert seen["ember_router:fallback_requests_total{failed}"] == 2, seen
+
+
+def test_a_hold_that_runs_out_on_a_failing_fallback_says_so_once(
+    tiny_model: Path, fallback: FakeFallback
+) -> None:
+    """The answer said "no engine became ready within 1 s" with code `fleet_overloaded`, counted
+    `shed{fleet_overloaded}`: the message, the code and the counter now agree."""
+    fallback.answer = Answer(status=500)
+    with router_before(from_flags(fallback.url, None, BOTH), tiny_model, hold_seconds=0.5) as url:
+        r = httpx.post(f"{url}/v1/completions", json=body(False), timeout=30)
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert (
+            error["code"] == "no_engine_ready" and "no engine became ready within 0.5 s" in error["message"]
+        )
+        seen = counters(url)
+        assert seen["ember_router:shed_requests_total{no_engine_ready}"] == 1, seen
+        assert seen["ember_router:shed_requests_total{fleet_overloaded}"] == 0, seen
+        assert seen["ember_router:fallback_requests_total{failed}"] == 1, seen

@@ -28,14 +28,16 @@ class RouterMetrics:
         )
         self.fallback = Counter(
             "ember_router:fallback_requests",
-            "Requests no engine could take, sent to the fallback by the router (outcome: served or failed)",
+            "Requests no engine could take, sent to the fallback by the router (outcome: served whole; failed: "
+            "it could not be reached, answered an error status, or broke off its answer; cancelled: the "
+            "client left first)",
             ["outcome"],
             registry=r,
         )
         # Every series from the start, at 0: a rate over a series that appears with its first event misses it.
         for reason in ("fleet_overloaded", "no_engine_ready"):
             self.shed.labels(reason)
-        for outcome in ("served", "failed"):
+        for outcome in ("served", "failed", "cancelled"):
             self.fallback.labels(outcome)
         self.engine_sheds_retried = Counter(
             "ember_router:engine_sheds_retried",

@@ -65,6 +65,14 @@ INLINE_TOKENIZE = 256
 
 
 @dataclass
+class Ending:
+    """How an answer that began ended, as the fallback's are counted: served (whole), failed (the upstream
+    broke off), cancelled (the client left)."""
+
+    outcome: str = "served"
+
+
+@dataclass
 class RouterSettings:
     epsilon: float = 0.25  # bounded load: at most (1 + epsilon) x the mean
     session_header: str = "x-session-id"
@@ -324,11 +332,7 @@ class Router:
     async def _no_engine_ready(self, request: web.Request, body: Any, arrived: float) -> web.StreamResponse:
         """The hold ran out with no engine Ready: the fallback for Unavailable if one is set, else a 503."""
         why = f"no engine became ready within {self.settings.hold_seconds:g} s"
-        fallback = self._fallback()
-        if fallback is not None and "Unavailable" in fallback.when:
-            return await self._shed(request, body, arrived, why, "Unavailable")
-        self.metrics.shed.labels("no_engine_ready").inc()
-        return _error(503, f"{why}; retry later", "overloaded", "no_engine_ready", self._retry_after())
+        return await self._shed(request, body, arrived, why, "Unavailable", "no_engine_ready")
 
     def _retry_after(self) -> int:
         """The seconds the router's own refusals ask clients to wait: the policy file's
@@ -374,26 +378,44 @@ class Router:
         return from_policy(self.policy) if self.policy is not None else self.settings.fallback
 
     async def _shed(
-        self, request: web.Request, body: Any, arrived: float, why: str, condition: str
+        self,
+        request: web.Request,
+        body: Any,
+        arrived: float,
+        why: str,
+        condition: str,
+        code: str = "fleet_overloaded",
     ) -> web.StreamResponse:
         """No engine takes the request: the fallback serves it if one is set for this `condition` (Overloaded
-        or Unavailable) and answers, else a 503 now."""
+        or Unavailable) and answers, else a 503 now, with `code` (as `why` says) and counted under it."""
         target = self._fallback()
         if target is not None and condition in target.when and isinstance(body, dict):
-            assert self.session is not None
+            response = await self._to_fallback(request, target, body, arrived)
+            if response is not None:
+                return response
+        self.metrics.shed.labels(code).inc()
+        return _error(503, f"{why}; retry later", "overloaded", code, self._retry_after())
+
+    async def _to_fallback(
+        self, request: web.Request, target: FallbackTarget, body: dict[str, Any], arrived: float
+    ) -> web.StreamResponse | None:
+        """Relay the request to the fallback, counted by how that ended (`ember_router:fallback_requests`):
+        served whole, failed (None where nothing of it reached the client), or cancelled by the client."""
+        assert self.session is not None
+        ending = Ending()
+        try:
             model = await self.fallback_models.name(self.session, target)
             if model:
                 body = {**body, "model": model}
             response = await self._forward(
                 request, target.url, json.dumps(body).encode(), "POST", "fallback", 0, arrived, retry=True,
-                timeout=target.timeout, fallback=True, stream=_streams(body),
+                timeout=target.timeout, fallback=True, stream=_streams(body), ending=ending,
             )  # fmt: skip
-            if response is not None:
-                self.metrics.fallback.labels("served").inc()
-                return response
-            self.metrics.fallback.labels("failed").inc()
-        self.metrics.shed.labels("fleet_overloaded").inc()
-        return _error(503, f"{why}; retry later", "overloaded", "fleet_overloaded", self._retry_after())
+        except asyncio.CancelledError:  # the client left (its handler is cancelled)
+            self.metrics.fallback.labels("cancelled").inc()
+            raise
+        self.metrics.fallback.labels("failed" if response is None else ending.outcome).inc()
+        return response
 
     def _timed_out(self, engine_url: str, timeout: float | None) -> web.Response:
         """A 504: the engine has the request but sent nothing for the read deadline. Not retried elsewhere
@@ -418,14 +440,17 @@ class Router:
         unreachable: set[str] | None = None,
         fallback: bool = False,
         stream: bool = False,
+        ending: Ending | None = None,
     ) -> web.StreamResponse | None:
         """Send the request to one engine and relay its answer; None when, before the response began, it
         answered overloaded or could not be reached (then it is added to `unreachable`) and `retry` allows
         another engine; for the `fallback`, None also when it answered an error status (>= 400: the fallback
-        failed, as the engines' own fallback takes it). `accepted` is called when the engine itself takes
+        failed, as the engines' own fallback takes it), or when its whole answer broke off; `ending` says how an
+        answer that began ended. `accepted` is called when the engine itself takes
         the request (a 2xx answer not from its fallback). Only a stream's answer is a first token: its first
         event comes with it, where a whole answer's first byte comes with its last."""
         assert self.session is not None
+        ending = Ending() if ending is None else ending
         arrived = time.perf_counter() if arrived is None else arrived
         engine = self.pool.engines.get(engine_url)
         # The fallback is no engine of the pool: nothing to count or mark there.
@@ -504,6 +529,9 @@ class Router:
                         body = await upstream.read()
                     except (aiohttp.ClientError, TimeoutError) as exc:
                         self.metrics.upstream_errors.labels(engine_url).inc()
+                        if fallback:  # nothing has reached the client: the fallback failed
+                            log.warning("fallback %s broke off its answer: %r", engine_url, exc)
+                            return None
                         if isinstance(exc, aiohttp.SocketTimeoutError):
                             return self._timed_out(engine_url, timeout)
                         return _error(502, f"the engine {engine_url} broke off its answer: {exc!r}",
@@ -532,12 +560,14 @@ class Router:
                         try:
                             await out.write(framer.feed(chunk) if framer is not None else chunk)
                         except ConnectionResetError:
+                            ending.outcome = "cancelled"
                             return out  # the client left; leaving closes the upstream (below)
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     # The engine broke off (it died, or said nothing for the read deadline): a stream ends
                     # with an error event after its last whole event; another body cannot be mended, and its
                     # connection is closed unfinished so that the client sees it cut.
                     self.metrics.upstream_errors.labels(engine_url).inc()
+                    ending.outcome = "failed"
                     log.warning("%s broke off its answer to %s: %r", engine_url, request.path, exc)
                     if framer is None:
                         if request.transport is not None:
