@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
+from pydantic import ValidationError
 
 from ember_engine.server.policy import parse_policy
 from ember_localcluster.apiserver.podsecurity import violations
@@ -267,6 +268,25 @@ def test_scale_from_zero_reads_the_ready_routers_held_requests() -> None:
     assert not router.wakes(no_router, 0, 5)
     (container,) = _pod_spec(make_spec(router={"holdSeconds": 12}))["containers"]
     assert "--hold-seconds=12.0" in container["args"]
+
+
+def test_the_routers_stream_idle_timeout_comes_from_the_spec_when_set() -> None:
+    """The operator ran its routers with no bound on an idle stream: a frozen engine held its clients'
+    streams for ever. spec.router.streamIdleTimeoutSeconds sets the router's; unset, the routers' own
+    default applies (300 s) and their arguments are as before (no roll on upgrade)."""
+    (container,) = _pod_spec(make_spec(router={"streamIdleTimeoutSeconds": 60}))["containers"]
+    assert "--stream-idle-timeout=60.0" in container["args"]
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+    parsed = parser.parse_args([a.replace("$(POD_NAMESPACE)", "prod") for a in container["args"]])
+    assert parsed.stream_idle_timeout == 60
+    (container,) = _pod_spec(make_spec(router={"streamIdleTimeoutSeconds": 0}))["containers"]
+    assert "--stream-idle-timeout=0.0" in container["args"]
+    (container,) = _pod_spec(make_spec())["containers"]
+    assert not any(a.startswith("--stream-idle-timeout") for a in container["args"])
+    for bad in (-1, 86401, "soon"):
+        with pytest.raises(ValidationError):
+            make_spec(router={"streamIdleTimeoutSeconds": bad})
 
 
 def test_fallback_active_counts_what_the_routers_and_the_engines_sent_each_once() -> None:

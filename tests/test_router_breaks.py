@@ -178,3 +178,40 @@ def test_the_routers_own_errors_are_openai_shaped(tiny_model: Path, engine: InPr
         assert one.status_code == 200 and one.json()["id"] == model, one.text
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert client.models.retrieve(model).id == model
+
+
+def test_a_stream_from_a_frozen_engine_ends_after_the_stream_idle_timeout(tiny_model: Path) -> None:
+    """With no `--upstream-timeout` (as the operator runs the router), a stream whose engine froze mid-way
+    (SIGSTOP) never ended: no error event, no `[DONE]`, the client waiting for ever. An idle stream now ends
+    after the router's stream idle timeout (300 s unless set, as Envoy's `stream_idle_timeout`)."""
+    assert RouterSettings().stream_idle_timeout == 300.0
+    with (
+        server_process(tiny_model, "--block-size", "16") as (engine_url, proc),
+        running_router(tiny_model, [engine_url], settings=RouterSettings(stream_idle_timeout=1.0)) as (
+            url,
+            _,
+        ),
+    ):
+        body = {
+            "model": _model(engine_url),
+            "prompt": "go",
+            "max_tokens": 1900,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        events: list[str] = []
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: ") :])
+                        if len(events) == 3:
+                            proc.send_signal(signal.SIGSTOP)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "upstream_timeout" and "1 s" in error["message"], error
+        assert all("choices" in json.loads(e) for e in events[:-2])
+        assert _counter(url, "ember_router:upstream_errors_total") == 1

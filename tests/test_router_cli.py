@@ -27,6 +27,8 @@ from ember_router import main as router_main
         ("--drain-timeout", "-1", r"--drain-timeout must be a finite number >= 0, got -1"),
         ("--upstream-timeout", "0", r"--upstream-timeout must be a finite number > 0, got 0"),
         ("--fallback-timeout", "0", r"--fallback-timeout must be a finite number > 0, got 0"),
+        ("--stream-idle-timeout", "-1", r"--stream-idle-timeout must be a finite number >= 0, got -1"),
+        ("--stream-idle-timeout", "inf", r"--stream-idle-timeout must be a finite number >= 0, got inf"),
         ("--fallback-timeout", "inf", r"--fallback-timeout must be a finite number > 0, got inf"),
     ],
 )
@@ -68,3 +70,15 @@ def test_endpoints_and_a_kube_selector_together_are_refused(tiny_model: Path) ->
     """The endpoints were silently ignored."""
     with pytest.raises(SystemExit, match=r"^ember router: give --endpoint or --kube-selector, not both$"):
         _build(tiny_model, "--kube-selector", "a=b", "--endpoint", "http://127.0.0.1:9")
+
+
+def test_the_stream_idle_timeout_is_300_s_unless_set_and_0_is_none(tiny_model: Path) -> None:
+    parser = argparse.ArgumentParser()
+    router_main.add_arguments(parser)
+    argv = ["--model", str(tiny_model), "--endpoint", "http://127.0.0.1:9"]
+    for extra, seconds in (
+        ([], 300.0),
+        (["--stream-idle-timeout=5"], 5.0),
+        (["--stream-idle-timeout=0"], None),
+    ):
+        assert router_main.build(parser.parse_args([*argv, *extra])).settings.stream_idle_timeout == seconds

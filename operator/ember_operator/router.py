@@ -107,6 +107,9 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
     # What changes with other objects (the fallback's and the routing targets' addresses) is in files the
     # router re-reads, not here: a change to these arguments rolls the routers.
     routes = [f"--routes={POLICY_DIR}/{ROUTES_FILE}"] if spec.routing else []
+    # Unset, left out: the router's own default, and the arguments of routers made before it stay as they were.
+    idle = spec.router.stream_idle_timeout_seconds
+    stream_idle = [f"--stream-idle-timeout={idle}"] if idle is not None else []
     return [
         f"--model={modelsource.model_path(spec)}",
         f"--kube-selector={selector_string(active_selector(owner.name))}",
@@ -117,6 +120,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
         f"--hold-seconds={spec.router.hold_seconds}",
         f"--drain-timeout={spec.lifecycle.drain_seconds}",
         f"--policy={POLICY_DIR}/{POLICY_FILE}",
+        *stream_idle,
         *routes,
     ]
 

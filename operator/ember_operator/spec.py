@@ -620,6 +620,13 @@ class Router(_Object):
         description="With no engine Ready, how long a router holds a request for one (the demand that wakes "
         "a service with replicas.min 0); 0: answer 503 at once.",
     )
+    stream_idle_timeout_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        le=86400,
+        description="How long a stream may pass with nothing from its engine before a router ends it with an "
+        "error event (code upstream_timeout) and [DONE]; 0: no limit. Unset: the router's own, 300.",
+    )
     node_selector: dict[str, str] = Field(
         default_factory=dict,
         max_length=MAX_NODE_SELECTOR,

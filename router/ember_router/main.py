@@ -122,6 +122,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "before answering 504 (default: no limit; the engines' own request deadline applies)",
     )
     p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a stream may pass with nothing from its engine (or the fallback) before the router "
+        "ends it with an error event (code upstream_timeout) and [DONE] (default 300; 0: no limit)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -145,6 +152,7 @@ def build(args: argparse.Namespace) -> Router:
         ("--poll-interval", args.poll_interval, None),
         ("--hold-seconds", args.hold_seconds, 0.0),
         ("--drain-timeout", args.drain_timeout, 0.0),
+        ("--stream-idle-timeout", args.stream_idle_timeout, 0.0),
         ("--upstream-timeout", args.upstream_timeout if args.upstream_timeout is not None else 1.0, None),
         ("--fallback-timeout", args.fallback_timeout if args.fallback_timeout is not None else 1.0, None),
     ):
@@ -205,6 +213,7 @@ def build(args: argparse.Namespace) -> Router:
             routes=routes,
             hold_seconds=args.hold_seconds,
             upstream_timeout=args.upstream_timeout,
+            stream_idle_timeout=args.stream_idle_timeout or None,
         ),
         discovery=discovery,
         policy=policy,

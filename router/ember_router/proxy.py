@@ -41,7 +41,7 @@ from ember_router.metrics import RouterMetrics
 from ember_router.policy import EngineState, choose
 from ember_router.pool import EnginePool
 from ember_router.prompts import request_prompts
-from ember_router.relay import EventFramer, error_event, error_response, openai_errors
+from ember_router.relay import EventFramer, StreamIdle, chunks, error_event, error_response, openai_errors
 from ember_router.routes_file import RoutesFile
 from ember_router.rules import Request, Rule, decide, requested_max_tokens
 
@@ -89,6 +89,9 @@ class RouterSettings:
     routes: tuple[tuple[Rule, str], ...] = ()
     # With no engine Ready, hold a request this long for one to become Ready (0: shed at once).
     hold_seconds: float = 0.0
+    # Seconds a stream (an event-stream answer) may pass with nothing from its upstream before the router
+    # ends it with an error event; None: no limit (a frozen engine holds the client for ever).
+    stream_idle_timeout: float | None = 300.0
 
 
 @dataclass
@@ -552,8 +555,9 @@ class Router:
                 )
                 # A refusal, or a body other than a stream, has no first token to time.
                 first = ok and framer is not None
+                idle = self.settings.stream_idle_timeout if _is_sse(upstream.content_type) else None
                 try:
-                    async for chunk in upstream.content.iter_any():
+                    async for chunk in chunks(upstream.content, idle):
                         if first:
                             self.metrics.ttft.observe(time.perf_counter() - arrived)
                             first = False
@@ -562,6 +566,21 @@ class Router:
                         except ConnectionResetError:
                             ending.outcome = "cancelled"
                             return out  # the client left; leaving closes the upstream (below)
+                except StreamIdle:
+                    # The engine sent nothing of the stream for the idle timeout (frozen, or its host
+                    # gone without a word): the stream ends as one broken off, and the upstream is closed.
+                    self.metrics.upstream_errors.labels(engine_url).inc()
+                    ending.outcome = "failed"
+                    upstream.close()
+                    said = f"{_upstream(engine_url, fallback)} sent nothing for {idle:g} s (the router's stream idle timeout)"
+                    log.warning("%s: %s", request.path, said)
+                    if framer is None:
+                        if request.transport is not None:
+                            request.transport.close()
+                        finished = True
+                        return out
+                    with contextlib.suppress(ConnectionResetError):
+                        await out.write(error_event(said, "upstream_timeout"))
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     # The engine broke off (it died, or said nothing for the read deadline): a stream ends
                     # with an error event after its last whole event; another body cannot be mended, and its
@@ -598,6 +617,11 @@ class Router:
                 await upstream_cm.__aexit__(None, None, None)
         finally:
             state.in_flight -= 1
+
+
+def _upstream(url: str, fallback: bool) -> str:
+    """The upstream as the router's messages name it."""
+    return f"the fallback {url}" if fallback else f"the engine {url}"
 
 
 def _streams(body: Any) -> bool:

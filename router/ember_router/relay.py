@@ -4,9 +4,11 @@ mid-stream can be followed by a whole error event), and the router's own errors 
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+import aiohttp
 from aiohttp import web
 
 _END = b"\n\n"  # an SSE event ends with a blank line
@@ -32,6 +34,30 @@ class EventFramer:
         """What came after the last whole event (passed on where the stream ended cleanly)."""
         held, self._held = self._held, b""
         return held
+
+
+class StreamIdle(Exception):
+    """The upstream sent nothing of a stream for the stream idle timeout."""
+
+
+async def chunks(content: aiohttp.StreamReader, idle: float | None) -> AsyncIterator[bytes]:
+    """A body's pieces as they come; raises StreamIdle when the next takes longer than `idle` seconds (None:
+    no limit but the session's own read deadline, whose TimeoutError passes as it is)."""
+    while True:
+        if idle is None:
+            chunk = await content.readany()
+        else:
+            deadline = asyncio.timeout(idle)
+            try:
+                async with deadline:
+                    chunk = await content.readany()
+            except TimeoutError:
+                if deadline.expired():
+                    raise StreamIdle from None
+                raise
+        if not chunk:
+            return
+        yield chunk
 
 
 def error_event(message: str, code: str) -> bytes:
