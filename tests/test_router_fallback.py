@@ -139,7 +139,10 @@ def test_a_stream_that_breaks_off_ends_with_an_error_event_whatever_the_client_a
         events = stream_events(url)
         assert len(events) == 5 and events[-1] == "[DONE]", events
         assert all("choices" in json.loads(e) for e in events[:3])
-        assert json.loads(events[3])["error"]["code"] == "upstream_error"
+        error = json.loads(events[3])["error"]
+        assert error["code"] == "upstream_error"
+        # Said plainly, naming the fallback (it said "the engine" and passed on an aiohttp exception's repr).
+        assert error["message"] == f"the fallback {fallback.url} broke off its answer before its end", error
         # A server that compresses a stream though asked not to: passed on as it is, still whole.
         fallback.answer = Answer(force_gzip=True, events=6)
         events = stream_events(url)

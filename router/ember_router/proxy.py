@@ -537,7 +537,8 @@ class Router:
                             return None
                         if isinstance(exc, aiohttp.SocketTimeoutError):
                             return self._timed_out(engine_url, timeout)
-                        return _error(502, f"the engine {engine_url} broke off its answer: {exc!r}",
+                        log.warning("%s broke off its answer to %s: %r", engine_url, request.path, exc)
+                        return _error(502, f"{_upstream(engine_url, fallback)} broke off its answer before its end",
                                       "upstream_error", "upstream_error", self._retry_after())  # fmt: skip
                     finished = True
                     self.metrics.e2e.observe(time.perf_counter() - arrived)
@@ -596,7 +597,12 @@ class Router:
                     with contextlib.suppress(ConnectionResetError):  # (the client may be gone too)
                         await out.write(
                             error_event(
-                                f"the engine {engine_url} broke off its answer: {exc!r}", "upstream_error"
+                                _broke_off(
+                                    _upstream(engine_url, fallback),
+                                    exc,
+                                    timeout or self.settings.upstream_timeout,
+                                ),
+                                "upstream_error",
                             )
                         )
                 else:
@@ -617,6 +623,13 @@ class Router:
                 await upstream_cm.__aexit__(None, None, None)
         finally:
             state.in_flight -= 1
+
+
+def _broke_off(upstream: str, exc: BaseException, read_deadline: float | None) -> str:
+    """What a client is told of an upstream that broke off its answer, in words (the exception is logged)."""
+    if isinstance(exc, TimeoutError) and read_deadline is not None:
+        return f"{upstream} sent nothing for {read_deadline:g} s (the router's read deadline)"
+    return f"{upstream} broke off its answer before its end"
 
 
 def _upstream(url: str, fallback: bool) -> str:
