@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import socket
@@ -65,7 +66,8 @@ def test_a_client_leaving_a_non_streaming_fallback_request_aborts_it_there(
 
 class _BrokenFallback(BaseHTTPRequestHandler):
     """Takes the request, then: "truncate" sends its headers and part of the body and hangs up (a stream:
-    one event first); "stall" says nothing until the relay gives up."""
+    one event first); "stall" says nothing until the relay gives up; "gzip" answers whole, compressed as
+    its request accepts."""
 
     protocol_version = "HTTP/1.1"
 
@@ -73,6 +75,18 @@ class _BrokenFallback(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         if body["prompt"] == "stall":
             self.server.release.wait(10)  # type: ignore[attr-defined]
+            return
+        if body["prompt"] == "gzip" and "gzip" in self.headers.get("accept-encoding", ""):
+            events = b'data: {"id": "x"}\n\n' if body.get("stream") else b'{"id": "x"}'
+            packed = gzip.compress(events + (b"data: [DONE]\n\n" if body.get("stream") else b""))
+            self.send_response(200)
+            self.send_header(
+                "content-type", "text/event-stream" if body.get("stream") else "application/json"
+            )
+            self.send_header("content-encoding", "gzip")
+            self.send_header("content-length", str(len(packed)))
+            self.end_headers()
+            self.wfile.write(packed)
             return
         self.send_response(200)
         self.send_header("content-type", "text/event-stream" if body.get("stream") else "application/json")
@@ -134,6 +148,21 @@ def test_a_fallback_stream_that_breaks_ends_with_a_whole_error_event(shedding_to
         "param": None,
         "code": "fallback_interrupted",
     }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_fallback_that_compresses_its_answer_is_relayed_readable(
+    shedding_to: InProcessServer, stream: bool
+) -> None:
+    """The relay asks the fallback for a compressed answer (httpx's default Accept-Encoding) and sends it on
+    without its Content-Encoding: a stream went on still compressed, bytes no client could read."""
+    body = {"model": MODEL, "prompt": "gzip", "max_tokens": 2, "stream": stream}
+    with httpx.stream("POST", f"{shedding_to.url}/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
+        assert "content-encoding" not in r.headers
+        text = r.read().decode()
+    assert text == ('data: {"id": "x"}\n\ndata: [DONE]\n\n' if stream else '{"id": "x"}')
+    assert fallback_outcome(shedding_to.url, "served") == 1
 
 
 def test_a_fallback_timing_out_is_logged_by_the_error_type(

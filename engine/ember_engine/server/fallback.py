@@ -132,7 +132,7 @@ class Fallback:
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.aiter_bytes():  # decoded: the answer goes on without its encoding
                     yield chunk
             except httpx.HTTPError as exc:  # the fallback broke mid-stream: end the stream readably
                 log.warning("fallback stream from %s broke: %s", base, _reason(exc))
