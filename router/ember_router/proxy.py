@@ -42,6 +42,7 @@ from ember_router.policy import EngineState, choose
 from ember_router.pool import EnginePool
 from ember_router.prompts import request_prompts
 from ember_router.relay import EventFramer, StreamIdle, chunks, error_event, error_response, openai_errors
+from ember_router.request_id import request_ids, stamp
 from ember_router.routes_file import RoutesFile
 from ember_router.rules import Request, Rule, decide, requested_max_tokens
 
@@ -111,7 +112,8 @@ class Router:
     # -- the app ----------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[openai_errors])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[request_ids, openai_errors])
+        app.on_response_prepare.append(stamp)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)

@@ -34,6 +34,7 @@ from ember_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from ember_engine.server.request_id import RequestId
 from ember_engine.server.responses import _complete, _merge, _stream, _TicketedStream, _tracked
 from ember_engine.server.state import ServerState, _Ticket
 from ember_engine.server.structured import CompileCache, request_constraint
@@ -49,6 +50,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestId)  # outermost: the body limit's refusals carry an id too
 
     @app.get("/health")
     async def health() -> dict[str, str]:
