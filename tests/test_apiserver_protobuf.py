@@ -215,7 +215,15 @@ def test_kinds_without_tables_and_broken_bodies() -> None:
         decode_body(_envelope("apps/v1", "StatefulSet", _meta("s")))
     assert refused.value.code == 415 and "apps/v1 StatefulSet" in refused.value.message
     assert "v1 Namespace" in refused.value.message  # it says which kinds it reads
-    for broken in (b"{}", MAGIC + b"\x0a\x05ab", _envelope("v1", "ConfigMap", b"\x0a\x80")):
+    bad_key = _field(
+        2, _field(1, b"\xff\xfe") + _field(2, b"1")
+    )  # a data key that is no UTF-8 (a 500 before)
+    for broken in (
+        b"{}",
+        MAGIC + b"\x0a\x05ab",
+        _envelope("v1", "ConfigMap", b"\x0a\x80"),
+        _envelope("v1", "ConfigMap", _meta("c") + bad_key),
+    ):
         with pytest.raises(APIError) as refused:
             decode_body(broken)
         assert refused.value.code == 400

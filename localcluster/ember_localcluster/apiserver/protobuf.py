@@ -177,7 +177,7 @@ def _entry(data: bytes, field: Field, message: str) -> tuple[str, Any]:
     item: Any = ZERO.get(field.map_of, {})
     for number, wire, value in fields(data):
         if number == 1:
-            key = _bytes(value, field, message).decode()
+            key = _value(wire, value, "string", field, message)
         elif number == 2:
             item = _value(wire, value, field.map_of, field, message)
         else:
