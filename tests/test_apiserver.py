@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import pytest
 import yaml
 from apiserver_http import http
 from kopf.testing import KopfRunner
+from kubectl_run import kubectl
 from kubernetes.client import ApiClient, ApiException, CoreV1Api, CustomObjectsApi
 from waiting import wait_for
 
@@ -826,16 +826,8 @@ def test_kopf_operator_lifecycle(
 
 
 def test_kubectl(server: APIServer, tmp_path: Path) -> None:
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is not on PATH; it is part of the machine setup (apt install kubectl)"
-    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
-
     def run(*args: str) -> str:
-        # A private cache dir: kubectl caches discovery per server address, and ports get reused.
-        command = [kubectl, "--kubeconfig", str(kubeconfig), "--cache-dir", str(tmp_path / "cache"), *args]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, f"{' '.join(args)} failed: {result.stderr}"
-        return result.stdout
+        return kubectl(server, tmp_path, *args).stdout
 
     assert "created" in run("apply", "-f", str(REPO / "crds" / "inferenceservice.yaml"))
     manifest = tmp_path / "chat.yaml"

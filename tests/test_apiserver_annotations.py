@@ -3,14 +3,13 @@ lower-cased), all keys and values together at most 256 KiB; through kubectl and 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 from apiserver_http import http
+from kubectl_run import kubectl
 
 from ember_localcluster.apiserver import APIServer
 
@@ -35,8 +34,6 @@ def server() -> Iterator[APIServer]:
 
 def test_client_side_apply_of_a_large_configmap_is_refused(server: APIServer, tmp_path: Path) -> None:
     """kubectl keeps the whole applied object in the last-applied-configuration annotation."""
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is not on PATH; it is part of the machine setup (apt install kubectl)"
     manifest = tmp_path / "big.yaml"
     body = {
         "apiVersion": "v1",
@@ -45,11 +42,7 @@ def test_client_side_apply_of_a_large_configmap_is_refused(server: APIServer, tm
         "data": {"a": "x" * 300_000},
     }
     manifest.write_text(yaml.safe_dump(body))
-    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
-    command = [kubectl, "--kubeconfig", str(kubeconfig), "--cache-dir", str(tmp_path / "cache")]
-    result = subprocess.run(
-        [*command, "apply", "-f", str(manifest)], capture_output=True, text=True, timeout=60
-    )
+    result = kubectl(server, tmp_path, "apply", "-f", str(manifest), ok=False)
     assert result.returncode != 0
     assert f'The ConfigMap "big" is invalid: {TOO_LONG}' in result.stderr
     assert http(server, "GET", f"{CMS}/big")[0] == 404

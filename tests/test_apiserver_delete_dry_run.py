@@ -5,8 +5,6 @@ kube-apiserver validates them (ValidateDeleteOptions, a 422)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ from typing import Any
 import kubernetes
 import pytest
 from apiserver_http import http
+from kubectl_run import kubectl
 from kubernetes.client import ApiClient, CoreV1Api
 
 from ember_localcluster.apiserver import APIServer
@@ -45,13 +44,7 @@ def core(server: APIServer, tmp_path: Path) -> Iterator[CoreV1Api]:
 
 
 def _kubectl(server: APIServer, tmp_path: Path, *args: str) -> str:
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is not on PATH; it is part of the machine setup (apt install kubectl)"
-    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
-    command = [kubectl, "--kubeconfig", str(kubeconfig), "--cache-dir", str(tmp_path / "cache"), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, f"{' '.join(args)} failed: {result.stderr}"
-    return result.stdout
+    return kubectl(server, tmp_path, *args).stdout
 
 
 def _exists(server: APIServer, path: str) -> bool:

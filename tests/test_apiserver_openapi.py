@@ -5,8 +5,6 @@ CRDs; built-in kinds without schemas."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from apiserver_http import http
+from kubectl_run import kubectl
 
 from ember_localcluster.apiserver import APIServer
 from ember_operator.crd import crd_manifest
@@ -31,19 +30,6 @@ def server() -> Iterator[APIServer]:
     with APIServer() as api:
         api.install_crd(crd_manifest())
         yield api
-
-
-def _kubectl(
-    server: APIServer, tmp_path: Path, *args: str, ok: bool = True
-) -> subprocess.CompletedProcess[str]:
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is not on PATH; it is part of the machine setup (apt install kubectl)"
-    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
-    command = [kubectl, "--kubeconfig", str(kubeconfig), "--cache-dir", str(tmp_path / "cache"), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    if ok:
-        assert result.returncode == 0, f"{' '.join(args)} failed: {result.stderr}"
-    return result
 
 
 def _get(server: APIServer, path: str, accept: str | None = None) -> tuple[int, bytes]:
@@ -78,7 +64,7 @@ def _keys(node: Any) -> set[str]:
 
 
 def test_kubectl_explain_shows_the_inference_service(server: APIServer, tmp_path: Path) -> None:
-    out = _kubectl(server, tmp_path, "explain", "eis").stdout
+    out = kubectl(server, tmp_path, "explain", "eis").stdout
     header = out.split("DESCRIPTION:")[0].split()
     assert header == ["GROUP:", "ember.dev", "KIND:", "InferenceService", "VERSION:", "v1alpha1"]
     fields = [
@@ -90,19 +76,19 @@ def test_kubectl_explain_shows_the_inference_service(server: APIServer, tmp_path
 
 
 def test_kubectl_explain_a_nested_field(server: APIServer, tmp_path: Path) -> None:
-    out = _kubectl(server, tmp_path, "explain", "eis.spec.engine").stdout
+    out = kubectl(server, tmp_path, "explain", "eis.spec.engine").stdout
     assert "FIELD: engine <Object>" in out
     assert "blockSize\t<integer>" in out and "kvCacheDtype\t<string>" in out
 
 
 def test_kubectl_explain_recursive_reaches_object_meta(server: APIServer, tmp_path: Path) -> None:
-    out = _kubectl(server, tmp_path, "explain", "eis", "--recursive").stdout
+    out = kubectl(server, tmp_path, "explain", "eis", "--recursive").stdout
     assert "ownerReferences\t<[]OwnerReference>" in out and "blockSize\t<integer>" in out
 
 
 def test_kubectl_explain_of_a_built_in_kind_fails(server: APIServer, tmp_path: Path) -> None:
     """Built-in kinds have no schema here."""
-    result = _kubectl(server, tmp_path, "explain", "pods", ok=False)
+    result = kubectl(server, tmp_path, "explain", "pods", ok=False)
     assert result.returncode != 0 and "not found in OpenAPI schema" in result.stderr
 
 
@@ -110,9 +96,9 @@ def test_kubectl_apply_still_patches_built_in_kinds(server: APIServer, tmp_path:
     manifest = tmp_path / "cm.yaml"
     body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "applied"}, "data": {"a": "1"}}
     manifest.write_text(yaml.safe_dump(body))
-    assert "created" in _kubectl(server, tmp_path, "apply", "-f", str(manifest)).stdout
+    assert "created" in kubectl(server, tmp_path, "apply", "-f", str(manifest)).stdout
     manifest.write_text(yaml.safe_dump({**body, "data": {"a": "2"}}))
-    result = _kubectl(server, tmp_path, "apply", "-f", str(manifest))
+    result = kubectl(server, tmp_path, "apply", "-f", str(manifest))
     assert "configured" in result.stdout and "warning" not in result.stderr.lower(), result.stderr
     assert http(server, "GET", "/api/v1/namespaces/default/configmaps/applied")[1]["data"] == {"a": "2"}
 

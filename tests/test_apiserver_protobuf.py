@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import kubectl_run
 import pytest
 
 from ember_localcluster.apiserver import APIError, APIServer
@@ -28,16 +27,8 @@ def server() -> Iterator[APIServer]:
 
 @pytest.fixture
 def kubectl(server: APIServer, tmp_path: Path) -> Run:
-    binary = shutil.which("kubectl")
-    assert binary, "kubectl is not on PATH; it is part of the machine setup (apt install kubectl)"
-    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
-
     def run(*args: str) -> str:
-        # A private cache dir: kubectl caches discovery per server address, and ports get reused.
-        command = [binary, "--kubeconfig", str(kubeconfig), "--cache-dir", str(tmp_path / "cache"), *args]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, f"{' '.join(args)} failed: {result.stderr}"
-        return result.stdout
+        return kubectl_run.kubectl(server, tmp_path, *args).stdout
 
     return run
 

@@ -5,8 +5,6 @@ metadata's first."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from apiserver_http import http
+from kubectl_run import kubectl
 
 from ember_localcluster.apiserver import APIServer
 from ember_operator.crd import crd_manifest
@@ -81,14 +80,8 @@ def test_patch_answers_the_bare_error(server: APIServer) -> None:
 
 
 def test_kubectl_apply_shows_the_kind(server: APIServer, tmp_path: Path) -> None:
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is not on PATH; it is part of the machine setup (apt install kubectl)"
     manifest = tmp_path / "eis.yaml"
     manifest.write_text(yaml.safe_dump(_eis("k", foo=1)))
-    kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
-    command = [kubectl, "--kubeconfig", str(kubeconfig), "--cache-dir", str(tmp_path / "cache")]
-    result = subprocess.run(
-        [*command, "apply", "-f", str(manifest)], capture_output=True, text=True, timeout=60
-    )
+    result = kubectl(server, tmp_path, "apply", "-f", str(manifest), ok=False)
     assert result.returncode != 0
     assert PREFIX + 'strict decoding error: unknown field "spec.foo"' in result.stderr
