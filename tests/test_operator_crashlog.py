@@ -76,3 +76,60 @@ def test_a_groups_hold_outlives_the_operator_on_its_leaderworkerset() -> None:
     # Restoring is for a log that lost the group: one that has it keeps its own.
     again.restore(_group({CRASH_HOLD_ANNOTATION: kept}), now=14.0, wall=6000.0)
     assert "held back 20 s" in again.troubles("ns", "svc", units, now=14.5)[0].message
+
+
+def test_a_restart_counts_the_crashed_pods_it_sees_again_once() -> None:
+    log = CrashLog()
+    pods = [_crashed(0, "0"), _crashed(1, "0")]
+    for p in pods:
+        log.record(p)
+    units = collect_units(OWNER, pods, [_group()])
+    assert log.troubles("ns", "svc", units, now=100.0) == []
+    kept = log.annotation("ns", GROUP, now=100.0, wall=5000.0)
+
+    # The operator after a restart lists the same two crashed pods: still two crashes, nothing held.
+    again = CrashLog()
+    again.restore(_group({CRASH_HOLD_ANNOTATION: kept}), now=7.0, wall=5004.0)
+    for p in pods:
+        again.record(p)
+    assert again.troubles("ns", "svc", units, now=7.0) == []
+    assert not again.held("ns", GROUP)
+    # A third crash is the third.
+    again.record(_crashed(2, "0"))
+    (trouble,) = again.troubles("ns", "svc", units, now=8.0)
+    assert "crashed 3 times" in trouble.message and again.held("ns", GROUP)
+
+
+def test_a_hold_is_taken_up_when_a_pod_event_came_first() -> None:
+    log = CrashLog()
+    for n in range(3):
+        log.record(_crashed(n, "0"))
+    units = collect_units(OWNER, [], [_group()])
+    log.troubles("ns", "svc", units, now=100.0)
+    kept = log.annotation("ns", GROUP, now=100.0, wall=5000.0)
+
+    # The pod watch's first listing reaches the new operator before its first pass restores the hold.
+    again = CrashLog()
+    again.record(_crashed(2, "0"))
+    again.restore(_group({CRASH_HOLD_ANNOTATION: kept}), now=7.0, wall=5004.0)
+    assert again.held("ns", GROUP), "the saved hold was dropped"
+    (trouble,) = again.troubles("ns", "svc", units, now=7.0)
+    assert "crashed 3 times" in trouble.message and "held back 10 s" in trouble.message
+    # Taken up once: later passes read the annotation again, but the log's own state stands.
+    again.troubles("ns", "svc", units, now=13.0)
+    assert not again.held("ns", GROUP)
+    again.restore(_group({CRASH_HOLD_ANNOTATION: kept}), now=13.5, wall=5010.5)
+    assert not again.held("ns", GROUP)
+
+
+def test_the_kept_hold_names_a_bounded_number_of_pods() -> None:
+    log = CrashLog()
+    for n in range(100):
+        log.record(_crashed(n, "0"))
+    kept = log.annotation("ns", GROUP, now=100.0, wall=5000.0)
+    assert kept is not None and len(kept) < 2000
+    again = CrashLog()
+    again.restore(_group({CRASH_HOLD_ANNOTATION: kept}), now=7.0, wall=5004.0)
+    again.record(_crashed(99, "0"))
+    (trouble,) = again.troubles("ns", "svc", collect_units(OWNER, [], [_group()]), now=7.0)
+    assert "crashed 100 times" in trouble.message

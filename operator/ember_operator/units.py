@@ -36,6 +36,7 @@ from ember_operator.rollout import PodView
 # The kubelet's CrashLoopBackOff: 10 s, doubling, at most 5 minutes.
 HOLD_FIRST, HOLD_MAX = 10.0, 300.0
 CRASH_HOLD_ANNOTATION = "ember.dev/crash-hold"
+CRASH_PODS_KEPT = 32  # uids of crashed pods kept in the annotation, the latest ones
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -80,13 +81,14 @@ def collect_units(owner_uid: str, pods: list[dict[str, Any]], groups: list[dict[
 @dataclass(slots=True)
 class _Crashes:
     instance: str
-    pods: set[str] = field(default_factory=set)  # uids of the group's pods seen crashed
+    pods: dict[str, None] = field(default_factory=dict)  # uids of the group's pods seen crashed, in order
     message: str = ""  # the latest error, the leader's when it has one
     from_leader: bool = False
     hold: float = 0.0  # seconds of the latest hold (0: never held)
     held_until: float | None = None  # monotonic time the hold ends; None while not held
     crashes_at_release: int = 0  # crashes seen when the latest hold ended
-    earlier: int = 0  # crashes counted by an operator before this one started (`restore`)
+    earlier: int = 0  # crashes counted by an operator before this one started, of pods it no longer names
+    restored: bool = False  # whether the hold kept on the LeaderWorkerSet was taken up (`restore`)
 
     @property
     def crashes(self) -> int:
@@ -108,34 +110,49 @@ class CrashLog:
             return
         meta = pod["metadata"]
         entry = self._groups.setdefault((meta.get("namespace", ""), group), _Crashes(instance))
-        entry.pods.add(meta.get("uid", meta["name"]))
+        entry.pods[meta.get("uid", meta["name"])] = None
         leader = labels.get(WORKER_INDEX_LABEL) == "0"
         if leader or not entry.from_leader:
             entry.message, entry.from_leader = message, leader
 
     def restore(self, group: dict[str, Any], now: float, wall: float) -> None:
-        """Take up the hold kept on a LeaderWorkerSet (`now`: monotonic, `wall`: time.time() seconds) for a
-        group this log has no entry of (an operator that started again)."""
+        """Take up the hold kept on a LeaderWorkerSet (`now`: monotonic, `wall`: time.time() seconds), once
+        per entry of the log (an operator that started again): merged into what the log already recorded of
+        the group (its pod watch may list crashed pods before the first pass), each crashed pod counted once."""
         meta = group["metadata"]
         key = (meta.get("namespace", ""), meta["name"])
         kept = (meta.get("annotations") or {}).get(CRASH_HOLD_ANNOTATION)
         instance = (meta.get("labels") or {}).get(INSTANCE_LABEL)
-        if key in self._groups or kept is None or instance is None:
+        entry = self._groups.get(key)
+        if entry is not None and entry.restored:
+            return
+        if entry is not None:
+            entry.restored = True
+        if kept is None or instance is None:
             return
         try:
             data = json.loads(kept)
             until = data.get("until")
-            entry = _Crashes(
-                instance,
-                message=str(data.get("message", "")),
-                hold=float(data.get("hold", 0.0)),
-                held_until=None if until is None else now + float(until) - wall,
-                crashes_at_release=int(data.get("released", 0)),
-                earlier=int(data.get("crashes", 0)),
-            )
+            uids = [str(u) for u in data.get("pods") or []][-CRASH_PODS_KEPT:]
+            message = str(data.get("message", ""))
+            hold = float(data.get("hold", 0.0))
+            held_until = None if until is None else now + float(until) - wall
+            released = int(data.get("released", 0))
+            earlier = max(0, int(data.get("crashes", 0)) - len(uids))
         except (ValueError, TypeError, AttributeError):  # not what an operator wrote: start afresh
             return
-        self._groups[key] = entry
+        if entry is None:
+            entry = self._groups[key] = _Crashes(instance, restored=True)
+        recorded = entry.pods
+        entry.pods = dict.fromkeys(uids)
+        entry.pods.update(recorded)
+        entry.message = entry.message or message
+        entry.hold, entry.held_until, entry.crashes_at_release, entry.earlier = (
+            hold,
+            held_until,
+            released,
+            earlier,
+        )
 
     def annotation(self, namespace: str, group: str, now: float, wall: float) -> str | None:
         """The hold of a group as CRASH_HOLD_ANNOTATION keeps it; None for a group with no crash kept."""
@@ -148,6 +165,7 @@ class CrashLog:
             "hold": entry.hold,
             "until": until,
             "released": entry.crashes_at_release,
+            "pods": list(entry.pods)[-CRASH_PODS_KEPT:],
             "message": entry.message,
         }
         return json.dumps(kept, sort_keys=True, separators=(",", ":"))
