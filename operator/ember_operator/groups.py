@@ -106,14 +106,19 @@ def members(
     return leader, [p for p in mine if p is not leader]
 
 
-def group_view(group: dict[str, Any], pods: list[dict[str, Any]]) -> PodView:
+def group_view(
+    group: dict[str, Any],
+    pods: list[dict[str, Any]],
+    now: datetime | None = None,
+    capacity_wait: float = 0.0,
+) -> PodView:
     """The group as the plan sees a pod: Ready when every pod is, down when any engine is or a pod is
     missing (a group being recreated serves nothing until all of it is back)."""
     meta = group["metadata"]
     labels = meta.get("labels") or {}
     size = int(((group.get("spec") or {}).get("leaderWorkerTemplate") or {}).get("size") or 1)
     leader, workers = members(group, pods)
-    views = [view(p) for p in ([leader] if leader else []) + workers]
+    views = [view(p, now, capacity_wait) for p in ([leader] if leader else []) + workers]
     complete = leader is not None and len(workers) == size - 1
     lead = views[0] if leader is not None else None
     return PodView(

@@ -276,7 +276,7 @@ class Reconciler:
             # Listed while there are any (or may be): a pass with nodes 1 retires the groups left over.
             groups = await asyncio.to_thread(kube.list_groups, namespace, group_selector(name))
             memory.has_groups = bool(groups)
-        units = collect_units(owner.uid, listed, groups or [])
+        units = collect_units(owner.uid, listed, groups or [], now, spec.capacity_wait_seconds)
         for g in groups or []:  # the holds an operator before this one kept (a restart)
             self._crashes.restore(g, time.monotonic(), time.time())
         for p in listed:
@@ -336,7 +336,7 @@ class Reconciler:
         # Router pods no node can take: waiting for capacity, then trouble, as engine pods are.
         router_pods = [p for p in pods_of(router.ROUTER) if not p["metadata"].get("deletionTimestamp")]
         waiting += [m for p in router_pods if (m := waiting_for_capacity(p, now, wait))]
-        nominated = [m for p in [*units.all_pods(), *router_pods] if (m := preempting(p))]
+        nominated = [m for p in [*units.all_pods(), *router_pods] if (m := preempting(p, now, wait))]
         found = {p["metadata"]["name"]: t for p in router_pods if (t := trouble(p, now, wait))}
         troubles += held_troubles(memory.router_held, router_pods, found, now)
         self._stalled_event(body, memory, troubles)

@@ -15,6 +15,9 @@ from ember_operator.rollout import PodView
 CRASH_RESTARTS = 3
 # How long past the end of its grace period a pod being deleted is taken for stranded (`_stranded`).
 STRANDED_AFTER_SECONDS = 30.0
+# The least a pod nominated for a preemption waits for its victims to end, whatever capacityWaitSeconds:
+# the victims take their grace period to go (30 s by default, more for a batch job that finishes its work).
+PREEMPTION_WAIT_MIN = 120.0
 _STUCK_WAITING = {
     "CrashLoopBackOff": "PodsCrashLooping",
     "ErrImagePull": "ImageUnavailable",
@@ -76,17 +79,27 @@ def _refused(pod: dict[str, Any]) -> bool:
     return c is not None and c.get("status") == "False" and c.get("reason") == "Unschedulable"
 
 
-def _unschedulable(pod: dict[str, Any]) -> bool:
-    """No node can take it now, and the scheduler made none free for it."""
-    return _refused(pod) and preempting(pod) is None
+def _unschedulable(pod: dict[str, Any], now: datetime | None = None, grace: float = 0.0) -> bool:
+    """No node can take it now, and the scheduler made none free for it (or it has waited for that too
+    long: see `preempting`)."""
+    return _refused(pod) and preempting(pod, now, grace) is None
 
 
-def preempting(pod: dict[str, Any]) -> str | None:
+def preempting(pod: dict[str, Any], now: datetime | None = None, grace: float = 0.0) -> str | None:
     """The node a pod the scheduler refused is nominated to (`status.nominatedNodeName`): it preempted pods
-    of lower priority there and waits for them to end, so it is on its way, not stuck; None otherwise."""
+    of lower priority there and waits for them to end, so it is on its way, not stuck; None otherwise, and
+    None once it has waited (from its PodScheduled condition's last transition) `grace` seconds, or
+    PREEMPTION_WAIT_MIN where that is longer, at `now` (a victim on a lost node is Terminating for good,
+    and the scheduler keeps the nomination): then it is as unschedulable as any refused pod. With no
+    `now`, the wait has no end."""
     node = (pod.get("status") or {}).get("nominatedNodeName")
     if not node or not _refused(pod) or pod["metadata"].get("deletionTimestamp"):
         return None
+    if now is not None:
+        scheduled = _condition(pod, "PodScheduled") or {}
+        waited = parse_time(scheduled.get("lastTransitionTime")) or now
+        if (now - waited).total_seconds() >= max(grace, PREEMPTION_WAIT_MIN):
+            return None
     return (
         f"pod {pod['metadata']['name']}: nominated to node {node}, where it preempted pods of lower priority"
     )
@@ -100,7 +113,9 @@ def _stranded(meta: dict[str, Any], now: datetime) -> bool:
     return deadline is not None and (now - deadline).total_seconds() > STRANDED_AFTER_SECONDS
 
 
-def view(pod: dict[str, Any]) -> PodView:
+def view(pod: dict[str, Any], now: datetime | None = None, capacity_wait: float = 0.0) -> PodView:
+    """The pod as the roll planner sees it; `now` and `capacity_wait` end a wait for preemption (else
+    endless), as `preempting` says."""
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
     ready_condition = _condition(pod, "Ready")
@@ -118,7 +133,7 @@ def view(pod: dict[str, Any]) -> PodView:
         deleting=meta.get("deletionTimestamp") is not None,
         unready_since=unready_since,
         container_down=not ready and _engine_down(pod, unready_since),
-        unschedulable=_unschedulable(pod),
+        unschedulable=_unschedulable(pod, now, capacity_wait),
         stranded=_stranded(meta, datetime.now(UTC)),
         node_lost=_node_lost(ready_condition, _status_of(pod, "ContainersReady")),
     )
@@ -243,7 +258,7 @@ def waiting_for_capacity(
     seconds (a cluster autoscaler may be adding a node), counted from `since` where that is later (room
     last freed; now, while a roll frees it); None otherwise."""
     scheduled = _condition(pod, "PodScheduled")
-    if not _unschedulable(pod) or scheduled is None:
+    if not _unschedulable(pod, now, grace) or scheduled is None:
         return None
     waited = parse_time(scheduled.get("lastTransitionTime")) or now
     if since is not None and since > waited:
@@ -283,7 +298,7 @@ def trouble(
     name = pod["metadata"]["name"]
     status = pod.get("status") or {}
     scheduled = _condition(pod, "PodScheduled")
-    if preempting(pod) is not None:
+    if preempting(pod, now, capacity_wait) is not None:
         return None  # the room it needs is being freed: Reconciling says WaitingForPreemption
     if scheduled is not None and scheduled.get("status") == "False" and scheduled.get("reason"):
         if now is not None and waiting_for_capacity(pod, now, capacity_wait, since) is not None:

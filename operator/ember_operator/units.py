@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from ember_operator.desired import INSTANCE_LABEL
@@ -57,13 +58,20 @@ class Units:
         return [p for pods in self.pods_of.values() for p in pods]
 
 
-def collect_units(owner_uid: str, pods: list[dict[str, Any]], groups: list[dict[str, Any]]) -> Units:
+def collect_units(
+    owner_uid: str,
+    pods: list[dict[str, Any]],
+    groups: list[dict[str, Any]],
+    now: datetime | None = None,
+    capacity_wait: float = 0.0,
+) -> Units:
     """The owner's single pods and groups. A group's serving pod is its leader (a stub named after the
-    group while the leader is missing, which serves nothing)."""
+    group while the leader is missing, which serves nothing). `now` and `capacity_wait` end the wait of a
+    pod for its preemption (see `pods.preempting`)."""
     units = Units()
     for p in pods:
         if owned_by(p, owner_uid) and group_key(p) is None:
-            units.views.append(view(p))
+            units.views.append(view(p, now, capacity_wait))
             units.serving.append(p)
             units.pods_of[p["metadata"]["name"]] = [p]
     for g in groups:
@@ -71,7 +79,7 @@ def collect_units(owner_uid: str, pods: list[dict[str, Any]], groups: list[dict[
             continue
         name = g["metadata"]["name"]
         leader, workers = members(g, pods)
-        units.views.append(group_view(g, pods))
+        units.views.append(group_view(g, pods, now, capacity_wait))
         units.serving.append(leader or {"metadata": {"name": name}, "status": {}})
         units.pods_of[name] = ([leader] if leader else []) + workers
         units.leaders[name] = leader
