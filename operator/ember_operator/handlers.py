@@ -230,6 +230,9 @@ class Reconciler:
         generation = int(meta.get("generation") or 0)
         now = _now()
         troubles: list[Trouble] = []
+        if memory.stale:  # listed again (a replica resuming): take up status first, as one starting now
+            memory.reset(status)
+            memory.relist = True
         try:
             spec = InferenceServiceSpec.model_validate(raw_spec)
             memory.last_spec = spec
@@ -385,11 +388,7 @@ class Reconciler:
         self, kube: Kube, pod_index: Any, namespace: str, name: str, memory: Memory, status: dict[str, Any]
     ) -> Callable[[str | None], list[dict[str, Any]]]:
         """The service's pods by role (None: engines), for one pass: from kopf's index, less the pods it
-        holds that are gone; after the watch listed again, from a LIST of this pass's own (and the memory
-        taken up again from status after the service was listed again)."""
-        if memory.stale:
-            memory.reset(status)
-            memory.relist = True
+        holds that are gone; after the watch listed again, from a LIST of this pass's own."""
         if not memory.relist:
             ghosts = frozenset(self._ghosts)
             return lambda role: podcache.indexed(pod_index, namespace, name, role, ghosts)
