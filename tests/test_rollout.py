@@ -503,3 +503,12 @@ def test_an_active_pod_on_a_lost_node_with_no_ready_warm_pod_is_replaced() -> No
     plan = plan_pods([serving, lost, replace(starting, ready=True)], "b", 2, 0, now, failover_after=5.0)
     assert (plan.promote, plan.delete, plan.failovers) == (["w1"], ["a2"], [("a2", "w1")])
     assert plan.create_warm == 0
+
+
+def test_a_lost_active_pod_deleted_by_a_scale_down_is_not_replaced() -> None:
+    now = T0 + timedelta(seconds=60)
+    lost = PodView("lost", ACTIVE, "h", False, T0, unready_since=T0, node_lost=True)
+    ok = PodView("ok", ACTIVE, "h", True, T0 - timedelta(seconds=1))
+    plan = plan_pods([lost, ok], "h", 1, 0, now)
+    assert plan.delete == ["lost"]
+    assert plan.replacing == [] and plan.create_warm == 0, plan

@@ -207,10 +207,6 @@ def plan_pods(
                 plan.promote.append(w.name)
                 plan.failovers.append((p.name, w.name))
 
-    # Active pods on lost nodes that no Ready warm pod could replace: a pod each is made in their place.
-    if now is not None:
-        plan.replacing = [p.name for p in cur_active if p.lost(now, failover_after)]
-
     # Promote the oldest Ready warm pods while active pods are missing.
     while len(cur_active) < active and ready_warm:
         p = ready_warm.pop(0)
@@ -227,6 +223,11 @@ def plan_pods(
                 cur_warm.append(p)
             else:
                 plan.delete.append(p.name)
+
+    # Active pods on lost nodes that no Ready warm pod could replace, and that are kept (a scale-down
+    # deletes not-Ready ones first): a pod each is made in their place.
+    if now is not None:
+        plan.replacing = [p.name for p in cur_active if p.lost(now, failover_after)]
 
     # Warm pods still starting may be the active pods of tomorrow: the pool's budget includes the shortfall.
     budget = warm + max(0, active - len(cur_active)) + len(plan.replacing)
