@@ -389,6 +389,8 @@ class Reconciler:
     ) -> Callable[[str | None], list[dict[str, Any]]]:
         """The service's pods by role (None: engines), for one pass: from kopf's index, less the pods it
         holds that are gone; after the watch listed again, from a LIST of this pass's own."""
+        if self._ghosts:  # a ghost the index dropped (its DELETED event came after all) is forgotten
+            self._ghosts &= podcache.held_uids(pod_index or {})
         if not memory.relist:
             ghosts = frozenset(self._ghosts)
             return lambda role: podcache.indexed(pod_index, namespace, name, role, ghosts)

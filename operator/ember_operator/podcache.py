@@ -127,6 +127,11 @@ def held(index: Any, namespace: str, instance: str) -> list[Obj]:
     return indexed(index, namespace, instance) + indexed(index, namespace, instance, ROUTER)
 
 
+def held_uids(index: Any) -> set[str]:
+    """The uids of every pod kopf's index holds."""
+    return {_uid(p) for store in index.values() for p in store}
+
+
 def ghosts(held: Iterable[Obj], listed: Iterable[Obj]) -> set[str]:
     """The uids of the pods the index `held` that a LIST made after reading them does not have: deleted,
     with the index never told (a pod the index gains after the LIST is not in `held`)."""
