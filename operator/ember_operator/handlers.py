@@ -289,7 +289,7 @@ class Reconciler:
         router_pages = router.router_metrics_targets(pods_of(router.ROUTER))
         await autoscale(body, spec, owner, units.serving, views, memory, now, self._scraper, router_pages)
         assert memory.desired is not None
-        if spec.router.enabled and spec.autoscaling.mode == "Builtin" and memory.desired == 0:
+        if router.asleep(spec, memory.desired):
             await self._wake(body, spec, owner, memory, now, router_pages)
         pod_hash = template_hash(spec)
         plan = plan_pods(

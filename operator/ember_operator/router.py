@@ -268,14 +268,15 @@ def router_metrics_targets(pods: list[dict[str, Any]]) -> dict[str, str]:
     return urls
 
 
+def asleep(spec: InferenceServiceSpec, desired: int) -> bool:
+    """Whether requests held at the routers would wake the service (see `wakes`): worth reading them."""
+    return (
+        spec.router.enabled and spec.autoscaling.mode == "Builtin" and desired == 0 and spec.replicas.max >= 1
+    )
+
+
 def wakes(spec: InferenceServiceSpec, desired: int, pending: float) -> bool:
     """Scale from zero: requests held at the routers while the target is 0 raise it to 1. In Builtin mode
     only: in External mode the count is the external scaler's (spec.replicas.desired, which the operator
     never writes), and a target the operator raised would be put back to it on the next pass."""
-    return (
-        spec.router.enabled
-        and spec.autoscaling.mode == "Builtin"
-        and desired == 0
-        and pending > 0
-        and spec.replicas.max >= 1
-    )
+    return asleep(spec, desired) and pending > 0
