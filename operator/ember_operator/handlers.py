@@ -70,7 +70,7 @@ from ember_operator.scaling import Memory, autoscale, record, woken
 from ember_operator.scrape import Scraper
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
 from ember_operator.status import Assessment, Condition, render_conditions
-from ember_operator.units import CRASH_HOLD_ANNOTATION, CrashLog, Units, collect_units, owned_by
+from ember_operator.units import CRASH_HOLD_ANNOTATION, CrashLog, Units, collect_units, owned_by, same_hold
 
 
 @dataclass(slots=True)
@@ -528,7 +528,7 @@ class Reconciler:
             hold = self._crashes.annotation(owner.namespace, meta["name"], time.monotonic(), time.time())
             kept = (meta.get("annotations") or {}).get(CRASH_HOLD_ANNOTATION)
             # The hold's end is written once per hold: it moves by rounding only, between passes.
-            hold_changed = _hold_fields(hold) != _hold_fields(kept)
+            hold_changed = not same_hold(hold, kept)
             if (g.get("spec") or {}).get("replicas", 1) != wanted or hold_changed:
                 await asyncio.to_thread(
                     kube.scale_group,
@@ -754,18 +754,6 @@ def _no_finalizer_for(registry: kopf.OperatorRegistry, handler_id: str) -> None:
     spawning[:] = [
         dataclasses.replace(h, requires_finalizer=False) if h.id == handler_id else h for h in spawning
     ]
-
-
-def _hold_fields(kept: str | None) -> tuple[Any, ...] | None:
-    """What of a kept crash hold matters for whether to write it again: all but the exact end (which a
-    pass recomputes from the monotonic clock, a few milliseconds off each time) unless it is set or not."""
-    if kept is None:
-        return None
-    try:
-        data = json.loads(kept)
-        return (data.get("crashes"), data.get("hold"), data.get("until") is None, data.get("released"))
-    except (ValueError, AttributeError):
-        return ("unreadable",)
 
 
 def _settled(kind: str, actual: dict[str, Any]) -> bool:

@@ -103,6 +103,23 @@ class _Crashes:
         return self.earlier + len(self.pods)
 
 
+def same_hold(a: str | None, b: str | None) -> bool:
+    """Whether two CRASH_HOLD_ANNOTATION values keep the same hold, as far as writing it again matters: all
+    but the exact end (which each pass recomputes from the monotonic clock, a few milliseconds off each time)
+    unless it is set or not."""
+    return _hold_fields(a) == _hold_fields(b)
+
+
+def _hold_fields(kept: str | None) -> tuple[Any, ...] | None:
+    if kept is None:
+        return None
+    try:
+        data = json.loads(kept)
+        return (data.get("crashes"), data.get("hold"), data.get("until") is None, data.get("released"))
+    except (ValueError, AttributeError):
+        return ("unreadable",)
+
+
 class CrashLog:
     """Crashes of group pods by (namespace, group), for as long as the group has not become Ready, and the
     groups held back for them."""
