@@ -245,9 +245,9 @@ class Reconciler:
                 self._stalled_event(body, memory, [problem])
                 condition = Condition("Stalled", True, problem.reason, problem.message)
                 patch.status["observedGeneration"] = generation
-                patch.status["conditions"] = render_conditions(
+                patch.status["conditions"] = memory.conditions = render_conditions(
                     [condition, Condition("Reconciling", False, "Stalled")],
-                    status.get("conditions") or [],
+                    memory.conditions,
                     generation,
                     now,
                 )
@@ -378,8 +378,8 @@ class Reconciler:
         patch.status["autoscaler"] = {"inputs": memory.inputs, "decisions": memory.decisions}
         patch.status["router"] = router_state
         conditions = [*assessment.conditions(), router.router_condition(spec, router_state)]
-        patch.status["conditions"] = render_conditions(
-            conditions, status.get("conditions") or [], generation, now
+        patch.status["conditions"] = memory.conditions = render_conditions(
+            conditions, memory.conditions, generation, now
         )
         metrics.DESIRED.labels(namespace, name).set(memory.desired)
         metrics.publish_status(namespace, name, dict(patch.status))

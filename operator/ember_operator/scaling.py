@@ -66,6 +66,9 @@ class Memory:
     # The watch listed the service again: what a peer did while this operator was paused is unknown, so
     # the next pass starts from status (`reset`), as an operator starting then would.
     stale: bool = False
+    # The conditions the last pass rendered: a pass may be handed a status older than that pass's write
+    # (kopf's body for the timer, read before the lock), and a condition that did not flip keeps its time.
+    conditions: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def restored(cls, status: dict[str, Any]) -> Memory:
@@ -89,6 +92,7 @@ class Memory:
             decisions=list(autoscaler.get("decisions") or []),
             cold_start=status.get("coldStartSeconds"),
             stalled=stalled,  # announced with an Event already: not announced again
+            conditions=list(status.get("conditions") or []),
         )
 
     def reset(self, status: dict[str, Any]) -> None:
