@@ -172,26 +172,6 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig
     )
 
 
-def warm_up(engine) -> None:  # engine: LLMEngine
-    """Run representative batches (a long prompt chunk, a batch of decodes) so the first user request
-    pays no first-call costs, then forget them."""
-    from ember_engine.sample.sampling_params import SamplingParams
-
-    vocab = engine.model_config.vocab_size
-    long_len = max(1, min(engine.config.max_num_batched_tokens, engine.max_model_len - 8, 1024))
-    prompts = [[10 + (i * 7919) % (vocab - 10) for i in range(long_len)]]
-    prompts += [
-        [10 + (i * 104729 + j) % (vocab - 10) for j in range(8)]
-        for i in range(min(engine.config.max_num_seqs, 8))
-    ]
-    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"warmup-{i}", prompt, params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.reset_counters()
-
-
 def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerState, list[BaseException]]
     """The server, its state, and a list that receives the error if the model fails to load or the engine
     stops for good (a tensor-parallel rank is lost)."""
@@ -206,6 +186,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     from ember_engine.server.metrics import EngineMetrics
     from ember_engine.server.policy import PolicyWatcher
     from ember_engine.server.state import ServerState
+    from ember_engine.server.warmup import warm_up
 
     name = args.served_model_name or Path(args.model).resolve().name
     policy = PolicyWatcher(args.policy)
