@@ -751,7 +751,7 @@ def test_a_key_added_to_a_managed_selector_is_taken_out(cluster: Any) -> None:
 
 def test_unschedulable_pods_wait_for_capacity_then_stall(cluster: Any) -> None:
     api, _runner, custom = cluster
-    spec = {"resources": {"gpus": 0, "nodeSelector": {"pool": "nowhere"}}, "capacityWaitSeconds": 3}
+    spec = {"resources": {"gpus": 0, "nodeSelector": {"pool": "nowhere"}}, "capacityWaitSeconds": 8}
     create(custom, service("nowhere", **spec))
     wait_for(
         lambda: condition(api, "nowhere", "Reconciling").get("reason") == "WaitingForCapacity",
@@ -774,7 +774,7 @@ def test_router_pods_no_node_can_take_leave_the_service_not_ready_and_stall(clus
     toleration = {"key": "gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
     spec = {
         "router": {"nodeSelector": {"pool": "nowhere"}, "tolerations": [toleration]},
-        "capacityWaitSeconds": 3,
+        "capacityWaitSeconds": 8,
     }
     create(custom, service(name, **spec))
     wait_for(lambda: shape(api, name) == (1, 0), what="the engine Ready")
