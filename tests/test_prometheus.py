@@ -105,6 +105,9 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
     # its routers sent every one of those requests to another engine, which served it.
     edge = {"namespace": "prod", "inferenceservice": "edge"}
     retry = {"namespace": "prod", "inferenceservice": "retry"}
+    # `down` has no engine left (scaled to zero, crash-looping): no engine series at all, and its router
+    # sheds every request.
+    down = {"namespace": "prod", "inferenceservice": "down"}
 
     def series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
         body = ", ".join(f'{k}="{v}"' for k, v in labels.items())
@@ -196,6 +199,16 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
                         {**retry, "pod": "retry-b", "finished_reason": "stop"},
                         "0+60x30",
                     ),
+                    series(
+                        "ember_router:shed_requests_total",
+                        {**down, "pod": "down-router-a", "role": "router", "reason": "no_engine_ready"},
+                        "0+60x30",
+                    ),
+                    series(
+                        "ember_router:engine_sheds_retried_total",
+                        {**down, "pod": "down-router-a", "role": "router"},
+                        "0x30",
+                    ),
                     # A serving pod at 97 % KV-cache use; a warm pod's cache does not count.
                     series(
                         "vllm:kv_cache_usage_perc", {**chat, "pod": "chat-a", "role": "active"}, "0.97x30"
@@ -256,6 +269,11 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
                             _alert(
                                 {"severity": "warning", **edge},
                                 "prod/edge sheds 50% of its requests",
+                                _description("EmberHighShedRate"),
+                            ),
+                            _alert(
+                                {"severity": "warning", **down},
+                                "prod/down sheds 100% of its requests",
                                 _description("EmberHighShedRate"),
                             ),
                         ],
