@@ -106,8 +106,10 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
     edge = {"namespace": "prod", "inferenceservice": "edge"}
     retry = {"namespace": "prod", "inferenceservice": "retry"}
     # `down` has no engine left (scaled to zero, crash-looping): no engine series at all, and its router
-    # sheds every request.
+    # sheds every request. `spill`'s engines hand most requests to the fallback, which serves them, and
+    # shed 4 % of them.
     down = {"namespace": "prod", "inferenceservice": "down"}
+    spill = {"namespace": "prod", "inferenceservice": "spill"}
 
     def series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
         body = ", ".join(f'{k}="{v}"' for k, v in labels.items())
@@ -209,6 +211,22 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
                         {**down, "pod": "down-router-a", "role": "router"},
                         "0x30",
                     ),
+                    # spill: 100 requests/s, 10 served by its engine, 86 by the fallback and 4 shed.
+                    series(
+                        "vllm:request_success_total",
+                        {**spill, "pod": "spill-a", "finished_reason": "stop"},
+                        "0+600x30",
+                    ),
+                    series(
+                        "ember:fallback_requests_total",
+                        {**spill, "pod": "spill-a", "outcome": "served"},
+                        "0+5160x30",
+                    ),
+                    series(
+                        "ember:requests_shed_total",
+                        {**spill, "pod": "spill-a", "reason": "queue_full"},
+                        "0+240x30",
+                    ),
                     # A serving pod at 97 % KV-cache use; a warm pod's cache does not count.
                     series(
                         "vllm:kv_cache_usage_perc", {**chat, "pod": "chat-a", "role": "active"}, "0.97x30"
@@ -255,20 +273,27 @@ def test_the_alert_rules_pass_promtools_checks_and_unit_tests(tmp_path: Path) ->
                                 "prod/edge sends 1 requests/s to its fallback",
                                 _description("EmberFallbackActive"),
                             ),
+                            _alert(
+                                {"severity": "warning", **spill},
+                                "prod/spill sends 86 requests/s to its fallback",
+                                _description("EmberFallbackActive"),
+                            ),
                         ],
                     },
                     {
                         "eval_time": "20m",
                         "alertname": "EmberHighShedRate",
+                        # A request the fallback served is a request too: chat's and edge's clients sent 2
+                        # a second, of which 0.5 were shed. spill's 4 % stays under the threshold.
                         "exp_alerts": [
                             _alert(
                                 {"severity": "warning", **chat},
-                                "prod/chat sheds 50% of its requests",
+                                "prod/chat sheds 25% of its requests",
                                 _description("EmberHighShedRate"),
                             ),
                             _alert(
                                 {"severity": "warning", **edge},
-                                "prod/edge sheds 50% of its requests",
+                                "prod/edge sheds 25% of its requests",
                                 _description("EmberHighShedRate"),
                             ),
                             _alert(
