@@ -202,13 +202,14 @@ def test_a_request_waiting_past_its_forecast_raises_the_factor_at_once() -> None
     assert cal.factor(131.0) == pytest.approx(2.0)
 
 
-def over_limit(state: ServerState) -> list[float]:
-    return [
-        s.value
+def over_limit(state: ServerState) -> dict[str, float]:
+    """Waits over the limit by priority class; every class of the policy has its series, at 0 at first."""
+    return {
+        s.labels["priority"]: s.value
         for family in text_string_to_metric_families(state.metrics.render()[0].decode())
         for s in family.samples
         if s.name == "ember:queue_wait_over_limit_total"
-    ]
+    }
 
 
 def test_the_server_compares_each_admitted_requests_forecast_with_its_wait(tmp_path: Path) -> None:
@@ -234,7 +235,7 @@ def test_the_server_compares_each_admitted_requests_forecast_with_its_wait(tmp_p
     for _ in range(3):
         admit_and_start(forecast_s=1.5, waited_s=2.5)  # a forecast 1 s short, over the 2 s limit
     admit_and_start(forecast_s=0.1, waited_s=0.2)  # within the limit; too small a forecast to compare
-    assert over_limit(state) == [3.0]
+    assert over_limit(state) == {"critical": 0, "standard": 3, "batch": 0}
     assert state.calibration.factor(time.monotonic()) == pytest.approx(2.5 / 1.5)
     assert sum(state.queued.values()) == 0 and state.in_flight == 0 and sum(state.unsubmitted.values()) == 0
 
@@ -244,7 +245,7 @@ def test_the_server_compares_each_admitted_requests_forecast_with_its_wait(tmp_p
     gone.admitted_at -= 2.5  # as if admitted 2.5 s ago
     gone.release()
     assert sum(state.unsubmitted.values()) == 0 and sum(state.queued.values()) == 0
-    assert over_limit(state) == [4.0]
+    assert over_limit(state) == {"critical": 0, "standard": 4, "batch": 0}
 
 
 def test_a_stream_the_client_left_before_it_began_still_releases_its_ticket(tmp_path: Path) -> None:

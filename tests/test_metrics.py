@@ -302,6 +302,90 @@ def test_the_server_publishes_its_cache_config_as_vllm_does(tiny_model: Path) ->
     assert labels["gpu_memory_utilization"] == "0.9"
 
 
+Page = dict[tuple[str, frozenset[tuple[str, str]]], float]
+# What admission sheds for: each a reason label of ember:requests_shed_total.
+SHED_REASONS = ("queue_full", "queue_wait", "draining", "not_ready", "client_limit")
+
+
+def _page(body: str) -> Page:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+
+
+def _key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
+    return name, frozenset({"model_name": MODEL, **labels}.items())
+
+
+def _missing_at_0(page: Page, classes: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The shed and wait-limit series of these classes that are not on the page at 0."""
+    wanted = [_key("ember:requests_shed_total", reason=r, priority=c) for c in classes for r in SHED_REASONS]
+    wanted += [_key("ember:queue_wait_over_limit_total", priority=c) for c in classes]
+    return [(name, *sorted(v for _, v in labels)) for name, labels in wanted if page.get((name, labels)) != 0]
+
+
+def test_a_server_has_its_shed_and_wait_limit_series_at_0_before_their_first_event(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """rate() and increase() count a counter's first event only from an earlier sample of its series: the
+    shed and wait-over-limit counters were created by their first event, so a service's first sheds
+    counted as none. Each shed reason of each of the policy's priority classes, and each class's waits over
+    its limit, are there at 0 from the start; a new policy's new classes from when it takes effect.
+    Without speculative decoding the spec_decode counters are 0 and the per-position one, which has no
+    positions then, is not there at all (it was a family with no samples)."""
+    import json
+
+    import httpx
+    from server_util import running_server
+    from waiting import wait_for
+
+    def classes(*names: str) -> str:
+        listed = [{"name": n, "priority": i} for i, n in enumerate(names)]
+        return json.dumps({"loadShedding": {"priorityClasses": listed, "defaultPriorityClass": names[0]}})
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(classes("gold", "bronze"))
+    with running_server(tiny_model, "--served-model-name", MODEL, "--policy", str(policy)) as server:
+        body = httpx.get(f"{server.url}/metrics").text
+        page = _page(body)
+        assert _missing_at_0(page, ("gold", "bronze")) == []
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            assert page[_key(f"vllm:spec_decode_{name}_total")] == 0
+        assert page[_key("ember:spec_decode_enabled")] == 0
+        assert "vllm:spec_decode_num_accepted_tokens_per_pos" not in body
+        policy.write_text(classes("gold", "silver", "bronze"))
+
+        def silver_missing() -> list[tuple[str, ...]]:
+            return _missing_at_0(_page(httpx.get(f"{server.url}/metrics").text), ("silver",))
+
+        wait_for(lambda: not silver_missing(), timeout=15, what=lambda: f"at 0: {silver_missing()}")
+
+
+def test_a_speculating_server_has_each_proposal_position_at_0_while_it_loads(tiny_model: Path) -> None:
+    """The per-position acceptance counter's positions 0..K-1 were created with the engine's first
+    stats, after the model had loaded; they are there at 0 from the start, like the other spec_decode
+    counters. /metrics is read before the model loads (its lifespan, which loads it, is not run)."""
+    from fastapi.testclient import TestClient
+    from server_util import serve_args
+
+    from ember_engine.server import serve
+
+    extra = ("--served-model-name", MODEL, "--draft-model", str(tiny_model), "--num-speculative-tokens", "3")
+    server, state, _ = serve.build_server(serve_args(tiny_model, *extra))
+    body = TestClient(server.config.app).get("/metrics").text
+    assert state.engine is None
+    positions = {
+        labels["position"]: value
+        for (name, key), value in _page(body).items()
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        for labels in (dict(key),)
+    }
+    assert positions == {"0": 0, "1": 0, "2": 0}
+    assert _page(body)[_key("vllm:spec_decode_num_drafts_total")] == 0
+
+
 def test_a_prompt_with_n_samples_counts_its_prompt_tokens_once(tiny_model: Path) -> None:
     """`vllm:prompt_tokens_total` counted the prompt once per sample while `vllm:request_prompt_tokens`
     and `vllm:request_success_total` count the request once, so the two prompt figures disagreed by n."""

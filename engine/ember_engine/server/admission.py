@@ -31,6 +31,7 @@ _CONDITION = {
     "draining": "Unavailable",
     "not_ready": "Unavailable",
 }
+SHED_REASONS = (*_CONDITION, "client_limit")  # every reason a request is shed for
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,7 @@ class Admit:
 @dataclass(frozen=True, slots=True)
 class Shed:
     status: int  # 503 for overload or unavailability, 429 for a client over its own limit
-    reason: str  # queue_full | queue_wait | draining | not_ready | client_limit
+    reason: str  # one of SHED_REASONS: queue_full | queue_wait | draining | not_ready | client_limit
     message: str
     retry_after_s: int
     fallback_eligible: bool  # the policy has a fallback URL and its `when` covers this reason

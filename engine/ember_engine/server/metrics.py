@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -20,6 +20,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from ember_engine.server.admission import SHED_REASONS
 
 if TYPE_CHECKING:
     from ember_engine.core.llm_engine import EngineStats
@@ -62,7 +64,8 @@ _SPEC_TOTALS = {
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, spec_positions: int = 0) -> None:
+        """`spec_positions`: K, the most tokens proposed per step, with speculative decoding; 0 without."""
         self.registry = CollectorRegistry()
         self._model = model_name
         reg, ml = self.registry, ["model_name"]
@@ -84,12 +87,10 @@ class EngineMetrics:
         self._seen = dict.fromkeys(_TOTALS, 0)
         self._deadline = counter("ember:deadline_aborts", "Requests aborted at their deadline.")
         self._spec_totals = {field: counter(name, doc) for field, (name, doc) in _SPEC_TOTALS.items()}
-        self._spec_per_pos = Counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted proposals by their position in the proposal.",
-            [*ml, "position"],
-            registry=reg,
-        )
+        # Positions 0..K-1 with speculative decoding; without, no series, and so no family either.
+        self._spec_per_pos: Counter | None = None
+        if spec_positions:
+            self._spec_positions(spec_positions)
         self._spec_seen = dict.fromkeys(_SPEC_TOTALS, 0)
         self._spec_pos_seen: dict[int, int] = {}
         self._spec_enabled = gauge(
@@ -120,7 +121,8 @@ class EngineMetrics:
             [*ml, "outcome"],
             registry=reg,
         )
-        # Created up front so that rate() sees these series from zero, not from their first event.
+        # Created up front so that rate() sees these series from zero, not from their first event; the shed
+        # and wait-limit series are per priority class, made by add_priority_classes.
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
         for outcome in ("served", "failed", "cancelled"):
@@ -218,8 +220,32 @@ class EngineMetrics:
         self._spec_enabled.set(1 if stats.spec_enabled else 0)
         for field, counter in self._spec_totals.items():
             _advance(counter, self._spec_seen, field, getattr(spec, field))
+        per_pos = self._spec_positions(len(spec.accepted_per_position))
         for pos, value in enumerate(spec.accepted_per_position):
-            _advance(self._spec_per_pos.labels(self._model, str(pos)), self._spec_pos_seen, pos, value)
+            _advance(per_pos.labels(self._model, str(pos)), self._spec_pos_seen, pos, value)
+
+    def _spec_positions(self, k: int) -> Counter:
+        """The per-position counter with positions 0..k-1 (at 0 until their first acceptance); registered
+        by the first call, which is the engine's first speculative stats where K was not given."""
+        if self._spec_per_pos is None:
+            self._spec_per_pos = Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted proposals by their position in the proposal.",
+                ["model_name", "position"],
+                registry=self.registry,
+            )
+        for pos in range(k):
+            self._spec_per_pos.labels(self._model, str(pos))
+        return self._spec_per_pos
+
+    def add_priority_classes(self, names: Iterable[str]) -> None:
+        """Every shed reason's series and the wait-limit misses' series of these priority classes, at 0
+        until their first event. A class no longer in the policy keeps its series (a counter that vanished
+        would read as a reset)."""
+        for name in names:
+            self._over_limit.labels(self._model, name)
+            for reason in SHED_REASONS:
+                self._shed.labels(self._model, reason, name)
 
     def record_shed(self, reason: str, priority: str) -> None:
         self._shed.labels(self._model, reason, priority).inc()

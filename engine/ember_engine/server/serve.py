@@ -191,7 +191,8 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     name = args.served_model_name or Path(args.model).resolve().name
     policy = PolicyWatcher(args.policy)
     config = engine_config(args)
-    state = ServerState(name, policy, EngineMetrics(name), Fallback(httpx.AsyncClient()))
+    metrics = EngineMetrics(name, config.speculative_tokens if config.speculation else 0)
+    state = ServerState(name, policy, metrics, Fallback(httpx.AsyncClient()))
     failure: list[BaseException] = []
     stopped = threading.Event()  # the server stopped before the model was ready: load() drops its engine
     publish = threading.Lock()

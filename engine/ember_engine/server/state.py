@@ -14,7 +14,7 @@ from ember_engine.core.outputs import RequestOutput
 from ember_engine.server.admission import QueueState, WaitCalibration, wait_limit_s
 from ember_engine.server.fallback import Fallback
 from ember_engine.server.metrics import EngineMetrics
-from ember_engine.server.policy import PolicyWatcher
+from ember_engine.server.policy import Policy, PolicyWatcher
 from ember_engine.server.queue_forecast import ForecastObserver, Seats
 
 
@@ -34,6 +34,22 @@ class ServerState:
     forecast: ForecastObserver = field(default_factory=ForecastObserver)
     calibration: WaitCalibration = field(default_factory=WaitCalibration)
     grammars: Any = None  # structured.CompileCache, made on the first constrained request
+
+    def __post_init__(self) -> None:
+        # The shed and wait-limit series of each priority class from the start, and those of a new
+        # policy's new classes as it takes effect.
+        self._count_classes(self.policy.policy)
+        then = self.policy.on_change
+
+        def on_change(policy: Policy) -> None:
+            self._count_classes(policy)
+            if then is not None:
+                then(policy)
+
+        self.policy.on_change = on_change
+
+    def _count_classes(self, policy: Policy) -> None:
+        self.metrics.add_priority_classes(c.name for c in policy.load_shedding.priority_classes)
 
     @property
     def ready(self) -> bool:
