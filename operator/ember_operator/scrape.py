@@ -20,7 +20,7 @@ from ember_operator.httpget import Getter, HTTPStatusError
 @dataclass(frozen=True, slots=True)
 class PodSample:
     load: PodLoad
-    fallback_served: float  # ember:fallback_requests{outcome="served"}, a counter
+    fallback_served: float  # ember:fallback_requests_total{outcome="served"}, a counter
     shed: float = 0.0  # ember:requests_shed_total for want of capacity (`CAPACITY_SHEDS`), a counter
 
 
