@@ -168,6 +168,13 @@ def test_histogram_counts(traffic: Traffic) -> None:
     assert value(m, "ember:batch_size_sum") == sum(traffic.batch_sizes)
     assert value(m, "vllm:time_to_first_token_seconds_sum") > 0
     assert value(m, "vllm:e2e_request_latency_seconds_bucket", le="+Inf") == 3
+    assert value(m, "vllm:request_params_max_tokens_sum") == 500 + 12 + 12  # as each request asked
+    assert value(m, "vllm:request_params_n_sum") == 3
+    assert value(m, "vllm:request_max_num_generation_tokens_sum") == stats.generation_tokens  # n == 1
+    for name in ("prefill", "decode", "inference"):
+        assert value(m, f"vllm:request_{name}_time_seconds_count") == 3, name
+    assert value(m, "vllm:iteration_tokens_total_count") == traffic.steps
+    assert value(m, "vllm:iteration_tokens_total_sum") == value(m, "ember:batch_tokens_sum")
 
 
 def test_every_series_is_labelled_and_gauges_read_idle(traffic: Traffic) -> None:
@@ -490,3 +497,24 @@ def test_a_prompt_aborted_while_queued_is_one_finished_request(tiny_model: Path,
     engine.abort_request("running")
     assert not engine.has_unfinished_requests()
     engine.shutdown()
+
+
+def test_each_phase_of_a_request_and_its_parameters_as_vllm_counts_them() -> None:
+    """vLLM's per-request phase histograms (prefill: first scheduled to first token; decode: first token to
+    last; inference: first scheduled to last) and its parameter histograms (`n`, `max_tokens`, and the
+    tokens of the sample that generated the most), one observation per finished request."""
+    m = EngineMetrics(MODEL)
+    timing = RequestMetrics(100.0, 100.5, 101.0, 104.0, 7, 9, 0, 0, [(101.0, 104.0), (101.0, 102.0)], 20)
+    pair = [CompletionOutput(0, token_ids=[5] * 6, finish_reason="length"), CompletionOutput(1, [5] * 3)]
+    pair[1].finish_reason = "stop"
+    m.record_step(_stats(), [RequestOutput("n2", None, [1] * 7, pair, finished=True, metrics=timing)])
+    m.record_step(_stats(), [_output("a", 101.75, [5, 6, 7], reason="length")])  # max_tokens unknown
+    assert value(m, "vllm:request_prefill_time_seconds_sum") == 0.5 + 0.5
+    assert value(m, "vllm:request_decode_time_seconds_sum") == 3.0 + 0.75
+    assert value(m, "vllm:request_inference_time_seconds_sum") == 3.5 + 1.25
+    assert value(m, "vllm:request_params_n_sum") == 2 + 1
+    assert value(m, "vllm:request_params_n_count") == 2
+    assert value(m, "vllm:request_params_max_tokens_sum") == 20
+    assert value(m, "vllm:request_params_max_tokens_count") == 1  # not observed where it is unknown
+    assert value(m, "vllm:request_max_num_generation_tokens_sum") == 6 + 3
+    assert value(m, "vllm:iteration_tokens_total_count") == 0  # these were no engine steps

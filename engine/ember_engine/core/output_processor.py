@@ -214,7 +214,7 @@ class OutputProcessor:
             times = [(s.request.first_token_time, s.request.last_token_time) for s in samples]
         cached = first.num_prompt_cached_tokens
         # Field order: arrival, first scheduled, first token, last token, prompt tokens, generated
-        # tokens, cached tokens, preemptions, each sample's token times.
+        # tokens, cached tokens, preemptions, each sample's token times, max_tokens.
         metrics = RequestMetrics(
             first.arrival_time,
             first.first_scheduled_time,
@@ -225,6 +225,7 @@ class OutputProcessor:
             cached,
             preemptions,
             times,
+            first.max_tokens,
         )
         error = next((s.request.error for s in samples if s.request.error is not None), None)
         return RequestOutput(

@@ -26,6 +26,7 @@ class RequestMetrics:
     num_cached_tokens: int
     num_preemptions: int
     sample_token_times: list[tuple[float | None, float | None]] | None = None  # n > 1 only
+    max_tokens: int | None = None  # the most tokens each sample was allowed
 
 
 @dataclass(slots=True)

@@ -22,21 +22,14 @@ from prometheus_client import (
 )
 
 from ember_engine.server.admission import SHED_REASONS
+from ember_engine.server.request_histograms import LATENCY, TOKENS, FinishedRequests
 
 if TYPE_CHECKING:
     from ember_engine.core.llm_engine import EngineStats
     from ember_engine.core.outputs import RequestMetrics, RequestOutput
 
-# From a sub-millisecond GPU decode step up to a slow CPU prefill; whole requests can take minutes. A
-# quantile is interpolated within its bucket, so an alert's threshold must be an edge (1.5 and 2 s for
-# TTFT objectives: without them every TTFT over 1 s read as a p99 near 2.5 s).
-_LATENCY = (
-    *(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5),
-    *(0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0),
-)
-_REQUEST = (*_LATENCY, 160.0, 320.0, 640.0, 1280.0)
-_TOKENS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 500000
 _BATCH = tuple(2**i for i in range(11))  # 1 .. 1024 requests
+_ITERATION = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's edges
 
 # EngineStats keeps these as running totals; the counters advance by the difference.
 _TOTALS = {
@@ -127,18 +120,13 @@ class EngineMetrics:
             self._success.labels(model_name, reason)
         for outcome in ("served", "failed", "cancelled"):
             self._fallback.labels(model_name, outcome)
-        self._ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY)
-        self._itl = hist("vllm:inter_token_latency_seconds", "Time between token updates.", _LATENCY)
-        self._tpot = hist(
-            "vllm:request_time_per_output_token_seconds", "Mean decode time per token.", _LATENCY
-        )
-        self._e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.", _REQUEST)
-        self._queue = hist("vllm:request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST)
-        self._prompt_len = hist("vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKENS)
-        self._gen_len = hist("vllm:request_generation_tokens", "Generated tokens per request.", _TOKENS)
-        self._step = hist("ember:step_seconds", "Wall time of an engine step.", _LATENCY)
+        self._ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", LATENCY)
+        self._itl = hist("vllm:inter_token_latency_seconds", "Time between token updates.", LATENCY)
+        self._step = hist("ember:step_seconds", "Wall time of an engine step.", LATENCY)
         self._batch_size = hist("ember:batch_size", "Requests per engine step.", _BATCH)
-        self._batch_tokens = hist("ember:batch_tokens", "Tokens per engine step.", _TOKENS)
+        self._batch_tokens = hist("ember:batch_tokens", "Tokens per engine step.", TOKENS)
+        self._iteration = hist("vllm:iteration_tokens_total", "Tokens per engine step.", _ITERATION)
+        self._finished = FinishedRequests(hist)
 
         # record_step runs in the engine thread, record_stats and log_line wherever the server calls them.
         self._lock = threading.Lock()
@@ -156,6 +144,7 @@ class EngineMetrics:
             self._step.observe(stats.last_step_seconds)
             self._batch_size.observe(stats.last_batch_size)
             self._batch_tokens.observe(stats.last_batch_tokens)
+            self._iteration.observe(stats.last_batch_tokens)
         now = time.monotonic()
         for out in outputs:
             m = out.metrics
@@ -165,7 +154,7 @@ class EngineMetrics:
                 self._last_token.pop(out.request_id, None)
                 self._success.labels(self._model, out.finish_reason or "abort").inc()
                 if m is not None:
-                    self._observe_finished(out, m, now)
+                    self._finished.observe(out, m, now)
 
     def _observe_tokens(self, out: RequestOutput, m: RequestMetrics) -> None:
         """TTFT at a request's first token; an inter-token gap at each later update of each sample, from
@@ -184,22 +173,6 @@ class EngineMetrics:
             if prev is not None:
                 self._itl.observe(last - prev)
             last_seen[i] = last
-
-    def _observe_finished(self, out: RequestOutput, m: RequestMetrics, now: float) -> None:
-        self._e2e.observe(now - m.arrival_time)
-        if m.first_scheduled_time is not None:
-            self._queue.observe(m.first_scheduled_time - m.arrival_time)
-        self._prompt_len.observe(m.num_prompt_tokens)
-        self._gen_len.observe(m.num_generation_tokens)
-        # One per request: every sample's decode time over its tokens after the first.
-        times = m.sample_token_times or ((m.first_token_time, m.last_token_time),)
-        decode_time, decode_tokens = 0.0, 0
-        for c, (first, last) in zip(out.outputs, times, strict=False):
-            if len(c.token_ids) > 1 and first is not None and last is not None:
-                decode_time += last - first
-                decode_tokens += len(c.token_ids) - 1
-        if decode_tokens:
-            self._tpot.observe(decode_time / decode_tokens)
 
     def record_stats(self, stats: EngineStats) -> None:
         """Gauges and counters only; safe from any thread, e.g. before each scrape."""
