@@ -302,10 +302,44 @@ def test_lookahead_comes_only_from_spare_blocks_and_is_trimmed_back() -> None:
         r.all_token_ids.append(7)  # decoding now: one known token to compute
     a.spec_lookahead = b.spec_lookahead = 4
     out = sched.schedule()
-    # One free block: `a` may not take it while `b`, still to be scheduled, could need it; `b` may.
-    assert out.requests == [a, b] and out.num_tokens == [1, 5]
+    # One free block, which neither decode needs for its own token (each fills its first block): it is
+    # spare, and `a`, first in line, takes it for its lookahead; `b` gets none.
+    assert out.requests == [a, b] and out.num_tokens == [5, 1]
     assert bm.num_free_blocks == 0 and sched.num_preemptions == 0
-    lookahead_block = b.block_ids[-1]
-    bm.trim(b, b.num_tokens)  # nothing of the proposals was kept
-    assert b.block_ids != [] and lookahead_block not in b.block_ids
+    lookahead_block = a.block_ids[-1]
+    bm.trim(a, a.num_tokens)  # nothing of the proposals was kept
+    assert a.block_ids != [] and lookahead_block not in a.block_ids
     assert next(iter(bm.free_queue)) == lookahead_block  # reused first
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "lookahead", "expected"),
+    [
+        (6, 1, [1, 9]),  # no block left over after b's chunk: `a` gets no lookahead
+        (7, 4, [3, 9]),  # one block left over, but only two tokens of budget: `a` gets two slots
+    ],
+)
+def test_lookahead_leaves_a_later_prompt_chunk_its_blocks_and_budget(
+    num_blocks: int, lookahead: int, expected: list[int]
+) -> None:
+    from ember_engine.core.block_manager import BlockManager
+    from ember_engine.core.request import Request
+    from ember_engine.core.scheduler import Scheduler
+
+    bm = BlockManager(num_blocks=num_blocks, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=12)
+    a = Request("a", list(range(10, 17)), SamplingParams(max_tokens=50), max_tokens=50)
+    b = Request("b", list(range(30, 44)), SamplingParams(max_tokens=50), max_tokens=50)
+    for r in (a, b):
+        sched.add(r)
+    out = sched.schedule()
+    assert out.requests == [a, b] and out.num_tokens == [7, 5]  # b's prompt is chunked
+    for r, n in zip(out.requests, out.num_tokens, strict=True):
+        r.num_computed_tokens += n
+    a.append_token(99)  # a decodes now; b has 9 prompt tokens left, needing two more blocks
+    a.spec_lookahead = lookahead
+    out = sched.schedule()
+    # b gets its whole chunk of the budget and the blocks it needs; a's slots come only from what is left.
+    assert out.preempted == [] and sched.num_preemptions == 0
+    assert out.requests == [a, b] and out.num_tokens == expected
+    assert len(b.block_ids) == 4 and bm.num_free_blocks == 0

@@ -104,10 +104,6 @@ class BlockManager:
 
     # -- allocation -----------------------------------------------------------------------------------
 
-    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks the request would take to hold `num_new_tokens` more tokens beyond its computed ones."""
-        return self._num_new_blocks(request, num_new_tokens, ())
-
     def can_allocate(self, request: Request, num_new_tokens: int, new_cached: Sequence[Block] = ()) -> bool:
         return self._num_new_blocks(request, num_new_tokens, new_cached) <= self._available(new_cached)
 

@@ -2,11 +2,12 @@
 
 There is no prefill or decode phase: each request has tokens computed and tokens known, and each step
 hands out one token budget — running requests first (decodes and unfinished prompt chunks), then
-waiting ones (after their prefix-cache hit), chunking what does not fit. A decode may also take slots for
-speculative (lookahead) tokens, from budget and free blocks left over. When blocks run out the newest
-request (or, under the priority policy, the least important, then latest) is preempted by recompute:
-its blocks are freed and it goes back to the head of the queue, to be resumed only when its whole known
-sequence fits again, so a resumed request is not preempted again half-way through its prompt.
+waiting ones (after their prefix-cache hit), chunking what does not fit. Once the running requests have
+theirs, a decode may also take slots for speculative (lookahead) tokens, from budget and free blocks left
+over. When blocks run out the newest request (or, under the priority policy, the least important, then
+latest) is preempted by recompute: its blocks are freed and it goes back to the head of the queue, to be
+resumed only when its whole known sequence fits again, so a resumed request is not preempted again
+half-way through its prompt.
 """
 
 from __future__ import annotations
@@ -71,28 +72,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         running = list(self.running)
-        for i, request in enumerate(running):
+        for request in running:
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             left = len(request.all_token_ids) - request.num_computed_tokens
             n = min(left, budget)
-            # A decode may also reserve slots for speculative tokens, but only from spare budget and
-            # from blocks no one else running could need this step (one each): lookahead never causes a
-            # preemption.
-            decoding = left == 1
-            extra = min(request.spec_lookahead, budget - 1) if decoding else 0
             bm = self.block_manager
-            if (
-                extra > 0
-                and bm.num_new_blocks(request, n + extra) <= bm.num_free_blocks - (len(running) - i - 1)
-                and bm.allocate(request, n + extra)
-            ):
-                out.requests.append(request)
-                out.num_tokens.append(n + extra)
-                budget -= n + extra
-                continue
             if request.num_computed_tokens + n <= len(request.block_ids) * bm.block_size:
                 out.requests.append(request)  # its blocks already hold the tokens (most decodes)
                 out.num_tokens.append(n)
@@ -112,6 +99,7 @@ class Scheduler:
                 out.requests.append(request)
                 out.num_tokens.append(n)
                 budget -= n
+        budget = self._grant_lookahead(out, budget)
         # A step that had to preempt admits nobody: the freed room goes to the running requests.
         self.blocked_on_memory = bool(out.preempted)
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -121,6 +109,22 @@ class Scheduler:
                 break
             budget -= out.num_tokens[-1]
         return out
+
+    def _grant_lookahead(self, out: SchedulerOutput, budget: int) -> int:
+        """Give decodes slots for speculative tokens, once every running request has what it needs this
+        step: only budget and free blocks left over go to lookahead, so it never causes a preemption nor
+        shrinks another request's chunk. Returns the budget left."""
+        bm = self.block_manager
+        for i, request in enumerate(out.requests):
+            if budget <= 0:
+                break
+            n = out.num_tokens[i]
+            decoding = len(request.all_token_ids) - request.num_computed_tokens == 1
+            extra = min(request.spec_lookahead, budget) if decoding else 0
+            if extra > 0 and bm.allocate(request, n + extra):
+                out.num_tokens[i] += extra
+                budget -= extra
+        return budget
 
     def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
         bm = self.block_manager
