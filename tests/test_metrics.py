@@ -477,6 +477,37 @@ def test_a_preempted_requests_readmission_is_no_prefix_cache_query(tiny_model: P
     assert value(metrics, "ember:prefix_cache_preempted_hits_total") == stats.prefix_cache_preempted_hits
 
 
+def test_no_prefix_cache_counts_nothing_while_it_is_off(tiny_model: Path) -> None:
+    """With prefix caching off every admission still counted its tokens as queries (and no hits), so a
+    dashboard read a 0% hit rate where vLLM, which records no prefix-cache stats then, shows none. Neither
+    first admissions nor re-admissions after a preemption count."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model),
+            num_kv_blocks=16,
+            block_size=16,
+            max_model_len=256,
+            max_num_seqs=8,
+            enable_prefix_caching=False,
+        )
+    )
+    metrics = EngineMetrics(MODEL)
+    prompts = [[10 + (i * 37 + j * 11) % 200 for j in range(30)] for i in range(6)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        metrics.record_step(engine.stats(), engine.step())
+    stats = engine.stats()
+    metrics.record_stats(stats)
+    assert stats.num_preemptions > 0 and stats.prompt_tokens >= sum(map(len, prompts))
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
+    assert (stats.prefix_cache_preempted_queries, stats.prefix_cache_preempted_hits) == (0, 0)
+    for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+        assert value(metrics, f"{name}_total") == 0
+    for name in ("ember:prefix_cache_preempted_queries", "ember:prefix_cache_preempted_hits"):
+        assert value(metrics, f"{name}_total") == 0
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_prompt_aborted_while_queued_is_one_finished_request(tiny_model: Path, n: int) -> None:
     """A prompt aborted before it was scheduled (its deadline, or its client gone) ends as one request with

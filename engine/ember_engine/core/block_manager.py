@@ -95,6 +95,10 @@ class BlockManager:
         return hits
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int, preempted: bool) -> None:
+        """Count an admission's lookup; nothing while prefix caching is off, when no lookup happens (as
+        vLLM records no prefix-cache stats then, rather than queries that never hit)."""
+        if not self.enable_prefix_caching:
+            return
         if preempted:
             self.stats.preempted_queries += num_tokens
             self.stats.preempted_hits += num_hit_tokens
