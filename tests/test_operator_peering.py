@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from operator_harness import NAMESPACE, operator_cluster, wait_for
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ember_operator.desired import ROLE_LABEL
 from ember_operator.spec import GROUP, PLURAL, VERSION
+from ember_operator.standby import outranked
 
 PEERING = "ember-operator"
 PEER = "replica-b"
@@ -60,6 +63,20 @@ def _pods(api: Any) -> list[dict[str, Any]]:
     ]
 
 
+def _published(name: str) -> dict[str, float]:
+    """The operator's Ready-pods gauge and Ready condition gauge of service `name`, as it serves them."""
+    found = {}
+    for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for sample in family.samples:
+            if sample.labels.get("name") != name:
+                continue
+            if sample.name == "ember:operator_ready_replicas":
+                found["ready"] = sample.value
+            elif sample.name == "ember:operator_condition" and sample.labels.get("condition") == "Ready":
+                found["Ready"] = sample.value
+    return found
+
+
 def _peer(api: Any, entry: dict[str, Any] | None) -> None:
     api.patch("kopf.dev/v1", "KopfPeering", NAMESPACE, PEERING, {"status": {PEER: entry}})
 
@@ -84,9 +101,13 @@ def test_a_replica_resuming_after_a_pause_forgets_the_pods_deleted_meanwhile(
         )
         wait_for(lambda: (_service(api).get("status") or {}).get("readyReplicas") == 3, what="3 Ready pods")
 
-        # A peer of higher priority appears: this replica pauses.
+        wait_for(lambda: _published("ha") == {"ready": 3.0, "Ready": 1.0}, what="the service's gauges")
+
+        # A peer of higher priority appears: this replica pauses, and publishes no gauge of the service (the
+        # peer's are the ones that count; these stayed at 3 Ready pods whatever the peer did).
         _peer(api, {"priority": 2, "lifetime": 600, "lastseen": datetime.now(UTC).isoformat()})
         wait_for(lambda: kopf_log.said("Pausing operations"), what="the replica paused")
+        wait_for(lambda: _published("ha") == {}, what="no gauge of the service while paused")
 
         # Meanwhile the peer takes the service down to one pod, and says so in status.
         custom.patch_namespaced_custom_object(
@@ -125,3 +146,24 @@ def test_a_replica_resuming_after_a_pause_forgets_the_pods_deleted_meanwhile(
         assert status["autoscaler"]["decisions"][0]["reason"] == decision["reason"], status["autoscaler"]
         assert [p["metadata"]["name"] for p in _pods(api)] == [kept["metadata"]["name"]]
         assert (kept["metadata"]["labels"] or {}).get(ROLE_LABEL) == "active"
+        wait_for(lambda: _published("ha") == {"ready": 1.0, "Ready": 1.0}, what="the gauges back, as now")
+
+
+def test_a_replica_stands_by_by_the_rule_kopf_pauses_on() -> None:
+    now = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    ago = lambda s: (now - timedelta(seconds=s)).isoformat()  # noqa: E731
+
+    def entry(priority: int, seen: str | None, lifetime: int | None = 60) -> dict[str, Any]:
+        return {"priority": priority, "lastseen": seen, "lifetime": lifetime}
+
+    me = entry(5, ago(1))
+    assert not outranked({"me": me}, 5, now)
+    assert not outranked({"me": me, "low": entry(4, ago(1))}, 5, now)
+    assert outranked({"me": me, "high": entry(6, ago(1))}, 5, now)
+    assert not outranked({"me": me, "high": entry(6, ago(61))}, 5, now), "a dead peer pauses no one"
+    assert outranked({"me": me, "high": entry(6, ago(61), 120)}, 5, now), "its own lifetime counts"
+    assert not outranked({"me": me, "high": entry(6, ago(61), None)}, 5, now), "60 s unless it says"
+    assert outranked({"me": me, "twin": entry(5, ago(1))}, 5, now), "the same priority pauses both"
+    assert outranked({"high": entry(6, None)}, 5, now), "no time: seen now, as kopf takes it"
+    assert outranked({"high": {"priority": 6, "lastseen": "2026-01-01T11:59:59"}}, 5, now), "no zone: UTC"
+    assert not outranked({"me": me, "gone": None}, 5, now)

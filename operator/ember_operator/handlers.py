@@ -69,6 +69,7 @@ from ember_operator.rollout import PodPlan, applied, plan_pods, roll_frees_room
 from ember_operator.scaling import Memory, autoscale, record, woken
 from ember_operator.scrape import Scraper
 from ember_operator.spec import GROUP, PLURAL, VERSION, InferenceServiceSpec
+from ember_operator.standby import PEERING_GROUP, PEERING_VERSION, Standby
 from ember_operator.status import Assessment, Condition, render_conditions
 from ember_operator.units import CRASH_HOLD_ANNOTATION, CrashLog, Units, collect_units, owned_by, same_hold
 
@@ -95,6 +96,9 @@ class Reconciler:
         self._crashes = CrashLog()  # crashes of multi-node groups' pods
         self._ghosts: set[str] = set()  # uids of pods deleted that kopf's index still holds (`podcache`)
         self._scraper = Scraper(settings.scrape_timeout)
+        self._namespaces: set[str] = set()  # of the InferenceServices seen: where namespaced peerings are
+        self._standby: Standby | None = None  # with peering: whether a peer works meanwhile
+        self._standby_task: asyncio.Task[None] | None = None
 
     def _memory(self, uid: str, status: dict[str, Any]) -> Memory:
         memory = self._memories.get(uid)
@@ -117,6 +121,7 @@ class Reconciler:
         **kwargs: Any,
     ) -> None:
         name, namespace = meta["name"], meta["namespace"]
+        self._namespaces.add(namespace)
         if meta["uid"] in self._gone or meta.get("deletionTimestamp"):
             return  # a tick that raced the deletion: its children are being garbage-collected
         memory = self._memory(meta["uid"], dict(status))
@@ -134,7 +139,44 @@ class Reconciler:
         metrics.RECONCILES.labels(namespace, name, "ok").inc()
 
     async def cleanup(self, **_: Any) -> None:
+        if self._standby_task is not None:
+            self._standby_task.cancel()
         await self._scraper.close()
+
+    async def startup(self, settings: kopf.OperatorSettings, **_: Any) -> None:
+        """With peering, follow whether a peer works while this replica stands by (`standby.py`)."""
+        peering = settings.peering
+        if peering.standalone or not peering.name:
+            return
+        custom = (await self.kube()).custom
+        selector = f"metadata.name={peering.name}"
+
+        def list_peerings(namespace: str | None) -> list[dict[str, Any]]:
+            if namespace is None:
+                found = custom.list_cluster_custom_object(
+                    PEERING_GROUP, PEERING_VERSION, "clusterkopfpeerings", field_selector=selector
+                )
+            else:
+                found = custom.list_namespaced_custom_object(
+                    PEERING_GROUP, PEERING_VERSION, namespace, "kopfpeerings", field_selector=selector
+                )
+            return list(found.get("items") or [])
+
+        interval = 5 * self.settings.tick
+        self._standby = Standby(list_peerings, peering.name, peering.priority, interval, self._stand_by)
+        clusterwide = peering.clusterwide
+
+        def where() -> list[str | None]:
+            return [None] if clusterwide else list(sorted(self._namespaces))
+
+        self._standby_task = asyncio.create_task(self._standby.run(where))
+
+    def _stand_by(self) -> None:
+        """A peer works: publish nothing (its gauges are the ones that count), and take up status afresh
+        once this replica works again."""
+        metrics.forget_all()
+        for memory in self._memories.values():
+            memory.stale = memory.relist = True
 
     async def resource_event(self, event: kopf.RawEvent, meta: kopf.Meta, **_: Any) -> None:
         """Forget an InferenceService's memory once it is gone; and the address of it that the services
@@ -381,8 +423,9 @@ class Reconciler:
         patch.status["conditions"] = memory.conditions = render_conditions(
             conditions, memory.conditions, generation, now
         )
-        metrics.DESIRED.labels(namespace, name).set(memory.desired)
-        metrics.publish_status(namespace, name, dict(patch.status))
+        if self._standby is None or not self._standby.paused:  # a pass that ran on into a pause
+            metrics.DESIRED.labels(namespace, name).set(memory.desired)
+            metrics.publish_status(namespace, name, dict(patch.status))
 
     async def _pods_of(
         self, kube: Kube, pod_index: Any, namespace: str, name: str, memory: Memory, status: dict[str, Any]
@@ -738,6 +781,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> Reconciler:
     # Filled from the same pod watch; kopf starts no other handler before its first listing is in.
     kopf.index("v1", "pods", id=INDEX, labels={NAME_LABEL: indexed_names}, registry=registry)(index_pod)
     kopf.on.event(*resource, registry=registry)(reconciler.resource_event)
+    kopf.on.startup(registry=registry)(reconciler.startup)
     kopf.on.cleanup(registry=registry)(reconciler.cleanup)
     _no_finalizer_for(registry, "reconcile-tick")
     return reconciler

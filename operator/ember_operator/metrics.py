@@ -89,6 +89,13 @@ def forget(namespace: str, name: str) -> None:
         CONDITION.remove(namespace, name, key[2], _reasons.pop(key))
 
 
+def forget_all() -> None:
+    """Drop every InferenceService's gauges: this replica stands by while a peer works (`standby.py`)."""
+    for gauge in (*_PER_SERVICE, CONDITION):
+        gauge.clear()
+    _reasons.clear()
+
+
 class _MetricsHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         body = generate_latest(REGISTRY)
