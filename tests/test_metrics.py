@@ -447,27 +447,41 @@ def test_each_of_n_samples_has_its_own_inter_token_gaps(tiny_model: Path) -> Non
     )
 
 
-def test_a_preempted_requests_readmission_is_no_prefix_cache_query(tiny_model: Path) -> None:
-    """A preempted request looks its tokens up again when it is re-admitted; those lookups were added to
-    `vllm:prefix_cache_queries` and `_hits`, so prompts sharing nothing showed hits (vLLM keeps them apart,
-    as its preempted_queries and preempted_hits). Only a request's first admission counts there; the
-    re-admissions have ember's counters."""
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model), num_kv_blocks=16, block_size=16, max_model_len=256, max_num_seqs=8
-        )
+PREEMPTED_PROMPTS = [[10 + (i * 37 + j * 11) % 200 for j in range(30)] for i in range(6)]  # no shared block
+
+
+def _preempting_run(tiny_model: Path, prefix_caching: bool) -> tuple[EngineStats, EngineMetrics]:
+    """Six prompts sharing no block, on a cache too small for all of them: requests are preempted and
+    admitted again."""
+    config = EngineConfig(
+        model=str(tiny_model),
+        num_kv_blocks=16,
+        block_size=16,
+        max_model_len=256,
+        max_num_seqs=8,
+        enable_prefix_caching=prefix_caching,
     )
+    engine = LLMEngine(config)
     metrics = EngineMetrics(MODEL)
-    prompts = [[10 + (i * 37 + j * 11) % 200 for j in range(30)] for i in range(6)]  # no shared block
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(PREEMPTED_PROMPTS):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     while engine.has_unfinished_requests():
         metrics.record_step(engine.stats(), engine.step())
     stats = engine.stats()
     metrics.record_stats(stats)
     assert stats.num_preemptions > 0
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (sum(map(len, prompts)), 0)
-    assert value(metrics, "vllm:prefix_cache_queries_total") == sum(map(len, prompts))
+    return stats, metrics
+
+
+def test_a_preempted_requests_readmission_is_no_prefix_cache_query(tiny_model: Path) -> None:
+    """A preempted request looks its tokens up again when it is re-admitted; those lookups were added to
+    `vllm:prefix_cache_queries` and `_hits`, so prompts sharing nothing showed hits (vLLM keeps them apart,
+    as its preempted_queries and preempted_hits). Only a request's first admission counts there; the
+    re-admissions have ember's counters."""
+    stats, metrics = _preempting_run(tiny_model, prefix_caching=True)
+    prompted = sum(map(len, PREEMPTED_PROMPTS))
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (prompted, 0)
+    assert value(metrics, "vllm:prefix_cache_queries_total") == prompted
     assert value(metrics, "vllm:prefix_cache_hits_total") == 0
     # Each re-admission looked up the prompt and the tokens generated before it was preempted.
     assert stats.prefix_cache_preempted_queries > stats.num_preemptions * 30
@@ -481,25 +495,8 @@ def test_no_prefix_cache_counts_nothing_while_it_is_off(tiny_model: Path) -> Non
     """With prefix caching off every admission still counted its tokens as queries (and no hits), so a
     dashboard read a 0% hit rate where vLLM, which records no prefix-cache stats then, shows none. Neither
     first admissions nor re-admissions after a preemption count."""
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model),
-            num_kv_blocks=16,
-            block_size=16,
-            max_model_len=256,
-            max_num_seqs=8,
-            enable_prefix_caching=False,
-        )
-    )
-    metrics = EngineMetrics(MODEL)
-    prompts = [[10 + (i * 37 + j * 11) % 200 for j in range(30)] for i in range(6)]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        metrics.record_step(engine.stats(), engine.step())
-    stats = engine.stats()
-    metrics.record_stats(stats)
-    assert stats.num_preemptions > 0 and stats.prompt_tokens >= sum(map(len, prompts))
+    stats, metrics = _preempting_run(tiny_model, prefix_caching=False)
+    assert stats.prompt_tokens >= sum(map(len, PREEMPTED_PROMPTS))
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
     assert (stats.prefix_cache_preempted_queries, stats.prefix_cache_preempted_hits) == (0, 0)
     for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
