@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -166,8 +166,8 @@ class Reconciler:
         self._standby = Standby(list_peerings, peering.name, peering.priority, interval, self._stand_by)
         clusterwide = peering.clusterwide
 
-        def where() -> list[str | None]:
-            return [None] if clusterwide else list(sorted(self._namespaces))
+        def where() -> Sequence[str | None]:
+            return [None] if clusterwide else sorted(self._namespaces)
 
         self._standby_task = asyncio.create_task(self._standby.run(where))
 

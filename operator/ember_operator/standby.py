@@ -74,11 +74,11 @@ class Standby:
         for namespace in namespaces:
             try:
                 objects = self._list(namespace)
-            except Exception as e:  # the API server away or no peering CRD: the last verdict stands
+                named = [o for o in objects if (o.get("metadata") or {}).get("name") == self._name]
+                verdicts += [outranked(o.get("status") or {}, self._priority, now) for o in named]
+            except Exception as e:  # the API server away, no peering CRD, an entry unreadable: as it was
                 log.debug("peering %s in %s not read: %s", self._name, namespace or "the cluster", e)
                 return self.paused
-            named = [o for o in objects if (o.get("metadata") or {}).get("name") == self._name]
-            verdicts += [outranked(o.get("status") or {}, self._priority, now) for o in named]
         paused = any(verdicts)
         if paused != self.paused:
             log.info("%s", "standing by: a peer works" if paused else "no longer standing by")
