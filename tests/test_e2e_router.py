@@ -19,7 +19,17 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e_harness import MODEL, NAMESPACE, ControlPlane, container_pid, control_plane, pod_ip, ready, say
+from e2e_harness import (
+    MODEL,
+    NAMESPACE,
+    ControlPlane,
+    container_pid,
+    container_status,
+    control_plane,
+    pod_ip,
+    ready,
+    say,
+)
 from waiting import wait_for
 
 NAME = "front"
@@ -155,6 +165,29 @@ def test_a_service_at_zero_holds_the_first_request_then_serves_it(cp: ControlPla
     decisions = cp.status("sleepy")["autoscaler"]["decisions"]
     assert any("scale from zero" in d["reason"] and d["desired"] == 1 for d in decisions), decisions
     cp.remove("sleepy")
+
+
+def test_a_router_is_not_killed_while_it_starts(cp: ControlPlane) -> None:
+    """With a liveness probe that restarts at its first failure, a router still comes up on its first run:
+    liveness counts only after the startup probe has seen it answer. Without one, the kubelet probed it at
+    the container's start, before it listened, and killed every run."""
+    cp.create(
+        "brisk",
+        router={"enabled": True, "replicas": 1},
+        replicas={"min": 0, "max": 1},
+        lifecycle={"livenessPeriodSeconds": 1, "livenessFailureThreshold": 1},
+    )
+
+    def pods() -> list[dict[str, Any]]:
+        return cp.api.list("v1", "Pod", NAMESPACE, label_selector="ember.dev/router=brisk")
+
+    pod = wait_for(
+        lambda: next((p for p in pods() if ready(p)), None),
+        90,
+        lambda: f"a Ready router: {[container_status(p) for p in pods()]}",
+    )
+    assert container_status(pod)["restartCount"] == 0, container_status(pod)
+    cp.remove("brisk")
 
 
 def test_killing_a_router_mid_stream_ends_the_stream_and_the_other_replica_serves(cp: ControlPlane) -> None:

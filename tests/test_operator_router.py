@@ -270,6 +270,24 @@ def test_scale_from_zero_reads_the_ready_routers_held_requests() -> None:
     assert "--hold-seconds=12.0" in container["args"]
 
 
+def test_the_routers_liveness_waits_for_their_start() -> None:
+    """A router listens only once its tokenizer is loaded; liveness probing from the container's start
+    killed one whose start took longer than the liveness probe's failures allow (a loaded node, a slow
+    model volume), and the next run the same. A startup probe on /health gates liveness and readiness, with
+    the engines' start-up allowance (spec.lifecycle.startupTimeoutSeconds) at the readiness period."""
+    (container,) = _pod_spec(make_spec())["containers"]
+    assert container["startupProbe"] == {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": 2,
+        "timeoutSeconds": 2,
+        "failureThreshold": 900,
+    }
+    spec = make_spec(lifecycle={"startupTimeoutSeconds": 61, "readinessPeriodSeconds": 5})
+    (container,) = _pod_spec(spec)["containers"]
+    assert container["startupProbe"]["periodSeconds"] == 5
+    assert container["startupProbe"]["failureThreshold"] == 13  # 61 s at least
+
+
 def test_the_routers_stream_idle_timeout_comes_from_the_spec_when_set() -> None:
     """The operator ran its routers with no bound on an idle stream: a frozen engine held its clients'
     streams for ever. spec.router.streamIdleTimeoutSeconds sets the router's; unset, the routers' own

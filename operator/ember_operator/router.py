@@ -136,6 +136,7 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 def desired_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     r, life, placement = spec.resources, spec.lifecycle, spec.pod
+    period = life.readiness_period_seconds
     security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     if placement.container_security_context is not None:
         security.update(placement.container_security_context.to_kube())
@@ -147,7 +148,10 @@ def desired_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[
         "args": router_args(owner, spec),
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "readinessProbe": _probe("/ready", life.readiness_period_seconds, life.readiness_failure_threshold),
+        # A router listens once its tokenizer is loaded: until /health answers, neither liveness nor
+        # readiness is probed, for as long as an engine's start may take.
+        "startupProbe": _probe("/health", period, -(-life.startup_timeout_seconds // period)),
+        "readinessProbe": _probe("/ready", period, life.readiness_failure_threshold),
         "livenessProbe": _probe("/health", life.liveness_period_seconds, life.liveness_failure_threshold),
         # The Service's endpoints drop the pod before the router stops taking requests.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
