@@ -4,6 +4,7 @@ service proxy."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -19,6 +20,7 @@ from waiting import wait_for
 
 from ember_localcluster.apiserver import APIServer
 from ember_localcluster.kubelet.kubelet import ENGINE_IMAGE, ProcessKubelet, write_atomically
+from ember_localcluster.kubelet.nodelease import renew_lease
 from ember_localcluster.proxy import ServiceProxy
 from ember_localcluster.scheduler import Scheduler
 
@@ -671,6 +673,30 @@ def test_stop_kills_every_process(tmp_path: Path) -> None:
         pid = int(status["containerID"].removeprefix("process://"))
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_nodes_lease_renewals_never_meet_each_others_writes(tmp_path: Path) -> None:
+    """A node's lease is renewed by the renewal loop and, as the node comes back (`start_node`), at once;
+    each reads the Lease and replaces it, so two at a time gave the later replace 409 Conflict, and a node
+    could not come back. As the kubelet's single lease controller per node, a node's renewals go one at a
+    time."""
+    with APIServer() as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        kubelet = ProcessKubelet(kubeconfig, tmp_path / "state", images=IMAGES, ip_prefix="127.2.")
+        with kubelet:
+            (node,) = kubelet.nodes
+            wait_for(lambda: api.get("coordination.k8s.io/v1", "Lease", "kube-node-lease", node))
+            before = api.get("coordination.k8s.io/v1", "Lease", "kube-node-lease", node)
+
+            async def renew_together() -> list[Any]:
+                renewals = (renew_lease(kubelet, node) for _ in range(4))
+                return await asyncio.gather(*renewals, return_exceptions=True)
+
+            failed = [r for r in kubelet._runtime.run(renew_together(), timeout=30) if r is not None]
+            after = api.get("coordination.k8s.io/v1", "Lease", "kube-node-lease", node)
+    assert failed == []
+    assert before is not None and after is not None
+    assert after["spec"]["renewTime"] > before["spec"]["renewTime"]
 
 
 def test_write_atomically_swaps_the_whole_directory(tmp_path: Path) -> None:

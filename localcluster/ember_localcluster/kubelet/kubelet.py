@@ -176,6 +176,8 @@ class ProcessKubelet:
         self._node_status: dict[str, dict[str, Any]] = {}  # what each node reported at registration
         self.lease_seconds = lease_seconds
         self.lost: set[str] = set()  # nodes stopped by `stop_node`
+        # One renewal of a node's Lease at a time, as its one lease controller makes them (`nodelease`).
+        self.lease_locks: dict[str, asyncio.Lock] = {name: asyncio.Lock() for name in self.nodes}
         self._background: set[asyncio.Task[Any]] = set()
         self._groups: set[int] = set()
         self._groups_lock = threading.Lock()

@@ -52,7 +52,13 @@ def lease_manifest(node: dict[str, Any], duration: int) -> dict[str, Any]:
 
 
 async def renew_lease(kubelet: ProcessKubelet, name: str) -> None:
-    """Create the node's Lease, or renew its `renewTime`."""
+    """Create the node's Lease, or renew its `renewTime`. The renewal loop and a node coming back both
+    renew; one at a time, or the later of two replaces made from one read would meet 409 Conflict."""
+    async with kubelet.lease_locks[name]:
+        await _renew(kubelet, name)
+
+
+async def _renew(kubelet: ProcessKubelet, name: str) -> None:
     leases = client.CoordinationV1Api(kubelet.core.api_client)
     duration = kubelet.lease_seconds
     try:
