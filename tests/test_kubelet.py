@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ class Cluster:
     kubelet: ProcessKubelet
     proxy: ServiceProxy
     http: httpx.Client
+    started: float  # time.monotonic() once the kubelet had started
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
             ServiceProxy(kubeconfig) as proxy,
             httpx.Client(trust_env=False, timeout=30) as http,
         ):
-            yield Cluster(api, kubelet, proxy, http)
+            yield Cluster(api, kubelet, proxy, http, time.monotonic())
 
 
 def get_pod(api: APIServer, name: str) -> dict[str, Any]:
@@ -400,6 +402,133 @@ def test_startup_probe_gates_readiness(cluster: Cluster, tmp_path: Path) -> None
     pod = wait_for_pod(api, "slow", "Ready", is_ready)
     assert container(pod)["restartCount"] == 0
     delete_and_wait(api, "slow")
+
+
+# Each exec probe below appends the time it ran to a file of its own, for the test to read.
+RECORD = ["sh", "-c", 'date +%s.%N >> "$1"', "sh"]
+
+
+def probe_times(path: Path) -> list[float]:
+    return [float(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def srv_pod(name: str, tmp_path: Path, script: str, *args: str, **spec: Any) -> dict[str, Any]:
+    """A pod whose container runs `sh -c script sh args...` with `tmp_path` mounted at /srv."""
+    pod = python_pod(
+        name,
+        ["sh", "-c", script, "sh", *args],
+        volumes=[{"name": "srv", "hostPath": {"path": str(tmp_path)}}],
+        **spec,
+    )
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "srv", "mountPath": "/srv"}]
+    return pod
+
+
+def test_first_startup_and_liveness_probes_wait_for_the_probe_period(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """As the kubelet's prober (pkg/kubelet/prober/worker.go `run`/`doProbe`): each probe has a worker from
+    the pod's first sync, ticking every periodSeconds; the tick as the worker starts finds no container
+    yet, so a new pod's container is first probed about one period after it started, not as it starts."""
+    api, period = cluster.api, 2
+    # A worker started within a period of the kubelet's own start first waits a random part of a period.
+    time.sleep(max(0.0, cluster.started + period - time.monotonic()))
+    pod = srv_pod("ticker", tmp_path, 'date +%s.%N > "$1"; exec sleep 600', "/srv/start")
+    pod["spec"]["containers"][0].update(
+        startupProbe={"exec": {"command": [*RECORD, "/srv/startup"]}, "periodSeconds": period},
+        livenessProbe={"exec": {"command": [*RECORD, "/srv/liveness"]}, "periodSeconds": period},
+    )
+    api.create(pod)
+    wait_for(lambda: probe_times(tmp_path / "liveness"), what="a liveness probe", timeout=15)
+    start = probe_times(tmp_path / "start")[0]
+    startup, liveness = probe_times(tmp_path / "startup")[0], probe_times(tmp_path / "liveness")[0]
+    assert startup - start >= period / 2, f"first startup probe {startup - start:.2f} s after the start"
+    assert liveness - start >= period / 2, f"first liveness probe {liveness - start:.2f} s after the start"
+    assert is_ready(get_pod(api, "ticker"))
+    delete_and_wait(api, "ticker")
+
+
+def test_initial_delay_counts_from_the_containers_start(cluster: Cluster, tmp_path: Path) -> None:
+    """worker.go `doProbe` skips a probe while the whole seconds since the container's `startedAt` are fewer
+    than initialDelaySeconds: the delay runs from the container's start, also while a startup probe still
+    gates the other probes, not from the startup probe's success."""
+    api, delay = cluster.api, 5
+    script = 'date +%s.%N > "$1"; sleep 4; touch "$2"; exec sleep 600'
+    pod = srv_pod("delayed", tmp_path, script, "/srv/start", "/srv/started")
+    pod["spec"]["containers"][0].update(
+        startupProbe={"exec": {"command": ["test", "-f", "/srv/started"]}, "periodSeconds": 1},
+        readinessProbe={
+            "exec": {"command": [*RECORD, "/srv/readiness"]},
+            "periodSeconds": 1,
+            "initialDelaySeconds": delay,
+        },
+    )
+    pod["spec"]["containers"][0]["startupProbe"]["failureThreshold"] = 30
+    api.create(pod)
+    wait_for(lambda: probe_times(tmp_path / "readiness"), what="a readiness probe", timeout=20)
+    first = probe_times(tmp_path / "readiness")[0] - probe_times(tmp_path / "start")[0]
+    assert delay <= first < delay + 2.5, f"first readiness probe {first:.2f} s after the container started"
+    delete_and_wait(api, "delayed")
+
+
+# Exits 0 soon after SIGTERM (the signal reaches the whole process group, so the `sleep` ends too).
+EXIT_0_ON_SIGTERM = 'trap "exit 0" TERM; while :; do sleep 0.1; done'
+
+
+def test_a_liveness_kill_restarts_the_container_under_on_failure_whatever_its_exit_code(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """kuberuntime_manager.go `computePodActions`: a container failing its liveness probe is killed and, when
+    the restart policy is not Never (`shouldRestartOnFailure`), started again in the same sync, even if
+    it exits 0 on SIGTERM under restartPolicy OnFailure."""
+    api = cluster.api
+    pod = srv_pod("onfailure", tmp_path, EXIT_0_ON_SIGTERM, restartPolicy="OnFailure")
+    pod["spec"]["containers"][0]["livenessProbe"] = {
+        "exec": {"command": ["false"]},
+        "periodSeconds": 1,
+        "failureThreshold": 1,
+    }
+    api.create(pod)
+
+    def restarted_or_ended(p: dict[str, Any]) -> bool:
+        status = container(p)
+        return bool(status.get("restartCount")) or "terminated" in status.get("state", {})
+
+    status = container(wait_for_pod(api, "onfailure", "a restart or an end", restarted_or_ended))
+    assert status["restartCount"] >= 1, status
+    assert status["lastState"]["terminated"]["exitCode"] == 0
+    events = api.list("v1", "Event", "default", field_selector="involvedObject.name=onfailure")
+    messages = {e["message"] for e in events if e["reason"] == "Killing"}
+    assert "Container main failed liveness probe, will be restarted" in messages, messages
+    delete_and_wait(api, "onfailure")
+
+
+def test_a_liveness_kill_under_never_stops_the_pod_with_at_least_two_seconds_after_sigterm(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Under restartPolicy Never a single container failing liveness leaves nothing to keep, so
+    `computePodActions` kills the pod (`KillPod`): the Killing event reads `Stopping container main`, and
+    `killContainer` gives the container at least `minimumGracePeriodInSeconds` (2 s) after SIGTERM even
+    with terminationGracePeriodSeconds 0."""
+    api = cluster.api
+    pod = srv_pod(
+        "never", tmp_path, EXIT_0_ON_SIGTERM, restartPolicy="Never", terminationGracePeriodSeconds=0
+    )
+    pod["spec"]["containers"][0]["livenessProbe"] = {
+        "exec": {"command": ["false"]},
+        "periodSeconds": 1,
+        "failureThreshold": 1,
+    }
+    api.create(pod)
+    pod = wait_for_pod(api, "never", "the container to end", lambda p: "terminated" in container(p)["state"])
+    terminated = container(pod)["state"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (0, "Completed"), terminated  # not SIGKILLed
+    assert container(pod)["restartCount"] == 0
+    assert wait_for_pod(api, "never", "Succeeded", lambda p: p["status"]["phase"] == "Succeeded")
+    events = api.list("v1", "Event", "default", field_selector="involvedObject.name=never")
+    messages = {e["message"] for e in events if e["reason"] == "Killing"}
+    assert messages == {"Stopping container main"}, messages
+    delete_and_wait(api, "never")
 
 
 def test_unknown_image_stays_pending_with_err_image_pull(cluster: Cluster) -> None:

@@ -1,10 +1,11 @@
 """One container's runs: starting its process, its exit, and the restart policy with its back-off.
 
 `restartPolicy` Always, OnFailure or Never (an init container is done once it exits 0, and is restarted
-after a failure unless the policy is Never, as the kubelet does); restarts wait out an exponential
-back-off as the kubelet's (pkg/kubelet: `backOffPeriod` 10 s doubling to `MaxContainerBackOff` 300 s by
-default; the first exit restarts at once, the second waits 10 s, the third 20 s; reset after a run of twice
-the cap) during which the container
+after a failure unless the policy is Never, as the kubelet does; a container killed for failing its
+liveness or startup probe is restarted unless the policy is Never, whatever its exit code, as
+computePodActions does); restarts wait out an exponential back-off as the kubelet's (pkg/kubelet:
+`backOffPeriod` 10 s doubling to `MaxContainerBackOff` 300 s by default; the first exit restarts at once,
+the second waits 10 s, the third 20 s; reset after a run of twice the cap) during which the container
 waits with reason `CrashLoopBackOff`. With `FallbackToLogsOnError` a failed run's terminated message is the
 tail of its log (the last 80 lines or 2 KiB, whichever is less). An image the kubelet cannot run leaves the
 container waiting with reason `ErrImagePull`; a container it cannot configure, with
@@ -24,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 from ember_localcluster.kubelet.node import _signal_group
 from ember_localcluster.kubelet.podenv import _command, _ConfigError
 from ember_localcluster.kubelet.podstatus import _event, _now
-from ember_localcluster.kubelet.probes import _probe_loop
 
 if TYPE_CHECKING:
     from ember_localcluster.kubelet.podworker import _PodWorker
@@ -43,8 +43,9 @@ class _Container:
     process: asyncio.subprocess.Process | None = None
     exit_task: asyncio.Task[None] | None = None
     killing: asyncio.Task[None] | None = None
-    probes: list[asyncio.Task[None]] = field(default_factory=list)
-    started_event: asyncio.Event = field(default_factory=asyncio.Event)
+    probes: list[asyncio.Task[None]] = field(default_factory=list)  # its probe workers, one per probe
+    probe_triggers: dict[str, asyncio.Event] = field(default_factory=dict)  # a run now, by probe kind
+    restart_after_kill: bool = False  # killed for failing a probe: restarted whatever its exit code
     container_id: str = ""
     started_at: str = ""
     started_clock: float = 0.0
@@ -91,8 +92,7 @@ async def _start(worker: _PodWorker, c: _Container) -> None:
         c.restart_count += 1
     c.runs += 1
     c.restart_at = None
-    c.ready = c.started = False
-    c.started_event = asyncio.Event()
+    c.ready = c.started = c.restart_after_kill = False
     log_path = worker.kubelet.log_path(worker.namespace, worker.name, c.name)
     c.log_offset = log_path.stat().st_size if log_path.exists() else 0
     c.started_at, c.started_clock = _now(), asyncio.get_running_loop().time()
@@ -122,12 +122,12 @@ async def _start(worker: _PodWorker, c: _Container) -> None:
     c.state = {"running": {"startedAt": c.started_at}}
     _event(worker, "Started", f"Started container {c.name}")
     c.exit_task = asyncio.create_task(_await_exit(worker, c, process))
-    probes = {kind: c.spec.get(f"{kind}Probe") for kind in ("startup", "readiness", "liveness")}
-    if not probes["startup"]:
+    # Without a startup probe a container has started once it runs; without a readiness probe it is ready
+    # then too (the prober manager's UpdatePodStatus). Init containers are never probed: ready once they
+    # succeeded.
+    if c.init or not c.spec.get("startupProbe"):
         c.started = True
-        c.started_event.set()
-        c.ready = not probes["readiness"] and not c.init  # an init container is ready once it succeeded
-    c.probes = [asyncio.create_task(_probe_loop(worker, c, k, p)) for k, p in probes.items() if p]
+        c.ready = not c.init and not c.spec.get("readinessProbe")
 
 
 async def _await_exit(worker: _PodWorker, c: _Container, process: asyncio.subprocess.Process) -> None:
@@ -135,9 +135,6 @@ async def _await_exit(worker: _PodWorker, c: _Container, process: asyncio.subpro
     # The group may outlive its leader (children of the container's process).
     _signal_group(process.pid, signal.SIGKILL)
     worker.kubelet.untrack(process.pid)
-    for task in c.probes:
-        task.cancel()
-    c.probes = []
     c.process = None
     exit_code = code if code >= 0 else 128 - code  # as a container runtime reports a signal
     _record_exit(worker, c, exit_code, "Completed" if exit_code == 0 else "Error")
@@ -161,6 +158,7 @@ def _record_exit(worker: _PodWorker, c: _Container, exit_code: int, reason: str,
         c.ready = exit_code == 0
     else:
         restart = restart_policy == "Always" or (restart_policy == "OnFailure" and exit_code != 0)
+        restart = restart or c.restart_after_kill
     if worker.terminating or not restart:
         c.state, c.done = {"terminated": terminated}, True
         return

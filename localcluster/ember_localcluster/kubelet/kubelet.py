@@ -37,7 +37,9 @@ Each pod is run by a worker of its own (`podworker`). One kubelet serves one or 
 * **Init containers.** Run one at a time, each to completion, before the containers start; a failed one
   is restarted with the same back-off (`Init:CrashLoopBackOff` in `kubectl get pods`), or fails the pod
   under `restartPolicy: Never`.
-* **Probes.** startup, readiness and liveness probes with httpGet, tcpSocket or exec (`probes`).
+* **Probes.** startup, readiness and liveness probes with httpGet, tcpSocket or exec, on the kubelet's
+  prober's schedule (`probes`); a container failing liveness or startup is killed and restarted
+  (`podworker`).
 * **Restarts.** `restartPolicy` with exponential back-off and `CrashLoopBackOff` (`containers`);
   container statuses and phases as the kubelet reports them (`podstatus`).
 * **Deletion.** preStop hook, SIGTERM, grace period, SIGKILL, then the pod is deleted (`podworker`).
@@ -175,6 +177,7 @@ class ProcessKubelet:
         self._rejected: set[str] = set()  # uids refused at admission
         self._node_status: dict[str, dict[str, Any]] = {}  # what each node reported at registration
         self.lease_seconds = lease_seconds
+        self.started_clock = 0.0  # time.monotonic() (the loop's clock) when `start()` began
         self.lost: set[str] = set()  # nodes stopped by `stop_node`
         # One renewal of a node's Lease at a time, as its one lease controller makes them (`nodelease`).
         self.lease_locks: dict[str, asyncio.Lock] = {name: asyncio.Lock() for name in self.nodes}
@@ -228,6 +231,7 @@ class ProcessKubelet:
         runtime = self._runtime
         if runtime.running:
             raise RuntimeError("the kubelet is already running")
+        self.started_clock = time.monotonic()
         (self.state_dir / "pods").mkdir(parents=True, exist_ok=True)
         runtime.start(self.kubeconfig)
         runtime.run(self._open_session(), timeout=10)

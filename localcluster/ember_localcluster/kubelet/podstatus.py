@@ -43,12 +43,13 @@ def _phase(worker: _PodWorker) -> str:
         return "Succeeded" if all(code == 0 for code in exits) else "Failed"
     running = waiting = stopped = succeeded = 0
     for c in containers:
-        terminated = c.state.get("terminated") or c.last_state.get("terminated")
         if "running" in c.state:
             running += 1
-        elif terminated is not None:
+        elif "terminated" in c.state:
             stopped += 1
-            succeeded += terminated.get("exitCode") == 0
+            succeeded += c.state["terminated"].get("exitCode") == 0
+        elif "terminated" in c.last_state:  # waiting to restart: stopped, never succeeded (getPhase)
+            stopped += 1
         else:
             waiting += 1
     if waiting:

@@ -2,9 +2,16 @@
 
 A pod with a `deletionTimestamp` runs each running container's preStop hook (exec, httpGet or sleep),
 then SIGTERMs its process group, SIGKILLs what is left when the grace period
-(`deletionGracePeriodSeconds`) ends, reports the terminal phase and deletes the pod with
+(`deletionGracePeriodSeconds`, less the whole seconds the hook took, but never less than 2 s after SIGTERM,
+as the kubelet's killContainer gives) ends, reports the terminal phase and deletes the pod with
 `gracePeriodSeconds=0`, which the API server (run with `pod_graceful_deletion=True`) waits for. A pod
 that disappears at once has its processes killed at once.
+
+A container failing its liveness or startup probe is killed the same way (the probe's
+terminationGracePeriodSeconds, else the pod's), with a `Killing` event "Container <name> failed liveness
+probe, will be restarted", and restarted unless the restart policy is Never. Under Never, with no other
+container left running, the pod is stopped instead, as computePodActions' KillPod: "Stopping container
+<name>", with the pod's grace period.
 """
 
 from __future__ import annotations
@@ -25,12 +32,15 @@ from ember_localcluster.kubelet.containers import _Container, _start
 from ember_localcluster.kubelet.node import NODE_NAME, _signal_group
 from ember_localcluster.kubelet.podstatus import _event, _now, _phase, _publish
 from ember_localcluster.kubelet.podvolumes import MOUNT_RETRY_SECONDS, _mount, _MountError, _write_configmap
-from ember_localcluster.kubelet.probes import _run_handler
+from ember_localcluster.kubelet.probes import _run_handler, _start_probe_workers, _trigger_readiness
 
 if TYPE_CHECKING:
     from ember_localcluster.kubelet.kubelet import ProcessKubelet
 
 log = logging.getLogger("ember.kubelet")
+
+# The kubelet's minimumGracePeriodInSeconds: a container always has this long after SIGTERM.
+MINIMUM_GRACE_SECONDS = 2.0
 
 
 class _PodWorker:
@@ -110,6 +120,7 @@ class _PodWorker:
         self.start_time = _now()
         shutil.rmtree(self.dir / "volumes", ignore_errors=True)
         self.dir.mkdir(parents=True, exist_ok=True)
+        _start_probe_workers(self)
         loop = asyncio.get_running_loop()
         while True:
             self.wakeup.clear()
@@ -129,6 +140,7 @@ class _PodWorker:
                         idle = c.process is None and c.killing is None and not c.done
                         if idle and (c.restart_at is None or c.restart_at <= loop.time()):
                             await _start(self, c)
+            _trigger_readiness(self)
             if not await _publish(self):
                 deadlines.append(loop.time() + 1.0)
             timeout = max(0.0, min(deadlines) - loop.time()) if deadlines else None
@@ -179,32 +191,47 @@ class _PodWorker:
     # -- stopping --------------------------------------------------------------------------------------
 
     async def _stop_container(self, c: _Container, grace: float) -> None:
-        """preStop hook, SIGTERM, the rest of the grace period, SIGKILL; returns once the process is gone."""
+        """As the kubelet's killContainer: the preStop hook (given the grace period), SIGTERM, what is left
+        of the period in whole seconds but never less than 2 s, SIGKILL; returns once the process is gone."""
         process, exit_task = c.process, c.exit_task
         if process is None or exit_task is None:
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
         hook = (c.spec.get("lifecycle") or {}).get("preStop")
         if hook and grace > 0:
+            began = loop.time()
             await _run_handler(self, c, hook, grace)
-        if grace <= 0:
-            _signal_group(process.pid, signal.SIGKILL)
-        elif process.returncode is None:
+            grace -= int(loop.time() - began)
+        if process.returncode is None:
             _signal_group(process.pid, signal.SIGTERM)
-        # As the kubelet, a hook that used up the whole period leaves the process 2 s after SIGTERM.
-        remaining = max(deadline - loop.time(), 2.0 if hook else 0.0)
         try:
-            await asyncio.wait_for(asyncio.shield(exit_task), remaining)
+            await asyncio.wait_for(asyncio.shield(exit_task), max(grace, MINIMUM_GRACE_SECONDS))
         except TimeoutError:
             _signal_group(process.pid, signal.SIGKILL)
             await asyncio.shield(exit_task)
 
     def _kill_unhealthy(self, c: _Container, kind: str, probe: dict[str, Any]) -> None:
+        """Kill a container that failed its liveness or startup probe, as computePodActions and SyncPod do:
+        restarted afterwards unless the restart policy is Never; under Never, with no other container left
+        running, the pod is stopped instead (`KillPod`)."""
         if self.terminating or c.killing is not None:
             return
-        _event(self, "Killing", f"Container {c.name} failed {kind} probe, will be restarted")
-        grace = probe.get("terminationGracePeriodSeconds", self.spec.get("terminationGracePeriodSeconds", 30))
+        restart = self.spec.get("restartPolicy", "Always") != "Never"
+        others = [o for o in self.containers.values() if o is not c and o.process and o.killing is None]
+        # setTerminationGracePeriod: the pod's deletion grace period, else the probe's (only for this kill,
+        # not for the pod's), else the pod's.
+        grace = self.pod["metadata"].get("deletionGracePeriodSeconds")
+        pod_grace = self.spec.get("terminationGracePeriodSeconds", 30)
+        if restart or others:
+            message = f"Container {c.name} failed {kind} probe" + (", will be restarted" if restart else "")
+            if grace is None:
+                grace = probe.get("terminationGracePeriodSeconds", pod_grace)
+        else:
+            message = f"Stopping container {c.name}"
+        if grace is None:
+            grace = pod_grace
+        _event(self, "Killing", message)
+        c.restart_after_kill = restart
 
         async def kill() -> None:
             try:
