@@ -28,6 +28,7 @@ class Answer:
     compress: bool = False  # compress as the request's Accept-Encoding allows
     force_gzip: bool = False  # gzip whatever the request allows
     head_delay: float = 0.0  # seconds before answering anything
+    line_end: str = "\n"  # what ends each line of a stream (SSE allows LF, CRLF or CR)
 
 
 @dataclass
@@ -82,13 +83,13 @@ class FakeFallback:
         try:
             for i in range(a.events):
                 chunk = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i} "}]}
-                await stream.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await stream.write(f"data: {json.dumps(chunk)}{a.line_end * 2}".encode())
                 if a.break_after == i + 1:
                     assert request.transport is not None
                     request.transport.close()
                     return stream
                 await asyncio.sleep(a.event_gap)
-            await stream.write(b"data: [DONE]\n\n")
+            await stream.write(f"data: [DONE]{a.line_end * 2}".encode())
         except (ConnectionResetError, asyncio.CancelledError):
             self.left += 1
             raise

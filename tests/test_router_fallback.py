@@ -149,6 +149,23 @@ def test_a_stream_that_breaks_off_ends_with_an_error_event_whatever_the_client_a
         assert len(events) == 7 and events[-1] == "[DONE]", events
 
 
+@pytest.mark.parametrize("line_end", ["\r\n", "\r"])
+def test_a_stream_whose_lines_end_in_cr_is_relayed_event_by_event(
+    tiny_model: Path, fallback: FakeFallback, line_end: str
+) -> None:
+    """The router found the ends of events only at `\\n\\n`: a server ending its lines with CRLF (as
+    sse-starlette does) or CR, as SSE allows, had its whole stream held back until its end, and one that
+    broke off lost every event it had sent, the client getting only the error event."""
+    fallback.answer = Answer(events=6, break_after=3, line_end=line_end)
+    with router_before(from_flags(fallback.url, None, BOTH), tiny_model) as url:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body(True), timeout=30) as r:
+            assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
+            events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+        assert len(events) == 5 and events[-1] == "[DONE]", events
+        assert all("choices" in json.loads(e) for e in events[:3]), events
+        assert json.loads(events[3])["error"]["code"] == "upstream_error", events
+
+
 def test_the_fallback_flags_bound_the_wait_as_the_policy_file_does(
     tiny_model: Path, fallback: FakeFallback
 ) -> None:

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-_END = b"\n\n"  # an SSE event ends with a blank line
+# An SSE event ends with a blank line: two line ends, each LF, CRLF or CR (the format allows all three).
+_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n")
 
 
 class EventFramer:
@@ -23,12 +24,9 @@ class EventFramer:
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._held + chunk
-        cut = data.rfind(_END)
-        if cut < 0:
-            self._held = data
-            return b""
-        self._held = data[cut + len(_END) :]
-        return data[: cut + len(_END)]
+        cut = max((i + len(end) for end in _ENDS if (i := data.rfind(end)) >= 0), default=0)
+        self._held = data[cut:]
+        return data[:cut]
 
     def rest(self) -> bytes:
         """What came after the last whole event (passed on where the stream ended cleanly)."""
