@@ -191,7 +191,11 @@ class Router:
 
     async def _route(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.perf_counter()
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except web.RequestPayloadError as exc:  # e.g. a body its Content-Encoding does not decode
+            why = str(exc).split("message:", 1)[-1].strip()
+            return error_response(400, f"body: cannot be read: {why}", "invalid_request_error", None)
         try:
             body = read_body(raw)
         except BadBody as exc:  # no engine, nor any later attempt, could answer it otherwise
@@ -469,7 +473,8 @@ class Router:
                     engine_url + request.path_qs,
                     data=raw or None,
                     headers=headers,
-                    skip_auto_headers=("Accept-Encoding",),  # the client's, or none
+                    # The client's, or none (aiohttp would label a body `application/octet-stream`).
+                    skip_auto_headers=("Accept-Encoding", "Content-Type"),
                     # A deadline of its own (the fallback's) bounds each wait for data.
                     timeout=self.session.timeout if timeout is None else _between_reads(timeout),
                 )
