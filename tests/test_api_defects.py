@@ -335,6 +335,28 @@ def test_body_timeout_and_priority_take_what_their_headers_take(
     assert error["param"] == field
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("priority", "²"), ("priority", "--1"), ("logit_bias", {"²": 1}), ("logit_bias", {"--5": 1})],
+)
+def test_numbers_spelled_oddly_are_a_400_naming_the_field(
+    server: InProcessServer, field: str, value: object
+) -> None:
+    """A priority such as "²" or "--1" passed the digits check and failed int(): a 500; as a logit_bias
+    key, a 400 whose param was Python's message."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, field: value}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    error = _assert_openai_error(r, 400)
+    assert error["param"] == field, error
+    header = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+        headers={"x-ember-priority": "²".encode("latin-1")},
+        timeout=60,
+    )
+    assert _assert_openai_error(header, 400)["param"] == "priority"
+
+
 def test_while_the_model_loads_tokenize_answers_as_completions_do(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

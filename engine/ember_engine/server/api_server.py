@@ -30,6 +30,7 @@ from ember_engine.server.load_api import add_load_routes
 from ember_engine.server.openai_format import Formatter
 from ember_engine.server.policy import PolicyError
 from ember_engine.server.protocol import (
+    INTEGER,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -185,7 +186,7 @@ async def _serve(
 def _priority(state: ServerState, request: Request, value: str | int | None) -> tuple[str, int]:
     header = request.headers.get("x-ember-priority")
     chosen: str | int | None = header if header is not None else value
-    if isinstance(chosen, int) or (isinstance(chosen, str) and chosen.lstrip("-").isdigit()):
+    if isinstance(chosen, int) or (isinstance(chosen, str) and INTEGER.fullmatch(chosen)):
         classes = state.policy.policy.load_shedding.priority_classes
         match = next((c for c in classes if c.priority == int(chosen)), None)
         if match is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -17,6 +18,8 @@ from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.server.text_checks import lone_surrogate
 
 MAX_N = 16
+# An integer written out in ASCII digits: str.isdigit() also takes "²" and other digits int() refuses.
+INTEGER = re.compile(r"-?[0-9]+")
 
 
 class APIError(Exception):
@@ -166,7 +169,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in bias.items():
-        if not key.lstrip("-").isdigit():
+        if not INTEGER.fullmatch(key):
             raise APIError(400, f"logit_bias: key {key!r} is not a token id", param="logit_bias")
         out[int(key)] = value
     return out
