@@ -329,6 +329,38 @@ def test_a_wrong_type_for_a_field_of_several_types_names_the_field(
 
 
 @pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/completions", "max_tokens", True),
+        ("/v1/completions", "max_tokens", "3"),
+        ("/v1/completions", "n", True),
+        ("/v1/completions", "logprobs", True),  # chat's spelling: it was read as 1
+        ("/v1/completions", "echo", "yes"),
+        ("/v1/completions", "temperature", "0.5"),
+        ("/v1/completions", "stream", "yes"),
+        ("/v1/chat/completions", "logprobs", 1),
+        ("/v1/chat/completions", "max_completion_tokens", True),
+        ("/v1/chat/completions", "top_logprobs", 2.0),
+        ("/v1/chat/completions", "stream_options", {"include_usage": "true"}),
+    ],
+)
+def test_a_value_of_another_json_type_is_refused_not_converted(
+    server: InProcessServer, path: str, field: str, value: object
+) -> None:
+    """As OpenAI refuses them: `max_tokens: true` ran 1 token, completions' `logprobs: true` gave one top
+    logprob, `stream: "yes"` streamed."""
+    base = CHAT if path.endswith("chat/completions") else COMPLETION
+    body = {**base, field: value}
+    if field == "stream_options":
+        body["stream"] = True
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"].split(".")[0] == field, r.json()
+
+
+@pytest.mark.parametrize(
     ("path", "base"),
     [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)],
     ids=["completions", "chat"],

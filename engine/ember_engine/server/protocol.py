@@ -43,6 +43,8 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
     continuous_usage_stats: bool = False  # usage so far in every chunk
 
@@ -61,8 +63,11 @@ def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 class _SamplingFields(BaseModel):
-    # Undeclared fields are kept (model_extra) so the server can refuse or warn about them.
-    model_config = ConfigDict(extra="allow")
+    # Undeclared fields are kept (model_extra) so the server can refuse or warn about them. Strict, as
+    # OpenAI checks types: a value of another JSON type is refused, not converted (`max_tokens: true` ran
+    # 1 token, completions' `logprobs: true` gave one top logprob, `stream: "yes"` streamed); an integer
+    # is still a number.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -210,12 +215,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
