@@ -413,6 +413,30 @@ def test_a_content_part_other_than_text_is_refused_naming_its_type(
     )
 
 
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([{"role": "user"}], "messages.0.content"),
+        ([{"role": "user", "content": None}], "messages.0.content"),
+        ([{"role": "system"}, {"role": "user", "content": "hi"}], "messages.0.content"),
+        ([{"role": "user", "content": "hi"}, {"role": "developer"}], "messages.1.content"),
+    ],
+)
+def test_a_message_without_content_is_refused(
+    server: InProcessServer, messages: list[dict[str, Any]], param: str
+) -> None:
+    """As OpenAI refuses it (only an assistant's content may be absent): it was rendered as an empty
+    turn. /tokenize renders messages as chat does, and refuses it too."""
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "messages": messages}, timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == param, r.json()
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
+    assistant = [{"role": "user", "content": "hi"}, {"role": "assistant"}]
+    body = {**CHAT, "messages": assistant, "add_generation_prompt": False}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
 def test_stream_options_without_stream_is_refused(server: InProcessServer) -> None:
     """As OpenAI and vLLM refuse it; it was taken and ignored."""
     for path, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):

@@ -12,7 +12,15 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.server.text_checks import lone_surrogate
@@ -225,11 +233,20 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     # tool calling (server/tools.py): an assistant's earlier calls, and a tool message's answer
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, v: str | list[TextPart] | None, info: ValidationInfo) -> Any:
+        """As OpenAI: only an assistant's content may be absent (it was rendered as an empty turn)."""
+        role = info.data.get("role")
+        if v is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or a list of text parts)")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
