@@ -344,11 +344,18 @@ def test_a_warm_pod_on_a_lost_node_is_replaced_without_waiting_for_its_eviction(
 def test_pods_left_terminating_on_a_lost_node_go_once_it_is_out_of_service_or_deleted(tmp_path: Path) -> None:
     """A pod deleted on a lost node stays Terminating (only a kubelet confirms a deletion); the pod garbage
     collector force-deletes it once the node has the `node.kubernetes.io/out-of-service` taint, and every
-    pod of a Node object that was deleted once two of its periods have passed."""
+    pod of a Node object that was deleted once two of its periods have passed. `two` tolerates the
+    out-of-service taint: without, the taint eviction controller deletes it too as the taint comes, and the
+    collector then force-deletes it with `one`, before the node is deleted."""
+    out_of_service = {
+        "key": "node.kubernetes.io/out-of-service",
+        "value": "nodeshutdown",
+        "effect": "NoExecute",
+    }
     with DevCluster(tmp_path / "dev", nodes=2, pod_gc_period=0.5, **FAST) as cluster:  # type: ignore[arg-type]
         api = cluster.api
-        for name in ("one", "two"):
-            api.create(_web_pod(name, "ember-local"))
+        api.create(_web_pod("one", "ember-local"))
+        api.create(_web_pod("two", "ember-local", [{**out_of_service, "operator": "Equal"}]))
         for name in ("one", "two"):
             wait_for(
                 lambda name=name: (
@@ -366,15 +373,11 @@ def test_pods_left_terminating_on_a_lost_node_go_once_it_is_out_of_service_or_de
         time.sleep(4)  # its grace period (1 s) and more: still Terminating, with no kubelet to confirm it
         assert api.get("v1", "Pod", "default", "one") is not None
         node = api.get("v1", "Node", "", "ember-local")
-        out_of_service = {
-            "key": "node.kubernetes.io/out-of-service",
-            "value": "nodeshutdown",
-            "effect": "NoExecute",
-        }
         api.patch(
             "v1", "Node", "", "ember-local", {"spec": {"taints": [*node["spec"]["taints"], out_of_service]}}
         )
         wait_for(lambda: api.get("v1", "Pod", "default", "one") is None, 10, what="one force-deleted")
-        assert api.get("v1", "Pod", "default", "two") is not None  # not being deleted: left to taint eviction
+        two = api.get("v1", "Pod", "default", "two")
+        assert two is not None and not two["metadata"].get("deletionTimestamp")  # not being deleted
         api.delete("v1", "Node", "", "ember-local")
         wait_for(lambda: api.get("v1", "Pod", "default", "two") is None, 10, what="two force-deleted")
