@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +13,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from multidict import CIMultiDict
+
+from ember_router.embedded import serving_app
 
 MODEL = "fb-model"
 
@@ -104,32 +105,11 @@ class FakeFallback:
 
 @contextmanager
 def fake_fallback() -> Iterator[FakeFallback]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    fake = FakeFallback(f"http://127.0.0.1:{port}")
+    fake = FakeFallback("")
     app = web.Application()
     app.router.add_get("/v1/models", fake._models)
     app.router.add_post("/v1/completions", fake._complete)
     app.router.add_post("/v1/chat/completions", fake._complete)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app, handler_cancellation=True)
-    up = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        up.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True, name="fake-fallback")
-    thread.start()
-    if not up.wait(30):
-        raise TimeoutError("the fake fallback did not start")
-    try:
+    with serving_app(app, name="fake-fallback") as url:
+        fake.url = url
         yield fake
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)

@@ -4,10 +4,8 @@ behind it is a stand-in server that keeps what each request brought and answers 
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,7 +16,8 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 from test_router import running_router
-from waiting import free_port
+
+from ember_router.embedded import serving_app
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
 
@@ -45,32 +44,13 @@ async def _no_continue(_request: web.Request) -> None:
 
 @contextmanager
 def recording_engine() -> Iterator[RecordingEngine]:
-    port = free_port()
-    engine = RecordingEngine(f"http://127.0.0.1:{port}")
+    engine = RecordingEngine("")
     app = web.Application()
     app.router.add_get("/ready", engine._ready)
     app.router.add_post("/v1/completions", engine._complete, expect_handler=_no_continue)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    up = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        up.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True, name="recording-engine")
-    thread.start()
-    if not up.wait(30):
-        raise TimeoutError("the recording engine did not start")
-    try:
+    with serving_app(app, name="recording-engine") as url:
+        engine.url = url
         yield engine
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
 
 
 @pytest.fixture

@@ -8,19 +8,27 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from aiohttp import web
+
 from ember_router.proxy import Router
 
 
 @contextmanager
 def serving(router: Router, host: str = "127.0.0.1") -> Iterator[str]:
     """Serve `router` on a free port of `host` until the block ends; yields its base URL."""
-    from aiohttp import web
+    with serving_app(router.app(), host, name="router") as url:
+        yield url
 
+
+@contextmanager
+def serving_app(app: web.Application, host: str = "127.0.0.1", name: str = "aiohttp") -> Iterator[str]:
+    """Serve an aiohttp application (the router's, or a stand-in server of a test) on a free port of
+    `host`, on a thread and event loop of its own, until the block ends; yields its base URL."""
     with socket.socket() as s:
         s.bind((host, 0))
         port = int(s.getsockname()[1])
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True)
     started = threading.Event()
 
     def serve() -> None:
@@ -30,10 +38,10 @@ def serving(router: Router, host: str = "127.0.0.1") -> Iterator[str]:
         started.set()
         loop.run_forever()
 
-    thread = threading.Thread(target=serve, daemon=True, name="router")
+    thread = threading.Thread(target=serve, daemon=True, name=name)
     thread.start()
     if not started.wait(30):
-        raise TimeoutError("the router did not start")
+        raise TimeoutError(f"the {name} server did not start")
     try:
         yield f"http://{host}:{port}"
     finally:
