@@ -415,29 +415,44 @@ def test_a_drain_waits_for_requests_relayed_to_the_fallback(tiny_model: Path, tm
 
 def test_sigterm_while_the_model_loads_exits_zero(tiny_model: Path) -> None:
     """A pod deleted while its model loads: the process exits 0 with a plain last line, not a "fatal"
-    one the operator would report as the failure (nor a "ready" line after the stop)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    one the operator would report as the failure (nor a "ready" line after the stop), wherever in the load
+    the signal lands. Four servers, stopped at staggered moments of their loads, at once."""
     cmd = [os.path.join(os.path.dirname(sys.executable), "ember"), "serve", "--model", str(tiny_model)]
-    proc = subprocess.Popen(
-        [*cmd, "--port", str(port), "--host", "127.0.0.1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        wait_for(lambda: _answers(f"{url}/health"), timeout=60)
-        assert httpx.get(f"{url}/ready").json()["status"] == "loading"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    lines = out.strip().splitlines()
-    assert proc.returncode == 0, out
-    assert "stopped before the model was ready" in lines[-1], out
-    assert "fatal" not in out and "Traceback" not in out and "; ready" not in out, out
+    outcomes: list[tuple[int, str]] = []
+
+    def stop_while_loading(delay: float) -> None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(
+            [*cmd, "--port", str(port), "--host", "127.0.0.1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            wait_for(lambda: _answers(f"{url}/health"), timeout=60)
+            time.sleep(delay)
+            if httpx.get(f"{url}/ready").json()["status"] != "loading":
+                return  # loaded before its moment came: not a stop during the load
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=60)
+            outcomes.append((proc.returncode, out))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    threads = [threading.Thread(target=stop_while_loading, args=(d,)) for d in (0.4, 1.2, 2.0, 2.8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outcomes) >= 2, f"only {len(outcomes)} of 4 servers were still loading when stopped"
+    for code, out in outcomes:
+        lines = out.strip().splitlines()
+        assert code == 0, out
+        assert "stopped before the model was ready" in lines[-1], out
+        assert "fatal" not in out and "Traceback" not in out and "; ready" not in out, out
 
 
 def _answers(url: str) -> bool:

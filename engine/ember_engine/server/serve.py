@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -213,7 +214,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
         )
         warm_up(engine)
         with publish:
-            if stopped.is_set():
+            if stopped.is_set() or state.draining:  # a SIGTERM came during the load: the pod is going
                 engine.shutdown()
                 return
             ae = AsyncEngine(engine=engine)
@@ -313,7 +314,21 @@ def main(args: argparse.Namespace) -> int:
         return 1
     if state.engine is None:  # a stop (SIGTERM when a pod is deleted) during the load is no failure
         print("ember serve: stopped before the model was ready", file=sys.stderr, flush=True)
+        _leave_the_load(0)
     return 0
+
+
+def _leave_the_load(code: int) -> None:
+    """End the process while its load thread may still be inside torch. The interpreter's own exit would
+    stop that daemon thread where it next takes the GIL, and a thread stopped so inside a native frame aborts
+    the whole process (SIGABRT, "terminate called without an active exception"); the load has nothing to
+    save, so the process ends here, its logs flushed."""
+    if not any(t.name == "ember-load" and t.is_alive() for t in threading.enumerate()):
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_worker_node(args: argparse.Namespace) -> int:
