@@ -272,6 +272,16 @@ def _warm_pods_node_lost(
         cluster.api.create(manifest)
         active, warm = pooled(cluster, 180)
         assert warm["spec"]["nodeName"] != active["spec"]["nodeName"]
+        # The routers spread over the nodes: the node lost takes one of them, not the Service's every endpoint.
+        routers = {"label_selector": "app.kubernetes.io/name=ember-router"}
+        wait_for(
+            lambda: (
+                {p["spec"].get("nodeName") for p in cluster.api.list("v1", "Pod", "default", **routers)}
+                == {n.name for n in nodes}
+            ),
+            30,
+            what="a router on each node",
+        )
         cluster.stop_node(warm["spec"]["nodeName"])
         yield cluster, active, warm
 
@@ -295,7 +305,7 @@ def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is
         def refilled() -> bool:
             state = conditions()
             if state.get("Ready") != "True":
-                seen_not_ready.append(state)
+                seen_not_ready.append(tiny(cluster)["status"]["conditions"])
             warms = engines("warm")
             return bool(
                 state.get("WarmPoolReady") == "True"
@@ -306,7 +316,7 @@ def test_losing_the_warm_pods_node_refills_the_pool_on_the_other_once_the_pod_is
             )
 
         wait_for(refilled, 120, lambda: (conditions(), engines("warm")))
-        assert not seen_not_ready
+        assert not seen_not_ready, (seen_not_ready[0], _events(cluster.api, "Unhealthy"))
         lost_pod = pod(name)
         assert lost_pod["metadata"].get("deletionTimestamp")
         assert _condition(lost_pod, "DisruptionTarget")["reason"] == "DeletionByTaintManager"

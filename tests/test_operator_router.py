@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 from pydantic import ValidationError
 
 from ember_engine.server.policy import parse_policy
+from ember_localcluster import fit, interpod
 from ember_localcluster.apiserver.podsecurity import violations
 from ember_operator import router
 from ember_operator.autoscaler import PodLoad
@@ -135,6 +136,13 @@ def test_routers_drain_like_engines_take_identity_but_no_gpu_placement() -> None
                     }
                 }
             },
+            "topologySpreadConstraints": [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "topology.kubernetes.io/zone",
+                    "whenUnsatisfiable": "DoNotSchedule",
+                }
+            ],
         },
         lifecycle={"drainSeconds": 40, "terminationGracePeriodSeconds": 60},
         router={"cpu": "500m", "memory": "1Gi"},
@@ -145,8 +153,10 @@ def test_routers_drain_like_engines_take_identity_but_no_gpu_placement() -> None
     assert pod["securityContext"]["runAsUser"] == 1000
     (container,) = pod["containers"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    for field in ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints"):
+    for field in ("nodeSelector", "tolerations", "affinity"):
         assert field not in pod
+    # Their own spread over nodes only, not the engines'.
+    assert [c["topologyKey"] for c in pod["topologySpreadConstraints"]] == ["kubernetes.io/hostname"]
     assert container["resources"] == {
         "requests": {"cpu": "500m", "memory": "1Gi"},
         "limits": {"memory": "1Gi"},
@@ -286,6 +296,50 @@ def test_the_routers_liveness_waits_for_their_start() -> None:
     (container,) = _pod_spec(spec)["containers"]
     assert container["startupProbe"]["periodSeconds"] == 5
     assert container["startupProbe"]["failureThreshold"] == 13  # 61 s at least
+
+
+def test_the_routers_spread_over_the_nodes() -> None:
+    """Both routers on one node: losing that node leaves the Service with no endpoint while every engine
+    still serves (a two-node cluster put them together: nothing asked otherwise and the scheduler's tie goes
+    to the less allocated node, the one without an engine). The routers carry a soft spread over hostnames among their own ReplicaSet's pods,
+    and kube-scheduler's default profile (the local scheduler's scores) puts the second on the other node."""
+    spec = make_spec()
+    pod_spec = _pod_spec(spec)
+    assert pod_spec["topologySpreadConstraints"] == [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": router.router_selector("chat")},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+    ]
+    template = router.desired_router_deployment(OWNER, spec)["spec"]["template"]
+    labels = {**template["metadata"]["labels"], "pod-template-hash": "5d8f7c9b6"}
+
+    def router_pod(name: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": "prod", "labels": labels}, "spec": pod_spec}
+
+    def node(name: str) -> fit.NodeInfo:
+        labels = {"kubernetes.io/hostname": name}
+        allocatable = {"cpu": "6", "memory": "24Gi", "pods": "110"}
+        return fit.NodeInfo(
+            {"metadata": {"name": name, "labels": labels}, "status": {"allocatable": allocatable}}
+        )
+
+    nodes = [node("node-a"), node("node-b")]
+    engine = {"cpu": "3", "memory": "8Gi"}  # node-b already runs an engine: node-a is the less allocated
+    nodes[1].pods.append(
+        {
+            "metadata": {"name": "chat-7f3e1-x2x4q", "namespace": "prod"},
+            "spec": {"containers": [{"name": "engine", "resources": {"requests": engine}}]},
+        }
+    )
+    first = interpod.select(router_pod("chat-router-1"), nodes, nodes)
+    assert first.name == "node-a"
+    first.pods.append(router_pod("chat-router-1"))
+    second = interpod.select(router_pod("chat-router-2"), nodes, nodes)
+    assert {first.name, second.name} == {"node-a", "node-b"}
 
 
 def test_the_routers_stream_idle_timeout_comes_from_the_spec_when_set() -> None:

@@ -14,7 +14,8 @@ tokenizer and chat template (the same model volumes and fetch init containers as
 long as an engine does (`spec.lifecycle`), and takes `spec.pod`'s identity fields (image pull secrets,
 pod and container security contexts) but none of its GPU placement (no GPUs, node selector, tolerations,
 affinity or spreading of the engines): a node selector and tolerations of their own come from
-`spec.router`, in the Deployment's template (a change rolls the routers, not the engines).
+`spec.router`, in the Deployment's template (a change rolls the routers, not the engines). The routers
+spread over nodes (a soft hostname spread), so that a lost node leaves the others' routers serving.
 """
 
 from __future__ import annotations
@@ -180,6 +181,16 @@ def desired_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[
         ],
     }
     attach_model(pod_spec, container, spec, security)
+    # One node lost must not take every router, and the Service's every endpoint, with it.
+    pod_spec["topologySpreadConstraints"] = [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": router_selector(owner.name)},
+            "matchLabelKeys": ["pod-template-hash"],  # a roll's new pods spread among themselves
+        }
+    ]
     if placement.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in placement.image_pull_secrets]
     if spec.router.node_selector:
