@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import kopf
 import kubernetes
+import plainhttp
 import pytest
 from kopf.testing import KopfRunner
 from operator_harness import crd_manifest
@@ -343,7 +344,7 @@ def pod_ip(pod: dict[str, Any]) -> str:
 
 def pod_counter(pod: dict[str, Any], metric: str) -> float:
     """A counter summed over its labels, from the engine's own /metrics at podIP:8000."""
-    text = httpx.get(f"http://{pod_ip(pod)}:{ENGINE_PORT}/metrics", timeout=5).text
+    text = plainhttp.get(f"http://{pod_ip(pod)}:{ENGINE_PORT}/metrics", timeout=5).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith(metric + "{") or line.startswith(metric + " "):
@@ -359,8 +360,10 @@ def completion_body(max_tokens: int) -> dict[str, Any]:
 
 
 def fresh_client(timeout: float = 60) -> httpx.Client:
-    """A client that opens a new connection per request: the proxy balances per connection."""
-    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=timeout)
+    """A client that opens a new connection per request: the proxy balances per connection. Its SSL context
+    is the shared one (a client of its own would parse the CA bundle again, per request here)."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.Client(verify=plainhttp.SSL_CONTEXT, limits=limits, timeout=timeout)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import plainhttp
 from waiting import free_port
 
 ACCESS_KEY, SECRET_KEY = "ember-access", "ember-secret-key"
@@ -86,7 +86,7 @@ class S3Server:
                 raise AssertionError(f"weed exited: {(root / 'weed.log').read_text()[-3000:]}")
             try:
                 # Unsigned: 403 once the S3 gateway is up and checking signatures.
-                if httpx.get(self.endpoint, timeout=2).status_code in (200, 403):
+                if plainhttp.get(self.endpoint, timeout=2).status_code in (200, 403):
                     self.client().list_buckets()
                     return
             except Exception:  # not up yet (connection refused, filer not ready)

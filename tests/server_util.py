@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import plainhttp
 from waiting import free_port
 
 from ember_engine.server import serve
@@ -33,7 +34,7 @@ def wait_ready(url: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+            if plainhttp.get(f"{url}/ready", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import openai
+import plainhttp
 import pytest
 from server_util import InProcessServer, running_server
 from waiting import wait_for
@@ -33,7 +34,7 @@ def server(tiny_model: Path) -> Iterator[InProcessServer]:
 
 
 def _post_raw(url: str, path: str, content: bytes, **headers: str) -> httpx.Response:
-    return httpx.post(
+    return plainhttp.post(
         f"{url}{path}", content=content, headers={"content-type": "application/json", **headers}, timeout=60
     )
 
@@ -95,7 +96,7 @@ def test_body_over_the_limit_is_a_413_before_it_is_read(server: InProcessServer)
             yield b"y" * 65536
         yield b'"}'
 
-    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=60)
+    r = plainhttp.post(f"{server.url}/v1/completions", content=chunks(), timeout=60)
     _assert_openai_error(r, 413)
 
 
@@ -130,7 +131,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(
         )
         big.start()
         assert started.wait(60)
-        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+        assert plainhttp.get(f"{server.url}/health", timeout=60).status_code == 200
         events.append("health")
         answered.set()
         big.join(60)
@@ -142,7 +143,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(
 
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "infinity", "-1", "0", "1e999"])
 def test_timeout_header_must_be_a_finite_positive_number(server: InProcessServer, value: str) -> None:
-    r = httpx.post(
+    r = plainhttp.post(
         f"{server.url}/v1/completions",
         json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
         headers={"x-ember-timeout": value},
@@ -158,14 +159,16 @@ def test_seed_outside_64_bits_is_a_400(server: InProcessServer, seed: int) -> No
         ("/v1/completions", {"prompt": "hi"}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ):
-        r = httpx.post(f"{server.url}{path}", json={"model": MODEL, "seed": seed, "max_tokens": 2, **extra})
+        r = plainhttp.post(
+            f"{server.url}{path}", json={"model": MODEL, "seed": seed, "max_tokens": 2, **extra}
+        )
         assert _assert_openai_error(r, 400)["param"] == "seed"
 
 
 def test_seed_edges_of_64_bits_are_served(server: InProcessServer) -> None:
     outs = {}
     for seed in (0, 2**63, 2**64 - 1, -(2**63)):
-        r = httpx.post(
+        r = plainhttp.post(
             f"{server.url}/v1/completions",
             json={"model": MODEL, "prompt": "hi", "seed": seed, "max_tokens": 8, "ignore_eos": True},
             timeout=30,
@@ -212,7 +215,7 @@ def test_each_streamed_choice_finishes_exactly_once(server: InProcessServer, pat
         if path == "/v1/completions"
         else {"messages": [{"role": "user", "content": "hi"}]}
     )
-    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
+    with plainhttp.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]
     finishes = _finish_chunks(lines)
@@ -241,7 +244,7 @@ def test_server_ttft_and_queue_time_count_from_arrival(server: InProcessServer) 
         time.sleep(delay)
         return real_encode(*args, **kwargs)
 
-    before = httpx.get(f"{server.url}/metrics").text
+    before = plainhttp.get(f"{server.url}/metrics").text
     client_ttft: list[float] = []
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
@@ -264,7 +267,7 @@ def test_server_ttft_and_queue_time_count_from_arrival(server: InProcessServer) 
         asyncio.run(run())
     finally:
         tok.encode = real_encode
-    after = httpx.get(f"{server.url}/metrics").text
+    after = plainhttp.get(f"{server.url}/metrics").text
 
     def delta(name: str) -> float:
         return _histogram_sum(after, name) - _histogram_sum(before, name)
@@ -291,7 +294,7 @@ def test_seeded_requests_are_reproducible_under_adaptive_speculation(tiny_model:
             return [r.json()["choices"][0]["text"] for r in rs]
 
         texts = asyncio.run(run())
-        alone = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        alone = plainhttp.post(f"{s.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     assert set(texts) == {alone}, Counter(texts)
 
 
@@ -300,7 +303,9 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(server: InProcess
     """OpenAI: "the API will always return the logprob of the sampled token, so there may be up to
     logprobs+1 elements"; with `logprobs: 0` they were empty, and a sampled token outside the top N was missing."""
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "logprobs": n, "seed": 3, "temperature": 1.5}
-    lp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    lp = plainhttp.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0][
+        "logprobs"
+    ]
     for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
         assert top[token] == logprob
         assert n <= len(top) <= n + 1
@@ -309,9 +314,11 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(server: InProcess
 def test_streamed_text_offsets_run_on_across_chunks(server: InProcessServer) -> None:
     """Each offset is the token's place in the choice's text; every streamed chunk restarted them at 0."""
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 10, "logprobs": 1, "temperature": 0}
-    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    whole = plainhttp.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     offsets, text = [], ""
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+    with plainhttp.stream(
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 choice = json.loads(line[6:])["choices"][0]
@@ -345,10 +352,10 @@ def test_numbers_spelled_oddly_are_a_400_naming_the_field(
     """A priority such as "²" or "--1" passed the digits check and failed int(): a 500; as a logit_bias
     key, a 400 whose param was Python's message."""
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, field: value}
-    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    r = plainhttp.post(f"{server.url}/v1/completions", json=body, timeout=60)
     error = _assert_openai_error(r, 400)
     assert error["param"] == field, error
-    header = httpx.post(
+    header = plainhttp.post(
         f"{server.url}/v1/completions",
         json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
         headers={"x-ember-priority": "²".encode("latin-1")},
@@ -388,8 +395,8 @@ def test_while_the_model_loads_tokenize_answers_as_completions_do(
             "/tokenize": {"model": MODEL, "prompt": "hi"},
             "/detokenize": {"model": MODEL, "tokens": [1, 2]},
         }
-        answers = {path: httpx.post(f"{url}{path}", json=body) for path, body in requests.items()}
-        answers["/v1/kv_events"] = httpx.get(f"{url}/v1/kv_events")
+        answers = {path: plainhttp.post(f"{url}{path}", json=body) for path, body in requests.items()}
+        answers["/v1/kv_events"] = plainhttp.get(f"{url}/v1/kv_events")
         for path, r in answers.items():
             assert r.status_code == 503 and r.headers.get("retry-after") == "1", (path, r.headers)
             assert (r.json()["error"]["type"], r.json()["error"]["code"]) == ("overloaded", "not_ready"), path
@@ -405,6 +412,6 @@ def test_while_the_model_loads_tokenize_answers_as_completions_do(
 
 def _up(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        return plainhttp.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+import plainhttp
 import pytest
 from server_util import InProcessServer, running_server
 
@@ -49,7 +50,7 @@ class Probe:
 
     def post(self, **fields: Any) -> httpx.Response:
         body = {**self.base, **fields}
-        return httpx.post(f"{self.server.url}{self.path}", json=body, timeout=60)
+        return plainhttp.post(f"{self.server.url}{self.path}", json=body, timeout=60)
 
     def ok(self, **fields: Any) -> dict[str, Any]:
         r = self.post(**fields)
@@ -246,17 +247,17 @@ def test_every_field_has_an_effect_or_is_refused(
 def test_legacy_function_calling_fields_are_refused_by_name(server: InProcessServer, field: str) -> None:
     value: Any = [{"name": "f"}] if field == "functions" else "auto"
     for path, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
-        r = httpx.post(f"{server.url}{path}", json={**base, field: value}, timeout=30)
+        r = plainhttp.post(f"{server.url}{path}", json={**base, field: value}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:300]
 
 
 def test_unknown_fields_are_ignored_with_a_warning(server: InProcessServer) -> None:
-    r = httpx.post(
+    r = plainhttp.post(
         f"{server.url}/v1/completions", json={**COMPLETION, "frobnicate": 1, "user": "u"}, timeout=30
     )
     assert r.status_code == 200
     assert "frobnicate" in r.headers["warning"] and "user" in r.headers["warning"]
-    plain = httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=30)
+    plain = plainhttp.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=30)
     assert "warning" not in plain.headers
     assert plain.json()["choices"] == r.json()["choices"]
 
@@ -291,21 +292,21 @@ def test_continuous_usage_stats(server: InProcessServer) -> None:
 
 def test_tokenize_detokenize_models_and_version(server: InProcessServer) -> None:
     url = server.url
-    tok = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
+    tok = plainhttp.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
-    back = httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json()
+    back = plainhttp.post(f"{url}/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json()
     assert "hello world" in back["prompt"]
-    chat = httpx.post(f"{url}/tokenize", json={"messages": CHAT["messages"]}).json()
-    completion = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 1}).json()
+    chat = plainhttp.post(f"{url}/tokenize", json={"messages": CHAT["messages"]}).json()
+    completion = plainhttp.post(f"{url}/v1/chat/completions", json={**CHAT, "max_tokens": 1}).json()
     assert chat["count"] == completion["usage"]["prompt_tokens"]
-    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**9]})
+    bad = plainhttp.post(f"{url}/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("another")
-    assert httpx.get(f"{url}/version").json() == {"version": __version__}
-    missing = httpx.get(f"{url}/no/such/route")
+    assert plainhttp.get(f"{url}/version").json() == {"version": __version__}
+    missing = plainhttp.get(f"{url}/no/such/route")
     assert missing.status_code == 404 and set(missing.json()) == {"error"}
 
 
@@ -322,7 +323,7 @@ def test_a_wrong_type_for_a_field_of_several_types_names_the_field(
     server: InProcessServer, field: str, value: object, message: str
 ) -> None:
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}
-    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    r = plainhttp.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["param"] == field and error["message"] == message, error
@@ -355,7 +356,7 @@ def test_a_value_of_another_json_type_is_refused_not_converted(
         body["stream"] = True
     if field == "top_logprobs":
         body["logprobs"] = True
-    r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    r = plainhttp.post(f"{server.url}{path}", json=body, timeout=60)
     assert r.status_code == 400, r.text[:300]
     assert r.json()["error"]["param"].split(".")[0] == field, r.json()
 
@@ -373,18 +374,20 @@ def test_null_means_the_default_for_every_optional_field(
     model = ChatCompletionRequest if path.endswith("chat/completions") else CompletionRequest
     optional = [name for name, f in model.model_fields.items() if not f.is_required()]
     body = {**base, **{name: None for name in optional}, "max_tokens": 3}
-    r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    r = plainhttp.post(f"{server.url}{path}", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 3
-    default = httpx.post(f"{server.url}{path}", json={**base, "max_tokens": 3, "temperature": 0}, timeout=60)
-    nulled = httpx.post(
+    default = plainhttp.post(
+        f"{server.url}{path}", json={**base, "max_tokens": 3, "temperature": 0}, timeout=60
+    )
+    nulled = plainhttp.post(
         f"{server.url}{path}",
         json={**base, "max_tokens": 3, "temperature": 0, "seed": None, "top_p": None, "n": None},
         timeout=60,
     )
     assert nulled.json()["choices"] == default.json()["choices"]
     required = "messages" if path.endswith("chat/completions") else "prompt"
-    missing = httpx.post(f"{server.url}{path}", json={**base, required: None}, timeout=60)
+    missing = plainhttp.post(f"{server.url}{path}", json={**base, required: None}, timeout=60)
     assert missing.status_code == 400 and missing.json()["error"]["param"] == required
 
 
@@ -403,7 +406,7 @@ def test_a_content_part_other_than_text_is_refused_naming_its_type(
     """It was "messages.0.content: Input should be a valid string", naming no part and no reason."""
     content = [{"type": "text", "text": "what is this?"}, part]
     body = {**CHAT, "messages": [{"role": "user", "content": content}]}
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    r = plainhttp.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "messages.0.content.1"
@@ -427,24 +430,24 @@ def test_a_message_without_content_is_refused(
 ) -> None:
     """As OpenAI refuses it (only an assistant's content may be absent): it was rendered as an empty
     turn. /tokenize renders messages as chat does, and refuses it too."""
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "messages": messages}, timeout=60)
+    r = plainhttp.post(f"{server.url}/v1/chat/completions", json={**CHAT, "messages": messages}, timeout=60)
     assert r.status_code == 400, r.text[:300]
     assert r.json()["error"]["param"] == param, r.json()
-    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=60)
+    r = plainhttp.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
     assistant = [{"role": "user", "content": "hi"}, {"role": "assistant"}]
     body = {**CHAT, "messages": assistant, "add_generation_prompt": False}
-    assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert plainhttp.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
 def test_stream_options_without_stream_is_refused(server: InProcessServer) -> None:
     """As OpenAI and vLLM refuse it; it was taken and ignored."""
     for path, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
-        r = httpx.post(
+        r = plainhttp.post(
             f"{server.url}{path}", json={**base, "stream_options": {"include_usage": True}}, timeout=60
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
-        ok = httpx.post(
+        ok = plainhttp.post(
             f"{server.url}{path}", json={**base, "stream": True, "stream_options": None}, timeout=60
         )
         assert ok.status_code == 200
@@ -452,7 +455,7 @@ def test_stream_options_without_stream_is_refused(server: InProcessServer) -> No
 
 def test_model_cards_carry_a_creation_time(server: InProcessServer) -> None:
     before = int(time.time())
-    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    card = plainhttp.get(f"{server.url}/v1/models").json()["data"][0]
     assert before <= card["created"] <= int(time.time())
 
 
@@ -460,7 +463,7 @@ def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(server: InPro
     """`bytes` is there so that a character spread over tokens can be put together again: each token's bytes
     were those of U+FFFD, the text a lone piece of a character decodes to."""
     body = {**CHAT, "max_tokens": 12, "logprobs": True, "top_logprobs": 2, "guided_choice": ["日本語"]}
-    choice = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    choice = plainhttp.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
     assert choice["message"]["content"] == "日本語"
     items = choice["logprobs"]["content"]
     assert len(items) > 3  # the tiny tokenizer spells these characters in byte pieces

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import plainhttp
 import pytest
 
 from ember_localcluster.apiserver import APIServer
@@ -21,7 +21,7 @@ def api() -> Iterator[APIServer]:
 
 
 def _table(api: APIServer, path: str) -> tuple[list[tuple[str, int]], list[list[Any]]]:
-    table = httpx.get(f"{api.url}{path}", headers=TABLE, timeout=10).json()
+    table = plainhttp.get(f"{api.url}{path}", headers=TABLE, timeout=10).json()
     columns = [(c["name"], c.get("priority", 0)) for c in table["columnDefinitions"]]
     return columns, [row["cells"] for row in table["rows"]]
 
@@ -78,7 +78,7 @@ def test_a_load_balancers_address_is_its_external_ip(api: APIServer) -> None:
         }
     )
     svc["status"] = {"loadBalancer": {"ingress": [{"ip": "127.0.0.9"}, {"hostname": "lb.example"}]}}
-    httpx.put(
+    plainhttp.put(
         f"{api.url}/api/v1/namespaces/default/services/lb/status", json=svc, timeout=10
     ).raise_for_status()
     columns, (row,) = _table(api, "/api/v1/namespaces/default/services/lb")

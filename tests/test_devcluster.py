@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import plainhttp
 from kubernetes import client, config
 from tiny_service import pooled, tiny_conditions, tiny_engines, tiny_manifest
 from waiting import free_port, wait_for
@@ -100,7 +101,7 @@ def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:
         (ingress,) = svc["status"]["loadBalancer"]["ingress"]
         base = f"http://{ingress['ip']}:{ingress['ports'][0]['port']}"
         assert eis()["status"]["endpoint"] == base
-        reply = httpx.post(
+        reply = plainhttp.post(
             f"{base}/v1/chat/completions",
             json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
             timeout=60,
@@ -110,7 +111,9 @@ def test_dev_up_apply_serve_delete_down(tmp_path: Path) -> None:
 
         # --prometheus: the engines and the operator are scraped (tests/test_prometheus.py goes further).
         def scraped() -> set[tuple[str, str]]:
-            query = httpx.get(f"{prometheus}/api/v1/query", params={"query": "up == 1"}, timeout=10).json()
+            query = plainhttp.get(
+                f"{prometheus}/api/v1/query", params={"query": "up == 1"}, timeout=10
+            ).json()
             return {
                 (r["metric"]["job"], r["metric"].get("inferenceservice", "")) for r in query["data"]["result"]
             }
@@ -230,7 +233,7 @@ def test_two_one_gpu_nodes_run_two_gpu_pods_and_the_third_waits(tmp_path: Path) 
         first = running[0]
 
         def served_and_logged() -> bool:
-            httpx.get(f"http://{first['status']['podIP']}:8080/", timeout=5)  # refused until it listens
+            plainhttp.get(f"http://{first['status']['podIP']}:8080/", timeout=5)  # refused until it listens
             return '"GET / HTTP/1.1" 200' in core.read_namespaced_pod_log(
                 first["metadata"]["name"], "default"
             )

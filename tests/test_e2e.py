@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import openai
+import plainhttp
 import pytest
 from e2e_harness import (
     NAMESPACE,
@@ -372,7 +373,7 @@ def test_killing_the_only_active_engine_promotes_the_warm_pod_at_once(cp: Contro
         active = cp.pods("failover", "active")
         if names(active) != {standby["metadata"]["name"]}:
             return False
-        return httpx.get(f"{base}/v1/models", timeout=2).status_code == 200
+        return plainhttp.get(f"{base}/v1/models", timeout=2).status_code == 200
 
     wait_for(served_by_standby, timeout=10, what="the warm pod serving in the killed one's place")
     say(f"\nSIGKILL to the warm pod serving through the Service: {time.monotonic() - killed:.2f} s")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+import plainhttp
 import pytest
 from server_util import InProcessServer, running_server
 from test_server_robustness import LONG, MODEL, _one_running_one_waiting, metrics, wait_for, write_policy
@@ -129,7 +129,9 @@ def shedding_to(tiny_model: Path, tmp_path: Path, broken_fallback: str) -> Itera
 
 def test_a_fallback_that_breaks_off_its_answer_gives_the_shed_error(shedding_to: InProcessServer) -> None:
     s = shedding_to
-    r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "truncate", "max_tokens": 2})
+    r = plainhttp.post(
+        f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "truncate", "max_tokens": 2}
+    )
     assert r.status_code == 503 and r.headers["retry-after"]
     assert r.json()["error"]["type"] == "overloaded" and r.json()["error"]["code"] == "queue_full"
     assert (fallback_outcome(s.url, "failed"), fallback_outcome(s.url, "served")) == (1, 0)
@@ -137,7 +139,7 @@ def test_a_fallback_that_breaks_off_its_answer_gives_the_shed_error(shedding_to:
 
 def test_a_fallback_stream_that_breaks_ends_with_a_whole_error_event(shedding_to: InProcessServer) -> None:
     body = {"model": MODEL, "prompt": "truncate", "max_tokens": 2, "stream": True}
-    with httpx.stream("POST", f"{shedding_to.url}/v1/completions", json=body) as r:
+    with plainhttp.stream("POST", f"{shedding_to.url}/v1/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
         lines = [line for line in r.iter_lines() if line]
     assert lines[0] == 'data: {"id": "x"}' and lines[-1] == "data: [DONE]"
@@ -157,7 +159,7 @@ def test_a_fallback_that_compresses_its_answer_is_relayed_readable(
     """The relay asks the fallback for a compressed answer (httpx's default Accept-Encoding) and sends it on
     without its Content-Encoding: a stream went on still compressed, bytes no client could read."""
     body = {"model": MODEL, "prompt": "gzip", "max_tokens": 2, "stream": stream}
-    with httpx.stream("POST", f"{shedding_to.url}/v1/completions", json=body) as r:
+    with plainhttp.stream("POST", f"{shedding_to.url}/v1/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
         assert "content-encoding" not in r.headers
         text = r.read().decode()
@@ -169,6 +171,6 @@ def test_a_fallback_timing_out_is_logged_by_the_error_type(
     shedding_to: InProcessServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING):
-        r = httpx.post(f"{shedding_to.url}/v1/completions", json={"model": MODEL, "prompt": "stall"})
+        r = plainhttp.post(f"{shedding_to.url}/v1/completions", json={"model": MODEL, "prompt": "stall"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
     assert "unreachable: ReadTimeout; answering with the shed error" in caplog.text

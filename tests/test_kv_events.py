@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
+import plainhttp
 from server_util import running_server
 
 from ember_engine import SamplingParams
@@ -58,11 +58,11 @@ def test_the_engine_announces_the_blocks_it_caches(tiny_model: Path) -> None:
 
 def test_the_server_publishes_the_events(tiny_model: Path) -> None:
     with running_server(tiny_model, "--block-size", "16") as s:
-        first = httpx.get(f"{s.url}/v1/kv_events", params={"since": 0}).json()
+        first = plainhttp.get(f"{s.url}/v1/kv_events", params={"since": 0}).json()
         assert first["block_size"] == 16 and first["enabled"] is True and "snapshot" in first
         prompt = [7 + i % 40 for i in range(48)]
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
-        assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
-        delta = httpx.get(f"{s.url}/v1/kv_events", params={"since": first["seq"]}).json()
+        assert plainhttp.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
+        delta = plainhttp.get(f"{s.url}/v1/kv_events", params={"since": first["seq"]}).json()
         stored = [h for kind, h in delta["events"] if kind == STORED]
         assert prefix_hashes(prompt, 16)[:2] == stored[:2]

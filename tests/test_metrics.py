@@ -290,12 +290,12 @@ def test_two_engines_in_one_process_keep_separate_registries() -> None:
 def test_the_server_publishes_its_cache_config_as_vllm_does(tiny_model: Path) -> None:
     """`vllm:cache_config_info`: 1, the KV cache's configuration in its labels (where the Gateway API
     inference extension's scheduler reads a replica's KV capacity, num_gpu_blocks x block_size)."""
-    import httpx
+    import plainhttp
     from server_util import running_server
 
     extra = ("--block-size", "32", "--num-kv-blocks", "77", "--kv-cache-dtype", "fp8_e5m2")
     with running_server(tiny_model, *extra, "--no-enable-prefix-caching") as server:
-        body = httpx.get(f"{server.url}/metrics").text
+        body = plainhttp.get(f"{server.url}/metrics").text
     info = [
         s
         for family in text_string_to_metric_families(body)
@@ -344,7 +344,7 @@ def test_a_server_has_its_shed_and_wait_limit_series_at_0_before_their_first_eve
     positions then, is not there at all (it was a family with no samples)."""
     import json
 
-    import httpx
+    import plainhttp
     from server_util import running_server
     from waiting import wait_for
 
@@ -355,7 +355,7 @@ def test_a_server_has_its_shed_and_wait_limit_series_at_0_before_their_first_eve
     policy = tmp_path / "policy.yaml"
     policy.write_text(classes("gold", "bronze"))
     with running_server(tiny_model, "--served-model-name", MODEL, "--policy", str(policy)) as server:
-        body = httpx.get(f"{server.url}/metrics").text
+        body = plainhttp.get(f"{server.url}/metrics").text
         page = _page(body)
         assert _missing_at_0(page, ("gold", "bronze")) == []
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
@@ -365,7 +365,7 @@ def test_a_server_has_its_shed_and_wait_limit_series_at_0_before_their_first_eve
         policy.write_text(classes("gold", "silver", "bronze"))
 
         def silver_missing() -> list[tuple[str, ...]]:
-            return _missing_at_0(_page(httpx.get(f"{server.url}/metrics").text), ("silver",))
+            return _missing_at_0(_page(plainhttp.get(f"{server.url}/metrics").text), ("silver",))
 
         wait_for(lambda: not silver_missing(), timeout=15, what=lambda: f"at 0: {silver_missing()}")
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import plainhttp
 from kubernetes import client, config
 from tiny_service import pooled, tiny, tiny_conditions, tiny_engines, tiny_manifest
 from waiting import wait_for
@@ -183,7 +183,7 @@ def test_a_lost_node_goes_unknown_its_pods_not_ready_then_evicted_and_it_comes_b
 def _chat(cluster: DevCluster) -> int:
     svc = cluster.api.get("v1", "Service", "default", "tiny")
     (ingress,) = svc["status"]["loadBalancer"]["ingress"]
-    reply = httpx.post(
+    reply = plainhttp.post(
         f"http://{ingress['ip']}:{ingress['ports'][0]['port']}/v1/chat/completions",
         json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
         timeout=30,

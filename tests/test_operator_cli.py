@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import plainhttp
 import yaml
 from operator_harness import NAMESPACE, crd_manifest
 from waiting import free_port, wait_for
@@ -92,8 +92,8 @@ def test_ember_operator_runs_reconciles_and_stops(tmp_path: Path) -> None:
                 return bool(ready) and ready[0]["status"] == "False"
 
             wait_for(reports_unready, timeout=30, what="Ready=False in status")
-            assert httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=5).status_code == 200
-            page = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=5).text
+            assert plainhttp.get(f"http://127.0.0.1:{health}/healthz", timeout=5).status_code == 200
+            page = plainhttp.get(f"http://127.0.0.1:{metrics}/metrics", timeout=5).text
             assert 'ember:operator_reconciles_total{name="cli",namespace="default",result="ok"}' in page
             assert (
                 'ember:operator_pod_changes_total{change="created",name="cli",namespace="default"} 2.0'

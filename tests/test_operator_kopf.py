@@ -8,8 +8,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import kubernetes
+import plainhttp
 import pytest
 import yaml
 from operator_harness import NAMESPACE, TICK, PodRunner, operator_cluster, wait_for
@@ -127,7 +127,7 @@ def test_an_idle_inference_service_lists_no_pods_and_patches_no_status(cluster: 
 def autoscaler_gauges(url: str, name: str) -> dict[str, float]:
     """The operator's `ember:operator_autoscaler_*` series for InferenceService `name`, from its /metrics."""
     found: dict[str, float] = {}
-    for line in httpx.get(url, timeout=5).text.splitlines():
+    for line in plainhttp.get(url, timeout=5).text.splitlines():
         series, _, value = line.rpartition(" ")
         if series.startswith("ember:operator_autoscaler_") and f'name="{name}"' in series:
             found[series.split("{")[0]] = float(value)

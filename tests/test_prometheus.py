@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import plainhttp
 import pytest
 import yaml
 from waiting import free_port, wait_for
@@ -407,7 +408,9 @@ def test_the_operator_serves_its_metric_names_as_they_are_to_prometheus() -> Non
     server = metrics.serve(0, addr="127.0.0.1")
     try:
         accept = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
-        reply = httpx.get(f"http://127.0.0.1:{server.server_address[1]}/metrics", headers={"Accept": accept})
+        reply = plainhttp.get(
+            f"http://127.0.0.1:{server.server_address[1]}/metrics", headers={"Accept": accept}
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -607,7 +610,9 @@ def _over_the_client_limit(cluster: DevCluster, name: str, attempts: int = 4) ->
         assert events[0][1].wait(60), "the first stream's first token"
         threads[1].start()
         assert events[1][0].wait(60), "the second stream's headers"
-        third = httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, headers=headers, timeout=60)
+        third = plainhttp.post(
+            url, json={**body, "stream": False, "max_tokens": 4}, headers=headers, timeout=60
+        )
         both_ran = not any(by_fallback) and not any(e[2].is_set() for e in events)
         count(third)
         for thread in threads:
@@ -689,7 +694,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iter
 
 
 def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
-    reply = httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30).json()
+    reply = plainhttp.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30).json()
     assert reply["status"] == "success", f"{expr}: {reply}"
     return list(reply["data"]["result"])
 
@@ -779,7 +784,7 @@ def test_every_dashboard_query_returns_data(observed: Observed) -> None:
 
 
 def test_the_alerts_load_evaluate_and_fire_on_what_happened(observed: Observed) -> None:
-    groups = httpx.get(f"{observed.prometheus}/api/v1/rules", timeout=30).json()["data"]["groups"]
+    groups = plainhttp.get(f"{observed.prometheus}/api/v1/rules", timeout=30).json()["data"]["groups"]
     rules = {r["name"]: r for g in groups for r in g["rules"]}
     shipped = {r.get("alert") or r["record"] for g in shipped_rules()["groups"] for r in g["rules"]}
     assert set(rules) == shipped
@@ -787,7 +792,7 @@ def test_the_alerts_load_evaluate_and_fire_on_what_happened(observed: Observed) 
         assert rule["health"] == "ok" and not rule.get("lastError"), (name, rule)
 
     def active() -> set[tuple[str, str]]:
-        alerts = httpx.get(f"{observed.prometheus}/api/v1/alerts", timeout=30).json()["data"]["alerts"]
+        alerts = plainhttp.get(f"{observed.prometheus}/api/v1/alerts", timeout=30).json()["data"]["alerts"]
         return {
             (a["labels"]["alertname"], a["labels"].get("name") or a["labels"].get("inferenceservice", ""))
             for a in alerts

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import plainhttp
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -46,7 +47,7 @@ def running_router(
     pool = EnginePool(urls, poll_interval=poll_interval)
     router = Router(pool, Tokenizer(str(model)), settings or RouterSettings())
     with serving(router) as url:
-        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+        wait_for(lambda: plainhttp.get(f"{url}/ready").status_code == 200, what="the router ready")
         wait_for(lambda: all(e.state.ready for e in router.pool.engines.values()), what="every engine polled")
         yield url, router
 
@@ -71,9 +72,9 @@ def test_completions_and_chat_stream_and_not_through_the_router(
             )
         )
         assert len(chunks) >= 2 and chunks[-1].choices[0].finish_reason is not None
-        raw = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
+        raw = plainhttp.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
         assert raw.headers[ROUTED_TO] in {e.url for e in engines} and raw.headers[ROUTE_REASON]
-        bad = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1})
+        bad = plainhttp.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1})
         assert bad.status_code == 400 and "error" in bad.json()  # the engine's own answer, relayed
 
 
@@ -83,11 +84,11 @@ def test_a_shared_prefix_goes_where_the_engines_say_it_is_cached(
     tok = Tokenizer(str(tiny_model))
     system = " ".join(f"word{i}" for i in range(150))  # several full blocks
     with running_router(tiny_model, [e.url for e in engines]) as (url, router):
-        model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+        model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
         # Warm engine 1 directly: only its own events can tell the router.
         prompt = system + " question one"
         assert len(tok.encode(prompt)) > 64
-        httpx.post(
+        plainhttp.post(
             f"{engines[1].url}/v1/completions",
             json={"model": model, "prompt": prompt, "max_tokens": 1},
             timeout=60,
@@ -99,14 +100,14 @@ def test_a_shared_prefix_goes_where_the_engines_say_it_is_cached(
         )
         assert router.pool.index.matched_blocks(engines[0].url, hashes) == 0
         for q in ("question two", "question three", "question four"):
-            r = httpx.post(
+            r = plainhttp.post(
                 f"{url}/v1/completions",
                 json={"model": model, "prompt": f"{system} {q}", "max_tokens": 1},
                 timeout=60,
             )
             assert r.status_code == 200
             assert r.headers[ROUTED_TO] == engines[1].url and r.headers[ROUTE_REASON] == "prefix"
-        page = httpx.get(f"{url}/metrics").text
+        page = plainhttp.get(f"{url}/metrics").text
         assert "ember_router:predicted_prefix_hit_tokens_total" in page
 
 
@@ -114,21 +115,21 @@ def test_an_overloaded_engine_is_skipped_and_a_full_fleet_sheds_at_once(
     tiny_model: Path, engines: list[InProcessServer]
 ) -> None:
     with running_router(tiny_model, [e.url for e in engines], poll_interval=3600) as (url, router):
-        model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+        model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "hello", "max_tokens": 1}
         engines[0].state.draining = True  # answers 503 draining; the router has not polled since
         try:
             for _ in range(3):
-                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
                 assert r.status_code == 200 and r.headers[ROUTED_TO] == engines[1].url
             engines[1].state.draining = True
             router.pool.engines[engines[0].url].state.overloaded_until = 0.0  # let both be tried again
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
             # both engines tried refused it: the fleet is overloaded (it was the second engine's own 503)
             assert r.status_code == 503 and r.headers["Retry-After"]
             assert r.json()["error"]["code"] == "fleet_overloaded", r.text
             start = time.perf_counter()
-            shed = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            shed = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
             elapsed = time.perf_counter() - start
             assert shed.status_code == 503 and shed.headers["Retry-After"]
             assert (
@@ -152,18 +153,20 @@ def test_a_client_over_its_own_limit_gets_the_engines_429_and_the_engine_stays_i
     engines[0].state.client_in_flight["alice"] += 1  # one request of alice's already in flight
     try:
         with running_router(tiny_model, [engines[0].url], poll_interval=3600) as (url, router):
-            model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+            model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
             body = {"model": model, "prompt": "hello", "max_tokens": 1}
-            r = httpx.post(
+            r = plainhttp.post(
                 f"{url}/v1/completions", json=body, headers={"x-ember-client": "alice"}, timeout=60
             )
             assert r.status_code == 429 and r.headers["Retry-After"], r.text
             assert r.json()["error"]["code"] == "client_limit"
-            routed = _samples(httpx.get(f"{url}/metrics").text)  # refused: no prompt, no first token
+            routed = _samples(plainhttp.get(f"{url}/metrics").text)  # refused: no prompt, no first token
             assert routed[("ember_router:prompt_tokens_total", ())] == 0
             assert routed[("ember_router:time_to_first_token_seconds_count", ())] == 0
             assert router.pool.engines[engines[0].url].state.overloaded_until <= time.monotonic()
-            r = httpx.post(f"{url}/v1/completions", json=body, headers={"x-ember-client": "bob"}, timeout=60)
+            r = plainhttp.post(
+                f"{url}/v1/completions", json=body, headers={"x-ember-client": "bob"}, timeout=60
+            )
             assert r.status_code == 200 and r.headers[ROUTED_TO] == engines[0].url
     finally:
         engines[0].state.client_in_flight["alice"] -= 1
@@ -181,11 +184,11 @@ def test_the_router_counts_the_prompt_tokens_the_engine_counts(
     over their queries: every prompt of a batch counts, and a request the engine refuses counts nowhere
     (nor is it a first token at the router)."""
     with running_router(tiny_model, [engines[0].url]) as (url, _router):
-        model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+        model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
 
         def pages() -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], float], ...]:
-            return _samples(httpx.get(f"{url}/metrics").text), _samples(
-                httpx.get(f"{engines[0].url}/metrics").text
+            return _samples(plainhttp.get(f"{url}/metrics").text), _samples(
+                plainhttp.get(f"{engines[0].url}/metrics").text
             )
 
         routed0, engine0 = pages()
@@ -211,7 +214,7 @@ def test_the_router_counts_the_prompt_tokens_the_engine_counts(
             {"model": model, "prompt": "hello there", "max_tokens": 100000},  # over the context
             {"model": model, "prompt": ["one", "two"], "max_tokens": -1},
         ):
-            r = httpx.post(f"{url}/v1/completions", json=refused, timeout=60)
+            r = plainhttp.post(f"{url}/v1/completions", json=refused, timeout=60)
             assert r.status_code == 400, r.text
         routed2, engine2 = pages()
         assert _total(engine2, "vllm:prompt_tokens_total") == _total(engine1, "vllm:prompt_tokens_total")
@@ -225,11 +228,11 @@ def test_the_routers_time_to_first_token_is_that_of_streams_and_never_a_whole_an
     """A whole answer's first byte comes with its last: observed as a first token, it made the router's TTFT
     its end-to-end latency. A stream's first event is its first token."""
     with running_router(tiny_model, [engines[0].url]) as (url, _router):
-        model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+        model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "count", "max_tokens": 40, "ignore_eos": True}
 
         def counts() -> tuple[float, float]:
-            page = _samples(httpx.get(f"{url}/metrics").text)
+            page = _samples(plainhttp.get(f"{url}/metrics").text)
             return (
                 page[("ember_router:time_to_first_token_seconds_count", ())],
                 page[("ember_router:e2e_request_latency_seconds_count", ())],
@@ -237,19 +240,21 @@ def test_the_routers_time_to_first_token_is_that_of_streams_and_never_a_whole_an
 
         before = counts()
         for _ in range(2):
-            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+            assert plainhttp.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
             chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-            assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+            assert plainhttp.post(f"{url}/v1/chat/completions", json=chat, timeout=60).status_code == 200
         after_whole = counts()
         assert after_whole == (before[0], before[1] + 4)
-        page = _samples(httpx.get(f"{url}/metrics").text)
+        page = _samples(plainhttp.get(f"{url}/metrics").text)
         ttft_sum = page[("ember_router:time_to_first_token_seconds_sum", ())]
         e2e_sum = page[("ember_router:e2e_request_latency_seconds_sum", ())]
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        with plainhttp.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
             assert r.status_code == 200
             assert "data: [DONE]" in list(r.iter_lines())
         assert counts() == (after_whole[0] + 1, after_whole[1] + 1)
-        page = _samples(httpx.get(f"{url}/metrics").text)
+        page = _samples(plainhttp.get(f"{url}/metrics").text)
         streamed_ttft = page[("ember_router:time_to_first_token_seconds_sum", ())] - ttft_sum
         streamed_e2e = page[("ember_router:e2e_request_latency_seconds_sum", ())] - e2e_sum
         assert streamed_ttft < streamed_e2e  # its first token before its 40th
@@ -259,9 +264,9 @@ def test_a_client_that_goes_away_aborts_its_request_in_the_engine(
     tiny_model: Path, engines: list[InProcessServer]
 ) -> None:
     with running_router(tiny_model, [engines[0].url]) as (url, _router):
-        model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+        model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        with plainhttp.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             next(r.iter_lines())
         # The engine stops generating within a few steps of the disconnect.
@@ -275,7 +280,7 @@ def test_a_client_that_goes_away_aborts_its_request_in_the_engine(
 def test_what_no_engine_can_take_goes_to_the_fallback(
     tiny_model: Path, engines: list[InProcessServer]
 ) -> None:
-    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+    model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
     settings = RouterSettings(fallback=from_flags(engines[1].url, model, frozenset({"Overloaded"})))
     with running_router(tiny_model, [engines[0].url], poll_interval=3600, settings=settings) as (
         url,
@@ -284,22 +289,22 @@ def test_what_no_engine_can_take_goes_to_the_fallback(
         body = {"model": model, "prompt": "hello", "max_tokens": 1}
 
         def engine_sheds() -> float:
-            page = _samples(httpx.get(f"{engines[0].url}/metrics").text)
+            page = _samples(plainhttp.get(f"{engines[0].url}/metrics").text)
             return sum(v for (name, _), v in page.items() if name == "ember:requests_shed_total")
 
         sheds_before = engine_sheds()
         engines[0].state.draining = True
         try:
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             assert r.headers["x-ember-served-by"] == "fallback" and r.headers[ROUTED_TO] == engines[1].url
             engines[1].state.draining = True
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded"
             # Each outcome counted once, where the monitoring's alerts read it: the draining engine counted
             # its 503 as a shed, which the router did not pass on (the fallback served that request); the
             # second request the router shed itself after the fallback failed.
-            routed = _samples(httpx.get(f"{url}/metrics").text)
+            routed = _samples(plainhttp.get(f"{url}/metrics").text)
             assert routed[("ember_router:fallback_requests_total", (("outcome", "served"),))] == 1
             assert routed[("ember_router:fallback_requests_total", (("outcome", "failed"),))] == 1
             assert routed[("ember_router:shed_requests_total", (("reason", "fleet_overloaded"),))] == 1
@@ -315,7 +320,7 @@ def test_when_every_engine_tried_refuses_or_is_gone_the_fallback_takes_the_reque
     """With two engines or more, the second engine's refusal was relayed to the client (its own 503, or a
     502 when it could not be reached) and the fallback never tried; `/v1/models` answered 502 when the
     first Ready engine had gone, though another was Ready."""
-    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+    model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
     body = {"model": model, "prompt": "hello", "max_tokens": 1}
     with ExitStack() as stack:
         fallback = stack.enter_context(running_server(tiny_model, "--block-size", "16"))
@@ -327,7 +332,7 @@ def test_when_every_engine_tried_refuses_or_is_gone_the_fallback_takes_the_reque
         )
         engines[0].state.draining = engines[1].state.draining = True
         try:
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
         finally:
             engines[0].state.draining = engines[1].state.draining = False
         assert r.status_code == 200, r.text
@@ -341,11 +346,11 @@ def test_when_every_engine_tried_refuses_or_is_gone_the_fallback_takes_the_reque
                 running_router(tiny_model, [e.url for e in pair], poll_interval=3600, settings=settings)
             )
             _stop(pair[0])
-            listed = httpx.get(f"{url}/v1/models", timeout=60)  # from the next Ready engine
+            listed = plainhttp.get(f"{url}/v1/models", timeout=60)  # from the next Ready engine
             assert listed.status_code == 200 and listed.json()["data"][0]["id"] == model, listed.text
             _router.pool.engines[pair[0].url].state.ready = True  # as if no request had found it gone
             _stop(pair[1])
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.status_code == code, r.text
             if code == 503:
                 assert r.json()["error"]["code"] == "fleet_overloaded" and r.headers["Retry-After"]
@@ -360,7 +365,7 @@ def _stop(engine: InProcessServer) -> None:
 
 def _refused(url: str) -> bool:
     try:
-        httpx.get(f"{url}/health", timeout=2)
+        plainhttp.get(f"{url}/health", timeout=2)
     except httpx.ConnectError:
         return True
     return False
@@ -372,7 +377,7 @@ def test_a_body_nested_too_deep_for_the_router_to_parse_gets_the_engines_400(
     """The router's own parse raised RecursionError: a 500 in plain text."""
     with running_router(tiny_model, [engines[0].url]) as (url, _router):
         deep = "[" * 5000 + "]" * 5000
-        r = httpx.post(
+        r = plainhttp.post(
             f"{url}/v1/completions", content=deep, headers={"content-type": "application/json"}, timeout=60
         )
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
@@ -382,26 +387,26 @@ def test_an_engines_fallback_answer_is_counted_by_that_engine_and_not_by_the_rou
     tiny_model: Path, engines: list[InProcessServer]
 ) -> None:
     """What reads both counters (FallbackActive, the monitoring rules) counts each request once."""
-    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+    model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
     watcher = engines[0].state.policy
     kept = watcher.policy
     # The engine hands what it will not serve (it is draining) to the fallback itself.
     watcher.policy = Policy(fallback=Fallback(url=engines[1].url, model=model, when=["Unavailable"]))
 
     def engine_served() -> float:
-        page = _samples(httpx.get(f"{engines[0].url}/metrics").text)
+        page = _samples(plainhttp.get(f"{engines[0].url}/metrics").text)
         return page[("ember:fallback_requests_total", (("outcome", "served"),))]
 
     with running_router(tiny_model, [engines[0].url], poll_interval=3600) as (url, _router):
         before = engine_served()
         engines[0].state.draining = True
         try:
-            r = httpx.post(
+            r = plainhttp.post(
                 f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1}, timeout=60
             )
             assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
             assert r.headers[ROUTED_TO] == engines[0].url  # the engine's answer, relayed
-            routed = _samples(httpx.get(f"{url}/metrics").text)
+            routed = _samples(plainhttp.get(f"{url}/metrics").text)
             assert routed[("ember_router:fallback_requests_total", (("outcome", "served"),))] == 0
             assert engine_served() == before + 1
         finally:
@@ -414,7 +419,7 @@ def test_a_fallback_rewritten_in_the_policy_file_takes_effect_while_the_router_r
 ) -> None:
     """`ember router --policy FILE` reads spec.fallback live, as the engines do: the operator's ConfigMap
     changes, the running router follows (address, model and conditions)."""
-    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+    model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
     policy = tmp_path / "policy.yaml"
 
     def write(fallback: dict[str, object]) -> None:
@@ -442,25 +447,25 @@ def test_a_fallback_rewritten_in_the_policy_file_takes_effect_while_the_router_r
     router = router_main.build(args)
     body = {"model": model, "prompt": "hello", "max_tokens": 1}
     with serving(router) as url:
-        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+        wait_for(lambda: plainhttp.get(f"{url}/ready").status_code == 200, what="the router ready")
         engines[0].state.draining = True  # it answers 503; no engine takes a request
         try:
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded"
             write({"url": engines[1].url, "model": model, "when": ["Overloaded"]})
 
             def served_by_the_new_fallback() -> bool:
-                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
                 return r.status_code == 200 and r.headers[ROUTED_TO] == engines[1].url
 
             wait_for(served_by_the_new_fallback, timeout=10, what="the new fallback serving")
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.headers["x-ember-served-by"] == "fallback" and r.json()["model"] == model
             # The conditions too: only with no engine Ready; these engines are Ready but refuse.
             write({"url": engines[1].url, "model": model, "when": ["Unavailable"]})
 
             def shed() -> bool:
-                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
                 return r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded"
 
             wait_for(shed, timeout=10, what="the router shedding, the fallback now for Unavailable only")
@@ -487,25 +492,25 @@ def test_the_routers_own_503s_carry_the_policys_retry_after(
     body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
     try:
         with serving(router_main.build(parser.parse_args([*argv, "--poll-interval", "3600"]))) as url:
-            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+            wait_for(lambda: plainhttp.get(f"{url}/ready").status_code == 200, what="the router ready")
             engines[0].state.draining = True  # it answers 503 (its own policy: Retry-After 1)
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=30)
             assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded", r.text
             assert r.headers["Retry-After"] == "5"
             write(7)
 
             def says(seconds: str) -> bool:
-                r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+                r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=30)
                 return r.status_code == 503 and r.headers["Retry-After"] == seconds
 
             wait_for(lambda: says("7"), timeout=10, what="the new retryAfterSeconds in the router's sheds")
         held = parser.parse_args([*argv, "--poll-interval", "0.1", "--hold-seconds", "0.5"])
         with serving(router_main.build(held)) as url:
-            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            wait_for(lambda: plainhttp.get(f"{url}/ready").status_code == 200, what="the router ready")
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=30)
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_ready", r.text
             assert r.headers["Retry-After"] == "7"
-            models = httpx.get(f"{url}/v1/models", timeout=30)
+            models = plainhttp.get(f"{url}/v1/models", timeout=30)
             assert models.status_code == 503 and models.headers["Retry-After"] == "7", models.text
     finally:
         engines[0].state.draining = False
@@ -517,17 +522,17 @@ def test_a_routing_rule_sends_a_request_to_another_service_and_says_so(
     rule = Rule("short", "small-service", max_max_tokens=2)
     settings = RouterSettings(routes=((rule, engines[1].url),))
     with running_router(tiny_model, [engines[0].url], settings=settings) as (url, _router):
-        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        short = httpx.post(
+        model = plainhttp.get(f"{url}/v1/models").json()["data"][0]["id"]
+        short = plainhttp.post(
             f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2}, timeout=60
         )
         assert short.status_code == 200, short.text
         assert short.headers[ROUTED_TO] == "small-service" and short.headers[ROUTE_REASON] == "rule:short"
-        long = httpx.post(
+        long = plainhttp.post(
             f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 3}, timeout=60
         )
         assert long.status_code == 200 and long.headers[ROUTED_TO] == engines[0].url
-        page = httpx.get(f"{url}/metrics").text
+        page = plainhttp.get(f"{url}/metrics").text
         assert 'ember_router:routed_requests_total{rule="short",target="small-service"} 1.0' in page
 
 
@@ -541,12 +546,12 @@ def test_with_no_engine_ready_a_request_is_held_counted_and_then_served(
         router = Router(pool, Tokenizer(str(tiny_model)), settings)
         with serving(router) as url:
             # Holding, the router is ready to take requests with no engine Ready.
-            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+            wait_for(lambda: plainhttp.get(f"{url}/ready").status_code == 200, what="the router ready")
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
             with ThreadPoolExecutor(1) as pool_:
                 held = pool_.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
                 wait_for(
-                    lambda: "ember_router:pending_requests 1.0" in httpx.get(f"{url}/metrics").text,
+                    lambda: "ember_router:pending_requests 1.0" in plainhttp.get(f"{url}/metrics").text,
                     what="one request held",
                 )
                 assert not held.done()
@@ -554,7 +559,7 @@ def test_with_no_engine_ready_a_request_is_held_counted_and_then_served(
                 r = held.result(timeout=30)
             assert r.status_code == 200, r.text
             assert r.headers[ROUTED_TO] == engines[0].url
-            assert "ember_router:pending_requests 0.0" in httpx.get(f"{url}/metrics").text
+            assert "ember_router:pending_requests 0.0" in plainhttp.get(f"{url}/metrics").text
     finally:
         engines[0].state.draining = False
 
@@ -565,22 +570,22 @@ def test_a_hold_that_runs_out_answers_503_naming_it(tiny_model: Path, engines: l
         pool = EnginePool([engines[0].url], poll_interval=0.1)
         router = Router(pool, Tokenizer(str(tiny_model)), RouterSettings(hold_seconds=0.5))
         with serving(router) as url:
-            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
-            r = httpx.post(
+            wait_for(lambda: plainhttp.get(f"{url}/ready").status_code == 200, what="the router ready")
+            r = plainhttp.post(
                 f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=30
             )
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_ready"
             assert "Retry-After" in r.headers
         # With a fallback for Unavailable the held request goes there once the hold runs out (it was the 503).
-        model = httpx.get(f"{engines[1].url}/v1/models").json()["data"][0]["id"]
+        model = plainhttp.get(f"{engines[1].url}/v1/models").json()["data"][0]["id"]
         settings = RouterSettings(
             hold_seconds=0.5, fallback=from_flags(engines[1].url, model, frozenset({"Unavailable"}))
         )
         router = Router(EnginePool([engines[0].url], poll_interval=0.1), Tokenizer(str(tiny_model)), settings)
         with serving(router) as url:
-            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+            wait_for(lambda: plainhttp.get(f"{url}/ready").status_code == 200, what="the router ready")
             body = {"model": model, "prompt": "x", "max_tokens": 1}
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=30)
             assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback", r.text
     finally:
         engines[0].state.draining = False
@@ -603,16 +608,16 @@ def test_routes_rewritten_in_the_routes_file_take_effect_while_the_router_runs(
     router_main.add_arguments(parser)
     argv = ["--model", str(tiny_model), "--endpoint", engines[0].url, "--poll-interval", "3600"]
     router = router_main.build(parser.parse_args([*argv, "--routes", str(routes)]))
-    model = httpx.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+    model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
 
     def routed_to(max_tokens: int) -> str:
         body = {"model": model, "prompt": "x", "max_tokens": max_tokens}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         return str(r.headers[ROUTED_TO])
 
     with serving(router) as url:
-        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the router ready")
+        wait_for(lambda: plainhttp.get(f"{url}/ready").status_code == 200, what="the router ready")
         assert routed_to(2) == "first" and routed_to(3) == engines[0].url
         write(
             yaml.safe_dump([{"name": "tight", "target": "second", "url": engines[1].url, "maxMaxTokens": 1}])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import plainhttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_util import InProcessServer, running_server, server_process
@@ -33,11 +34,11 @@ def engine(tiny_model: Path) -> Iterator[InProcessServer]:
 
 
 def _model(url: str) -> str:
-    return str(httpx.get(f"{url}/v1/models").json()["data"][0]["id"])
+    return str(plainhttp.get(f"{url}/v1/models").json()["data"][0]["id"])
 
 
 def _counter(url: str, name: str) -> float:
-    page = httpx.get(f"{url}/metrics").text
+    page = plainhttp.get(f"{url}/metrics").text
     return sum(s.value for f in text_string_to_metric_families(page) for s in f.samples if s.name == name)
 
 
@@ -63,7 +64,7 @@ def test_the_read_deadline_bounds_each_wait_not_the_whole_answer(
         chunks = list(stream)
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 1500
         routed = _counter(url, "ember_router:decisions_total")
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)  # nothing comes until it is done
+        r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=120)  # nothing comes until it is done
         assert r.status_code == 504, r.text
         assert r.json()["error"]["code"] == "upstream_timeout" and "1 s" in r.json()["error"]["message"]
         assert _counter(url, "ember_router:decisions_total") == routed + 1  # sent once, not run again
@@ -79,7 +80,9 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event(tiny
     ):
         body = {"model": _model(engine_url), "prompt": "go", "max_tokens": 1900, "ignore_eos": True}
         events: list[str] = []
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        with plainhttp.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -153,7 +156,7 @@ def test_an_engine_that_refuses_is_not_held_for(tiny_model: Path, engine: InProc
         engine.state.draining = True  # answers 503; the router has not polled since
         try:
             start = time.perf_counter()
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=30)
             elapsed = time.perf_counter() - start
         finally:
             engine.state.draining = False
@@ -166,15 +169,15 @@ def test_the_routers_own_errors_are_openai_shaped(tiny_model: Path, engine: InPr
     answers."""
     with running_router(tiny_model, [engine.url]) as (url, _router):
         for r, status in (
-            (httpx.get(f"{url}/v1/nowhere"), 404),
-            (httpx.get(f"{url}/v1/completions"), 405),
-            (httpx.post(f"{url}/v1/completions", content=b"x" * (32 * 1024 * 1024 + 1)), 413),
+            (plainhttp.get(f"{url}/v1/nowhere"), 404),
+            (plainhttp.get(f"{url}/v1/completions"), 405),
+            (plainhttp.post(f"{url}/v1/completions", content=b"x" * (32 * 1024 * 1024 + 1)), 413),
         ):
             assert r.status_code == status, r.text
             error = r.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], error
         model = _model(engine.url)
-        one = httpx.get(f"{url}/v1/models/{model}")
+        one = plainhttp.get(f"{url}/v1/models/{model}")
         assert one.status_code == 200 and one.json()["id"] == model, one.text
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert client.models.retrieve(model).id == model
@@ -201,7 +204,7 @@ def test_a_stream_from_a_frozen_engine_ends_after_the_stream_idle_timeout(tiny_m
         }
         events: list[str] = []
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            with plainhttp.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
                 assert r.status_code == 200
                 for line in r.iter_lines():
                     if line.startswith("data: "):

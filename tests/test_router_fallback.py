@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import plainhttp
 import pytest
 from fake_fallback import MODEL, Answer, FakeFallback, fake_fallback
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,7 +50,7 @@ def router_before(target: FallbackTarget, model: Path, hold_seconds: float = 0.0
 
 def counters(url: str) -> dict[str, float]:
     """The router's fallback and shed counters, as `name{label}` -> value."""
-    page = httpx.get(f"{url}/metrics").text
+    page = plainhttp.get(f"{url}/metrics").text
     return {
         f"{s.name}{{{next(iter(s.labels.values()))}}}": s.value
         for f in text_string_to_metric_families(page)
@@ -71,7 +72,7 @@ def test_a_fallback_that_answers_an_error_has_failed_and_the_router_sheds(
     fallback.answer = Answer(status=status, retry_after="7")
     with router_before(from_flags(fallback.url, None, BOTH), tiny_model) as url:
         for stream in (False, True):
-            r = httpx.post(f"{url}/v1/completions", json=body(stream), timeout=30)
+            r = plainhttp.post(f"{url}/v1/completions", json=body(stream), timeout=30)
             assert r.status_code == 503, (status, r.status_code, r.text)
             assert r.json()["error"]["code"] == "fleet_overloaded" and r.headers["Retry-After"] == "1"
             assert "x-ember-served-by" not in r.headers
@@ -108,7 +109,7 @@ def test_a_client_that_asks_for_no_encoding_gets_none(tiny_model: Path, fallback
         assert json.loads(data)["model"] == MODEL
         assert "Accept-Encoding" not in fallback.seen[-1], fallback.seen[-1]
         # One that asks for gzip gets it, as the server sends it.
-        r = httpx.post(
+        r = plainhttp.post(
             f"{url}/v1/completions", json=body(False), headers={"Accept-Encoding": "gzip"}, timeout=30
         )
         assert fallback.seen[-1]["Accept-Encoding"] == "gzip"
@@ -117,7 +118,7 @@ def test_a_client_that_asks_for_no_encoding_gets_none(tiny_model: Path, fallback
 
 def stream_events(url: str, accept_encoding: str = "gzip") -> list[str]:
     """The `data:` payloads of a stream through the router, decoded as the client's HTTP library does."""
-    with httpx.stream(
+    with plainhttp.stream(
         "POST",
         f"{url}/v1/completions",
         json=body(True),
@@ -158,7 +159,7 @@ def test_a_stream_whose_lines_end_in_cr_is_relayed_event_by_event(
     broke off lost every event it had sent, the client getting only the error event."""
     fallback.answer = Answer(events=6, break_after=3, line_end=line_end)
     with router_before(from_flags(fallback.url, None, BOTH), tiny_model) as url:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body(True), timeout=30) as r:
+        with plainhttp.stream("POST", f"{url}/v1/completions", json=body(True), timeout=30) as r:
             assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
             events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
         assert len(events) == 5 and events[-1] == "[DONE]", events
@@ -189,7 +190,7 @@ def test_the_fallback_flags_bound_the_wait_as_the_policy_file_does(
         parser.parse_args([*argv, "--fallback-url", fallback.url, "--fallback-timeout", "0.5"])
     )
     with serving(router) as url:
-        r = httpx.post(f"{url}/v1/completions", json=body(False), timeout=30)
+        r = plainhttp.post(f"{url}/v1/completions", json=body(False), timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded", r.text
         assert counters(url)["ember_router:fallback_requests_total{failed}"] == 1
 
@@ -202,7 +203,7 @@ def test_a_body_that_is_not_a_json_object_is_a_400_at_once(
     for `hold_seconds` first, where OpenAI and vLLM answer 400."""
     with router_before(from_flags(fallback.url, None, BOTH), tiny_model, hold_seconds) as url:
         for raw, says in ((b"{bad", "body: malformed JSON"), (b"[1, 2]", "body: must be a JSON object")):
-            r = httpx.post(
+            r = plainhttp.post(
                 f"{url}/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
             )
             assert r.status_code == 400, r.text
@@ -224,7 +225,7 @@ def test_the_clients_credentials_stay_with_the_fleet(tiny_model: Path, fallback:
     credential for the proxy alone, went on to every upstream."""
     with router_before(from_flags(fallback.url, None, BOTH), tiny_model) as url:
         headers = {**CREDENTIALS, "Accept": "application/json", "OpenAI-Organization": "org-1"}
-        r = httpx.post(f"{url}/v1/completions", json=body(False), headers=headers)
+        r = plainhttp.post(f"{url}/v1/completions", json=body(False), headers=headers)
         assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback", r.text
         got = fallback.seen[-1]
         assert not {"Authorization", "Cookie", "Proxy-Authorization", "OpenAI-Organization"} & set(got), got
@@ -234,7 +235,7 @@ def test_the_clients_credentials_stay_with_the_fleet(tiny_model: Path, fallback:
     settings = RouterSettings(routes=((Rule("all", "other"), fallback.url),))
     router = Router(EnginePool([f"http://127.0.0.1:{free_port()}"]), Tokenizer(str(tiny_model)), settings)
     with serving(router) as url:
-        r = httpx.post(f"{url}/v1/completions", json=body(False), headers=CREDENTIALS)
+        r = plainhttp.post(f"{url}/v1/completions", json=body(False), headers=CREDENTIALS)
         assert r.status_code == 200 and r.headers["x-ember-routed-to"] == "other", r.text
         got = fallback.seen[-1]
         assert got["Authorization"] == "Bearer sk-client" and got["Cookie"] == "session=abc"
@@ -250,19 +251,19 @@ def test_each_fallback_outcome_is_counted_as_what_it_was(tiny_model: Path, fallb
         events = stream_events(url)
         assert json.loads(events[-2])["error"]["code"] == "upstream_error" and events[-1] == "[DONE]"
         fallback.answer = Answer(break_after=10)  # a whole answer cut: nothing has reached the client
-        r = httpx.post(f"{url}/v1/completions", json=body(False), timeout=30)
+        r = plainhttp.post(f"{url}/v1/completions", json=body(False), timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "fleet_overloaded", r.text
         seen = counters(url)
         assert seen["ember_router:fallback_requests_total{failed}"] == 2, seen
         assert seen["ember_router:fallback_requests_total{served}"] == 0, seen
         # The client leaves mid-stream, then before a whole answer's head.
         fallback.answer = Answer(events=400, event_gap=0.05)
-        with httpx.stream("POST", f"{url}/v1/completions", json=body(True), timeout=30) as r:
+        with plainhttp.stream("POST", f"{url}/v1/completions", json=body(True), timeout=30) as r:
             next(r.iter_lines())
         wait_for(lambda: fallback.left == 1, what="the fallback's stream closed")
         fallback.answer = Answer(head_delay=60)
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/completions", json=body(False), timeout=httpx.Timeout(30, read=0.5))
+            plainhttp.post(f"{url}/v1/completions", json=body(False), timeout=httpx.Timeout(30, read=0.5))
         wait_for(
             lambda: counters(url)["ember_router:fallback_requests_total{cancelled}"] == 2,
             what=lambda: f"both counted cancelled: {counters(url)}",
@@ -279,7 +280,7 @@ def test_a_hold_that_runs_out_on_a_failing_fallback_says_so_once(
     `shed{fleet_overloaded}`: the message, the code and the counter now agree."""
     fallback.answer = Answer(status=500)
     with router_before(from_flags(fallback.url, None, BOTH), tiny_model, hold_seconds=0.5) as url:
-        r = httpx.post(f"{url}/v1/completions", json=body(False), timeout=30)
+        r = plainhttp.post(f"{url}/v1/completions", json=body(False), timeout=30)
         assert r.status_code == 503, r.text
         error = r.json()["error"]
         assert (

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import plainhttp
 import pytest
 from aiohttp import web
 from multidict import CIMultiDict
@@ -65,7 +65,7 @@ def test_the_headers_of_one_hop_stay_on_it(router: tuple[str, RecordingEngine]) 
     connection options came back to the client. A request with no `Content-Type` reached the engine as
     `application/octet-stream` (what aiohttp labels bytes), which FastAPI servers do not read as JSON."""
     url, engine = router
-    r = httpx.post(
+    r = plainhttp.post(
         f"{url}/v1/completions",
         content=json.dumps(BODY).encode(),
         headers={
@@ -91,7 +91,7 @@ def test_a_compressed_request_body_reaches_the_engine_as_one_it_can_read(
     still labelled gzip: an engine that decodes it as labelled failed (500), and a body that was not gzip
     at all was the router's own 500 with a traceback in its log."""
     url, engine = router
-    r = httpx.post(
+    r = plainhttp.post(
         f"{url}/v1/completions",
         content=gzip.compress(json.dumps(BODY).encode()),
         headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
@@ -100,7 +100,7 @@ def test_a_compressed_request_body_reaches_the_engine_as_one_it_can_read(
     assert r.status_code == 200, r.text
     headers, body = engine.seen[-1]
     assert json.loads(body) == BODY and "Content-Encoding" not in headers, headers
-    bad = httpx.post(
+    bad = plainhttp.post(
         f"{url}/v1/completions",
         content=b"not gzip",
         headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
@@ -118,7 +118,7 @@ def test_expect_100_continue_is_answered_by_the_router(router: tuple[str, Record
     that sends none (it need not) waited for the body: the request hung (curl sends the header with any
     body over 1 MiB)."""
     url, engine = router
-    r = httpx.post(f"{url}/v1/completions", json=BODY, headers={"Expect": "100-continue"}, timeout=30)
+    r = plainhttp.post(f"{url}/v1/completions", json=BODY, headers={"Expect": "100-continue"}, timeout=30)
     assert r.status_code == 200, r.text
     headers, body = engine.seen[-1]
     assert json.loads(body) == BODY and "Expect" not in headers, headers

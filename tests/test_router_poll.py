@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
+import plainhttp
 import pytest
 from aiohttp import web
 from server_util import running_server
@@ -33,7 +33,7 @@ def _counting_session(paths: list[str]) -> aiohttp.ClientSession:
 
 def test_the_engines_load_endpoint_answers_readiness_gauges_and_events_at_once(tiny_model: Path) -> None:
     with running_server(tiny_model, "--block-size", "16") as s:
-        first = httpx.get(f"{s.url}/v1/load", params={"since": 0}).json()
+        first = plainhttp.get(f"{s.url}/v1/load", params={"since": 0}).json()
         assert first["status"] == "ready"
         assert first["num_requests_running"] == 0 and first["num_requests_waiting"] == 0
         assert 0.0 <= first["kv_cache_usage_perc"] <= 1.0
@@ -41,8 +41,8 @@ def test_the_engines_load_endpoint_answers_readiness_gauges_and_events_at_once(t
         assert events["block_size"] == 16 and events["enabled"] is True and "snapshot" in events
         prompt = [7 + i % 40 for i in range(48)]
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
-        assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
-        delta = httpx.get(f"{s.url}/v1/load", params={"since": events["seq"]}).json()["kv_events"]
+        assert plainhttp.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
+        delta = plainhttp.get(f"{s.url}/v1/load", params={"since": events["seq"]}).json()["kv_events"]
         assert "snapshot" not in delta
         assert [h for kind, h in delta["events"] if kind == STORED][:2] == prefix_hashes(prompt, 16)[:2]
 
@@ -62,7 +62,7 @@ def test_the_engines_load_endpoint_answers_readiness_gauges_and_events_at_once(t
 
         s.state.draining = True  # `/v1/load` answers 503, as `/ready` does
         try:
-            assert httpx.get(f"{s.url}/v1/load").status_code == 503
+            assert plainhttp.get(f"{s.url}/v1/load").status_code == 503
 
             async def poll_draining() -> bool:
                 pool = EnginePool([s.url])

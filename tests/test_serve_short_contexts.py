@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
+import plainhttp
 import pytest
 from server_util import running_server
 
@@ -21,12 +21,12 @@ from server_util import running_server
 )
 def test_a_short_context_starts_and_serves(tiny_model: Path, flags: list[str], max_model_len: int) -> None:
     with running_server(tiny_model, "--served-model-name", "tiny", *flags) as s:
-        (card,) = httpx.get(f"{s.url}/v1/models").json()["data"]
+        (card,) = plainhttp.get(f"{s.url}/v1/models").json()["data"]
         assert card["max_model_len"] == max_model_len
         body = {"model": "tiny", "prompt": [11], "max_tokens": max_model_len - 1, "temperature": 0}
-        answer = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)
+        answer = plainhttp.post(f"{s.url}/v1/completions", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == max_model_len - 1
         body["max_tokens"] = max_model_len  # one token over: refused, not cut short
-        refused = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)
+        refused = plainhttp.post(f"{s.url}/v1/completions", json=body, timeout=60)
         assert refused.status_code == 400, refused.text

@@ -7,8 +7,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
+import plainhttp
 import pytest
 from openai.types import Completion
 from server_util import InProcessServer, running_server
@@ -29,8 +29,8 @@ def client(server: InProcessServer) -> openai.OpenAI:
 
 def test_models_health_ready(server: InProcessServer, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{server.url}/ready").status_code == 200
+    assert plainhttp.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert plainhttp.get(f"{server.url}/ready").status_code == 200
 
 
 def test_completion_non_streaming(client: openai.OpenAI) -> None:
@@ -65,7 +65,7 @@ def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
 
 def test_raw_sse_ends_with_done(server: InProcessServer) -> None:
     body = {"model": MODEL, "prompt": "import", "max_tokens": 5, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+    with plainhttp.stream("POST", f"{server.url}/v1/completions", json=body) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines)
@@ -187,7 +187,7 @@ BAD = [
 @pytest.mark.parametrize(("body", "field"), BAD, ids=[f for _, f in BAD])
 def test_bad_input_is_a_400_naming_the_field(server: InProcessServer, body: object, field: str) -> None:
     content = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(
+    r = plainhttp.post(
         f"{server.url}/v1/completions", content=content, headers={"content-type": "application/json"}
     )
     assert r.status_code == 400, r.text
@@ -197,9 +197,9 @@ def test_bad_input_is_a_400_naming_the_field(server: InProcessServer, body: obje
 
 
 def test_bad_chat_input(server: InProcessServer) -> None:
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": []})
+    r = plainhttp.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(
+    r = plainhttp.post(
         f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard"}]}
     )
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]

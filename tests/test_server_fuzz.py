@@ -7,9 +7,9 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import hypothesis
 import hypothesis.strategies as st
+import plainhttp
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
@@ -97,7 +97,7 @@ def test_lone_surrogates_anywhere_are_400s(server: InProcessServer) -> None:
                 return
             body = _with_surrogates({**case.body, "model": "tiny"}, data.draw)
             # json.dumps writes a lone surrogate as its \\u escape, as a client in any language may.
-            response = httpx.post(
+            response = plainhttp.post(
                 f"{server.url}{path}",
                 content=json.dumps(body),
                 headers={"content-type": "application/json"},

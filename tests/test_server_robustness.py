@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import plainhttp
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,7 +27,7 @@ LONG = {"model": MODEL, "prompt": "def main():", "max_tokens": 1500, "ignore_eos
 
 
 def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics").text
+    text = plainhttp.get(f"{url}/metrics").text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -66,7 +67,7 @@ def aborted(url: str) -> float:
 
 def test_streaming_disconnect_aborts_and_frees_blocks(server: InProcessServer) -> None:
     before = aborted(server.url)
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as r:
+    with plainhttp.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # one chunk, then hang up
@@ -79,17 +80,17 @@ def test_streaming_disconnect_aborts_and_frees_blocks(server: InProcessServer) -
 def test_non_streaming_disconnect_aborts(server: InProcessServer) -> None:
     before = aborted(server.url)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=0.5)
+        plainhttp.post(f"{server.url}/v1/completions", json=LONG, timeout=0.5)
     wait_for(lambda: engine_idle(server))
     assert aborted(server.url) == before + 1
 
 
 def test_deadline_non_streaming_and_streaming(server: InProcessServer) -> None:
     before = metrics(server.url)[("ember:deadline_aborts_total", ())]
-    r = httpx.post(f"{server.url}/v1/completions", json={**LONG, "timeout": 0.3}, timeout=30)
+    r = plainhttp.post(f"{server.url}/v1/completions", json={**LONG, "timeout": 0.3}, timeout=30)
     assert r.status_code == 504
     assert r.json()["error"]["type"] == "timeout" and "deadline" in r.json()["error"]["message"]
-    with httpx.stream(
+    with plainhttp.stream(
         "POST",
         f"{server.url}/v1/completions",
         json={**LONG, "stream": True},
@@ -110,7 +111,7 @@ def _hold(
     """Stream a request in the background until it ends."""
 
     def run() -> None:
-        with httpx.stream(
+        with plainhttp.stream(
             "POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers or {}, timeout=60
         ) as r:
             for _ in r.iter_lines():
@@ -154,7 +155,7 @@ def test_shedding_by_queue_depth_and_priority(tiny_model: Path, tmp_path: Path) 
         threads = _one_running_one_waiting(s)  # the waiting one is of the default class, standard
         body = {**LONG, "max_tokens": 300}
         small = {"model": MODEL, "prompt": "x", "max_tokens": 2}
-        shed = httpx.post(f"{s.url}/v1/completions", json={**small, "priority": "batch"})
+        shed = plainhttp.post(f"{s.url}/v1/completions", json={**small, "priority": "batch"})
         assert shed.status_code == 503 and shed.headers["retry-after"] == "7"
         err = shed.json()["error"]
         assert err["type"] == "overloaded" and err["code"] in ("queue_full", "queue_wait")
@@ -163,7 +164,7 @@ def test_shedding_by_queue_depth_and_priority(tiny_model: Path, tmp_path: Path) 
         wait_for(lambda: sum(engine_stats(s)) == 3)
         threads.append(_hold(s.url, body, headers={"x-ember-priority": "critical"}))
         wait_for(lambda: engine_stats(s) == (1, 3))
-        standard = httpx.post(f"{s.url}/v1/completions", json=small)
+        standard = plainhttp.post(f"{s.url}/v1/completions", json=small)
         assert standard.status_code == 503  # standard's share is full, critical still had room
         m = metrics(s.url)
         assert m[("ember:requests_shed_total", (("priority", "batch"), ("reason", err["code"])))] == 1
@@ -181,13 +182,15 @@ def test_shedding_on_the_forecast_queue_wait(tiny_model: Path, tmp_path: Path) -
     with running_server(
         tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "1", "--policy", str(policy)
     ) as s:
-        with httpx.stream(
+        with plainhttp.stream(
             "POST", f"{s.url}/v1/completions", json={**LONG, "stream": True}, timeout=60
         ) as held:
             lines = held.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
             wait_for(lambda: s.state.forecast.forecast is not None)
-            r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            r = plainhttp.post(
+                f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+            )
             assert r.status_code == 503 and "retry-after" in r.headers
             err = r.json()["error"]
             assert err["type"] == "overloaded" and err["code"] == "queue_wait"
@@ -198,7 +201,7 @@ def test_shedding_on_the_forecast_queue_wait(tiny_model: Path, tmp_path: Path) -
         wait_for(lambda: engine_idle(s))  # hanging up aborted the held request
         assert metrics(s.url)[("ember:estimated_queue_wait_seconds", ())] == 0.0
         # With the seat free again, a newcomer is admitted.
-        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        r = plainhttp.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
         wait_for(lambda: s.state.in_flight == 0)
         assert sum(s.state.queued.values()) == 0 and sum(s.state.unsubmitted.values()) == 0
@@ -211,7 +214,7 @@ def test_per_client_limit_is_429(tiny_model: Path, tmp_path: Path) -> None:
         started = threading.Event()
         t = _hold(s.url, {**LONG, "max_tokens": 200}, started, headers={"x-ember-client": "alice"})
         started.wait(30)
-        r = httpx.post(
+        r = plainhttp.post(
             f"{s.url}/v1/completions",
             json={"model": MODEL, "prompt": "x", "max_tokens": 2},
             headers={"x-ember-client": "alice"},
@@ -221,7 +224,7 @@ def test_per_client_limit_is_429(tiny_model: Path, tmp_path: Path) -> None:
             and "retry-after" in r.headers
             and r.json()["error"]["code"] == "client_limit"
         )
-        other = httpx.post(
+        other = plainhttp.post(
             f"{s.url}/v1/completions",
             json={"model": MODEL, "prompt": "x", "max_tokens": 2},
             headers={"x-ember-client": "bob"},
@@ -244,10 +247,10 @@ def test_overflow_goes_to_the_fallback(tiny_model: Path, tmp_path: Path) -> None
         ) as s:
             threads = _one_running_one_waiting(s)
             small = {"model": MODEL, "prompt": "def", "max_tokens": 5, "temperature": 0}
-            r = httpx.post(f"{s.url}/v1/completions", json=small)
+            r = plainhttp.post(f"{s.url}/v1/completions", json=small)
             assert r.status_code == 200 and r.headers["x-ember-served-by"] == "fallback"
             assert r.json()["model"] == "small-fallback"
-            with httpx.stream("POST", f"{s.url}/v1/completions", json={**small, "stream": True}) as st:
+            with plainhttp.stream("POST", f"{s.url}/v1/completions", json={**small, "stream": True}) as st:
                 assert st.headers["x-ember-served-by"] == "fallback"
                 lines = [line for line in st.iter_lines() if line]
             assert lines[-1] == "data: [DONE]" and len(lines) >= 3
@@ -268,7 +271,7 @@ def test_failed_fallback_gives_the_shed_error(tiny_model: Path, tmp_path: Path) 
         tiny_model, "--served-model-name", MODEL, "--max-num-seqs", "1", "--policy", str(policy)
     ) as s:
         threads = _one_running_one_waiting(s)
-        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        r = plainhttp.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded"
         assert metrics(s.url)[("ember:fallback_requests_total", (("outcome", "failed"),))] == 1
         for t in threads:
@@ -279,14 +282,14 @@ def test_policy_reloads_without_restart(tiny_model: Path, tmp_path: Path) -> Non
     path = write_policy(tmp_path / "policy.yaml", {"requestTimeoutSeconds": 0})
     with running_server(tiny_model, "--served-model-name", MODEL, "--policy", str(path)) as s:
         body = {**LONG, "max_tokens": 60}
-        assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert plainhttp.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
         write_policy(path, {"requestTimeoutSeconds": 0.05})
         wait_for(lambda: s.state.policy.policy.request_timeout_seconds == 0.05, timeout=10)
-        assert httpx.post(f"{s.url}/v1/completions", json=LONG, timeout=60).status_code == 504
+        assert plainhttp.post(f"{s.url}/v1/completions", json=LONG, timeout=60).status_code == 504
         path.write_text("requestTimeoutSeconds: [not a number")  # invalid: the last good policy stays
         time.sleep(1.5)
         assert s.state.policy.policy.request_timeout_seconds == 0.05
-        assert httpx.post(f"{s.url}/v1/completions", json=LONG, timeout=60).status_code == 504
+        assert plainhttp.post(f"{s.url}/v1/completions", json=LONG, timeout=60).status_code == 504
 
 
 def test_sigterm_drains_then_exits_zero(tiny_model: Path) -> None:
@@ -295,7 +298,7 @@ def test_sigterm_drains_then_exits_zero(tiny_model: Path) -> None:
         started = threading.Event()
 
         def stream() -> None:
-            with httpx.stream(
+            with plainhttp.stream(
                 "POST", f"{url}/v1/completions", json={**LONG, "max_tokens": 400, "stream": True}, timeout=60
             ) as r:
                 for line in r.iter_lines():
@@ -306,8 +309,10 @@ def test_sigterm_drains_then_exits_zero(tiny_model: Path) -> None:
         t.start()
         started.wait(30)
         proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: httpx.get(f"{url}/ready").status_code == 503, timeout=10)
-        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        wait_for(lambda: plainhttp.get(f"{url}/ready").status_code == 503, timeout=10)
+        refused = plainhttp.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+        )
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
         t.join(60)
         assert proc.wait(timeout=60) == 0
@@ -321,7 +326,7 @@ def _stream_lines(url: str, body: dict, lines: list[str], started: threading.Eve
 
     def run() -> None:
         try:
-            with httpx.stream(
+            with plainhttp.stream(
                 "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
             ) as r:
                 for line in r.iter_lines():
@@ -357,7 +362,7 @@ def test_requests_cut_by_the_stop_get_a_503_draining(
         threads = [
             _stream_lines(url, body, lines, started),
             threading.Thread(
-                target=lambda: answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+                target=lambda: answers.append(plainhttp.post(f"{url}/v1/completions", json=body, timeout=60))
             ),
         ]
         threads[1].start()
@@ -397,9 +402,9 @@ def test_a_drain_waits_for_requests_relayed_to_the_fallback(tiny_model: Path, tm
             threads = [_stream_lines(url, {**LONG, "max_tokens": 400}, local, started)]
             started.wait(30)
             proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: httpx.get(f"{url}/ready").status_code == 503, timeout=10)
+            wait_for(lambda: plainhttp.get(f"{url}/ready").status_code == 503, timeout=10)
             relayed: list[str] = []
-            with httpx.stream(
+            with plainhttp.stream(
                 "POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=60
             ) as r:
                 assert r.headers["x-ember-served-by"] == "fallback"
@@ -432,7 +437,7 @@ def test_sigterm_while_the_model_loads_exits_zero(tiny_model: Path) -> None:
         try:
             wait_for(lambda: _answers(f"{url}/health"), timeout=60)
             time.sleep(delay)
-            if httpx.get(f"{url}/ready").json()["status"] != "loading":
+            if plainhttp.get(f"{url}/ready").json()["status"] != "loading":
                 return  # loaded before its moment came: not a stop during the load
             proc.send_signal(signal.SIGTERM)
             out, _ = proc.communicate(timeout=60)
@@ -457,7 +462,7 @@ def test_sigterm_while_the_model_loads_exits_zero(tiny_model: Path) -> None:
 
 def _answers(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=1).status_code == 200
+        return plainhttp.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -499,11 +504,13 @@ def test_a_model_that_computes_nan_gets_well_formed_errors(tiny_model: Path, tmp
         save_file(tensors, broken / f.name, metadata={"format": "pt"})
     body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0, "logprobs": 2}
     with running_server(broken, "--served-model-name", MODEL) as s:
-        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)
+        r = plainhttp.post(f"{s.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 500
         error = r.json()["error"]
         assert error["type"] == "internal_server_error" and "NaN" in error["message"]
-        with httpx.stream("POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=60) as st:
+        with plainhttp.stream(
+            "POST", f"{s.url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as st:
             assert st.status_code == 200
             events = [line.removeprefix("data: ") for line in st.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
@@ -513,7 +520,7 @@ def test_a_model_that_computes_nan_gets_well_formed_errors(tiny_model: Path, tmp
 
         parsed = [json.loads(e, parse_constant=not_a_number) for e in events[:-1]]
         assert parsed[-1]["error"]["type"] == "internal_server_error"
-        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200  # the server still serves
+        assert plainhttp.get(f"{s.url}/health", timeout=10).status_code == 200  # the server still serves
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import jsonschema
 import openai
+import plainhttp
 import pytest
 from server_util import InProcessServer, running_server
 
@@ -190,7 +190,9 @@ def test_logprobs_under_a_constraint_are_json_numbers(server: InProcessServer, c
     assert len(first) == 5 and -9999.0 in first.values()  # two allowed first tokens, three ruled out
     assert all(lp == -9999.0 or lp > -100 for top in logprobs.top_logprobs for lp in top.values())
     body = {"model": MODEL, "prompt": "x = ", "max_tokens": 3, "temperature": 0, "logprobs": 5, **choice}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+    with plainhttp.stream(
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as s:
         assert s.status_code == 200
         events = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: {")]
 
@@ -263,7 +265,7 @@ def test_bad_constraints_are_400_naming_the_problem(
     server: InProcessServer, extra: dict, param: str, words: str
 ) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 5, **extra}
-    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    r = plainhttp.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
@@ -395,15 +397,15 @@ def test_tool_history_renders_through_the_template(tool_model: Path, client: ope
 def test_tools_on_a_template_without_them_is_400(tiny_model: Path) -> None:
     with running_server(tiny_model, "--served-model-name", MODEL) as s:
         body = {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER], "max_tokens": 5}
-        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=30)
+        r = plainhttp.post(f"{s.url}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400
         assert "does not support tools" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "tools"  # it named messages
-        r = httpx.post(
+        r = plainhttp.post(
             f"{s.url}/tokenize", json={k: body[k] for k in ("model", "messages", "tools")}, timeout=30
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-        r = httpx.post(
+        r = plainhttp.post(
             f"{s.url}/v1/chat/completions",
             json={**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             timeout=30,
@@ -461,7 +463,7 @@ def test_the_router_renders_the_prompt_the_engine_serves(tool_model: Path, serve
         tools = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
         served = _prompt_token_ids(SimpleNamespace(tokenizer=tok), request, tools)[0]  # type: ignore[arg-type]
         assert routed == served, extra
-        usage = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        usage = plainhttp.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()["usage"]
         assert usage["prompt_tokens"] == len(routed), extra
         keys = (
             "messages",
@@ -471,7 +473,7 @@ def test_the_router_renders_the_prompt_the_engine_serves(tool_model: Path, serve
             "chat_template_kwargs",
         )
         shown = {k: v for k, v in body.items() if k in keys}
-        assert httpx.post(f"{server.url}/tokenize", json=shown).json()["tokens"] == routed, extra
+        assert plainhttp.post(f"{server.url}/tokenize", json=shown).json()["tokens"] == routed, extra
 
 
 def test_schemas_differing_only_in_key_order_each_keep_their_own_order(client: openai.OpenAI) -> None:
@@ -600,11 +602,11 @@ def test_a_grammar_that_fails_mid_answer_is_an_error_not_a_stop(server: InProces
     pattern = {"type": "string", "pattern": "^(a{1000}){1000}$"}
     for extra in ({"guided_json": pattern}, {"guided_regex": "(a{1000}){1000}"}):
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 30, "seed": 3, **extra}
-        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        r = plainhttp.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 500, r.text
         error = r.json()["error"]
         assert error["code"] == "grammar_failed" and "too many expressions" in error["message"], error
-        with httpx.stream(
+        with plainhttp.stream(
             "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60
         ) as s:
             events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
@@ -618,12 +620,14 @@ def test_a_grammar_with_no_way_on_is_the_clients_error_naming_the_field(server: 
     text) was a 500 internal_server_error "grammar_failed", "NoExtensionBias"; streamed, "a" and then that
     error. llguidance cannot tell before the answer begins; it is still the constraint that is at fault."""
     body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "guided_grammar": 'start: "a" /[^\\s\\S]/'}
-    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    r = plainhttp.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == "guided_grammar", error
     assert "admits no continuation" in error["message"] and "'a'" in error["message"], error
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+    with plainhttp.stream(
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as s:
         events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"] == error, events
 
@@ -663,7 +667,7 @@ def test_tool_names_are_checked_as_openai_checks_them(
 ) -> None:
     """A name OpenAI refuses, or two tools of one name (the prompt then showed only the second), were 200s."""
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "tools": tools}
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    r = plainhttp.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import plainhttp
 import pytest
 from server_util import running_server, server_process, wait_ready
 from test_router import running_router
@@ -77,7 +78,7 @@ def test_a_killed_worker_fails_the_next_step_naming_it(tiny_model: Path) -> None
 def test_ember_serve_exits_with_the_cause_when_a_worker_dies(tiny_model: Path) -> None:
     with server_process(tiny_model, "--tensor-parallel-size", "2", "--dtype", "float32") as (url, proc):
         body = {"model": tiny_model.name, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
-        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        assert plainhttp.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
         (worker,) = workers_of(proc.pid)
         os.kill(worker, signal.SIGKILL)
         code = proc.wait(timeout=30)
@@ -107,7 +108,9 @@ def test_a_stream_the_engine_cannot_finish_ends_with_an_error_event_and_done(tin
     body = {"model": tiny_model.name, "prompt": "def f(x):", "max_tokens": 1500, "ignore_eos": True}
     with server_process(tiny_model, "--tensor-parallel-size", "2", "--dtype", "float32") as (url, proc):
         (worker,) = workers_of(proc.pid)
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        with plainhttp.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as s:
             assert s.status_code == 200
             lines = s.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
@@ -122,7 +125,7 @@ def test_a_stream_the_engine_cannot_finish_ends_with_an_error_event_and_done(tin
 
 
 def _running(url: str) -> int:
-    return int(httpx.get(f"{url}/v1/load", timeout=5).json()["num_requests_running"])
+    return int(plainhttp.get(f"{url}/v1/load", timeout=5).json()["num_requests_running"])
 
 
 def test_requests_in_flight_when_a_node_dies_get_a_503_saying_the_engine_failed(tiny_model: Path) -> None:
@@ -194,7 +197,7 @@ def test_an_idle_group_that_loses_a_node_stops_within_seconds(tiny_model: Path) 
         try:
             code = procs[0].wait(timeout=30)
         except subprocess.TimeoutExpired:
-            ready = httpx.get(f"{url}/ready", timeout=5).status_code
+            ready = plainhttp.get(f"{url}/ready", timeout=5).status_code
             pytest.fail(f"node 0 still running 30 s after node 1 was killed (/ready: {ready})")
         output = procs[0].stdout.read() if procs[0].stdout else ""
     assert code == 1

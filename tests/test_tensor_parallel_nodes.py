@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import plainhttp
 import pytest
 from waiting import free_port
 
@@ -67,7 +68,7 @@ def refused_on_both(url: str, procs: list[subprocess.Popen[str]], timeout: float
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
         try:
-            ready = httpx.get(f"{url}/ready", timeout=1).status_code == 200
+            ready = plainhttp.get(f"{url}/ready", timeout=1).status_code == 200
         except httpx.HTTPError:
             ready = False
         assert not ready, "node 0 became ready, serving with a node started otherwise"
