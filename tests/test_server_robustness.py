@@ -452,7 +452,9 @@ def test_sigterm_while_the_model_loads_exits_zero(tiny_model: Path) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert len(outcomes) >= 2, f"only {len(outcomes)} of 4 servers were still loading when stopped"
+    # Here (2 cores, four loads at once) each load takes seconds and three or four are stopped while loading;
+    # a faster machine may finish more before their moment, but the first is stopped within half a second.
+    assert outcomes, "no server was still loading when stopped"
     for code, out in outcomes:
         lines = out.strip().splitlines()
         assert code == 0, out
