@@ -368,6 +368,8 @@ def _refused(url: str) -> bool:
         plainhttp.get(f"{url}/health", timeout=2)
     except httpx.ConnectError:
         return True
+    except httpx.TransportError:  # taken in as the server stopped listening, then closed unanswered
+        return False
     return False
 
 
