@@ -336,11 +336,16 @@ def default_spread(name: str) -> dict[str, Any]:
     or ReplicaSet selects). Not part of the template hash (it is not in the spec), so an operator upgrade
     rolls no pod: running pods keep their spec, and pods made from then on carry it.
     """
+    return hostname_spread(instance_labels(name))
+
+
+def hostname_spread(labels: dict[str, str]) -> dict[str, Any]:
+    """A soft spread over nodes (`default_spread` says why this form) of the pods with these labels."""
     return {
         "maxSkew": 1,
         "topologyKey": "kubernetes.io/hostname",
         "whenUnsatisfiable": "ScheduleAnyway",
-        "labelSelector": {"matchLabels": instance_labels(name)},
+        "labelSelector": {"matchLabels": labels},
     }
 
 

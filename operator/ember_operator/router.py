@@ -33,6 +33,7 @@ from ember_operator.desired import (
     Owner,
     active_selector,
     attach_model,
+    hostname_spread,
     instance_labels,
     policy_configmap_name,
     selector_string,
@@ -182,15 +183,9 @@ def desired_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[
     }
     attach_model(pod_spec, container, spec, security)
     # One node lost must not take every router, and the Service's every endpoint, with it.
-    pod_spec["topologySpreadConstraints"] = [
-        {
-            "maxSkew": 1,
-            "topologyKey": "kubernetes.io/hostname",
-            "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": router_selector(owner.name)},
-            "matchLabelKeys": ["pod-template-hash"],  # a roll's new pods spread among themselves
-        }
-    ]
+    # A roll's new pods spread among themselves (`pod-template-hash`).
+    spread = {**hostname_spread(router_selector(owner.name)), "matchLabelKeys": ["pod-template-hash"]}
+    pod_spec["topologySpreadConstraints"] = [spread]
     if placement.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [s.to_kube() for s in placement.image_pull_secrets]
     if spec.router.node_selector:
