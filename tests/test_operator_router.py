@@ -299,10 +299,11 @@ def test_the_routers_liveness_waits_for_their_start() -> None:
 
 
 def test_the_routers_spread_over_the_nodes() -> None:
-    """Both routers on one node: losing that node leaves the Service with no endpoint while every engine
-    still serves (a two-node cluster put them together: nothing asked otherwise and the scheduler's tie goes
-    to the less allocated node, the one without an engine). The routers carry a soft spread over hostnames among their own ReplicaSet's pods,
-    and kube-scheduler's default profile (the local scheduler's scores) puts the second on the other node."""
+    """Both routers on one node: losing that node leaves the Service with no endpoint while an engine still
+    serves. On two nodes, one already running an engine, nothing asked otherwise and the least-allocated
+    score put the second router beside the first. The routers carry a soft spread over hostnames among
+    their own ReplicaSet's pods, and kube-scheduler's default profile (the local scheduler's scores) puts
+    the second on the other node."""
     spec = make_spec()
     pod_spec = _pod_spec(spec)
     assert pod_spec["topologySpreadConstraints"] == [
