@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -552,16 +554,77 @@ def test_shared_memory_counts_in_the_template_hash_as_the_pod_gets_it() -> None:
 
 
 async def _autoscale_once(
-    spec: InferenceServiceSpec, pods: list[dict[str, Any]], views: list[PodView]
+    spec: InferenceServiceSpec,
+    pods: list[dict[str, Any]],
+    views: list[PodView],
+    live: list[dict[str, Any]] | None = None,
+    memory: Memory | None = None,
 ) -> Memory:
-    """One autoscaler evaluation (its first: no Event to post) with a real scraper."""
-    memory = Memory(desired=1)
+    """One autoscaler evaluation (its first: no Event to post) with a real scraper; `live`: the pods as
+    the operator's cache holds them once the reads are done."""
+    memory = memory or Memory(desired=1)
     scraper = Scraper(1.0)
     try:
-        await autoscale(None, spec, OWNER, pods, views, memory, T0, scraper)  # type: ignore[arg-type]
+        await autoscale(
+            None,  # type: ignore[arg-type]
+            spec,
+            OWNER,
+            pods,
+            views,
+            memory,
+            T0,
+            scraper,
+            None,
+            None if live is None else (lambda: live),
+        )
     finally:
         await scraper.close()
     return memory
+
+
+def _refusing_address() -> tuple[socket.socket, str]:
+    """A loopback address whose engine port is bound but not listening: a connection to it is refused."""
+    while True:
+        ip = f"127.{random.randint(20, 250)}.{random.randint(0, 250)}.{random.randint(1, 250)}"
+        sock = socket.socket()
+        try:
+            sock.bind((ip, 8000))
+        except OSError:
+            sock.close()
+            continue
+        return sock, ip
+
+
+def test_a_pod_that_went_away_while_it_was_read_is_read_again_not_counted_as_failed() -> None:
+    """The pass saw the active pod Ready; by the time its read was refused the operator's cache held it
+    deleted, being deleted or unready (the pass started before that event came). That reading is dropped:
+    MetricsAvailable keeps what it said and the next pass reads again. A pod the cache still holds Ready
+    whose read fails is a failed scrape, as before."""
+    spec = make_spec(warmPool={"size": 1}, autoscaling={"intervalSeconds": 1})
+    h = template_hash(spec)
+    sock, ip = _refusing_address()
+    try:
+        views = [PodView("a", ACTIVE, h, True, T0)]
+        ready = {
+            "metadata": {"name": "a"},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        deleting = {**ready, "metadata": {"name": "a", "deletionTimestamp": "2026-11-01T12:00:00Z"}}
+        unready = {**ready, "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "False"}]}}
+        for live in ([], [deleting], [unready]):
+            before = Memory(desired=1, metrics=Condition("MetricsAvailable", True, "Scraped", "read"))
+            memory = asyncio.run(_autoscale_once(spec, [ready], views, live, before))
+            assert memory.metrics == Condition("MetricsAvailable", True, "Scraped", "read"), live
+            assert memory.inputs is None and memory.next_scrape <= time.monotonic(), live
+        before = Memory(desired=1, metrics=Condition("MetricsAvailable", True, "Scraped", "read"))
+        memory = asyncio.run(_autoscale_once(spec, [ready], views, [ready], before))
+        assert memory.metrics is not None and memory.metrics.status is False
+        assert (
+            memory.metrics.reason == "ScrapeFailed" and "a: ConnectionRefusedError" in memory.metrics.message
+        )
+        assert memory.next_scrape > time.monotonic()
+    finally:
+        sock.close()
 
 
 def test_the_scrape_of_a_failover_pass_reads_the_warm_pod_it_promotes() -> None:

@@ -329,7 +329,18 @@ class Reconciler:
         views = units.views
 
         router_pages = router.router_metrics_targets(pods_of(router.ROUTER))
-        await autoscale(body, spec, owner, units.serving, views, memory, now, self._scraper, router_pages)
+        await autoscale(
+            body,
+            spec,
+            owner,
+            units.serving,
+            views,
+            memory,
+            now,
+            self._scraper,
+            router_pages,
+            lambda: pods_of(None),
+        )
         assert memory.desired is not None
         if router.asleep(spec, memory.desired):
             await self._wake(body, spec, owner, memory, now, router_pages)

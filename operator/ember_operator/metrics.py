@@ -25,6 +25,11 @@ SCALING_DECISIONS = Counter(
 SCRAPE_FAILURES = Counter(
     "ember:operator_scrape_failures", "Engine /metrics scrapes that failed.", ["namespace", "name"]
 )
+SCRAPES_DROPPED = Counter(
+    "ember:operator_scrapes_dropped",
+    "Engine /metrics reads dropped: the pod was deleted or went unready while it was read.",
+    ["namespace", "name"],
+)
 DESIRED = Gauge("ember:operator_desired_replicas", "The active target.", ["namespace", "name"])
 POD_CHANGES = Counter(
     "ember:operator_pod_changes",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
@@ -20,7 +20,7 @@ from ember_operator.autoscaler import Decision, History, Observation, clamp, dec
 from ember_operator.desired import ACTIVE, Owner, template_hash
 from ember_operator.known import Known
 from ember_operator.podcache import Pending
-from ember_operator.pods import metrics_url
+from ember_operator.pods import is_ready, metrics_url
 from ember_operator.rollout import PodView, Releases, plan_pods
 from ember_operator.router import wakes
 from ember_operator.scrape import PodSample, Scraper
@@ -118,9 +118,11 @@ async def autoscale(
     now: datetime,
     scraper: Scraper,
     routers: dict[str, str] | None = None,
+    live: Callable[[], list[dict[str, Any]]] | None = None,
 ) -> None:
     """Update memory.desired: the External target, or (when due) the Builtin autoscaler's decision.
-    `routers`: the Ready router pods' /metrics by pod name, read on the same ticks for FallbackActive."""
+    `routers`: the Ready router pods' /metrics by pod name, read on the same ticks for FallbackActive.
+    `live`: the engine pods as the operator's cache holds them now (it moves while the pods are read)."""
     replicas = spec.replicas
     if memory.desired is None:  # first pass, or a restart without status: keep what is there
         memory.desired = clamp(sum(v.role == ACTIVE and not v.deleting for v in views), replicas)
@@ -156,6 +158,12 @@ async def autoscale(
         if (v.role == ACTIVE or v.name in promoted) and v.ready and not v.deleting and (url := metrics_url(p))
     }
     results = await scraper.scrape(targets) if targets else {}
+    if live is not None and (gone := went_away(results, live())):
+        # A pod deleted or gone unready while it was read has not failed to report: this reading is
+        # dropped, and the pass that sees the pods as they are now reads them again.
+        memory.next_scrape = tick
+        metrics.SCRAPES_DROPPED.labels(owner.namespace, owner.name).inc(len(gone))
+        return
     routed = await scraper.router_fallback(routers) if routers and spec.fallback is not None else {}
     samples = {n: r for n, r in results.items() if isinstance(r, PodSample)}
     failed = [f"{n}: {r}" for n, r in results.items() if isinstance(r, str)]
@@ -191,6 +199,17 @@ async def autoscale(
         reason = "ScrapeFailed" if failed else "NoReadyPods"
     memory.metrics = Condition("MetricsAvailable", decision.metrics_ok, reason, decision.metrics_reason)
     record(body, owner, memory, decision, now)
+
+
+def went_away(results: dict[str, PodSample | str], now: list[dict[str, Any]]) -> list[str]:
+    """The pods whose read failed and that are, by now, deleted, being deleted or not Ready."""
+    live = {p["metadata"]["name"]: p for p in now}
+    return [
+        name
+        for name, result in results.items()
+        if isinstance(result, str)
+        and ((p := live.get(name)) is None or p["metadata"].get("deletionTimestamp") or not is_ready(p))
+    ]
 
 
 def external_decision(spec: InferenceServiceSpec, memory: Memory) -> Decision:
