@@ -46,7 +46,7 @@ from ember_operator.handlers import Settings, register
 kopf.on.login()(kopf.login_via_client)
 register(
     kopf.get_default_registry(),
-    Settings(tick={TICK}, cluster_domain="cluster.local", scrape_timeout=1.0, resync={{resync}}),
+    Settings(tick={TICK}, cluster_domain="cluster.local", scrape_timeout=2.0, resync={{resync}}),
 )
 """
 
