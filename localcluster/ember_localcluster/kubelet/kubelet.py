@@ -77,6 +77,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,7 @@ class ProcessKubelet:
         self._groups: set[int] = set()
         self._groups_lock = threading.Lock()
         self._runtime = BackgroundRuntime("kubelet", api_workers=4)
+        self._heartbeats: ThreadPoolExecutor | None = None
 
     # -- public ----------------------------------------------------------------------------------------
 
@@ -234,6 +236,7 @@ class ProcessKubelet:
         self.started_clock = time.monotonic()
         (self.state_dir / "pods").mkdir(parents=True, exist_ok=True)
         runtime.start(self.kubeconfig)
+        self._heartbeats = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kubelet-heartbeat")
         runtime.run(self._open_session(), timeout=10)
         runtime.run(self._register_nodes(), timeout=30)
         configmaps = runtime.informer(
@@ -276,7 +279,7 @@ class ProcessKubelet:
         """Post the node's status afresh (Ready, with this moment's heartbeat)."""
         status = node_status(self.nodes[name], self.state_dir, str(SERVER_VERSION["gitVersion"]))
         self._node_status[name] = status
-        await self.api(self._runtime.core.patch_node_status, name, {"status": status})
+        await self.heartbeat(self._runtime.core.patch_node_status, name, {"status": status})
 
     async def _start_leases(self) -> None:
         self.spawn(renew_leases(self))
@@ -291,6 +294,9 @@ class ProcessKubelet:
         self._kill_all()  # anything started while shutting down
         self.addresses.release_all()
         runtime.close()
+        if self._heartbeats is not None:
+            self._heartbeats.shutdown(wait=False, cancel_futures=True)
+            self._heartbeats = None
 
     # -- for the pod workers ---------------------------------------------------------------------------
 
@@ -314,9 +320,18 @@ class ProcessKubelet:
 
     async def api(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call the official client off the loop; returns the decoded JSON body."""
+        return await self._call(self._runtime.executor, method, *args, **kwargs)
+
+    async def heartbeat(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """As `api`, on a thread of its own: the node's status and Lease updates, which the kubelet sends
+        through a client of their own (its HeartbeatClient), so they never wait behind the pods' calls."""
+        assert self._heartbeats is not None, "the kubelet is not running"
+        return await self._call(self._heartbeats, method, *args, **kwargs)
+
+    async def _call(self, executor: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("_request_timeout", API_TIMEOUT)
         call = functools.partial(method, *args, _preload_content=False, **kwargs)
-        response = await asyncio.get_running_loop().run_in_executor(self._runtime.executor, call)
+        response = await asyncio.get_running_loop().run_in_executor(executor, call)
         return json.loads(response.data or b"null")
 
     def spawn(self, coroutine: Any) -> None:

@@ -4,7 +4,9 @@
 `kube-node-lease`, named after the node and owned by it: `spec.holderIdentity` the node's name,
 `leaseDurationSeconds` 40 (`--node-lease-duration-seconds`'s default, `lease_seconds` here) and
 `renewTime` renewed every quarter of that (`nodeLeaseRenewIntervalFraction` 0.25: every 10 s). The node
-lifecycle controller reads these as the nodes' heartbeats (`nodelifecycle_controller.py`).
+lifecycle controller reads these as the nodes' heartbeats (`nodelifecycle_controller.py`). Lease and node
+status updates go out on a thread of their own (`ProcessKubelet.heartbeat`), as the kubelet sends them
+through its own HeartbeatClient: a burst of pod status patches and Events never holds a heartbeat back.
 
 **Losing a node.** `ProcessKubelet.stop_node(name)` is the node losing power: its lease is no longer
 renewed, its pods' processes are killed at once (SIGKILL, no preStop, no grace) and nothing more is
@@ -62,16 +64,18 @@ async def _renew(kubelet: ProcessKubelet, name: str) -> None:
     leases = client.CoordinationV1Api(kubelet.core.api_client)
     duration = kubelet.lease_seconds
     try:
-        lease = await kubelet.api(leases.read_namespaced_lease, name, LEASE_NAMESPACE)
+        lease = await kubelet.heartbeat(leases.read_namespaced_lease, name, LEASE_NAMESPACE)
     except ApiException as error:
         if error.status != 404:
             raise
-        node = await kubelet.api(kubelet.core.read_node, name)
-        await kubelet.api(leases.create_namespaced_lease, LEASE_NAMESPACE, lease_manifest(node, duration))
+        node = await kubelet.heartbeat(kubelet.core.read_node, name)
+        await kubelet.heartbeat(
+            leases.create_namespaced_lease, LEASE_NAMESPACE, lease_manifest(node, duration)
+        )
         return
     lease["spec"] = {**lease.get("spec", {}), "holderIdentity": name, "leaseDurationSeconds": duration}
     lease["spec"]["renewTime"] = micro_time()
-    await kubelet.api(leases.replace_namespaced_lease, name, LEASE_NAMESPACE, lease)
+    await kubelet.heartbeat(leases.replace_namespaced_lease, name, LEASE_NAMESPACE, lease)
 
 
 async def renew_leases(kubelet: ProcessKubelet) -> None:
