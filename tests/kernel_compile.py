@@ -12,7 +12,9 @@ uses and the bytes it spills to local memory, from ptxas's report on the PTX (`-
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import re
@@ -104,8 +106,10 @@ def _compile_once(
     }
     signature = {name: kind.removesuffix(":16") for name, kind in signature.items()}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    log = io.StringIO()  # Triton prints its ptxas run's report here (`dump_ptxas_log`)
     try:
-        kernel = triton.compile(source, target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32), options=options)
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(source, target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32), options=options)
     except Exception as e:  # a variant the GPU's compiler refuses: reported, not raised
         return {"ok": False, "error": str(e).strip().splitlines()[-1][:400]}
     ptx = str(kernel.asm["ptx"])
@@ -120,12 +124,14 @@ def _compile_once(
         "byte_loads": len(re.findall(r"ld\.global[\w.]*\.[bus]8\b", ptx)),
     }
     if RESOURCES:
-        result |= resources(ptx, cc)
+        result |= resources(log.getvalue() or ptxas_report(ptx, cc))
     return result
 
 
-def resources(ptx: str, cc: tuple[int, int]) -> dict[str, int]:
-    """Registers a thread and bytes of spill stores and loads, as ptxas reports them for this PTX."""
+def ptxas_report(ptx: str, cc: tuple[int, int]) -> str:
+    """ptxas's report (`-v`) on this PTX, run as Triton runs it to make the cubin
+    (`triton.backends.nvidia.compiler.CUDABackend.make_cubin`: line info, `--regAllocOptLevel=2`), for a
+    variant whose cubin came from Triton's cache, where Triton ran no ptxas to report."""
     arch = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE)
     assert arch, "no .target in the PTX"
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,9 +139,13 @@ def resources(ptx: str, cc: tuple[int, int]) -> dict[str, int]:
         source.write_text(ptx)
         # the ptxas Triton itself runs for this GPU (`triton.backends.nvidia.compiler.get_ptxas`)
         ptxas = get_ptxas(cc[0] * 10 + cc[1]).path
-        command = [ptxas, "-v", f"--gpu-name={arch.group(1)}", str(source)]
-        command += ["-o", str(Path(tmp) / "kernel.cubin")]
-        log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+        command = [ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={arch.group(1)}"]
+        command += [str(source), "-o", str(Path(tmp) / "kernel.cubin")]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stderr
+
+
+def resources(log: str) -> dict[str, int]:
+    """Registers a thread and bytes of spill stores and loads, from ptxas's report on one kernel."""
     used = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert used and spills, log
@@ -195,6 +205,8 @@ def launched(variant: dict[str, Any], cc: tuple[int, int]) -> dict[str, Any]:
 
 
 RESOURCES = "--resources" in sys.argv[1:]
+# Triton runs ptxas with `-v` to make each cubin; its report is printed where this asks for it
+triton.knobs.nvidia.dump_ptxas_log = RESOURCES
 
 
 def main() -> int:

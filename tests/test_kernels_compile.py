@@ -212,10 +212,11 @@ def test_the_gemm_tiles_keep_their_sums_in_registers(compiled: dict[str, dict[st
 def test_the_attention_and_cache_kernels_keep_their_values_in_registers(
     compiled: dict[str, dict[str, Any]], variants: list[dict[str, Any]]
 ) -> None:
-    """No launched variant spills on any capability (ptxas's report): `paged_attention` runs 128-wide
-    heads on 8 warps (on 4 every variant spilled, 28 to 1,900 bytes a thread on 8.0 and 9.0), and FP8
-    caches and float32 queries on 32 keys a step (16 for a float32 prefill), decode on 8 warps (on 64
-    keys and 4 warps they spilled up to 516 bytes on 7.5 and 424 on 8.0)."""
+    """No launched variant spills on any capability (ptxas's report, as Triton runs ptxas to build it):
+    `paged_attention` runs 128-wide heads on 8 warps (on 4 every variant spilled, 28 to 1,900 bytes a
+    thread on 8.0 and 9.0), and FP8 caches and float32 queries on 32 keys a step (16 for a float32
+    prefill), decode on 8 warps (on 64 keys and 4 warps they spilled up to 516 bytes on 7.5 and 424 on
+    8.0); but a decode of 128-wide heads over an FP8 cache on 4 (on 8 it spilled 8 bytes on 9.0)."""
     wide = [
         i
         for i, v in enumerate(variants)
@@ -223,7 +224,10 @@ def test_the_attention_and_cache_kernels_keep_their_values_in_registers(
     ]
     assert {variants[i]["constexprs"]["KV_FP8"] for i in wide} == {0, 1}
     assert {variants[i]["constexprs"]["SPLIT"] for i in wide} == {False, True}
-    assert all(variants[i]["constexprs"]["num_warps"] == 8 for i in wide)
+    for i in wide:
+        c = variants[i]["constexprs"]
+        decode = c["BLOCK_Q"] * c["GROUP_P2"] == 16  # a decode's q tile: 16 rows of query heads
+        assert c["num_warps"] == (4 if decode and c["KV_FP8"] else 8), c
     launched = {key: r for key, r in compiled.items() if key.startswith("launched/")}
     assert len(launched) > 3 * len(variants)  # 7.5 compiles the variants without bfloat16
     spilled = {
