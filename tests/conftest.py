@@ -111,29 +111,40 @@ def edited_checkpoint():  # -> Callable[..., Path]
     return edited_copy
 
 
-# The longest test modules, longest first (seconds each took alone on two cores). `make pytest` hands whole
-# modules to its two pytest-xdist workers in collection order (`--no-loadscope-reorder`; xdist's own order,
-# most tests first, would leave these few-test, long modules to the end, one worker busy and one idle), so
-# these start first and the many short modules fill in behind them.
+# The longest test modules, longest first: each one's time in a whole `make pytest` run on two cores, and
+# `test_kernels_compile.py` by its time on a fresh machine (CI), where Triton's cache is cold (about 330 s;
+# 86 s warm). `make pytest` hands whole modules to its two pytest-xdist workers in collection order
+# (`--no-loadscope-reorder`; xdist's own order, most tests first, would leave these few-test, long modules
+# to the end, one worker busy and one idle), so these start first and the many short modules fill in behind
+# them: the workers' last modules are short, and they end close together.
 LONGEST_FIRST = (
+    "test_kernels_compile.py",
     "test_bench_scale.py",
-    "test_e2e_lifecycle.py",
-    "test_e2e.py",
-    "test_fp8_kv_engine.py",
-    "test_operator_kopf.py",
-    "test_prometheus.py",
-    "test_engine_greedy.py",
-    "test_demo.py",
-    "test_e2e_groups.py",
-    "test_rbac.py",
-    "test_e2e_podspec.py",
-    "test_fetch_model.py",
-    "test_e2e_router.py",
-    "test_devcluster.py",
+    "test_tensor_parallel.py",
     "test_node_loss.py",
-    "test_bench_quant.py",
-    "test_api_defects.py",
+    "test_e2e.py",
+    "test_devcluster.py",
+    "test_e2e_lifecycle.py",
+    "test_operator_kopf.py",
+    "test_quant_kernels.py",
+    "test_gguf.py",
+    "test_quant_gptq.py",
+    "test_e2e_groups.py",
+    "test_demo.py",
+    "test_prometheus.py",
+    "test_server_robustness.py",
+    "test_e2e_podspec.py",
+    "test_tensor_parallel_failures.py",
+    "test_e2e_router.py",
+    "test_gguf_arch.py",
+    "test_fetch_model.py",
+    "test_fp8_kv_engine.py",
+    "test_rbac.py",
     "test_kubelet.py",
+    "test_cli.py",
+    "test_preempted_engines.py",
+    "test_kernel_variants.py",
+    "test_router_breaks.py",
 )
 
 
