@@ -1,11 +1,18 @@
-"""`ember router`'s numeric options: a value it cannot run with is refused by name before it serves."""
+"""`ember router`'s command line: a value it cannot run with is refused by name before it serves; what a
+router process loads."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import plainhttp
 import pytest
+from waiting import free_port
 
 from ember_router import main as router_main
 
@@ -82,3 +89,27 @@ def test_the_stream_idle_timeout_is_300_s_unless_set_and_0_is_none(tiny_model: P
         (["--stream-idle-timeout=0"], None),
     ):
         assert router_main.build(parser.parse_args([*argv, *extra])).settings.stream_idle_timeout == seconds
+
+
+def test_a_router_process_serves_without_loading_torch(tiny_model: Path) -> None:
+    """A router tokenizes and relays; it loaded torch (1.8 CPU-seconds at every start, and 190 MB of its
+    255 MB resident) only to ask whether its model was a GGUF file, through the GGUF reader's package."""
+    port = free_port()
+    ember = os.path.join(os.path.dirname(sys.executable), "ember")
+    command = [ember, "router", "--model", str(tiny_model), "--endpoint", "http://127.0.0.1:9"]
+    proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr and proc.stderr.read()
+            try:
+                if plainhttp.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except Exception:
+                assert time.monotonic() < deadline, "the router did not answer /health in 60 s"
+                time.sleep(0.1)
+        libraries = {line.split()[-1] for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines()}
+        assert not [path for path in libraries if "libtorch" in path]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 def _tokenizer_dir(model: str, tokenizer: str | None) -> str:
     """Where the engines' tokenizer is: `tokenizer`, or for a GGUF file the directory the engine describes
-    it as (`gguf.directory.materialize`), else the checkpoint directory."""
-    from ember_engine.model.gguf import is_gguf
+    it as (`gguf.directory.materialize`), else the checkpoint directory. The GGUF reader (and torch, which
+    it imports) is loaded only for a GGUF file."""
+    from ember_engine.core.config import is_gguf
 
     if is_gguf(model):
         from ember_engine.model.gguf import directory as gguf_dir

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ember_engine.core.config import is_gguf
+
 WINDOW = 512  # tokens a perplexity window scores
 
 # What makes two checkpoints the same model for these rows, compared position by position.
@@ -44,7 +46,7 @@ def _config_of(label: str, path: str) -> dict[str, Any]:
     """The config of a --checkpoint: a directory's config.json, or the one a GGUF file's metadata makes."""
     from ember_engine.model import gguf
 
-    if gguf.is_gguf(path):
+    if is_gguf(path):
         try:
             return gguf.read_config(gguf.reader_of(Path(path)), Path(path))
         except (OSError, gguf.GGUFError) as e:  # not there, not a GGUF file, a model ember does not run
@@ -89,13 +91,12 @@ def checked_inputs(
 ) -> torch.Tensor:
     """The held-out text, once --json's directory, --ppl-windows and each --checkpoint's quantization are
     known good."""
-    from ember_engine.model import gguf
     from ember_engine.model.quant.checkpoint import resolve
 
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise SystemExit(f"--json: {Path(args.json).parent} is not a directory")
     for label, path in checkpoints:
-        if not gguf.is_gguf(str(path)):
+        if not is_gguf(str(path)):
             try:
                 resolve(path, None)
             except ValueError as e:  # a quantization ember does not run, named by the loader

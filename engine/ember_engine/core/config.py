@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -24,6 +25,12 @@ CHECKPOINT_METHODS = (
 # KV cache element types (README "FP8 KV cache"): auto is the model's dtype; fp8_e4m3 is fp8 (vLLM's
 # name for the same cache); fp8_e5m2 is E5M2, with the same per-layer scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def is_gguf(model: str | os.PathLike[str]) -> bool:
+    """Whether `model` names a GGUF file (llama.cpp's format; `model/gguf`) rather than a checkpoint
+    directory. Here, without the GGUF reader, so that what only asks (the router) does not load torch."""
+    return os.fspath(model).endswith(".gguf")
 
 
 @dataclass(slots=True)

@@ -77,10 +77,6 @@ class GGUFError(ValueError):
     pass
 
 
-def is_gguf(model: str | Path) -> bool:
-    return str(model).endswith(".gguf")
-
-
 def reader_of(path: Path) -> Any:
     """The file's reader: `.fields` (its metadata) and `.tensors`; a split file's parts as one."""
     import gguf

@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ember_engine.model.gguf import GGUFError, field, is_gguf, read_config, reader_of
+from ember_engine.core.config import is_gguf
+from ember_engine.model.gguf import GGUFError, field, read_config, reader_of
 from ember_engine.model.gguf import split as gguf_split
 from ember_engine.model.gguf import vocab as gguf_vocab
 
