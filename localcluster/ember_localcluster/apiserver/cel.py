@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import celpy
@@ -95,8 +97,36 @@ def _evaluate(expression: str, activation: dict[str, Any], shown: str) -> tuple[
     return result, None
 
 
+# Rules are pure functions of `self` and `oldSelf`: their causes for a node's rules, values and path are kept
+# for the next write that brings the same (a status update re-validates an unchanged spec). By the rules
+# list's identity (held in the entry, so the id is not reused), and the values as JSON.
+_RESULTS: OrderedDict[tuple[int, str, str, str, str], tuple[list[dict[str, Any]], list[Cause]]] = (
+    OrderedDict()
+)
+_RESULTS_KEPT = 4096
+_RESULTS_LOCK = threading.Lock()
+
+
 def check_rules(rules: list[dict[str, Any]], value: Any, old: Any, path: str, type_name: str) -> list[Cause]:
     """Causes for the rules of one schema node that `value` breaks."""
+    try:
+        key = (id(rules), path, type_name, json.dumps(value), json.dumps(old))
+    except (TypeError, ValueError):  # not JSON: evaluated every time
+        return _check_rules(rules, value, old, path, type_name)
+    with _RESULTS_LOCK:  # API servers in one process run on threads of their own
+        kept = _RESULTS.get(key)
+        if kept is not None and kept[0] is rules:
+            _RESULTS.move_to_end(key)
+            return list(kept[1])
+    causes = _check_rules(rules, value, old, path, type_name)
+    with _RESULTS_LOCK:
+        _RESULTS[key] = (rules, causes)
+        if len(_RESULTS) > _RESULTS_KEPT:
+            _RESULTS.popitem(last=False)
+    return list(causes)
+
+
+def _check_rules(rules: list[dict[str, Any]], value: Any, old: Any, path: str, type_name: str) -> list[Cause]:
     causes = []
     current = celpy.json_to_cel(value)
     old_self = celpy.json_to_cel(old) if old is not None else None
