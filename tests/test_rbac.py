@@ -380,7 +380,10 @@ def run_scenario(api: APIServer, proxy: RecordingProxy) -> None:
         )
 
     wait_for(repaired, what="backup's pod and Service repaired")
-    assert proxy.saw("PUT", f"/api/v1/namespaces/{NAMESPACE}/services/backup")
+    # The proxy records a request once the API server has answered it, after the change it made shows to
+    # this test's own reads: wait for the record, briefly.
+    put = f"/api/v1/namespaces/{NAMESPACE}/services/backup"
+    wait_for(lambda: proxy.saw("PUT", put), timeout=10, what=f"the operator's PUT {put} through the proxy")
 
     # The router: its Deployment follows spec.router, its RoleBinding and its ServiceAccount's labels are
     # put back when edited by hand, and turning it off deletes its Deployment, RoleBinding and
@@ -409,7 +412,8 @@ def run_scenario(api: APIServer, proxy: RecordingProxy) -> None:
         return account is not None and account["metadata"].get("labels", {}).get(ROLE_LABEL) == "router"
 
     wait_for(account_labelled, what="main's router ServiceAccount's labels put back")
-    assert proxy.saw("PUT", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/main-router")
+    put = f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/main-router"
+    wait_for(lambda: proxy.saw("PUT", put), timeout=10, what=f"the operator's PUT {put} through the proxy")
     _patch_spec(api, "main", {"router": {"enabled": False}})
     wait_for(
         lambda: (
