@@ -7,12 +7,12 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import httpx
 import plainhttp
 import pytest
-from waiting import free_port
+from waiting import free_port, wait_for
 
 from ember_router import main as router_main
 
@@ -98,16 +98,17 @@ def test_a_router_process_serves_without_loading_torch(tiny_model: Path) -> None
     ember = os.path.join(os.path.dirname(sys.executable), "ember")
     command = [ember, "router", "--model", str(tiny_model), "--endpoint", "http://127.0.0.1:9"]
     proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], stderr=subprocess.PIPE)
+
+    def answers() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the router exited: {proc.stderr and proc.stderr.read()}")
+        try:
+            return plainhttp.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr and proc.stderr.read()
-            try:
-                if plainhttp.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except Exception:
-                assert time.monotonic() < deadline, "the router did not answer /health in 60 s"
-                time.sleep(0.1)
+        wait_for(answers, timeout=60, what="the router answering /health")
         libraries = {line.split()[-1] for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines()}
         assert not [path for path in libraries if "libtorch" in path]
     finally:
