@@ -124,7 +124,7 @@ COMMON: dict[str, Callable[[Probe], None]] = {
     "cache_salt": lambda p: _cache_salt(p),
     "logit_bias": lambda p: (p.changes({}, logit_bias={"65": 100}), p.refused("logit_bias", {"x": 1})),
     "return_tokens_as_token_ids": lambda p: _token_ids_as_text(p),
-    "prompt_logprobs": lambda p: p.refused("prompt_logprobs", 1),
+    "prompt_logprobs": lambda p: (p.changes({}, prompt_logprobs=1), p.refused("prompt_logprobs", 21)),
     "logprobs": lambda p: p.changes({}, logprobs=1 if "prompt" in p.base else True),
     "response_format": lambda p: (
         p.changes({}, response_format={"type": "json_object"}),

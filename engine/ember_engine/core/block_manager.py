@@ -78,10 +78,12 @@ class BlockManager:
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of cached blocks matching the request's prefix, leaving at least the last
-        token to compute (its logits are needed)."""
+        token to compute (its logits are needed); none for a request collecting prompt logprobs."""
         if not self.enable_prefix_caching:
             return []
         self.update_block_hashes(request)
+        if request.collecting_prompt_logprobs:  # every prompt position's logits are wanted
+            return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
         for i, h in enumerate(request.block_hashes[:max_blocks]):

@@ -158,6 +158,7 @@ class LLMEngine:
                 seed=None if params.seed is None else child_seed(params.seed, i),
                 index=i,
                 grammar=None if params.grammar is None else params.grammar.state(),
+                prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
             )
             for i in range(params.n)
         ]

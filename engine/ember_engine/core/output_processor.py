@@ -229,5 +229,13 @@ class OutputProcessor:
         )
         error = next((s.request.error for s in samples if s.request.error is not None), None)
         return RequestOutput(
-            group.request_id, group.prompt, group.prompt_token_ids, outs, finished, cached, error, metrics
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            outs,
+            finished,
+            cached,
+            error,
+            metrics,
+            first.prompt_logprobs,  # complete by the first token (a prompt's first sample collects them)
         )

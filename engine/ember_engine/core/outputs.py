@@ -10,6 +10,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: int | None = None  # prompt tokens': 1 + how many tokens the model found likelier
 
 
 @dataclass(slots=True)
@@ -51,6 +52,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when the request was refused, or ended unfinished (its grammar broke)
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: None for the first token, then each prompt token's (vLLM's shape)
+    prompt_logprobs: list[Logprob | None] | None = None
 
     # The common n == 1 case reads like the sample itself.
     @property

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ember_engine.core.outputs import Logprob
 from ember_engine.sample.grammar import GrammarState
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.sample.seeds import position_seed
@@ -34,6 +35,8 @@ class Request:
     seed: int | None = None  # with a generator: this sample's seed, which keys each token's noise
     index: int = 0  # n > 1: the samples of one prompt are told apart by index
     grammar: GrammarState | None = None  # structured output: advanced by every token kept
+    # prompt logprobs, collected by a prompt's first sample: None for token 0, then one per token computed
+    prompt_logprobs: list[Logprob | None] | None = None
 
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(init=False)  # the generated tail of all_token_ids, kept beside it
@@ -82,6 +85,11 @@ class Request:
         """The one way a generated token joins the request (both lists grow together)."""
         self.all_token_ids.append(token)
         self.output_token_ids.append(token)
+
+    @property
+    def collecting_prompt_logprobs(self) -> bool:
+        """Whether some prompt tokens still lack their logprobs: the prefix cache is then not read."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:

@@ -138,7 +138,8 @@ class Scheduler:
         n = min(remaining, budget)
         if not bm.allocate(request, n, hits):
             return False
-        bm.record_lookup(request.num_tokens, num_hit, preempted=request.num_preemptions > 0)
+        if not request.collecting_prompt_logprobs:  # it looked nothing up
+            bm.record_lookup(request.num_tokens, num_hit, preempted=request.num_preemptions > 0)
         self.waiting.pop(0)
         request.num_computed_tokens = num_hit
         if request.num_preemptions == 0:

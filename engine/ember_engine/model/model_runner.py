@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from ember_engine.core import prompt_logprobs
 from ember_engine.core.config import EngineConfig
 from ember_engine.core.request import Request
 from ember_engine.core.scheduler import SchedulerOutput
@@ -228,19 +229,27 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> StepResult:
         """Run the batch's forward. Requests whose chunk reaches their last known token are sampled: they
-        get logits for that token and for each of their speculative tokens (which follow it)."""
-        chunks, sampled = [], []
+        get logits for that token and for each of their speculative tokens (which follow it). A prefill
+        chunk of a request collecting prompt logprobs gets them at every position, recorded here."""
+        chunks, sampled, parts, first_rows, row = [], [], [], [], 0
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             start, known = req.num_computed_tokens, req.num_tokens
             tokens = req.all_token_ids[start : min(start + n, known)]
             if start + n > known:
                 tokens = tokens + req.spec_token_ids[: start + n - known]
-            num_logits = 0
-            if start + n == known + len(req.spec_token_ids):
-                num_logits = 1 + len(req.spec_token_ids)
+            sample_now = start + n == known + len(req.spec_token_ids)
+            num_logits = 1 + len(req.spec_token_ids) if sample_now else 0
+            if (part := prompt_logprobs.prompt_rows(req, start, n, row)) is not None:
+                parts.append(part)
+                num_logits = n  # every position: the sampled rows, if any, are still the last ones
+            if sample_now:
                 sampled.append(req)
+                first_rows.append(row + num_logits - 1 - len(req.spec_token_ids))
+            row += num_logits
             chunks.append(Chunk(req.block_ids, start, tokens, num_logits))
         logits = self.forward(chunks)
+        if parts and logits is not None:  # the prompts' rows recorded, the sampled ones kept
+            logits = prompt_logprobs.record(logits, parts, sampled, first_rows)
         return StepResult(sampled, logits)
 
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the chosen token's; k: also the top k
+    prompt_logprobs: int | None = None  # None: off; 0: each prompt token's own; k: also the top k
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     # Structured output: what the text must match; `grammar` is its compiled form (the engine compiles
@@ -85,6 +86,10 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            type(self.prompt_logprobs) is not int or not 0 <= self.prompt_logprobs <= 20
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         for token, value in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 bad("logit_bias", f"keys must be token ids >= 0, got {token!r}")

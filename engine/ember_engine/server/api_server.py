@@ -148,6 +148,8 @@ async def _serve(
         fmt.token_ids_as_text = body.return_tokens_as_token_ids
         if isinstance(body, CompletionRequest) and body.echo:
             fmt.echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in body.prompts()]
+            fmt.echo_logprobs = body.echo_logprobs
+        fmt.prompt_logprobs = body.prompt_logprobs
         fmt.tool_calls = tools.parallel if tools is not None and tools.parse else None
         fmt.constraint = constraint[0] if constraint is not None else None
     except BaseException:

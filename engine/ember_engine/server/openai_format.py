@@ -52,6 +52,10 @@ class Formatter:
     token_ids_as_text: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
     tool_calls: bool | None = None  # chat with tools: None off, else whether parallel calls are kept
     constraint: str | None = None  # the request field whose constraint the output follows
+    prompt_logprobs: int | None = None  # the request's `prompt_logprobs`: returned, with this top k
+    echo_logprobs: int | None = None  # completions' echo with logprobs: the prompt's come first, top k
+    # per prompt (choice index // n): its token ids and the engine's prompt logprobs, once an output came
+    prompts: dict[int, tuple[list[int], list[Logprob | None]]] = field(default_factory=dict)
     _tool_streams: dict[int, ToolStream] = field(default_factory=dict)
     _text_offsets: dict[int, int] = field(
         default_factory=dict
@@ -80,7 +84,10 @@ class Formatter:
     def _echoed(self, index: int, text: str) -> str:
         return text if self.echo is None else self.echo[index // self.n] + text
 
-    def logprobs(self, items: list[Logprob] | None, text_offset: int = 0) -> dict[str, Any] | None:
+    def logprobs(
+        self, items: list[Logprob] | None, text_offset: int = 0, lead: int | None = None
+    ) -> dict[str, Any] | None:
+        """OpenAI's logprobs object of `items`; for completions, after `lead`, a token without one."""
         if items is None:
             return None
         if self.chat:
@@ -101,17 +108,48 @@ class Formatter:
                 )
             return {"content": content}
         tokens, offsets, offset = [], [], text_offset
-        for lp in items:
-            tok = self._token(lp.token_id)
+        ids = [lp.token_id for lp in items] if lead is None else [lead, *(lp.token_id for lp in items)]
+        for token_id in ids:
+            tok = self._token(token_id)
             tokens.append(tok)
             offsets.append(offset)
             offset += len(tok)
+        none: list[None] = [] if lead is None else [None]  # the prompt's first token has no logprob
         return {
             "tokens": tokens,
-            "token_logprobs": [_number(lp.logprob) for lp in items],
-            "top_logprobs": [self._top_with_sampled(lp) for lp in items],
+            "token_logprobs": [*none, *(_number(lp.logprob) for lp in items)],
+            "top_logprobs": [*none, *(self._top_with_sampled(lp) for lp in items)],
             "text_offset": offsets,
         }
+
+    def _echoed_logprobs(self, index: int, items: list[Logprob] | None, text_offset: int = 0) -> dict | None:
+        """A completion choice's logprobs, after its prompt's when echo asked for them."""
+        if self.echo_logprobs is None or index // self.n not in self.prompts:
+            return self.logprobs(items, text_offset)
+        token_ids, entries = self.prompts[index // self.n]
+        k = self.echo_logprobs
+        prompt = [Logprob(e.token_id, e.logprob, e.top[:k], e.rank) for e in entries[1:] if e is not None]
+        return self.logprobs([*prompt, *(items or [])], text_offset, lead=token_ids[0])
+
+    def prompt_logprobs_field(self, prompt: int) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs` of a prompt: null for its first token, then for each token a map from
+        token id to logprob, rank and text, holding the token's own and the top k."""
+        if self.prompt_logprobs is None or prompt not in self.prompts:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for e in self.prompts[prompt][1][1:]:
+            assert e is not None
+            entry = {
+                str(t): {"logprob": _number(v), "rank": r + 1, "decoded_token": self._token(t)}
+                for r, (t, v) in enumerate(e.top[: self.prompt_logprobs])
+            }
+            entry[str(e.token_id)] = {
+                "logprob": _number(e.logprob),
+                "rank": e.rank,
+                "decoded_token": self._token(e.token_id),
+            }
+            out.append(entry)
+        return out
 
     def _top_with_sampled(self, lp: Logprob) -> dict[str, Any]:
         """A completion token's top logprobs, best first, always with the sampled token's (so up to
@@ -143,9 +181,16 @@ class Formatter:
                 "logprobs": self.logprobs(new_logprobs),
                 "finish_reason": finish,
             }
-            return self._envelope("chat.completion.chunk", [choice])
+            body = self._envelope("chat.completion.chunk", [choice])
+            if first and self.prompt_logprobs is not None:  # on a choice's first chunk, as in the answer
+                body["prompt_logprobs"] = self.prompt_logprobs_field(index // self.n)
+            return body
         offset = self._text_offsets.get(index, 0)
-        logprobs = self.logprobs(new_logprobs, offset)
+        logprobs = (
+            self._echoed_logprobs(index, new_logprobs, offset)
+            if first
+            else self.logprobs(new_logprobs, offset)
+        )
         if logprobs is not None:
             self._text_offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
         choice = {
@@ -156,6 +201,8 @@ class Formatter:
         }
         if out.stop_reason is not None:
             choice["stop_reason"] = out.stop_reason
+        if first and self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs_field(index // self.n)
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -190,13 +237,17 @@ class Formatter:
                 choice = {
                     "index": index,
                     "text": self._echoed(index, out.text),
-                    "logprobs": self.logprobs(out.logprobs),
+                    "logprobs": self._echoed_logprobs(index, out.logprobs),
                     "finish_reason": finish,
                 }
                 if out.stop_reason is not None:
                     choice["stop_reason"] = out.stop_reason
+                if self.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_logprobs_field(index // self.n)
                 choices.append(choice)
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        if self.chat and self.prompt_logprobs is not None:  # one prompt: on the answer, as vLLM puts it
+            body["prompt_logprobs"] = self.prompt_logprobs_field(0)
         body["usage"] = usage.to_dict()
         return body
 

@@ -110,7 +110,7 @@ class _SamplingFields(BaseModel):
     guided_decoding_backend: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
     return_tokens_as_token_ids: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: each prompt token's logprob
 
     @model_validator(mode="before")
     @classmethod
@@ -139,10 +139,12 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop must be a non-empty string or a list of up to 16 non-empty strings")
         return v
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The engine's parameters; `prompt_logprobs` the top k the prompt's tokens need (the field's, or
+        more for another use of them)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if self.prompt_logprobs is not None:
-            raise APIError(400, "prompt_logprobs: not supported by this server", param="prompt_logprobs")
         try:
             return SamplingParams(
                 n=self.n,
@@ -161,6 +163,7 @@ class _SamplingFields(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=_logit_bias(self.logit_bias),
             )
@@ -216,10 +219,19 @@ class CompletionRequest(_SamplingFields):
                 f"best_of: only best_of == n ({self.n}) is supported, got {self.best_of}",
                 param="best_of",
             )
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo: not supported together with logprobs (prompt logprobs)", param="echo")
+        # With echo, logprobs covers the prompt's tokens too (the first has none), as OpenAI's legacy
+        # completions and vLLM give them.
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo_logprobs is not None:
+            prompt_logprobs = max(self.echo_logprobs, prompt_logprobs or 0)
         # OpenAI's and vLLM's default for completions (chat runs to the context limit instead).
-        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """The top k each echoed prompt token's logprobs carry; None when they are not given."""
+        return self.logprobs if self.echo else None
 
 
 class TextPart(BaseModel):

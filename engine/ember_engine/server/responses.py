@@ -130,6 +130,8 @@ async def _complete(
     usage = Usage()
     outputs = []
     for i, out in finals.items():
+        if out.prompt_logprobs is not None:
+            fmt.prompts[i] = (out.prompt_token_ids, out.prompt_logprobs)
         usage.prompt_tokens += len(out.prompt_token_ids)
         usage.cached_tokens += out.num_cached_tokens
         for o in out.outputs:
@@ -198,6 +200,8 @@ async def _stream(
                 yield sse(_unfinished(out, fmt.constraint).body())
                 yield sse("[DONE]")
                 return
+            if out.prompt_logprobs is not None and i not in fmt.prompts:  # complete by the first token
+                fmt.prompts[i] = (out.prompt_token_ids, out.prompt_logprobs)
             for o in out.outputs:
                 index = i * n + o.index
                 # A finished choice stays in every later update of its prompt: its end was sent once.
