@@ -66,6 +66,11 @@ def build(src: Path, dst: Path, preset: str, text: str = "random") -> None:
     from gptqmodel import GPTQModel, QuantizeConfig
     from gptqmodel.quantization.config import FORMAT, METHOD
 
+    # GPTQModel's kernels compile their dequantization with torch.compile at first use, which took 5 to
+    # 20 s of a run on a CPU for the same operations eagerly run (measured: the same logits, weights
+    # and checkpoint bytes): eager here.
+    torch._dynamo.config.disable = True
+
     method, bits, act_order, sym = PRESETS[preset]
     options: dict = {"quant_method": METHOD.AWQ, "format": FORMAT.GEMM} if method == "awq" else {}
     if preset.endswith("_DYNAMIC"):

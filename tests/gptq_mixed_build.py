@@ -29,6 +29,11 @@ def build(src: Path, dst: Path, preset: str) -> None:
     from gptq_build import _calibration
     from gptqmodel import GPTQModel, QuantizeConfig
 
+    # GPTQModel's kernels compile their dequantization with torch.compile at first use, which took 5 to
+    # 20 s of a run on a CPU for the same operations eagerly run (measured: the same logits, weights
+    # and checkpoint bytes): eager here.
+    torch._dynamo.config.disable = True
+
     config = QuantizeConfig(bits=4, group_size=64, sym=True, lm_head=True, dynamic=PRESETS[preset])
     model = GPTQModel.load(str(src), config, device="cpu")
     calibration = [

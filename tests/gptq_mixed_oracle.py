@@ -32,6 +32,11 @@ def main(ckpt: str, out: str, prompts_file: str) -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # GPTQModel's kernels compile their dequantization with torch.compile at first use, which took 5 to
+    # 20 s of a run on a CPU for the same operations eagerly run (measured: the same logits, weights
+    # and checkpoint bytes): eager here.
+    torch._dynamo.config.disable = True
+
     ckpt, out, prompts_file = (str(Path(p).resolve()) for p in (ckpt, out, prompts_file))
     os.chdir(tempfile.mkdtemp())  # GPTQModel writes a log folder where it runs
     # GPTQModel's CPU kernels take float16 or bfloat16 only.

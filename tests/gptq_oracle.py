@@ -48,6 +48,11 @@ def main(ckpt: str, out: str, prompts_file: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    # GPTQModel's kernels compile their dequantization with torch.compile at first use, which took 5 to
+    # 20 s of a run on a CPU for the same operations eagerly run (measured: the same logits, weights
+    # and checkpoint bytes): eager here.
+    torch._dynamo.config.disable = True
+
     model = AutoModelForCausalLM.from_pretrained(ckpt, device_map="cpu", dtype=torch.float32)
     _leave_out(model, Path(ckpt))
     prompts = json.loads(Path(prompts_file).read_text())
