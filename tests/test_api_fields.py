@@ -125,6 +125,10 @@ COMMON: dict[str, Callable[[Probe], None]] = {
     "logit_bias": lambda p: (p.changes({}, logit_bias={"65": 100}), p.refused("logit_bias", {"x": 1})),
     "return_tokens_as_token_ids": lambda p: _token_ids_as_text(p),
     "prompt_logprobs": lambda p: (p.changes({}, prompt_logprobs=1), p.refused("prompt_logprobs", 21)),
+    "truncate_prompt_tokens": lambda p: (
+        p.changes({}, truncate_prompt_tokens=1),
+        p.refused("truncate_prompt_tokens", 0),
+    ),
     "logprobs": lambda p: p.changes({}, logprobs=1 if "prompt" in p.base else True),
     "response_format": lambda p: (
         p.changes({}, response_format={"type": "json_object"}),

@@ -138,8 +138,10 @@ class LLMEngine:
         params.validate()
         if request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.truncate_prompt_tokens is not None:  # its last tokens, whose text is not the prompt's
+            prompt = token_ids = params.truncated(token_ids, self.max_model_len)
+        text = prompt if isinstance(prompt, str) else None
         max_tokens = self.check_prompt(token_ids, params)
         if params.constraint is not None and params.grammar is None:
             params.grammar = self.grammar_compiler.compile(params.constraint)
@@ -188,10 +190,8 @@ class LLMEngine:
         if params.max_tokens is None:
             return limit - n
         if n + params.max_tokens > limit:
-            raise ValueError(
-                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {limit}"
-            )
+            why = f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len {limit}"
+            raise ValueError(f"max_tokens: {why}")
         return params.max_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the chosen token's; k: also the top k
     prompt_logprobs: int | None = None  # None: off; 0: each prompt token's own; k: also the top k
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the model length)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     # Structured output: what the text must match; `grammar` is its compiled form (the engine compiles
@@ -51,6 +52,17 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a repetition, frequency or presence penalty applies (they read the tokens so far)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as served: its last `truncate_prompt_tokens` tokens (-1: as many as the model length),
+        as vLLM keeps them; ValueError naming the field when more than the model length are asked for."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        if k > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: {k} exceeds max_model_len {max_model_len}")
+        k = max_model_len if k == -1 else k
+        return token_ids[-k:] if len(token_ids) > k else token_ids
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -90,6 +102,9 @@ class SamplingParams:
             type(self.prompt_logprobs) is not int or not 0 <= self.prompt_logprobs <= 20
         ):
             bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (type(k) is not int or not (k >= 1 or k == -1)):
+            bad("truncate_prompt_tokens", f"must be an integer >= 1, or -1 (the model length), got {k!r}")
         for token, value in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 bad("logit_bias", f"keys must be token ids >= 0, got {token!r}")

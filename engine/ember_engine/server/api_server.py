@@ -131,6 +131,11 @@ async def _serve(
     try:
         # Templating and tokenizing a long prompt take a while: the event loop serves others meanwhile.
         prompts = await asyncio.to_thread(_prompt_token_ids, engine, body, tools)
+        if params.truncate_prompt_tokens is not None:  # each prompt's last tokens
+            try:
+                prompts = [params.truncated(ids, engine.engine.max_model_len) for ids in prompts]
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="truncate_prompt_tokens") from exc
         arrival = arrival_of(request.scope)
         for ids in prompts:  # a bad prompt is a 400 before anything is queued
             try:
@@ -147,7 +152,8 @@ async def _serve(
         fmt = Formatter(state.model_name, engine.tokenizer, chat, n=params.n)
         fmt.token_ids_as_text = body.return_tokens_as_token_ids
         if isinstance(body, CompletionRequest) and body.echo:
-            fmt.echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in body.prompts()]
+            given = body.prompts() if params.truncate_prompt_tokens is None else prompts  # as served
+            fmt.echo = [p if isinstance(p, str) else engine.tokenizer.decode(p) for p in given]
             fmt.echo_logprobs = body.echo_logprobs
         fmt.prompt_logprobs = body.prompt_logprobs
         fmt.tool_calls = tools.parallel if tools is not None and tools.parse else None

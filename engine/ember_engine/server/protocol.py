@@ -111,6 +111,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: each prompt token's logprob
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the model's)
 
     @model_validator(mode="before")
     @classmethod
@@ -164,6 +165,7 @@ class _SamplingFields(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=_logit_bias(self.logit_bias),
             )
