@@ -155,6 +155,12 @@ def test_a_service_at_zero_holds_the_first_request_then_serves_it(cp: ControlPla
         lambda: f"the router Ready with no engine: {cp.status('sleepy')}",
     )
     assert cp.pods("sleepy") == [] and cp.status("sleepy")["desiredReplicas"] == 0
+    # A client listing the models first (a chat UI does) finds the service's model at zero engines: the
+    # router answered 503 there, so such a client never sent the request that scales it up.
+    listed = httpx.get(f"{cp.url('sleepy')}/v1/models", timeout=30)
+    assert listed.status_code == 200, listed.text
+    assert [m["id"] for m in listed.json()["data"]] == [MODEL], listed.text
+    assert cp.status("sleepy")["desiredReplicas"] == 0  # listing is no request to serve
     started = time.monotonic()
     with httpx.Client(timeout=180) as client:
         r = client.post(f"{cp.url('sleepy')}/v1/completions", json=body(2))

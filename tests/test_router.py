@@ -635,3 +635,41 @@ def test_routes_rewritten_in_the_routes_file_take_effect_while_the_router_runs(
     route = '--route={"name": "a", "target": "t", "url": "http://x"}'
     with pytest.raises(SystemExit, match="give --routes or --route, not both"):
         router_main.build(parser.parse_args([*argv, "--routes", str(routes), route]))
+
+
+def test_models_list_the_served_name_at_zero_engines_and_the_names_routed_elsewhere(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    """With no engine Ready (a service at zero replicas, whose router holds requests) `/v1/models` was a
+    503, so a client that lists the models before it asks (a chat UI) never asked; with `--served-model-name`
+    the router lists that name. Model names a routing rule sends elsewhere were never listed: they are
+    now, after the engines' own (as their engine gives them)."""
+    gone = f"http://127.0.0.1:{free_port()}"  # nobody listens: the pool has no Ready engine
+    with serving(
+        Router(EnginePool([gone]), Tokenizer(str(tiny_model)), RouterSettings(hold_seconds=5))
+    ) as url:
+        r = plainhttp.get(f"{url}/v1/models", timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text  # no name to give
+    settings = RouterSettings(hold_seconds=5, served_model_name="tiny")
+    with serving(Router(EnginePool([gone]), Tokenizer(str(tiny_model)), settings)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        assert client.models.retrieve("tiny").id == "tiny"
+        missing = plainhttp.get(f"{url}/v1/models/other", timeout=30)
+        assert missing.status_code == 404, missing.text
+        assert (missing.json()["error"]["code"], missing.json()["error"]["param"]) == (
+            "model_not_found",
+            "model",
+        )
+    model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]
+    rules = (
+        (Rule("big", "chat-big", models=("big", model["id"])), "http://chat-big.default.svc"),
+        (Rule("huge", "chat-huge", models=("huge", "big")), "http://chat-huge.default.svc"),
+    )
+    settings = RouterSettings(routes=rules, served_model_name=model["id"])
+    with running_router(tiny_model, [e.url for e in engines], settings=settings) as (url, _router):
+        listed = plainhttp.get(f"{url}/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in listed] == [model["id"], "big", "huge"]
+        assert listed[0]["max_model_len"] == model["max_model_len"]  # the engine's own entry
+        assert all(m["object"] == "model" and m["owned_by"] == "ember" for m in listed)
+        assert plainhttp.get(f"{url}/v1/models/huge", timeout=30).json()["id"] == "huge"

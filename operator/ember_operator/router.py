@@ -114,6 +114,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
     stream_idle = [f"--stream-idle-timeout={idle}"] if idle is not None else []
     return [
         f"--model={modelsource.model_path(spec)}",
+        f"--served-model-name={spec.model.name}",  # /v1/models answers with it at zero engines
         f"--kube-selector={selector_string(active_selector(owner.name))}",
         "--kube-namespace=$(POD_NAMESPACE)",
         "--host=0.0.0.0",

@@ -109,6 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "router runs (the operator's ConfigMap); instead of --route",
     )
     p.add_argument(
+        "--served-model-name",
+        help="the model name the engines serve: /v1/models lists it while no engine is Ready (a service at "
+        "zero replicas, say), where it answers 503 without it",
+    )
+    p.add_argument(
         "--hold-seconds",
         type=float,
         default=0.0,
@@ -215,6 +220,7 @@ def build(args: argparse.Namespace) -> Router:
             hold_seconds=args.hold_seconds,
             upstream_timeout=args.upstream_timeout,
             stream_idle_timeout=args.stream_idle_timeout or None,
+            served_model_name=args.served_model_name,
         ),
         discovery=discovery,
         policy=policy,

@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.server.policy import PolicyWatcher
+from ember_router import models_list
 from ember_router.body import BadBody, read_body
 from ember_router.discovery import PodDiscovery
 from ember_router.fallback import FallbackTarget, ModelNames, from_policy
@@ -63,6 +64,7 @@ POLICY_POLL = 1.0  # seconds between looks at the policy file, as in the engines
 # Bodies up to this many bytes are tokenized on the event loop (tens of microseconds, less than handing the
 # work to a thread); larger ones on a worker thread, where a long prompt holds up no request in flight.
 INLINE_TOKENIZE = 256
+_MODELS_TIMEOUT = aiohttp.ClientTimeout(total=5)  # an engine's /v1/models, to add the routed names to
 
 
 @dataclass
@@ -93,6 +95,8 @@ class RouterSettings:
     # Seconds a stream (an event-stream answer) may pass with nothing from its upstream before the router
     # ends it with an error event; None: no limit (a frozen engine holds the client for ever).
     stream_idle_timeout: float | None = 300.0
+    # The model name the engines serve: `/v1/models` lists it while no engine is Ready (none: a 503 then).
+    served_model_name: str | None = None
 
 
 @dataclass
@@ -108,6 +112,7 @@ class Router:
     fallback_models: ModelNames = field(default_factory=ModelNames)
     _turns: itertools.count[int] = field(default_factory=itertools.count)
     session: aiohttp.ClientSession | None = None
+    started: int = field(default_factory=lambda: int(time.time()))  # `created` of the models it names
 
     # -- the app ----------------------------------------------------------------------------------------
 
@@ -174,12 +179,48 @@ class Router:
         )
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        for state in self.pool.states():  # the first Ready engine that answers
-            if state.ready:
-                response = await self._forward(request, state.name, b"", "GET", "only", 0, retry=True)
-                if response is not None:
-                    return response
-        return _error(503, "no engine is ready", "overloaded", "not_ready", self._retry_after())
+        """`/v1/models` and `/v1/models/{id}` (`models_list`): the engines' answer as they give it while
+        no routing rule names other models; else their list with the routed names added."""
+        routed = models_list.routed_names(rule for rule, _ in self._routes())
+        if not routed:
+            for state in self.pool.states():  # the first Ready engine that answers
+                if state.ready:
+                    response = await self._forward(request, state.name, b"", "GET", "only", 0, retry=True)
+                    if response is not None:
+                        return response
+            own = None
+        else:
+            own = await self._engine_models()
+        if own is None and self.settings.served_model_name is not None:  # none Ready: at zero, say
+            own = [models_list.entry(self.settings.served_model_name, self.started)]
+        if own is None:
+            return _error(503, "no engine is ready", "overloaded", "not_ready", self._retry_after())
+        listed = models_list.listing(own, routed, self.started)
+        wanted = request.match_info.get("model")
+        if wanted is None:
+            return web.json_response(listed)
+        found = next((m for m in listed["data"] if m.get("id") == wanted), None)
+        if found is None:
+            error = {"message": f"model: {wanted!r} is not served here", "type": "invalid_request_error"}
+            error.update(param="model", code="model_not_found")  # as an engine answers it
+            return web.json_response({"error": error}, status=404)
+        return web.json_response(found)
+
+    async def _engine_models(self) -> list[dict[str, Any]] | None:
+        """The first Ready engine's `/v1/models` entries that it answers with; None when none answers."""
+        assert self.session is not None
+        for state in self.pool.states():
+            if not state.ready:
+                continue
+            try:
+                async with self.session.get(f"{state.name}/v1/models", timeout=_MODELS_TIMEOUT) as r:
+                    if r.status == 200:
+                        data = (await r.json()).get("data")
+                        if isinstance(data, list):
+                            return [m for m in data if isinstance(m, dict)]
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                log.debug("engine %s: /v1/models: %s", state.name, exc)
+        return None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._route(request, chat=False)
