@@ -249,6 +249,27 @@ def test_decode_tiles_on_9_0_take_the_longest_k_step_their_groups_allow() -> Non
     assert tile(cfg.INT8, 4096, cc=(8, 9)) == tile(cfg.CODEBOOK, 128) == (64, 128)
 
 
+_OWN_TILES: dict[tuple[str, int, int], tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = {}
+
+
+def _own_tiles_product(
+    scheme: str, group_size: int, m: int
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A layer of `scheme` (seeded by `m`), its input and the product in the interpreter's own tiles: the
+    same for every capability compared with it, so made once (each is seconds of interpreted programs)."""
+    key = (scheme, group_size, m)
+    if key not in _OWN_TILES:
+        g = torch.Generator().manual_seed(m + 7)
+        k, n = 128, 160
+        linear = torch.nn.Linear(k, n, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+        layer = quantize_linear(linear, scheme, group_size=group_size).to(DEVICE)
+        x = torch.randn(m, k, generator=g).to(DEVICE)
+        _OWN_TILES[key] = (layer, x, layer(x))
+    return _OWN_TILES[key]
+
+
 @pytest.mark.parametrize("m", [100, 300])
 @pytest.mark.parametrize(("layout", "cc"), CAPABILITY_LAYOUTS)
 def test_each_capability_s_tiles_give_the_product(
@@ -262,15 +283,8 @@ def test_each_capability_s_tiles_give_the_product(
     from ember_engine.model.quant import triton_gemm
 
     scheme, group_size = layout
-    g = torch.Generator().manual_seed(m + 7)
-    k, n = 128, 160
-    linear = torch.nn.Linear(k, n, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
-    layer = quantize_linear(linear, scheme, group_size=group_size).to(DEVICE)
-    x = torch.randn(m, k, generator=g).to(DEVICE)
     monkeypatch.setenv("EMBER_QUANT_GEMM", "triton")
-    default = layer(x)
+    layer, x, default = _own_tiles_product(scheme, group_size, m)
     monkeypatch.setattr(triton_gemm, "capability", lambda device: cc)
     got = layer(x)
     # On a GPU the fp8 kinds' own tiles multiply E4M3 on its tensor cores, which add a K step's products
