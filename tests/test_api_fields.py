@@ -125,6 +125,11 @@ COMMON: dict[str, Callable[[Probe], None]] = {
     "logit_bias": lambda p: (p.changes({}, logit_bias={"65": 100}), p.refused("logit_bias", {"x": 1})),
     "return_tokens_as_token_ids": lambda p: _token_ids_as_text(p),
     "prompt_logprobs": lambda p: (p.changes({}, prompt_logprobs=1), p.refused("prompt_logprobs", 21)),
+    "allowed_token_ids": lambda p: (
+        p.changes({}, allowed_token_ids=[65, 66]),
+        p.refused("allowed_token_ids", []),
+        p.refused("allowed_token_ids", [10**8]),
+    ),
     "truncate_prompt_tokens": lambda p: (
         p.changes({}, truncate_prompt_tokens=1),
         p.refused("truncate_prompt_tokens", 0),

@@ -181,9 +181,7 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary (size {vocab})")
-        bad = next((t for t in params.logit_bias or {} if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary (size {vocab})")
+        params.check_vocabulary(vocab)
         n, limit = len(token_ids), self.max_model_len
         if n >= limit:
             raise ValueError(f"prompt: {n} tokens leave no room to generate within max_model_len {limit}")

@@ -107,7 +107,10 @@ class Request:
         p = self.params
         if self.num_output_tokens >= p.min_tokens:
             return []
-        return [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        ids = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= set(ids):
+            return []  # they are all allowed_token_ids allows: the set wins, as a grammar does
+        return ids
 
     def noise_seed(self, ahead: int) -> int | None:
         """The noise seed of the output token `ahead` places after those known (proposals count)."""

@@ -270,6 +270,10 @@ class Sampler:
         if view.bias_index is not None and view.bias_values is not None:
             # logit_bias, sparse: one flat scatter-add of every biased row's (token, bias) pairs.
             x = x.clone().view(-1).index_add_(0, view.bias_index, view.bias_values).view_as(x)
+        if view.allowed is not None:  # allowed_token_ids: the rest of those rows ruled out
+            kept = x.reshape(-1).index_select(0, view.allowed[1])
+            x = x.index_fill(0, view.allowed[0], float("-inf"))
+            x.view(-1).index_copy_(0, view.allowed[1], kept)
         if suppress:
             flat_ids = [i * vocab + t for i, ts in suppress.items() for t in ts]
             flat = x.clone().view(-1)

@@ -32,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; 0: the chosen token's; k: also the top k
     prompt_logprobs: int | None = None  # None: off; 0: each prompt token's own; k: also the top k
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the model length)
+    allowed_token_ids: list[int] | None = None  # sample only among these (vLLM's field)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     # Structured output: what the text must match; `grammar` is its compiled form (the engine compiles
@@ -63,6 +64,15 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens: {k} exceeds max_model_len {max_model_len}")
         k = max_model_len if k == -1 else k
         return token_ids[-k:] if len(token_ids) > k else token_ids
+
+    def check_vocabulary(self, vocab: int) -> None:
+        """ValueError naming the field when a token id it gives is outside the model's vocabulary."""
+        for name, ids in (
+            ("logit_bias", self.logit_bias or {}),
+            ("allowed_token_ids", self.allowed_token_ids),
+        ):
+            if (bad := next((t for t in ids or () if t >= vocab), None)) is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary (size {vocab})")
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -105,6 +115,13 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (type(k) is not int or not (k >= 1 or k == -1)):
             bad("truncate_prompt_tokens", f"must be an integer >= 1, or -1 (the model length), got {k!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list)
+            or not allowed
+            or not all(type(t) is int and t >= 0 for t in allowed)
+        ):
+            bad("allowed_token_ids", f"must be a non-empty list of token ids >= 0, got {allowed!r}")
         for token, value in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 bad("logit_bias", f"keys must be token ids >= 0, got {token!r}")

@@ -67,6 +67,8 @@ class BatchView:
     pivot: Cuts  # the pivot rows' cuts and temperatures
     bias_index: torch.Tensor | None  # logit_bias: flat (row * vocab + token) positions, on the device
     bias_values: torch.Tensor | None  # and the biases added there
+    # allowed_token_ids: the rows that have them, and the flat positions of the tokens they allow
+    allowed: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _upload(
@@ -201,6 +203,8 @@ class SamplingState:
         drawn = [params[random_rows[j]] for j in pivot]
         vocab = self.vocab
         bias = [(r * vocab + t, b) for r, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+        allowed = [r for r, p in enumerate(params) if p.allowed_token_ids is not None]
+        kept = [r * vocab + t for r in allowed for t in params[r].allowed_token_ids or ()]
         return BatchView(
             slots=slots,
             slot_index=_upload(slots, torch.long, dev),
@@ -234,6 +238,7 @@ class SamplingState:
             pivot=Cuts.of(drawn, vocab),
             bias_index=_upload([k for k, _ in bias], torch.long, dev) if bias else None,
             bias_values=_upload([b for _, b in bias], torch.float32, dev) if bias else None,
+            allowed=(_upload(allowed, torch.long, dev), _upload(kept, torch.long, dev)) if allowed else None,
         )
 
     def record(self, view: BatchView, tokens: torch.Tensor) -> None:

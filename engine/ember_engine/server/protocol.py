@@ -112,6 +112,7 @@ class _SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: each prompt token's logprob
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the model's)
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these token ids
 
     @model_validator(mode="before")
     @classmethod
@@ -166,6 +167,7 @@ class _SamplingFields(BaseModel):
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
+                allowed_token_ids=self.allowed_token_ids,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=_logit_bias(self.logit_bias),
             )

@@ -168,8 +168,11 @@ class SpecDecoder:
     def _request_lookahead(self, req: Request, k: int) -> int:
         p = req.params
         # Verification samples every position from the same distribution, so position-dependent sampling
-        # (penalties, min_tokens' suppression), logit biases and per-token logprobs stay on the plain path.
-        if p.logprobs is not None or p.penalized or p.logit_bias or req.num_output_tokens < p.min_tokens:
+        # (penalties, min_tokens' suppression), logit biases, allowed tokens and per-token logprobs stay on
+        # the plain path.
+        if p.logprobs is not None or p.penalized or p.logit_bias or p.allowed_token_ids:
+            return 0
+        if req.num_output_tokens < p.min_tokens:
             return 0
         k = self.controller.request_lookahead(k, req.recent_acceptance, req.num_draft_tokens)
         # Room for k proposals and the token after them, within max_tokens and the model length.
