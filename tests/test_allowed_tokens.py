@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import openai
+import plainhttp
 import pytest
 import torch
 from server_util import running_server
@@ -111,3 +112,26 @@ def test_the_field_over_the_api(tiny_model: Path) -> None:
         )
         content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
         assert content and {int(c.token.split(":")[1]) for c in content} <= set(ALLOWED[:3])
+
+
+def test_with_a_structured_output_constraint_it_is_refused_by_name(tiny_model: Path) -> None:
+    """The set and a grammar may leave no token at all: `allowed_token_ids: [0]` with `guided_regex: "0"`
+    was the server's 500 (`grammar_failed`: the grammar refused the only token left); the pair is refused."""
+    from ember_engine.sample.constraint import Constraint
+
+    with pytest.raises(ValueError, match=r"^allowed_token_ids: not with a structured-output constraint"):
+        SamplingParams(max_tokens=2, allowed_token_ids=[0], constraint=Constraint("regex", "0"))
+    with running_server(tiny_model, "--served-model-name", "tiny") as server:
+        for path, body in (
+            ("/v1/completions", {"prompt": "0", "guided_regex": "0"}),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "0"}], "guided_choice": ["a"]},
+            ),
+            ("/v1/completions", {"prompt": "0", "response_format": {"type": "json_object"}, "stream": True}),
+        ):
+            body = {**body, "model": "tiny", "max_tokens": 2, "allowed_token_ids": [0]}
+            r = plainhttp.post(f"{server.url}{path}", json=body, timeout=30)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "allowed_token_ids" and "not with " in error["message"], error

@@ -122,6 +122,8 @@ class SamplingParams:
             or not all(type(t) is int and t >= 0 for t in allowed)
         ):
             bad("allowed_token_ids", f"must be a non-empty list of token ids >= 0, got {allowed!r}")
+        if allowed is not None and self.constraint is not None:  # the two may leave no token at all
+            bad("allowed_token_ids", "not with a structured-output constraint (use one or the other)")
         for token, value in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 bad("logit_bias", f"keys must be token ids >= 0, got {token!r}")

@@ -44,6 +44,9 @@ from ember_engine.server.tools import ToolPlan, plan_tools
 from ember_engine.server.unknown_fields import check_unknown
 
 log = logging.getLogger("ember.server")
+# allowed_token_ids beside a structured-output constraint: the two may leave no token at all, where the
+# grammar could not go on (it was the server's 500, "grammar_failed")
+_ALLOWED_WITH = "allowed_token_ids: not with {} (a structured-output constraint: use one or the other)"
 
 
 def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
@@ -114,6 +117,8 @@ async def _serve(
                 400, f"tool_choice: a forced tool call excludes {constraint[0]}", param="tool_choice"
             )
         constraint = ("tool_choice", tools.constraint)
+    if constraint is not None and params.allowed_token_ids is not None:
+        raise APIError(400, _ALLOWED_WITH.format(constraint[0]), param="allowed_token_ids")
     policy = state.policy.policy
     class_name, priority = _priority(state, request, body.priority)
     client = request.headers.get("x-ember-client") or request.headers.get("authorization")
