@@ -88,3 +88,28 @@ def test_a_bad_value_is_a_400_naming_the_field(server: InProcessServer, value: o
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "truncate_prompt_tokens", error
+
+
+def test_a_router_hashes_the_prompt_the_engine_serves(server: InProcessServer, tiny_model: Path) -> None:
+    """The router routes by the prompt's block hashes and counts its tokens for routing rules: with
+    `truncate_prompt_tokens` both are the last k tokens', the prompt the engine serves (they were the
+    whole prompt's, whose blocks no engine holds)."""
+    from ember_engine.core.kv_events import prefix_hashes
+    from ember_engine.core.tokenizer import Tokenizer
+    from ember_router.prompts import request_prompts
+
+    tok = Tokenizer(str(tiny_model))
+    long = _prompt(100)
+    body = {"model": MODEL, "prompt": long, "max_tokens": 1, "truncate_prompt_tokens": 40}
+    served = plainhttp.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["usage"]
+    routed = request_prompts(tok, body, False, 16)
+    assert routed.first_tokens == served["prompt_tokens"] == 40
+    assert routed.first_hashes == prefix_hashes(long[-40:], 16, None)
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": " ".join(["word"] * 200)}],
+        "max_tokens": 1,
+        "truncate_prompt_tokens": 16,
+    }
+    served = plainhttp.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30).json()["usage"]
+    assert request_prompts(tok, chat, True, 16).first_tokens == served["prompt_tokens"] == 16

@@ -21,13 +21,21 @@ def prompts_token_ids(tokenizer: Tokenizer, body: Any, chat: bool) -> list[list[
     is not a request the engine would accept (it is then routed by load, and the engine answers the error)."""
     try:
         if chat:
-            request = ChatCompletionRequest.model_validate(body)
-            tools = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
-            return [chat_prompt_ids(tokenizer, request, tools)]
-        prompts = CompletionRequest.model_validate(body).prompts()
-        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts] or None
+            conversation = ChatCompletionRequest.model_validate(body)
+            tools = plan_tools(conversation.tools, conversation.tool_choice, conversation.parallel_tool_calls)
+            prompts = [chat_prompt_ids(tokenizer, conversation, tools)]
+            k = conversation.truncate_prompt_tokens
+        else:
+            request = CompletionRequest.model_validate(body)
+            prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
+            k = request.truncate_prompt_tokens
     except (ValidationError, ChatTemplateError, APIError, ValueError, TypeError):
         return None
+    # `truncate_prompt_tokens`: the engine serves each prompt's last k tokens (-1, the model's length, is
+    # not known here: those prompts are taken whole, as the engine takes any prompt within its length)
+    if k is not None and k >= 1:
+        prompts = [ids[-k:] for ids in prompts]
+    return prompts or None
 
 
 def prompt_token_ids(tokenizer: Tokenizer, body: Any, chat: bool) -> list[int] | None:
