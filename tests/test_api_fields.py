@@ -130,6 +130,10 @@ COMMON: dict[str, Callable[[Probe], None]] = {
         p.refused("allowed_token_ids", []),
         p.refused("allowed_token_ids", [10**8]),
     ),
+    "bad_words": lambda p: (
+        p.changes(GREEDY, bad_words=[text(p.ok(**GREEDY)).split()[0]]),
+        p.refused("bad_words", [""]),
+    ),
     "truncate_prompt_tokens": lambda p: (
         p.changes({}, truncate_prompt_tokens=1),
         p.refused("truncate_prompt_tokens", 0),

@@ -161,6 +161,7 @@ class LLMEngine:
                 index=i,
                 grammar=None if params.grammar is None else params.grammar.state(),
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
+                bad_words=self.tokenizer.word_sequences(params.bad_words) if params.bad_words else [],
             )
             for i in range(params.n)
         ]

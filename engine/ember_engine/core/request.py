@@ -35,6 +35,7 @@ class Request:
     seed: int | None = None  # with a generator: this sample's seed, which keys each token's noise
     index: int = 0  # n > 1: the samples of one prompt are told apart by index
     grammar: GrammarState | None = None  # structured output: advanced by every token kept
+    bad_words: list[list[int]] = field(default_factory=list)  # token sequences of `bad_words`
     # prompt logprobs, collected by a prompt's first sample: None for token 0, then one per token computed
     prompt_logprobs: list[Logprob | None] | None = None
 
@@ -103,11 +104,16 @@ class Request:
         return self.params, self.generator, self.prompt_token_ids, self.output_token_ids
 
     def suppressed_token_ids(self) -> list[int]:
-        """Tokens the sampler must not pick next: EOS and stop ids while the output is short of min_tokens."""
+        """Tokens the sampler must not pick next: EOS and stop ids while the output is short of min_tokens,
+        and the last token of each bad word whose other tokens the output ends with."""
         p = self.params
-        if self.num_output_tokens >= p.min_tokens:
-            return []
-        ids = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        ids = []
+        if self.num_output_tokens < p.min_tokens:
+            ids = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        out = self.output_token_ids
+        for word in self.bad_words:  # as vLLM: the output so far, not the prompt, completes a word
+            if len(word) - 1 <= len(out) and (len(word) == 1 or out[1 - len(word) :] == word[:-1]):
+                ids.append(word[-1])
         if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= set(ids):
             return []  # they are all allowed_token_ids allows: the set wins, as a grammar does
         return ids

@@ -40,6 +40,21 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def word_sequences(self, words: list[str]) -> list[list[int]]:
+        """The token sequences that spell each word, as vLLM finds them for `bad_words`: the word as it is
+        (its leading spaces dropped), and after a space where that makes another first token in as many
+        tokens (a word in mid-text, for tokenizers that mark a space in the token)."""
+        out: list[list[int]] = []
+        for word in words:
+            alone = self.encode(word.lstrip(), add_special_tokens=False)
+            if not alone:  # spelled by no token: nothing to hold back
+                continue
+            out.append(alone)
+            spaced = self.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return out
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

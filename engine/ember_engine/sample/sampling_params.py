@@ -33,6 +33,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: off; 0: each prompt token's own; k: also the top k
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the model length)
     allowed_token_ids: list[int] | None = None  # sample only among these (vLLM's field)
+    bad_words: list[str] | None = None  # words never generated: each one's last token held back (vLLM's)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     # Structured output: what the text must match; `grammar` is its compiled form (the engine compiles
@@ -124,6 +125,11 @@ class SamplingParams:
             bad("allowed_token_ids", f"must be a non-empty list of token ids >= 0, got {allowed!r}")
         if allowed is not None and self.constraint is not None:  # the two may leave no token at all
             bad("allowed_token_ids", "not with a structured-output constraint (use one or the other)")
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            bad("bad_words", f"must be a list of words (non-blank strings), got {words!r}")
         for token, value in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 bad("logit_bias", f"keys must be token ids >= 0, got {token!r}")

@@ -113,6 +113,7 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's: each prompt token's logprob
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: the model's)
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these token ids
+    bad_words: list[str] | None = None  # vLLM's: words never generated
 
     @model_validator(mode="before")
     @classmethod
@@ -168,6 +169,7 @@ class _SamplingFields(BaseModel):
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=_logit_bias(self.logit_bias),
             )

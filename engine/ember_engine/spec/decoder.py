@@ -168,9 +168,9 @@ class SpecDecoder:
     def _request_lookahead(self, req: Request, k: int) -> int:
         p = req.params
         # Verification samples every position from the same distribution, so position-dependent sampling
-        # (penalties, min_tokens' suppression), logit biases, allowed tokens and per-token logprobs stay on
-        # the plain path.
-        if p.logprobs is not None or p.penalized or p.logit_bias or p.allowed_token_ids:
+        # (penalties, min_tokens' suppression, bad words), logit biases, allowed tokens and per-token
+        # logprobs stay on the plain path.
+        if p.logprobs is not None or p.penalized or p.logit_bias or p.allowed_token_ids or p.bad_words:
             return 0
         if req.num_output_tokens < p.min_tokens:
             return 0
