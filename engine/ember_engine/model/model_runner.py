@@ -239,7 +239,7 @@ class ModelRunner:
                 tokens = tokens + req.spec_token_ids[: start + n - known]
             sample_now = start + n == known + len(req.spec_token_ids)
             num_logits = 1 + len(req.spec_token_ids) if sample_now else 0
-            if (part := prompt_logprobs.prompt_rows(req, start, n, row)) is not None:
+            if req.prompt_logprobs is not None and (part := prompt_logprobs.prompt_rows(req, start, n, row)):
                 parts.append(part)
                 num_logits = n  # every position: the sampled rows, if any, are still the last ones
             if sample_now:
