@@ -26,7 +26,7 @@ def sample_plain(
     (its output position's, the seed speculation would use for the same token). `prefetched`: the grammar
     masks started before the forward pass."""
     view = state.view(requests, Request.sampling_inputs)
-    suppress = {i: ids for i in view.min_tokens_rows if (ids := requests[i].suppressed_token_ids())}
+    suppress = {i: ids for i in view.suppress_rows if (ids := requests[i].suppressed_token_ids())}
     grammars = {i: g for i in view.grammar_rows if (g := requests[i].grammar) is not None}
     seeds = {i: s for i in view.seeded_rows if (s := requests[i].noise_seed(0)) is not None}
     masks = None

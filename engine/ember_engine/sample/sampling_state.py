@@ -55,7 +55,7 @@ class BatchView:
     max_top_k: int  # the largest top-k among truncating rows (0 when some row truncates by top-p alone)
     min_p: bool
     logprob_rows: list[int]  # rows that asked for logprobs
-    min_tokens_rows: list[int]  # rows that may hold tokens back: min_tokens > 0, or bad_words
+    suppress_rows: list[int]  # rows that may hold tokens back: min_tokens > 0, or bad_words
     grammar_rows: list[int]  # structured-output rows (their grammar states come with each step)
     seeded_rows: list[int]  # random rows with their own generator (their noise seeds come with each step)
     # Random rows drawn by rejection against a pivot (`nucleus.sample_truncated`): on a CPU, unseeded, not
@@ -228,7 +228,7 @@ class SamplingState:
             max_top_k=min(max_k, self.vocab),
             min_p=any(params[r].min_p > 0.0 for r in random_rows),
             logprob_rows=[r for r, p in enumerate(params) if p.logprobs is not None],
-            min_tokens_rows=[r for r, p in enumerate(params) if p.min_tokens > 0 or p.bad_words],
+            suppress_rows=[r for r, p in enumerate(params) if p.min_tokens > 0 or p.bad_words],
             grammar_rows=[r for r, p in enumerate(params) if p.grammar is not None],
             seeded_rows=[r for r in random_rows if generators[r] is not None],
             pivot_rows=pivot,
