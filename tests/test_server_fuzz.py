@@ -33,6 +33,7 @@ def test_no_server_errors(server: InProcessServer) -> None:
         "/v1/chat/completions",
         "/tokenize",
         "/detokenize",
+        "/v1/responses",
     }
     statuses: Counter[tuple[str, int]] = Counter()
 
@@ -67,7 +68,7 @@ def test_no_server_errors(server: InProcessServer) -> None:
         fuzz(op)
     assert len(ops) >= 10
     # The fuzzer reached both the generation path and the validation path of each endpoint.
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         assert statuses[(path, 200)] > 0 and statuses[(path, 400)] > 0, statuses
 
 

@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.server.policy import PolicyWatcher
+from ember_engine.server.responses_request import RESPONSE_ID_HEADER
 from ember_router import models_list
 from ember_router.body import BadBody, read_body
 from ember_router.discovery import PodDiscovery
@@ -46,6 +47,7 @@ from ember_router.relay import EventFramer, StreamIdle, chunks, error_event, err
 from ember_router.request_id import request_ids, stamp
 from ember_router.routes_file import RoutesFile
 from ember_router.rules import Request, Rule, decide, requested_max_tokens
+from ember_router.stored import ResponseHomes, prompt_body
 
 log = logging.getLogger("ember.router")
 
@@ -110,6 +112,7 @@ class Router:
     policy: PolicyWatcher | None = None  # the policy file, re-read while serving: its fallback applies
     routes_file: RoutesFile | None = None  # model-routing rules re-read while serving, instead of settings'
     fallback_models: ModelNames = field(default_factory=ModelNames)
+    homes: ResponseHomes = field(default_factory=ResponseHomes)  # stored responses' engines
     _turns: itertools.count[int] = field(default_factory=itertools.count)
     session: aiohttp.ClientSession | None = None
     started: int = field(default_factory=lambda: int(time.time()))  # `created` of the models it names
@@ -121,6 +124,9 @@ class Router:
         app.on_response_prepare.append(stamp)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{id}", self.stored_response)
+        app.router.add_delete("/v1/responses/{id}", self.stored_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.models)
         app.router.add_get("/health", self.health)
@@ -228,9 +234,46 @@ class Router:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._route(request, chat=True)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._route(request, chat=True, responses=True)
+
+    async def stored_response(self, request: web.Request) -> web.StreamResponse:
+        """`GET`/`DELETE /v1/responses/{id}`: from the engine that has the response."""
+        response_id = request.match_info["id"]
+        home = await self._home(response_id)
+        if home is None:
+            error = {"message": f"response {response_id!r} not found", "type": "invalid_request_error"}
+            error.update(param="response_id", code="response_not_found")  # as an engine answers it
+            return web.json_response({"error": error}, status=404)
+        response = await self._forward(request, home, b"", request.method, "stored", 0)
+        assert response is not None  # without retry, every answer is relayed
+        if request.method == "DELETE" and response.status == 200:
+            self.homes.drop(response_id)
+        return response
+
+    async def _home(self, response_id: str) -> str | None:
+        """The engine that has a stored response: as noted when it was relayed, else the first Ready
+        engine that has it (asked in turn)."""
+        home = self.homes.get(response_id)
+        if home is not None and home in self.pool.engines:
+            return home
+        assert self.session is not None
+        for state in self.pool.states():
+            if not state.ready:
+                continue
+            try:
+                url = f"{state.name}/v1/responses/{response_id}"
+                async with self.session.get(url, timeout=_MODELS_TIMEOUT) as r:
+                    if r.status == 200:
+                        self.homes.put(response_id, state.name)
+                        return state.name
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.debug("engine %s: %s: %s", state.name, url, exc)
+        return None
+
     # -- routing -------------------------------------------------------------------------------------
 
-    async def _route(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _route(self, request: web.Request, chat: bool, responses: bool = False) -> web.StreamResponse:
         arrived = time.perf_counter()
         try:
             raw = await request.read()
@@ -241,11 +284,21 @@ class Router:
             body = read_body(raw)
         except BadBody as exc:  # no engine, nor any later attempt, could answer it otherwise
             return error_response(400, str(exc), "invalid_request_error", None)
+        asked = prompt_body(body) if responses else body  # a Responses API body: the chat it runs as
+        if responses and isinstance(body, dict) and isinstance(body.get("previous_response_id"), str):
+            # It continues a stored response: only the engine that has it can answer.
+            home = await self._home(body["previous_response_id"])
+            if home is not None:
+                response = await self._forward(
+                    request, home, raw, "POST", "stored", 0, arrived, stream=_streams(body)
+                )
+                assert response is not None  # without retry, every answer is relayed
+                return response
         if len(raw) <= INLINE_TOKENIZE:
-            prompts = request_prompts(self.tokenizer, body, chat, self.pool.block_size)
+            prompts = request_prompts(self.tokenizer, asked, chat, self.pool.block_size)
         else:
             prompts = await asyncio.to_thread(
-                request_prompts, self.tokenizer, body, chat, self.pool.block_size
+                request_prompts, self.tokenizer, asked, chat, self.pool.block_size
             )
         hashes = prompts.first_hashes
         if self._routes():
@@ -568,6 +621,9 @@ class Router:
                 ok = 200 <= upstream.status < 300
                 if accepted is not None and ok and upstream.headers.get("x-ember-served-by") != "fallback":
                     accepted()
+                stored = upstream.headers.get(RESPONSE_ID_HEADER)
+                if ok and stored and not fallback:  # a Responses API answer: where it is kept, if it is
+                    self.homes.put(stored, engine_url)
                 answer = answer_headers(upstream.headers.items())
                 answer[ROUTED_TO] = routed_to or engine_url
                 answer[ROUTE_REASON] = reason

@@ -129,10 +129,11 @@ def route_from(doc: object) -> tuple[Rule, str]:
 
 
 def requested_max_tokens(body: object) -> int | None:
-    """The output bound an OpenAI request asks for: `max_completion_tokens`, else `max_tokens`."""
+    """The output bound an OpenAI request asks for: `max_completion_tokens`, else `max_tokens`, else
+    `max_output_tokens` (the Responses API's)."""
     if not isinstance(body, dict):
         return None
-    for key in ("max_completion_tokens", "max_tokens"):
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):  # the last: Responses API
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             return value

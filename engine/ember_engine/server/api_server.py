@@ -37,6 +37,7 @@ from ember_engine.server.protocol import (
 )
 from ember_engine.server.request_id import RequestId
 from ember_engine.server.responses import _complete, _merge, _stream, _TicketedStream, _tracked
+from ember_engine.server.responses_api import add_responses_routes
 from ember_engine.server.state import ServerState, _Ticket
 from ember_engine.server.structured import CompileCache, request_constraint
 from ember_engine.server.tokenize_api import add_tokenize_routes, model_card
@@ -90,6 +91,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await _serve(state, request, body, chat=True)
 
+    add_responses_routes(app, state, _serve)
     return app
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ember_engine.core.config import CHECKPOINT_METHODS, KV_CACHE_DTYPES, QUANT_SCHEMES
+from ember_engine.server import arg_types
 
 log = logging.getLogger("ember.serve")
 
@@ -101,42 +102,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     par.add_argument("--master-port", type=int, default=29500, help="with --nnodes > 1: the port of it")
     p.add_argument(
-        "--drain-timeout", type=_seconds, default=30.0, help="seconds in-flight requests get after SIGTERM"
+        "--drain-timeout",
+        type=arg_types.seconds,
+        default=30.0,
+        help="seconds in-flight requests get after SIGTERM",
     )
     p.add_argument(
         "--log-interval",
-        type=_log_interval,
+        type=arg_types.log_interval,
         default=5.0,
         help="seconds between load log lines while busy; 0 turns them off (default 5)",
+    )
+    p.add_argument(
+        "--responses-store",
+        type=arg_types.count,
+        default=0,
+        metavar="N",
+        help="keep the last N /v1/responses answers in memory, for previous_response_id and GET (default 0: none)",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--max-request-body-bytes",
-        type=_bytes,
+        type=arg_types.byte_size,
         default=16 << 20,
         help="larger request bodies are refused with 413 before they are read (default 16 MiB)",
     )
-
-
-def _seconds(text: str) -> float:
-    seconds = float(text)
-    if not (seconds >= 0 and seconds != float("inf")):  # NaN too
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, not {text}")
-    return seconds
-
-
-def _bytes(text: str) -> int:
-    size = int(text)
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more bytes, not {text}")
-    return size
-
-
-def _log_interval(text: str) -> float:
-    seconds = float(text)
-    if not seconds >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be 0 (off) or more seconds, not {text}")
-    return seconds
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig
@@ -194,6 +184,10 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     config = engine_config(args)
     metrics = EngineMetrics(name, config.speculative_tokens if config.speculation else 0)
     state = ServerState(name, policy, metrics, Fallback(httpx.AsyncClient()))
+    if args.responses_store:
+        from ember_engine.server.responses_api import ResponseStore
+
+        state.responses = ResponseStore(args.responses_store)
     failure: list[BaseException] = []
     stopped = threading.Event()  # the server stopped before the model was ready: load() drops its engine
     publish = threading.Lock()

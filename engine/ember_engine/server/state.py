@@ -34,6 +34,7 @@ class ServerState:
     forecast: ForecastObserver = field(default_factory=ForecastObserver)
     calibration: WaitCalibration = field(default_factory=WaitCalibration)
     grammars: Any = None  # structured.CompileCache, made on the first constrained request
+    responses: Any = None  # responses_api.ResponseStore with `--responses-store N`; None keeps none
 
     def __post_init__(self) -> None:
         # The shed and wait-limit series of each priority class from the start, and those of a new

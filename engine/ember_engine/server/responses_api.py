@@ -1,0 +1,168 @@
+"""OpenAI's Responses API on one engine: `POST /v1/responses` (whole or streamed), run as a chat request
+(`responses_request`) and answered in the Responses shapes (`responses_output`); with a response store
+(`ember serve --responses-store N`), `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`.
+
+The store is this server's memory: the last N responses and the conversation each ends, gone when the
+server stops. Without one, responses are not kept (`store: false` in each), and a request that asks for
+keeping or continuing one is refused by name."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from ember_engine.server.protocol import APIError, ChatCompletionRequest
+from ember_engine.server.responses import _TicketedStream
+from ember_engine.server.responses_output import Shell, StreamEvents, from_chat, output_messages
+from ember_engine.server.responses_request import RESPONSE_ID_HEADER, ResponsesBody, chat_body, input_messages
+from ember_engine.server.state import ServerState
+
+Serve = Callable[[ServerState, Request, ChatCompletionRequest, bool], Awaitable[Response]]
+# The chat request's field names, as the Responses API spells them, in the errors a request gets.
+_SPELLED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+class ResponseStore:
+    """The last `size` responses, by id, with the conversation each ends (its chat messages)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        self._items[response["id"]] = (response, messages)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        return self._items.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(
+        404, f"response {response_id!r} not found", param="response_id", code="response_not_found"
+    )
+
+
+def _spelled(param: str) -> str:
+    head, _, rest = param.partition(".")
+    if head == "messages":
+        return "input"
+    return _SPELLED.get(head, head) + (f".{rest}" if rest else "")
+
+
+def _respelled(exc: APIError) -> APIError:
+    param = None if exc.param is None else _spelled(exc.param)
+    if param == exc.param:
+        return exc
+    message = exc.message
+    if exc.param and message.startswith(exc.param):
+        message = f"{param}{message[len(exc.param) :]}"
+    return APIError(exc.status, message, exc.type, param, exc.code, exc.headers)
+
+
+def add_responses_routes(app: FastAPI, state: ServerState, serve: Serve) -> None:
+    @app.post("/v1/responses", response_model=None)
+    async def create(request: Request, given: ResponsesBody) -> Response:
+        body = given.fields()
+        store = state.responses
+        wanted = body.get("store")
+        if wanted and store is None:
+            raise APIError(
+                400, "store: this server keeps no responses (ember serve --responses-store N)", param="store"
+            )
+        history: list[dict[str, Any]] = []
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            if store is None:
+                raise APIError(
+                    400,
+                    "previous_response_id: this server keeps no responses (ember serve --responses-store N)",
+                    param="previous_response_id",
+                )
+            found = store.get(previous)
+            if found is None:
+                raise APIError(
+                    404,
+                    f"previous_response_id: no stored response {previous!r}",
+                    param="previous_response_id",
+                    code="response_not_found",
+                )
+            history = found[1]
+        keep = store is not None and wanted is not False
+        try:
+            chat = ChatCompletionRequest.model_validate(chat_body(body, history))
+        except ValidationError as exc:
+            errors = [
+                {**e, "loc": tuple(_spelled(".".join(map(str, e["loc"]))).split("."))} for e in exc.errors()
+            ]
+            raise RequestValidationError(errors) from None
+        shell = Shell(body, state.model_name, keep)
+        try:
+            answer = await serve(state, request, chat, True)
+        except APIError as exc:
+            raise _respelled(exc) from None
+        conversation = [*history, *input_messages(body["input"])]
+
+        def kept(response: dict[str, Any]) -> None:
+            if keep and store is not None and response["status"] != "failed":
+                store.put(response, conversation + output_messages(response["output"]))
+
+        if isinstance(answer, _TicketedStream):  # ours (a fallback's relayed answer is already its own)
+            obfuscate = bool((body.get("stream_options") or {}).get("include_obfuscation"))
+            answer.body_iterator = _events(answer.body_iterator, StreamEvents(shell, obfuscate), kept)
+        elif isinstance(answer, JSONResponse) and answer.status_code == 200:
+            chat_answer = json.loads(bytes(answer.body))
+            if chat_answer.get("object") == "chat.completion":
+                response = from_chat(shell, chat_answer)
+                kept(response)
+                headers = {k: v for k, v in answer.headers.items() if k.lower() == "warning"}
+                answer = JSONResponse(response, headers=headers)
+        answer.headers[RESPONSE_ID_HEADER] = shell.id
+        return answer
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> JSONResponse:
+        found = state.responses.get(response_id) if state.responses is not None else None
+        if found is None:
+            raise _not_found(response_id)
+        return JSONResponse(found[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> JSONResponse:
+        if state.responses is None or not state.responses.delete(response_id):
+            raise _not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def _events(
+    chat: AsyncIterable[Any], events: StreamEvents, kept: Callable[[dict[str, Any]], None]
+) -> AsyncIterator[str]:
+    """The Responses events of a chat stream's server-sent events."""
+    for event in events.start():
+        yield event
+    async for raw in chat:
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        for line in text.splitlines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                continue
+            for event in events.chunk(json.loads(data)):
+                yield event
+    for event in events.end():
+        yield event
+    if events.final is not None:
+        kept(events.final)
