@@ -673,3 +673,27 @@ def test_models_list_the_served_name_at_zero_engines_and_the_names_routed_elsewh
         assert listed[0]["max_model_len"] == model["max_model_len"]  # the engine's own entry
         assert all(m["object"] == "model" and m["owned_by"] == "ember" for m in listed)
         assert plainhttp.get(f"{url}/v1/models/huge", timeout=30).json()["id"] == "huge"
+
+
+def test_tokenize_detokenize_and_version_are_answered_by_an_engine(
+    tiny_model: Path, engines: list[InProcessServer]
+) -> None:
+    """A client of the service (the router) counts tokens as it would on one engine; they were a 404."""
+    with running_router(tiny_model, [e.url for e in engines]) as (url, router):
+        model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": "hi there"}]}
+        counted = plainhttp.post(f"{url}/tokenize", json=body)
+        assert counted.status_code == 200 and counted.headers[ROUTED_TO] in {e.url for e in engines}
+        assert counted.json() == plainhttp.post(f"{engines[1].url}/tokenize", json=body).json()
+        back = plainhttp.post(f"{url}/detokenize", json={"model": model, "tokens": counted.json()["tokens"]})
+        assert "hi there" in back.json()["prompt"]
+        bad = plainhttp.post(f"{url}/detokenize", json={"tokens": [10**9]})  # the engine's own 400, relayed
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert plainhttp.get(f"{url}/version").json() == plainhttp.get(f"{engines[0].url}/version").json()
+        router.pool.poll_interval = 3600.0
+        time.sleep(0.5)  # the poll under way ends, and the next waits an hour
+        for state in router.pool.states():
+            state.ready = False  # as a poll finding none Ready leaves them
+        none = plainhttp.post(f"{url}/tokenize", json=body)
+        assert none.status_code == 503 and none.json()["error"]["code"] == "not_ready"
+        assert none.headers["Retry-After"]

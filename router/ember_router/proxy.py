@@ -128,6 +128,9 @@ class Router:
         app.router.add_get("/v1/responses/{id}", self.stored_response)
         app.router.add_delete("/v1/responses/{id}", self.stored_response)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.any_engine)
+        app.router.add_post("/detokenize", self.any_engine)
+        app.router.add_get("/version", self.any_engine)
         app.router.add_get("/v1/models/{model:.+}", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
@@ -211,6 +214,18 @@ class Router:
             error.update(param="model", code="model_not_found")  # as an engine answers it
             return web.json_response({"error": error}, status=404)
         return web.json_response(found)
+
+    async def any_engine(self, request: web.Request) -> web.StreamResponse:
+        """`/tokenize`, `/detokenize` and `/version`: every engine answers them alike (one model, one
+        tokenizer and template), so the least busy Ready engine does; the next if it is gone or refuses."""
+        raw = await request.read()
+        ready = sorted((s for s in self.pool.states() if s.ready), key=lambda s: s.load)
+        for state in ready:
+            response = await self._forward(request, state.name, raw, request.method, "any", 0, retry=True)
+            if response is not None:
+                return response
+        why = "every engine refused it" if ready else "no engine is ready"
+        return _error(503, why, "overloaded", "not_ready", self._retry_after())
 
     async def _engine_models(self) -> list[dict[str, Any]] | None:
         """The first Ready engine's `/v1/models` entries that it answers with; None when none answers."""

@@ -129,7 +129,8 @@ def add_responses_routes(app: FastAPI, state: ServerState, serve: Serve) -> None
                 kept(response)
                 headers = {k: v for k, v in answer.headers.items() if k.lower() == "warning"}
                 answer = JSONResponse(response, headers=headers)
-        answer.headers[RESPONSE_ID_HEADER] = shell.id
+        if keep:  # where it is kept: a router sends its continuations and reads here
+            answer.headers[RESPONSE_ID_HEADER] = shell.id
         return answer
 
     @app.get("/v1/responses/{response_id}")
