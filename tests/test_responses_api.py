@@ -271,6 +271,26 @@ def test_the_store_continues_retrieves_and_deletes_responses(client: openai.Open
     assert unkept.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unkept.id)
+    # the items a response was asked with (its own input, not the conversation before it), with ids
+    chained = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ],
+        max_output_tokens=2,
+    )
+    listed = client.responses.input_items.list(chained.id, order="asc")
+    texts = [(i.role, i.content[0].text) for i in listed.data]  # type: ignore[union-attr]
+    assert texts == [("user", "a"), ("assistant", "b"), ("user", "c")] and all(i.id for i in listed.data)
+    newest = client.responses.input_items.list(chained.id, limit=2)  # newest first, as OpenAI lists them
+    assert [i.id for i in newest.data] == [i.id for i in listed.data][::-1][:2] and newest.has_more
+    rest = client.responses.input_items.list(chained.id, limit=2, after=newest.data[-1].id)
+    assert [i.id for i in rest.data] == [listed.data[0].id] and not rest.has_more
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(chained.id, limit=101)
     client.responses.delete(second.id)
     with pytest.raises(openai.NotFoundError) as missing:
         client.responses.retrieve(second.id)

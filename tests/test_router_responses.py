@@ -91,6 +91,8 @@ def test_a_stored_response_is_continued_read_and_deleted_where_it_is_kept(
         assert router.homes.get(response.id) is None
         got = client.responses.with_raw_response.retrieve(response.id)
         assert got.headers[ROUTED_TO] == home and got.parse().id == response.id
+        items = client.responses.input_items.list(response.id)
+        assert [i.content[0].text for i in items.data] == ["Hello."]  # type: ignore[union-attr]
         client.responses.delete(response.id)
         with pytest.raises(openai.NotFoundError) as missing:
             client.responses.retrieve(response.id)

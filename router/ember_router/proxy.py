@@ -127,6 +127,7 @@ class Router:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{id}", self.stored_response)
         app.router.add_delete("/v1/responses/{id}", self.stored_response)
+        app.router.add_get("/v1/responses/{id}/input_items", self.stored_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.any_engine)
         app.router.add_post("/detokenize", self.any_engine)
@@ -253,7 +254,7 @@ class Router:
         return await self._route(request, chat=True, responses=True)
 
     async def stored_response(self, request: web.Request) -> web.StreamResponse:
-        """`GET`/`DELETE /v1/responses/{id}`: from the engine that has the response."""
+        """`GET`/`DELETE /v1/responses/{id}` and its `input_items`: from the engine that has the response."""
         response_id = request.match_info["id"]
         home = await self._home(response_id)
         if home is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,7 +21,13 @@ from pydantic import ValidationError
 
 from ember_engine.server.protocol import APIError, ChatCompletionRequest
 from ember_engine.server.responses import _TicketedStream
-from ember_engine.server.responses_output import Shell, StreamEvents, from_chat, output_messages
+from ember_engine.server.responses_output import (
+    Shell,
+    StreamEvents,
+    from_chat,
+    input_items,
+    output_messages,
+)
 from ember_engine.server.responses_request import RESPONSE_ID_HEADER, ResponsesBody, chat_body, input_messages
 from ember_engine.server.state import ServerState
 
@@ -29,20 +36,28 @@ Serve = Callable[[ServerState, Request, ChatCompletionRequest, bool], Awaitable[
 _SPELLED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
+@dataclass(slots=True)
+class Stored:
+    response: dict[str, Any]
+    messages: list[dict[str, Any]]  # the conversation it ends, as chat messages (a continuation's start)
+    items: list[dict[str, Any]]  # its own input, as items (`input_items`)
+
+
 class ResponseStore:
-    """The last `size` responses, by id, with the conversation each ends (its chat messages)."""
+    """The last `size` responses, by id."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self._items: OrderedDict[str, Stored] = OrderedDict()
 
-    def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        self._items[response["id"]] = (response, messages)
-        self._items.move_to_end(response["id"])
+    def put(self, stored: Stored) -> None:
+        key = stored.response["id"]
+        self._items[key] = stored
+        self._items.move_to_end(key)
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    def get(self, response_id: str) -> Stored | None:
         return self._items.get(response_id)
 
     def delete(self, response_id: str) -> bool:
@@ -99,7 +114,7 @@ def add_responses_routes(app: FastAPI, state: ServerState, serve: Serve) -> None
                     param="previous_response_id",
                     code="response_not_found",
                 )
-            history = found[1]
+            history = found.messages
         keep = store is not None and wanted is not False
         try:
             chat = ChatCompletionRequest.model_validate(chat_body(body, history))
@@ -117,7 +132,8 @@ def add_responses_routes(app: FastAPI, state: ServerState, serve: Serve) -> None
 
         def kept(response: dict[str, Any]) -> None:
             if keep and store is not None and response["status"] != "failed":
-                store.put(response, conversation + output_messages(response["output"]))
+                messages = conversation + output_messages(response["output"])
+                store.put(Stored(response, messages, input_items(body["input"])))
 
         if isinstance(answer, _TicketedStream):  # ours (a fallback's relayed answer is already its own)
             obfuscate = bool((body.get("stream_options") or {}).get("include_obfuscation"))
@@ -138,7 +154,36 @@ def add_responses_routes(app: FastAPI, state: ServerState, serve: Serve) -> None
         found = state.responses.get(response_id) if state.responses is not None else None
         if found is None:
             raise _not_found(response_id)
-        return JSONResponse(found[0])
+        return JSONResponse(found.response)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(
+        response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> JSONResponse:
+        """OpenAI's list: newest first unless `order=asc`, `limit` (1 to 100) at a time after the item `after`."""
+        found = state.responses.get(response_id) if state.responses is not None else None
+        if found is None:
+            raise _not_found(response_id)
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit: must be 1 to 100, got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order: must be 'asc' or 'desc', got {order!r}", param="order")
+        items = found.items if order == "asc" else found.items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"after: no input item {after!r} in this response", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit,
+            }
+        )
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> JSONResponse:

@@ -126,6 +126,32 @@ def from_chat(shell: Shell, chat: dict[str, Any]) -> dict[str, Any]:
     return shell.response("completed", output, usage_of(chat.get("usage")), choice["finish_reason"])
 
 
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """A request's `input` as the items `GET /v1/responses/{id}/input_items` lists, each with an id."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    items = []
+    for item in value:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item["content"]
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            parts = [{"type": part, "text": content}] if isinstance(content, str) else content
+            items.append(
+                {
+                    "type": "message",
+                    "id": new_id("msg"),
+                    "role": item["role"],
+                    "content": parts,
+                    "status": "completed",
+                }
+            )
+        else:
+            prefix = "fc" if kind == "function_call" else "fco"
+            items.append({**item, "id": item.get("id") or new_id(prefix), "status": "completed"})
+    return items
+
+
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output as the chat messages a later turn continues from (`previous_response_id`)."""
     messages: list[dict[str, Any]] = []
