@@ -12,13 +12,6 @@ def seconds(text: str) -> float:
     return seconds
 
 
-def count(text: str) -> int:
-    count = int(text)
-    if count < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
-    return count
-
-
 def byte_size(text: str) -> int:
     size = int(text)
     if size < 1:

@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from ember_engine.sample.sampling_params import SamplingParams
-from ember_engine.server.text_checks import lone_surrogate
+from ember_engine.server.text_checks import valid_unicode
 
 MAX_N = 16
 # An integer written out in ASCII digits: str.isdigit() also takes "²" and other digits int() refuses.
@@ -118,9 +118,7 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        problem = lone_surrogate(data)
-        if problem is not None:
-            raise ValueError(problem)
+        data = valid_unicode(data)
         if isinstance(data, dict):  # OpenAI's fields are nullable: null is "not given", so the default
             fields = cls.model_fields
             data = {

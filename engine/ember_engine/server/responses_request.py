@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ember_engine.server.protocol import APIError
-from ember_engine.server.text_checks import lone_surrogate
+from ember_engine.server.text_checks import valid_unicode
 
 # Fields of the Responses API ember refuses when set, and why.
 _NO_REASONING = "this server runs no reasoning model"
@@ -97,10 +97,7 @@ class ResponsesBody(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        problem = lone_surrogate(data)
-        if problem is not None:
-            raise ValueError(problem)
-        return data
+        return valid_unicode(data)
 
     def fields(self) -> dict[str, Any]:
         """The body as sent: the fields given (a null as given) and the undeclared ones."""

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from ember_engine.bench.arg_types import non_negative_int
 from ember_engine.core.config import CHECKPOINT_METHODS, KV_CACHE_DTYPES, QUANT_SCHEMES
 from ember_engine.server import arg_types
 
@@ -115,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--responses-store",
-        type=arg_types.count,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="keep the last N /v1/responses answers in memory, for previous_response_id and GET (default 0: none)",

@@ -29,3 +29,12 @@ def lone_surrogate(body: Any) -> str | None:
         elif isinstance(value, list):
             todo.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
     return None
+
+
+def valid_unicode(body: Any) -> Any:
+    """`body` itself when no string in it holds a lone surrogate; else ValueError saying where (a request
+    model's first check: no answer could quote such text back)."""
+    problem = lone_surrogate(body)
+    if problem is not None:
+        raise ValueError(problem)
+    return body
