@@ -109,6 +109,15 @@ def test_a_shared_prefix_goes_where_the_engines_say_it_is_cached(
             assert r.headers[ROUTED_TO] == engines[1].url and r.headers[ROUTE_REASON] == "prefix"
         page = plainhttp.get(f"{url}/metrics").text
         assert "ember_router:predicted_prefix_hit_tokens_total" in page
+        # A request that collects its prompt's logprobs reads no cached block on any engine: routed by load
+        # (it was sent by prefix, and counted as expected cache hits).
+        hits = _total(_samples(page), "ember_router:predicted_prefix_hit_tokens_total")
+        for extra in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}):
+            body = {"model": model, "prompt": f"{system} question five", "max_tokens": 1, **extra}
+            r = plainhttp.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.headers[ROUTE_REASON] == "load", r.headers[ROUTE_REASON]
+        after = _samples(plainhttp.get(f"{url}/metrics").text)
+        assert _total(after, "ember_router:predicted_prefix_hit_tokens_total") == hits
 
 
 def test_an_overloaded_engine_is_skipped_and_a_full_fleet_sheds_at_once(

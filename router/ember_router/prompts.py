@@ -65,10 +65,23 @@ class Prompts:
         return sum(self.lengths)
 
 
+def collects_prompt_logprobs(body: Any, chat: bool) -> bool:
+    """Whether the engine computes the request's prompt logprobs (vLLM's `prompt_logprobs`, or completions'
+    `echo` with `logprobs`): it then reads none of its prompt from the prefix cache."""
+    if not isinstance(body, dict):
+        return False
+    echoed = not chat and body.get("echo") is True and body.get("logprobs") is not None
+    return body.get("prompt_logprobs") is not None or echoed
+
+
 def request_prompts(tokenizer: Tokenizer, body: Any, chat: bool, block_size: int | None) -> Prompts:
-    """The request's prompts; none when it cannot be read."""
+    """The request's prompts; none when it cannot be read. A request that collects prompt logprobs gives
+    no hashes: no engine's cache serves it (it is routed by load), though its blocks are cached after."""
     prompts = prompts_token_ids(tokenizer, body, chat) or []
     salt = body.get("cache_salt") if isinstance(body, dict) else None
     salt = salt if isinstance(salt, str) else None
-    hashes = [prefix_hashes(ids, block_size, salt) if block_size else [] for ids in prompts]
+    if not block_size or collects_prompt_logprobs(body, chat):
+        hashes: list[list[int]] = [[] for _ in prompts]
+    else:
+        hashes = [prefix_hashes(ids, block_size, salt) for ids in prompts]
     return Prompts(hashes, [len(ids) for ids in prompts])
