@@ -145,7 +145,7 @@ def add_responses_routes(app: FastAPI, state: ServerState, serve: Serve) -> None
                 kept(response)
                 headers = {k: v for k, v in answer.headers.items() if k.lower() == "warning"}
                 answer = JSONResponse(response, headers=headers)
-        if keep:  # where it is kept: a router sends its continuations and reads here
+        if keep and answer.status_code == 200:  # where it is kept: a router sends continuations here
             answer.headers[RESPONSE_ID_HEADER] = shell.id
         return answer
 
