@@ -16,10 +16,10 @@ from starlette.requests import ClientDisconnect
 
 from ember_engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ember_engine.server.admission import Admit, QueueState, Shed, WaitCalibration, decide
+from ember_engine.server.answers import _TicketedStream
 from ember_engine.server.fallback import Fallback
 from ember_engine.server.metrics import EngineMetrics
 from ember_engine.server.policy import Policy, PolicyWatcher
-from ember_engine.server.responses import _TicketedStream
 from ember_engine.server.state import ServerState, _Ticket
 
 CRITICAL, STANDARD, BATCH = 0, 1, 2  # the default priority classes

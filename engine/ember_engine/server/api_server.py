@@ -2,7 +2,8 @@
 cancellation on disconnect, graceful drain, and metrics.
 
 This module holds the app and the request path up to the engine (`build_app`, `_serve`); the server's
-counters are in `state`, turning engine outputs into responses in `responses`, error bodies in `errors`."""
+counters are in `state`, turning engine outputs into HTTP answers in `answers`, error bodies in `errors`;
+the Responses API (`/v1/responses`) in `responses_api`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from ember_engine.async_engine import AsyncEngine, EngineFailed
 from ember_engine.core.outputs import RequestOutput
 from ember_engine.server.admission import Admit, Shed, decide
+from ember_engine.server.answers import _complete, _merge, _stream, _TicketedStream, _tracked
 from ember_engine.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, arrival_of
 from ember_engine.server.chat import ChatTemplateError
 from ember_engine.server.chat_prompt import chat_prompt_ids
@@ -36,7 +38,6 @@ from ember_engine.server.protocol import (
     CompletionRequest,
 )
 from ember_engine.server.request_id import RequestId
-from ember_engine.server.responses import _complete, _merge, _stream, _TicketedStream, _tracked
 from ember_engine.server.responses_api import add_responses_routes
 from ember_engine.server.state import ServerState, _Ticket
 from ember_engine.server.structured import CompileCache, request_constraint

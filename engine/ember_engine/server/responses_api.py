@@ -19,8 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from ember_engine.server.answers import _TicketedStream
 from ember_engine.server.protocol import APIError, ChatCompletionRequest
-from ember_engine.server.responses import _TicketedStream
 from ember_engine.server.responses_output import (
     Shell,
     StreamEvents,

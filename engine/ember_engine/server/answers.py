@@ -1,6 +1,7 @@
-"""From the engine's output streams to an HTTP response: following and merging the streams of a
-request's prompts, then either one JSON body (`_complete`, which aborts when the client leaves or the
-deadline passes) or a server-sent event stream (`_stream`, `_TicketedStream`)."""
+"""From the engine's output streams to an HTTP answer (the Responses API's shapes are in `responses_api`):
+following and merging the streams of a request's prompts, then either one JSON body (`_complete`, which
+aborts when the client leaves or the deadline passes) or a server-sent event stream (`_stream`,
+`_TicketedStream`)."""
 
 from __future__ import annotations
 
