@@ -688,7 +688,7 @@ def test_tokenize_detokenize_and_version_are_answered_by_an_engine(
     tiny_model: Path, engines: list[InProcessServer]
 ) -> None:
     """A client of the service (the router) counts tokens as it would on one engine; they were a 404."""
-    with running_router(tiny_model, [e.url for e in engines]) as (url, router):
+    with running_router(tiny_model, [e.url for e in engines]) as (url, _router):
         model = plainhttp.get(f"{engines[0].url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "messages": [{"role": "user", "content": "hi there"}]}
         counted = plainhttp.post(f"{url}/tokenize", json=body)
@@ -699,10 +699,10 @@ def test_tokenize_detokenize_and_version_are_answered_by_an_engine(
         bad = plainhttp.post(f"{url}/detokenize", json={"tokens": [10**9]})  # the engine's own 400, relayed
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
         assert plainhttp.get(f"{url}/version").json() == plainhttp.get(f"{engines[0].url}/version").json()
-        router.pool.poll_interval = 3600.0
-        time.sleep(0.5)  # the poll under way ends, and the next waits an hour
-        for state in router.pool.states():
-            state.ready = False  # as a poll finding none Ready leaves them
+    # No engine Ready (the one named has nothing listening): a 503 to come back, not a 404.
+    pool = EnginePool([f"http://127.0.0.1:{free_port()}"], poll_interval=0.1)
+    with serving(Router(pool, Tokenizer(str(tiny_model)))) as url:
+        wait_for(lambda: plainhttp.get(f"{url}/health").status_code == 200, what="the router up")
         none = plainhttp.post(f"{url}/tokenize", json=body)
         assert none.status_code == 503 and none.json()["error"]["code"] == "not_ready"
         assert none.headers["Retry-After"]
