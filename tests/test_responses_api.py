@@ -332,6 +332,7 @@ def test_without_a_store_keeping_or_continuing_is_refused(
         ({"include": ["file_search_call.results"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"reasoning": {"effort": "low", "summary": None}}, "reasoning"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"messages": [{"role": "user", "content": "x"}]}, "messages"),
         ({"max_tokens": 5}, "max_tokens"),
@@ -389,6 +390,15 @@ def test_the_fields_echoed_and_those_that_shape_sampling(client: openai.OpenAI) 
     )
     logprobs = lp.output[0].content[0].logprobs  # type: ignore[union-attr]
     assert logprobs and len(logprobs) == 3 and all(not e.top_logprobs for e in logprobs)
+
+
+def test_what_asks_for_nothing_is_taken(client: openai.OpenAI) -> None:
+    """The values a client sends for "none" of a feature ember does not have are not refusals."""
+    none: dict[str, Any] = {"background": False, "reasoning": {"effort": None, "summary": None}}
+    r = client.responses.create(
+        model=MODEL, input="x", max_output_tokens=2, text={"verbosity": "medium"}, **none
+    )
+    assert r.status == "incomplete" and r.background is False and r.reasoning is None
 
 
 def test_null_means_not_given_for_every_optional_field(server: InProcessServer) -> None:

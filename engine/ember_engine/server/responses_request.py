@@ -104,6 +104,14 @@ class ResponsesBody(BaseModel):
         return self.model_dump(exclude_unset=True)
 
 
+def _asks(value: Any) -> bool:
+    """Whether a field asks for something: not null, false, nor an object of nulls (`reasoning: {"effort":
+    null}`, `background: false` are what a client sends for "none")."""
+    if isinstance(value, dict):
+        return any(_asks(v) for v in value.values())
+    return value is not None and value is not False
+
+
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param)
 
@@ -197,8 +205,10 @@ def _response_format(text: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(text, dict):
         raise _bad("text", "must be an object")
-    if text.get("verbosity") is not None:
-        raise _bad("text.verbosity", "not supported: the model's length is set by max_output_tokens")
+    if text.get("verbosity") not in (None, "medium"):  # OpenAI's default: what the model does anyway
+        raise _bad(
+            "text.verbosity", "only 'medium' is served: the model's length is set by max_output_tokens"
+        )
     unknown = sorted(set(text) - {"format", "verbosity"})
     if unknown:
         raise _bad(f"text.{unknown[0]}", "unknown field")
@@ -234,7 +244,7 @@ def chat_body(body: dict[str, Any], history: list[dict[str, Any]] | None = None)
     """The chat request a Responses API body runs as; `history` the stored conversation it continues
     (the messages before its input). APIError naming a field that is refused or malformed."""
     for name, why in REFUSED.items():
-        if body.get(name) is not None:
+        if _asks(body.get(name)):
             raise _bad(name, why)
     for name, instead in CHAT_ONLY.items():
         if name in body:
