@@ -401,6 +401,18 @@ def test_what_asks_for_nothing_is_taken(client: openai.OpenAI) -> None:
     assert r.status == "incomplete" and r.background is False and r.reasoning is None
 
 
+def test_a_refused_field_nested_as_deep_as_the_parser_allows_is_a_400(server: InProcessServer) -> None:
+    """Whether `reasoning` asks for anything was judged by recursing into it: 900 levels were a 500
+    (RecursionError); one level decides it."""
+    nested = "null"
+    for _ in range(900):
+        nested = '{"a": ' + nested + "}"
+    raw = ('{"model": "tiny", "input": "x", "reasoning": ' + nested + "}").encode()
+    headers = {"content-type": "application/json"}
+    r = plainhttp.post(f"{server.url}/v1/responses", content=raw, headers=headers, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning", r.text[:300]
+
+
 def test_null_means_not_given_for_every_optional_field(server: InProcessServer) -> None:
     optional = [name for name, f in ResponsesBody.model_fields.items() if not f.is_required()]
     body = {"model": MODEL, "input": "x", **{name: None for name in optional}}

@@ -105,10 +105,11 @@ class ResponsesBody(BaseModel):
 
 
 def _asks(value: Any) -> bool:
-    """Whether a field asks for something: not null, false, nor an object of nulls (`reasoning: {"effort":
-    null}`, `background: false` are what a client sends for "none")."""
+    """Whether a field asks for something: not null, false, nor an object whose values are (`reasoning:
+    {"effort": null}`, `background: false` are what a client sends for "none"). One level: a body may nest
+    as deep as the JSON parser allows."""
     if isinstance(value, dict):
-        return any(_asks(v) for v in value.values())
+        return any(v is not None and v is not False for v in value.values())
     return value is not None and value is not False
 
 
