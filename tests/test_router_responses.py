@@ -99,3 +99,8 @@ def test_a_stored_response_is_continued_read_and_deleted_where_it_is_kept(
         assert missing.value.body["code"] == "response_not_found"  # type: ignore[index]
         with pytest.raises(openai.NotFoundError):  # routed by load: the engine has no such response
             client.responses.create(model=MODEL, input="x", previous_response_id=response.id)
+        # An id is any string: asked of the engines as one path segment (a `..` reached their /metrics,
+        # which answered 200, and the router took that engine for its home).
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model=MODEL, input="x", previous_response_id="../../../metrics")
+        assert router.homes.get("../../../metrics") is None

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -278,7 +279,7 @@ class Router:
             if not state.ready:
                 continue
             try:
-                url = f"{state.name}/v1/responses/{response_id}"
+                url = f"{state.name}/v1/responses/{quote(response_id, safe='')}"  # an id is any string
                 async with self.session.get(url, timeout=_MODELS_TIMEOUT) as r:
                     if r.status == 200:
                         self.homes.put(response_id, state.name)
