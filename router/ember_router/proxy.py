@@ -301,7 +301,6 @@ class Router:
             body = read_body(raw)
         except BadBody as exc:  # no engine, nor any later attempt, could answer it otherwise
             return error_response(400, str(exc), "invalid_request_error", None)
-        asked = prompt_body(body) if responses else body  # a Responses API body: the chat it runs as
         if responses and isinstance(body, dict) and isinstance(body.get("previous_response_id"), str):
             # It continues a stored response: only the engine that has it can answer.
             home = await self._home(body["previous_response_id"])
@@ -311,6 +310,7 @@ class Router:
                 )
                 assert response is not None  # without retry, every answer is relayed
                 return response
+        asked = prompt_body(body) if responses else body  # a Responses API body: the chat it runs as
         if len(raw) <= INLINE_TOKENIZE:
             prompts = request_prompts(self.tokenizer, asked, chat, self.pool.block_size)
         else:

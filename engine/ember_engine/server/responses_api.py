@@ -33,7 +33,7 @@ from ember_engine.server.state import ServerState
 
 Serve = Callable[[ServerState, Request, ChatCompletionRequest, bool], Awaitable[Response]]
 # The chat request's field names, as the Responses API spells them, in the errors a request gets.
-_SPELLED = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+_SPELLED = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 @dataclass(slots=True)
@@ -72,7 +72,7 @@ def _not_found(response_id: str) -> APIError:
 
 def _spelled(param: str) -> str:
     head, _, rest = param.partition(".")
-    if head == "messages":
+    if head == "messages":  # the chat messages' indices are not the input's: the field alone
         return "input"
     return _SPELLED.get(head, head) + (f".{rest}" if rest else "")
 
