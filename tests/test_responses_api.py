@@ -19,6 +19,7 @@ import pytest
 from server_util import InProcessServer, running_server, serve_args
 from test_structured_api import SCHEMA, TOOL_TEMPLATE, WEATHER
 
+from ember_engine.server.responses_api import ResponseStore, Stored
 from ember_engine.server.responses_request import ResponsesBody
 
 MODEL = "tiny"
@@ -32,7 +33,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     config = json.loads((path / "tokenizer_config.json").read_text())
     config["chat_template"] = TOOL_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    with running_server(path, "--served-model-name", MODEL, "--responses-store", "3") as s:
+    store = ("--responses-store", "3", "--responses-store-bytes", "1000000")
+    with running_server(path, "--served-model-name", MODEL, *store) as s:
         yield s
 
 
@@ -321,6 +323,43 @@ def test_without_a_store_keeping_or_continuing_is_refused(
         server.state.responses = kept
     with pytest.raises(SystemExit):
         serve_args(Path("m"), "--responses-store", "-1")
+
+
+def test_the_store_keeps_fewer_where_they_would_pass_its_bytes(
+    server: InProcessServer, client: openai.OpenAI
+) -> None:
+    """`--responses-store-bytes`: the oldest go first while the kept responses, as JSON text, pass it (each
+    keeps its whole conversation); the newest is kept whatever its size."""
+    assert server.state.responses.max_bytes == 1_000_000  # the module's server, from its option
+    kept, server.state.responses = server.state.responses, ResponseStore(10, 1_000_000)
+    try:
+        store = server.state.responses
+        long = "word " * 400  # 2 KB of input in the response's conversation and in its input items
+        first = client.responses.create(model=MODEL, input=long, max_output_tokens=2)
+        second = client.responses.create(model=MODEL, input="short", max_output_tokens=2)
+        sizes = {r.id: store.get(r.id).nbytes for r in (first, second)}
+        assert sizes[first.id] - sizes[second.id] > 1.9 * len(long)  # in its conversation and its items
+        assert store.nbytes == sum(sizes.values())
+        store.max_bytes = sum(sizes.values()) + 1000  # room for a short one more, not a long one
+        third = client.responses.create(model=MODEL, input=long, max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
+        for r in (second, third):
+            assert client.responses.retrieve(r.id).id == r.id
+        assert store.nbytes <= store.max_bytes and store.nbytes == sum(
+            s.nbytes for s in store._items.values()
+        )
+        client.responses.delete(third.id)
+        assert store.nbytes == sizes[second.id]
+    finally:
+        server.state.responses = kept
+    one = ResponseStore(10, 10)
+    one.put(Stored({"id": "resp_a"}, [{"role": "user", "content": "x" * 100}], []))
+    assert one.get("resp_a") is not None and one.nbytes > 10  # the newest stays, over the budget
+    one.put(Stored({"id": "resp_b"}, [], []))
+    assert one.get("resp_a") is None and one.get("resp_b") is not None
+    with pytest.raises(SystemExit):
+        serve_args(Path("m"), "--responses-store-bytes", "0")
 
 
 @pytest.mark.parametrize(

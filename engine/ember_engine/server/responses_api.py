@@ -2,8 +2,8 @@
 (`responses_request`) and answered in the Responses shapes (`responses_output`); with a response store
 (`ember serve --responses-store N`), `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`.
 
-The store is this server's memory: the last N responses and the conversation each ends, gone when the
-server stops. Without one, responses are not kept (`store: false` in each), and a request that asks for
+The store is this server's memory: the last N responses and the conversation each ends (fewer where
+they would pass `--responses-store-bytes`), gone when the server stops. Without one, responses are not kept (`store: false` in each), and a request that asks for
 keeping or continuing one is refused by name."""
 
 from __future__ import annotations
@@ -41,27 +41,37 @@ class Stored:
     response: dict[str, Any]
     messages: list[dict[str, Any]]  # the conversation it ends, as chat messages (a continuation's start)
     items: list[dict[str, Any]]  # its own input, as items (`input_items`)
+    nbytes: int = 0  # as JSON text, set when stored
 
 
 class ResponseStore:
-    """The last `size` responses, by id."""
+    """The last `size` responses, by id, and fewer where together they would pass `max_bytes`, each counted
+    as the JSON text of the response, the conversation it ends and its input items (each keeps its whole
+    conversation, so a long chat's continuations grow the store fastest). The newest is kept whatever its
+    size."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, max_bytes: int) -> None:
         self.size = size
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._items: OrderedDict[str, Stored] = OrderedDict()
 
     def put(self, stored: Stored) -> None:
-        key = stored.response["id"]
-        self._items[key] = stored
-        self._items.move_to_end(key)
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+        self.delete(stored.response["id"])
+        stored.nbytes = len(json.dumps([stored.response, stored.messages, stored.items]))
+        self._items[stored.response["id"]] = stored
+        self.nbytes += stored.nbytes
+        while len(self._items) > self.size or (self.nbytes > self.max_bytes and len(self._items) > 1):
+            self.nbytes -= self._items.popitem(last=False)[1].nbytes
 
     def get(self, response_id: str) -> Stored | None:
         return self._items.get(response_id)
 
     def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+        gone = self._items.pop(response_id, None)
+        if gone is not None:
+            self.nbytes -= gone.nbytes
+        return gone is not None
 
 
 def _not_found(response_id: str) -> APIError:

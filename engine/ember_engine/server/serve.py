@@ -121,6 +121,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="keep the last N /v1/responses answers in memory, for previous_response_id and GET (default 0: none)",
     )
+    p.add_argument(
+        "--responses-store-bytes",
+        type=arg_types.byte_size,
+        default=256 << 20,
+        help="and fewer where together, as JSON text, they would pass this many bytes (default 256 MiB)",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--max-request-body-bytes",
@@ -188,7 +194,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     if args.responses_store:
         from ember_engine.server.responses_api import ResponseStore
 
-        state.responses = ResponseStore(args.responses_store)
+        state.responses = ResponseStore(args.responses_store, args.responses_store_bytes)
     failure: list[BaseException] = []
     stopped = threading.Event()  # the server stopped before the model was ready: load() drops its engine
     publish = threading.Lock()
