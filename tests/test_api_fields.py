@@ -453,6 +453,46 @@ def test_a_message_without_content_is_refused(
     assert plainhttp.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
+ASK = {"role": "user", "content": "weather in Oslo?"}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+
+
+def _asked(*calls: Any) -> list[dict[str, Any]]:
+    return [ASK, {"role": "assistant", "tool_calls": list(calls)}]
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (_asked({**CALL, "function": "weather"}), "messages.1.tool_calls.0.function"),
+        (_asked(CALL, {**CALL, "function": 5}), "messages.1.tool_calls.1.function"),
+        (_asked("weather"), "messages.1.tool_calls.0"),
+        (_asked({"type": "function", "function": CALL["function"]}), "messages.1.tool_calls.0.id"),
+        (_asked({**CALL, "type": "retrieval"}), "messages.1.tool_calls.0.type"),
+        (_asked({**CALL, "function": {"name": "weather"}}), "messages.1.tool_calls.0.function.arguments"),
+        (
+            _asked({**CALL, "function": {"name": "weather", "arguments": {}}}),
+            "messages.1.tool_calls.0.function.arguments",
+        ),
+        ([*_asked(CALL), {"role": "tool", "content": "sunny"}], "messages.2.tool_call_id"),
+    ],
+)
+def test_a_malformed_tool_call_or_answer_is_refused(
+    server: InProcessServer, messages: list[dict[str, Any]], param: str
+) -> None:
+    """As OpenAI refuses them: an assistant's earlier call needs an id, type "function" and a function of a
+    name and arguments as JSON text, and a tool message the id of the call it answers. A function that was
+    not an object was a 500 (rendering the prompt failed); a missing id or name was rendered as nothing.
+    /tokenize renders messages as chat does, and refuses them too."""
+    for path, body in (("/v1/chat/completions", CHAT), ("/tokenize", {"model": MODEL})):
+        r = plainhttp.post(f"{server.url}{path}", json={**body, "messages": messages}, timeout=60)
+        assert r.status_code == 400, (path, r.text[:300])
+        assert r.json()["error"]["param"] == param, (path, r.json())
+    answered = [*_asked(CALL), {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = plainhttp.post(f"{server.url}/v1/chat/completions", json={**CHAT, "messages": answered}, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+
+
 def test_stream_options_without_stream_is_refused(server: InProcessServer) -> None:
     """As OpenAI and vLLM refuse it; it was taken and ignored."""
     for path, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
