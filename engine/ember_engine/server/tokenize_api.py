@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ember_engine import __version__
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.server.chat import ChatTemplateError, render_chat
+from ember_engine.server.chat_messages import ChatMessage
 from ember_engine.server.errors import still_loading
-from ember_engine.server.protocol import APIError, ChatMessage, checked_template_kwargs
+from ember_engine.server.protocol import APIError, checked_template_kwargs
 from ember_engine.server.state import ServerState
 from ember_engine.server.text_checks import lone_surrogate
 from ember_engine.server.tools import plan_tools
