@@ -60,6 +60,9 @@ def _calibration(src: Path, text: str):  # type: ignore[no-untyped-def]
 
 def build(src: Path, dst: Path, preset: str, text: str = "random") -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # its CPU pool wants two workers at least
+    # Packed by its torch code, not its C++ packer, which it compiles at first use (a minute or more of a
+    # fresh machine's two cores): the same bytes (compared on INT4).
+    os.environ["GPTQMODEL_DISABLE_PACK_EXT"] = "1"
     src, dst = src.resolve(), dst.resolve()
     os.chdir(tempfile.mkdtemp())  # GPTQModel writes a log folder where it runs
     import torch

@@ -44,16 +44,35 @@ def _leave_out(model, ckpt: Path) -> None:  # type: ignore[no-untyped-def]
             setattr(model.get_submodule(parent), child, linear)
 
 
+def _dequantized(module):  # type: ignore[no-untyped-def]
+    """A layer's weight as GPTQModel's kernel multiplies by it: its torch AWQ kernel has no
+    `dequantize_weight`, and multiplies by what GPTQModel's AWQ dequantization (`dequantize_gemm`) gives."""
+    if hasattr(module, "dequantize_weight"):
+        return module.dequantize_weight()
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+
+    return dequantize_gemm(module.qweight, module.qzeros, module.scales, module.bits, module.group_size)
+
+
 def main(ckpt: str, out: str, prompts_file: str) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AwqConfig, GPTQConfig
 
     # GPTQModel's kernels compile their dequantization with torch.compile at first use, which took 5 to
     # 20 s of a run on a CPU for the same operations eagerly run (measured: the same logits, weights
     # and checkpoint bytes): eager here.
     torch._dynamo.config.disable = True
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, device_map="cpu", dtype=torch.float32)
+    # GPTQModel's torch kernels, on every machine: by default it picks by the CPU (on one with AVX-512
+    # BF16, a C++ kernel it compiles at first use, minutes of a fresh machine's two cores). transformers
+    # takes only the loading attributes (the backend) from this config; the rest is the checkpoint's.
+    method = json.loads((Path(ckpt) / "config.json").read_text())["quantization_config"]["quant_method"]
+    kernel = (
+        GPTQConfig(bits=4, backend="torch") if method == "gptq" else AwqConfig(bits=4, backend="torch_awq")
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        ckpt, device_map="cpu", dtype=torch.float32, quantization_config=kernel
+    )
     _leave_out(model, Path(ckpt))
     prompts = json.loads(Path(prompts_file).read_text())
     result: dict = {"logits": [], "greedy": [], "weights": {}}
@@ -66,9 +85,9 @@ def main(ckpt: str, out: str, prompts_file: str) -> None:
         layers = {n: m for n, m in model.named_modules() if hasattr(m, "qweight")}
         # Which way round the kernel gives its weight, told by a projection that is not square.
         probe = next(m for m in layers.values() if m.in_features != m.out_features)
-        flip = probe.dequantize_weight().shape[0] == probe.in_features
+        flip = _dequantized(probe).shape[0] == probe.in_features
         for name, module in layers.items():
-            w = module.dequantize_weight()
+            w = _dequantized(module)
             result["weights"][name] = (w.t() if flip else w).contiguous()
     result["kernel"] = type(model.model.layers[0].mlp.down_proj).__name__
     torch.save(result, out)
