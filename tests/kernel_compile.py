@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import io
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -67,7 +68,8 @@ LAUNCHED = {
 }
 
 
-_COMPILED: dict[str, dict[str, Any]] = {}
+# Each variant to compile, by its key (`_compile`): planned first, then compiled in parallel (`main`).
+_PLANNED: dict[str, tuple[Any, dict[str, str], dict[str, Any], tuple[int, int]]] = {}
 
 
 def specialize(integers: dict[str, int], signature: dict[str, str], constexprs: dict[str, Any]) -> None:
@@ -80,17 +82,18 @@ def specialize(integers: dict[str, int], signature: dict[str, str], constexprs: 
             signature[name] = "i32:16" if value % 16 == 0 else "i32"
 
 
-def _compile(
-    fn: Any, signature: dict[str, str], constexprs: dict[str, Any], cc: tuple[int, int]
-) -> dict[str, Any]:
-    """What came of compiling `fn` so; row classes that share a tile (128 and 256 rows) share one
+def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], cc: tuple[int, int]) -> str:
+    """The key of compiling `fn` so, planned; row classes that share a tile (128 and 256 rows) share one
     compilation. A type marked `:16` (a pointer 16-byte aligned, an integer a multiple of 16) is
     compiled with that divisibility known, as Triton's launcher specializes every launch on it."""
     key = json.dumps([fn.__name__, signature, constexprs, cc], sort_keys=True, default=str)
-    if key not in _COMPILED:
-        _COMPILED[key] = _compile_once(fn, dict(signature), dict(constexprs), cc)
-        _COMPILED[key]["signature"] = signature
-    return _COMPILED[key]
+    _PLANNED.setdefault(key, (fn, signature, constexprs, cc))
+    return key
+
+
+def _compile_planned(key: str) -> tuple[str, dict[str, Any]]:
+    fn, signature, constexprs, cc = _PLANNED[key]
+    return key, _compile_once(fn, dict(signature), dict(constexprs), cc) | {"signature": signature}
 
 
 def _compile_once(
@@ -156,7 +159,7 @@ def resources(log: str) -> dict[str, int]:
     }
 
 
-def gemm(kind: int, m: int, dtype: torch.dtype, cc: tuple[int, int], group: int = 0) -> dict[str, Any]:
+def gemm(kind: int, m: int, dtype: torch.dtype, cc: tuple[int, int], group: int = 0) -> str:
     """The GEMM variant a layer of kind `kind` with a 4096 x 4096 weight launches for `m` rows: every
     tensor 16-byte aligned, each integer specialized as Triton's launcher does. `group`: block-scaled
     fp8's block width, where not its usual 128."""
@@ -177,7 +180,7 @@ def gemm(kind: int, m: int, dtype: torch.dtype, cc: tuple[int, int], group: int 
     return _compile(triton_gemm._gemm_kernel, signature, constexprs, cc)
 
 
-def quantizer(kind: int, static: bool, cc: tuple[int, int], dtype: torch.dtype) -> dict[str, Any]:
+def quantizer(kind: int, static: bool, cc: tuple[int, int], dtype: torch.dtype) -> str:
     """The activation quantizer as a 4096-wide layer launches it, per token (or per group of 128: the
     same specialization) or with a static scale."""
     signature = {"x_ptr": TRITON_TYPE[dtype], "q_ptr": "*u8" if kind == triton_act_quant.FP8 else "*i8"}
@@ -189,7 +192,7 @@ def quantizer(kind: int, static: bool, cc: tuple[int, int], dtype: torch.dtype) 
     return _compile(triton_act_quant._quantize_kernel, signature, constexprs, cc)
 
 
-def launched(variant: dict[str, Any], cc: tuple[int, int]) -> dict[str, Any]:
+def launched(variant: dict[str, Any], cc: tuple[int, int]) -> str:
     """One ledger variant compiled: an integer Triton saw as 1 as the constant it specializes it to; a
     tensor it saw 16-byte aligned and an integer a multiple of 16 marked so (`:16`); an integer not
     recorded (not specialized on) as a plain int32."""
@@ -210,7 +213,7 @@ triton.knobs.nvidia.dump_ptxas_log = RESOURCES
 
 
 def main() -> int:
-    results: dict[str, Any] = {}
+    results: dict[str, str] = {}  # each variant's name -> its compilation's key
     paths = [a for a in sys.argv[1:] if a != "--resources"]
     variants = json.loads(Path(paths[0]).read_text()) if paths else []
     for cc in CAPABILITIES:
@@ -240,7 +243,11 @@ def main() -> int:
             if cc < (8, 0) and any(kind.startswith("*bf16") for kind in variant["args"].values()):
                 continue
             results[f"launched/{variant['kernel']}/{arch}/{i}"] = launched(variant, cc)
-    json.dump(results, sys.stdout, indent=1)
+    # Each compilation in a process of its own, as many at once as there are cores (forked: the kernels
+    # and the plan are inherited): Triton's compiler and ptxas run on one core each.
+    with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
+        compiled = dict(pool.imap_unordered(_compile_planned, _PLANNED, chunksize=1))
+    json.dump({name: compiled[key] for name, key in results.items()}, sys.stdout, indent=1)
     return 0
 
 
