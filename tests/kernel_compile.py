@@ -244,8 +244,9 @@ def main() -> int:
                 continue
             results[f"launched/{variant['kernel']}/{arch}/{i}"] = launched(variant, cc)
     # Each compilation in a process of its own, as many at once as there are cores (forked: the kernels
-    # and the plan are inherited): Triton's compiler and ptxas run on one core each.
-    with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
+    # and the plan are inherited): Triton's compiler and ptxas run on one core each. At most 8: each holds
+    # its own compiler state.
+    with multiprocessing.get_context("fork").Pool(min(os.cpu_count() or 1, 8)) as pool:
         compiled = dict(pool.imap_unordered(_compile_planned, _PLANNED, chunksize=1))
     json.dump({name: compiled[key] for name, key in results.items()}, sys.stdout, indent=1)
     return 0
