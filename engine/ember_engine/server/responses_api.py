@@ -3,8 +3,8 @@
 (`ember serve --responses-store N`), `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`.
 
 The store is this server's memory: the last N responses and the conversation each ends (fewer where
-they would pass `--responses-store-bytes`), gone when the server stops. Without one, responses are not kept (`store: false` in each), and a request that asks for
-keeping or continuing one is refused by name."""
+they would pass `--responses-store-bytes`), gone when the server stops. Without one, responses are not
+kept (`store: false` in each), and a request that asks for keeping or continuing one is refused by name."""
 
 from __future__ import annotations
 
