@@ -112,8 +112,8 @@ def edited_checkpoint():  # -> Callable[..., Path]
 
 
 # The longest test modules, longest first: each one's time in a whole `make pytest` run on two cores, and
-# `test_kernels_compile.py` by its time on a fresh machine (CI), where Triton's cache is cold (about 330 s;
-# 86 s warm). `make pytest` hands whole modules to its two pytest-xdist workers in collection order
+# `test_kernels_compile.py` by its time on a fresh machine (CI), where Triton's cache is cold (256 s in a
+# fresh run; 47 s warm). `make pytest` hands whole modules to its two pytest-xdist workers in collection order
 # (`--no-loadscope-reorder`; xdist's own order, most tests first, would leave these few-test, long modules
 # to the end, one worker busy and one idle), so these start first and the many short modules fill in behind
 # them: the workers' last modules are short, and they end close together.
