@@ -51,6 +51,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     arrival_time: float | None
+    lora: str | None = None
 
 
 @dataclass(slots=True)
@@ -107,6 +108,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield an update per step that changed the request; the last has `.finished`. Raises
         ValueError for a request the engine refuses. `arrival_time` (time.monotonic()) is when the request
@@ -122,7 +124,7 @@ class AsyncEngine:
             self._streams[rid] = (asyncio.get_running_loop(), stream)
         params = params or SamplingParams()
         self.submitted[priority] += params.n
-        self._inbox.put(_Add(rid, prompt, params, priority, cache_salt, arrival))
+        self._inbox.put(_Add(rid, prompt, params, priority, cache_salt, arrival, lora))
         finished = False
         try:
             while True:
@@ -219,7 +221,13 @@ class AsyncEngine:
         self.taken_in[item.priority] += item.params.n
         try:
             self.engine.add_request(
-                item.request_id, item.prompt, item.params, item.priority, item.cache_salt, item.arrival_time
+                item.request_id,
+                item.prompt,
+                item.params,
+                item.priority,
+                item.cache_salt,
+                item.arrival_time,
+                item.lora,
             )
         except ValueError as exc:
             self._deliver(item.request_id, exc)

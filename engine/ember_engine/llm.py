@@ -27,9 +27,12 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, in order. A prompt that can never be served (too long, empty)
-        comes back with `.error` set and no samples; the others are unaffected."""
+        """Run every prompt to completion, in order; each on the base model or on the LoRA adapter `lora`
+        names (one name for all, or one per prompt; adapters are given as `LLM(..., lora_modules={name:
+        directory})`). A prompt that can never be served (too long, empty, an unknown adapter) comes back
+        with `.error` set and no samples; the others are unaffected."""
         prompt_list: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompt_list = [prompts]  # type: ignore[list-item]
@@ -41,13 +44,18 @@ class LLM:
             params_list = list(params)
         if len(params_list) != len(prompt_list):
             raise ValueError(f"params: {len(params_list)} given for {len(prompt_list)} prompts")
+        loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"lora: {len(loras)} given for {len(prompt_list)} prompts")
         results: dict[str, RequestOutput] = {}
         order = []
         for i, (prompt, sp) in enumerate(zip(prompt_list, params_list, strict=True)):
             rid = f"offline-{next(self._ids)}"
             order.append(rid)
             try:
-                self.engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0)
+                self.engine.add_request(
+                    rid, prompt, sp, priority=priority[i] if priority else 0, lora=loras[i]
+                )
             except ValueError as exc:
                 token_ids = prompt if isinstance(prompt, list) else []
                 text = prompt if isinstance(prompt, str) else None

@@ -74,14 +74,20 @@ def collects_prompt_logprobs(body: Any, chat: bool) -> bool:
     return body.get("prompt_logprobs") is not None or echoed
 
 
-def request_prompts(tokenizer: Tokenizer, body: Any, chat: bool, block_size: int | None) -> Prompts:
+def request_prompts(
+    tokenizer: Tokenizer, body: Any, chat: bool, block_size: int | None, model: str | None = None
+) -> Prompts:
     """The request's prompts; none when it cannot be read. A request that collects prompt logprobs gives
-    no hashes: no engine's cache serves it (it is routed by load), though its blocks are cached after."""
+    no hashes: no engine's cache serves it (it is routed by load), though its blocks are cached after.
+    `model`: the name the engines serve their model by, when known; a request naming another model names
+    a LoRA adapter, whose blocks the engines key by it."""
     prompts = prompts_token_ids(tokenizer, body, chat) or []
     salt = body.get("cache_salt") if isinstance(body, dict) else None
     salt = salt if isinstance(salt, str) else None
+    named = body.get("model") if isinstance(body, dict) else None
+    adapter = named if model is not None and isinstance(named, str) and named != model else None
     if not block_size or collects_prompt_logprobs(body, chat):
         hashes: list[list[int]] = [[] for _ in prompts]
     else:
-        hashes = [prefix_hashes(ids, block_size, salt) for ids in prompts]
+        hashes = [prefix_hashes(ids, block_size, salt, adapter) for ids in prompts]
     return Prompts(hashes, [len(ids) for ids in prompts])

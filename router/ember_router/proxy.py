@@ -311,11 +311,12 @@ class Router:
                 assert response is not None  # without retry, every answer is relayed
                 return response
         asked = prompt_body(body) if responses else body  # a Responses API body: the chat it runs as
+        served = self.settings.served_model_name
         if len(raw) <= INLINE_TOKENIZE:
-            prompts = request_prompts(self.tokenizer, asked, chat, self.pool.block_size)
+            prompts = request_prompts(self.tokenizer, asked, chat, self.pool.block_size, served)
         else:
             prompts = await asyncio.to_thread(
-                request_prompts, self.tokenizer, asked, chat, self.pool.block_size
+                request_prompts, self.tokenizer, asked, chat, self.pool.block_size, served
             )
         hashes = prompts.first_hashes
         if self._routes():

@@ -74,7 +74,9 @@ class BlockManager:
         while (len(hashes) + 1) * size <= len(tokens):
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(chain_hash(parent, tokens[i * size : (i + 1) * size], request.cache_salt))
+            hashes.append(
+                chain_hash(parent, tokens[i * size : (i + 1) * size], request.cache_salt, request.lora)
+            )
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """The longest run of cached blocks matching the request's prefix, leaving at least the last

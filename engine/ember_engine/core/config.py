@@ -73,6 +73,8 @@ class EngineConfig:
     # The KV cache's element type: "auto" (the model's dtype), "fp8" (E4M3 with per-layer scales) or
     # "fp8_e5m2" (E5M2, the same scales).
     kv_cache_dtype: str = "auto"
+    # LoRA adapters (PEFT directories) by the name requests use for them; every one loaded at start.
+    lora_modules: dict[str, str] | None = None
 
     @property
     def speculation(self) -> str | None:
@@ -171,6 +173,12 @@ class EngineConfig:
                 "kv_cache_dtype",
                 f"unsupported {self.kv_cache_dtype!r}; supported: {', '.join(KV_CACHE_DTYPES)}",
             )
+        for name in self.lora_modules or {}:
+            if not isinstance(name, str) or not name or name != name.strip():
+                bad(
+                    "lora_modules",
+                    f"an adapter's name must be a non-empty string without surrounding spaces, got {name!r}",
+                )
         ngram_min, ngram_max = self.ngram_range
         if not 1 <= ngram_min <= ngram_max:
             bad("ngram_min", f"need 1 <= ngram_min <= ngram_max, got {ngram_min} and {ngram_max}")

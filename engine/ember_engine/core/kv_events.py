@@ -20,23 +20,33 @@ from dataclasses import dataclass
 STORED, REMOVED = "stored", "removed"
 
 
-def chain_hash(parent: int | None, token_ids: Sequence[int], extra: str | None = None) -> int:
-    """The key of a full block: its tokens, the key of the block before it, and a cache salt."""
+def chain_hash(
+    parent: int | None, token_ids: Sequence[int], extra: str | None = None, adapter: str | None = None
+) -> int:
+    """The key of a full block: its tokens, the key of the block before it, a cache salt, and the LoRA
+    adapter that computed it (its name length-prefixed, so that no salt can spell an adapter's key)."""
     h = hashlib.blake2b(digest_size=8)
     h.update((parent if parent is not None else 0).to_bytes(8, "little", signed=False))
     h.update(b"\x01" if parent is not None else b"\x00")
     h.update(array("q", token_ids).tobytes())
+    if adapter is not None:
+        name = adapter.encode("utf-8", "surrogatepass")
+        h.update(b"\x03" + len(name).to_bytes(4, "little") + name)
     if extra is not None:
         h.update(b"\x02" + extra.encode("utf-8", "surrogatepass"))
     return int.from_bytes(h.digest(), "little")
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, extra: str | None = None) -> list[int]:
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, extra: str | None = None, adapter: str | None = None
+) -> list[int]:
     """The chained keys of every full block of `token_ids`."""
     out: list[int] = []
     for i in range(len(token_ids) // block_size):
         out.append(
-            chain_hash(out[-1] if out else None, token_ids[i * block_size : (i + 1) * block_size], extra)
+            chain_hash(
+                out[-1] if out else None, token_ids[i * block_size : (i + 1) * block_size], extra, adapter
+            )
         )
     return out
 

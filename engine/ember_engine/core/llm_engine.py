@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 
 from ember_engine.core.block_manager import BlockManager, PrefixCacheStats
 from ember_engine.core.config import EngineConfig
 from ember_engine.core.output_processor import Group, OutputProcessor
-from ember_engine.core.outputs import RequestOutput
+from ember_engine.core.outputs import EngineStats, RequestOutput
 from ember_engine.core.plain_sampling import row_logprob, sample_plain
 from ember_engine.core.request import Request
 from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.distributed.workers import WorkerPool
 from ember_engine.model.gguf import directory as gguf_dir
+from ember_engine.model.lora import slot_of
 from ember_engine.model.memory import fitted_max_model_len
 from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
@@ -28,28 +29,7 @@ from ember_engine.sample.sampler import Sampler
 from ember_engine.sample.sampling_params import SamplingParams
 from ember_engine.sample.sampling_state import SamplingState, upload_ids
 from ember_engine.sample.seeds import child_seed, make_generator
-from ember_engine.spec.decoder import SpecDecoder, SpecStats, draft_cache_bytes, draft_model_config
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_kv_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    last_step_seconds: float  # wall time of the latest step
-    last_batch_size: int  # requests in it
-    last_batch_tokens: int  # tokens in it
-    num_steps: int  # steps run so far
-    spec: SpecStats | None = None  # a copy; None without speculative decoding
-    spec_enabled: bool = False  # the adaptive controller's latest decision
-    prefix_cache_preempted_queries: int = 0  # re-admitted preempted requests' lookups, not in the above
-    prefix_cache_preempted_hits: int = 0
+from ember_engine.spec.decoder import SpecDecoder, draft_cache_bytes, draft_model_config
 
 
 class LLMEngine:
@@ -132,9 +112,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> None:
-        """Queue a request; raises ValueError (naming the field) for one that can never be served."""
+        """Queue a request (on LoRA adapter `lora` if one is named); raises ValueError (naming the field)
+        for one that can never be served."""
         params = params or SamplingParams()
+        adapter = slot_of(self.runner.lora, lora)
         params.validate()
         if request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -156,6 +139,8 @@ class LLMEngine:
                 priority=priority,
                 arrival_time=arrival,
                 cache_salt=cache_salt,
+                lora=lora,
+                adapter=adapter,
                 generator=None if params.seed is None else make_generator(0, self.runner.device),
                 seed=None if params.seed is None else child_seed(params.seed, i),
                 index=i,
@@ -346,4 +331,10 @@ class LLMEngine:
             spec_enabled=self.spec is not None and self.spec.enabled,
             prefix_cache_preempted_queries=bm.stats.preempted_queries,
             prefix_cache_preempted_hits=bm.stats.preempted_hits,
+            running_loras=_loras(self.scheduler.running) if self.runner.lora else (),
+            waiting_loras=_loras(self.scheduler.waiting) if self.runner.lora else (),
         )
+
+
+def _loras(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(r.lora for r in requests if r.lora is not None))

@@ -1,8 +1,13 @@
-"""What the engine hands back: one RequestOutput per request, one CompletionOutput per sample."""
+"""What the engine hands back: one RequestOutput per request, one CompletionOutput per sample, and
+EngineStats, its counters and gauges as of a step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ember_engine.spec.decoder import SpecStats
 
 
 @dataclass(slots=True)
@@ -71,3 +76,27 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[Logprob] | None:
         return self.outputs[0].logprobs if self.outputs else None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    last_step_seconds: float  # wall time of the latest step
+    last_batch_size: int  # requests in it
+    last_batch_tokens: int  # tokens in it
+    num_steps: int  # steps run so far
+    spec: SpecStats | None = None  # a copy; None without speculative decoding
+    spec_enabled: bool = False  # the adaptive controller's latest decision
+    prefix_cache_preempted_queries: int = 0  # re-admitted preempted requests' lookups, not in the above
+    prefix_cache_preempted_hits: int = 0
+    # LoRA adapters of the requests running and waiting (each named once)
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()

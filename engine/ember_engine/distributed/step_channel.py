@@ -28,7 +28,7 @@ HEADER = 4096  # int32 slots: 16 KiB
 def encode(chunks: Sequence[Chunk]) -> np.ndarray:
     head = [FORWARD, len(chunks)]
     for c in chunks:
-        head += [c.start, len(c.token_ids), c.num_logits, len(c.block_ids)]
+        head += [c.start, len(c.token_ids), c.num_logits, len(c.block_ids), c.adapter]
     parts = [np.asarray(head, dtype=np.int32)]
     parts += [np.asarray(c.token_ids, dtype=np.int32) for c in chunks]
     parts += [np.asarray(c.block_ids, dtype=np.int32) for c in chunks]
@@ -40,15 +40,15 @@ def decode(message: np.ndarray) -> list[Chunk] | None:
     if message[0] == STOP:
         return None
     n = int(message[1])
-    meta = message[2 : 2 + 4 * n].reshape(n, 4).tolist()
-    at = 2 + 4 * n
+    meta = message[2 : 2 + 5 * n].reshape(n, 5).tolist()
+    at = 2 + 5 * n
     tokens = []
-    for _, num_tokens, _, _ in meta:
+    for _, num_tokens, _, _, _ in meta:
         tokens.append(message[at : at + num_tokens].tolist())
         at += num_tokens
     chunks = []
-    for (start, _, num_logits, num_blocks), token_ids in zip(meta, tokens, strict=True):
-        chunks.append(Chunk(message[at : at + num_blocks].tolist(), start, token_ids, num_logits))
+    for (start, _, num_logits, num_blocks, adapter), token_ids in zip(meta, tokens, strict=True):
+        chunks.append(Chunk(message[at : at + num_blocks].tolist(), start, token_ids, num_logits, adapter))
         at += num_blocks
     return chunks
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from ember_engine.model.context import ForwardContext
 
 
 class ChunkLike(Protocol):
@@ -37,6 +39,18 @@ class StepInputs:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int
     max_seq_len: int
+
+    def context(self, lora: Any = None) -> ForwardContext:
+        """The forward context of this step (`lora`: its rows per LoRA adapter, if any)."""
+        return ForwardContext(
+            self.slot_mapping,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_tables,
+            self.max_query_len,
+            self.max_seq_len,
+            lora=lora,
+        )
 
 
 class InputBuffers:

@@ -14,7 +14,7 @@ from ember_engine.core import prompt_logprobs
 from ember_engine.core.config import EngineConfig
 from ember_engine.core.request import Request
 from ember_engine.core.scheduler import SchedulerOutput
-from ember_engine.model import kv_quant
+from ember_engine.model import kv_quant, lora
 from ember_engine.model.context import ForwardContext, set_context
 from ember_engine.model.input_buffers import InputBuffers
 from ember_engine.model.llama import LlamaForCausalLM
@@ -40,6 +40,7 @@ class Chunk:
     start: int  # position of the first token
     token_ids: Sequence[int]
     num_logits: int = 0  # logits wanted for the last this-many tokens
+    adapter: int = 0  # the LoRA adapter's slot (0: the base model)
 
 
 class StepPeers(Protocol):
@@ -112,6 +113,10 @@ class ModelRunner:
             load_weights(self.model, weights_dir)
             if self.quant is not None:
                 quant_apply.quantize_model(self.model, self.quant, tp)
+        # LoRA adapters are the target's, as online quantization is; applied over the (quantized) base.
+        self.lora = lora.load(
+            self.model, None if model_dir else config.lora_modules, model_config, self.dtype
+        )
         self.model.eval()
         # One block table serves every rank: the cache is as large as the most constrained rank allows.
         self.num_blocks = tp.min_over_ranks(
@@ -246,7 +251,7 @@ class ModelRunner:
                 sampled.append(req)
                 first_rows.append(row + num_logits - 1 - len(req.spec_token_ids))
             row += num_logits
-            chunks.append(Chunk(req.block_ids, start, tokens, num_logits))
+            chunks.append(Chunk(req.block_ids, start, tokens, num_logits, req.adapter))
         logits = self.forward(chunks)
         if parts and logits is not None:  # the prompts' rows recorded, the sampled ones kept
             logits = prompt_logprobs.record(logits, parts, sampled, first_rows)
@@ -265,16 +270,7 @@ class ModelRunner:
     def run(self, chunks: Sequence[Chunk]) -> torch.Tensor | None:
         """`forward` on this rank alone (other ranks than 0 get None: only rank 0 gathers logits)."""
         step = self.inputs.prepare(chunks)
-        set_context(
-            ForwardContext(
-                slot_mapping=step.slot_mapping,
-                query_start_loc=step.query_start_loc,
-                seq_lens=step.seq_lens,
-                block_tables=step.block_tables,
-                max_query_len=step.max_query_len,
-                max_seq_len=step.max_seq_len,
-            )
-        )
+        set_context(step.context(lora.rows_of(self.lora, chunks, self.device)))
         try:
             hidden = self.model(step.input_ids, step.positions)
         finally:

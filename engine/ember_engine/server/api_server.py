@@ -80,7 +80,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(state)]}
+        return {"object": "list", "data": [model_card(state), *(model_card(state, n) for n in state.loras)]}
 
     add_tokenize_routes(app, state)
 
@@ -99,13 +99,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
 async def _serve(
     state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
 ) -> Response:
-    if body.model != state.model_name:  # as OpenAI and vLLM answer: 404 for a model not served
-        raise APIError(
-            404 if body.model else 400,
-            f"model: {body.model!r} is not served here; this server serves {state.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+    lora = state.lora_of(body.model)
     if state.engine is not None and state.engine.fatal is not None:  # the server is about to exit
         raise engine_failed(EngineFailed(state.engine.fatal))
     warning = check_unknown(body.model_extra)
@@ -157,7 +151,7 @@ async def _serve(
             params.constraint = constraint[1]
             params.grammar = await state.grammars.compile(constraint[1], constraint[0])
         deadline = _deadline(request, body, policy.request_timeout_seconds)
-        fmt = Formatter(state.model_name, engine.tokenizer, chat, n=params.n)
+        fmt = Formatter(body.model, engine.tokenizer, chat, n=params.n)
         fmt.token_ids_as_text = body.return_tokens_as_token_ids
         if isinstance(body, CompletionRequest) and body.echo:
             given = body.prompts() if params.truncate_prompt_tokens is None else prompts  # as served
@@ -173,7 +167,8 @@ async def _serve(
     def generators() -> list[AsyncIterator[RequestOutput]]:
         return [
             _tracked(
-                engine.generate(ids, params, f"{fmt.id}-{i}", priority, body.cache_salt, arrival), ticket
+                engine.generate(ids, params, f"{fmt.id}-{i}", priority, body.cache_salt, arrival, lora),
+                ticket,
             )
             for i, ids in enumerate(prompts)
         ]

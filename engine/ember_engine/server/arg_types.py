@@ -1,8 +1,9 @@
-"""The types of `ember serve`'s numeric options: a value out of range is refused by argparse, naming it."""
+"""The types of `ember serve`'s options: a value out of range or misshapen is refused by argparse, naming it."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def seconds(text: str) -> float:
@@ -24,3 +25,32 @@ def log_interval(text: str) -> float:
     if not seconds >= 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be 0 (off) or more seconds, not {text}")
     return seconds
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """A LoRA adapter as `--lora-modules` takes it: NAME=PATH, or a JSON object with "name" and "path"."""
+    if text.lstrip().startswith("{"):
+        try:
+            given = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+        extra = set(given) - {"name", "path", "base_model_name"} if isinstance(given, dict) else set()
+        if extra:
+            raise argparse.ArgumentTypeError(f"unknown key(s) {', '.join(sorted(extra))}; give name and path")
+        name, path = (given.get("name"), given.get("path")) if isinstance(given, dict) else (None, None)
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f'expected NAME=PATH or {{"name": ..., "path": ...}}, got {text!r}')
+    return name.strip(), path
+
+
+def lora_names_problem(modules: list[tuple[str, str]] | None, model: str) -> str | None:
+    """Why `--lora-modules`' names cannot tell requests apart: one given twice, or the model's own name."""
+    names = [name for name, _ in modules or ()]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return f"adapter name(s) given twice: {', '.join(twice)}"
+    if model in names:
+        return f"an adapter is named {model!r}, the model's own name (--served-model-name)"
+    return None

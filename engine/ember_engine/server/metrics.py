@@ -57,8 +57,9 @@ _SPEC_TOTALS = {
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, spec_positions: int = 0) -> None:
-        """`spec_positions`: K, the most tokens proposed per step, with speculative decoding; 0 without."""
+    def __init__(self, model_name: str, spec_positions: int = 0, loras: int = 0) -> None:
+        """`spec_positions`: K, the most tokens proposed per step, with speculative decoding; 0 without.
+        `loras`: how many LoRA adapters are loaded (with none, no `vllm:lora_requests_info`)."""
         self.registry = CollectorRegistry()
         self._model = model_name
         reg, ml = self.registry, ["model_name"]
@@ -127,6 +128,19 @@ class EngineMetrics:
         self._batch_tokens = hist("ember:batch_tokens", "Tokens per engine step.", TOKENS)
         self._iteration = hist("vllm:iteration_tokens_total", "Tokens per engine step.", _ITERATION)
         self._finished = FinishedRequests(hist)
+        # vLLM's `vllm:lora_requests_info`: one series, whose labels name the adapters of the requests
+        # running and waiting (comma-separated) and the most adapters a batch holds, its value the time
+        # they were last seen (what the inference gateway's LoRA-affinity scorer reads). A series whose
+        # labels no longer hold is removed, not left behind.
+        self._lora_info: Gauge | None = None
+        self._lora_max, self._lora_labels = str(loras), ("", "", "")
+        if loras:
+            names = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info", "Running stats on LoRA requests.", names, registry=reg
+            )
+            self._lora_labels = (self._lora_max, "", "")
+            self._lora_info.labels(*self._lora_labels).set_to_current_time()
 
         # record_step runs in the engine thread, record_stats and log_line wherever the server calls them.
         self._lock = threading.Lock()
@@ -185,6 +199,12 @@ class EngineMetrics:
                 _advance(counter, self._seen, field, getattr(stats, field))
             if stats.spec is not None:
                 self._record_spec(stats)
+            if self._lora_info is not None:
+                labels = (self._lora_max, ",".join(stats.waiting_loras), ",".join(stats.running_loras))
+                if labels != self._lora_labels:
+                    self._lora_info.remove(*self._lora_labels)
+                    self._lora_labels = labels
+                self._lora_info.labels(*labels).set_to_current_time()
 
     def _record_spec(self, stats: EngineStats) -> None:
         # Called under the lock, like the other totals.

@@ -127,6 +127,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=256 << 20,
         help="and fewer where together, as JSON text, they would pass this many bytes (default 256 MiB)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=arg_types.lora_module,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served beside the model: a request names one as its model",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--max-request-body-bytes",
@@ -137,37 +144,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig
+    """The engine's options, each from the flag of its name."""
+    from dataclasses import fields
+
     from ember_engine.core.config import EngineConfig
 
-    return EngineConfig(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        scheduling_policy=args.scheduling_policy,
-        seed=args.seed,
-        speculative_method=args.speculative_method,
-        draft_model=args.draft_model,
-        num_speculative_tokens=args.num_speculative_tokens,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        speculative_adaptive=args.speculative_adaptive,
-        tensor_parallel_size=args.tensor_parallel_size,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    given["lora_modules"] = dict(args.lora_modules) if args.lora_modules else None
+    return EngineConfig(**given)
 
 
 def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerState, list[BaseException]]
@@ -186,11 +170,12 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     from ember_engine.server.state import ServerState
     from ember_engine.server.warmup import warm_up
 
-    name = args.served_model_name or Path(args.model).resolve().name
+    name = _served_name(args)
     policy = PolicyWatcher(args.policy)
     config = engine_config(args)
-    metrics = EngineMetrics(name, config.speculative_tokens if config.speculation else 0)
-    state = ServerState(name, policy, metrics, Fallback(httpx.AsyncClient()))
+    loras = config.lora_modules or {}
+    metrics = EngineMetrics(name, config.speculative_tokens if config.speculation else 0, len(loras))
+    state = ServerState(name, policy, metrics, Fallback(httpx.AsyncClient()), loras=loras)
     if args.responses_store:
         from ember_engine.server.responses_api import ResponseStore
 
@@ -298,6 +283,9 @@ def main(args: argparse.Namespace) -> int:
     )
     if args.node_rank > 0:
         return run_worker_node(args)
+    if problem := arg_types.lora_names_problem(args.lora_modules, _served_name(args)):
+        print(f"ember serve: --lora-modules: {problem}", file=sys.stderr)
+        return 2
     try:
         server, state, failure = build_server(args)
     except PolicyError as exc:
@@ -317,6 +305,10 @@ def main(args: argparse.Namespace) -> int:
         print("ember serve: stopped before the model was ready", file=sys.stderr, flush=True)
         _leave_the_load(0)
     return 0
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    return args.served_model_name or Path(args.model).resolve().name
 
 
 def _leave_the_load(code: int) -> None:

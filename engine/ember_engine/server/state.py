@@ -15,6 +15,7 @@ from ember_engine.server.admission import QueueState, WaitCalibration, wait_limi
 from ember_engine.server.fallback import Fallback
 from ember_engine.server.metrics import EngineMetrics
 from ember_engine.server.policy import Policy, PolicyWatcher
+from ember_engine.server.protocol import APIError
 from ember_engine.server.queue_forecast import ForecastObserver, Seats
 
 
@@ -35,6 +36,7 @@ class ServerState:
     calibration: WaitCalibration = field(default_factory=WaitCalibration)
     grammars: Any = None  # structured.CompileCache, made on the first constrained request
     responses: Any = None  # responses_api.ResponseStore with `--responses-store N`; None keeps none
+    loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters served: name -> directory
 
     def __post_init__(self) -> None:
         # The shed and wait-limit series of each priority class from the start, and those of a new
@@ -51,6 +53,23 @@ class ServerState:
 
     def _count_classes(self, policy: Policy) -> None:
         self.metrics.add_priority_classes(c.name for c in policy.load_shedding.priority_classes)
+
+    def lora_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the model itself (or no name, where that is
+        allowed); 404 (400 for "") for a name not served, as OpenAI and vLLM answer it."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.loras:
+            return model
+        served = repr(self.model_name)
+        if self.loras:
+            served += " and its LoRA adapters " + ", ".join(map(repr, self.loras))
+        raise APIError(
+            404 if model else 400,
+            f"model: {model!r} is not served here; this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )
 
     @property
     def ready(self) -> bool:

@@ -50,13 +50,7 @@ class DetokenizeRequest(_Checked):
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(
-            404 if model else 400,
-            f"model: {model!r} is not served here; this server serves {state.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+    state.lora_of(model)  # an adapter tokenizes as its model does
 
 
 def _tokenize(tok: Tokenizer, body: TokenizeRequest) -> list[int]:
@@ -111,23 +105,28 @@ def add_tokenize_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != state.model_name:
+        if model_id != state.model_name and model_id not in state.loras:
             raise APIError(
                 404, f"model: {model_id!r} is not served here", param="model", code="model_not_found"
             )
-        return model_card(state)
+        return model_card(state, model_id if model_id in state.loras else None)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
 
-def model_card(state: ServerState) -> dict[str, Any]:
+def model_card(state: ServerState, lora: str | None = None) -> dict[str, Any]:
+    """The model's entry of `/v1/models`, or a LoRA adapter's: its `parent` the model, its `root` its
+    directory (as vLLM lists adapters)."""
     max_len = state.engine.engine.max_model_len if state.engine else None
-    return {
-        "id": state.model_name,
+    card = {
+        "id": lora or state.model_name,
         "object": "model",
         "created": int(time.time()),
         "owned_by": "ember",
         "max_model_len": max_len,
     }
+    if lora is not None:
+        card.update(root=state.loras[lora], parent=state.model_name)
+    return card

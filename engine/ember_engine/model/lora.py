@@ -1,0 +1,187 @@
+"""LoRA adapters served beside the base model: each request runs on the base model or on one adapter, and
+one batch mixes them.
+
+Every adapter is loaded when the engine starts and gets a slot (1, 2, ...; 0 is the base model). A
+projection any adapter adapts carries a forward hook that adds, to each token row of an adapter, that
+adapter's `B (A x)`: the base projection runs once for the whole batch (quantized or not), the adapters'
+low-rank products only over their own rows. The merged projections (q/k/v, gate/up) hold each adapter's
+factors stacked: `A` as the rows of every part, `B` block-diagonal, so a merged projection costs two
+matmuls per adapter. Under tensor parallelism each rank keeps its shard: the output rows of `B` of a
+column-parallel projection, the input columns of `A` of a row-parallel one, whose partial products the
+block's all-reduce sums with the base's.
+
+The forward context (`context.py`) carries the step's rows per adapter (`row_groups`), built by the runner
+from its chunks; a step of base-model requests only has none, and the hooks then add nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from ember_engine.model.context import get_context
+from ember_engine.model.llama import LlamaForCausalLM
+from ember_engine.model.lora_files import AdapterFiles, Factors, read_adapter
+from ember_engine.model.model_config import ModelConfig
+from ember_engine.model.parallel import Shard
+
+# checkpoint projection -> (the engine's module, its part of the merged output, or None)
+_MODULE = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", None),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", None),
+}
+
+
+@dataclass(slots=True)
+class RowGroup:
+    slot: int
+    rows: torch.Tensor | None  # [n] int64 token rows of this adapter; None: every row of the step
+
+
+@dataclass(slots=True)
+class _Adapted:
+    """What one projection adds per adapter slot: (A [R, in], B [out, R])."""
+
+    weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def __call__(self, _module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        groups = get_context().lora
+        if not groups:
+            return out
+        x = args[0]
+        for group in groups:
+            pair = self.weights.get(group.slot)
+            if pair is None:
+                continue
+            a, b = pair
+            if group.rows is None:
+                out = out + (x @ a.t()) @ b.t()
+            else:
+                out = out.index_add(0, group.rows, (x.index_select(0, group.rows) @ a.t()) @ b.t())
+        return out
+
+
+def _shard(f: Factors, shard: Shard, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's A and B of one projection (Shard.checkpoint_range: rows of B, or columns of A)."""
+    a, b = f.a, f.b
+    cut = shard.checkpoint_range(f"{f.projection}.weight", head_dim) if shard.size > 1 else None
+    if cut is not None:
+        dim, start, length = cut
+        if dim == 0:
+            b = b[start : start + length]
+        else:
+            a = a[:, start : start + length]
+    return a, b
+
+
+class LoraSet:
+    """The engine's adapters by name, their slots, and the hooks that apply them."""
+
+    def __init__(self, model: LlamaForCausalLM, adapters: Sequence[AdapterFiles], dtype: torch.dtype) -> None:
+        self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}
+        self.paths = {a.name: a.path for a in adapters}
+        self.ranks = {a.name: a.rank for a in adapters}
+        shard, head_dim, layers = model.shard, model.config.head_dim, model.model.layers
+        device = next(model.parameters()).device
+        adapted: dict[str, _Adapted] = {}
+        for adapter in adapters:
+            slot = self.slots[adapter.name]
+            per_module: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
+            for f in adapter.factors:
+                module, part = _MODULE[f.projection]
+                a, b = _shard(f, shard, head_dim)
+                per_module.setdefault(f"{f.layer}.{module}", []).append((part, a, b))
+            for key, pieces in per_module.items():
+                layer, module = key.split(".", 1)
+                linear = layers[int(layer)].get_submodule(module)
+                a, b = _stack(pieces, _part_sizes(model, module))
+                hook = adapted.get(key)
+                if hook is None:
+                    hook = adapted[key] = _Adapted()
+                    linear.register_forward_hook(hook)
+                hook.weights[slot] = (a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
+
+    def slot(self, name: str) -> int:
+        if name not in self.slots:
+            known = ", ".join(self.slots) or "none"
+            raise ValueError(f"lora: unknown adapter {name!r}; loaded: {known}")
+        return self.slots[name]
+
+
+class ChunkLike(Protocol):
+    adapter: int
+    token_ids: Sequence[int]
+
+
+def rows_of(
+    adapters: LoraSet | None, chunks: Sequence[ChunkLike], device: torch.device
+) -> list[RowGroup] | None:
+    """The step's token rows per adapter, from each chunk's slot and token count; None when every chunk
+    runs on the base model."""
+    slots = [c.adapter for c in chunks]
+    if adapters is None or not any(slots):
+        return None
+    per_row = np.repeat(np.asarray(slots, dtype=np.int64), [len(c.token_ids) for c in chunks])
+    groups = []
+    for slot in sorted(set(slots) - {0}):
+        if bool((per_row == slot).all()):
+            return [RowGroup(slot, None)]
+        rows = np.flatnonzero(per_row == slot)
+        groups.append(RowGroup(slot, torch.from_numpy(rows).to(device)))
+    return groups
+
+
+def load(
+    model: LlamaForCausalLM, modules: dict[str, str] | None, config: ModelConfig, dtype: torch.dtype
+) -> LoraSet | None:
+    """The adapters of `lora_modules` (name -> PEFT directory), read, checked and attached; None for none."""
+    if not modules:
+        return None
+    return LoraSet(model, [read_adapter(name, path, config) for name, path in modules.items()], dtype)
+
+
+def slot_of(adapters: LoraSet | None, name: str | None) -> int:
+    """The slot of the adapter a request names (0: none, the base model); ValueError for one not loaded."""
+    if name is None:
+        return 0
+    if adapters is None:
+        raise ValueError(f"lora: no LoRA adapters are loaded; {name!r} is unknown")
+    return adapters.slot(name)
+
+
+def _part_sizes(model: LlamaForCausalLM, module: str) -> list[int]:
+    shard, d = model.shard, model.config.head_dim
+    if module.endswith("qkv_proj"):
+        return [shard.num_heads * d, shard.num_kv_heads * d, shard.num_kv_heads * d]
+    if module.endswith("gate_up_proj"):
+        return [shard.intermediate_size] * 2
+    return []
+
+
+def _stack(
+    pieces: list[tuple[int | None, torch.Tensor, torch.Tensor]], sizes: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's A and B: a plain projection's own, or a merged one's parts stacked (A by rows, B
+    block-diagonal over the parts' output rows; a part the adapter leaves alone adds nothing)."""
+    if not sizes:
+        ((_, a, b),) = pieces
+        return a, b
+    a = torch.cat([p[1] for p in pieces])
+    b = torch.zeros(sum(sizes), a.shape[0], dtype=a.dtype)
+    rank_at = 0
+    for part, pa, pb in pieces:
+        assert part is not None
+        row = sum(sizes[:part])
+        b[row : row + pb.shape[0], rank_at : rank_at + pa.shape[0]] = pb
+        rank_at += pa.shape[0]
+    return a, b

@@ -1,0 +1,180 @@
+"""`ember serve --lora-modules`: each adapter is a model a client names, through the `openai` client, on a
+real server; listed as vLLM lists adapters; its requests reported in `vllm:lora_requests_info`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import plainhttp
+import pytest
+from server_util import InProcessServer, running_server
+from test_lora import ALL, PROMPTS, build_adapter
+
+from ember_engine import LLM, SamplingParams
+
+MODEL = "base"
+EMBER = [str(Path(sys.executable).parent / "ember")]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "sql": build_adapter(tiny_model, root / "sql", 0, r=8, lora_alpha=16, target_modules=ALL),
+        "chat": build_adapter(tiny_model, root / "chat", 1, 0.2, r=4, target_modules=["q_proj", "v_proj"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[InProcessServer]:
+    modules = [f"sql={adapters['sql']}", f'{{"name": "chat", "path": "{adapters["chat"]}"}}']
+    with running_server(tiny_model, "--served-model-name", MODEL, "--lora-modules", *modules) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: InProcessServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_adapters_are_listed_beside_their_model(client: openai.OpenAI, adapters: dict[str, Path]) -> None:
+    listed = {m.id: m.model_dump() for m in client.models.list()}
+    assert list(listed) == [MODEL, "sql", "chat"]
+    for name in ("sql", "chat"):
+        assert listed[name]["parent"] == MODEL and listed[name]["root"] == str(adapters[name])
+        assert client.models.retrieve(name).model_dump() | {"created": 0} == listed[name] | {"created": 0}
+    assert "parent" not in listed[MODEL]
+
+
+def test_a_request_naming_an_adapter_runs_on_it(
+    client: openai.OpenAI, tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    offline = LLM(str(tiny_model), lora_modules={n: str(p) for n, p in adapters.items()})
+    prompt = PROMPTS[2]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    texts = {}
+    for model in (MODEL, "sql", "chat"):
+        answer = client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert answer.model == model
+        (want,) = offline.generate([prompt], greedy, use_tqdm=False, lora=None if model == MODEL else model)
+        assert answer.choices[0].text == want.outputs[0].text
+        texts[model] = answer.choices[0].text
+    assert len(set(texts.values())) == 3
+    chat = client.chat.completions.create(
+        model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
+    assert chat.model == "sql" and chat.choices[0].message.content is not None
+    response = client.responses.create(model="chat", input="hello", max_output_tokens=4)
+    assert response.model == "chat" and response.status in ("completed", "incomplete")
+
+
+def test_a_model_neither_served_nor_an_adapter_is_404(client: openai.OpenAI, server: InProcessServer) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="sq", prompt="x", max_tokens=1)
+    body = err.value.body
+    assert isinstance(body, dict) and body["code"] == "model_not_found" and body["param"] == "model"
+    assert (
+        body["message"]
+        == "model: 'sq' is not served here; this server serves 'base' and its LoRA adapters 'sql', 'chat'"
+    )
+    assert plainhttp.get(f"{server.url}/v1/models/sq").status_code == 404
+    tokens = plainhttp.post(f"{server.url}/tokenize", json={"model": "sql", "prompt": "hello"})
+    assert tokens.status_code == 200 and tokens.json()["count"] > 0
+
+
+def _lora_series(url: str) -> list[str]:
+    text = plainhttp.get(f"{url}/metrics").text
+    return [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+
+
+def test_lora_requests_info_names_the_adapters_running(
+    client: openai.OpenAI, server: InProcessServer
+) -> None:
+    (idle,) = _lora_series(server.url)
+    assert re.fullmatch(
+        r'vllm:lora_requests_info\{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""\} \S+', idle
+    ), idle
+    stream = client.completions.create(
+        model="chat",
+        prompt=PROMPTS[1],
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    try:
+        next(iter(stream))  # running now
+        (busy,) = _lora_series(server.url)
+    finally:
+        stream.close()
+    assert 'running_lora_adapters="chat"' in busy and 'waiting_lora_adapters=""' in busy
+    assert float(busy.rsplit(" ", 1)[1]) >= float(idle.rsplit(" ", 1)[1])  # the time it was last seen
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lora-modules", "sql"], "expected NAME=PATH or"),
+        (
+            ["--lora-modules", '{"name": "x", "path": "/p", "rank": 4}'],
+            "unknown key(s) rank; give name and path",
+        ),
+        (["--lora-modules", "a=/p", "a=/q"], "--lora-modules: adapter name(s) given twice: a"),
+        (
+            ["--served-model-name", "m", "--lora-modules", "m=/p"],
+            "an adapter is named 'm', the model's own name",
+        ),
+    ],
+)
+def test_adapter_options_that_cannot_work_are_refused(
+    tiny_model: Path, args: list[str], message: str
+) -> None:
+    run = subprocess.run(
+        [*EMBER, "serve", "--model", str(tiny_model), "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_an_adapter_that_cannot_load_stops_the_server_naming_it(tiny_model: Path, tmp_path: Path) -> None:
+    run = subprocess.run(
+        [*EMBER, "serve", "--model", str(tiny_model), "--port", "0", "--lora-modules", f"x={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"ember serve: fatal: cannot load the model: AdapterError: LoRA adapter 'x': {tmp_path}/adapter_config.json "
+        "not found (a PEFT adapter directory has one)"
+    )
+
+
+def test_the_router_keys_an_adapters_blocks_as_the_engine_does(
+    server: InProcessServer, tiny_model: Path
+) -> None:
+    from ember_engine.core.tokenizer import Tokenizer
+    from ember_router.prompts import request_prompts
+
+    tokenizer = Tokenizer(str(tiny_model))
+    for model in ("sql", MODEL):
+        since = plainhttp.get(f"{server.url}/v1/kv_events", params={"since": 0}).json()["seq"]
+        body = {"model": model, "prompt": PROMPTS[4][::-1], "max_tokens": 1}  # a prompt no other test sends
+        assert plainhttp.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        delta = plainhttp.get(f"{server.url}/v1/kv_events", params={"since": since}).json()
+        stored = [h for kind, h in delta["events"] if kind == "stored"]
+        predicted = request_prompts(tokenizer, body, False, 16, MODEL).first_hashes
+        assert len(stored) == 8 and stored == predicted[:8], model
+        # Without the served name the router cannot tell an adapter from the model: the model's keys.
+        unaware = request_prompts(tokenizer, body, False, 16).first_hashes
+        assert (unaware[:8] == stored) == (model == MODEL)
