@@ -270,3 +270,44 @@ def test_node_selector_keys_must_be_label_keys(section: str) -> None:
             InferenceServiceSpec.model_validate(
                 {"model": {"name": "m", "source": "/m"}, section: {"nodeSelector": {key: "x"}}}
             )
+
+
+def _with_adapters(*adapters: dict[str, str], name: str = "m") -> dict[str, Any]:
+    return {"model": {"name": name, "source": "/m", "adapters": list(adapters)}}
+
+
+def test_lora_adapters_are_refused_where_their_names_or_sources_cannot_work(server: APIServer) -> None:
+    """Each refusal by the API server (the list's keys, the CEL rules, the schema), and by the spec's own
+    validation alike."""
+    cases = [
+        (
+            _with_adapters({"name": "a", "source": "/x"}, {"name": "a", "source": "/y"}),
+            # apiextensions-apiserver's list-type check: field.Duplicate, its value printed with Go's %#v
+            'spec.model.adapters[1]: Duplicate value: map[string]interface {}{"name":"a"}',
+            "adapters names must be unique",
+        ),
+        (
+            _with_adapters({"name": "m", "source": "/x"}),
+            "an adapter may not take the model's own name",
+            "an adapter may not take the model's own name",
+        ),
+        (
+            _with_adapters({"name": "a", "source": "gs://bucket/a"}),
+            "adapters[].source must be a path, hf://org/name[@revision]",
+            "adapters[].source must be a path",
+        ),
+        (
+            _with_adapters({"name": "a=b", "source": "/x"}),
+            "spec.model.adapters[0].name in body should match",
+            "name",
+        ),
+    ]
+    for spec, message, ours in cases:
+        said = refused(server, spec)
+        assert message in said, said
+        with pytest.raises(ValueError, match=re.escape(ours)):
+            InferenceServiceSpec.model_validate(spec)
+    fine = _with_adapters(
+        {"name": "org/sql-lora", "source": "hf://org/sql-lora@v1"}, {"name": "b", "source": "/x"}
+    )
+    assert create(server, fine)["spec"]["model"]["adapters"][0]["name"] == "org/sql-lora"

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_harness import MODEL, NAMESPACE, ControlPlane, container_pid, control_plane, fresh_client
+from e2e_harness import (
+    MODEL,
+    MODEL_CLAIM,
+    NAMESPACE,
+    ControlPlane,
+    container_pid,
+    control_plane,
+    fresh_client,
+)
 from hub_server import Hub, serving
 from waiting import wait_for
 
@@ -253,3 +261,47 @@ def test_a_gguf_file_of_a_hub_repository_is_fetched_alone_and_served(
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["role"] == "assistant"
     cp.remove("gguf")
+
+
+def test_lora_adapters_fetched_from_the_hub_are_served_by_name_through_the_router(
+    cp: ControlPlane, hub: Hub, tiny_model: Path, tmp_path: Path
+) -> None:
+    from test_lora import ALL, build_adapter
+
+    adapter = build_adapter(tiny_model, tmp_path / "sql", 0, r=8, lora_alpha=16, target_modules=ALL)
+    hub.add("ember-test/sql-lora", adapter)  # public: no token
+    cp.create(
+        "adapted",
+        model={
+            "name": MODEL,
+            "source": f"/models/{MODEL}",
+            "volumeClaim": MODEL_CLAIM,
+            "endpoint": hub.hub_url,
+            "adapters": [{"name": "org/sql", "source": "hf://ember-test/sql-lora@main"}],
+        },
+        replicas={"min": 1, "max": 1},
+        router={"enabled": True},
+    )
+    cp.wait_converged("adapted", 1, 0, timeout=120)
+    (pod,) = cp.pods("adapted", "active")
+    inits = [s["name"] for s in pod["status"]["initContainerStatuses"]]
+    assert inits == ["fetch-adapter-0"]
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--lora-modules") + 1] == "org/sql=/model-cache/hf/ember-test/sql-lora/main"
+    texts = {}
+    with fresh_client(30) as client:
+        listed = client.get(f"{cp.url('adapted')}/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in listed] == [(MODEL, None), ("org/sql", MODEL)]
+        for model in (MODEL, "org/sql"):
+            body = {
+                "model": model,
+                "prompt": [5, 6, 7, 8, 9],
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            reply = client.post(f"{cp.url('adapted')}/v1/completions", json=body)
+            assert reply.status_code == 200 and reply.json()["model"] == model, reply.text
+            texts[model] = reply.json()["choices"][0]["text"]
+    assert texts[MODEL] != texts["org/sql"]  # the adapter ran
+    cp.remove("adapted")

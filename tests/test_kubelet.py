@@ -865,3 +865,16 @@ def test_crash_loop_back_off_is_the_kubelets_by_default(tmp_path: Path) -> None:
             assert status["state"]["waiting"]["message"] == (
                 f"back-off 10s restarting failed container=main pod=crasher_default({uid})"
             )
+
+
+def test_a_path_after_a_name_is_rewritten_as_after_a_flag() -> None:
+    from ember_localcluster.kubelet.podvolumes import _Rewriter
+
+    rewrite = _Rewriter(
+        "10.1.0.5", [("/model-cache", Path("/host/cache")), ("/models", Path("/host/models"))]
+    )
+    assert rewrite("--model=/models/tiny") == "--model=/host/models/tiny"
+    assert rewrite("org/sql=/model-cache/hf/x/main") == "org/sql=/host/cache/hf/x/main"  # --lora-modules
+    assert rewrite("chat=/models/chat") == "chat=/host/models/chat"
+    for kept in ("chat=/elsewhere/x", "/other/a=/models/x", "a=b=/models/x", "=/models/x"):
+        assert rewrite(kept) == kept

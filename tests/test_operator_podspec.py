@@ -689,3 +689,34 @@ def test_a_crash_loop_of_oom_kills_says_so() -> None:
     found = trouble(pod)
     assert found is not None and found.reason == "PodsCrashLooping"
     assert found.message == "pod chat-abc: CrashLoopBackOff (exit code 137, OOMKilled)"
+
+
+def test_lora_adapters_are_fetched_like_the_model_and_served_by_name() -> None:
+    adapters = [
+        {"name": "org/sql", "source": "hf://org/sql-lora@v1"},
+        {"name": "chat", "source": "/models/adapters/chat"},  # a path: read where it is
+        {"name": "pvc", "source": "pvc://adapters/pvc-lora"},
+    ]
+    spec = make_spec(model={"name": "m", "source": "hf://org/base", "adapters": adapters})
+    pod = pod_of(model={"name": "m", "source": "hf://org/base", "adapters": adapters})
+    names = [c["name"] for c in pod["spec"]["initContainers"]]
+    assert names == ["fetch-model", "fetch-adapter-0", "fetch-adapter-2"]
+    first, third = pod["spec"]["initContainers"][1:]
+    assert first["args"] == ["hf://org/sql-lora@v1", "/model-cache/hf/org/sql-lora/v1"]
+    assert third["args"] == ["/model-source/adapters/pvc-lora", "/model-cache/pvc/adapters/pvc-lora"]
+    args = engine(pod)["args"]
+    at = args.index("--lora-modules")
+    wanted = [
+        "org/sql=/model-cache/hf/org/sql-lora/v1",
+        "chat=/models/adapters/chat",
+        "pvc=/model-cache/pvc/adapters/pvc-lora",
+    ]
+    assert args[at + 1 : at + 4] == wanted
+    parsed = build_parser().parse_args(["serve", *args])
+    assert serve.engine_config(parsed).lora_modules == dict(w.split("=", 1) for w in wanted)
+    # They change what the engines run: a new adapter rolls the pods; none set rolls nothing.
+    assert template_hash(spec) != template_hash(make_spec(model={"name": "m", "source": "hf://org/base"}))
+    with pytest.raises(
+        ValidationError, match=r"--lora-modules \(got .--lora-modules.\) comes from model.adapters"
+    ):
+        make_spec(engine={"extraArgs": ["--lora-modules", "x=/y"]})

@@ -165,6 +165,8 @@ def engine_args(spec: InferenceServiceSpec) -> list[str]:
         args.append(f"--tensor-parallel-size={spec.tensor_parallel_size}")
     if spec.model.quantization is not None:
         args.append(f"--quantization={spec.model.quantization}")
+    if spec.model.adapters:  # one value each; the next option (or the end) ends the list
+        args += ["--lora-modules", *modelsource.lora_modules(spec)]
     if spec.speculative is not None:
         s = spec.speculative
         if s.method == "draft":

@@ -9,7 +9,8 @@ cache (an emptyDir, or `model.cache.volumeClaim` shared between pods), and the e
 - `s3://bucket/prefix` from S3 or an S3-compatible `model.endpoint`, AWS_* keys from the Secret;
 - `pvc://claim/path`, copied from the claim (mounted read-only in the init container only) onto the cache.
 
-The draft model of `speculative.draftSource` is fetched the same way, by a second init container. Where
+The draft model of `speculative.draftSource` is fetched the same way, by a second init container, and each
+LoRA adapter of `model.adapters` with a scheme by one of its own (`fetch-adapter-<i>`). Where
 `model.file` names a GGUF file, the fetch takes that file (and its other parts) alone, and the engine serves
 it.
 """
@@ -27,6 +28,11 @@ CACHE_VOLUME = "model-cache"
 SOURCE_VOLUME = "model-source"
 FETCH_COMMAND = ["ember", "fetch-model"]
 FETCH_CONTAINERS = ("fetch-model", "fetch-draft")
+ADAPTER_FETCH = "fetch-adapter-"  # + the adapter's index in model.adapters
+
+
+def is_fetch_container(name: object) -> bool:
+    return name in FETCH_CONTAINERS or (isinstance(name, str) and name.startswith(ADAPTER_FETCH))
 
 
 def is_fetched(source: str) -> bool:
@@ -86,10 +92,18 @@ def _claims(spec: InferenceServiceSpec) -> list[str]:
 
 
 def fetches(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
-    """(init container name, source) for each source to fetch: the model, then the draft model."""
+    """(init container name, source) for each source to fetch: the model, the draft model, then the
+    adapters."""
     draft = spec.speculative.draft_source if spec.speculative is not None else None
     sources = (spec.model.source, draft)
-    return [(name, s) for name, s in zip(FETCH_CONTAINERS, sources, strict=True) if s and is_fetched(s)]
+    out = [(name, s) for name, s in zip(FETCH_CONTAINERS, sources, strict=True) if s and is_fetched(s)]
+    adapters = enumerate(spec.model.adapters)
+    return out + [(f"{ADAPTER_FETCH}{i}", a.source) for i, a in adapters if is_fetched(a.source)]
+
+
+def lora_modules(spec: InferenceServiceSpec) -> list[str]:
+    """`ember serve --lora-modules`' values: NAME=PATH of each adapter, where the engine reads it."""
+    return [f"{a.name}={engine_path(a.source)}" for a in spec.model.adapters]
 
 
 def init_containers(spec: InferenceServiceSpec, security_context: dict[str, Any]) -> list[dict[str, Any]]:

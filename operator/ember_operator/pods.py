@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ember_operator.desired import ENGINE_PORT, HASH_LABEL, ROLE_LABEL, WARM
-from ember_operator.modelsource import FETCH_CONTAINERS
+from ember_operator.modelsource import is_fetch_container
 from ember_operator.rollout import PodView
 
 # A container waiting for one of these reasons (a crash loop: after this many restarts) will not come up on
@@ -244,7 +244,7 @@ def _fetched(pod: dict[str, Any]) -> bool:
     fetches = [
         s
         for s in (pod.get("status") or {}).get("initContainerStatuses") or []
-        if s.get("name") in FETCH_CONTAINERS
+        if is_fetch_container(s.get("name"))
     ]
     return bool(fetches) and all(
         ((s.get("state") or {}).get("terminated") or {}).get("exitCode") == 0 for s in fetches
@@ -309,7 +309,7 @@ def trouble(
     for s in status.get("initContainerStatuses") or []:
         stuck = _stuck(s)
         if stuck is not None:
-            fetch = s.get("name") in FETCH_CONTAINERS and stuck[0] == "PodsCrashLooping"
+            fetch = is_fetch_container(s.get("name")) and stuck[0] == "PodsCrashLooping"
             kind = "ModelFetchFailed" if fetch else stuck[0]
             return Trouble(kind, f"pod {name}: init container {s.get('name')}: {stuck[1]}")
     for s in status.get("containerStatuses") or []:

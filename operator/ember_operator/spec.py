@@ -100,6 +100,47 @@ SOURCE_MESSAGE = "source must be a path, hf://org/name[@revision], s3://bucket[/
 GGUF_FILE = r"^[A-Za-z0-9_][-A-Za-z0-9_.+]*(/[A-Za-z0-9_][-A-Za-z0-9_.+]*)*\.gguf$"
 
 
+# Bounded, as priority classes are, for the CEL cost of the rules over them.
+MAX_ADAPTERS = 32
+# An adapter's name: what clients send as `model` (org/name style allowed); no "=", which ends a name on
+# the engine's command line, and no spaces.
+ADAPTER_NAME = r"^[A-Za-z0-9][-A-Za-z0-9_.:/]*$"
+ADAPTER_SOURCE_MESSAGE = "adapters[].source" + SOURCE_MESSAGE.removeprefix("source")
+ADAPTER_NAMED_AS_MODEL = (
+    "an adapter may not take the model's own name: a request naming it would be ambiguous"
+)
+
+
+class LoraAdapter(_Object):
+    """A LoRA adapter (PEFT's format) served beside the model: a request naming it runs on it."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            f"!self.source.matches('{SCHEME}') || self.source.matches('{SOURCE_URI}')", ADAPTER_SOURCE_MESSAGE
+        )
+    )
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=ADAPTER_NAME,
+        description="The name clients send as the model to run on this adapter.",
+    )
+    source: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="The adapter's directory (adapter_config.json, adapter_model.safetensors), as model.source "
+        "takes one: a path in the pod, or hf://, s3://, pvc:// fetched into the model cache before the engine "
+        "starts (with model.endpoint and model.credentialsSecret).",
+    )
+
+    @model_validator(mode="after")
+    def _source_shape(self) -> Self:
+        if re.match(SCHEME, self.source) and not re.match(SOURCE_URI, self.source):
+            raise ValueError(f"{ADAPTER_SOURCE_MESSAGE} (got {self.source!r})")
+        return self
+
+
 class ModelCache(_Object):
     """Where a fetched model is kept: an emptyDir per pod (the default), or a PersistentVolumeClaim that
     pods share (ReadWriteMany), so that a model is fetched once."""
@@ -142,6 +183,10 @@ class Model(_Object):
                 {
                     "rule": f"!has(self.volumeClaim) || !self.source.matches('{SCHEME}')",
                     "message": "volumeClaim goes with a path source; pvc://claim/path names its claim itself",
+                },
+                {
+                    "rule": "!has(self.adapters) || self.adapters.all(a, a.name != self.name)",
+                    "message": ADAPTER_NAMED_AS_MODEL,
                 },
             ]
         }
@@ -197,11 +242,23 @@ class Model(_Object):
         "engine container never sees it.",
     )
     cache: ModelCache = Field(default_factory=lambda: ModelCache(), json_schema_extra={"default": {}})
+    adapters: list[LoraAdapter] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters served beside the model (`ember serve --lora-modules`), each under its own "
+        "name: every engine loads them all, and one batch mixes requests on the model and on any of them.",
+        json_schema_extra=_list_map("name"),
+    )
 
     @model_validator(mode="after")
     def _source_shape(self) -> Self:
         if re.match(SCHEME, self.source) and not re.match(SOURCE_URI, self.source):
             raise ValueError(f"{SOURCE_MESSAGE} (got {self.source!r})")
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapters names must be unique, got {names}")
+        if self.name in names:
+            raise ValueError(ADAPTER_NAMED_AS_MODEL)
         if self.volume_claim is not None and re.match(SCHEME, self.source):
             raise ValueError("volumeClaim goes with a path source; pvc://claim/path names its claim itself")
         return self
@@ -276,6 +333,7 @@ PROTECTED_FLAGS = {
     "num-speculative-tokens": "speculative.numTokens",
     "tensor-parallel-size": "engine.tensorParallelSize",
     "quantization": "model.quantization",
+    "lora-modules": "model.adapters",
     "nnodes": "resources.nodes",
     "node-rank": "the operator (the pod's place in its group)",
     "master-addr": "the operator (the group leader's address)",

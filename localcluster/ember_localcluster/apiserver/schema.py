@@ -155,6 +155,18 @@ def _show(value: Any) -> str:
     )
 
 
+def _go_value(value: Any) -> str:
+    """A list item's identity as apiextensions-apiserver's list-type check reports a duplicate
+    (`field.Duplicate`, printed with Go's %#v): a set's item as itself ("a", 1, true), a map list's key
+    fields as `map[string]interface {}{"name":"a"}` (keys sorted, ", " between entries)."""
+    if isinstance(value, dict):
+        entries = ", ".join(f"{_go_value(k)}:{_go_value(v)}" for k, v in sorted(value.items()))
+        return f"map[string]interface {{}}{{{entries}}}"
+    if value is None:
+        return "interface {}(nil)"
+    return json.dumps(value, ensure_ascii=False)
+
+
 def _matches(pattern: str, value: str) -> bool:
     """`pattern` as the Go server reads it: RE2 syntax and meaning (`$` is the end of the text, never
     before a last newline as in Python's `re`; `.` takes no newline)."""
@@ -231,7 +243,7 @@ def _validate_list(value: list[Any], schema: dict[str, Any], path: str, causes: 
     for index, item in enumerate(value):
         identity = {k: item.get(k) for k in keys} if list_type == "map" and isinstance(item, dict) else item
         if list_type in ("set", "map") and identity in seen:
-            message = f"Duplicate value: {json.dumps(identity)}"
+            message = f"Duplicate value: {_go_value(identity)}"
             causes.append(Cause(f"{path}[{index}]", "FieldValueDuplicate", message))
         seen.append(identity)
         if isinstance(schema.get("items"), dict):

@@ -5,8 +5,8 @@ from the ConfigMap (`items`, `optional`, `defaultMode` honoured) and rewritten w
 swapping a `..data` symlink as the real kubelet's AtomicWriter does (`write_atomically`), so readers
 never see half a file; `emptyDir` is a fresh directory. `persistentVolumeClaim` volumes resolve through
 the `claims` mapping given to the kubelet, and `hostPath` volumes are the host directory itself. An
-argument, env value or command path that starts with a container's `mountPath` (also after `--flag=`)
-is rewritten to the host directory. A missing ConfigMap or claim, or another volume type, keeps the
+argument, env value or command path that starts with a container's `mountPath` (also after `--flag=`,
+or after `NAME=` as in `--lora-modules NAME=PATH`) is rewritten to the host directory. A missing ConfigMap or claim, or another volume type, keeps the
 containers in `ContainerCreating` with a `FailedMount` event and message, retried every few seconds.
 """
 
@@ -174,7 +174,7 @@ def _write_configmap(worker: _PodWorker, volume: dict[str, Any]) -> None:
 # -- rewriting: the pod's view of the filesystem and network onto the host's --------------------------
 
 _ANY_ADDRESS = re.compile(r"(?P<flag>-{1,2}[\w.-]+=)?0\.0\.0\.0(?P<port>:\d+)?")
-_FLAG_VALUE = re.compile(r"(-{1,2}[\w.-]+=)(/.*)")
+_FLAG_VALUE = re.compile(r"(-{1,2}[\w.-]+=|[^=/\s][^=\s]*=)(/.*)")
 _HOST = re.compile(r"(?P<flag>-{1,2}[\w.-]+=)?(?P<host>[a-z0-9][a-z0-9.-]*)(?P<port>:\d+)?")
 
 
