@@ -251,3 +251,23 @@ def test_an_adapter_over_quantized_weights_adds_its_product(
     off_peft, off_base = (adapted - peft).abs().mean(), (adapted - base).abs().mean()
     # measured: 0.038 from PEFT (the int8 rounding), 0.99 from the base
     assert off_peft < 0.1 and off_base > 10 * off_peft, (off_peft, off_base)
+
+
+def test_adapters_added_and_removed_offline(
+    tiny_model: Path, adapters: dict[str, Path], reference: dict[str | None, list[list[int]]]
+) -> None:
+    llm = LLM(str(tiny_model), dtype="float32")
+    llm.add_lora("attention", str(adapters["attention"]))
+    (out,) = llm.generate(PROMPTS[4:5], GREEDY, use_tqdm=False, lora="attention")
+    assert out.token_ids == reference["attention"][4]
+    with pytest.raises(ValueError, match="lora: adapter 'attention' is already loaded"):
+        llm.add_lora("attention", str(adapters["every-projection"]))
+    llm.remove_lora("attention")
+    with pytest.raises(KeyError):
+        llm.remove_lora("attention")
+    (gone,) = llm.generate(PROMPTS[4:5], GREEDY, use_tqdm=False, lora="attention")
+    assert gone.error == "lora: unknown adapter 'attention'; loaded: none"
+    # The same name, other weights: its earlier blocks (still in the prefix cache) are not read.
+    llm.add_lora("attention", str(adapters["every-projection"]))
+    (again,) = llm.generate(PROMPTS[4:5], GREEDY, use_tqdm=False, lora="attention")
+    assert again.token_ids == reference["every-projection"][4]

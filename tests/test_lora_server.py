@@ -8,12 +8,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import plainhttp
 import pytest
 from server_util import InProcessServer, running_server
 from test_lora import ALL, PROMPTS, build_adapter
+from waiting import wait_for
 
 from ember_engine import LLM, SamplingParams
 
@@ -131,6 +133,10 @@ def test_lora_requests_info_names_the_adapters_running(
             ["--served-model-name", "m", "--lora-modules", "m=/p"],
             "an adapter is named 'm', the model's own name",
         ),
+        (
+            ["--allow-runtime-lora-updates", "--tensor-parallel-size", "2"],
+            "--allow-runtime-lora-updates: adapters are not loaded while serving under tensor parallelism",
+        ),
     ],
 )
 def test_adapter_options_that_cannot_work_are_refused(
@@ -178,3 +184,85 @@ def test_the_router_keys_an_adapters_blocks_as_the_engine_does(
         # Without the served name the router cannot tell an adapter from the model: the model's keys.
         unaware = request_prompts(tokenizer, body, False, 16).first_hashes
         assert (unaware[:8] == stored) == (model == MODEL)
+
+
+def test_runtime_updates_are_off_unless_allowed(server: InProcessServer, adapters: dict[str, Path]) -> None:
+    body = {"lora_name": "new", "lora_path": str(adapters["sql"])}
+    reply = plainhttp.post(f"{server.url}/v1/load_lora_adapter", json=body)
+    assert reply.status_code == 404
+    assert "ember serve --allow-runtime-lora-updates" in reply.json()["error"]["message"]
+
+
+@pytest.fixture
+def updatable(tiny_model: Path) -> Iterator[InProcessServer]:
+    with running_server(tiny_model, "--served-model-name", MODEL, "--allow-runtime-lora-updates") as s:
+        yield s
+
+
+def _load(url: str, name: str, path: Path | str) -> Any:
+    return plainhttp.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+
+
+def _unload(url: str, name: str) -> Any:
+    return plainhttp.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
+
+
+def test_adapters_load_and_unload_while_serving(
+    updatable: InProcessServer, adapters: dict[str, Path], tiny_model: Path, tmp_path: Path
+) -> None:
+    url = updatable.url
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    (idle,) = _lora_series(url)
+    assert 'max_lora="0"' in idle and [m.id for m in client.models.list()] == [MODEL]
+    reply = _load(url, "sql", adapters["sql"])
+    assert (reply.status_code, reply.text) == (200, "Success: LoRA adapter 'sql' added successfully.")
+    assert [m.id for m in client.models.list()] == [MODEL, "sql"] and 'max_lora="1"' in _lora_series(url)[0]
+    offline = LLM(str(tiny_model), lora_modules={n: str(p) for n, p in adapters.items()})
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def served(model: str) -> str:
+        answer = client.completions.create(
+            model=model, prompt=PROMPTS[4], max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        return answer.choices[0].text
+
+    def wanted(lora: str) -> str:
+        return offline.generate([PROMPTS[4]], greedy, use_tqdm=False, lora=lora)[0].outputs[0].text
+
+    assert served("sql") == wanted("sql")
+    # Refusals, each naming its field.
+    for name, path, status, message in [
+        ("sql", adapters["chat"], 400, "lora_name: 'sql' is already loaded"),
+        (MODEL, adapters["chat"], 400, "lora_name: 'base' is the model's own name"),
+        ("x", tmp_path, 400, "lora_path: LoRA adapter 'x': "),
+        ("bad\tname", adapters["chat"], 400, "lora_name: an adapter's name must be printable text"),
+    ]:
+        reply = _load(url, name, path)
+        assert reply.status_code == status and reply.json()["error"]["message"].startswith(message), (
+            reply.text
+        )
+    # Not while a request runs on it.
+    stream = client.completions.create(
+        model="sql",
+        prompt=PROMPTS[1],
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    try:
+        next(iter(stream))
+        busy = _unload(url, "sql")
+    finally:
+        stream.close()
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use", busy.text
+    wait_for(
+        lambda: _unload(url, "sql").status_code == 200, timeout=30, what="sql unloaded once its request ended"
+    )
+    assert [m.id for m in client.models.list()] == [MODEL]
+    with pytest.raises(openai.NotFoundError):
+        served("sql")
+    assert _unload(url, "sql").status_code == 404
+    # Other weights under the same name: none of the first load's cached blocks is read.
+    assert _load(url, "sql", adapters["chat"]).status_code == 200
+    assert served("sql") == wanted("chat") != wanted("sql")

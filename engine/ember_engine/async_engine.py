@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -22,13 +23,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ember_engine.core.config import EngineConfig
 from ember_engine.core.llm_engine import EngineStats, LLMEngine
 from ember_engine.core.outputs import RequestOutput
 from ember_engine.distributed.group import TensorParallelFailure
 from ember_engine.sample.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,12 @@ class _AbortAll:
 
 
 @dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    result: concurrent.futures.Future[Any]
+
+
+@dataclass(slots=True)
 class _Fatal:
     error: TensorParallelFailure
 
@@ -80,7 +89,9 @@ class AsyncEngine:
             engine = LLMEngine(config or EngineConfig(**options))
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Fatal | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Call | _Fatal | None] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -149,6 +160,12 @@ class AsyncEngine:
         """End every request handed to generate() so far; each listener gets `reason` (a stop)."""
         self._inbox.put(_AbortAll(reason))
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)`, run in the engine's thread between two steps; its result, or its exception."""
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, result))
+        return await asyncio.wrap_future(result)
+
     def stats(self) -> EngineStats:
         """A snapshot taken after the latest step (safe to read from any thread)."""
         return self._stats
@@ -211,7 +228,13 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
 
-    def _handle(self, item: _Add | _Abort | _AbortAll) -> None:
+    def _handle(self, item: _Add | _Abort | _AbortAll | _Call) -> None:
+        if isinstance(item, _Call):
+            try:
+                item.result.set_result(item.fn(self.engine))
+            except Exception as exc:
+                item.result.set_exception(exc)
+            return
         if isinstance(item, _Abort):
             self._abort(item.request_id)
             return

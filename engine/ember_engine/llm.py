@@ -7,9 +7,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ember_engine.core.adapter_updates import add_adapter, remove_adapter
 from ember_engine.core.config import EngineConfig
 from ember_engine.core.llm_engine import LLMEngine
 from ember_engine.core.outputs import RequestOutput
+from ember_engine.model.lora_files import read_adapter
 from ember_engine.sample.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -62,6 +64,14 @@ class LLM:
                 results[rid] = RequestOutput(rid, text, token_ids, [], finished=True, error=str(exc))
         self._run(results, len(order), use_tqdm)
         return [results[rid] for rid in order]
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load LoRA adapter `name` from its PEFT directory, for the prompts that follow to name."""
+        add_adapter(self.engine, read_adapter(name, path, self.engine.model_config))
+
+    def remove_lora(self, name: str) -> None:
+        """Unload LoRA adapter `name` (KeyError if it is not loaded)."""
+        remove_adapter(self.engine, name)
 
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
         from tqdm import tqdm

@@ -75,7 +75,7 @@ class BlockManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             hashes.append(
-                chain_hash(parent, tokens[i * size : (i + 1) * size], request.cache_salt, request.lora)
+                chain_hash(parent, tokens[i * size : (i + 1) * size], request.cache_salt, request.lora_key)
             )
 
     def find_cached_prefix(self, request: Request) -> list[Block]:

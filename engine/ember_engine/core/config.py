@@ -33,6 +33,14 @@ def is_gguf(model: str | os.PathLike[str]) -> bool:
     return os.fspath(model).endswith(".gguf")
 
 
+def adapter_name_problem(name: object) -> str | None:
+    """Why `name` cannot name a LoRA adapter: it must be printable text (no control characters, which the
+    prefix cache's keys keep for themselves) without surrounding spaces."""
+    if not isinstance(name, str) or not name or name != name.strip() or not name.isprintable():
+        return f"an adapter's name must be printable text without surrounding spaces, got {name!r}"
+    return None
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str  # a Hugging Face checkpoint directory, or a .gguf file
@@ -174,11 +182,8 @@ class EngineConfig:
                 f"unsupported {self.kv_cache_dtype!r}; supported: {', '.join(KV_CACHE_DTYPES)}",
             )
         for name in self.lora_modules or {}:
-            if not isinstance(name, str) or not name or name != name.strip():
-                bad(
-                    "lora_modules",
-                    f"an adapter's name must be a non-empty string without surrounding spaces, got {name!r}",
-                )
+            if (problem := adapter_name_problem(name)) is not None:
+                bad("lora_modules", problem)
         ngram_min, ngram_max = self.ngram_range
         if not 1 <= ngram_min <= ngram_max:
             bad("ngram_min", f"need 1 <= ngram_min <= ngram_max, got {ngram_min} and {ngram_max}")

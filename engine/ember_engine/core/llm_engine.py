@@ -18,7 +18,7 @@ from ember_engine.core.scheduler import Scheduler
 from ember_engine.core.tokenizer import Tokenizer
 from ember_engine.distributed.workers import WorkerPool
 from ember_engine.model.gguf import directory as gguf_dir
-from ember_engine.model.lora import slot_of
+from ember_engine.model.lora import LoraSet, key_of, slot_of
 from ember_engine.model.memory import fitted_max_model_len
 from ember_engine.model.model_config import ModelConfig
 from ember_engine.model.model_runner import ModelRunner
@@ -139,8 +139,8 @@ class LLMEngine:
                 priority=priority,
                 arrival_time=arrival,
                 cache_salt=cache_salt,
-                lora=lora,
                 adapter=adapter,
+                lora_key=key_of(self.runner.lora, lora),
                 generator=None if params.seed is None else make_generator(0, self.runner.device),
                 seed=None if params.seed is None else child_seed(params.seed, i),
                 index=i,
@@ -331,10 +331,12 @@ class LLMEngine:
             spec_enabled=self.spec is not None and self.spec.enabled,
             prefix_cache_preempted_queries=bm.stats.preempted_queries,
             prefix_cache_preempted_hits=bm.stats.preempted_hits,
-            running_loras=_loras(self.scheduler.running) if self.runner.lora else (),
-            waiting_loras=_loras(self.scheduler.waiting) if self.runner.lora else (),
+            running_loras=_loras(self.scheduler.running, self.runner.lora),
+            waiting_loras=_loras(self.scheduler.waiting, self.runner.lora),
         )
 
 
-def _loras(requests: Iterable[Request]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(r.lora for r in requests if r.lora is not None))
+def _loras(requests: Iterable[Request], adapters: LoraSet | None) -> tuple[str, ...]:
+    if adapters is None:
+        return ()
+    return tuple(dict.fromkeys(adapters.names[r.adapter] for r in requests if r.adapter))

@@ -31,8 +31,9 @@ class Request:
     priority: int = 0  # lower is more important (vLLM's convention)
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
-    lora: str | None = None  # the LoRA adapter it runs on (None: the base model), and that adapter's slot
+    # The LoRA adapter it runs on: its slot (0: the base model), and its key in the prefix cache
     adapter: int = 0
+    lora_key: str | None = None
     generator: torch.Generator | None = None
     seed: int | None = None  # with a generator: this sample's seed, which keys each token's noise
     index: int = 0  # n > 1: the samples of one prompt are told apart by index

@@ -1,7 +1,8 @@
 """LoRA adapters served beside the base model: each request runs on the base model or on one adapter, and
 one batch mixes them.
 
-Every adapter is loaded when the engine starts and gets a slot (1, 2, ...; 0 is the base model). A
+Each adapter, loaded when the engine starts or later between steps (`core/adapter_updates.py`), gets a
+slot (1, 2, ...; 0 is the base model; a slot is never given twice). A
 projection any adapter adapts carries a forward hook that adds, to each token row of an adapter, that
 adapter's `B (A x)`: the base projection runs once for the whole batch (quantized or not), the adapters'
 low-rank products only over their own rows. The merged projections (q/k/v, gate/up) hold each adapter's
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ember_engine.core.config import adapter_name_problem
 from ember_engine.model.context import get_context
 from ember_engine.model.llama import LlamaForCausalLM
 from ember_engine.model.lora_files import AdapterFiles, Factors, read_adapter
@@ -85,31 +87,61 @@ def _shard(f: Factors, shard: Shard, head_dim: int) -> tuple[torch.Tensor, torch
 
 
 class LoraSet:
-    """The engine's adapters by name, their slots, and the hooks that apply them."""
+    """The engine's adapters by name, their slots, and the hooks that apply them. Adapters can be added
+    and removed between steps; a slot is never given twice, so a request's slot never names another
+    adapter than the one it was admitted on."""
 
     def __init__(self, model: LlamaForCausalLM, adapters: Sequence[AdapterFiles], dtype: torch.dtype) -> None:
-        self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}
-        self.paths = {a.name: a.path for a in adapters}
-        self.ranks = {a.name: a.rank for a in adapters}
-        shard, head_dim, layers = model.shard, model.config.head_dim, model.model.layers
-        device = next(model.parameters()).device
-        adapted: dict[str, _Adapted] = {}
+        self.model, self.dtype = model, dtype
+        self.device = next(model.parameters()).device
+        self.slots: dict[str, int] = {}
+        self.names: dict[int, str] = {}  # slot -> name
+        self._hooks: dict[str, _Adapted] = {}  # "layer.module" -> its hook, registered once
+        self._next_slot = 1
+        self._loads: dict[str, int] = {}  # name -> times loaded in this engine's life
         for adapter in adapters:
-            slot = self.slots[adapter.name]
-            per_module: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
-            for f in adapter.factors:
-                module, part = _MODULE[f.projection]
-                a, b = _shard(f, shard, head_dim)
-                per_module.setdefault(f"{f.layer}.{module}", []).append((part, a, b))
-            for key, pieces in per_module.items():
+            self.add(adapter)
+
+    def add(self, adapter: AdapterFiles) -> None:
+        if (problem := adapter_name_problem(adapter.name)) is not None:
+            raise ValueError(f"lora: {problem}")
+        if adapter.name in self.slots:
+            raise ValueError(f"lora: adapter {adapter.name!r} is already loaded")
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        model = self.model
+        per_module: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
+        for f in adapter.factors:
+            module, part = _MODULE[f.projection]
+            a, b = _shard(f, model.shard, model.config.head_dim)
+            per_module.setdefault(f"{f.layer}.{module}", []).append((part, a, b))
+        stacked = {}
+        for key, pieces in per_module.items():
+            a, b = _stack(pieces, _part_sizes(model, key.split(".", 1)[1]))
+            stacked[key] = (
+                a.to(self.device, self.dtype).contiguous(),
+                b.to(self.device, self.dtype).contiguous(),
+            )
+        for key, pair in stacked.items():  # all moved: nothing is attached half
+            hook = self._hooks.get(key)
+            if hook is None:
                 layer, module = key.split(".", 1)
-                linear = layers[int(layer)].get_submodule(module)
-                a, b = _stack(pieces, _part_sizes(model, module))
-                hook = adapted.get(key)
-                if hook is None:
-                    hook = adapted[key] = _Adapted()
-                    linear.register_forward_hook(hook)
-                hook.weights[slot] = (a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
+                hook = self._hooks[key] = _Adapted()
+                model.model.layers[int(layer)].get_submodule(module).register_forward_hook(hook)
+            hook.weights[slot] = pair
+        self.slots[adapter.name], self.names[slot] = slot, adapter.name
+        self._loads[adapter.name] = self._loads.get(adapter.name, 0) + 1
+
+    def remove(self, name: str) -> None:
+        slot = self.slot(name)
+        for hook in self._hooks.values():
+            hook.weights.pop(slot, None)
+        del self.slots[name], self.names[slot]
+
+    def cache_key(self, name: str) -> str:
+        """The key of the adapter's blocks in the prefix cache: its name; from its second load on (other
+        weights, perhaps, under the same name), its name and that load's number."""
+        loads = self._loads[name]
+        return name if loads == 1 else f"{name}\x00{loads}"  # no name holds a control character
 
     def slot(self, name: str) -> int:
         if name not in self.slots:
@@ -157,6 +189,11 @@ def slot_of(adapters: LoraSet | None, name: str | None) -> int:
     if adapters is None:
         raise ValueError(f"lora: no LoRA adapters are loaded; {name!r} is unknown")
     return adapters.slot(name)
+
+
+def key_of(adapters: LoraSet | None, name: str | None) -> str | None:
+    """The prefix-cache key of a request's adapter (None for the base model)."""
+    return None if adapters is None or name is None else adapters.cache_key(name)
 
 
 def _part_sizes(model: LlamaForCausalLM, module: str) -> list[int]:

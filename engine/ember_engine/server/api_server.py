@@ -29,6 +29,7 @@ from ember_engine.server.chat_prompt import chat_prompt_ids
 from ember_engine.server.errors import _error_response, add_error_handlers, engine_failed
 from ember_engine.server.fallback import FallbackFailed, RelayedStream
 from ember_engine.server.load_api import add_load_routes
+from ember_engine.server.lora_api import add_lora_routes
 from ember_engine.server.openai_format import Formatter
 from ember_engine.server.policy import PolicyError
 from ember_engine.server.protocol import (
@@ -83,6 +84,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         return {"object": "list", "data": [model_card(state), *(model_card(state, n) for n in state.loras)]}
 
     add_tokenize_routes(app, state)
+    add_lora_routes(app, state, state.lora_updates)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request, body: CompletionRequest) -> Response:

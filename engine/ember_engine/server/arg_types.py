@@ -45,12 +45,18 @@ def lora_module(text: str) -> tuple[str, str]:
     return name.strip(), path
 
 
-def lora_names_problem(modules: list[tuple[str, str]] | None, model: str) -> str | None:
-    """Why `--lora-modules`' names cannot tell requests apart: one given twice, or the model's own name."""
-    names = [name for name, _ in modules or ()]
+def lora_problem(args: argparse.Namespace, model: str) -> str | None:
+    """Why the LoRA options cannot work: an adapter name given twice, or the model's own name; runtime
+    updates under tensor parallelism (the ranks are given their adapters at start only)."""
+    names = [name for name, _ in args.lora_modules or ()]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        return f"adapter name(s) given twice: {', '.join(twice)}"
+        return f"--lora-modules: adapter name(s) given twice: {', '.join(twice)}"
     if model in names:
-        return f"an adapter is named {model!r}, the model's own name (--served-model-name)"
+        return f"--lora-modules: an adapter is named {model!r}, the model's own name (--served-model-name)"
+    if args.allow_runtime_lora_updates and args.tensor_parallel_size > 1:
+        return (
+            "--allow-runtime-lora-updates: adapters are not loaded while serving under tensor parallelism "
+            "(give them at start with --lora-modules)"
+        )
     return None

@@ -57,9 +57,10 @@ _SPEC_TOTALS = {
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, spec_positions: int = 0, loras: int = 0) -> None:
+    def __init__(self, model_name: str, spec_positions: int = 0, loras: int | None = None) -> None:
         """`spec_positions`: K, the most tokens proposed per step, with speculative decoding; 0 without.
-        `loras`: how many LoRA adapters are loaded (with none, no `vllm:lora_requests_info`)."""
+        `loras`: how many LoRA adapters are loaded; None where the server takes none (no
+        `vllm:lora_requests_info` then)."""
         self.registry = CollectorRegistry()
         self._model = model_name
         reg, ml = self.registry, ["model_name"]
@@ -129,21 +130,22 @@ class EngineMetrics:
         self._iteration = hist("vllm:iteration_tokens_total", "Tokens per engine step.", _ITERATION)
         self._finished = FinishedRequests(hist)
         # vLLM's `vllm:lora_requests_info`: one series, whose labels name the adapters of the requests
-        # running and waiting (comma-separated) and the most adapters a batch holds, its value the time
+        # running and waiting (comma-separated) and count those loaded (all may share a batch), its value the time
         # they were last seen (what the inference gateway's LoRA-affinity scorer reads). A series whose
         # labels no longer hold is removed, not left behind.
         self._lora_info: Gauge | None = None
-        self._lora_max, self._lora_labels = str(loras), ("", "", "")
-        if loras:
+        self._lora_max = "0"
+        self._lora_labels: tuple[str, str, str] | None = None
+        if loras is not None:
             names = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
             self._lora_info = Gauge(
                 "vllm:lora_requests_info", "Running stats on LoRA requests.", names, registry=reg
             )
-            self._lora_labels = (self._lora_max, "", "")
-            self._lora_info.labels(*self._lora_labels).set_to_current_time()
 
         # record_step runs in the engine thread, record_stats and log_line wherever the server calls them.
         self._lock = threading.Lock()
+        if loras is not None:
+            self.set_loras_loaded(loras)
         self._latest: EngineStats | None = None
         # request id -> each sample's latest token time, while it runs
         self._last_token: dict[str, list[float | None]] = {}
@@ -200,11 +202,8 @@ class EngineMetrics:
             if stats.spec is not None:
                 self._record_spec(stats)
             if self._lora_info is not None:
-                labels = (self._lora_max, ",".join(stats.waiting_loras), ",".join(stats.running_loras))
-                if labels != self._lora_labels:
-                    self._lora_info.remove(*self._lora_labels)
-                    self._lora_labels = labels
-                self._lora_info.labels(*labels).set_to_current_time()
+                waiting, running = ",".join(stats.waiting_loras), ",".join(stats.running_loras)
+                self._set_lora_labels((self._lora_max, waiting, running))
 
     def _record_spec(self, stats: EngineStats) -> None:
         # Called under the lock, like the other totals.
@@ -239,6 +238,23 @@ class EngineMetrics:
             self._over_limit.labels(self._model, name)
             for reason in SHED_REASONS:
                 self._shed.labels(self._model, reason, name)
+
+    def set_loras_loaded(self, count: int) -> None:
+        """The adapters loaded now (`max_lora`: any number of them may share a batch)."""
+        if self._lora_info is None:
+            return
+        with self._lock:
+            self._lora_max = str(count)
+            _, waiting, running = self._lora_labels or ("", "", "")
+            self._set_lora_labels((self._lora_max, waiting, running))
+
+    def _set_lora_labels(self, labels: tuple[str, str, str]) -> None:
+        # Under the lock: the series of these labels, stamped now; the previous one goes if they differ.
+        assert self._lora_info is not None
+        if self._lora_labels is not None and labels != self._lora_labels:
+            self._lora_info.remove(*self._lora_labels)
+        self._lora_labels = labels
+        self._lora_info.labels(*labels).set_to_current_time()
 
     def record_shed(self, reason: str, priority: str) -> None:
         self._shed.labels(self._model, reason, priority).inc()

@@ -134,6 +134,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="LoRA adapters (PEFT directories) served beside the model: a request names one as its model",
     )
+    p.add_argument(
+        "--allow-runtime-lora-updates",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read any directory this "
+        "process can)",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--max-request-body-bytes",
@@ -174,8 +180,12 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     policy = PolicyWatcher(args.policy)
     config = engine_config(args)
     loras = config.lora_modules or {}
-    metrics = EngineMetrics(name, config.speculative_tokens if config.speculation else 0, len(loras))
-    state = ServerState(name, policy, metrics, Fallback(httpx.AsyncClient()), loras=loras)
+    takes_loras = bool(loras) or args.allow_runtime_lora_updates
+    metrics = EngineMetrics(
+        name, config.speculative_tokens if config.speculation else 0, len(loras) if takes_loras else None
+    )
+    state = ServerState(name, policy, metrics, Fallback(httpx.AsyncClient()), loras=dict(loras))
+    state.lora_updates = args.allow_runtime_lora_updates
     if args.responses_store:
         from ember_engine.server.responses_api import ResponseStore
 
@@ -283,8 +293,8 @@ def main(args: argparse.Namespace) -> int:
     )
     if args.node_rank > 0:
         return run_worker_node(args)
-    if problem := arg_types.lora_names_problem(args.lora_modules, _served_name(args)):
-        print(f"ember serve: --lora-modules: {problem}", file=sys.stderr)
+    if problem := arg_types.lora_problem(args, _served_name(args)):
+        print(f"ember serve: {problem}", file=sys.stderr)
         return 2
     try:
         server, state, failure = build_server(args)

@@ -37,6 +37,7 @@ class ServerState:
     grammars: Any = None  # structured.CompileCache, made on the first constrained request
     responses: Any = None  # responses_api.ResponseStore with `--responses-store N`; None keeps none
     loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters served: name -> directory
+    lora_updates: bool = False  # adapters may be loaded and unloaded while serving (lora_api)
 
     def __post_init__(self) -> None:
         # The shed and wait-limit series of each priority class from the start, and those of a new
