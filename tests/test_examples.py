@@ -26,6 +26,7 @@ def test_the_examples_exist() -> None:
         "inferenceservice.yaml",
         "local-fallback.yaml",
         "local.yaml",
+        "lora.yaml",
         "production.yaml",
         "tensor-parallel.yaml",
     ]
@@ -101,6 +102,21 @@ def test_gguf_example_fetches_its_file_alone() -> None:
         a.startswith("--model=/model-cache/hf/bartowski/") and a.endswith("Q4_K_M.gguf")
         for a in engine["args"]
     )
+
+
+def test_lora_example_fetches_one_adapter_and_serves_both() -> None:
+    (doc,) = _documents(EXAMPLES / "lora.yaml")
+    pod = desired_pod(
+        Owner("assistant", "default", "uid"), InferenceServiceSpec.model_validate(doc["spec"]), WARM, "h"
+    )
+    (fetch,) = pod["spec"]["initContainers"]
+    assert fetch["name"] == "fetch-adapter-1"
+    engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+    at = engine["args"].index("--lora-modules")
+    assert engine["args"][at + 1 : at + 3] == [
+        "sql=/models/adapters/sql-lora",
+        "acme/support=/model-cache/hf/acme/llama-3.1-8b-support-lora/v3",
+    ]
 
 
 def test_the_keda_example_adds_a_pod_once_the_engines_batches_are_full() -> None:
