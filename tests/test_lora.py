@@ -97,6 +97,13 @@ def test_a_batch_mixing_adapters_computes_what_peft_computes(
     for (i, name), out in zip(order, outs, strict=True):
         assert out.error is None, out.error
         assert out.token_ids == reference[name][i], (name, i)
+    # One adapter among base-model requests (its rows only), and one adapter alone.
+    for names_here in ([None, "attention"], ["every-projection"]):
+        order = [(i, name) for i in range(len(PROMPTS)) for name in names_here]
+        outs = llm.generate(
+            [PROMPTS[i] for i, _ in order], GREEDY, use_tqdm=False, lora=[n for _, n in order]
+        )
+        assert [o.token_ids for o in outs] == [reference[name][i] for i, name in order]
 
 
 def test_prompt_logprobs_match_peft_logits(tiny_model: Path, adapters: dict[str, Path]) -> None:

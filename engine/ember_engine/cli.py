@@ -52,6 +52,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("ember_engine.bench.throughput", "offline output tokens/s, ember vs transformers"),
     "serve": ("ember_engine.bench.serve", "serving latency and throughput against a running server"),
     "spec": ("ember_engine.bench.spec", "speculative decoding (draft, n-gram) against plain decoding"),
+    "lora": ("ember_engine.bench.lora", "LoRA adapters (one, and several mixed) against the base model"),
     "quant": (
         "ember_engine.bench.quant",
         "quantized weights (fp8, w8a16, w4a16, w8a8) against full precision",

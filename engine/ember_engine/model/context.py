@@ -23,7 +23,7 @@ class ForwardContext:
     max_query_len: int
     max_seq_len: int
     gather_plan: Any = None  # the CPU attention path's per-step plan, built by the first layer
-    lora: Any = None  # lora.RowGroup list: the token rows of each LoRA adapter in the step; None: none
+    lora: Any = None  # lora.StepAdapters: the rows of each LoRA adapter in the step; None: none
 
 
 _local = threading.local()

@@ -4,15 +4,17 @@ one batch mixes them.
 Each adapter, loaded when the engine starts or later between steps (`core/adapter_updates.py`), gets a
 slot (1, 2, ...; 0 is the base model; a slot is never given twice). A
 projection any adapter adapts carries a forward hook that adds, to each token row of an adapter, that
-adapter's `B (A x)`: the base projection runs once for the whole batch (quantized or not), the adapters'
-low-rank products only over their own rows. The merged projections (q/k/v, gate/up) hold each adapter's
-factors stacked: `A` as the rows of every part, `B` block-diagonal, so a merged projection costs two
-matmuls per adapter. Under tensor parallelism each rank keeps its shard: the output rows of `B` of a
+adapter's `B (A x)`: the base projection runs once for the whole batch (quantized or not). A step with
+one adapter computes its low-rank product over that adapter's rows only; a step mixing several computes
+every adapter's at once, two matmuls whatever their number: `x` times all the adapters' `A` stacked, each
+row's columns other than its own adapter's zeroed, times their `B` side by side. The merged projections
+(q/k/v, gate/up) hold each adapter's factors stacked too: `A` as the rows of every part, `B`
+block-diagonal. Under tensor parallelism each rank keeps its shard: the output rows of `B` of a
 column-parallel projection, the input columns of `A` of a row-parallel one, whose partial products the
 block's all-reduce sums with the base's.
 
-The forward context (`context.py`) carries the step's rows per adapter (`row_groups`), built by the runner
-from its chunks; a step of base-model requests only has none, and the hooks then add nothing.
+The forward context (`context.py`) carries the step's rows per adapter (`StepAdapters`, built by the runner
+from its chunks); a step of base-model requests only has none, and the hooks then add nothing.
 """
 
 from __future__ import annotations
@@ -45,32 +47,70 @@ _MODULE = {
 
 
 @dataclass(slots=True)
-class RowGroup:
-    slot: int
-    rows: torch.Tensor | None  # [n] int64 token rows of this adapter; None: every row of the step
+class StepAdapters:
+    """The adapters of a step's rows. With one adapter, `rows` are its token rows (None: every row); with
+    several, `row_slots` [T] holds each row's slot (0: the base model)."""
+
+    slot: int  # the one adapter's slot; 0 with several
+    rows: torch.Tensor | None
+    row_slots: torch.Tensor | None
+    # per column layout of the stacked factors: each row's 0/1 mask over the columns, made once a step
+    masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, column_slots: torch.Tensor, layout: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        found = self.masks.get(layout)
+        if found is None:
+            assert self.row_slots is not None
+            found = self.masks[layout] = (self.row_slots[:, None] == column_slots[None, :]).to(dtype)
+        return found
+
+
+@dataclass(slots=True)
+class _Stacked:
+    a: torch.Tensor  # [sum R, in]: every adapter's A, by slot
+    b: torch.Tensor  # [out, sum R]: their B side by side
+    column_slots: torch.Tensor  # [sum R]: the slot of each column
+    layout: tuple[int, ...]  # (slot, rank) pairs, flattened: the key of its mask
 
 
 @dataclass(slots=True)
 class _Adapted:
-    """What one projection adds per adapter slot: (A [R, in], B [out, R])."""
+    """What one projection adds per adapter slot: (A [R, in], B [out, R]); and all of them stacked, for
+    steps that mix adapters (made on first use after a change)."""
 
     weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    stacked: _Stacked | None = None
 
     def __call__(self, _module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-        groups = get_context().lora
-        if not groups:
+        step: StepAdapters | None = get_context().lora
+        if step is None:
             return out
         x = args[0]
-        for group in groups:
-            pair = self.weights.get(group.slot)
+        if step.row_slots is None:  # one adapter
+            pair = self.weights.get(step.slot)
             if pair is None:
-                continue
+                return out
             a, b = pair
-            if group.rows is None:
-                out = out + (x @ a.t()) @ b.t()
-            else:
-                out = out.index_add(0, group.rows, (x.index_select(0, group.rows) @ a.t()) @ b.t())
-        return out
+            if step.rows is None:
+                return out + (x @ a.t()) @ b.t()
+            return out.index_add(0, step.rows, (x.index_select(0, step.rows) @ a.t()) @ b.t())
+        if not self.weights:
+            return out
+        s = self._stack()
+        return out + ((x @ s.a.t()) * step.mask(s.column_slots, s.layout, x.dtype)) @ s.b.t()
+
+    def _stack(self) -> _Stacked:
+        if self.stacked is None:
+            slots = sorted(self.weights)
+            a = torch.cat([self.weights[k][0] for k in slots])
+            b = torch.cat([self.weights[k][1] for k in slots], dim=1)
+            ranks = [self.weights[k][0].shape[0] for k in slots]
+            column_slots = torch.repeat_interleave(
+                torch.tensor(slots, device=a.device), torch.tensor(ranks, device=a.device)
+            )
+            layout = tuple(v for pair in zip(slots, ranks, strict=True) for v in pair)
+            self.stacked = _Stacked(a.contiguous(), b.contiguous(), column_slots, layout)
+        return self.stacked
 
 
 def _shard(f: Factors, shard: Shard, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,14 +167,15 @@ class LoraSet:
                 layer, module = key.split(".", 1)
                 hook = self._hooks[key] = _Adapted()
                 model.model.layers[int(layer)].get_submodule(module).register_forward_hook(hook)
-            hook.weights[slot] = pair
+            hook.weights[slot], hook.stacked = pair, None
         self.slots[adapter.name], self.names[slot] = slot, adapter.name
         self._loads[adapter.name] = self._loads.get(adapter.name, 0) + 1
 
     def remove(self, name: str) -> None:
         slot = self.slot(name)
         for hook in self._hooks.values():
-            hook.weights.pop(slot, None)
+            if hook.weights.pop(slot, None) is not None:
+                hook.stacked = None
         del self.slots[name], self.names[slot]
 
     def cache_key(self, name: str) -> str:
@@ -157,20 +198,20 @@ class ChunkLike(Protocol):
 
 def rows_of(
     adapters: LoraSet | None, chunks: Sequence[ChunkLike], device: torch.device
-) -> list[RowGroup] | None:
-    """The step's token rows per adapter, from each chunk's slot and token count; None when every chunk
-    runs on the base model."""
+) -> StepAdapters | None:
+    """The step's rows per adapter, from each chunk's slot and token count; None when every chunk runs on
+    the base model."""
     slots = [c.adapter for c in chunks]
     if adapters is None or not any(slots):
         return None
     per_row = np.repeat(np.asarray(slots, dtype=np.int64), [len(c.token_ids) for c in chunks])
-    groups = []
-    for slot in sorted(set(slots) - {0}):
-        if bool((per_row == slot).all()):
-            return [RowGroup(slot, None)]
-        rows = np.flatnonzero(per_row == slot)
-        groups.append(RowGroup(slot, torch.from_numpy(rows).to(device)))
-    return groups
+    used = set(slots) - {0}
+    if len(used) > 1:
+        return StepAdapters(0, None, torch.from_numpy(per_row).to(device))
+    (slot,) = used
+    if 0 not in slots:
+        return StepAdapters(slot, None, None)
+    return StepAdapters(slot, torch.from_numpy(np.flatnonzero(per_row == slot)).to(device), None)
 
 
 def load(

@@ -50,7 +50,7 @@ class AdapterFiles:
     factors: list[Factors]
 
 
-def _shapes(config: ModelConfig, projection: str) -> tuple[int, int]:
+def projection_shape(config: ModelConfig, projection: str) -> tuple[int, int]:
     """(out, in) of a projection of the unsplit model."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     h, i = config.hidden_size, config.intermediate_size
@@ -152,7 +152,7 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig) -> AdapterFil
             missing = "lora_B" if "A" in pair else "lora_A"
             raise AdapterError(f"LoRA adapter {name!r}: {module} has no {missing} weight")
         a, b = pair["A"], pair["B"]
-        out, inp = _shapes(config, proj)
+        out, inp = projection_shape(config, proj)
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (r, inp) or tuple(b.shape) != (out, r):
             raise AdapterError(
