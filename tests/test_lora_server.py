@@ -3,6 +3,7 @@ real server; listed as vLLM lists adapters; its requests reported in `vllm:lora_
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -91,6 +92,24 @@ def test_a_model_neither_served_nor_an_adapter_is_404(client: openai.OpenAI, ser
     assert tokens.status_code == 200 and tokens.json()["count"] > 0
 
 
+@contextlib.contextmanager
+def _running(client: openai.OpenAI, model: str) -> Iterator[None]:
+    """A long request on `model`, running (its first token streamed) until the block ends, then closed."""
+    stream = client.completions.create(
+        model=model,
+        prompt=PROMPTS[1],
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    try:
+        next(iter(stream))
+        yield
+    finally:
+        stream.close()
+
+
 def _lora_series(url: str) -> list[str]:
     text = plainhttp.get(f"{url}/metrics").text
     return [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
@@ -103,19 +122,8 @@ def test_lora_requests_info_names_the_adapters_running(
     assert re.fullmatch(
         r'vllm:lora_requests_info\{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""\} \S+', idle
     ), idle
-    stream = client.completions.create(
-        model="chat",
-        prompt=PROMPTS[1],
-        max_tokens=1500,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    try:
-        next(iter(stream))  # running now
+    with _running(client, "chat"):
         (busy,) = _lora_series(server.url)
-    finally:
-        stream.close()
     assert 'running_lora_adapters="chat"' in busy and 'waiting_lora_adapters=""' in busy
     assert float(busy.rsplit(" ", 1)[1]) >= float(idle.rsplit(" ", 1)[1])  # the time it was last seen
 
@@ -242,19 +250,8 @@ def test_adapters_load_and_unload_while_serving(
             reply.text
         )
     # Not while a request runs on it.
-    stream = client.completions.create(
-        model="sql",
-        prompt=PROMPTS[1],
-        max_tokens=1500,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    try:
-        next(iter(stream))
+    with _running(client, "sql"):
         busy = _unload(url, "sql")
-    finally:
-        stream.close()
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use", busy.text
     wait_for(
         lambda: _unload(url, "sql").status_code == 200, timeout=30, what="sql unloaded once its request ended"
