@@ -2,9 +2,8 @@
 one batch mixes them.
 
 Each adapter, loaded when the engine starts or later between steps (`core/adapter_updates.py`), gets a
-slot (1, 2, ...; 0 is the base model; a slot is never given twice). A
-projection any adapter adapts carries a forward hook that adds, to each token row of an adapter, that
-adapter's `B (A x)`: the base projection runs once for the whole batch (quantized or not). A step with
+slot (1, 2, ...; 0 is the base model; a slot is never given twice). A projection any adapter adapts
+carries a forward hook that adds, to each token row of an adapter, that adapter's `B (A x)`: the base projection runs once for the whole batch (quantized or not). A step with
 one adapter computes its low-rank product over that adapter's rows only; a step mixing several computes
 every adapter's at once, two matmuls whatever their number: `x` times all the adapters' `A` stacked, each
 row's columns other than its own adapter's zeroed, times their `B` side by side. The merged projections
@@ -75,8 +74,9 @@ class _Stacked:
 
 @dataclass(slots=True)
 class _Adapted:
-    """What one projection adds per adapter slot: (A [R, in], B [out, R]); and all of them stacked, for
-    steps that mix adapters (made on first use after a change)."""
+    """What one projection adds: every adapter's factors stacked (`stacked`, for steps that mix adapters),
+    and per slot views of them, (A [R, in], B [out, R]). Stacked again at each change, so each adapter's
+    factors are held once."""
 
     weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     stacked: _Stacked | None = None
@@ -94,23 +94,29 @@ class _Adapted:
             if step.rows is None:
                 return out + (x @ a.t()) @ b.t()
             return out.index_add(0, step.rows, (x.index_select(0, step.rows) @ a.t()) @ b.t())
-        if not self.weights:
+        s = self.stacked
+        if s is None:
             return out
-        s = self._stack()
         return out + ((x @ s.a.t()) * step.mask(s.column_slots, s.layout, x.dtype)) @ s.b.t()
 
-    def _stack(self) -> _Stacked:
-        if self.stacked is None:
-            slots = sorted(self.weights)
-            a = torch.cat([self.weights[k][0] for k in slots])
-            b = torch.cat([self.weights[k][1] for k in slots], dim=1)
-            ranks = [self.weights[k][0].shape[0] for k in slots]
-            column_slots = torch.repeat_interleave(
-                torch.tensor(slots, device=a.device), torch.tensor(ranks, device=a.device)
-            )
-            layout = tuple(v for pair in zip(slots, ranks, strict=True) for v in pair)
-            self.stacked = _Stacked(a.contiguous(), b.contiguous(), column_slots, layout)
-        return self.stacked
+    def restack(self) -> None:
+        """Stack the adapters' factors after a change, and make the per-slot factors views of the stack."""
+        if not self.weights:
+            self.stacked = None
+            return
+        slots = sorted(self.weights)
+        a = torch.cat([self.weights[k][0] for k in slots])
+        b = torch.cat([self.weights[k][1] for k in slots], dim=1).contiguous()
+        ranks = [self.weights[k][0].shape[0] for k in slots]
+        column_slots = torch.repeat_interleave(
+            torch.tensor(slots, device=a.device), torch.tensor(ranks, device=a.device)
+        )
+        layout = tuple(v for pair in zip(slots, ranks, strict=True) for v in pair)
+        self.stacked = _Stacked(a, b, column_slots, layout)
+        start = 0
+        for k, r in zip(slots, ranks, strict=True):
+            self.weights[k] = (a[start : start + r], b[:, start : start + r])
+            start += r
 
 
 def _shard(f: Factors, shard: Shard, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +173,8 @@ class LoraSet:
                 layer, module = key.split(".", 1)
                 hook = self._hooks[key] = _Adapted()
                 model.model.layers[int(layer)].get_submodule(module).register_forward_hook(hook)
-            hook.weights[slot], hook.stacked = pair, None
+            hook.weights[slot] = pair
+            hook.restack()
         self.slots[adapter.name], self.names[slot] = slot, adapter.name
         self._loads[adapter.name] = self._loads.get(adapter.name, 0) + 1
 
@@ -175,7 +182,7 @@ class LoraSet:
         slot = self.slot(name)
         for hook in self._hooks.values():
             if hook.weights.pop(slot, None) is not None:
-                hook.stacked = None
+                hook.restack()
         del self.slots[name], self.names[slot]
 
     def cache_key(self, name: str) -> str:
