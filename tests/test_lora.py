@@ -144,7 +144,14 @@ def test_speculation_on_an_adapter_gives_its_plain_tokens(
 ) -> None:
     # The proposals (n-gram lookup) are checked by the adapted model: greedy tokens are the adapter's.
     loras = {n: str(p) for n, p in adapters.items()}
-    llm = LLM(str(tiny_model), dtype="float32", lora_modules=loras, speculative_method="ngram")
+    # Speculation at every step: the adaptive controller, timing a loaded machine, may turn it off.
+    llm = LLM(
+        str(tiny_model),
+        dtype="float32",
+        lora_modules=loras,
+        speculative_method="ngram",
+        speculative_adaptive=False,
+    )
     repeated = [p * 3 for p in PROMPTS[:3]]  # repeats give the lookup something to propose
     plain = LLM(str(tiny_model), dtype="float32", lora_modules=loras)
     for name in ("every-projection", "attention"):

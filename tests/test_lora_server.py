@@ -4,6 +4,7 @@ real server; listed as vLLM lists adapters; its requests reported in `vllm:lora_
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -208,7 +209,11 @@ def updatable(tiny_model: Path) -> Iterator[InProcessServer]:
 
 
 def _load(url: str, name: str, path: Path | str) -> Any:
-    return plainhttp.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+    # json.dumps writes a lone surrogate as its \u escape, as a client in any language may.
+    body = json.dumps({"lora_name": name, "lora_path": str(path)})
+    return plainhttp.post(
+        f"{url}/v1/load_lora_adapter", content=body, headers={"content-type": "application/json"}
+    )
 
 
 def _unload(url: str, name: str) -> Any:
@@ -244,6 +249,7 @@ def test_adapters_load_and_unload_while_serving(
         (MODEL, adapters["chat"], 400, "lora_name: 'base' is the model's own name"),
         ("x", tmp_path, 400, "lora_path: LoRA adapter 'x': "),
         ("bad\tname", adapters["chat"], 400, "lora_name: an adapter's name must be printable text"),
+        ("x", "/tmp/\ud800", 400, "lora_path: "),  # a lone surrogate (JSON's \ud800)
     ]:
         reply = _load(url, name, path)
         assert reply.status_code == status and reply.json()["error"]["message"].startswith(message), (

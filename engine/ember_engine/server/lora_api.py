@@ -6,6 +6,7 @@ server's user. Each answers as vLLM's do, a line of text, or an OpenAI-style err
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
@@ -17,16 +18,24 @@ from ember_engine.model.lora_files import AdapterError, read_adapter
 from ember_engine.server.errors import still_loading
 from ember_engine.server.protocol import APIError
 from ember_engine.server.state import ServerState
+from ember_engine.server.text_checks import lone_surrogate
 
 
-class LoadLoraRequest(BaseModel):
+class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    def model_post_init(self, _: Any) -> None:  # a lone surrogate names no file, and no answer can hold it
+        problem = lone_surrogate(self.model_dump())
+        if problem is not None:
+            raise APIError(400, problem, param=problem.split(":", 1)[0])
+
+
+class LoadLoraRequest(_Body):
     lora_name: str
     lora_path: str
 
 
-class UnloadLoraRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class UnloadLoraRequest(_Body):
     lora_name: str
 
 
