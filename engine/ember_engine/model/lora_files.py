@@ -45,8 +45,6 @@ class Factors:
 @dataclass(frozen=True, slots=True)
 class AdapterFiles:
     name: str
-    path: Path
-    rank: int  # the largest r of its modules
     factors: list[Factors]
 
 
@@ -144,7 +142,7 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig) -> AdapterFil
             where = (layer, m.group(3))
             modules[where] = m.group(1)
             halves.setdefault(where, {})[m.group(4)] = f.get_tensor(key)
-    factors, rank = [], 0
+    factors = []
     use_rslora = bool(cfg.get("use_rslora"))
     for (layer, proj), pair in sorted(halves.items()):
         module = modules[(layer, proj)]
@@ -164,7 +162,6 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig) -> AdapterFil
         assert isinstance(alpha, (int, float))
         scaling = alpha / (math.sqrt(r) if use_rslora else r)
         factors.append(Factors(layer, proj, a.float(), b.float() * scaling))
-        rank = max(rank, r)
     if not factors:
         raise AdapterError(f"LoRA adapter {name!r}: {weights} holds no LoRA weights")
-    return AdapterFiles(name, root, rank, factors)
+    return AdapterFiles(name, factors)
