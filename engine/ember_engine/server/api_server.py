@@ -84,7 +84,7 @@ def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         return {"object": "list", "data": [model_card(state), *(model_card(state, n) for n in state.loras)]}
 
     add_tokenize_routes(app, state)
-    add_lora_routes(app, state, state.lora_updates)
+    add_lora_routes(app, state)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request, body: CompletionRequest) -> Response:

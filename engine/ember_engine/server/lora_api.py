@@ -6,11 +6,10 @@ server's user. Each answers as vLLM's do, a line of text, or an OpenAI-style err
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from ember_engine.core.adapter_updates import AdapterInUse, add_adapter, remove_adapter
 from ember_engine.core.config import adapter_name_problem
@@ -18,16 +17,11 @@ from ember_engine.model.lora_files import AdapterError, read_adapter
 from ember_engine.server.errors import still_loading
 from ember_engine.server.protocol import APIError
 from ember_engine.server.state import ServerState
-from ember_engine.server.text_checks import lone_surrogate
+from ember_engine.server.tokenize_api import CheckedBody
 
 
-class _Body(BaseModel):
+class _Body(CheckedBody):  # a lone surrogate names no file, and no answer can hold it
     model_config = ConfigDict(extra="forbid", strict=True)
-
-    def model_post_init(self, _: Any) -> None:  # a lone surrogate names no file, and no answer can hold it
-        problem = lone_surrogate(self.model_dump())
-        if problem is not None:
-            raise APIError(400, problem, param=problem.split(":", 1)[0])
 
 
 class LoadLoraRequest(_Body):
@@ -39,9 +33,9 @@ class UnloadLoraRequest(_Body):
     lora_name: str
 
 
-def add_lora_routes(app: FastAPI, state: ServerState, allowed: bool) -> None:
+def add_lora_routes(app: FastAPI, state: ServerState) -> None:
     def engine():  # -> AsyncEngine
-        if not allowed:
+        if not state.lora_updates:
             raise APIError(
                 404,
                 "runtime LoRA updates are off on this server (ember serve --allow-runtime-lora-updates)",

@@ -21,7 +21,7 @@ from ember_engine.server.text_checks import lone_surrogate
 from ember_engine.server.tools import plan_tools
 
 
-class _Checked(BaseModel):
+class CheckedBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     def model_post_init(self, _: Any) -> None:
@@ -30,7 +30,7 @@ class _Checked(BaseModel):
             raise APIError(400, problem, param=problem.split(":", 1)[0])
 
 
-class TokenizeRequest(_Checked):
+class TokenizeRequest(CheckedBody):
     """Either `prompt` (text, tokenized as completions do) or `messages` (rendered as chat does)."""
 
     model: str | None = None
@@ -44,7 +44,7 @@ class TokenizeRequest(_Checked):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Checked):
+class DetokenizeRequest(CheckedBody):
     model: str | None = None
     tokens: list[int]
 
