@@ -16,3 +16,4 @@ get = _CLIENT.get
 post = _CLIENT.post
 put = _CLIENT.put
 stream = _CLIENT.stream
+request = _CLIENT.request

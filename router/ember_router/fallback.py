@@ -4,6 +4,7 @@ parser, re-read while the router runs), or of the `--fallback-*` flags when a ro
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -44,14 +45,18 @@ class ModelNames:
     def __init__(self) -> None:
         self._known: dict[str, str] = {}
 
-    async def name(self, session: aiohttp.ClientSession, target: FallbackTarget) -> str | None:
+    async def name(
+        self, session: aiohttp.ClientSession, target: FallbackTarget, headers: Mapping[str, str] | None = None
+    ) -> str | None:
         """The name to put in the request; None when it cannot be learnt (the request's own is kept)."""
         if target.model:
             return target.model
         if target.url not in self._known:
             timeout = aiohttp.ClientTimeout(total=target.timeout or 5.0, sock_connect=2.0)
             try:
-                async with session.get(f"{target.url}/v1/models", timeout=timeout) as response:
+                async with session.get(
+                    f"{target.url}/v1/models", headers=headers, timeout=timeout
+                ) as response:
                     listed = (await response.json()).get("data") or [] if response.status == 200 else []
             except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
                 log.warning("fallback %s: could not list its models: %s", target.url, exc)

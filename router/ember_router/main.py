@@ -8,6 +8,8 @@ import math
 import os
 from typing import TYPE_CHECKING
 
+from ember_engine.server import api_keys
+
 if TYPE_CHECKING:
     from ember_router.proxy import Router
 
@@ -140,6 +142,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, seconds to let requests in flight finish before closing them (default 30)",
     )
+    api_keys.add_argument(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -204,8 +207,15 @@ def build(args: argparse.Namespace) -> Router:
             )
         except DiscoveryConfigError as e:
             raise SystemExit(f"ember router: {e}") from None
+    keys = api_keys.given_keys(args.api_key)
+    if problem := api_keys.key_problem(keys):
+        raise SystemExit(f"ember router: {problem}")
     return Router(
-        EnginePool(args.endpoint, poll_interval=args.poll_interval),
+        EnginePool(
+            args.endpoint,
+            poll_interval=args.poll_interval,
+            headers=api_keys.bearer(keys[0] if keys else None),
+        ),
         Tokenizer(_tokenizer_dir(args.model, args.tokenizer)),
         RouterSettings(
             epsilon=args.epsilon,
@@ -221,6 +231,8 @@ def build(args: argparse.Namespace) -> Router:
             upstream_timeout=args.upstream_timeout,
             stream_idle_timeout=args.stream_idle_timeout or None,
             served_model_name=args.served_model_name,
+            api_keys=api_keys.ApiKeys(keys),
+            fallback_headers=api_keys.fallback_headers(),
         ),
         discovery=discovery,
         policy=policy,

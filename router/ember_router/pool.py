@@ -79,6 +79,7 @@ class EnginePool:
     timeout: float = 1.0
     index: PrefixIndex = field(default_factory=PrefixIndex)
     engines: dict[str, Engine] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # what the router's own requests carry (its key)
 
     def __post_init__(self) -> None:
         for url in self.urls:
@@ -123,7 +124,7 @@ class EnginePool:
 
     async def _get(self, session: aiohttp.ClientSession, url: str, **params: Any) -> tuple[int, str]:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with session.get(url, params=params or None, timeout=timeout) as response:
+        async with session.get(url, params=params or None, headers=self.headers, timeout=timeout) as response:
             return response.status, await response.text()
 
     async def _poll(self, session: aiohttp.ClientSession, engine: Engine) -> None:

@@ -33,9 +33,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember_engine.core.tokenizer import Tokenizer
+from ember_engine.server.api_keys import ApiKeys
 from ember_engine.server.policy import PolicyWatcher
 from ember_engine.server.responses_request import RESPONSE_ID_HEADER
 from ember_router import models_list
+from ember_router.auth import key_check
 from ember_router.body import BadBody, read_body
 from ember_router.discovery import PodDiscovery
 from ember_router.fallback import FallbackTarget, ModelNames, from_policy
@@ -93,6 +95,10 @@ class RouterSettings:
     fallback: FallbackTarget | None = None
     # Model routing: (rule, the target's base URL), in order; the first rule a request meets sends it there.
     routes: tuple[tuple[Rule, str], ...] = ()
+    # The keys a client must present (none: no check); the engines are sent the first (`EnginePool.headers`).
+    api_keys: ApiKeys = field(default_factory=lambda: ApiKeys(()))
+    # What requests to the fallback carry for it (EMBER_FALLBACK_API_KEY's key), never the client's.
+    fallback_headers: dict[str, str] = field(default_factory=dict)
     # With no engine Ready, hold a request this long for one to become Ready (0: shed at once).
     hold_seconds: float = 0.0
     # Seconds a stream (an event-stream answer) may pass with nothing from its upstream before the router
@@ -121,7 +127,8 @@ class Router:
     # -- the app ----------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[request_ids, openai_errors])
+        checks = [key_check(self.settings.api_keys)] if self.settings.api_keys else []
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[request_ids, *checks, openai_errors])
         app.on_response_prepare.append(stamp)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -236,7 +243,8 @@ class Router:
             if not state.ready:
                 continue
             try:
-                async with self.session.get(f"{state.name}/v1/models", timeout=_MODELS_TIMEOUT) as r:
+                models = f"{state.name}/v1/models"
+                async with self.session.get(models, headers=self.pool.headers, timeout=_MODELS_TIMEOUT) as r:
                     if r.status == 200:
                         data = (await r.json()).get("data")
                         if isinstance(data, list):
@@ -525,7 +533,7 @@ class Router:
         assert self.session is not None
         ending = Ending()
         try:
-            model = await self.fallback_models.name(self.session, target)
+            model = await self.fallback_models.name(self.session, target, self.settings.fallback_headers)
             if model:
                 body = {**body, "model": model}
             response = await self._forward(
@@ -577,6 +585,8 @@ class Router:
         # The fallback is no engine of the pool: nothing to count or mark there.
         state = engine.state if engine is not None else EngineState(engine_url)
         headers = upstream_headers(request.headers.items(), stream, fallback)
+        if fallback:
+            headers.update(self.settings.fallback_headers)
         state.in_flight += 1
         try:
             try:

@@ -23,6 +23,7 @@ from ember_engine.async_engine import AsyncEngine, EngineFailed
 from ember_engine.core.outputs import RequestOutput
 from ember_engine.server.admission import Admit, Shed, decide
 from ember_engine.server.answers import _complete, _merge, _stream, _TicketedStream, _tracked
+from ember_engine.server.api_keys import ApiKeyCheck, ApiKeys
 from ember_engine.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, arrival_of
 from ember_engine.server.chat import ChatTemplateError
 from ember_engine.server.chat_prompt import chat_prompt_ids
@@ -52,11 +53,15 @@ log = logging.getLogger("ember.server")
 _ALLOWED_WITH = "allowed_token_ids: not with {} (a structured-output constraint: use one or the other)"
 
 
-def build_app(state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(
+    state: ServerState, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keys: ApiKeys | None = None
+) -> FastAPI:
     app = FastAPI(title="ember", version="0.1.0")
 
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
+    if keys:  # outside the body limit: a refused request's body is never read
+        app.add_middleware(ApiKeyCheck, keys=keys)
     app.add_middleware(RequestId)  # outermost: the body limit's refusals carry an id too
 
     @app.get("/health")

@@ -45,6 +45,22 @@ def lora_module(text: str) -> tuple[str, str]:
     return name.strip(), path
 
 
+def add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served beside the model: a request names one as its model",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updates",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read any directory this "
+        "process can)",
+    )
+
+
 def lora_problem(args: argparse.Namespace, model: str) -> str | None:
     """Why the LoRA options cannot work: an adapter name given twice, or the model's own name; runtime
     updates under tensor parallelism (the ranks are given their adapters at start only)."""

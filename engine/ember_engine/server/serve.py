@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ember_engine.bench.arg_types import non_negative_int
 from ember_engine.core.config import CHECKPOINT_METHODS, KV_CACHE_DTYPES, QUANT_SCHEMES
-from ember_engine.server import arg_types
+from ember_engine.server import api_keys, arg_types
 
 log = logging.getLogger("ember.serve")
 
@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model (default: the files beside it)",
     )
     p.add_argument("--served-model-name", help="the name clients use (default: the directory's name)")
+    api_keys.add_argument(p)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", help="policy file (YAML): shedding, priority classes, fallback, deadlines")
@@ -127,19 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=256 << 20,
         help="and fewer where together, as JSON text, they would pass this many bytes (default 256 MiB)",
     )
-    p.add_argument(
-        "--lora-modules",
-        nargs="+",
-        type=arg_types.lora_module,
-        metavar="NAME=PATH",
-        help="LoRA adapters (PEFT directories) served beside the model: a request names one as its model",
-    )
-    p.add_argument(
-        "--allow-runtime-lora-updates",
-        action="store_true",
-        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read any directory this "
-        "process can)",
-    )
+    arg_types.add_lora_arguments(p)
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--max-request-body-bytes",
@@ -184,7 +173,8 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     metrics = EngineMetrics(
         name, config.speculative_tokens if config.speculation else 0, len(loras) if takes_loras else None
     )
-    state = ServerState(name, policy, metrics, Fallback(httpx.AsyncClient()), loras=dict(loras))
+    fallback = Fallback(httpx.AsyncClient(headers=api_keys.fallback_headers()))
+    state = ServerState(name, policy, metrics, fallback, loras=dict(loras))
     state.lora_updates = args.allow_runtime_lora_updates
     if args.responses_store:
         from ember_engine.server.responses_api import ResponseStore
@@ -271,7 +261,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
             await asyncio.gather(*tasks, return_exceptions=True)
             await state.fallback.client.aclose()
 
-    app = build_app(state, args.max_request_body_bytes)
+    app = build_app(state, args.max_request_body_bytes, api_keys.ApiKeys(api_keys.given_keys(args.api_key)))
     app.router.lifespan_context = lifespan
     uv_config = uvicorn.Config(
         app,
@@ -293,7 +283,8 @@ def main(args: argparse.Namespace) -> int:
     )
     if args.node_rank > 0:
         return run_worker_node(args)
-    if problem := arg_types.lora_problem(args, _served_name(args)):
+    keys = api_keys.given_keys(args.api_key)
+    if problem := arg_types.lora_problem(args, _served_name(args)) or api_keys.key_problem(keys):
         print(f"ember serve: {problem}", file=sys.stderr)
         return 2
     try:
