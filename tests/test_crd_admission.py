@@ -311,3 +311,48 @@ def test_lora_adapters_are_refused_where_their_names_or_sources_cannot_work(serv
         {"name": "org/sql-lora", "source": "hf://org/sql-lora@v1"}, {"name": "b", "source": "/x"}
     )
     assert create(server, fine)["spec"]["model"]["adapters"][0]["name"] == "org/sql-lora"
+
+
+def test_api_keys_are_refused_where_a_server_could_end_up_without_one(server: APIServer) -> None:
+    """An optional Secret (a pod without it would take requests without a key) and a key set through
+    resources.env (it would not reach the routers), refused by the API server and by the spec alike."""
+    secret = {"secretKeyRef": {"name": "keys", "key": "api-key"}}
+    cases = [
+        (
+            {
+                "model": {"name": "m", "source": "/m"},
+                "apiKey": {"secretKeyRef": {**secret["secretKeyRef"], "optional": True}},
+            },
+            'spec.apiKey: Invalid value: "object": secretKeyRef.optional cannot be true',
+        ),
+        (
+            {
+                "model": {"name": "m", "source": "/m"},
+                "fallback": {
+                    "url": "http://x",
+                    "apiKey": {"secretKeyRef": {"name": "k", "key": "k", "optional": True}},
+                },
+            },
+            'spec.fallback.apiKey: Invalid value: "object": secretKeyRef.optional cannot be true',
+        ),
+        (
+            {
+                "model": {"name": "m", "source": "/m"},
+                "resources": {"env": [{"name": "EMBER_API_KEY", "value": "sk"}]},
+            },
+            'spec.resources.env: Invalid value: "object": resources.env may not set EMBER_API_KEY',
+        ),
+    ]
+    for spec, message in cases:
+        said = refused(server, spec)
+        assert message in said, said
+        ours = message.split('"object": ')[1]
+        with pytest.raises(ValueError, match=re.escape(ours)):
+            InferenceServiceSpec.model_validate(spec)
+    fine = {
+        "model": {"name": "m", "source": "/m"},
+        "apiKey": secret,
+        "fallback": {"url": "http://x", "apiKey": secret},
+    }
+    created = create(server, fine)["spec"]
+    assert created["apiKey"] == created["fallback"]["apiKey"] == secret

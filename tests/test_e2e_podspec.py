@@ -21,6 +21,7 @@ from e2e_harness import (
     container_pid,
     control_plane,
     fresh_client,
+    pod_ip,
 )
 from hub_server import Hub, serving
 from waiting import wait_for
@@ -305,3 +306,39 @@ def test_lora_adapters_fetched_from_the_hub_are_served_by_name_through_the_route
             texts[model] = reply.json()["choices"][0]["text"]
     assert texts[MODEL] != texts["org/sql"]  # the adapter ran
     cp.remove("adapted")
+
+
+def test_an_api_key_from_a_secret_guards_the_engines_and_the_router(cp: ControlPlane) -> None:
+    cp.create(
+        "keyed",
+        apiKey={"secretKeyRef": {"name": "serve-key", "key": "key"}},
+        replicas={"min": 1, "max": 1},
+        router={"enabled": True},
+    )
+    # Before its Secret exists no pod can start, and the service says why.
+    wait_for(lambda: cp.is_true("keyed", "Stalled"), 60, lambda: cp.describe("keyed"))
+    assert (
+        'CreateContainerConfigError: secret "serve-key" not found'
+        in cp.condition("keyed", "Stalled")["message"]
+    )
+    _apply(cp, "Secret", _secret("serve-key", key="sk-e2e"))
+    cp.wait_converged("keyed", 1, 0, timeout=120)
+    (pod,) = cp.pods("keyed", "active")
+    engine = f"http://{pod_ip(pod)}:8000"
+    key = {"Authorization": "Bearer sk-e2e"}
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    with fresh_client(30) as client:
+        # The router is Ready once it reaches the engine, which it does with the key.
+        wait_for(
+            lambda: (
+                client.post(f"{cp.url('keyed')}/v1/completions", json=body, headers=key).status_code == 200
+            ),
+            60,
+        )
+        for base in (cp.url("keyed"), engine):
+            refused = client.post(f"{base}/v1/completions", json=body)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", base
+            assert client.post(f"{base}/v1/completions", json=body, headers=key).status_code == 200, base
+            assert client.get(f"{base}/metrics").status_code == 200, base
+    wait_for(lambda: not cp.is_true("keyed", "Stalled"), 30, lambda: cp.describe("keyed"))
+    cp.remove("keyed")

@@ -720,3 +720,31 @@ def test_lora_adapters_are_fetched_like_the_model_and_served_by_name() -> None:
         ValidationError, match=r"--lora-modules \(got .--lora-modules.\) comes from model.adapters"
     ):
         make_spec(engine={"extraArgs": ["--lora-modules", "x=/y"]})
+
+
+def test_api_keys_reach_the_engines_and_routers_from_their_secrets_and_roll_the_pods() -> None:
+    from ember_operator.router import desired_router_deployment
+
+    key = {"secretKeyRef": {"name": "serve-key", "key": "key"}}
+    other = {"secretKeyRef": {"name": "fb-key", "key": "k"}}
+    spec = make_spec(apiKey=key, fallback={"url": "http://fb:8000", "apiKey": other})
+    wanted = [
+        {"name": "EMBER_API_KEY", "valueFrom": {"secretKeyRef": {"name": "serve-key", "key": "key"}}},
+        {"name": "EMBER_FALLBACK_API_KEY", "valueFrom": {"secretKeyRef": {"name": "fb-key", "key": "k"}}},
+    ]
+    assert engine(desired_pod(OWNER, spec, WARM, "abcdef0123"))["env"] == wanted
+    router = desired_router_deployment(
+        OWNER,
+        make_spec(router={"enabled": True}, apiKey=key, fallback={"url": "http://fb:8000", "apiKey": other}),
+    )
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    assert container["env"][1:] == wanted and container["env"][0]["name"] == "POD_NAMESPACE"
+    # The keys (as Secret references) are in the template hash; a spec without them hashes as before.
+    hashes = {
+        template_hash(make_spec()),
+        template_hash(make_spec(apiKey=key)),
+        template_hash(make_spec(apiKey=other)),
+        template_hash(make_spec(fallback={"url": "http://fb:8000", "apiKey": other})),
+    }
+    assert len(hashes) == 4
+    assert template_hash(make_spec(fallback={"url": "http://fb:8000"})) == template_hash(make_spec())

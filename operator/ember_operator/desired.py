@@ -68,7 +68,7 @@ def active_selector(name: str) -> dict[str, str]:
     return {**instance_labels(name), ROLE_LABEL: ACTIVE}
 
 
-_POD_SECTIONS = {"model", "speculative", "engine", "resources", "pod", "lifecycle", "pod_template"}
+_POD_SECTIONS = {"model", "api_key", "speculative", "engine", "resources", "pod", "lifecycle", "pod_template"}
 # What the template hash covered when it was first computed, with defaults written out.
 _FIRST_RELEASE = {
     "model": ("name", "source", "dtype", "volumeClaim"),
@@ -112,6 +112,9 @@ def template_hash(spec: InferenceServiceSpec) -> str:
     shm = spec.resources.shared_memory
     if shm is not None and quantity_bytes(shm) == quantity_bytes(default_shared_memory(spec)):
         affecting["resources"].pop("sharedMemory", None)
+    # The fallback's key reaches the pods as an environment variable (the rest of the fallback, live).
+    if spec.fallback is not None and spec.fallback.api_key is not None:
+        affecting["fallbackApiKey"] = spec.fallback.api_key.model_dump(by_alias=True, mode="json")
     # The tensor-parallel size counts as the engine will run it: pods of several GPUs that ran one rank roll.
     affecting["engine"].pop("tensorParallelSize", None)
     if spec.tensor_parallel_size > 1:
@@ -205,6 +208,17 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def key_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The API keys' environment variables, from their Secrets: the engines' and routers' own key, and
+    the one they present to the fallback."""
+    env = []
+    fallback = spec.fallback.api_key if spec.fallback is not None else None
+    for name, key in (("EMBER_API_KEY", spec.api_key), ("EMBER_FALLBACK_API_KEY", fallback)):
+        if key is not None:
+            env.append({"name": name, "valueFrom": {"secretKeyRef": key.secret_key_ref.to_kube()}})
+    return env
+
+
 def policy_configmap_name(name: str) -> str:
     return f"{name}-policy"
 
@@ -225,7 +239,7 @@ def desired_pod(owner: Owner, spec: InferenceServiceSpec, role: str, pod_hash: s
         "command": list(ENGINE_COMMAND),
         "args": engine_args(spec),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": [e.to_kube() for e in r.env],
+        "env": [*(e.to_kube() for e in r.env), *key_env(spec)],
         # /health answers while the model loads, so liveness needs no start-up allowance; /ready turns true
         # after warm-up and false as soon as draining starts. The startup probe bounds the load itself.
         "startupProbe": _probe("/ready", period, -(-life.startup_timeout_seconds // period)),

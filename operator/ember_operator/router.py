@@ -35,6 +35,7 @@ from ember_operator.desired import (
     attach_model,
     hostname_spread,
     instance_labels,
+    key_env,
     policy_configmap_name,
     selector_string,
 )
@@ -149,7 +150,10 @@ def desired_router_deployment(owner: Owner, spec: InferenceServiceSpec) -> dict[
         "imagePullPolicy": r.image_pull_policy,
         "command": list(COMMAND),
         "args": router_args(owner, spec),
-        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "env": [
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            *key_env(spec),
+        ],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         # A router listens once its tokenizer is loaded: until /health answers, neither liveness nor
         # readiness is probed, for as long as an engine's start may take.

@@ -25,6 +25,7 @@ from ember_operator.kubetypes import (
     SUBDOMAIN_MAX,
     EnvFromSource,
     EnvVar,
+    KeySelector,
     byte_rules,
     check_bytes,
 )
@@ -800,6 +801,31 @@ class LoadShedding(_Object):
         return self
 
 
+_KEY_ENVS = ("EMBER_API_KEY", "EMBER_FALLBACK_API_KEY")
+_KEY_NOT_OPTIONAL = (
+    "secretKeyRef.optional cannot be true: without its Secret the server would take requests without a key"
+)
+
+
+class ApiKey(_Object):
+    """An API key, from a Secret: `Authorization: Bearer KEY` is then needed (ember serve and ember router
+    --api-key)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "!has(self.secretKeyRef.optional) || !self.secretKeyRef.optional", _KEY_NOT_OPTIONAL
+        )
+    )
+
+    secret_key_ref: KeySelector
+
+    @model_validator(mode="after")
+    def _required(self) -> Self:
+        if self.secret_key_ref.optional:
+            raise ValueError(_KEY_NOT_OPTIONAL)
+        return self
+
+
 class Fallback(_Object):
     model_config = ConfigDict(
         json_schema_extra=_cel(
@@ -812,6 +838,11 @@ class Fallback(_Object):
     model: str | None = Field(default=None, min_length=1)  # None: keep the request's model name
     when: list[Literal["Overloaded", "Unavailable"]] = ["Overloaded", "Unavailable"]
     timeout_seconds: float = Field(default=30, gt=0)
+    api_key: ApiKey | None = Field(
+        default=None,
+        description="The key the engines and routers present to the fallback (as EMBER_FALLBACK_API_KEY); "
+        "never the client's own credentials.",
+    )
 
     @model_validator(mode="after")
     def _one_target(self) -> Self:
@@ -843,6 +874,16 @@ _WAKE_RULE: dict[str, Any] = {
 }
 
 
+_KEY_ENV_RULE: dict[str, Any] = {
+    "rule": "!has(self.resources.env) || !self.resources.env.exists(e, e.name in "
+    + str(list(_KEY_ENVS)).replace('"', "'")
+    + ")",
+    "message": "resources.env may not set EMBER_API_KEY or EMBER_FALLBACK_API_KEY: give apiKey and "
+    "fallback.apiKey (they reach the routers too)",
+    "fieldPath": ".resources.env",
+}
+
+
 class InferenceServiceSpec(_Object):
     # A transition rule, so CEL only: pydantic sees one object, never the change. The scale subresource
     # (kubectl scale, an HPA, KEDA) writes replicas.desired; in Builtin mode nothing would follow it, so the
@@ -853,6 +894,7 @@ class InferenceServiceSpec(_Object):
             "x-kubernetes-validations": [
                 *_PARALLEL_RULES,
                 _WAKE_RULE,
+                _KEY_ENV_RULE,
                 {
                     "rule": "self.autoscaling.mode == 'External' || (oldSelf.hasValue() ? "
                     "self.replicas.desired == oldSelf.value().replicas.desired : "
@@ -868,6 +910,12 @@ class InferenceServiceSpec(_Object):
     )
 
     model: Model
+    api_key: ApiKey | None = Field(
+        default=None,
+        description="Requests to the engines and routers need 'Authorization: Bearer KEY' with this Secret's "
+        "key (EMBER_API_KEY); /health, /ready, /metrics and /version stay open. The pods read it at start: "
+        "after a change to the Secret, roll them (e.g. with a pod annotation).",
+    )
     speculative: Speculative | None = None
     engine: Engine = Field(default_factory=Engine, json_schema_extra=_OBJECT_DEFAULT)
     resources: Resources = Field(default_factory=Resources, json_schema_extra=_OBJECT_DEFAULT)
@@ -907,6 +955,12 @@ class InferenceServiceSpec(_Object):
     def _wakes_from_zero(self) -> Self:
         if self.autoscaling.mode == "Builtin" and self.replicas.min == 0 and not self.router.enabled:
             raise ValueError(_WAKE_RULE["message"])
+        return self
+
+    @model_validator(mode="after")
+    def _keys_by_their_fields(self) -> Self:
+        if any(e.name in _KEY_ENVS for e in self.resources.env):
+            raise ValueError(_KEY_ENV_RULE["message"])
         return self
 
     @model_validator(mode="after")
