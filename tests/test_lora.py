@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from ember_engine import LLM, SamplingParams
 from ember_engine.core.kv_events import chain_hash
+from ember_engine.core.scheduler import Scheduler, SchedulerOutput
 from ember_engine.model.lora_files import AdapterError
 
 MAX_NEW = 12
@@ -285,3 +286,61 @@ def test_adapters_added_and_removed_offline(
     llm.add_lora("attention", str(adapters["every-projection"]))
     (again,) = llm.generate(PROMPTS[4:5], GREEDY, use_tqdm=False, lora="attention")
     assert again.token_ids == reference["every-projection"][4]
+
+
+def test_max_loras_caps_the_adapters_of_a_step_and_the_outputs_stay_peft_s(
+    tiny_model: Path, adapters: dict[str, Path], reference: dict[str | None, list[list[int]]]
+) -> None:
+    """With max_loras=1 a step runs the base model and one adapter at most: requests on the other adapter
+    wait for room (those behind them go ahead), and every output is what PEFT computes; with 2, both share
+    steps."""
+    names: list[str | None] = [None, *adapters]
+    order = [(i, name) for i in range(len(PROMPTS)) for name in names]
+    for cap in (1, 2):
+        llm = LLM(
+            str(tiny_model),
+            dtype="float32",
+            lora_modules={n: str(p) for n, p in adapters.items()},
+            max_loras=cap,
+        )
+        steps = _watch_steps(llm.engine.scheduler)
+        outs = llm.generate(
+            [PROMPTS[i] for i, _ in order], GREEDY, use_tqdm=False, lora=[n for _, n in order]
+        )
+        assert [o.token_ids for o in outs] == [reference[name][i] for i, name in order]
+        most = max(len(step - {0}) for step in steps)
+        assert most == cap, steps
+        assert any(0 in step and len(step) > 1 for step in steps)  # the base model ran beside an adapter
+
+
+def _watch_steps(scheduler: Scheduler) -> list[set[int]]:
+    """The adapter slots of each step the scheduler hands out from now on (0: the base model)."""
+    steps: list[set[int]] = []
+    schedule = scheduler.schedule
+
+    def watched() -> SchedulerOutput:
+        out = schedule()
+        steps.append({r.adapter for r in out.requests})
+        return out
+
+    scheduler.schedule = watched  # type: ignore[method-assign]
+    return steps
+
+
+def test_max_lora_rank_refuses_a_higher_rank_at_start_and_while_serving(
+    tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    modules = {n: str(p) for n, p in adapters.items()}
+    with pytest.raises(
+        ValueError, match=r"^lora: adapter 'every-projection' has rank 8, over max_lora_rank 4$"
+    ):
+        LLM(str(tiny_model), dtype="float32", lora_modules=modules, max_lora_rank=4)
+    llm = LLM(
+        str(tiny_model), dtype="float32", lora_modules={"attention": modules["attention"]}, max_lora_rank=4
+    )
+    with pytest.raises(ValueError, match=r"has rank 8, over max_lora_rank 4$"):
+        llm.add_lora("every-projection", modules["every-projection"])
+    assert list(llm.engine.runner.lora.slots) == ["attention"]  # type: ignore[union-attr]
+    for bad in ({"max_loras": 0}, {"max_lora_rank": 0}):
+        with pytest.raises(ValueError, match=rf"^{next(iter(bad))}: must be >= 1, got 0$"):
+            LLM(str(tiny_model), dtype="float32", **bad)  # type: ignore[arg-type]

@@ -269,3 +269,23 @@ def test_adapters_load_and_unload_while_serving(
     # Other weights under the same name: none of the first load's cached blocks is read.
     assert _load(url, "sql", adapters["chat"]).status_code == 200
     assert served("sql") == wanted("chat") != wanted("sql")
+
+
+def test_max_loras_and_max_lora_rank_as_vllms_flags(tiny_model: Path, adapters: dict[str, Path]) -> None:
+    """`--max-loras` is the `max_lora` of `vllm:lora_requests_info` (not the adapters loaded), and an
+    adapter over `--max-lora-rank` is refused when loaded while serving (a 400) as at start."""
+    flags = ["--max-loras", "1", "--max-lora-rank", "4", "--allow-runtime-lora-updates"]
+    with running_server(
+        tiny_model, "--served-model-name", MODEL, "--lora-modules", f"chat={adapters['chat']}", *flags
+    ) as s:
+        (idle,) = _lora_series(s.url)
+        assert idle.startswith('vllm:lora_requests_info{max_lora="1",'), idle
+        refused = plainhttp.post(
+            f"{s.url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapters["sql"])}
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["message"] == "lora: adapter 'sql' has rank 8, over max_lora_rank 4"
+        listed = plainhttp.get(f"{s.url}/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == [MODEL, "chat"]
+        (still,) = _lora_series(s.url)
+        assert still.startswith('vllm:lora_requests_info{max_lora="1",'), still

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ember_engine.model.lora import LoraSet
+from ember_engine.model.lora import LoraSet, check_rank
 from ember_engine.model.lora_files import AdapterFiles
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ def add_adapter(engine: LLMEngine, adapter: AdapterFiles) -> None:
         raise ValueError(
             "lora: adapters are not loaded while serving under tensor parallelism (give them at start)"
         )
+    check_rank(adapter, engine.config.max_lora_rank)
     runner = engine.runner
     if runner.lora is None:
         runner.lora = LoraSet(runner.model, [], runner.dtype)

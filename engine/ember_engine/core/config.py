@@ -83,6 +83,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # LoRA adapters (PEFT directories) by the name requests use for them; every one loaded at start.
     lora_modules: dict[str, str] | None = None
+    # The most adapters one step may run (requests on another wait for room; None: any number), and the
+    # highest rank an adapter may have (None: any), as vLLM's --max-loras and --max-lora-rank.
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
     @property
     def speculation(self) -> str | None:
@@ -181,6 +185,9 @@ class EngineConfig:
                 "kv_cache_dtype",
                 f"unsupported {self.kv_cache_dtype!r}; supported: {', '.join(KV_CACHE_DTYPES)}",
             )
+        for field_name in ("max_loras", "max_lora_rank"):
+            if (value := getattr(self, field_name)) is not None and value < 1:
+                bad(field_name, f"must be >= 1, got {value}")
         for name in self.lora_modules or {}:
             if (problem := adapter_name_problem(name)) is not None:
                 bad("lora_modules", problem)

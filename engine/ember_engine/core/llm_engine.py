@@ -85,7 +85,11 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
+            config.max_loras,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.max_model_len)
         self._last_step = (0.0, 0, 0)

@@ -8,6 +8,10 @@ over. When blocks run out the newest request (or, under the priority policy, the
 latest) is preempted by recompute: its blocks are freed and it goes back to the head of the queue, to be
 resumed only when its whole known sequence fits again, so a resumed request is not preempted again
 half-way through its prompt.
+
+With `max_loras`, a step runs requests of at most that many LoRA adapters (the base model not counted): a
+waiting request on another adapter is passed over, keeping its place, and those behind it may start
+(vLLM's `--max-loras`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "fcfs",
+        max_loras: int | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: unknown {policy!r}; choose fcfs or priority")
@@ -47,6 +52,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.max_loras = max_loras
         self.waiting: list[Request] = []  # fcfs: arrival order; priority: sorted by (priority, arrival)
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
@@ -102,13 +108,28 @@ class Scheduler:
         budget = self._grant_lookahead(out, budget)
         # A step that had to preempt admits nobody: the freed room goes to the running requests.
         self.blocked_on_memory = bool(out.preempted)
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            if not self._admit(request, budget, out):
+        at = 0  # waiting requests passed over: their adapter has no room in this step
+        while (
+            len(self.waiting) > at
+            and not out.preempted
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[at]
+            if not self._adapter_fits(request):
+                at += 1
+                continue
+            if not self._admit(request, budget, out, at):
                 self.blocked_on_memory = True
                 break
             budget -= out.num_tokens[-1]
         return out
+
+    def _adapter_fits(self, request: Request) -> bool:
+        if self.max_loras is None or request.adapter == 0:
+            return True
+        running = {r.adapter for r in self.running} - {0}
+        return request.adapter in running or len(running) < self.max_loras
 
     def _grant_lookahead(self, out: SchedulerOutput, budget: int) -> int:
         """Give decodes slots for speculative tokens, once every running request has what it needs this
@@ -126,7 +147,7 @@ class Scheduler:
                 budget -= extra
         return budget
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput, at: int = 0) -> bool:
         bm = self.block_manager
         hits = bm.find_cached_prefix(request)
         num_hit = len(hits) * bm.block_size
@@ -140,7 +161,7 @@ class Scheduler:
             return False
         if not request.collecting_prompt_logprobs:  # it looked nothing up
             bm.record_lookup(request.num_tokens, num_hit, preempted=request.num_preemptions > 0)
-        self.waiting.pop(0)
+        self.waiting.pop(at)
         request.num_computed_tokens = num_hit
         if request.num_preemptions == 0:
             request.num_prompt_cached_tokens = num_hit

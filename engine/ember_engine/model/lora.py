@@ -222,12 +222,27 @@ def rows_of(
 
 
 def load(
-    model: LlamaForCausalLM, modules: dict[str, str] | None, config: ModelConfig, dtype: torch.dtype
+    model: LlamaForCausalLM,
+    modules: dict[str, str] | None,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    max_rank: int | None = None,
 ) -> LoraSet | None:
-    """The adapters of `lora_modules` (name -> PEFT directory), read, checked and attached; None for none."""
+    """The adapters of `lora_modules` (name -> PEFT directory), read, checked (no rank over `max_rank`)
+    and attached; None for none."""
     if not modules:
         return None
-    return LoraSet(model, [read_adapter(name, path, config) for name, path in modules.items()], dtype)
+    adapters = [read_adapter(name, path, config) for name, path in modules.items()]
+    for adapter in adapters:
+        check_rank(adapter, max_rank)
+    return LoraSet(model, adapters, dtype)
+
+
+def check_rank(adapter: AdapterFiles, max_rank: int | None) -> None:
+    """ValueError for an adapter with a projection of a rank over `max_rank` (max_lora_rank)."""
+    rank = max((f.a.shape[0] for f in adapter.factors), default=0)
+    if max_rank is not None and rank > max_rank:
+        raise ValueError(f"lora: adapter {adapter.name!r} has rank {rank}, over max_lora_rank {max_rank}")
 
 
 def slot_of(adapters: LoraSet | None, name: str | None) -> int:

@@ -114,9 +114,8 @@ class ModelRunner:
             if self.quant is not None:
                 quant_apply.quantize_model(self.model, self.quant, tp)
         # LoRA adapters are the target's, as online quantization is; applied over the (quantized) base.
-        self.lora = lora.load(
-            self.model, None if model_dir else config.lora_modules, model_config, self.dtype
-        )
+        modules = None if model_dir else config.lora_modules
+        self.lora = lora.load(self.model, modules, model_config, self.dtype, config.max_lora_rank)
         self.model.eval()
         # One block table serves every rank: the cache is as large as the most constrained rank allows.
         self.num_blocks = tp.min_over_ranks(

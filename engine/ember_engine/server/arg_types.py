@@ -59,6 +59,15 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read any directory this "
         "process can)",
     )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        metavar="N",
+        help="the most adapters one step runs: requests on another wait for room (default: any number)",
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, metavar="R", help="refuse adapters of a higher rank (default: any rank)"
+    )
 
 
 def lora_problem(args: argparse.Namespace, model: str) -> str | None:

@@ -57,10 +57,12 @@ _SPEC_TOTALS = {
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, spec_positions: int = 0, loras: int | None = None) -> None:
+    def __init__(
+        self, model_name: str, spec_positions: int = 0, loras: int | None = None, max_loras: int | None = None
+    ) -> None:
         """`spec_positions`: K, the most tokens proposed per step, with speculative decoding; 0 without.
         `loras`: how many LoRA adapters are loaded; None where the server takes none (no
-        `vllm:lora_requests_info` then)."""
+        `vllm:lora_requests_info` then). `max_loras`: the most adapters a step may run (None: any)."""
         self.registry = CollectorRegistry()
         self._model = model_name
         reg, ml = self.registry, ["model_name"]
@@ -135,6 +137,7 @@ class EngineMetrics:
         # labels no longer hold is removed, not left behind.
         self._lora_info: Gauge | None = None
         self._lora_max = "0"
+        self._lora_cap = max_loras
         self._lora_labels: tuple[str, str, str] | None = None
         if loras is not None:
             names = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
@@ -240,11 +243,11 @@ class EngineMetrics:
                 self._shed.labels(self._model, reason, name)
 
     def set_loras_loaded(self, count: int) -> None:
-        """The adapters loaded now (`max_lora`: any number of them may share a batch)."""
+        """The adapters loaded now: `max_lora`, as many as may share a step, unless `max_loras` caps it."""
         if self._lora_info is None:
             return
         with self._lock:
-            self._lora_max = str(count)
+            self._lora_max = str(count if self._lora_cap is None else self._lora_cap)
             _, waiting, running = self._lora_labels or ("", "", "")
             self._set_lora_labels((self._lora_max, waiting, running))
 

@@ -170,9 +170,8 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     config = engine_config(args)
     loras = config.lora_modules or {}
     takes_loras = bool(loras) or args.allow_runtime_lora_updates
-    metrics = EngineMetrics(
-        name, config.speculative_tokens if config.speculation else 0, len(loras) if takes_loras else None
-    )
+    spec = config.speculative_tokens if config.speculation else 0
+    metrics = EngineMetrics(name, spec, len(loras) if takes_loras else None, config.max_loras)
     fallback = Fallback(httpx.AsyncClient(headers=api_keys.fallback_headers()))
     state = ServerState(name, policy, metrics, fallback, loras=dict(loras))
     state.lora_updates = args.allow_runtime_lora_updates
