@@ -289,3 +289,37 @@ def test_max_loras_and_max_lora_rank_as_vllms_flags(tiny_model: Path, adapters: 
         assert [m["id"] for m in listed] == [MODEL, "chat"]
         (still,) = _lora_series(s.url)
         assert still.startswith('vllm:lora_requests_info{max_lora="1",'), still
+
+
+def test_the_router_sends_an_adapters_requests_where_it_is_loaded(
+    tiny_model: Path, adapters: dict[str, Path], server: InProcessServer
+) -> None:
+    """One engine has `sql` from the start, the other none until it is loaded there while serving: the
+    router sends `sql` requests to the first only, then to both; base-model requests go to either."""
+    from test_router import running_router
+
+    from ember_router.proxy import ROUTED_TO, RouterSettings
+
+    with running_server(tiny_model, "--served-model-name", MODEL, "--allow-runtime-lora-updates") as bare:
+        settings = RouterSettings(served_model_name=MODEL)
+        with running_router(tiny_model, [server.url, bare.url], settings=settings) as (url, router):
+            wait_for(lambda: router.pool.engines[bare.url].state.adapters == frozenset())
+
+            def engines_of(model: str, n: int = 8) -> set[str]:
+                seen = set()
+                for i in range(n):
+                    body = {"model": model, "prompt": f"{i} hello", "max_tokens": 2}
+                    answer = plainhttp.post(f"{url}/v1/completions", json=body, timeout=30)
+                    assert answer.status_code == 200 and answer.json()["model"] == model, answer.text
+                    seen.add(answer.headers[ROUTED_TO])
+                return seen
+
+            assert engines_of("sql") == {server.url}
+            assert engines_of(MODEL) == {server.url, bare.url}
+            loaded = plainhttp.post(
+                f"{bare.url}/v1/load_lora_adapter",
+                json={"lora_name": "sql", "lora_path": str(adapters["sql"])},
+            )
+            assert loaded.status_code == 200, loaded.text
+            wait_for(lambda: router.pool.engines[bare.url].state.adapters == frozenset({"sql"}))
+            assert engines_of("sql") == {server.url, bare.url}

@@ -15,7 +15,7 @@ from waiting import wait_for
 from ember_localcluster.apiserver import APIServer
 from ember_router.discovery import PodDiscovery
 from ember_router.index import PrefixIndex
-from ember_router.policy import EngineState, bounded_capacity, choose, within_bound
+from ember_router.policy import EngineState, bounded_capacity, choose, lacking, within_bound
 from ember_router.pool import read_gauges
 
 
@@ -273,3 +273,15 @@ def test_discovery_follows_ready_active_pods_through_a_watch(tmp_path: Path) -> 
             discovery.stop()
             loop.call_soon_threadsafe(loop.stop)
             thread.join(5)
+
+
+def test_an_adapters_requests_are_kept_from_engines_known_not_to_hold_it() -> None:
+    a = EngineState("a", adapters=frozenset({"sql"}))
+    b = EngineState("b", adapters=frozenset())
+    c = EngineState("c")  # reports no adapters (an older engine): it may hold it
+    engines = [a, b, c]
+    assert lacking(engines, "sql") == frozenset({"b"})
+    # The base model's name, a name nobody holds, no name at all: any engine may answer it.
+    assert lacking(engines, "base") == lacking(engines, "other") == lacking(engines, None) == frozenset()
+    decisions = {choose(engines, {}, 0.0, exclude=lacking(engines, "sql"), turn=t).engine for t in range(6)}
+    assert decisions == {"a", "c"}

@@ -29,6 +29,7 @@ class EngineState:
     kv_usage: float = 0.0
     ready: bool = True
     overloaded_until: float = 0.0  # monotonic time before which it is skipped (after a 503/429)
+    adapters: frozenset[str] | None = None  # the LoRA adapters it has loaded; None: not known
 
     @property
     def load(self) -> float:
@@ -59,6 +60,15 @@ def within_bound(engine: EngineState, cap: float) -> bool:
     if engine.load + 1 <= cap:
         return True
     return engine.waiting == 0 and engine.load + 1 <= QUEUELESS_FACTOR * cap
+
+
+def lacking(engines: Sequence[EngineState], model: object) -> frozenset[str]:
+    """The engines known not to hold LoRA adapter `model`, when some engine is known to: a request naming
+    it goes only where it is loaded (adapters loaded into some engines at run time). Empty when no engine
+    holds it (the base model's name, or a name no engine serves: any engine answers that)."""
+    if not isinstance(model, str) or not any(e.adapters and model in e.adapters for e in engines):
+        return frozenset()
+    return frozenset(e.name for e in engines if e.adapters is not None and model not in e.adapters)
 
 
 def choose(

@@ -159,6 +159,8 @@ class EnginePool:
         engine.state.waiting = float(body["num_requests_waiting"])
         engine.state.running = float(body["num_requests_running"])
         engine.state.kv_usage = float(body["kv_cache_usage_perc"])
+        loaded = body.get("lora_adapters")  # an engine from before it was reported: not known
+        engine.state.adapters = frozenset(map(str, loaded)) if isinstance(loaded, list) else None
         self._take_events(engine, body["kv_events"])
         return True
 

@@ -43,7 +43,7 @@ from ember_router.discovery import PodDiscovery
 from ember_router.fallback import FallbackTarget, ModelNames, from_policy
 from ember_router.headers import answer_headers, encoded, upstream_headers
 from ember_router.metrics import RouterMetrics
-from ember_router.policy import EngineState, choose
+from ember_router.policy import EngineState, choose, lacking
 from ember_router.pool import EnginePool
 from ember_router.prompts import request_prompts
 from ember_router.relay import EventFramer, StreamIdle, chunks, error_event, error_response, openai_errors
@@ -335,6 +335,8 @@ class Router:
         if self.settings.hold_seconds > 0 and not await self._hold(hold_until):
             return await self._no_engine_ready(request, body, arrived)
         session_id = request.headers.get(self.settings.session_header)
+        # A request naming a LoRA adapter goes where it is loaded.
+        elsewhere = lacking(self.pool.states(), asked.get("model") if isinstance(asked, dict) else None)
         tried: set[str] = set()
         unreachable: set[str] = set()  # of those tried, the ones that could not be reached
         holds = 0
@@ -352,7 +354,7 @@ class Router:
                     now,
                     self.settings.epsilon,
                     self.sessions.get(session_id) if session_id else None,
-                    frozenset(tried),
+                    frozenset(tried) | elsewhere,
                     next(self._turns),
                 )
                 if tries < TRIES

@@ -1,5 +1,5 @@
 """What a router polls: the prefix cache's changes (`/v1/kv_events`) and, in one small answer, readiness,
-load and those changes together (`/v1/load`), so a router in front of many engines costs each of them one
+load, the LoRA adapters loaded and those changes together (`/v1/load`), so a router in front of many engines costs each of them one
 short request per poll instead of three, one of them the whole Prometheus page."""
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def add_load_routes(app: FastAPI, state: ServerState) -> None:
                 "num_requests_running": stats.num_running,
                 "num_requests_waiting": stats.num_waiting,
                 "kv_cache_usage_perc": stats.kv_cache_usage,
+                "lora_adapters": sorted(state.loras),  # a request may name these as its model
                 "kv_events": kv_events_body(state, since),
             }
         )
