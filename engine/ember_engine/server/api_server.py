@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ember_engine.async_engine import AsyncEngine, EngineFailed
 from ember_engine.core.outputs import RequestOutput
+from ember_engine.server import generation_defaults
 from ember_engine.server.admission import Admit, Shed, decide
 from ember_engine.server.answers import _complete, _merge, _stream, _TicketedStream, _tracked
 from ember_engine.server.api_keys import ApiKeyCheck, ApiKeys
@@ -110,6 +111,7 @@ async def _serve(
     if state.engine is not None and state.engine.fatal is not None:  # the server is about to exit
         raise engine_failed(EngineFailed(state.engine.fatal))
     warning = check_unknown(body.model_extra)
+    body = generation_defaults.apply(body, state.sampling_defaults)
     params = body.to_sampling_params()
     tools = None
     if isinstance(body, ChatCompletionRequest):

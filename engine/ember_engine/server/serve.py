@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from ember_engine.bench.arg_types import non_negative_int
 from ember_engine.core.config import CHECKPOINT_METHODS, KV_CACHE_DTYPES, QUANT_SCHEMES
-from ember_engine.server import api_keys, arg_types
+from ember_engine.server import api_keys, arg_types, generation_defaults
 
 log = logging.getLogger("ember.serve")
 
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--served-model-name", help="the name clients use (default: the directory's name)")
     api_keys.add_argument(p)
+    generation_defaults.add_arguments(p)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", help="policy file (YAML): shedding, priority classes, fallback, deadlines")
@@ -197,6 +199,12 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
             enable_prefix_caching=config.enable_prefix_caching,
             gpu_memory_utilization=config.gpu_memory_utilization,
         )
+        defaults = generation_defaults.read(
+            args.generation_config, engine.config.model, args.override_generation_config
+        )
+        if defaults:
+            log.info("sampling defaults from the generation config: %s", json.dumps(defaults))
+        state.sampling_defaults = defaults
         warm_up(engine)
         with publish:
             if stopped.is_set() or state.draining:  # a SIGTERM came during the load: the pod is going

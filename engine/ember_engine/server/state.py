@@ -38,6 +38,8 @@ class ServerState:
     responses: Any = None  # responses_api.ResponseStore with `--responses-store N`; None keeps none
     loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters served: name -> directory
     lora_updates: bool = False  # adapters may be loaded and unloaded while serving (lora_api)
+    # Sampling defaults for fields a request leaves out (generation_defaults), from the generation config.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The shed and wait-limit series of each priority class from the start, and those of a new
