@@ -748,3 +748,19 @@ def test_api_keys_reach_the_engines_and_routers_from_their_secrets_and_roll_the_
     }
     assert len(hashes) == 4
     assert template_hash(make_spec(fallback={"url": "http://fb:8000"})) == template_hash(make_spec())
+
+
+def test_the_engines_chat_template_reaches_the_routers_too() -> None:
+    from ember_operator.router import router_args
+
+    for extra, passed in (
+        (
+            ["--chat-template", "/models/chat/t.jinja", "--seed=1"],
+            ["--chat-template", "/models/chat/t.jinja"],
+        ),
+        (["--chat-template={{ messages }}"], ["--chat-template={{ messages }}"]),
+        (["--seed=1"], []),
+    ):
+        args = router_args(OWNER, make_spec(router={"enabled": True}, engine={"extraArgs": extra}))
+        assert [a for a in args if a.startswith("--chat-template")] == passed[:1]
+        assert args[len(args) - len(passed) :] == passed

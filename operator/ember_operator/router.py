@@ -126,7 +126,19 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
         f"--policy={POLICY_DIR}/{POLICY_FILE}",
         *stream_idle,
         *routes,
+        *chat_template_args(spec.engine.extra_args),
     ]
+
+
+def chat_template_args(engine_args: list[str]) -> list[str]:
+    """The engines' `--chat-template` (from `engine.extraArgs`), for the routers too: the prompts they hash
+    for prefix-aware routing are then rendered as the engines render them."""
+    for i, arg in enumerate(engine_args):
+        if arg.startswith("--chat-template="):
+            return [arg]
+        if arg == "--chat-template" and i + 1 < len(engine_args):
+            return [arg, engine_args[i + 1]]
+    return []
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from ember_engine.server import api_keys
+from ember_engine.server import api_keys, arg_types
 
 if TYPE_CHECKING:
     from ember_router.proxy import Router
@@ -143,6 +143,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds to let requests in flight finish before closing them (default 30)",
     )
     api_keys.add_argument(p)
+    arg_types.add_chat_template_argument(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -210,13 +211,16 @@ def build(args: argparse.Namespace) -> Router:
     keys = api_keys.given_keys(args.api_key)
     if problem := api_keys.key_problem(keys):
         raise SystemExit(f"ember router: {problem}")
+    tokenizer = Tokenizer(_tokenizer_dir(args.model, args.tokenizer))
+    if args.chat_template is not None:  # as the engines render chats, so the prompts hash as theirs
+        tokenizer.use_chat_template(args.chat_template)
     return Router(
         EnginePool(
             args.endpoint,
             poll_interval=args.poll_interval,
             headers=api_keys.bearer(keys[0] if keys else None),
         ),
-        Tokenizer(_tokenizer_dir(args.model, args.tokenizer)),
+        tokenizer,
         RouterSettings(
             epsilon=args.epsilon,
             session_header=args.session_header.lower(),

@@ -23,10 +23,22 @@ class Tokenizer:
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.add_bos = bool(self.config.get("add_bos_token", False))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self.chat_template: str | None = self.config.get("chat_template")
+        # By name: "default", and others a checkpoint names ("tool_use"), as transformers reads them.
+        self.chat_templates = _chat_templates(model_dir, self.config.get("chat_template"))
+        self.chat_template: str | None = self.chat_templates.get("default")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._single: dict[tuple[int, bool], str] = {}  # decode_one's texts
         self._byte_level: bool | None = None  # whether pieces spell bytes as GPT-2's printable characters
+
+    def template_for(self, tools: bool) -> str | None:
+        """The chat template a request renders with: the checkpoint's `tool_use` one for a request with
+        tools where it names one (as transformers picks), else the default."""
+        return self.chat_templates.get("tool_use", self.chat_template) if tools else self.chat_template
+
+    def use_chat_template(self, source: str) -> None:
+        """Render every chat with `source` (`--chat-template`), whatever the checkpoint holds."""
+        self.chat_templates = {"default": source}
+        self.chat_template = source
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -99,6 +111,26 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def _chat_templates(model_dir: Path, configured: object) -> dict[str, str]:
+    """The checkpoint's chat templates by name: tokenizer_config.json's `chat_template` (one template, or
+    a list of {name, template}), then `chat_template.jinja` as the default and each
+    `additional_chat_templates/NAME.jinja`, which take precedence, as in transformers' saved layout."""
+    templates: dict[str, str] = {}
+    if isinstance(configured, str):
+        templates["default"] = configured
+    elif isinstance(configured, list):
+        for entry in configured:
+            if isinstance(entry, dict) and isinstance(entry.get("template"), str):
+                templates[str(entry.get("name", "default"))] = entry["template"]
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        templates["default"] = jinja.read_text()
+    more = model_dir / "additional_chat_templates"
+    for path in sorted(more.glob("*.jinja")) if more.is_dir() else ():
+        templates[path.stem] = path.read_text()
+    return templates
 
 
 def _token_text(value: object) -> str | None:

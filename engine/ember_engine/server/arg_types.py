@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def seconds(text: str) -> float:
@@ -25,6 +26,36 @@ def log_interval(text: str) -> float:
     if not seconds >= 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be 0 (off) or more seconds, not {text}")
     return seconds
+
+
+def chat_template(text: str) -> str:
+    """`--chat-template`: a file holding the template, or the template itself (as vLLM takes it), compiled
+    here so a template that cannot compile is refused at start."""
+    import jinja2
+
+    from ember_engine.server.chat import _compile
+
+    path = Path(text)
+    if path.is_file():
+        text = path.read_text()
+    elif not any(c in text for c in "{}\n"):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file, and no template (no {{ }} in it)")
+    try:
+        _compile(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(
+            f"the template does not compile: line {exc.lineno}: {exc.message}"
+        ) from None
+    return text
+
+
+def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-template",
+        type=chat_template,
+        metavar="FILE|TEMPLATE",
+        help="render chats with this Jinja template (a file, or the template) instead of the checkpoint's",
+    )
 
 
 def lora_module(text: str) -> tuple[str, str]:

@@ -74,11 +74,15 @@ def render_chat(
     after it, no generation prompt), so the model continues it; `extra`: the request's
     chat_template_kwargs, as more template variables; `tools`: the request's tools, for a template that reads
     them."""
-    if not tokenizer.chat_template:
-        raise ChatTemplateError("the model has no chat template (tokenizer_config.json has no chat_template)")
+    template = tokenizer.template_for(bool(tools))
+    if not template:
+        raise ChatTemplateError(
+            "the model has no chat template (none in tokenizer_config.json or chat_template.jinja; "
+            "ember serve --chat-template gives one)"
+        )
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
-    if tools and not template_reads_tools(tokenizer.chat_template):
+    if tools and not template_reads_tools(template):
         raise ChatTemplateError(
             "the model's chat template does not support tools (it never reads `tools`)", param="tools"
         )
@@ -92,7 +96,7 @@ def render_chat(
             "bos_token": tokenizer.bos_token or "",
             "eos_token": tokenizer.eos_token or "",
         }
-        text = _compile(tokenizer.chat_template).render(**variables)
+        text = _compile(template).render(**variables)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
     if not continue_final_message:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ FILE = "generation_config.json"
 NONE = ("none", "vllm")
 
 Body = TypeVar("Body", bound=BaseModel)
+log = logging.getLogger("ember.serve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,6 +80,14 @@ def read(source: str, model_dir: str | Path, override: dict[str, Any] | None) ->
         field = ".".join(map(str, first["loc"]))
         raise ValueError(f"{where}: {field}: {first['msg']}") from None
     return found
+
+
+def of_args(args: argparse.Namespace, model_dir: str | Path) -> dict[str, Any]:
+    """`read` as `ember serve`'s flags say, the defaults taken logged."""
+    defaults = read(args.generation_config, model_dir, args.override_generation_config)
+    if defaults:
+        log.info("sampling defaults from the generation config: %s", json.dumps(defaults))
+    return defaults
 
 
 def apply(body: Body, defaults: dict[str, Any]) -> Body:

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -31,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--served-model-name", help="the name clients use (default: the directory's name)")
     api_keys.add_argument(p)
+    arg_types.add_chat_template_argument(p)
     generation_defaults.add_arguments(p)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
@@ -192,6 +192,8 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     def load() -> None:
         start = time.perf_counter()
         engine = LLMEngine(config)
+        if args.chat_template is not None:
+            engine.tokenizer.use_chat_template(args.chat_template)
         state.metrics.set_cache_config(
             block_size=config.block_size,
             num_gpu_blocks=engine.block_manager.num_blocks,
@@ -199,12 +201,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
             enable_prefix_caching=config.enable_prefix_caching,
             gpu_memory_utilization=config.gpu_memory_utilization,
         )
-        defaults = generation_defaults.read(
-            args.generation_config, engine.config.model, args.override_generation_config
-        )
-        if defaults:
-            log.info("sampling defaults from the generation config: %s", json.dumps(defaults))
-        state.sampling_defaults = defaults
+        state.sampling_defaults = generation_defaults.of_args(args, engine.config.model)
         warm_up(engine)
         with publish:
             if stopped.is_set() or state.draining:  # a SIGTERM came during the load: the pod is going
