@@ -1,11 +1,14 @@
-"""Offline API: `LLM(model=DIR, **options).generate(prompts, params)`."""
+"""Offline API: `LLM(model=DIR, **options).generate(prompts, params)`, and `.chat(messages, params)`."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from pydantic import ValidationError
 
 from ember_engine.core.adapter_updates import add_adapter, remove_adapter
 from ember_engine.core.config import EngineConfig
@@ -13,15 +16,66 @@ from ember_engine.core.llm_engine import LLMEngine
 from ember_engine.core.outputs import RequestOutput
 from ember_engine.model.lora_files import read_adapter
 from ember_engine.sample.sampling_params import SamplingParams
+from ember_engine.server import generation_defaults
+from ember_engine.server.chat_prompt import chat_prompt_ids
+from ember_engine.server.protocol import APIError, ChatCompletionRequest
+from ember_engine.server.tools import plan_tools
 
 Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str, **options: Any) -> None:
+    def __init__(self, model: str, generation_config: str = "auto", **options: Any) -> None:
+        """`generation_config`: where the sampling defaults of `get_default_sampling_params` come from, as
+        `ember serve --generation-config` takes it (auto: the model's generation_config.json; none)."""
         self.engine = LLMEngine(EngineConfig(model=str(model), **options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._defaults = generation_defaults.read(generation_config, self.engine.config.model, None)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters of a prompt given none: the model's recommended `temperature`, `top_p`, `top_k`,
+        `min_p`, `repetition_penalty` and `max_new_tokens` (as `max_tokens`), the rest SamplingParams'."""
+        return SamplingParams(**self._defaults)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora: str | Sequence[str | None] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` over conversations (one, or a list of them), each rendered as `/v1/chat/completions`
+        renders its messages (the model's chat template, or `chat_template`'s); ValueError naming what
+        cannot be rendered."""
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)
+        tok = self.tokenizer
+        if chat_template is not None:
+            tok = copy.copy(tok)
+            tok.use_chat_template(chat_template)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            body = {
+                "model": "-",
+                "messages": conversation,
+                "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message,
+                "chat_template_kwargs": chat_template_kwargs,
+                "tools": tools,
+            }
+            try:
+                request = ChatCompletionRequest.model_validate(body)
+                request.to_sampling_params()  # its own checks of the rendering options
+                prompts.append(chat_prompt_ids(tok, request, plan_tools(tools, None, None)))
+            except (ValidationError, APIError) as exc:
+                raise ValueError(f"messages: {exc}") from None
+        return self.generate(prompts, params, use_tqdm, lora=lora)
 
     def generate(
         self,
@@ -41,7 +95,7 @@ class LLM:
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(prompt_list)
+            params_list = [params or self.get_default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(params)
         if len(params_list) != len(prompt_list):
