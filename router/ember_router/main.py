@@ -112,7 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--served-model-name",
-        help="the model name the engines serve: /v1/models lists it while no engine is Ready (a service at "
+        nargs="+",
+        metavar="NAME",
+        help="the model names the engines serve: /v1/models lists them while no engine is Ready (a service at "
         "zero replicas, say), where it answers 503 without it",
     )
     p.add_argument(
@@ -234,7 +236,8 @@ def build(args: argparse.Namespace) -> Router:
             hold_seconds=args.hold_seconds,
             upstream_timeout=args.upstream_timeout,
             stream_idle_timeout=args.stream_idle_timeout or None,
-            served_model_name=args.served_model_name,
+            served_model_name=args.served_model_name[0] if args.served_model_name else None,
+            served_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
             api_keys=api_keys.ApiKeys(keys),
             fallback_headers=api_keys.fallback_headers(),
         ),

@@ -75,17 +75,22 @@ def collects_prompt_logprobs(body: Any, chat: bool) -> bool:
 
 
 def request_prompts(
-    tokenizer: Tokenizer, body: Any, chat: bool, block_size: int | None, model: str | None = None
+    tokenizer: Tokenizer,
+    body: Any,
+    chat: bool,
+    block_size: int | None,
+    model: str | tuple[str, ...] | None = None,
 ) -> Prompts:
     """The request's prompts; none when it cannot be read. A request that collects prompt logprobs gives
     no hashes: no engine's cache serves it (it is routed by load), though its blocks are cached after.
-    `model`: the name the engines serve their model by, when known; a request naming another model names
-    a LoRA adapter, whose blocks the engines key by it."""
+    `model`: the name (or names) the engines serve their model by, when known; a request naming another
+    model names a LoRA adapter, whose blocks the engines key by it."""
     prompts = prompts_token_ids(tokenizer, body, chat) or []
     salt = body.get("cache_salt") if isinstance(body, dict) else None
     salt = salt if isinstance(salt, str) else None
     named = body.get("model") if isinstance(body, dict) else None
-    adapter = named if model is not None and isinstance(named, str) and named != model else None
+    names = (model,) if isinstance(model, str) else model
+    adapter = named if names and isinstance(named, str) and named not in names else None
     if not block_size or collects_prompt_logprobs(body, chat):
         hashes: list[list[int]] = [[] for _ in prompts]
     else:

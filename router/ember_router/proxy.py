@@ -106,6 +106,7 @@ class RouterSettings:
     stream_idle_timeout: float | None = 300.0
     # The model name the engines serve: `/v1/models` lists it while no engine is Ready (none: a 503 then).
     served_model_name: str | None = None
+    served_aliases: tuple[str, ...] = ()  # the other names the engines serve their model by
 
 
 @dataclass
@@ -210,7 +211,8 @@ class Router:
         else:
             own = await self._engine_models()
         if own is None and self.settings.served_model_name is not None:  # none Ready: at zero, say
-            own = [models_list.entry(self.settings.served_model_name, self.started)]
+            names = (self.settings.served_model_name, *self.settings.served_aliases)
+            own = [models_list.entry(name, self.started) for name in dict.fromkeys(names)]
         if own is None:
             return _error(503, "no engine is ready", "overloaded", "not_ready", self._retry_after())
         listed = models_list.listing(own, routed, self.started)
@@ -319,7 +321,8 @@ class Router:
                 assert response is not None  # without retry, every answer is relayed
                 return response
         asked = prompt_body(body) if responses else body  # a Responses API body: the chat it runs as
-        served = self.settings.served_model_name
+        first = self.settings.served_model_name
+        served = (first, *self.settings.served_aliases) if first is not None else None
         if len(raw) <= INLINE_TOKENIZE:
             prompts = request_prompts(self.tokenizer, asked, chat, self.pool.block_size, served)
         else:

@@ -87,7 +87,8 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(state), *(model_card(state, n) for n in state.loras)]}
+        names = [*state.model_names, *state.loras]
+        return {"object": "list", "data": [model_card(state, n) for n in names]}
 
     add_tokenize_routes(app, state)
     add_lora_routes(app, state)

@@ -101,15 +101,15 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def lora_problem(args: argparse.Namespace, model: str) -> str | None:
+def lora_problem(args: argparse.Namespace, models: tuple[str, ...]) -> str | None:
     """Why the LoRA options cannot work: an adapter name given twice, or the model's own name; runtime
     updates under tensor parallelism (the ranks are given their adapters at start only)."""
     names = [name for name, _ in args.lora_modules or ()]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         return f"--lora-modules: adapter name(s) given twice: {', '.join(twice)}"
-    if model in names:
-        return f"--lora-modules: an adapter is named {model!r}, the model's own name (--served-model-name)"
+    if clash := next((m for m in models if m in names), None):
+        return f"--lora-modules: an adapter is named {clash!r}, the model's own name (--served-model-name)"
     if args.allow_runtime_lora_updates and args.tensor_parallel_size > 1:
         return (
             "--allow-runtime-lora-updates: adapters are not loaded while serving under tensor parallelism "

@@ -51,8 +51,8 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
         name = body.lora_name
         if (problem := adapter_name_problem(name)) is not None:
             raise APIError(400, f"lora_name: {problem}", param="lora_name")
-        if name == state.model_name or name in state.loras:
-            what = "the model's own name" if name == state.model_name else "already loaded"
+        if name in state.model_names or name in state.loras:
+            what = "the model's own name" if name in state.model_names else "already loaded"
             raise APIError(400, f"lora_name: {name!r} is {what}", param="lora_name")
         config = ae.engine.model_config
         try:

@@ -133,7 +133,8 @@ def add_responses_routes(app: FastAPI, state: ServerState, serve: Serve) -> None
                 {**e, "loc": tuple(_spelled(".".join(map(str, e["loc"]))).split("."))} for e in exc.errors()
             ]
             raise RequestValidationError(errors) from None
-        shell = Shell(body, body["model"] if body["model"] in state.loras else state.model_name, keep)
+        named = body["model"] in state.loras or body["model"] in state.model_names
+        shell = Shell(body, body["model"] if named else state.model_name, keep)
         try:
             answer = await serve(state, request, chat, True)
         except APIError as exc:

@@ -28,7 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="directory of the tokenizer files (tokenizer.json) when they are not --model's: a GGUF file's base "
         "model (default: the files beside it)",
     )
-    p.add_argument("--served-model-name", help="the name clients use (default: the directory's name)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the names clients use, the first in metrics (default: the directory's name)",
+    )
     api_keys.add_argument(p)
     arg_types.add_chat_template_argument(p)
     generation_defaults.add_arguments(p)
@@ -175,7 +180,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     spec = config.speculative_tokens if config.speculation else 0
     metrics = EngineMetrics(name, spec, len(loras) if takes_loras else None, config.max_loras)
     fallback = Fallback(httpx.AsyncClient(headers=api_keys.fallback_headers()))
-    state = ServerState(name, policy, metrics, fallback, loras=dict(loras))
+    state = ServerState(name, policy, metrics, fallback, loras=dict(loras), aliases=_aliases(args))
     state.lora_updates = args.allow_runtime_lora_updates
     if args.responses_store:
         from ember_engine.server.responses_api import ResponseStore
@@ -288,7 +293,8 @@ def main(args: argparse.Namespace) -> int:
     if args.node_rank > 0:
         return run_worker_node(args)
     keys = api_keys.given_keys(args.api_key)
-    if problem := arg_types.lora_problem(args, _served_name(args)) or api_keys.key_problem(keys):
+    names = (_served_name(args), *_aliases(args))
+    if problem := arg_types.lora_problem(args, names) or api_keys.key_problem(keys):
         print(f"ember serve: {problem}", file=sys.stderr)
         return 2
     try:
@@ -313,7 +319,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _served_name(args: argparse.Namespace) -> str:
-    return args.served_model_name or Path(args.model).resolve().name
+    return args.served_model_name[0] if args.served_model_name else Path(args.model).resolve().name
+
+
+def _aliases(args: argparse.Namespace) -> tuple[str, ...]:
+    """The other names of --served-model-name (each once)."""
+    return tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else ()
 
 
 def _leave_the_load(code: int) -> None:

@@ -38,6 +38,7 @@ class ServerState:
     responses: Any = None  # responses_api.ResponseStore with `--responses-store N`; None keeps none
     loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters served: name -> directory
     lora_updates: bool = False  # adapters may be loaded and unloaded while serving (lora_api)
+    aliases: tuple[str, ...] = ()  # the model's other names (--served-model-name NAME ALIAS...)
     # Sampling defaults for fields a request leaves out (generation_defaults), from the generation config.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -57,14 +58,19 @@ class ServerState:
     def _count_classes(self, policy: Policy) -> None:
         self.metrics.add_priority_classes(c.name for c in policy.load_shedding.priority_classes)
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the model is served by: `model_name` (metrics' label) first."""
+        return (self.model_name, *(a for a in self.aliases if a != self.model_name))
+
     def lora_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names, None for the model itself (or no name, where that is
         allowed); 404 (400 for "") for a name not served, as OpenAI and vLLM answer it."""
-        if model is None or model == self.model_name:
+        if model is None or model in self.model_names:
             return None
         if model in self.loras:
             return model
-        served = repr(self.model_name)
+        served = " or ".join(map(repr, self.model_names))
         if self.loras:
             served += " and its LoRA adapters " + ", ".join(map(repr, self.loras))
         raise APIError(

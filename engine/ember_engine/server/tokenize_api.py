@@ -105,23 +105,24 @@ def add_tokenize_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != state.model_name and model_id not in state.loras:
+        if model_id not in state.model_names and model_id not in state.loras:
             raise APIError(
                 404, f"model: {model_id!r} is not served here", param="model", code="model_not_found"
             )
-        return model_card(state, model_id if model_id in state.loras else None)
+        return model_card(state, model_id)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
 
-def model_card(state: ServerState, lora: str | None = None) -> dict[str, Any]:
-    """The model's entry of `/v1/models`, or a LoRA adapter's: its `parent` the model, its `root` its
-    directory (as vLLM lists adapters)."""
+def model_card(state: ServerState, name: str | None = None) -> dict[str, Any]:
+    """The entry of `/v1/models` of one of the model's names (None: its first), or a LoRA adapter's: its
+    `parent` the model, its `root` its directory (as vLLM lists adapters)."""
     max_len = state.engine.engine.max_model_len if state.engine else None
+    lora = name if name in state.loras else None
     card = {
-        "id": lora or state.model_name,
+        "id": name or state.model_name,
         "object": "model",
         "created": int(time.time()),
         "owned_by": "ember",
