@@ -68,7 +68,7 @@ def test_engine_args_parse_with_the_engines_own_command_line() -> None:
     assert container["command"] == ["ember", "serve"] and container["args"] == engine_args(spec)
     parsed = build_parser().parse_args([*container["command"][1:], *container["args"]])
     assert parsed.func is serve.main
-    assert parsed.model == "/models/chat" and parsed.served_model_name == "chat"
+    assert parsed.model == "/models/chat" and parsed.served_model_name == ["chat"]
     assert parsed.dtype == "bfloat16" and parsed.port == 8000
     assert parsed.max_num_seqs == 64 and parsed.block_size == 32 and parsed.max_model_len == 4096
     assert parsed.enable_prefix_caching is False

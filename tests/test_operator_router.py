@@ -79,7 +79,7 @@ def test_router_args_parse_with_ember_routers_own_command_line() -> None:
     args = [a.replace("$(POD_NAMESPACE)", "prod") for a in container["args"]]
     parsed = parser.parse_args(args)
     assert parsed.model == "/models/chat" and parsed.kube_namespace == "prod"
-    assert parsed.served_model_name == spec.model.name
+    assert parsed.served_model_name == [spec.model.name]
     assert (
         parsed.kube_selector
         == f"app.kubernetes.io/instance=chat,app.kubernetes.io/name=ember,{ROLE_LABEL}=active"

@@ -28,6 +28,20 @@ def log_interval(text: str) -> float:
     return seconds
 
 
+def add_name_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the names clients use, the first in metrics (default: the directory's name)",
+    )
+
+
+def served_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The model's names, each once: --served-model-name's, else the model directory's name."""
+    return tuple(dict.fromkeys(args.served_model_name or [Path(args.model).resolve().name]))
+
+
 def chat_template(text: str) -> str:
     """`--chat-template`: a file holding the template, or the template itself (as vLLM takes it), compiled
     here so a template that cannot compile is refused at start."""

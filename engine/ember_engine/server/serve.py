@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from ember_engine.bench.arg_types import non_negative_int
 from ember_engine.core.config import CHECKPOINT_METHODS, KV_CACHE_DTYPES, QUANT_SCHEMES
@@ -28,12 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="directory of the tokenizer files (tokenizer.json) when they are not --model's: a GGUF file's base "
         "model (default: the files beside it)",
     )
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        metavar="NAME",
-        help="the names clients use, the first in metrics (default: the directory's name)",
-    )
+    arg_types.add_name_argument(p)
     api_keys.add_argument(p)
     arg_types.add_chat_template_argument(p)
     generation_defaults.add_arguments(p)
@@ -172,7 +166,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     from ember_engine.server.state import ServerState
     from ember_engine.server.warmup import warm_up
 
-    name = _served_name(args)
+    name, *aliases = arg_types.served_names(args)
     policy = PolicyWatcher(args.policy)
     config = engine_config(args)
     loras = config.lora_modules or {}
@@ -180,7 +174,7 @@ def build_server(args: argparse.Namespace):  # -> tuple[DrainingServer, ServerSt
     spec = config.speculative_tokens if config.speculation else 0
     metrics = EngineMetrics(name, spec, len(loras) if takes_loras else None, config.max_loras)
     fallback = Fallback(httpx.AsyncClient(headers=api_keys.fallback_headers()))
-    state = ServerState(name, policy, metrics, fallback, loras=dict(loras), aliases=_aliases(args))
+    state = ServerState(name, policy, metrics, fallback, loras=dict(loras), aliases=tuple(aliases))
     state.lora_updates = args.allow_runtime_lora_updates
     if args.responses_store:
         from ember_engine.server.responses_api import ResponseStore
@@ -293,8 +287,7 @@ def main(args: argparse.Namespace) -> int:
     if args.node_rank > 0:
         return run_worker_node(args)
     keys = api_keys.given_keys(args.api_key)
-    names = (_served_name(args), *_aliases(args))
-    if problem := arg_types.lora_problem(args, names) or api_keys.key_problem(keys):
+    if problem := arg_types.lora_problem(args, arg_types.served_names(args)) or api_keys.key_problem(keys):
         print(f"ember serve: {problem}", file=sys.stderr)
         return 2
     try:
@@ -316,15 +309,6 @@ def main(args: argparse.Namespace) -> int:
         print("ember serve: stopped before the model was ready", file=sys.stderr, flush=True)
         _leave_the_load(0)
     return 0
-
-
-def _served_name(args: argparse.Namespace) -> str:
-    return args.served_model_name[0] if args.served_model_name else Path(args.model).resolve().name
-
-
-def _aliases(args: argparse.Namespace) -> tuple[str, ...]:
-    """The other names of --served-model-name (each once)."""
-    return tuple(dict.fromkeys(args.served_model_name[1:])) if args.served_model_name else ()
 
 
 def _leave_the_load(code: int) -> None:
