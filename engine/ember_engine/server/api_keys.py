@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
-from ember_engine.server.body_limit import ASGIApp, Receive, Scope, Send
+from ember_engine.server.body_limit import ASGIApp, Receive, Scope, Send, send_json
 
 ENV = "EMBER_API_KEY"
 FALLBACK_ENV = "EMBER_FALLBACK_API_KEY"
@@ -119,11 +118,4 @@ class ApiKeyCheck:
         if why is None:
             await self.app(scope, receive, send)
             return
-        payload = json.dumps(refusal_body(why)).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            (b"www-authenticate", CHALLENGE.encode()),
-        ]
-        await send({"type": "http.response.start", "status": 401, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        await send_json(send, 401, refusal_body(why), [(b"www-authenticate", CHALLENGE.encode())])

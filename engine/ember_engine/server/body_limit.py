@@ -80,19 +80,17 @@ class BodyLimit:
             "(ember serve --max-request-body-bytes)"
         )
         error = {"message": message, "type": "invalid_request_error", "param": None, "code": "body_too_large"}
-        payload = json.dumps({"error": error}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+        await send_json(send, 413, {"error": error}, [(b"connection", b"close")])
+
+
+async def send_json(
+    send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """A whole JSON answer, sent by an ASGI layer before (or instead of) the application."""
+    payload = json.dumps(body).encode()
+    start = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": [*start, *(headers or [])]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -12,15 +12,16 @@ import argparse
 import json
 import logging
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+if TYPE_CHECKING:  # pydantic is imported where a default is read: `ember serve --help` needs none of it
+    from pydantic import BaseModel
 
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 FILE = "generation_config.json"
 NONE = ("none", "vllm")
 
-Body = TypeVar("Body", bound=BaseModel)
+Body = TypeVar("Body", bound="BaseModel")
 log = logging.getLogger("ember.serve")
 
 
@@ -58,6 +59,8 @@ def overrides(text: str) -> dict[str, Any]:
 def read(source: str, model_dir: str | Path, override: dict[str, Any] | None) -> dict[str, Any]:
     """The defaults by request field (`max_new_tokens` as `max_tokens`); ValueError naming the file and
     field for one a request could not hold (checked as a request's are)."""
+    from pydantic import ValidationError
+
     from ember_engine.server.protocol import _SamplingFields
 
     found: dict[str, Any] = {}
